@@ -1,0 +1,498 @@
+"""Rollout forest: trajectories merged on identical token prefixes.
+
+Layout invariants every consumer may rely on (tests pin them):
+
+- Segments are in DFS preorder: ``seg_parent[s] < s`` and the subtree of ``s``
+  is the contiguous range ``[s, s + seg_subtree_size[s])``.  Trees are
+  contiguous ranges of segments (``tree_offsets``).
+- Unique tokens (rows) are laid out segment after segment:
+  ``tokens[seg_row[s] : seg_row[s] + seg_length[s]]`` are the tokens of ``s``,
+  at path positions ``seg_start[s] ...``.  So rows are in DFS preorder too.
+- A segment is a maximal run of tokens shared by exactly the same set of
+  trajectories: it ends where the path forks or where a trajectory ends.
+- Trajectories are ordered so that those through segment ``s`` are exactly
+  ``[seg_traj_lo[s], seg_traj_hi[s])``; a trajectory's last segment is
+  ``traj_leaf[t]`` (its path is the root path of that segment).
+- Per-token metadata is stored once per row (``row_*``) with per-(trajectory,
+  position) exceptions where a trajectory's value differs from its row's, so
+  ``expand`` returns every trajectory's metadata exactly as given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .errors import TreeFormatError
+from .trajectory import Trajectory, TrajectoryId
+
+# advantage kinds per trajectory
+ADV_NONE, ADV_SCALAR, ADV_TOKEN = 0, 1, 2
+
+
+@dataclass
+class Exceptions:
+    """(trajectory, position, value) triples, sorted by trajectory then position."""
+    traj: np.ndarray
+    pos: np.ndarray
+    value: np.ndarray
+
+    @staticmethod
+    def empty(dtype) -> "Exceptions":
+        return Exceptions(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, dtype))
+
+    def slice_traj(self, lo: int, hi: int) -> "Exceptions":
+        a, b = np.searchsorted(self.traj, [lo, hi])
+        return Exceptions(self.traj[a:b] - lo, self.pos[a:b], self.value[a:b])
+
+    def apply(self, t: int, values: np.ndarray) -> np.ndarray:
+        a, b = np.searchsorted(self.traj, [t, t + 1])
+        if a != b:
+            values = values.copy()
+            values[self.pos[a:b]] = self.value[a:b]
+        return values
+
+
+@dataclass
+class Forest:
+    # rows
+    tokens: np.ndarray                  # int64[U]
+    row_loss_mask: np.ndarray           # uint8[U]
+    row_old_logprobs: np.ndarray        # float64[U], NaN where no trajectory gives one
+    row_advantage: np.ndarray           # float64[U], per-token advantages
+    # segments
+    seg_parent: np.ndarray              # int64[S], -1 at a root
+    seg_start: np.ndarray               # int64[S], path position of the first token
+    seg_length: np.ndarray              # int64[S] >= 1
+    seg_row: np.ndarray                 # int64[S], first row
+    seg_traj_lo: np.ndarray             # int64[S]
+    seg_traj_hi: np.ndarray             # int64[S]
+    tree_offsets: np.ndarray            # int64[T+1] over segments
+    # trajectories
+    traj_ids: List[TrajectoryId]
+    traj_leaf: np.ndarray               # int64[N]
+    traj_length: np.ndarray             # int64[N]
+    traj_has_old_logprobs: np.ndarray   # bool[N]
+    traj_adv_kind: np.ndarray           # int8[N]: ADV_NONE / ADV_SCALAR / ADV_TOKEN
+    traj_advantage: np.ndarray          # float64[N], the scalar advantage (NaN otherwise)
+    traj_reward: np.ndarray             # float64[N], NaN when absent
+    traj_weight: np.ndarray             # float64[N], NaN when absent
+    traj_group: List[Optional[str]]
+    traj_parent: List[Optional[tuple]]
+    exc_loss_mask: Exceptions
+    exc_old_logprobs: Exceptions
+    exc_advantage: Exceptions
+    _id_index: Optional[Dict[TrajectoryId, int]] = field(default=None, repr=False, compare=False)
+
+    # ---- sizes -------------------------------------------------------------
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_parent.shape[0])
+
+    @property
+    def num_trees(self) -> int:
+        return int(self.tree_offsets.shape[0] - 1)
+
+    @property
+    def num_trajectories(self) -> int:
+        return len(self.traj_ids)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def seg_tree(self) -> np.ndarray:
+        """Tree index of every segment."""
+        return np.repeat(np.arange(self.num_trees, dtype=np.int64), np.diff(self.tree_offsets))
+
+    @property
+    def seg_subtree_size(self) -> np.ndarray:
+        """Number of segments in each segment's subtree (itself included)."""
+        size = np.ones(self.num_segments, dtype=np.int64)
+        parent = self.seg_parent
+        for s in range(self.num_segments - 1, 0, -1):
+            p = parent[s]
+            if p >= 0:
+                size[p] += size[s]
+        return size
+
+    @property
+    def seg_depth(self) -> np.ndarray:
+        """Number of segments on the root path of each segment (1 at a root)."""
+        depth = np.ones(self.num_segments, dtype=np.int64)
+        parent = self.seg_parent
+        for s in range(self.num_segments):
+            if parent[s] >= 0:
+                depth[s] = depth[parent[s]] + 1
+        return depth
+
+    def children(self, s: int) -> np.ndarray:
+        """Child segments of ``s`` (in preorder)."""
+        lo = s + 1
+        hi = s + int(self.seg_subtree_size[s])
+        cand = np.arange(lo, hi)
+        return cand[self.seg_parent[lo:hi] == s]
+
+    def segment_tokens(self, s: int) -> np.ndarray:
+        r = int(self.seg_row[s])
+        return self.tokens[r: r + int(self.seg_length[s])]
+
+    def segment_trajectories(self, s: int) -> List[TrajectoryId]:
+        return self.traj_ids[int(self.seg_traj_lo[s]): int(self.seg_traj_hi[s])]
+
+    def segment_path(self, s: int) -> List[int]:
+        """Segments from the root down to ``s``."""
+        path = []
+        while s >= 0:
+            path.append(int(s))
+            s = int(self.seg_parent[s])
+        return path[::-1]
+
+    def trajectory_index(self, traj_id: TrajectoryId) -> int:
+        if self._id_index is None:
+            self._id_index = {tid: i for i, tid in enumerate(self.traj_ids)}
+        try:
+            return self._id_index[traj_id]
+        except KeyError:
+            raise KeyError(f"no trajectory with id {traj_id!r} in this forest") from None
+
+    def trajectory_rows(self, t: int) -> np.ndarray:
+        """Row index of every position of trajectory ``t`` (its expanded -> compact map)."""
+        path = self.segment_path(int(self.traj_leaf[t]))
+        return np.concatenate([np.arange(self.seg_row[s], self.seg_row[s] + self.seg_length[s]) for s in path])
+
+    # ---- expansion -----------------------------------------------------------
+    def expand(self, traj_id: TrajectoryId) -> Trajectory:
+        """The trajectory with its tokens and metadata exactly as given."""
+        t = self.trajectory_index(traj_id)
+        rows = self.trajectory_rows(t)
+        loss_mask = self.exc_loss_mask.apply(t, self.row_loss_mask[rows])
+        old_logprobs = None
+        if self.traj_has_old_logprobs[t]:
+            old_logprobs = self.exc_old_logprobs.apply(t, self.row_old_logprobs[rows])
+        kind = self.traj_adv_kind[t]
+        advantage = None
+        if kind == ADV_SCALAR:
+            advantage = float(self.traj_advantage[t])
+        elif kind == ADV_TOKEN:
+            advantage = self.exc_advantage.apply(t, self.row_advantage[rows])
+        reward = None if np.isnan(self.traj_reward[t]) else float(self.traj_reward[t])
+        weight = None if np.isnan(self.traj_weight[t]) else float(self.traj_weight[t])
+        return Trajectory(id=self.traj_ids[t], tokens=self.tokens[rows].astype(np.int64),
+                          loss_mask=loss_mask.astype(np.uint8), old_logprobs=old_logprobs,
+                          advantage=advantage, reward=reward, weight=weight,
+                          group=self.traj_group[t], parent=self.traj_parent[t])
+
+    # ---- per-tree views -------------------------------------------------------
+    def tree(self, i: int) -> "Forest":
+        """Tree ``i`` as a forest of its own (tree-local indices)."""
+        if not 0 <= i < self.num_trees:
+            raise IndexError(f"tree {i} out of range [0, {self.num_trees})")
+        s0, s1 = int(self.tree_offsets[i]), int(self.tree_offsets[i + 1])
+        r0 = int(self.seg_row[s0])
+        r1 = int(self.seg_row[s1 - 1] + self.seg_length[s1 - 1])
+        t0, t1 = int(self.seg_traj_lo[s0]), int(self.seg_traj_hi[s0])
+        parent = self.seg_parent[s0:s1].copy()
+        parent[parent >= 0] -= s0
+        return Forest(
+            tokens=self.tokens[r0:r1], row_loss_mask=self.row_loss_mask[r0:r1],
+            row_old_logprobs=self.row_old_logprobs[r0:r1], row_advantage=self.row_advantage[r0:r1],
+            seg_parent=parent, seg_start=self.seg_start[s0:s1], seg_length=self.seg_length[s0:s1],
+            seg_row=self.seg_row[s0:s1] - r0, seg_traj_lo=self.seg_traj_lo[s0:s1] - t0,
+            seg_traj_hi=self.seg_traj_hi[s0:s1] - t0,
+            tree_offsets=np.array([0, s1 - s0], dtype=np.int64),
+            traj_ids=self.traj_ids[t0:t1], traj_leaf=self.traj_leaf[t0:t1] - s0,
+            traj_length=self.traj_length[t0:t1], traj_has_old_logprobs=self.traj_has_old_logprobs[t0:t1],
+            traj_adv_kind=self.traj_adv_kind[t0:t1], traj_advantage=self.traj_advantage[t0:t1],
+            traj_reward=self.traj_reward[t0:t1], traj_weight=self.traj_weight[t0:t1],
+            traj_group=self.traj_group[t0:t1], traj_parent=self.traj_parent[t0:t1],
+            exc_loss_mask=self.exc_loss_mask.slice_traj(t0, t1),
+            exc_old_logprobs=self.exc_old_logprobs.slice_traj(t0, t1),
+            exc_advantage=self.exc_advantage.slice_traj(t0, t1),
+        )
+
+    # ---- statistics -----------------------------------------------------------
+    def stats(self) -> dict:
+        """Sharing statistics.  ``max_depth`` counts segments on the deepest path."""
+        expanded = int(self.traj_length.sum())
+        unique = self.num_rows
+        return {
+            "num_trajectories": self.num_trajectories,
+            "num_trees": self.num_trees,
+            "num_segments": self.num_segments,
+            "expanded_tokens": expanded,
+            "unique_tokens": unique,
+            "compression": expanded / unique if unique else 0.0,
+            "max_depth": int(self.seg_depth.max()) if self.num_segments else 0,
+            "max_trajectory_tokens": int(self.traj_length.max()) if self.num_trajectories else 0,
+        }
+
+
+# ---------------------------------------------------------------------------
+# building
+# ---------------------------------------------------------------------------
+
+def _merge_scopes(trajs: Sequence[Trajectory]) -> np.ndarray:
+    """Scope (merge domain) of each trajectory: its group, or its parent's scope.
+
+    Checks explicit parent links: the parent exists, ``tokens[:at]`` agree, the
+    links have no cycle, and linked trajectories do not name different groups.
+    """
+    n = len(trajs)
+    index: Dict[TrajectoryId, int] = {}
+    for i, t in enumerate(trajs):
+        if t.id in index:
+            first = trajs[index[t.id]]
+            raise t.error("id", f"duplicate id (first seen at {first.source[0]}:{first.source[1]})")
+        index[t.id] = i
+    parent_of = np.full(n, -1, dtype=np.int64)
+    for i, t in enumerate(trajs):
+        if t.parent is None:
+            continue
+        pid, at = t.parent
+        j = index.get(pid)
+        if j is None:
+            raise t.error("parent", f"parent id {pid!r} does not exist")
+        if j == i:
+            raise t.error("parent", "a trajectory cannot be its own parent (cycle)")
+        p = trajs[j]
+        if at > len(p):
+            raise t.error("parent", f"'at' is {at} but parent {pid!r} has only {len(p)} tokens")
+        if not np.array_equal(t.tokens[:at], p.tokens[:at]):
+            k = int(np.argmax(t.tokens[:at] != p.tokens[:at]))
+            raise t.error("parent", f"tokens[:{at}] disagree with parent {pid!r} at position {k}")
+        parent_of[i] = j
+    # resolve every trajectory to the root of its link chain, detecting cycles
+    root = np.full(n, -1, dtype=np.int64)
+    state = np.zeros(n, dtype=np.int8)  # 0 new, 1 on the current chain, 2 done
+    for i in range(n):
+        chain = []
+        j = i
+        while j >= 0 and state[j] == 0:
+            state[j] = 1
+            chain.append(j)
+            j = int(parent_of[j])
+        if j >= 0 and state[j] == 1:
+            raise trajs[j].error("parent", "parent links form a cycle")
+        r = root[j] if j >= 0 else chain[-1]
+        for c in chain:
+            state[c] = 2
+            root[c] = r
+    component_group: Dict[int, Optional[str]] = {}
+    component_member: Dict[int, int] = {}
+    for i in range(n):
+        g = trajs[i].group
+        r = int(root[i])
+        if g is None:
+            continue
+        other = component_group.setdefault(r, g)
+        if other != g:
+            j = component_member[r]
+            raise trajs[i].error("group", f"group {g!r} differs from group {other!r} of trajectory "
+                                          f"{trajs[j].id!r}, to which it is linked through 'parent'")
+        component_member.setdefault(r, i)
+    scope_names: Dict[Optional[str], int] = {}
+    scopes = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        g = component_group.get(int(root[i]))
+        scopes[i] = scope_names.setdefault(g, len(scope_names))
+    return scopes
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two int arrays (galloping compare)."""
+    m = min(a.shape[0], b.shape[0])
+    lo = 0
+    step = 256
+    while lo < m:
+        hi = min(m, lo + step)
+        ne = np.flatnonzero(a[lo:hi] != b[lo:hi])
+        if ne.size:
+            return lo + int(ne[0])
+        lo = hi
+        step *= 4
+    return m
+
+
+def build_forest(trajectories: Sequence[Trajectory]) -> Forest:
+    """Merge identical token prefixes (within a group) into a forest.
+
+    Runs in O(total tokens) array work plus O(trajectories) Python steps: sort
+    the trajectories lexicographically (bytes of big-endian ids compare like
+    the id sequences), take the longest common prefix of sorted neighbours,
+    and build the trie of those prefixes with one stack pass.
+    """
+    trajs = list(trajectories)
+    n = len(trajs)
+    if n == 0:
+        raise TreeFormatError("no trajectories in the input")
+    scopes = _merge_scopes(trajs)
+    for t in trajs:
+        if t.tokens.size and t.tokens.max() > np.iinfo(np.uint32).max:
+            raise t.error("tokens", "token id does not fit in 32 bits")
+    keys = [t.tokens.astype(">u4").tobytes() for t in trajs]
+    order = sorted(range(n), key=lambda i: (scopes[i], keys[i]))
+    del keys
+    lengths = np.array([len(trajs[i]) for i in order], dtype=np.int64)
+
+    # one stack pass over the sorted trajectories builds the trie of nodes
+    # (a node sits at a fork or a trajectory end; a segment is the edge into it)
+    node_parent = [-1]
+    node_depth = [0]
+    node_first = [0]
+    node_last = [n - 1]
+    end_node = np.empty(n, dtype=np.int64)
+    stack = [0]
+    prev = None
+    for rank, i in enumerate(order):
+        cur = trajs[i].tokens
+        if prev is None or scopes[order[rank - 1]] != scopes[i]:
+            ell = 0
+        else:
+            ell = _lcp(prev, cur)
+        popped = -1
+        while node_depth[stack[-1]] > ell:
+            popped = stack.pop()
+            node_last[popped] = rank - 1
+        top = stack[-1]
+        if node_depth[top] < ell:
+            w = len(node_parent)
+            node_parent.append(top)
+            node_depth.append(ell)
+            node_first.append(node_first[popped])
+            node_last.append(rank - 1)
+            node_parent[popped] = w
+            stack.append(w)
+        length = int(lengths[rank])
+        if length > ell:
+            v = len(node_parent)
+            node_parent.append(stack[-1])
+            node_depth.append(length)
+            node_first.append(rank)
+            node_last.append(n - 1)
+            stack.append(v)
+        end_node[rank] = stack[-1]
+        prev = cur
+    for v in stack:
+        node_last[v] = n - 1
+
+    node_parent = np.asarray(node_parent, dtype=np.int64)
+    node_depth = np.asarray(node_depth, dtype=np.int64)
+    node_first = np.asarray(node_first, dtype=np.int64)
+    node_last = np.asarray(node_last, dtype=np.int64)
+    # segments = non-root nodes, in preorder = sorted by (first trajectory, depth)
+    nodes = np.arange(1, node_parent.shape[0])
+    nodes = nodes[np.lexsort((node_depth[nodes], node_first[nodes]))]
+    seg_of_node = np.full(node_parent.shape[0], -1, dtype=np.int64)
+    seg_of_node[nodes] = np.arange(nodes.shape[0])
+    seg_parent = seg_of_node[node_parent[nodes]]
+    seg_start = node_depth[node_parent[nodes]]
+    seg_length = node_depth[nodes] - seg_start
+    seg_row = np.zeros(nodes.shape[0], dtype=np.int64)
+    np.cumsum(seg_length[:-1], out=seg_row[1:])
+    seg_traj_lo = node_first[nodes]
+    seg_traj_hi = node_last[nodes] + 1
+    traj_leaf = seg_of_node[end_node]
+    roots = np.flatnonzero(seg_parent < 0)
+    tree_offsets = np.append(roots, nodes.shape[0]).astype(np.int64)
+
+    # rows: the tokens of each segment, read from its first trajectory
+    num_rows = int(seg_length.sum())
+    tokens = np.empty(num_rows, dtype=np.int64)
+    for s in range(nodes.shape[0]):
+        src = trajs[order[int(seg_traj_lo[s])]].tokens
+        a = int(seg_start[s])
+        tokens[seg_row[s]: seg_row[s] + seg_length[s]] = src[a: a + seg_length[s]]
+
+    sorted_trajs = [trajs[i] for i in order]
+    fields = _store_token_fields(sorted_trajs, lengths, seg_start, seg_length, seg_row,
+                                 seg_traj_lo, seg_traj_hi, num_rows)
+
+    adv_kind = np.zeros(n, dtype=np.int8)
+    adv = np.full(n, np.nan)
+    reward = np.full(n, np.nan)
+    weight = np.full(n, np.nan)
+    for k, t in enumerate(sorted_trajs):
+        if isinstance(t.advantage, np.ndarray):
+            adv_kind[k] = ADV_TOKEN
+        elif t.advantage is not None:
+            adv_kind[k] = ADV_SCALAR
+            adv[k] = t.advantage
+        if t.reward is not None:
+            reward[k] = t.reward
+        if t.weight is not None:
+            weight[k] = t.weight
+    return Forest(
+        tokens=tokens, **fields["rows"],
+        seg_parent=seg_parent, seg_start=seg_start, seg_length=seg_length, seg_row=seg_row,
+        seg_traj_lo=seg_traj_lo, seg_traj_hi=seg_traj_hi, tree_offsets=tree_offsets,
+        traj_ids=[t.id for t in sorted_trajs], traj_leaf=traj_leaf, traj_length=lengths,
+        traj_has_old_logprobs=np.array([t.old_logprobs is not None for t in sorted_trajs], dtype=bool),
+        traj_adv_kind=adv_kind, traj_advantage=adv, traj_reward=reward, traj_weight=weight,
+        traj_group=[t.group for t in sorted_trajs], traj_parent=[t.parent for t in sorted_trajs],
+        **fields["exceptions"],
+    )
+
+
+def _store_token_fields(trajs, lengths, seg_start, seg_length, seg_row, seg_traj_lo, seg_traj_hi,
+                        num_rows) -> dict:
+    """Per-row values of each per-token field plus exceptions where a trajectory differs.
+
+    Every (segment, trajectory through it) pair covers ``seg_length`` expanded
+    positions; laying those out as flat index arrays maps each expanded
+    (trajectory, position) to its row in O(expanded tokens) vectorized work.
+    """
+    n = len(trajs)
+    traj_offset = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=traj_offset[1:])
+    counts = seg_traj_hi - seg_traj_lo
+    pair_seg = np.repeat(np.arange(seg_start.shape[0]), counts)
+    pair_first = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=pair_first[1:])
+    pair_traj = seg_traj_lo[pair_seg] + (np.arange(pair_seg.shape[0]) - pair_first[pair_seg])
+    pair_len = seg_length[pair_seg]
+    pair_off = np.zeros(pair_len.shape[0] + 1, dtype=np.int64)
+    np.cumsum(pair_len, out=pair_off[1:])
+    within = np.arange(int(pair_off[-1]), dtype=np.int64) - np.repeat(pair_off[:-1], pair_len)
+    exp_pos = np.repeat(traj_offset[pair_traj] + seg_start[pair_seg], pair_len) + within
+    row = np.repeat(seg_row[pair_seg], pair_len) + within
+    traj_of = np.repeat(pair_traj, pair_len)
+    del within
+
+    def dedupe(values: np.ndarray, present: np.ndarray, fill, dtype):
+        out = np.full(num_rows, fill, dtype=dtype)
+        if not present.any():
+            return out, Exceptions.empty(dtype)
+        sel = present[traj_of]
+        r, e, t = (row, exp_pos, traj_of) if sel.all() else (row[sel], exp_pos[sel], traj_of[sel])
+        v = values[e]
+        out[r] = v
+        stored = out[r]
+        bits = (lambda x: x.view(np.int64)) if dtype == np.float64 else (lambda x: x)
+        diff = np.flatnonzero(bits(stored) != bits(v))
+        if diff.size == 0:
+            return out, Exceptions.empty(dtype)
+        et = t[diff]
+        ep = e[diff] - traj_offset[et]
+        o = np.lexsort((ep, et))
+        return out, Exceptions(et[o], ep[o], v[diff][o])
+
+    all_present = np.ones(n, dtype=bool)
+    lm = np.concatenate([t.loss_mask for t in trajs]).astype(np.uint8)
+    row_lm, exc_lm = dedupe(lm, all_present, 0, np.uint8)
+    del lm
+    has_lp = np.array([t.old_logprobs is not None for t in trajs], dtype=bool)
+    lp = np.concatenate([t.old_logprobs if t.old_logprobs is not None else np.full(len(t), np.nan)
+                         for t in trajs]) if has_lp.any() else None
+    row_lp, exc_lp = dedupe(lp, has_lp, np.nan, np.float64)
+    del lp
+    has_adv = np.array([isinstance(t.advantage, np.ndarray) for t in trajs], dtype=bool)
+    av = np.concatenate([t.advantage if isinstance(t.advantage, np.ndarray) else np.full(len(t), np.nan)
+                         for t in trajs]) if has_adv.any() else None
+    row_av, exc_av = dedupe(av, has_adv, np.nan, np.float64)
+    return {
+        "rows": {"row_loss_mask": row_lm, "row_old_logprobs": row_lp, "row_advantage": row_av},
+        "exceptions": {"exc_loss_mask": exc_lm, "exc_old_logprobs": exc_lp, "exc_advantage": exc_av},
+    }

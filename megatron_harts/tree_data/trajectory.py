@@ -1,0 +1,206 @@
+"""One trajectory: tokens and per-token RL metadata, validated on construction.
+
+Field semantics (shared/DESIGN.md, glossary "trajectory"):
+
+- ``tokens``: int64 token ids, at least one.
+- ``loss_mask``: uint8 0/1 per token; token j is a training target predicted
+  from token j-1, so ``loss_mask[0]`` is always 0.  Default: all 1 after the
+  first token.
+- ``old_logprobs``: float64 per token, or None.  ``null`` in JSON becomes NaN
+  (allowed only where ``loss_mask`` is 0).
+- ``advantage``: None, a float (one value for the whole trajectory) or a
+  float64 array (one value per token).
+- ``reward``, ``weight``: optional floats.
+- ``group``: optional string; prefixes are merged only within a group.
+- ``parent``: optional ``(parent_id, at)``: an explicit fork, ``tokens[:at]``
+  equals the parent's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple, Union
+
+import numpy as np
+
+from .errors import TreeFormatError
+
+TrajectoryId = Union[str, int]
+
+
+@dataclass
+class Trajectory:
+    id: TrajectoryId
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    old_logprobs: Optional[np.ndarray] = None
+    advantage: Union[None, float, np.ndarray] = None
+    reward: Optional[float] = None
+    weight: Optional[float] = None
+    group: Optional[str] = None
+    parent: Optional[Tuple[TrajectoryId, int]] = None
+    source: Tuple[Optional[str], Optional[int]] = field(default=(None, None), compare=False, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def error(self, field_name: Optional[str], message: str) -> TreeFormatError:
+        """A TreeFormatError pointing at this trajectory's file, line and ``field_name``."""
+        return TreeFormatError(message, file=self.source[0], line=self.source[1],
+                               trajectory=self.id, field=field_name)
+
+
+def default_loss_mask(n: int) -> np.ndarray:
+    """All tokens are targets except the first, which nothing predicts."""
+    mask = np.ones(n, dtype=np.uint8)
+    if n:
+        mask[0] = 0
+    return mask
+
+
+def _first_bad(values, ok) -> int:
+    """Index of the first element of ``values`` that fails ``ok`` (error path only)."""
+    for j, v in enumerate(values):
+        if not ok(v):
+            return j
+    return -1
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def _int_array(values, where, name) -> np.ndarray:
+    if not isinstance(values, (list, tuple, np.ndarray)):
+        raise where(name, f"must be a list of integers, got {type(values).__name__}")
+    try:
+        arr = np.asarray(values)
+    except (ValueError, OverflowError):
+        arr = np.asarray(values, dtype=object)
+    if arr.ndim != 1:
+        raise where(name, f"must be a flat list of integers, got shape {arr.shape}")
+    if arr.dtype.kind in "iu" or arr.size == 0:
+        if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+            raise where(name, "holds an integer that does not fit in 64 bits")
+        return arr.astype(np.int64, copy=False)
+    j = _first_bad(arr.tolist(), _is_int)
+    if j < 0:
+        raise where(name, "holds an integer that does not fit in 64 bits")
+    raise where(name, f"element {j} is {arr[j]!r}, not an integer")
+
+
+def _float_array(values, where, name, n: int, allow_null: bool) -> np.ndarray:
+    if not isinstance(values, (list, tuple, np.ndarray)):
+        raise where(name, f"must be a list of numbers, got {type(values).__name__}")
+    arr = np.asarray(values)
+    if arr.ndim == 1 and arr.dtype.kind in "fiu":
+        out = arr.astype(np.float64, copy=False)
+    elif arr.ndim == 1 and arr.dtype.kind == "O":
+        ok = (lambda v: v is None or _is_number(v)) if allow_null else _is_number
+        j = _first_bad(arr.tolist(), ok)
+        if j >= 0:
+            raise where(name, f"element {j} is {arr[j]!r}, not a number")
+        out = np.array([np.nan if v is None else v for v in arr.tolist()], dtype=np.float64)
+    elif arr.ndim == 1 and arr.size:
+        j = _first_bad(arr.tolist(), _is_number)
+        raise where(name, f"element {j} is {arr[j]!r}, not a number")
+    else:
+        out = arr.astype(np.float64) if arr.ndim == 1 else arr
+    if out.ndim != 1 or out.shape[0] != n:
+        got = out.shape[0] if out.ndim == 1 else f"shape {out.shape}"
+        raise where(name, f"has {got} entries but 'tokens' has {n}")
+    return out
+
+
+def _scalar(value, where, name) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise where(name, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def make_trajectory(record: dict, *, file: Optional[str] = None, line: Optional[int] = None,
+                    vocab_size: Optional[int] = None) -> Trajectory:
+    """Validate one input record (a JSON object or Parquet row) into a Trajectory.
+
+    Every problem raises TreeFormatError naming file, line, trajectory id and
+    field.  Unknown keys are the caller's business (readers warn once).
+    """
+    tid = record.get("id")
+
+    def where(name, message):
+        return TreeFormatError(message, file=file, line=line, trajectory=tid, field=name)
+
+    if "id" not in record or tid is None:
+        raise where("id", "is missing")
+    if isinstance(tid, bool) or not isinstance(tid, (str, int)):
+        raise where("id", f"must be a string or an integer, got {type(tid).__name__}")
+    if "tokens" not in record or record["tokens"] is None:
+        raise where("tokens", "is missing")
+    tokens = _int_array(record["tokens"], where, "tokens")
+    n = tokens.shape[0]
+    if n == 0:
+        raise where("tokens", "is empty: a trajectory needs at least one token")
+    if tokens.min() < 0:
+        j = int(np.argmax(tokens < 0))
+        raise where("tokens", f"token {j} is {int(tokens[j])}: token ids must be >= 0")
+    if vocab_size is not None and tokens.max() >= vocab_size:
+        j = int(np.argmax(tokens >= vocab_size))
+        raise where("tokens", f"token {j} is {int(tokens[j])}, not below --vocab-size {vocab_size}")
+
+    if record.get("loss_mask") is None:
+        loss_mask = default_loss_mask(n)
+    else:
+        lm = _int_array(record["loss_mask"], where, "loss_mask")
+        if lm.shape[0] != n:
+            raise where("loss_mask", f"has {lm.shape[0]} entries but 'tokens' has {n}")
+        bad = (lm != 0) & (lm != 1)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise where("loss_mask", f"entry {j} is {int(lm[j])}: must be 0 or 1")
+        if lm[0] != 0:
+            raise where("loss_mask", "entry 0 is 1, but the first token has no predecessor to predict it")
+        loss_mask = lm.astype(np.uint8)
+
+    old_logprobs = None
+    if record.get("old_logprobs") is not None:
+        old_logprobs = _float_array(record["old_logprobs"], where, "old_logprobs", n, allow_null=True)
+        missing = np.isnan(old_logprobs) & (loss_mask == 1)
+        if missing.any():
+            j = int(np.argmax(missing))
+            raise where("old_logprobs", f"entry {j} is null/NaN where loss_mask is 1")
+
+    advantage = record.get("advantage")
+    if advantage is not None:
+        if isinstance(advantage, (list, tuple, np.ndarray)):
+            advantage = _float_array(advantage, where, "advantage", n, allow_null=False)
+        else:
+            advantage = _scalar(advantage, where, "advantage")
+
+    reward = record.get("reward")
+    reward = None if reward is None else _scalar(reward, where, "reward")
+    weight = record.get("weight")
+    weight = None if weight is None else _scalar(weight, where, "weight")
+
+    group = record.get("group")
+    if group is not None:
+        if isinstance(group, bool) or not isinstance(group, (str, int)):
+            raise where("group", f"must be a string or an integer, got {type(group).__name__}")
+        group = str(group)
+
+    parent = record.get("parent")
+    if parent is not None:
+        if not isinstance(parent, dict) or "id" not in parent or "at" not in parent:
+            raise where("parent", 'must be an object {"id": ..., "at": p}')
+        pid, at = parent["id"], parent["at"]
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+            raise where("parent", f"id must be a string or an integer, got {pid!r}")
+        if isinstance(at, bool) or not isinstance(at, (int, np.integer)) or not 0 <= at <= n:
+            raise where("parent", f"'at' is {at!r}: must be an integer in [0, {n}]")
+        parent = (pid, int(at))
+
+    return Trajectory(id=tid, tokens=tokens, loss_mask=loss_mask, old_logprobs=old_logprobs,
+                      advantage=advantage, reward=reward, weight=weight, group=group,
+                      parent=parent, source=(file, line))

@@ -1,0 +1,63 @@
+"""Build and install megatron_harts.
+
+The C++ extension ``megatron_harts._C`` is compiled from every ``csrc/*.cpp``
+with pybind11.  Dependencies and why each is here:
+
+- numpy: array backbone of tree_data and the planner (no torch below the layout).
+- pyarrow: reads Parquet trajectory files (tree_data.readers).
+- torch: tensors and autograd for layout, ops and models (CI installs the CPU
+  build torch==2.13.0 before this package).
+- megatron-core==0.16.1: the model building blocks and parallel state; the last
+  release that runs on Python 3.11 (shared/DESIGN.md).
+- extra "gpu": fla-core==0.6.0, KDA Triton kernels; imported lazily on GPU only.
+- extra "test": pytest, hypothesis (property tests), transformers>=5.6 (the
+  Kimi-Linear oracle of invariant 4).
+- extra "bench": ortools, the planner baseline (OR-Tools + first-fit-decreasing).
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _extensions():
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    if not sources:
+        return [], {}
+    from pybind11.setup_helpers import Pybind11Extension, build_ext
+
+    ext = Pybind11Extension(
+        "megatron_harts._C",
+        sources,
+        include_dirs=["csrc"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+    )
+    return [ext], {"build_ext": build_ext}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="megatron_harts",
+    version="0.1.0",
+    description="Train hybrid-attention MoE models on agentic-RL rollout trees with Megatron",
+    packages=find_packages(include=["megatron_harts", "megatron_harts.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "numpy>=1.26",
+        "pyarrow>=14",
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+    ],
+    extras_require={
+        "gpu": ["fla-core==0.6.0"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=5.6"],
+        "bench": ["ortools>=9.10"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)
