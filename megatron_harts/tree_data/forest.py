@@ -436,62 +436,57 @@ def build_forest(trajectories: Sequence[Trajectory]) -> Forest:
     )
 
 
+def _token_field(trajs, get, seg_start, seg_length, seg_row, seg_traj_lo, seg_traj_hi, num_rows,
+                 fill, dtype):
+    """Row values of one per-token field, plus exceptions where a trajectory differs.
+
+    A segment's rows take the value of the last trajectory through it that has
+    the field (for step-wise data that is the longest one, whose context copy
+    of earlier actions is what most trajectories hold); every other trajectory
+    through the segment is compared slice by slice, bitwise, in
+    O(expanded tokens) sequential work.
+    """
+    out = np.full(num_rows, fill, dtype=dtype)
+    exc_t, exc_p, exc_v = [], [], []
+    values = [get(t) for t in trajs]
+    if all(v is None for v in values):
+        return out, Exceptions.empty(dtype)
+    bits = (lambda x: x.view(np.int64)) if dtype == np.float64 else (lambda x: x)
+    for s in range(seg_start.shape[0]):
+        a, L, r = int(seg_start[s]), int(seg_length[s]), int(seg_row[s])
+        lo, hi = int(seg_traj_lo[s]), int(seg_traj_hi[s])
+        ref = hi - 1
+        while ref >= lo and values[ref] is None:
+            ref -= 1
+        if ref < lo:
+            continue
+        row = values[ref][a: a + L].astype(dtype, copy=False)
+        out[r: r + L] = row
+        rb = bits(row)
+        for t in range(lo, ref):
+            v = values[t]
+            if v is None:
+                continue
+            mine = v[a: a + L].astype(dtype, copy=False)
+            diff = np.flatnonzero(bits(mine) != rb)
+            if diff.size:
+                exc_t.append(np.full(diff.size, t, dtype=np.int64))
+                exc_p.append(diff + a)
+                exc_v.append(mine[diff])
+    if not exc_t:
+        return out, Exceptions.empty(dtype)
+    et, ep, ev = np.concatenate(exc_t), np.concatenate(exc_p), np.concatenate(exc_v)
+    o = np.lexsort((ep, et))
+    return out, Exceptions(et[o], ep[o], ev[o])
+
+
 def _store_token_fields(trajs, lengths, seg_start, seg_length, seg_row, seg_traj_lo, seg_traj_hi,
                         num_rows) -> dict:
-    """Per-row values of each per-token field plus exceptions where a trajectory differs.
-
-    Every (segment, trajectory through it) pair covers ``seg_length`` expanded
-    positions; laying those out as flat index arrays maps each expanded
-    (trajectory, position) to its row in O(expanded tokens) vectorized work.
-    """
-    n = len(trajs)
-    traj_offset = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=traj_offset[1:])
-    counts = seg_traj_hi - seg_traj_lo
-    pair_seg = np.repeat(np.arange(seg_start.shape[0]), counts)
-    pair_first = np.zeros(counts.shape[0] + 1, dtype=np.int64)
-    np.cumsum(counts, out=pair_first[1:])
-    pair_traj = seg_traj_lo[pair_seg] + (np.arange(pair_seg.shape[0]) - pair_first[pair_seg])
-    pair_len = seg_length[pair_seg]
-    pair_off = np.zeros(pair_len.shape[0] + 1, dtype=np.int64)
-    np.cumsum(pair_len, out=pair_off[1:])
-    within = np.arange(int(pair_off[-1]), dtype=np.int64) - np.repeat(pair_off[:-1], pair_len)
-    exp_pos = np.repeat(traj_offset[pair_traj] + seg_start[pair_seg], pair_len) + within
-    row = np.repeat(seg_row[pair_seg], pair_len) + within
-    traj_of = np.repeat(pair_traj, pair_len)
-    del within
-
-    def dedupe(values: np.ndarray, present: np.ndarray, fill, dtype):
-        out = np.full(num_rows, fill, dtype=dtype)
-        if not present.any():
-            return out, Exceptions.empty(dtype)
-        sel = present[traj_of]
-        r, e, t = (row, exp_pos, traj_of) if sel.all() else (row[sel], exp_pos[sel], traj_of[sel])
-        v = values[e]
-        out[r] = v
-        stored = out[r]
-        bits = (lambda x: x.view(np.int64)) if dtype == np.float64 else (lambda x: x)
-        diff = np.flatnonzero(bits(stored) != bits(v))
-        if diff.size == 0:
-            return out, Exceptions.empty(dtype)
-        et = t[diff]
-        ep = e[diff] - traj_offset[et]
-        o = np.lexsort((ep, et))
-        return out, Exceptions(et[o], ep[o], v[diff][o])
-
-    all_present = np.ones(n, dtype=bool)
-    lm = np.concatenate([t.loss_mask for t in trajs]).astype(np.uint8)
-    row_lm, exc_lm = dedupe(lm, all_present, 0, np.uint8)
-    del lm
-    has_lp = np.array([t.old_logprobs is not None for t in trajs], dtype=bool)
-    lp = np.concatenate([t.old_logprobs if t.old_logprobs is not None else np.full(len(t), np.nan)
-                         for t in trajs]) if has_lp.any() else None
-    row_lp, exc_lp = dedupe(lp, has_lp, np.nan, np.float64)
-    del lp
-    has_adv = np.array([isinstance(t.advantage, np.ndarray) for t in trajs], dtype=bool)
-    av = np.concatenate([t.advantage if isinstance(t.advantage, np.ndarray) else np.full(len(t), np.nan)
-                         for t in trajs]) if has_adv.any() else None
-    row_av, exc_av = dedupe(av, has_adv, np.nan, np.float64)
+    seg = (seg_start, seg_length, seg_row, seg_traj_lo, seg_traj_hi, num_rows)
+    row_lm, exc_lm = _token_field(trajs, lambda t: t.loss_mask, *seg, 0, np.uint8)
+    row_lp, exc_lp = _token_field(trajs, lambda t: t.old_logprobs, *seg, np.nan, np.float64)
+    row_av, exc_av = _token_field(
+        trajs, lambda t: t.advantage if isinstance(t.advantage, np.ndarray) else None, *seg, np.nan, np.float64)
     return {
         "rows": {"row_loss_mask": row_lm, "row_old_logprobs": row_lp, "row_advantage": row_av},
         "exceptions": {"exc_loss_mask": exc_lm, "exc_old_logprobs": exc_lp, "exc_advantage": exc_av},

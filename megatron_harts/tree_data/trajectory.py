@@ -86,10 +86,11 @@ def _int_array(values, where, name) -> np.ndarray:
         if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
             raise where(name, "holds an integer that does not fit in 64 bits")
         return arr.astype(np.int64, copy=False)
-    j = _first_bad(arr.tolist(), _is_int)
+    items = list(values) if isinstance(values, (list, tuple)) else arr.tolist()
+    j = _first_bad(items, _is_int)
     if j < 0:
         raise where(name, "holds an integer that does not fit in 64 bits")
-    raise where(name, f"element {j} is {arr[j]!r}, not an integer")
+    raise where(name, f"element {j} is {items[j]!r}, not an integer")
 
 
 def _float_array(values, where, name, n: int, allow_null: bool) -> np.ndarray:
@@ -102,11 +103,12 @@ def _float_array(values, where, name, n: int, allow_null: bool) -> np.ndarray:
         ok = (lambda v: v is None or _is_number(v)) if allow_null else _is_number
         j = _first_bad(arr.tolist(), ok)
         if j >= 0:
-            raise where(name, f"element {j} is {arr[j]!r}, not a number")
+            raise where(name, f"element {j} is {arr.tolist()[j]!r}, not a number")
         out = np.array([np.nan if v is None else v for v in arr.tolist()], dtype=np.float64)
     elif arr.ndim == 1 and arr.size:
-        j = _first_bad(arr.tolist(), _is_number)
-        raise where(name, f"element {j} is {arr[j]!r}, not a number")
+        items = arr.tolist()
+        j = _first_bad(items, _is_number)
+        raise where(name, f"element {j} is {items[j]!r}, not a number")
     else:
         out = arr.astype(np.float64) if arr.ndim == 1 else arr
     if out.ndim != 1 or out.shape[0] != n:

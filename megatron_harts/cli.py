@@ -1,0 +1,78 @@
+"""Conventions shared by the command-line tools in tools/.
+
+A tool's ``main(argv)`` raises TreeFormatError (or ``CliError`` for bad flags)
+on bad input; ``run`` turns that into one line on stderr and exit status 2,
+never a traceback.  Warnings print as one ``warning:`` line each.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from typing import Callable, Optional, Sequence
+
+from .tree_data.errors import TreeFormatError
+
+
+class CliError(Exception):
+    """A bad flag or argument; the message names it."""
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def run(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None) -> None:
+    warnings.showwarning = _one_line_warning
+    try:
+        code = main(argv)
+    except (TreeFormatError, CliError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def print_table(rows: Sequence[tuple], header: Optional[tuple] = None) -> None:
+    """Left-aligned text table."""
+    table = ([header] if header else []) + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(str(r[k])) for r in table) for k in range(len(table[0]))]
+    for n, r in enumerate(table):
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        if header and n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+class Progress:
+    """A one-line progress counter on stderr (redrawn in place on a terminal)."""
+
+    def __init__(self, label: str, total: Optional[int] = None, unit: str = "items"):
+        self.label, self.total, self.unit = label, total, unit
+        self.done = 0
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.tty and now - self.last > 0.1:
+            self.last = now
+            self._draw("\r")
+
+    def _draw(self, lead: str) -> None:
+        total = f"/{self.total}" if self.total else ""
+        rate = self.done / max(now_elapsed := time.perf_counter() - self.t0, 1e-9)
+        print(f"{lead}{self.label}: {self.done}{total} {self.unit} ({rate:,.0f}/s, {now_elapsed:.1f}s)",
+              end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self._draw("\r" if self.tty else "")
+        print(file=sys.stderr)
