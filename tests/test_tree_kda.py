@@ -1,0 +1,133 @@
+"""KDA core and the tree executor against expanded per-trajectory KDA (invariants 1 and 2)."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_harts.ops.kda import kda_chunked, kda_recurrent
+from megatron_harts.ops.tree_kda import build_kda_schedule, tree_kda
+from megatron_harts.planner.calls import plan_calls
+from megatron_harts.tree_data import build_forest, make_trajectory
+
+
+def random_inputs(n, t, h, kd, vd, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, t, h, kd, dtype=dtype, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(n, t, h, kd, dtype=dtype, generator=gen), dim=-1)
+    v = torch.randn(n, t, h, vd, dtype=dtype, generator=gen)
+    g = -torch.rand(n, t, h, kd, dtype=dtype, generator=gen) * 0.7
+    beta = torch.rand(n, t, h, dtype=dtype, generator=gen)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("T,B", [(1, 4), (8, 4), (37, 8), (16, 16), (5, 64)])
+def test_chunked_equals_recurrent(T, B):
+    q, k, v, g, beta = random_inputs(2, T, 2, 5, 3, torch.float64)
+    s0 = torch.randn(2, 2, 5, 3, dtype=torch.float64)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=s0)
+    offsets = sorted({1, T, max(1, T // 2), min(T, B)})
+    o, states = kda_chunked(q, k, v, g, beta, chunk_size=B, initial_state=s0,
+                            state_index=[1] * len(offsets), state_offset=offsets)
+    torch.testing.assert_close(o, o_ref, rtol=1e-12, atol=1e-12)
+    for m, s in zip(offsets, states):
+        _, s_m = kda_recurrent(*(x[1:, :m] for x in (q, k, v, g, beta)), initial_state=s0[1:])
+        torch.testing.assert_close(s, s_m[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(states[offsets.index(T)], s_ref[1], rtol=1e-12, atol=1e-12)
+
+
+def test_recurrent_matches_transformers_kimi_linear():
+    """Our recurrence is Kimi-Linear's (transformers' pure-torch fallback, an external oracle)."""
+    mod = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    q, k, v, g, beta = random_inputs(2, 19, 2, 8, 4, torch.float32)
+    o, s = kda_recurrent(q, k, v, g, beta)
+    o_hf, s_hf = mod.chunk_kimi_delta_attention(q, k, v, g, beta, chunk_size=8, output_final_state=True)
+    torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, s_hf, rtol=1e-5, atol=1e-5)
+    o_c, _ = kda_chunked(q, k, v, g, beta, chunk_size=8)
+    torch.testing.assert_close(o_c, o_hf, rtol=1e-6, atol=1e-6)
+
+
+@st.composite
+def forests(draw):
+    """Random forests with forks before, at and after chunk boundaries, and prefix trajectories."""
+    vocab = draw(st.integers(2, 3))
+    n = draw(st.integers(1, 7))
+    base = draw(st.lists(st.integers(0, vocab - 1), min_size=30, max_size=30))
+    trajs = []
+    for i in range(n):
+        cut = draw(st.integers(0, 30))
+        tail = draw(st.lists(st.integers(0, vocab - 1), min_size=0 if cut else 1, max_size=20))
+        group = draw(st.sampled_from(["a", "b"]))
+        trajs.append(make_trajectory({"id": i, "tokens": base[:cut] + tail, "group": group}))
+    return build_forest(trajs), draw(st.sampled_from([2, 4, 8]))
+
+
+def expanded_and_tree(forest, B, dtype, replay=True, seed=0, grad=False):
+    R = forest.num_rows
+    H, K, V = 2, 4, 3
+    leaves = [x[0].requires_grad_(grad) for x in random_inputs(1, R, H, K, V, dtype, seed)]
+    plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, B, replay=replay)
+    sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan)
+    o_tree = tree_kda(*leaves, sched)
+    outs = []
+    for t in range(forest.num_trajectories):
+        rows = torch.as_tensor(forest.trajectory_rows(t))
+        o, _ = kda_chunked(*(x[rows][None] for x in leaves), chunk_size=B)
+        outs.append((rows, o[0]))
+    return leaves, o_tree, outs, plan
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests())
+def test_tree_equals_expanded_fp64_forward_and_gradients(fb):
+    forest, B = fb
+    leaves, o_tree, outs, _ = expanded_and_tree(forest, B, torch.float64, grad=True)
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(o.shape, dtype=torch.float64, generator=gen) for _, o in outs]
+    loss_tree = sum((w * o_tree[rows]).sum() for (rows, _), w in zip(outs, weights))
+    loss_exp = sum((w * o).sum() for (_, o), w in zip(outs, weights))
+    for (rows, o) in outs:
+        torch.testing.assert_close(o_tree[rows], o, rtol=1e-10, atol=1e-12)
+    g_tree = torch.autograd.grad(loss_tree, leaves)
+    g_exp = torch.autograd.grad(loss_exp, leaves)
+    for name, a, b in zip("q k v g beta".split(), g_tree, g_exp):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests())
+def test_replay_is_bitwise_expanded_fp32(fb):
+    """Invariant 2: with replay every chunk is an expanded chunk, so fp32 outputs are bitwise equal."""
+    forest, B = fb
+    _, o_tree, outs, _ = expanded_and_tree(forest, B, torch.float32)
+    for rows, o in outs:
+        assert torch.equal(o_tree[rows], o)
+
+
+def test_no_replay_differs_by_rounding_only():
+    """Without replay, chunks start at forks: same function, different rounding (~1e-7 in fp32)."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 50, 200).tolist()
+    trajs = [make_trajectory({"id": i, "tokens": base[: 13 + 29 * i] + rng.integers(50, 99, 60).tolist()})
+             for i in range(6)]
+    forest = build_forest(trajs)
+    _, o_tree, outs, plan = expanded_and_tree(forest, 16, torch.float32, replay=False)
+    assert plan.replay_tokens == 0
+    diffs = [float((o_tree[rows] - o).abs().max()) for rows, o in outs]
+    assert max(diffs) > 0
+    assert max(diffs) < 1e-4
+    _, o_tree64, outs64, _ = expanded_and_tree(forest, 16, torch.float64, replay=False)
+    for rows, o in outs64:
+        torch.testing.assert_close(o_tree64[rows], o, rtol=1e-10, atol=1e-12)
+
+
+def test_schedule_rejects_mismatched_rows():
+    forest = build_forest([make_trajectory({"id": 0, "tokens": [1, 2, 3]})])
+    plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, 4)
+    sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan)
+    x = torch.zeros(5, 1, 2)
+    with pytest.raises(ValueError, match="rows"):
+        tree_kda(x, x, x, x, torch.zeros(5, 1), sched)
+    with pytest.raises(ValueError, match="backend"):
+        tree_kda(x[:3], x[:3], x[:3], x[:3], torch.zeros(3, 1), sched, backend="nope")
