@@ -7,6 +7,7 @@ never a traceback.  Warnings print as one ``warning:`` line each.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import warnings
@@ -30,6 +31,9 @@ def run(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[
     except (TreeFormatError, CliError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:  # the reader (e.g. `head`) went away: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
