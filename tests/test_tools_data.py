@@ -67,3 +67,13 @@ def test_bad_flags(tmp_path):
 def test_missing_file(tmp_path):
     r = tool("tree_stats.py", "--input", str(tmp_path / "nope.jsonl"))
     assert r.returncode == 2 and "nope.jsonl" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_example_inspect_rollouts(tmp_path):
+    src = str(tmp_path / "r.jsonl")
+    assert tool("synthesize_rollouts.py", "--output", src, "--num-tasks", "1", "--samples-per-task", "2",
+                "--prompt-median", "100", "--max-tokens", "2000").returncode == 0
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "inspect_rollouts.py"), src],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "trajectories in 1 trees" in r.stdout and "segment 0" in r.stdout

@@ -1,0 +1,30 @@
+#!/usr/bin/env python3
+"""Walk through a rollout set with the Python API: build the forest, look at one tree, expand a trajectory.
+
+    python examples/inspect_rollouts.py rollouts.jsonl.gz        # or a dataset prefix
+"""
+import sys
+
+from megatron_harts.tree_data import load_forest
+
+
+def main(path: str) -> None:
+    forest = load_forest(path)
+    stats = forest.stats()
+    print(f"{stats['num_trajectories']} trajectories in {stats['num_trees']} trees: "
+          f"{stats['expanded_tokens']:,} tokens, {stats['unique_tokens']:,} unique ({stats['compression']:.2f}x)")
+    tree = forest.tree(0)
+    print(f"tree 0: {tree.num_segments} segments, {tree.num_rows:,} rows, {tree.num_trajectories} trajectories")
+    for s in range(min(tree.num_segments, 8)):
+        kids = tree.children(s).tolist()
+        print(f"  segment {s}: positions [{tree.seg_start[s]}, {tree.seg_start[s] + tree.seg_length[s]}), "
+              f"parent {tree.seg_parent[s]}, children {kids}, shared by {len(tree.segment_trajectories(s))}")
+    traj = tree.expand(tree.traj_ids[0])
+    print(f"trajectory {traj.id!r}: {len(traj)} tokens, {int(traj.loss_mask.sum())} trained, "
+          f"advantage {traj.advantage}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])

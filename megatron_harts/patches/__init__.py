@@ -1,0 +1,1 @@
+"""Runtime patches of megatron-core: one module each, version-guarded, applied explicitly."""

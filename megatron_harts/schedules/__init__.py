@@ -1,0 +1,1 @@
+"""Pipeline and sharing-window schedules (producers, consumers, consumer 1F1B)."""

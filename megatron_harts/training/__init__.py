@@ -1,0 +1,1 @@
+"""The training driver: --tree-sharing arguments, tree data loader, training loop."""
