@@ -8,14 +8,14 @@
 //   * K = max over roots of need1;
 //   * top-down (increasing index): state (d, u) = (call - z, K - 1 - z), the continued child is
 //     the argmax of need1 (lowest index on ties), the others start sequences in call z' + 1;
-//   * assembly: sequences sorted by (call, first segment) with a counting sort, CSR arrays.
-// Everything is O(S) time and memory, iterative (no recursion), one pass per step.
+//   * assembly: sequences sorted by (call, first segment) with a counting sort, CSR arrays
+//     written straight into numpy-owned memory.
+// Everything is O(S) time and memory, iterative (no recursion): four passes over the segments.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -27,8 +27,9 @@ using i64 = std::int64_t;
 using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 
 // Raise ValueError with the same messages as calls.check_inputs (first offending segment of
-// each check, checks in the same order).
-void check_inputs(const i64* parent, const i64* start, const i64* length, i64 n) {
+// each check, checks in the same order).  The start check runs inside the top-down pass of
+// solve(), which visits segments in increasing order after these two checks have passed.
+void check_parent_and_length(const i64* parent, const i64* length, i64 n) {
     for (i64 i = 0; i < n; ++i) {
         if (parent[i] < -1 || parent[i] >= i) {
             throw py::value_error("segment " + std::to_string(i) + ": parent " +
@@ -43,196 +44,201 @@ void check_inputs(const i64* parent, const i64* start, const i64* length, i64 n)
                                   std::to_string(length[i]));
         }
     }
-    for (i64 i = 0; i < n; ++i) {
-        const i64 p = parent[i];
-        if (p < 0) {
-            if (start[i] != 0) {
-                throw py::value_error("segment " + std::to_string(i) +
-                                      ": start must be 0 for a root, got " +
-                                      std::to_string(start[i]));
-            }
-        } else if (start[i] != start[p] + length[p]) {
-            throw py::value_error("segment " + std::to_string(i) + ": start " +
-                                  std::to_string(start[i]) +
-                                  " must equal start[parent] + length[parent] = " +
-                                  std::to_string(start[p] + length[p]) + " (parent " +
-                                  std::to_string(p) + ")");
-        }
+}
+
+[[noreturn]] void bad_start(i64 i, i64 parent, i64 got, i64 expected) {
+    if (parent < 0) {
+        throw py::value_error("segment " + std::to_string(i) + ": start must be 0 for a root, got " +
+                              std::to_string(got));
     }
+    throw py::value_error("segment " + std::to_string(i) + ": start " + std::to_string(got) +
+                          " must equal start[parent] + length[parent] = " +
+                          std::to_string(expected) + " (parent " + std::to_string(parent) + ")");
 }
 
 // Floor division for non-negative positions.
 inline i64 align_down(i64 x, i64 b) { return (x / b) * b; }
 
-struct Plan {
-    i64 num_calls = 0;
-    i64 replay_tokens = 0;
-    std::vector<i64> call_offsets, seq_call, seq_start, seq_semantic_start, seq_end,
-        seq_first_segment, seq_segments_offsets, seq_segments, seq_exports_offsets,
-        seq_export_positions, seq_export_segment, seq_source, segment_sequence;
+// Running statistics of the children's need1, folded into the parent (children first).
+struct Fold {
+    std::int32_t m1 = -1, m2 = -1, ties = 0, arg = -1, arg_n0 = 0;
+};
+struct Need {
+    std::int32_t n0, n1;
+};
+// Per-segment top-down record, packed so that a child reads its parent in one cache line.
+struct Down {
+    i64 end;
+    std::int32_t u, call, cont, producer, seq;
+    std::uint8_t d, exits, head, exports;
 };
 
-// The planner proper.  Inputs are validated.  Invariant of the bottom-up loop: when segment i
-// is reached, all its children (larger indices) have been folded into m1/m2/ties/arg[i].
-Plan plan(const i64* parent, const i64* start, const i64* length, i64 n, i64 B, bool replay) {
-    Plan out;
-    // roles: exits[i] = the boundary state of i's children is produced by i itself
-    std::vector<std::uint8_t> exits(n);
-    for (i64 i = 0; i < n; ++i) {
-        const i64 e = start[i] + length[i];
-        exits[i] = replay ? static_cast<std::uint8_t>(align_down(e, B) > start[i]) : 1;
-    }
+// Phase 1 (no Python objects touched): choices, calls, producers, sequence and export counts.
+struct Core {
+    std::int32_t K = 0;
+    i64 nq = 0, n_exports = 0;
+    std::vector<Down> down;
+    std::vector<i64> call_offsets;  // CSR of sequences per call
+};
 
-    // bottom-up needs
-    std::vector<std::int32_t> need0(n), need1(n), m1(n, -1), m2(n, -1), ties(n, 0);
-    std::vector<i64> arg(n, -1);
+// Invariant of the bottom-up loop: when segment i is reached, all its children (larger
+// indices) have been folded into fold[i].  Invariant of the top-down loop: the record of the
+// parent is final when a child is reached.
+Core solve(const i64* parent, const i64* start, const i64* length, i64 n, i64 B, bool replay) {
+    Core core;
+    std::vector<Fold> fold(n);
+    std::vector<Need> need(n);  // (need0, need1) of every segment
+    std::vector<std::uint8_t> exits(n);
     std::int32_t K = 0;
     for (i64 i = n - 1; i >= 0; --i) {
-        const i64 a = arg[i];
+        const i64 e = start[i] + length[i];
+        const bool ex = replay ? align_down(e, B) > start[i] : true;
+        exits[i] = ex;
+        const Fold f = fold[i];
         std::int32_t g;
-        if (a < 0) {
+        if (f.arg < 0) {
             g = 0;
-        } else if (ties[i] >= 2) {
-            g = m1[i];
+        } else if (f.ties >= 2) {
+            g = f.m1;
         } else {
-            g = std::max(need0[a], m2[i]);
+            g = std::max(f.arg_n0, f.m2);
         }
-        need0[i] = g;
-        if (exits[i]) {
-            need1[i] = g + 1;
-        } else {
-            need1[i] = std::max<std::int32_t>(1, m1[i]);
-        }
+        const std::int32_t x = ex ? g + 1 : std::max<std::int32_t>(1, f.m1);
+        need[i] = {g, x};
         const i64 p = parent[i];
         if (p < 0) {
-            K = std::max(K, need1[i]);
+            K = std::max(K, x);
             continue;
         }
-        const std::int32_t x = need1[i];
-        if (x > m1[p]) {
-            m2[p] = m1[p];
-            m1[p] = x;
-            ties[p] = 1;
-            arg[p] = i;
-        } else if (x == m1[p]) {
-            ++ties[p];
-            m2[p] = x;
-            arg[p] = i;  // lower index wins ties (we walk indices downwards)
-        } else if (x > m2[p]) {
-            m2[p] = x;
+        Fold& fp = fold[p];
+        if (x > fp.m1) {
+            fp.m2 = fp.m1;
+            fp.m1 = x;
+            fp.ties = 1;
+            fp.arg = static_cast<std::int32_t>(i);
+            fp.arg_n0 = g;
+        } else if (x == fp.m1) {
+            ++fp.ties;
+            fp.m2 = x;
+            fp.arg = static_cast<std::int32_t>(i);  // lower index wins ties (walking downwards)
+            fp.arg_n0 = g;
+        } else if (x > fp.m2) {
+            fp.m2 = x;
         }
     }
-    std::vector<std::int32_t>().swap(m1);
-    std::vector<std::int32_t>().swap(m2);
-    std::vector<std::int32_t>().swap(ties);
-    const std::vector<i64>& cont = arg;  // continued child of every segment, -1 for leaves
-
-    // top-down states and calls
-    std::vector<std::int32_t> su(n), call(n);
-    std::vector<std::uint8_t> sd(n);
+    core.K = K;
+    core.call_offsets.assign(static_cast<size_t>(K) + 1, 0);
+    core.down.resize(n);
+    Down* down = core.down.data();
     for (i64 i = 0; i < n; ++i) {
+        Down& r = down[i];
+        r.end = start[i] + length[i];
+        r.cont = fold[i].arg;
+        r.exits = exits[i];
+        r.exports = 0;
         const i64 p = parent[i];
         std::int32_t u;
         std::uint8_t d;
+        bool head;
         if (p < 0) {
+            if (start[i] != 0) bad_start(i, p, start[i], 0);
             u = K;
             d = 1;
-        } else if (exits[p]) {
-            u = su[p] - sd[p];
-            d = (cont[p] == i) ? 0 : 1;
+            head = true;
+            r.producer = -1;
         } else {
-            u = su[p];
-            d = (cont[p] == i) ? sd[p] : 1;
+            const Down& q = down[p];
+            if (start[i] != q.end) bad_start(i, p, start[i], q.end);
+            head = q.cont != i;
+            if (q.exits) {
+                u = q.u - q.d;
+                d = head ? 1 : 0;
+                r.producer = static_cast<std::int32_t>(p);
+            } else {
+                u = q.u;
+                d = head ? 1 : q.d;
+                r.producer = q.producer;
+            }
         }
-        const std::int32_t need = d ? need1[i] : need0[i];
-        if (need > u) {
+        if ((d ? need[i].n1 : need[i].n0) > u) {
             throw std::logic_error("call planner reached an infeasible state at segment " +
                                    std::to_string(i));
         }
-        su[i] = u;
-        sd[i] = d;
-        call[i] = K - 1 - u + d;
-    }
-
-    // sequences: heads sorted by (call, index) with a counting sort
-    out.num_calls = K;
-    out.call_offsets.assign(static_cast<size_t>(K) + 1, 0);
-    std::vector<std::uint8_t> head(n);
-    for (i64 i = 0; i < n; ++i) {
-        const i64 p = parent[i];
-        head[i] = (p < 0 || cont[p] != i) ? 1 : 0;
-        if (head[i]) ++out.call_offsets[call[i] + 1];
-    }
-    for (i64 c = 0; c < K; ++c) out.call_offsets[c + 1] += out.call_offsets[c];
-    const i64 nq = out.call_offsets[K];
-    std::vector<i64> cursor(out.call_offsets.begin(), out.call_offsets.end() - 1);
-    out.segment_sequence.resize(n);
-    out.seq_call.resize(nq);
-    out.seq_first_segment.resize(nq);
-    out.seq_semantic_start.resize(nq);
-    out.seq_start.resize(nq);
-    out.seq_end.resize(nq);
-    out.seq_source.resize(nq);
-    out.seq_segments_offsets.assign(nq + 1, 0);
-    out.seq_exports_offsets.assign(nq + 1, 0);
-    std::vector<i64> producer(n, -1);
-    std::vector<std::uint8_t> exports(n, 0);
-    for (i64 i = 0; i < n; ++i) {
-        const i64 p = parent[i];
-        if (p >= 0) producer[i] = exits[p] ? p : producer[p];
-        i64 q;
-        if (head[i]) {
-            q = cursor[call[i]]++;
-            out.seq_call[q] = call[i];
-            out.seq_first_segment[q] = i;
+        r.u = u;
+        r.d = d;
+        r.call = K - 1 - u + d;
+        r.head = head;
+        if (head) {
+            ++core.call_offsets[r.call + 1];
             const i64 pos = start[i];
-            const i64 s = replay ? align_down(pos, B) : pos;
-            out.seq_semantic_start[q] = pos;
-            out.seq_start[q] = s;
-            out.replay_tokens += pos - s;
-            if (s > 0) {
-                // the producer precedes i, so its sequence is already known
-                out.seq_source[q] = out.segment_sequence[producer[i]];
-                exports[producer[i]] = 1;
-            } else {
-                out.seq_source[q] = -1;
+            if ((replay ? align_down(pos, B) : pos) > 0 && !down[r.producer].exports) {
+                down[r.producer].exports = 1;
+                ++core.n_exports;
             }
-        } else {
-            q = out.segment_sequence[p];
-        }
-        out.segment_sequence[i] = q;
-        out.seq_end[q] = start[i] + length[i];  // the deepest segment of a chain comes last
-        ++out.seq_segments_offsets[q + 1];
-    }
-    for (i64 q = 0; q < nq; ++q) out.seq_segments_offsets[q + 1] += out.seq_segments_offsets[q];
-    for (i64 i = 0; i < n; ++i) {
-        if (exports[i]) ++out.seq_exports_offsets[out.segment_sequence[i] + 1];
-    }
-    for (i64 q = 0; q < nq; ++q) out.seq_exports_offsets[q + 1] += out.seq_exports_offsets[q];
-    out.seq_segments.resize(n);
-    const i64 n_exports = out.seq_exports_offsets[nq];
-    out.seq_export_positions.resize(n_exports);
-    out.seq_export_segment.resize(n_exports);
-    // segments of a chain have increasing indices, so index order is path order
-    std::vector<i64> seg_cursor(out.seq_segments_offsets.begin(), out.seq_segments_offsets.end() - 1);
-    std::vector<i64> ex_cursor(out.seq_exports_offsets.begin(), out.seq_exports_offsets.end() - 1);
-    for (i64 i = 0; i < n; ++i) {
-        const i64 q = out.segment_sequence[i];
-        out.seq_segments[seg_cursor[q]++] = i;
-        if (exports[i]) {
-            const i64 e = start[i] + length[i];
-            const i64 k = ex_cursor[q]++;
-            out.seq_export_positions[k] = replay ? align_down(e, B) : e;
-            out.seq_export_segment[k] = i;
         }
     }
-    return out;
+    for (std::int32_t c = 0; c < K; ++c) core.call_offsets[c + 1] += core.call_offsets[c];
+    core.nq = core.call_offsets[K];
+    return core;
 }
 
-py::array_t<i64> to_numpy(const std::vector<i64>& v) {
-    py::array_t<i64> a(static_cast<py::ssize_t>(v.size()));
-    if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(i64));
-    return a;
+// Output arrays (numpy-owned memory, filled without the GIL).
+struct Out {
+    i64 *seq_call, *seq_start, *seq_semantic_start, *seq_end, *seq_first_segment,
+        *seq_segments_offsets, *seq_segments, *seq_exports_offsets, *seq_export_positions,
+        *seq_export_segment, *seq_source, *segment_sequence;
+};
+
+// Phase 2: sequences sorted by (call, first segment) through per-call cursors; segments of a
+// chain have increasing indices, so index order is path order for segments and exports.
+i64 fill(Core& core, const i64* parent, const i64* start, const i64* length, i64 n, i64 B,
+         bool replay, const Out& o) {
+    Down* down = core.down.data();
+    const i64 nq = core.nq;
+    std::vector<i64> cursor(core.call_offsets.begin(), core.call_offsets.end() - 1);
+    std::fill(o.seq_segments_offsets, o.seq_segments_offsets + nq + 1, 0);
+    std::fill(o.seq_exports_offsets, o.seq_exports_offsets + nq + 1, 0);
+    i64 replay_tokens = 0;
+    for (i64 i = 0; i < n; ++i) {
+        Down& r = down[i];
+        i64 q;
+        if (r.head) {
+            q = cursor[r.call]++;
+            o.seq_call[q] = r.call;
+            o.seq_first_segment[q] = i;
+            const i64 pos = start[i];
+            const i64 s = replay ? align_down(pos, B) : pos;
+            o.seq_semantic_start[q] = pos;
+            o.seq_start[q] = s;
+            replay_tokens += pos - s;
+            o.seq_source[q] = s > 0 ? down[r.producer].seq : -1;
+        } else {
+            q = down[parent[i]].seq;
+        }
+        r.seq = static_cast<std::int32_t>(q);
+        o.segment_sequence[i] = q;
+        o.seq_end[q] = start[i] + length[i];  // the deepest segment of a chain comes last
+        ++o.seq_segments_offsets[q + 1];
+        if (r.exports) ++o.seq_exports_offsets[q + 1];
+    }
+    for (i64 q = 0; q < nq; ++q) {
+        o.seq_segments_offsets[q + 1] += o.seq_segments_offsets[q];
+        o.seq_exports_offsets[q + 1] += o.seq_exports_offsets[q];
+    }
+    std::vector<i64> seg_cursor(o.seq_segments_offsets, o.seq_segments_offsets + nq);
+    std::vector<i64> ex_cursor(o.seq_exports_offsets, o.seq_exports_offsets + nq);
+    for (i64 i = 0; i < n; ++i) {
+        const Down& r = down[i];
+        const i64 q = r.seq;
+        o.seq_segments[seg_cursor[q]++] = i;
+        if (r.exports) {
+            const i64 e = start[i] + length[i];
+            const i64 k = ex_cursor[q]++;
+            o.seq_export_positions[k] = replay ? align_down(e, B) : e;
+            o.seq_export_segment[k] = i;
+        }
+    }
+    return replay_tokens;
 }
 
 py::dict plan_calls(I64Array parent, I64Array start, I64Array length, i64 chunk_size,
@@ -249,31 +255,51 @@ py::dict plan_calls(I64Array parent, I64Array start, I64Array length, i64 chunk_
                               std::to_string(n) + ", " + std::to_string(start.shape(0)) + ", " +
                               std::to_string(length.shape(0)));
     }
-    Plan out;
-    {
-        const i64* pp = parent.data();
-        const i64* sp = start.data();
-        const i64* lp = length.data();
-        py::gil_scoped_release release;
-        check_inputs(pp, sp, lp, n);
-        out = plan(pp, sp, lp, n, chunk_size, replay);
+    if (n >= (i64{1} << 31) - 1) {
+        throw py::value_error("at most 2^31 - 2 segments are supported, got " + std::to_string(n));
     }
+    const i64* pp = parent.data();
+    const i64* sp = start.data();
+    const i64* lp = length.data();
+    Core core;
+    {
+        py::gil_scoped_release release;
+        check_parent_and_length(pp, lp, n);
+        core = solve(pp, sp, lp, n, chunk_size, replay);
+    }
+    const i64 nq = core.nq, ne = core.n_exports;
+    auto arr = [](i64 size) { return py::array_t<i64>(static_cast<py::ssize_t>(size)); };
     py::dict d;
-    d["num_calls"] = out.num_calls;
-    d["replay_tokens"] = out.replay_tokens;
-    d["call_offsets"] = to_numpy(out.call_offsets);
-    d["seq_call"] = to_numpy(out.seq_call);
-    d["seq_start"] = to_numpy(out.seq_start);
-    d["seq_semantic_start"] = to_numpy(out.seq_semantic_start);
-    d["seq_end"] = to_numpy(out.seq_end);
-    d["seq_first_segment"] = to_numpy(out.seq_first_segment);
-    d["seq_segments_offsets"] = to_numpy(out.seq_segments_offsets);
-    d["seq_segments"] = to_numpy(out.seq_segments);
-    d["seq_exports_offsets"] = to_numpy(out.seq_exports_offsets);
-    d["seq_export_positions"] = to_numpy(out.seq_export_positions);
-    d["seq_export_segment"] = to_numpy(out.seq_export_segment);
-    d["seq_source"] = to_numpy(out.seq_source);
-    d["segment_sequence"] = to_numpy(out.segment_sequence);
+    py::array_t<i64> call_offsets = arr(core.K + 1);
+    std::copy(core.call_offsets.begin(), core.call_offsets.end(), call_offsets.mutable_data());
+    py::array_t<i64> a_call = arr(nq), a_start = arr(nq), a_sem = arr(nq), a_end = arr(nq),
+                     a_first = arr(nq), a_segoff = arr(nq + 1), a_segs = arr(n),
+                     a_exoff = arr(nq + 1), a_expos = arr(ne), a_exseg = arr(ne),
+                     a_source = arr(nq), a_segseq = arr(n);
+    const Out o{a_call.mutable_data(), a_start.mutable_data(), a_sem.mutable_data(),
+                a_end.mutable_data(), a_first.mutable_data(), a_segoff.mutable_data(),
+                a_segs.mutable_data(), a_exoff.mutable_data(), a_expos.mutable_data(),
+                a_exseg.mutable_data(), a_source.mutable_data(), a_segseq.mutable_data()};
+    i64 replay_tokens;
+    {
+        py::gil_scoped_release release;
+        replay_tokens = fill(core, pp, sp, lp, n, chunk_size, replay, o);
+    }
+    d["num_calls"] = static_cast<i64>(core.K);
+    d["replay_tokens"] = replay_tokens;
+    d["call_offsets"] = call_offsets;
+    d["seq_call"] = a_call;
+    d["seq_start"] = a_start;
+    d["seq_semantic_start"] = a_sem;
+    d["seq_end"] = a_end;
+    d["seq_first_segment"] = a_first;
+    d["seq_segments_offsets"] = a_segoff;
+    d["seq_segments"] = a_segs;
+    d["seq_exports_offsets"] = a_exoff;
+    d["seq_export_positions"] = a_expos;
+    d["seq_export_segment"] = a_exseg;
+    d["seq_source"] = a_source;
+    d["segment_sequence"] = a_segseq;
     return d;
 }
 
