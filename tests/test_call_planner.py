@@ -71,9 +71,9 @@ def check_against_brute_force(parent, start, length, B, replay):
 
 def test_random_small_forests_match_brute_force():
     rng = random.Random(20261129)
-    for _ in range(2500):
+    for _ in range(4000):
         B = rng.choice([2, 4, 8])
-        parent, start, length = random_forest(rng, rng.randint(1, 11), B)
+        parent, start, length = random_forest(rng, rng.randint(1, 12), B)
         for replay in (True, False):
             check_against_brute_force(parent, start, length, B, replay)
 
@@ -250,12 +250,19 @@ def test_large_random_tree_backends_agree():
         ([-1, 0], [0, 5], [4, 2], 4, r"segment 1: start 5 must equal start\[parent\] \+ length\[parent\] = 4"),
         ([-1, 0, -1], [0, 4, 3], [4, 2, 1], 4, r"segment 2: start must be 0 for a root, got 3"),
         ([-1, 0], [0, 4], [4, 2], 0, r"chunk_size must be >= 1, got 0"),
+        ([-1, 0, 0, 5], [0, 9, 4, 0], [4, 2, 2, 1], 4, r"segment 3: parent 5"),  # parents first
         ([-1, 0], [0, 4, 5], [4, 2], 4, r"same size, got 2, 3, 2"),
     ],
 )
 def test_bad_input_errors(backend, parent, start, length, B, match):
     with pytest.raises(ValueError, match=match):
-        plan_calls(parent, start, length, B, backend=backend)
+        if backend == "python":
+            plan_calls(parent, start, length, B, backend=backend)
+        else:  # the compiled core checks by itself, with the same messages
+            as64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+            _C.plan_calls(as64(parent), as64(start), as64(length), B, True)
+    with pytest.raises(ValueError, match=match):
+        plan_calls(parent, start, length, B, backend=backend, replay=False)
 
 
 @pytest.mark.skipif("cpp" not in BACKENDS, reason="extension not built")
