@@ -1,0 +1,201 @@
+"""Path convolution: KDA's causal depthwise short convolution over compact rows.
+
+Kimi-Linear's (transformers ``kimi_linear``) short convolution of a sequence ``x [L, C]`` with
+weight ``[C, K]`` (``nn.Conv1d(C, C, K, groups=C, padding=K-1)`` with the output cut to the
+first L steps) and optional bias is
+
+    y[t, c] = act( bias[c] + sum_{j=0}^{K-1} weight[c, K-1-j] * x[t-j, c] ),   x[t<0] = 0,
+
+so ``weight[:, K-1]`` multiplies the current token and ``weight[:, K-1-j]`` the token j steps
+back; ``act`` is SiLU (``hidden_act``) or none.
+
+In compact layout "j steps back" means j steps up the path: ``prev`` applied j times, never
+"the row above".  A subtree whose ancestors live in a producer microbatch reads them as
+context rows: ``prev_external[r]`` (index into the context rows, where ``prev[r] == -1``) and
+``context_prev`` (the context rows' own path links).
+
+Invariant: for every row r and every trajectory through r, the output equals the
+trajectory's own causal convolution at r's position (tests check forward and backward).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..layout import CompactLayout
+
+__all__ = ["path_conv", "build_conv_taps", "ACTIVATIONS"]
+
+ACTIVATIONS = ("silu", None)
+
+
+def _check_index(t, name: str, n: int, lo: int, hi: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+        raise ValueError(f"{name} must be a 1-D int64 tensor")
+    if t.shape[0] != n:
+        raise ValueError(f"{name} has {t.shape[0]} entries, expected {n}")
+    if t.numel() and (int(t.min()) < lo or int(t.max()) >= hi):
+        raise ValueError(f"{name} must hold indices in [{lo}, {hi})")
+    return t
+
+
+def _links(prev: torch.Tensor, prev_external: Optional[torch.Tensor], context_prev: Optional[torch.Tensor]
+           ) -> torch.Tensor:
+    """Previous-row links over the joint index space ``[rows; context rows; pad]``.
+
+    Entry i is the joint index of the row before i on its path; the pad index ``R + Rc``
+    stands for "before the start of the sequence" and links to itself.
+    """
+    R = prev.shape[0]
+    Rc = 0 if context_prev is None else context_prev.shape[0]
+    pad = R + Rc
+    local = torch.where(prev >= 0, prev, torch.full_like(prev, pad))
+    if prev_external is not None:
+        local = torch.where((prev < 0) & (prev_external >= 0), R + prev_external, local)
+    parts = [local]
+    if context_prev is not None:
+        parts.append(torch.where(context_prev >= 0, R + context_prev, torch.full_like(context_prev, pad)))
+    parts.append(torch.full((1,), pad, dtype=torch.int64, device=prev.device))
+    return torch.cat(parts)
+
+
+def build_conv_taps(layout_or_prev, kernel_size: int = 4, *, prev_external: Optional[torch.Tensor] = None,
+                    context_prev: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gather index ``[R, kernel_size - 1]``: column j-1 is the joint index (rows, then context
+    rows, then one zero pad row at ``R + Rc``) of the row j steps up each row's path.
+
+    Build it once per layout and pass it to every layer's :func:`path_conv`.  From a
+    CompactLayout the context links are taken from it.
+    """
+    if isinstance(layout_or_prev, CompactLayout):
+        lay = layout_or_prev
+        prev = lay.prev
+        if prev_external is None and lay.num_context_rows:
+            prev_external = lay.prev_external
+        if context_prev is None and lay.num_context_rows:
+            context_prev = lay.ctx_prev
+    else:
+        prev = layout_or_prev
+    if not isinstance(kernel_size, int) or kernel_size < 1:
+        raise ValueError(f"kernel_size must be a positive integer, got {kernel_size!r}")
+    if not isinstance(prev, torch.Tensor) or prev.dim() != 1:
+        raise ValueError("prev must be a 1-D int64 tensor")
+    R = prev.shape[0]
+    _check_index(prev, "prev", R, -1, max(R, 1))
+    if bool((prev >= torch.arange(R, device=prev.device)).any()):
+        raise ValueError("prev must point to an earlier row (prev[r] < r) or be -1")
+    Rc = 0
+    if context_prev is not None:
+        Rc = context_prev.shape[0]
+        _check_index(context_prev, "context_prev", Rc, -1, Rc)
+        if bool((context_prev >= torch.arange(Rc, device=prev.device)).any()):
+            raise ValueError("context_prev must point to an earlier context row or be -1")
+    if prev_external is not None:
+        if context_prev is None:
+            raise ValueError("prev_external needs context_prev (the context rows' own path links)")
+        _check_index(prev_external, "prev_external", R, -1, Rc)
+    link = _links(prev, prev_external, context_prev)
+    taps = []
+    cur = torch.arange(R, device=prev.device)
+    for _ in range(kernel_size - 1):
+        cur = link[cur]
+        taps.append(cur)
+    if not taps:
+        return torch.zeros(R, 0, dtype=torch.int64, device=prev.device)
+    return torch.stack(taps, dim=1)
+
+
+def _activate(y, activation):
+    return F.silu(y) if activation == "silu" else y
+
+
+def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layout_or_prev, *,
+              activation: Optional[str] = "silu", context: Optional[torch.Tensor] = None,
+              prev_external: Optional[torch.Tensor] = None, context_prev: Optional[torch.Tensor] = None,
+              taps: Optional[torch.Tensor] = None, backend: str = "gather") -> torch.Tensor:
+    """Causal depthwise conv along each row's path: x ``[R, C]``, weight ``[C, K]``, bias ``[C]``.
+
+    ``layout_or_prev``: a CompactLayout or the ``prev`` tensor.  ``context [Rc, C]``: inputs of
+    the context rows (needed when some row's path continues into them; a CompactLayout
+    supplies ``prev_external``/``context_prev``).  ``backend="gather"`` (default) reads all taps
+    with one gather through ``taps`` (from :func:`build_conv_taps`, built here when omitted);
+    ``"reference"`` walks ``prev`` tap by tap.  Returns ``[R, C]``, differentiable in x,
+    weight, bias and context.
+    """
+    if backend not in ("gather", "reference"):
+        raise ValueError(f"backend must be 'gather' or 'reference', got {backend!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError("x must be a [rows, channels] tensor")
+    R, C = x.shape
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"weight must be [channels={C}, kernel_size], got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    K = weight.shape[1]
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (C,)):
+        raise ValueError(f"bias must be [{C}] or None")
+    if isinstance(layout_or_prev, CompactLayout):
+        lay = layout_or_prev
+        prev = lay.prev
+        if lay.num_context_rows:
+            prev_external = lay.prev_external if prev_external is None else prev_external
+            context_prev = lay.ctx_prev if context_prev is None else context_prev
+    else:
+        prev = layout_or_prev
+    if not isinstance(prev, torch.Tensor) or prev.dim() != 1 or prev.shape[0] != R:
+        raise ValueError(f"prev must be a 1-D tensor with one entry per row of x ({R})")
+    Rc = 0 if context_prev is None else context_prev.shape[0]
+    if context is not None:
+        if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.shape[1] != C:
+            raise ValueError(f"context must be a [context rows, {C}] tensor")
+        if context.shape[0] != Rc:
+            raise ValueError(f"context has {context.shape[0]} rows but context_prev has {Rc}")
+    elif prev_external is not None and bool((prev_external >= 0).any()):
+        raise ValueError("context: some rows continue into context rows (prev_external), "
+                         "so their inputs must be given")
+    if backend == "reference":
+        return _reference(x, weight, bias, prev, prev_external, context_prev, context, activation)
+    if taps is None:
+        taps = build_conv_taps(prev, K, prev_external=prev_external, context_prev=context_prev)
+    elif not isinstance(taps, torch.Tensor) or tuple(taps.shape) != (R, K - 1):
+        raise ValueError(f"taps must be a [{R}, {K - 1}] tensor from build_conv_taps")
+    parts = [x] + ([context] if context is not None else
+                   [x.new_zeros(Rc, C)] if Rc else []) + [x.new_zeros(1, C)]
+    joint = torch.cat(parts)                                     # [R + Rc + 1, C], last row = 0
+    # column j-1 of taps is j steps back, multiplied by weight[:, K-1-j]
+    past = joint[taps]                                           # [R, K-1, C]
+    y = x * weight[:, K - 1] + torch.einsum("rjc,jc->rc", past, weight[:, :K - 1].flip(1).T)
+    if bias is not None:
+        y = y + bias
+    return _activate(y, activation)
+
+
+def _reference(x, weight, bias, prev, prev_external, context_prev, context, activation):
+    """Tap by tap: follow ``prev`` one step per tap, reading zero before the start of a path."""
+    R, C = x.shape
+    K = weight.shape[1]
+    y = x * weight[:, K - 1]
+    cur_local = torch.arange(R, device=x.device)              # index into x, or -1
+    cur_ctx = torch.full((R,), -1, dtype=torch.int64, device=x.device)  # index into context, or -1
+    for j in range(1, K):
+        # one step up: local rows go to prev (or into the context), context rows to context_prev
+        in_local = cur_local >= 0
+        nxt_local = torch.where(in_local, prev[cur_local.clamp(min=0)], torch.full_like(cur_local, -1))
+        nxt_ctx = torch.full_like(cur_ctx, -1)
+        if prev_external is not None:
+            enter = in_local & (nxt_local < 0)
+            nxt_ctx = torch.where(enter, prev_external[cur_local.clamp(min=0)], nxt_ctx)
+        if context_prev is not None:
+            in_ctx = cur_ctx >= 0
+            nxt_ctx = torch.where(in_ctx, context_prev[cur_ctx.clamp(min=0)], nxt_ctx)
+        cur_local, cur_ctx = nxt_local, nxt_ctx
+        xj = torch.where((cur_local >= 0)[:, None], x[cur_local.clamp(min=0)], torch.zeros_like(x))
+        if context is not None and context.shape[0]:
+            xj = torch.where((cur_ctx >= 0)[:, None], context[cur_ctx.clamp(min=0)], xj)
+        y = y + xj * weight[:, K - 1 - j]
+    if bias is not None:
+        y = y + bias
+    return _activate(y, activation)
