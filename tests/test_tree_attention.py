@@ -1,0 +1,298 @@
+"""Tree attention equals per-trajectory causal attention, forward and backward (fp64)."""
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_harts.layout import Visibility, build_layout
+from megatron_harts.ops.tree_attention import build_tree_block_mask, tree_attention
+from megatron_harts.tree_data import build_forest, make_trajectory
+from test_forest import trajectory_sets
+
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+
+CUDA = torch.cuda.is_available()
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+def joint_paths(forest, layout):
+    """Per layout trajectory: its full path as indices into [context rows; layout rows]."""
+    Rc = layout.num_context_rows
+    ctx = {int(r): i for i, r in enumerate(layout.ctx_forest_rows.tolist())}
+    loc = {int(r): Rc + i for i, r in enumerate(layout.forest_rows.tolist())}
+    paths = []
+    for tid in layout.traj_ids:
+        frows = forest.trajectory_rows(forest.trajectory_index(tid))
+        paths.append(torch.tensor([ctx[int(r)] if int(r) in ctx else loc[int(r)] for r in frows]))
+    return paths
+
+
+def causal_attention(q, k, v, scale):
+    """Plain causal softmax attention of one sequence: q [Lq, H, D] are its last Lq positions."""
+    Lq, Lk = q.shape[0], k.shape[0]
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    qpos = torch.arange(Lk - Lq, Lk)[:, None]
+    s = s.masked_fill(torch.arange(Lk)[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+
+
+def compare_with_expanded(forest, layout, backend, H=2, Hk=1, Dqk=3, Dv=2, seed=0, grad=True, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    R, Rc = layout.num_rows, layout.num_context_rows
+    q = torch.randn(R, H, Dqk, dtype=torch.float64, generator=gen, requires_grad=grad)
+    k_all = torch.randn(Rc + R, Hk, Dqk, dtype=torch.float64, generator=gen, requires_grad=grad)
+    v_all = torch.randn(Rc + R, Hk, Dv, dtype=torch.float64, generator=gen, requires_grad=grad)
+    scale = 0.7
+    # expanded: every trajectory on its own, causal over its full path
+    paths = joint_paths(forest, layout)
+    cot, loss_e = [], 0.0
+    out_e = torch.zeros(R, H, Dv, dtype=torch.float64)
+    for t, path in enumerate(paths):
+        s = int(layout.traj_start[t])
+        rows = path[s:] - Rc
+        o = causal_attention(q[rows], k_all[path], v_all[path], scale)
+        g = torch.randn(o.shape, dtype=torch.float64, generator=gen)
+        cot.append((rows, g))
+        loss_e = loss_e + (o * g).sum()
+        out_e[rows] = o.detach()       # every copy of a row must agree; checked below
+    for t, path in enumerate(paths):
+        s = int(layout.traj_start[t])
+        rows = path[s:] - Rc
+        torch.testing.assert_close(causal_attention(q[rows], k_all[path], v_all[path], scale).detach(),
+                                   out_e[rows], **TOL)
+    ctx_kv = (k_all[:Rc], v_all[:Rc]) if Rc else None
+    out = tree_attention(q, k_all[Rc:], v_all[Rc:], layout, scale, backend=backend, context_kv=ctx_kv, **kw)
+    torch.testing.assert_close(out.detach(), out_e, **TOL)
+    if not grad:
+        return
+    g_c = torch.zeros(R, H, Dv, dtype=torch.float64)
+    for rows, g in cot:
+        g_c.index_add_(0, rows, g)
+    want = torch.autograd.grad(loss_e, (q, k_all, v_all))
+    got = torch.autograd.grad((out * g_c).sum(), (q, k_all, v_all))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@settings(max_examples=20, deadline=None)
+@given(trajectory_sets(max_traj=6), st.sampled_from(["reference", "sdpa"]), st.sampled_from([(2, 1), (2, 2)]))
+def test_whole_trees_equal_expanded_fwd_bwd(trajs, backend, heads):
+    f = build_forest(trajs)
+    compare_with_expanded(f, build_layout(f), backend, H=heads[0], Hk=heads[1],
+                          **({"query_block": 3} if backend == "sdpa" else {}))
+
+
+@settings(max_examples=12, deadline=None)
+@given(trajectory_sets(max_traj=6), st.data())
+def test_subtree_with_context_equals_expanded(trajs, data):
+    f = build_forest(trajs)
+    producer = build_layout(f)
+    size = f.seg_subtree_size
+    roots = []
+    for s in sorted(data.draw(st.lists(st.integers(0, f.num_segments - 1), min_size=1, max_size=3, unique=True))):
+        if not roots or s >= roots[-1] + size[roots[-1]]:
+            roots.append(s)
+    lay = build_layout(f, roots=roots, context=producer)
+    for backend in ("reference", "sdpa"):
+        compare_with_expanded(f, lay, backend, **({"query_block": 2} if backend == "sdpa" else {}))
+    compare_with_expanded(f, lay, "flex", grad=False)
+
+
+@settings(max_examples=10, deadline=None)
+@given(trajectory_sets(max_traj=6))
+def test_flex_forward_equals_expanded_cpu(trajs):
+    f = build_forest(trajs)
+    compare_with_expanded(f, build_layout(f), "flex", grad=False, H=2, Hk=1, Dqk=4, Dv=3)
+
+
+def test_mla_head_dims_and_fixed_forks():
+    """q/k head dim differs from v's (MLA: 192/128, here scaled down); a fork and an end inside."""
+    f = build_forest([make_trajectory(r) for r in [
+        {"id": "a", "tokens": [5, 1, 2, 3]}, {"id": "b", "tokens": [5, 1, 2, 4]},
+        {"id": "c", "tokens": [5, 1]}, {"id": "d", "tokens": [9]}]])
+    lay = build_layout(f)
+    for backend in ("reference", "sdpa"):
+        compare_with_expanded(f, lay, backend, H=4, Hk=4, Dqk=12, Dv=8)
+    compare_with_expanded(f, lay, "flex", grad=False, H=4, Hk=4, Dqk=12, Dv=8)
+
+
+# ---------------------------------------------------------------------------
+# general interval visibility (KV eviction) and the block mask
+# ---------------------------------------------------------------------------
+
+def random_visibility(rng, R, max_intervals=3, causal=True, num_keys=None):
+    """Per key: sorted disjoint intervals; causal ones start at the key itself."""
+    K = R if causal else num_keys
+    offsets, starts, ends = [0], [], []
+    for k in range(K):
+        lo = k if causal else 0
+        if not causal and rng.random() < 0.3:
+            offsets.append(offsets[-1])
+            continue
+        cuts = np.unique(rng.integers(lo + 1, R + 1, size=2 * max_intervals - 1)) if lo + 1 <= R else []
+        pts = [lo] + [int(c) for c in cuts]
+        if not causal:
+            pts = sorted(set([int(rng.integers(0, R))] + [int(c) for c in cuts if c > 0]))
+        n = 0
+        for a, b in zip(pts[0::2], pts[1::2]):
+            starts.append(a)
+            ends.append(b)
+            n += 1
+        if causal and n == 0:
+            starts.append(k)
+            ends.append(k + 1)
+            n = 1
+        offsets.append(offsets[-1] + n)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)
+    return Visibility(t(offsets), t(starts), t(ends), R, causal=causal).validate()
+
+
+def check_block_mask(bm, dense, bs):
+    """Full blocks are entirely visible, partial ones partly, skipped ones not at all."""
+    R, K = dense.shape
+    nq, nk = -(-R // bs), -(-K // bs)
+    grid = torch.zeros(nq * bs, nk * bs, dtype=torch.bool)
+    grid[:R, :K] = dense
+    count = grid.view(nq, bs, nk, bs).sum((1, 3))
+    kind = torch.zeros(nq, nk, dtype=torch.int64)            # 0 skipped, 1 partial, 2 full
+    for num, idx, val in ((bm.kv_num_blocks, bm.kv_indices, 1), (bm.full_kv_num_blocks, bm.full_kv_indices, 2)):
+        for i in range(nq):
+            for j in idx[0, 0, i, :int(num[0, 0, i])].tolist():
+                assert kind[i, j] == 0
+                kind[i, j] = val
+    tail = torch.zeros(nq, nk, dtype=torch.bool)
+    if R % bs:
+        tail[-1, :] = True
+    if K % bs:
+        tail[:, -1] = True
+    assert bool(((kind == 2) == ((count == bs * bs) & ~tail)).all())
+    assert bool(((kind == 0) == (count == 0)).all())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2 ** 31), st.integers(1, 70), st.sampled_from([16, 32]))
+def test_block_mask_classification_general_intervals(seed, R, bs):
+    rng = np.random.default_rng(seed)
+    vis = random_visibility(rng, R)
+    bm = build_tree_block_mask(vis, block_size=bs)
+    check_block_mask(bm, vis.dense(), bs)
+    ctx = random_visibility(rng, R, causal=False, num_keys=int(rng.integers(0, 40)))
+    bm = build_tree_block_mask(vis, context_visibility=ctx, block_size=bs)
+    check_block_mask(bm, torch.cat([ctx.dense(), vis.dense()], 1), bs)
+
+
+def test_block_mask_on_a_swe_tree_has_full_blocks():
+    from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
+    cfg = SweConfig(num_tasks=1, samples_per_task=3, prompt_median=200, action_median=20, observation_median=30,
+                    min_turns=2, max_turns=4, max_tokens=600, seed=1)
+    f = build_forest(synthesize_swe(cfg))
+    lay = build_layout(f)
+    bm = build_tree_block_mask(lay, block_size=16)
+    assert int(bm.full_kv_num_blocks.sum()) > 0
+    check_block_mask(bm, lay.visibility.dense(), 16)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 2 ** 31), st.integers(1, 30))
+def test_general_intervals_backends_agree(seed, R):
+    """Multi-interval (evicting) visibility with context keys: sdpa and flex equal the reference."""
+    rng = np.random.default_rng(seed)
+    vis = random_visibility(rng, R)
+    Rc = int(rng.integers(0, 6))
+    ctx = random_visibility(rng, R, causal=False, num_keys=Rc)
+    gen = torch.Generator().manual_seed(seed % 1000)
+    q = torch.randn(R, 2, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(R, 1, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(R, 1, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    ck = torch.randn(Rc, 1, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    cv = torch.randn(Rc, 1, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    g = torch.randn(R, 2, 2, dtype=torch.float64, generator=gen)
+    kw = dict(context_kv=(ck, cv), context_visibility=ctx)
+    ref = tree_attention(q, k, v, vis, backend="reference", **kw)
+    # the reference itself against an explicit per-query loop
+    dense = torch.cat([ctx.dense(), vis.dense()], 1)
+    K_all, V_all = torch.cat([ck, k]), torch.cat([cv, v])
+    for i in range(R):
+        sel = dense[i].nonzero()[:, 0]
+        s = torch.einsum("hd,khd->hk", q[i], K_all[sel]) / math.sqrt(3)
+        torch.testing.assert_close(ref[i].detach(), torch.einsum("hk,khd->hd", torch.softmax(s, -1), V_all[sel]).detach(),
+                                   **TOL)
+    want = torch.autograd.grad((ref * g).sum(), (q, k, v, ck, cv))
+    out = tree_attention(q, k, v, vis, backend="sdpa", query_block=4, **kw)
+    torch.testing.assert_close(out, ref, **TOL)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), (q, k, v, ck, cv)), want):
+        torch.testing.assert_close(a, b, **TOL)
+    with torch.no_grad():
+        bm = build_tree_block_mask(vis, context_visibility=ctx, block_size=16)
+        torch.testing.assert_close(tree_attention(q, k, v, vis, backend="flex", block_mask=bm, **kw), ref.detach(), **TOL)
+
+
+@pytest.mark.skipif(not CUDA, reason="FlexAttention's backward needs CUDA (torch has none on CPU)")
+def test_flex_forward_backward_cuda():
+    from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
+    cfg = SweConfig(num_tasks=2, samples_per_task=3, prompt_median=200, action_median=20, observation_median=30,
+                    min_turns=2, max_turns=4, max_tokens=700, seed=2)
+    f = build_forest(synthesize_swe(cfg))
+    producer = build_layout(f)
+    child = int(np.flatnonzero(f.seg_parent >= 0)[0])
+    for lay in (producer, build_layout(f, roots=[child], context=producer)):
+        lay = lay.to("cuda")
+        R, Rc = lay.num_rows, lay.num_context_rows
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        make = lambda *s: torch.randn(*s, device="cuda", generator=gen, requires_grad=True)
+        q, k, v = make(R, 4, 64), make(R, 2, 64), make(R, 2, 32)
+        ck, cv = make(Rc, 2, 64), make(Rc, 2, 32)
+        g = torch.randn(R, 4, 32, device="cuda", generator=gen)
+        ctx = (ck, cv) if Rc else None
+        bm = build_tree_block_mask(lay)
+        out = tree_attention(q, k, v, lay, backend="flex", block_mask=bm, context_kv=ctx)
+        ref = tree_attention(q, k, v, lay, backend="reference", context_kv=ctx)
+        inputs = (q, k, v) + ((ck, cv) if Rc else ())
+        got = torch.autograd.grad((out * g).sum(), inputs)
+        want = torch.autograd.grad((ref * g).sum(), inputs)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_flex_backward_on_cpu_is_refused_clearly():
+    f = build_forest([make_trajectory({"id": "a", "tokens": [1, 2, 3]})])
+    lay = build_layout(f)
+    q = torch.randn(3, 1, 2, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="no backward on CPU"):
+        tree_attention(q, q.detach(), q.detach(), lay, backend="flex")
+
+
+def test_bad_input_names_the_argument():
+    f = build_forest([make_trajectory({"id": "a", "tokens": [1, 2, 3]})])
+    lay = build_layout(f)
+    q = torch.randn(3, 2, 4)
+    k = torch.randn(3, 1, 4)
+    v = torch.randn(3, 1, 5)
+    with pytest.raises(ValueError, match="backend"):
+        tree_attention(q, k, v, lay, backend="dense")
+    with pytest.raises(ValueError, match="rows"):
+        tree_attention(q, k[:2], v, lay)
+    with pytest.raises(ValueError, match="head dim"):
+        tree_attention(q, torch.randn(3, 1, 3), v, lay)
+    with pytest.raises(ValueError, match="multiple"):
+        tree_attention(torch.randn(3, 3, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 5), lay)
+    with pytest.raises(ValueError, match="visibility"):
+        tree_attention(q, k, v, "tree")
+    with pytest.raises(ValueError, match="visibility"):
+        tree_attention(q[:2], k[:2], v[:2], lay)
+    with pytest.raises(ValueError, match="context_kv"):
+        tree_attention(q, k, v, lay, context_kv=(k,))
+    with pytest.raises(ValueError, match="context_visibility"):
+        tree_attention(q, k, v, lay.visibility, context_kv=(k[:0], v[:0]))
+    with pytest.raises(ValueError, match="block_mask"):
+        tree_attention(q, k, v, lay, backend="flex", block_mask=build_tree_block_mask(
+            build_layout(build_forest([make_trajectory({"id": "b", "tokens": [1, 2]})]))))
+    with pytest.raises(ValueError, match="block_size"):
+        build_tree_block_mask(lay, block_size=10)
