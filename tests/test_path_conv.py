@@ -1,0 +1,148 @@
+"""Path convolution equals each trajectory's own causal short convolution (fp64, fwd and bwd)."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_harts.layout import build_layout
+from megatron_harts.ops.path_conv import build_conv_taps, path_conv
+from megatron_harts.tree_data import build_forest, make_trajectory
+from test_forest import trajectory_sets
+from test_tree_attention import joint_paths
+
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+def causal_conv(x, weight, bias, activation):
+    """One sequence x [L, C], written as Kimi-Linear's conv: Conv1d(groups=C, padding=K-1), cut to L."""
+    L, C = x.shape
+    K = weight.shape[1]
+    y = F.conv1d(x.T[None], weight[:, None, :], bias, padding=K - 1, groups=C)[0, :, :L].T
+    return F.silu(y) if activation == "silu" else y
+
+
+def compare_with_expanded(forest, layout, backend, C=3, K=4, activation="silu", use_bias=True, seed=0,
+                          prebuilt_taps=False):
+    gen = torch.Generator().manual_seed(seed)
+    R, Rc = layout.num_rows, layout.num_context_rows
+    x_all = torch.randn(Rc + R, C, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(C, K, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(C, dtype=torch.float64, generator=gen, requires_grad=True) if use_bias else None
+    loss_e = 0.0
+    g_c = torch.zeros(R, C, dtype=torch.float64)
+    out_e = torch.zeros(R, C, dtype=torch.float64)
+    for t, path in enumerate(joint_paths(forest, layout)):
+        s = int(layout.traj_start[t])
+        y = causal_conv(x_all[path], w, b, activation)[s:]
+        g = torch.randn(y.shape, dtype=torch.float64, generator=gen)
+        rows = path[s:] - Rc
+        g_c.index_add_(0, rows, g)
+        loss_e = loss_e + (y * g).sum()
+        out_e[rows] = y.detach()
+    ctx = x_all[:Rc] if Rc else None
+    taps = build_conv_taps(layout, K) if prebuilt_taps else None
+    out = path_conv(x_all[Rc:], w, b, layout, activation=activation, context=ctx, backend=backend, taps=taps)
+    torch.testing.assert_close(out.detach(), out_e, **TOL)
+    params = (x_all, w) + ((b,) if use_bias else ())
+    want = torch.autograd.grad(loss_e, params)
+    got = torch.autograd.grad((out * g_c).sum(), params)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, **TOL)
+
+
+@settings(max_examples=40, deadline=None)
+@given(trajectory_sets(max_traj=8), st.sampled_from(["gather", "reference"]), st.sampled_from([4, 2, 1]),
+       st.sampled_from(["silu", None]), st.booleans())
+def test_whole_trees_equal_expanded(trajs, backend, K, activation, use_bias):
+    f = build_forest(trajs)
+    compare_with_expanded(f, build_layout(f), backend, K=K, activation=activation, use_bias=use_bias,
+                          prebuilt_taps=use_bias)
+
+
+@settings(max_examples=30, deadline=None)
+@given(trajectory_sets(max_traj=8), st.data())
+def test_subtree_with_context_equals_expanded(trajs, data):
+    f = build_forest(trajs)
+    producer = build_layout(f)
+    size = f.seg_subtree_size
+    roots = []
+    for s in sorted(data.draw(st.lists(st.integers(0, f.num_segments - 1), min_size=1, max_size=3, unique=True))):
+        if not roots or s >= roots[-1] + size[roots[-1]]:
+            roots.append(s)
+    lay = build_layout(f, roots=roots, context=producer)
+    for backend in ("gather", "reference"):
+        compare_with_expanded(f, lay, backend)
+
+
+def test_single_token_segments_and_ends_inside():
+    # chain of one-token segments: every token is a fork or an end
+    f = build_forest([make_trajectory({"id": i, "tokens": [1, 2, 3, 4, 5][:i + 1] + [9]}) for i in range(5)]
+                     + [make_trajectory({"id": "e", "tokens": [1, 2]})])
+    lay = build_layout(f)
+    assert int((torch.from_numpy(lay.seg_length) == 1).sum()) >= 5
+    for backend in ("gather", "reference"):
+        compare_with_expanded(f, lay, backend)
+    # taps: row of token 4 reads 3, 2, 1; the root reads the zero pad row (index R)
+    taps = build_conv_taps(lay)
+    R = lay.num_rows
+    r4 = int(torch.nonzero(lay.tokens == 4)[0])
+    assert lay.tokens[taps[r4]].tolist() == [3, 2, 1]
+    assert taps[0].tolist() == [R, R, R]
+
+
+def test_matches_transformers_kimi_linear_conv():
+    """Our expanded oracle is Kimi-Linear's own causal_conv1d_fn (weight [C, K], SiLU)."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 5, dtype=torch.float64, generator=gen)
+    w = torch.randn(5, 4, dtype=torch.float64, generator=gen)
+    b = torch.randn(5, dtype=torch.float64, generator=gen)
+    theirs = kimi.causal_conv1d_fn(x.T[None], w, b, activation="silu")[0].T
+    torch.testing.assert_close(causal_conv(x, w, b, "silu"), theirs, **TOL)
+    # and one chain of rows in compact form is that sequence
+    prev = torch.arange(7) - 1
+    torch.testing.assert_close(path_conv(x, w, b, prev), theirs, **TOL)
+
+
+def test_gradcheck_tiny():
+    f = build_forest([make_trajectory({"id": "a", "tokens": [1, 2, 3, 4]}),
+                      make_trajectory({"id": "b", "tokens": [1, 2, 5]}), make_trajectory({"id": "c", "tokens": [1]})])
+    producer = build_layout(f)
+    lay = build_layout(f, roots=[int(np.flatnonzero(f.seg_parent >= 0)[-1])], context=producer)
+    gen = torch.Generator().manual_seed(1)
+    for L in (producer, lay):
+        x = torch.randn(L.num_rows, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+        c = torch.randn(L.num_context_rows, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+        w = torch.randn(2, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+        b = torch.randn(2, dtype=torch.float64, generator=gen, requires_grad=True)
+        for backend in ("gather", "reference"):
+            fn = lambda x, c, w, b: path_conv(x, w, b, L, context=c if L.num_context_rows else None, backend=backend)
+            assert torch.autograd.gradcheck(fn, (x, c, w, b))
+
+
+def test_bad_input_names_the_argument():
+    f = build_forest([make_trajectory({"id": "a", "tokens": [1, 2, 3]}), make_trajectory({"id": "b", "tokens": [1, 2, 4]})])
+    lay = build_layout(f)
+    x = torch.randn(lay.num_rows, 2)
+    w = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="weight"):
+        path_conv(x, torch.randn(3, 4), None, lay)
+    with pytest.raises(ValueError, match="bias"):
+        path_conv(x, w, torch.randn(3), lay)
+    with pytest.raises(ValueError, match="prev"):
+        path_conv(x, w, None, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="prev"):
+        build_conv_taps(torch.tensor([0, 1, 2]))              # a row cannot precede itself
+    with pytest.raises(ValueError, match="activation"):
+        path_conv(x, w, None, lay, activation="gelu")
+    with pytest.raises(ValueError, match="backend"):
+        path_conv(x, w, None, lay, backend="fast")
+    with pytest.raises(ValueError, match="taps"):
+        path_conv(x, w, None, lay, taps=torch.zeros(lay.num_rows, 2, dtype=torch.int64))
+    sub = build_layout(f, roots=[1], context=lay)
+    with pytest.raises(ValueError, match="context"):
+        path_conv(torch.randn(sub.num_rows, 2), w, None, sub)
+    with pytest.raises(ValueError, match="context"):
+        path_conv(torch.randn(sub.num_rows, 2), w, None, sub, context=torch.randn(sub.num_context_rows + 1, 2))
