@@ -1,0 +1,403 @@
+"""Cost model of a microbatch, its calibration file, and the forest index the planners share.
+
+The cost (seconds of one forward + backward of a microbatch on one GPU) is linear in six
+features of the microbatch:
+
+========================  ====================================================================
+feature                   meaning
+========================  ====================================================================
+``microbatch``            1 per microbatch (launch overheads, mask building, MoE dispatch)
+``rows``                  rows computed (owned + recomputed segments): every layer's dense work
+``attention_pairs``       visible (query, key) pairs of the MLA layers: a row at path position
+                          ``p`` sees its ``p + 1`` root-path keys, whether computed here or
+                          read from a producer (external rows cost pairs, not rows)
+``kda_calls``             packed KDA kernel calls (``planner.calls.plan_calls`` on the
+                          microbatch's segments; a segment whose parent is external starts a
+                          sequence at ``floor(p/B)*B`` from the producer's state, in any call)
+``kda_replay_tokens``     KDA replay tokens (recomputed inside the KDA core only)
+``logits_rows``           rows with at least one target (output layer and loss), owned only
+========================  ====================================================================
+
+Default coefficients (``CostCoefficients()``) are estimates for a Kimi-Linear-48B-A3B-shaped
+model (27 layers, 3 KDA : 1 MLA, 3B active parameters, hidden 2304, vocabulary 163840, MLA
+32 heads with q/k dim 192 and v dim 128) on one H200 at about 40% of bf16 peak:
+``row`` = 6 x 3e9 FLOP / 4e14 FLOP/s = 4.5e-5 s; ``attention_pair`` = 7 MLA layers x 6 x 32 x
+320 FLOP / 3e14 FLOP/s = 1.4e-9 s; ``kda_call`` = 20 KDA layers x 0.3 ms of fixed launch and
+state work (fwd + bwd) = 6e-3 s; ``kda_replay_token`` = 20 layers x 0.47 us (measured chunk_kda
+fwd+bwd throughput, 9k tokens in 4.2 ms) = 9e-6 s; ``logits_row`` = 6 x 2304 x 163840 FLOP /
+4e14 FLOP/s = 5.7e-6 s; ``microbatch`` = 2e-2 s.  Only their ratios matter to the planner.
+
+Calibration file (JSON, written by ``save_calibration``, read by ``load_calibration``)::
+
+    {
+      "format": "megatron_harts.cost_calibration",
+      "version": 1,
+      "unit": "seconds",
+      "chunk_size": 64,
+      "coefficients": {"microbatch": 0.02, "row": 4.5e-05, "attention_pair": 1.4e-09,
+                       "kda_call": 0.006, "kda_replay_token": 9e-06, "logits_row": 5.7e-06},
+      "source": {"device": "NVIDIA H200", "samples": 48, "r2": 0.998}
+    }
+
+Every key but ``source`` (free-form, optional) is required; coefficients are finite numbers
+>= 0 and ``row`` > 0; unknown keys are refused.  ``fit_calibration`` fits the coefficients to
+measured microbatch times (non-negative least squares) for the GPU benchmark to save.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = [
+    "CostCoefficients", "CostFeatures", "CostModel", "ForestIndex", "CalibrationError",
+    "load_calibration", "save_calibration", "fit_calibration", "CALIBRATION_FORMAT",
+]
+
+CALIBRATION_FORMAT = "megatron_harts.cost_calibration"
+CALIBRATION_VERSION = 1
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class CostCoefficients:
+    """Seconds per unit of each feature (see the module docstring for the defaults)."""
+    microbatch: float = 2.0e-2
+    row: float = 4.5e-5
+    attention_pair: float = 1.4e-9
+    kda_call: float = 6.0e-3
+    kda_replay_token: float = 9.0e-6
+    logits_row: float = 5.7e-6
+
+    def vector(self) -> np.ndarray:
+        return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
+
+
+COEFFICIENT_NAMES = tuple(f.name for f in fields(CostCoefficients))
+
+
+@dataclass(frozen=True)
+class CostFeatures:
+    """The features of one microbatch (``external_rows`` is informative: no cost of its own)."""
+    rows: int = 0
+    attention_pairs: int = 0
+    kda_calls: int = 0
+    replay_tokens: int = 0
+    logits_rows: int = 0
+    external_rows: int = 0
+
+    def vector(self) -> np.ndarray:
+        """Feature vector in ``COEFFICIENT_NAMES`` order (the first entry is 1: the microbatch)."""
+        return np.array([1.0, self.rows, self.attention_pairs, self.kda_calls,
+                         self.replay_tokens, self.logits_rows], dtype=np.float64)
+
+
+class ForestIndex:
+    """Per-segment arrays the planners and the cost model share (built once per forest).
+
+    ``sub_rows[s]`` rows in the subtree of ``s``; ``seg_pairs[s]`` attention pairs of the rows
+    of ``s`` (``sum over p in [start, start+len) of p + 1``); ``seg_logits[s]`` rows of ``s``
+    whose next token is a target (row-level loss masks; per-trajectory exceptions ignored);
+    ``tree_max_path[t]`` the longest trajectory of tree ``t``.
+    """
+
+    def __init__(self, forest):
+        self.forest = forest
+        f = forest
+        self.num_segments = S = f.num_segments
+        self.parent_arr = f.seg_parent.astype(np.int64)
+        self.parent = self.parent_arr.tolist()
+        self.start = f.seg_start.astype(np.int64)
+        self.length = f.seg_length.astype(np.int64)
+        self.row = f.seg_row.astype(np.int64)
+        self.tree_offsets = f.tree_offsets.astype(np.int64)
+        self.num_trees = f.num_trees
+        self.seg_tree = f.seg_tree
+        self.sub_size = f.seg_subtree_size
+        st, ln = self.start, self.length
+        self.seg_pairs = ln * st + ln * (ln + 1) // 2
+        mask = f.row_loss_mask
+        seg_mask = (np.add.reduceat(mask, self.row, dtype=np.int64) if S
+                    else np.zeros(0, dtype=np.int64))
+        first = mask[self.row].astype(np.int64)
+        interior = seg_mask - first
+        last = np.zeros(S, dtype=np.int64)
+        has_parent = self.parent_arr >= 0
+        kids = np.flatnonzero(has_parent)
+        np.maximum.at(last, self.parent_arr[kids], first[kids])
+        self.seg_logits = interior + last
+        self.children = [[] for _ in range(S)]
+        sub_rows = ln.copy()
+        par = self.parent
+        for s in range(S - 1, -1, -1):
+            p = par[s]
+            if p >= 0:
+                sub_rows[p] += sub_rows[s]
+        for s in range(S):
+            p = par[s]
+            if p >= 0:
+                self.children[p].append(s)
+        self.sub_rows = sub_rows
+        # per trajectory: targets (positions j >= 1 with loss mask) for expanded packing
+        path_mask = seg_mask.copy()
+        for s in range(S):
+            p = par[s]
+            if p >= 0:
+                path_mask[s] += path_mask[p]
+        roots = self.tree_offsets[:-1]
+        root_first = np.zeros(S, dtype=np.int64)
+        root_first[roots] = first[roots]
+        root_of = np.repeat(roots, np.diff(self.tree_offsets))
+        leaf = f.traj_leaf.astype(np.int64)
+        self.traj_targets = path_mask[leaf] - root_first[root_of[leaf]]
+        self.traj_length = f.traj_length.astype(np.int64)
+        self.expanded_tokens = int(self.traj_length.sum())
+        lo = f.seg_traj_lo[roots]
+        hi = f.seg_traj_hi[roots]
+        self.tree_max_path = np.array([self.traj_length[a:b].max() for a, b in zip(lo, hi)], dtype=np.int64)
+        self.tree_longest_traj = [int(a + np.argmax(self.traj_length[a:b])) for a, b in zip(lo, hi)]
+        self.tree_rows = np.add.reduceat(ln, roots) if S else np.zeros(0, np.int64)
+
+
+def _kda_backend():
+    try:
+        from megatron_harts import _C  # compiled call planner, optional
+        return _C.plan_calls
+    except (ImportError, AttributeError):
+        return None
+
+
+_KDA = _kda_backend()
+
+
+def _plan_calls_count(parent, start, length, B) -> Tuple[int, int]:
+    """(calls, replay) of the call planner on arrays the caller built valid."""
+    global _KDA
+    if _KDA is not None:
+        try:
+            out = _KDA(np.asarray(parent, np.int64), np.asarray(start, np.int64),
+                       np.asarray(length, np.int64), B, True)
+            return int(out["num_calls"]), int(out["replay_tokens"])
+        except TypeError:  # a different compiled signature: use the checked entry point
+            _KDA = None
+    from .calls import plan_calls
+    plan = plan_calls(parent, start, length, B)
+    return plan.num_calls, plan.replay_tokens
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Linear cost of a microbatch: ``coefficients . features``; ``chunk_size`` is KDA's B."""
+    coefficients: CostCoefficients = field(default_factory=CostCoefficients)
+    chunk_size: int = 64
+    source: Dict[str, object] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, (int, np.integer)) \
+                or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+
+    def cost(self, f: CostFeatures) -> float:
+        c = self.coefficients
+        if f.rows == 0:
+            return 0.0
+        return (c.microbatch + c.row * f.rows + c.attention_pair * f.attention_pairs
+                + c.kda_call * f.kda_calls + c.kda_replay_token * f.replay_tokens
+                + c.logits_row * f.logits_rows)
+
+    def kda(self, ix: ForestIndex, computed: np.ndarray) -> Tuple[int, int]:
+        """(calls, replay tokens) of the computed segments (sorted ids).
+
+        A segment whose parent is not computed here starts at path position ``p`` from a
+        producer's boundary state at ``a = floor(p/B)*B``: it is planned as a root with a
+        virtual parent of ``p - a`` tokens (the replay), which keeps every chunk boundary.
+        """
+        if len(computed) == 0:
+            return 0, 0
+        B = self.chunk_size
+        par_g, st_g, ln_g = ix.parent, ix.start, ix.length
+        where: Dict[int, int] = {}
+        shift: Dict[int, int] = {}
+        par, st, ln = [], [], []
+        extra = 0
+        for s in computed.tolist():
+            p = par_g[s]
+            if p in where:
+                a = shift[p]
+                par.append(where[p])
+                st.append(int(st_g[s]) - a)
+            else:
+                p0 = int(st_g[s])
+                a = p0 // B * B
+                if p0 > a:
+                    par.append(-1)
+                    st.append(0)
+                    ln.append(p0 - a)
+                    extra += p0 - a
+                    par.append(len(par) - 1)
+                    st.append(p0 - a)
+                else:
+                    par.append(-1)
+                    st.append(0)
+            shift[s] = a
+            ln.append(int(ln_g[s]))
+            where[s] = len(par) - 1
+        calls, replay = _plan_calls_count(par, st, ln, B)
+        return calls, replay + extra
+
+    def features(self, ix: ForestIndex, computed: np.ndarray, owned: np.ndarray) -> CostFeatures:
+        """Features of a tree-mode microbatch computing ``computed`` and owning ``owned``."""
+        computed = np.asarray(computed, dtype=np.int64)
+        if computed.size == 0:
+            return CostFeatures()
+        calls, replay = self.kda(ix, computed)
+        comp = set(computed.tolist())
+        ext_rows = 0
+        seen = set()
+        for s in computed.tolist():
+            a = ix.parent[s]
+            while a >= 0 and a not in comp and a not in seen:
+                seen.add(a)
+                ext_rows += int(ix.length[a])
+                a = ix.parent[a]
+        return CostFeatures(rows=int(ix.length[computed].sum()),
+                            attention_pairs=int(ix.seg_pairs[computed].sum()),
+                            kda_calls=calls, replay_tokens=replay,
+                            logits_rows=int(ix.seg_logits[np.asarray(owned, dtype=np.int64)].sum()),
+                            external_rows=ext_rows)
+
+    def expanded_features(self, ix: ForestIndex, trajectories: np.ndarray) -> CostFeatures:
+        """Features of trajectories packed without sharing (one KDA call: all start at 0)."""
+        L = ix.traj_length[trajectories]
+        if L.size == 0:
+            return CostFeatures()
+        return CostFeatures(rows=int(L.sum()), attention_pairs=int((L * (L + 1) // 2).sum()),
+                            kda_calls=1, replay_tokens=0,
+                            logits_rows=int(ix.traj_targets[trajectories].sum()))
+
+
+# ---------------------------------------------------------------------------------------------
+# calibration file
+# ---------------------------------------------------------------------------------------------
+
+def _number(path, name, value, positive=False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CalibrationError(f"{path}: field {name}: must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        need = "> 0" if positive else ">= 0"
+        raise CalibrationError(f"{path}: field {name}: must be a finite number {need}, got {value!r}")
+    return v
+
+
+def load_calibration(path: str) -> CostModel:
+    """Read and validate a calibration file; raise ``CalibrationError`` naming file and field."""
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as e:
+        raise CalibrationError(f"{path}: cannot read the calibration file ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CalibrationError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CalibrationError(f"{path}: the calibration must be a JSON object")
+    allowed = {"format", "version", "unit", "chunk_size", "coefficients", "source"}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise CalibrationError(f"{path}: unknown field {unknown[0]!r}")
+    for key in ("format", "version", "unit", "chunk_size", "coefficients"):
+        if key not in data:
+            raise CalibrationError(f"{path}: field {key}: missing")
+    if data["format"] != CALIBRATION_FORMAT:
+        raise CalibrationError(f"{path}: field format: expected {CALIBRATION_FORMAT!r}, got {data['format']!r}")
+    if data["version"] != CALIBRATION_VERSION or isinstance(data["version"], bool):
+        raise CalibrationError(f"{path}: field version: only version {CALIBRATION_VERSION} is known, "
+                               f"got {data['version']!r}")
+    if data["unit"] != "seconds":
+        raise CalibrationError(f"{path}: field unit: must be 'seconds', got {data['unit']!r}")
+    B = data["chunk_size"]
+    if isinstance(B, bool) or not isinstance(B, int) or B < 1:
+        raise CalibrationError(f"{path}: field chunk_size: must be an integer >= 1, got {B!r}")
+    coef = data["coefficients"]
+    if not isinstance(coef, dict):
+        raise CalibrationError(f"{path}: field coefficients: must be an object")
+    unknown = sorted(set(coef) - set(COEFFICIENT_NAMES))
+    if unknown:
+        raise CalibrationError(f"{path}: field coefficients.{unknown[0]}: unknown coefficient "
+                               f"(known: {', '.join(COEFFICIENT_NAMES)})")
+    values = {}
+    for name in COEFFICIENT_NAMES:
+        if name not in coef:
+            raise CalibrationError(f"{path}: field coefficients.{name}: missing")
+        values[name] = _number(path, f"coefficients.{name}", coef[name], positive=(name == "row"))
+    source = data.get("source", {})
+    if not isinstance(source, dict):
+        raise CalibrationError(f"{path}: field source: must be an object")
+    return CostModel(CostCoefficients(**values), chunk_size=B, source=dict(source))
+
+
+def save_calibration(path: str, model: CostModel, source: Optional[Dict[str, object]] = None) -> None:
+    """Write ``model`` as a calibration file (atomically: a temporary file renamed)."""
+    data = {
+        "format": CALIBRATION_FORMAT,
+        "version": CALIBRATION_VERSION,
+        "unit": "seconds",
+        "chunk_size": int(model.chunk_size),
+        "coefficients": asdict(model.coefficients),
+        "source": dict(source if source is not None else model.source),
+    }
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def fit_calibration(features: Sequence[CostFeatures], seconds: Sequence[float],
+                    chunk_size: int = 64) -> Tuple[CostModel, float]:
+    """Non-negative least-squares fit of the coefficients to measured microbatch times.
+
+    Returns the model and the R^2 of the fit.  Exact NNLS over 6 unknowns: the best
+    unconstrained least-squares solution over every subset of free coefficients whose solution
+    is non-negative (``row`` always free).  Needs at least as many samples as coefficients.
+    """
+    X = np.stack([f.vector() for f in features]) if len(features) else np.zeros((0, 6))
+    y = np.asarray(seconds, dtype=np.float64)
+    if X.shape[0] != y.shape[0]:
+        raise ValueError(f"{X.shape[0]} feature rows but {y.shape[0]} times")
+    if X.shape[0] < X.shape[1]:
+        raise ValueError(f"need at least {X.shape[1]} measured microbatches, got {X.shape[0]}")
+    if not np.all(np.isfinite(y)) or np.any(y < 0):
+        raise ValueError("measured times must be finite and >= 0")
+    scale = np.maximum(np.abs(X).max(axis=0), 1.0)
+    Xs = X / scale
+    best, best_res = None, math.inf
+    row = COEFFICIENT_NAMES.index("row")
+    others = [i for i in range(X.shape[1]) if i != row]
+    for k in range(len(others) + 1):
+        for subset in itertools.combinations(others, k):
+            cols = sorted((row,) + subset)
+            sol, *_ = np.linalg.lstsq(Xs[:, cols], y, rcond=None)
+            if np.any(sol < 0):
+                continue
+            res = float(np.sum((Xs[:, cols] @ sol - y) ** 2))
+            if res < best_res - 1e-15 * max(1.0, best_res):
+                w = np.zeros(X.shape[1])
+                w[cols] = sol
+                best, best_res = w, res
+    if best is None or best[row] <= 0:
+        raise ValueError("no fit with a positive per-row cost: the measurements do not grow with rows")
+    coef = best / scale
+    total = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - best_res / total if total > 0 else 1.0
+    model = CostModel(CostCoefficients(**dict(zip(COEFFICIENT_NAMES, coef.tolist()))), chunk_size=chunk_size,
+                      source={"samples": int(X.shape[0]), "r2": r2})
+    return model, r2

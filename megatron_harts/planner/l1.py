@@ -1,0 +1,252 @@
+"""L1: compression-oriented microbatches under a row budget (within-microbatch sharing only).
+
+1. Split.  A tree whose rows fit the budget ``M`` is one piece.  A larger tree is cut into
+   pieces bottom-up: at a segment ``s`` whose subtree with its root path does not fit
+   (``start[s] + sub_rows[s] > M``), the pieces of its children (a child subtree that fits is
+   one piece) are packed first-fit-decreasing into as few groups as possible, each holding at
+   most ``M - start[s] - len(s)`` rows below ``s``; every group then contains ``s`` — owned by
+   the first (largest) group, recomputed in the others.  Deep merges save the most shared rows
+   (a merge at depth ``p`` saves ``p`` rows) and happen first.  Every piece is a set of whole
+   segments closed under ancestors (its root path is in it) with at most ``M`` rows.
+2. Pack.  Pieces are packed first-fit-decreasing by rows to find the microbatch count ``n``,
+   then spread over ``K = dp * ceil(n / dp)`` microbatches worst-fit-decreasing by cost (each
+   piece to the cheapest microbatch with room), so every replica gets the same number of
+   microbatches of similar cost.
+3. Place.  Microbatches sorted by cost fill slot after slot (``place_sorted``).
+
+The recomputed segments of an L1 plan are exactly the shared prefixes that are candidates for
+producers: L2 decides which of them become producers.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .cost_model import CostModel, ForestIndex
+from .microbatch import MicrobatchPlan, assemble_plan, check_budget, check_dp, place_sorted
+
+__all__ = ["plan_l1", "split_tree", "pack_pieces", "Piece"]
+
+# a piece: (owned segments, recomputed segments, rows)
+Piece = Tuple[List[int], List[int], int]
+
+#: L1 splits a piece costing more than this times the mean microbatch cost (dp > 1)
+SPLIT_FACTOR = 1.1
+
+
+def split_tree(ix: ForestIndex, tree: int, M: int) -> List[Piece]:
+    """Pieces of ``tree`` under budget ``M`` (step 1 of the module docstring).
+
+    Invariant: the owned sets partition the tree's segments; each piece's segments are closed
+    under ancestors; each piece has at most ``M`` rows.  Assumes ``check_budget`` passed.
+    """
+    r = int(ix.tree_offsets[tree])
+    end = int(ix.tree_offsets[tree + 1])
+    if int(ix.sub_rows[r]) <= M:
+        return [(list(range(r, end)), [], int(ix.sub_rows[r]))]
+    return split_piece(ix, list(range(r, end)), [], M)
+
+
+def piece_depth(ix: ForestIndex, piece: Piece) -> int:
+    """Rows of the longest root path inside a piece (the least budget that can split it)."""
+    segs = np.asarray(piece[0] + piece[1], dtype=np.int64)
+    return int((ix.start[segs] + ix.length[segs]).max())
+
+
+def split_piece(ix: ForestIndex, owned: List[int], rec: List[int], M: int) -> List[Piece]:
+    """Cut an ancestor-closed segment set (``owned`` + ``rec``, one tree) into pieces of at most
+    ``M`` rows; segments recomputed in the input stay recomputed in every output piece.
+
+    Invariant: output owned sets partition ``owned``; every piece is ancestor-closed; requires
+    ``M >= piece_depth``.
+    """
+    segs = sorted(owned + rec)
+    inset = set(segs)
+    recset = set(rec)
+    par, start, length = ix.parent, ix.start, ix.length
+    kids = {s: [] for s in segs}
+    subr = {s: int(length[s]) for s in segs}
+    for s in reversed(segs):
+        p = par[s]
+        if p in inset:
+            subr[p] += subr[s]
+    for s in segs:
+        p = par[s]
+        if p in inset:
+            kids[p].append(s)
+
+    def fits(s):
+        return int(start[s]) + subr[s] <= M
+
+    def whole(s):
+        out, stack = [], [s]
+        while stack:
+            x = stack.pop()
+            out.append(x)
+            stack.extend(kids[x])
+        own = [x for x in out if x not in recset]
+        return (own, [x for x in out if x in recset], subr[s])
+
+    roots = [s for s in segs if par[s] not in inset]
+    result: List[Piece] = []
+    groups = {}
+    for s in reversed(segs):
+        if fits(s):
+            if s in roots:
+                result.append(whole(s))
+            continue
+        items = []
+        for c in kids[s]:
+            items.extend([whole(c)] if fits(c) else groups.pop(c))
+        ls = int(length[s])
+        cap = M - int(start[s]) - ls
+        items.sort(key=lambda g: -g[2])
+        bins: List[list] = []
+        loads: List[int] = []
+        for it in items:
+            for j in range(len(bins)):
+                if loads[j] + it[2] <= cap:
+                    bins[j].append(it)
+                    loads[j] += it[2]
+                    break
+            else:
+                if it[2] > cap:
+                    raise AssertionError(f"a piece of {it[2]} rows does not fit under segment {s}")
+                bins.append([it])
+                loads.append(it[2])
+        if not bins:
+            raise AssertionError(f"segment {s}: {int(start[s]) + ls} rows on its path exceed the budget {M}")
+        out = []
+        for j, b in enumerate(bins):
+            own = [x for it in b for x in it[0]]
+            rc = [x for it in b for x in it[1]]
+            (own if (j == 0 and s not in recset) else rc).append(s)
+            out.append((own, rc, ls + loads[j]))
+        if s in roots:
+            result.extend(out)
+        else:
+            groups[s] = out
+    return result
+
+
+def _ffd_count(sizes: Sequence[int], cap: int) -> int:
+    """Bins first-fit-decreasing needs (sizes <= cap)."""
+    loads: List[int] = []
+    for x in sorted(sizes, reverse=True):
+        for j in range(len(loads)):
+            if loads[j] + x <= cap:
+                loads[j] += x
+                break
+        else:
+            loads.append(x)
+    return len(loads)
+
+
+def pack_pieces(rows: Sequence[int], costs: Sequence[float], dp: int, M: int,
+                min_bins: Optional[int] = None) -> List[List[int]]:
+    """Spread pieces over a multiple of ``dp`` bins: worst-fit decreasing by cost under the row
+    budget (step 2).  Returns the bins as lists of piece indices (some may be empty)."""
+    n = len(rows)
+    if n == 0:
+        return []
+    count = min_bins if min_bins is not None else _ffd_count(rows, M)
+    K = dp * max(1, -(-count // dp))
+    order = sorted(range(n), key=lambda i: (-costs[i], -rows[i]))
+    while True:
+        heap = [(0.0, j) for j in range(K)]
+        bins: List[List[int]] = [[] for _ in range(K)]
+        brows = [0] * K
+        ok = True
+        for i in order:
+            aside = []
+            while heap:
+                load, j = heapq.heappop(heap)
+                if brows[j] + rows[i] <= M:
+                    bins[j].append(i)
+                    brows[j] += rows[i]
+                    heapq.heappush(heap, (load + costs[i], j))
+                    break
+                aside.append((load, j))
+            else:
+                ok = False
+            for a in aside:
+                heapq.heappush(heap, a)
+            if not ok:
+                break
+        if ok:
+            return bins
+        K += dp
+
+
+def _piece_cost(ix: ForestIndex, model: CostModel, piece: Piece) -> float:
+    """Cost of a piece without the per-microbatch overhead (additive across pieces)."""
+    own = np.asarray(piece[0], dtype=np.int64)
+    comp = np.union1d(own, np.asarray(piece[1], dtype=np.int64))
+    return model.cost(model.features(ix, comp, own)) - model.coefficients.microbatch
+
+
+def balance_pieces(ix: ForestIndex, model: CostModel, pieces: List[Piece], dp: int,
+                   M: int) -> Tuple[List[Piece], List[float], int]:
+    """Split the costliest pieces until there are at least ``K`` (a multiple of ``dp``) pieces
+    and, when ``dp > 1``, none costs more than the mean microbatch cost ``total / K``.
+
+    A split recomputes the shared ancestors of the parts (``split_piece`` at about half the
+    piece's rows), so it costs compression: it happens only where balance needs it.  Returns
+    the pieces, their costs and ``K``.
+    """
+    costs = [_piece_cost(ix, model, p) for p in pieces]
+    K = dp * max(1, -(-_ffd_count([p[2] for p in pieces], M) // dp))
+    stuck = [False] * len(pieces)
+    for _ in range(8 * K + 8 * len(pieces)):
+        cand = -1
+        for i in range(len(pieces)):
+            if not stuck[i] and (cand < 0 or costs[i] > costs[cand]):
+                cand = i
+        if cand < 0:
+            break
+        tau = sum(costs) / K
+        if len(pieces) >= K and (dp == 1 or costs[cand] <= SPLIT_FACTOR * tau):
+            break
+        p = pieces[cand]
+        m = max(piece_depth(ix, p), -(-p[2] // 2))
+        parts = split_piece(ix, p[0], p[1], m) if m < p[2] else [p]
+        if len(parts) < 2:
+            stuck[cand] = True
+            continue
+        pieces[cand:cand + 1] = parts
+        costs[cand:cand + 1] = [_piece_cost(ix, model, q) for q in parts]
+        stuck[cand:cand + 1] = [False] * len(parts)
+    return pieces, costs, K
+
+
+def plan_l1(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel] = None,
+            index: Optional[ForestIndex] = None) -> MicrobatchPlan:
+    """L1 plan of ``forest`` on ``dp`` replicas with at most ``row_budget`` rows per microbatch.
+
+    Raises ``PlanningError`` naming the tree and the budget when some trajectory cannot fit.
+    """
+    t0 = time.perf_counter()
+    model = cost_model or CostModel()
+    ix = index if index is not None else ForestIndex(forest)
+    dp = check_dp(dp)
+    M = check_budget(ix, row_budget)
+    pieces: List[Piece] = []
+    for t in range(ix.num_trees):
+        pieces.extend(split_tree(ix, t, M))
+    pieces, costs, K = balance_pieces(ix, model, pieces, dp, M)
+    rows = [p[2] for p in pieces]
+    bins = pack_pieces(rows, costs, dp, M, min_bins=K)
+    groups = []
+    loads = []
+    for b in bins:
+        owned = [x for i in b for x in pieces[i][0]]
+        rec = [x for i in b for x in pieces[i][1]]
+        groups.append((np.asarray(owned, dtype=np.int64), np.asarray(rec, dtype=np.int64)))
+        loads.append(sum(costs[i] for i in b))
+    placement = place_sorted(loads, dp)
+    plan = assemble_plan(ix, groups, placement, planner="harts_l1", dp=dp, row_budget=M, cost_model=model)
+    plan.plan_seconds = time.perf_counter() - t0
+    return plan

@@ -1,0 +1,498 @@
+"""L2: cross-microbatch sharing, placement on DP replicas in aligned slots, and ordering.
+
+Input: an L1 plan.  Its recomputed segments are the shared prefixes (computed in two or more
+L1 microbatches).  L2
+
+1. *decides producers*: per tree, the shared prefix becomes produced (computed once, read by
+   consumers) when it has at least ``min_producer_rows`` rows and that computes fewer tokens
+   than L1's recomputation (rows saved against KDA replay added at external roots); otherwise
+   the tree keeps L1's pieces (recomputed ancestors).  A shared segment is owned by the first
+   L1 microbatch (index order) that computes it, so owners along a root path never go back in
+   that order: the producer graph is acyclic.
+2. *cuts the work into atoms* that move between microbatches: a produced tree's connected
+   shared segments of one owner (producer atoms) and the maximal private subtrees hanging
+   below them (consumer atoms); an atom's parent atom holds its root's parent segment.  Atoms
+   costing more than ``granularity`` times the mean microbatch cost are cut further at their
+   root (the root becomes a producer atom of its own, its child subtrees consumer atoms),
+   which is free in rows and gives the balancer small pieces.
+3. *places and orders*: slots are filled one after another; an atom is ready in slot ``k`` when
+   its parent atom sits in an earlier slot (then it reads the parent's exports) or in the same
+   microbatch (then the rows are local).  Each slot takes ready atoms, oldest open tree first
+   (consumers drain soon after their producer: short retention), largest first, each into the
+   least-loaded of the slot's ``dp`` microbatches with room for its rows and cost under the
+   slot target (the remaining cost spread over the remaining slots).  Then, per slot, atoms
+   move from the costliest microbatch to the cheapest while that lowers the slot maximum.
+   The number of slots tried starts at the row lower bound; the best-balanced fill is kept.
+
+L2 never computes more tokens than its L1 input: if it would (tiny trees where replay
+outweighs the rows saved), the L1 microbatches are returned with L1's placement.
+"""
+from __future__ import annotations
+
+import math
+import time
+from bisect import bisect_left
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .cost_model import CostModel, ForestIndex
+from .l1 import plan_l1
+from .microbatch import MicrobatchPlan, assemble_plan
+
+__all__ = ["plan_l2", "plan_harts", "Atoms", "build_atoms"]
+
+
+class Atoms:
+    """Units L2 moves: ``segs[a]`` owned (sorted), ``rec[a]`` recomputed, ``parent[a]`` the
+    atom holding its root's parent segment (-1: none), ``tree[a]``, ``rows[a]``, ``cost[a]``
+    (cost model without the per-microbatch and per-call terms)."""
+
+    def __init__(self):
+        self.segs: List[List[int]] = []
+        self.rec: List[List[int]] = []
+        self.parent: List[int] = []
+        self.tree: List[int] = []
+        self.rows: List[int] = []
+        self.cost: List[float] = []
+
+    def add(self, segs, rec, parent, tree) -> int:
+        self.segs.append(segs)
+        self.rec.append(rec)
+        self.parent.append(parent)
+        self.tree.append(tree)
+        self.rows.append(0)
+        self.cost.append(0.0)
+        return len(self.segs) - 1
+
+    def __len__(self):
+        return len(self.segs)
+
+    def children(self) -> List[List[int]]:
+        kids: List[List[int]] = [[] for _ in range(len(self))]
+        for a, p in enumerate(self.parent):
+            if p >= 0:
+                kids[p].append(a)
+        return kids
+
+
+def _atom_cost(ix: ForestIndex, model: CostModel, segs, rec, has_parent: bool) -> Tuple[int, float]:
+    c = model.coefficients
+    own = np.asarray(segs, dtype=np.int64)
+    comp = own if not rec else np.concatenate([own, np.asarray(rec, dtype=np.int64)])
+    rows = int(ix.length[comp].sum())
+    replay = int(ix.start[own[0]]) % model.chunk_size if has_parent else 0
+    cost = (c.row * rows + c.attention_pair * float(ix.seg_pairs[comp].sum())
+            + c.logits_row * float(ix.seg_logits[own].sum()) + c.kda_replay_token * replay)
+    return rows, cost
+
+
+def build_atoms(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
+                min_producer_rows: int) -> Tuple[Atoms, np.ndarray]:
+    """Steps 1 and 2 (before granularity cuts).  Returns the atoms and, per tree, whether its
+    shared prefix is produced."""
+    S = ix.num_segments
+    count = np.zeros(S, dtype=np.int64)
+    first = np.full(S, len(l1.microbatches), dtype=np.int64)
+    for m in l1.microbatches:
+        comp = m.computed
+        count[comp] += 1
+        first[comp] = np.minimum(first[comp], m.index)
+    shared = count >= 2
+    B = model.chunk_size
+    par = ix.parent
+    tree_of = ix.seg_tree
+    offs = ix.tree_offsets
+    produce = np.zeros(ix.num_trees, dtype=bool)
+    for t in range(ix.num_trees):
+        a, b = int(offs[t]), int(offs[t + 1])
+        sh = shared[a:b]
+        if not sh.any():
+            continue
+        shared_rows = int(ix.length[a:b][sh].sum())
+        recompute = int((count[a:b] * ix.length[a:b]).sum())
+        produced = int(ix.length[a:b].sum())
+        for s in range(a, b):
+            p = par[s]
+            if p >= 0 and shared[p] and (not shared[s] or first[s] != first[p]):
+                produced += int(ix.start[s]) % B
+        produce[t] = shared_rows >= min_producer_rows and produced < recompute
+    atoms = Atoms()
+    atom_of = np.full(S, -1, dtype=np.int64)
+    for t in range(ix.num_trees):
+        a, b = int(offs[t]), int(offs[t + 1])
+        if not produce[t]:
+            for m in l1.microbatches:
+                own = m.owned[(m.owned >= a) & (m.owned < b)]
+                if own.size == 0:
+                    continue
+                rec = m.recomputed[(m.recomputed >= a) & (m.recomputed < b)]
+                atoms.add(own.tolist(), rec.tolist(), -1, t)
+            continue
+        for s in range(a, b):
+            p = par[s]
+            if shared[s]:
+                if p >= 0 and first[p] == first[s]:
+                    x = int(atom_of[p])
+                    atoms.segs[x].append(s)
+                else:
+                    x = atoms.add([s], [], int(atom_of[p]) if p >= 0 else -1, t)
+            else:
+                if p >= 0 and not shared[p]:
+                    x = int(atom_of[p])
+                    atoms.segs[x].append(s)
+                else:
+                    x = atoms.add([s], [], int(atom_of[p]) if p >= 0 else -1, t)
+            atom_of[s] = x
+    del tree_of
+    return atoms, produce
+
+
+def _cut(ix: ForestIndex, model: CostModel, atoms: Atoms, threshold: float) -> Atoms:
+    """Step 2's granularity cuts: an atom (without recomputed segments) costing more than
+    ``threshold`` and holding more than one segment becomes its root segment plus one atom
+    per child subtree inside it, recursively.  Owned segments are unchanged."""
+    out = Atoms()
+    new_id: Dict[int, int] = {}
+    order = list(range(len(atoms)))  # parents come before children (built in preorder)
+    for a in order:
+        p = atoms.parent[a]
+        parent = new_id[p] if p >= 0 else -1
+        segs, rec = atoms.segs[a], atoms.rec[a]
+        rows, cost = _atom_cost(ix, model, segs, rec, p >= 0)
+        if rec or cost <= threshold or len(segs) == 1:
+            x = out.add(segs, rec, parent, atoms.tree[a])
+            out.rows[x], out.cost[x] = rows, cost
+            new_id[a] = x
+            continue
+        # cut: stack of (sorted segment list, parent atom id); the first segment is the root
+        # and the last atom of the original atom's root must be what its children point at
+        stack = [(segs, parent, True)]
+        while stack:
+            ss, pa, is_top = stack.pop()
+            rows, cost = _atom_cost(ix, model, ss, [], pa >= 0)
+            if cost <= threshold or len(ss) == 1:
+                x = out.add(ss, [], pa, atoms.tree[a])
+                out.rows[x], out.cost[x] = rows, cost
+                if is_top:
+                    new_id[a] = x
+                continue
+            r = ss[0]
+            x = out.add([r], [], pa, atoms.tree[a])
+            out.rows[x], out.cost[x] = _atom_cost(ix, model, [r], [], pa >= 0)
+            if is_top:
+                new_id[a] = x
+            for c in ix.children[r]:
+                lo = bisect_left(ss, c)
+                if lo < len(ss) and ss[lo] == c:
+                    hi = bisect_left(ss, c + int(ix.sub_size[c]))
+                    stack.append((ss[lo:hi], x, False))
+    # children of a cut atom must hang below the piece holding their parent segment
+    seg_atom: Dict[int, int] = {}
+    for x in range(len(out)):
+        for s in out.segs[x]:
+            seg_atom[s] = x
+    for x in range(len(out)):
+        if out.parent[x] >= 0 and not out.rec[x]:
+            p = ix.parent[out.segs[x][0]]
+            out.parent[x] = seg_atom[p]
+    return out
+
+
+def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
+          tree_rank: np.ndarray, eps: float = 0.01):
+    """Slot-by-slot fill (step 3).  Returns (slot, replica) per atom and the loads."""
+    n = len(atoms)
+    cost, rows, parent, tree = atoms.cost, atoms.rows, atoms.parent, atoms.tree
+    slot_of = [-1] * n
+    mb_of = [-1] * n
+    height = [0] * n  # atoms on the longest chain below an atom
+    order = []
+    stack = [a for a in range(n) if parent[a] < 0]
+    while stack:
+        a = stack.pop()
+        order.append(a)
+        stack.extend(kids[a])
+    for a in reversed(order):
+        if kids[a]:
+            height[a] = 1 + max(height[c] for c in kids[a])
+    remaining = float(sum(cost))
+    pending = [a for a in range(n) if parent[a] < 0]
+    opened: Dict[int, int] = {}
+    k = 0
+    loads_all: List[List[float]] = []
+    members_all: List[List[List[int]]] = []
+    placed = 0
+    while placed < n:
+        left = S - k
+        if left > 1:
+            tau = remaining / (dp * left)
+            hi, lo = tau * (1.0 + eps), tau * (1.0 - eps)
+        else:  # the last planned slot takes everything left, least-loaded first (LPT)
+            hi = lo = math.inf
+        big = len(opened)
+        # atoms with a chain of atoms below them as long as the slots left go first (else the
+        # chain spills past the planned slots), then the oldest open tree, then the largest
+        pending.sort(key=lambda a: (height[a] + 1 < left, opened.get(tree[a], big + int(tree_rank[tree[a]])),
+                                    -cost[a]))
+        loads = [0.0] * dp
+        rws = [0] * dp
+        members: List[List[int]] = [[] for _ in range(dp)]
+        nxt: List[int] = []
+        full = 0
+        for a0 in pending:
+            if full == dp:
+                nxt.append(a0)
+                continue
+            queue = [(a0, -1)]
+            while queue:
+                a, only = queue.pop()
+                # in the last planned slot an atom goes with all its descendants (a bundle), so
+                # that nothing spills past the plan; past it, atoms go one by one
+                bundle = [a]
+                if left == 1 and kids[a]:
+                    i = 0
+                    while i < len(bundle):
+                        bundle.extend(kids[bundle[i]])
+                        i += 1
+                bc = sum(cost[x] for x in bundle)
+                br = sum(rows[x] for x in bundle)
+                best = -1
+                cands = (only,) if only >= 0 else range(dp)
+                for b in cands:
+                    if rws[b] + br > M:
+                        continue
+                    if loads[b] > 0 and loads[b] + bc > hi:
+                        continue
+                    if best < 0 or loads[b] < loads[best]:
+                        best = b
+                if best < 0:
+                    nxt.append(a)  # an atom whose parent is in this slot is ready in the next
+                    continue
+                was_full = loads[best] >= lo
+                for x in bundle:
+                    members[best].append(x)
+                    slot_of[x] = k
+                    mb_of[x] = best
+                loads[best] += bc
+                rws[best] += br
+                if not was_full and loads[best] >= lo:
+                    full += 1
+                placed += len(bundle)
+                remaining -= bc
+                if tree[a] not in opened:
+                    opened[tree[a]] = len(opened)
+                if len(bundle) == 1:
+                    for c in kids[a]:
+                        queue.append((c, best))
+        # atoms whose parent landed in this slot but were not queued (full slot) become ready
+        pending = nxt
+        loads_all.append(loads)
+        members_all.append(members)
+        k += 1
+    return slot_of, mb_of, loads_all, members_all
+
+
+def _rebalance(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, members_all,
+               M: int, rounds: int = 64) -> None:
+    """Per slot, move or swap *local groups* (an atom with its descendants in the same
+    microbatch and slot) between the costliest and the cheapest microbatch while the slot's
+    maximum drops.  A group moves only where its root's parent atom is in an earlier slot or
+    in the target microbatch; the row budget is kept."""
+    cost, rows, parent = atoms.cost, atoms.rows, atoms.parent
+
+    def groups(k, b):
+        out = []
+        for a in members_all[k][b]:
+            p = parent[a]
+            if p >= 0 and slot_of[p] == k and mb_of[p] == b:
+                continue
+            g, i = [a], 0
+            while i < len(g):
+                g.extend(x for x in kids[g[i]] if slot_of[x] == k)
+                i += 1
+            out.append((g, sum(cost[x] for x in g), sum(rows[x] for x in g), p))
+        return out
+
+    def movable(p, k, b):
+        return p < 0 or slot_of[p] < k or (slot_of[p] == k and mb_of[p] == b)
+
+    for k, (loads, members) in enumerate(zip(loads_all, members_all)):
+        dp = len(loads)
+        if dp < 2:
+            continue
+        rws = [sum(rows[a] for a in mem) for mem in members]
+        for _ in range(rounds):
+            bmax = max(range(dp), key=lambda b: loads[b])
+            bmin = min(range(dp), key=lambda b: loads[b])
+            hi_load = loads[bmax]
+            if hi_load - loads[bmin] <= 0:
+                break
+            gmax = groups(k, bmax)
+            gmin = groups(k, bmin)
+            best, best_new = None, hi_load - 1e-12 * max(1.0, hi_load)
+            for gx, cx, rx, px in gmax:
+                if not movable(px, k, bmin):
+                    continue
+                if rws[bmin] + rx <= M:
+                    new = max(hi_load - cx, loads[bmin] + cx)
+                    if new < best_new:
+                        best, best_new = (gx, None), new
+                for gy, cy, ry, py in gmin:
+                    if cy >= cx or not movable(py, k, bmax):
+                        continue
+                    if rws[bmin] + rx - ry > M or rws[bmax] - rx + ry > M:
+                        continue
+                    new = max(hi_load - cx + cy, loads[bmin] + cx - cy)
+                    if new < best_new:
+                        best, best_new = (gx, gy), new
+            if best is None:
+                break
+            for g, src, dst in ((best[0], bmax, bmin), (best[1], bmin, bmax)):
+                if g is None:
+                    continue
+                for a in g:
+                    members[src].remove(a)
+                    members[dst].append(a)
+                    mb_of[a] = dst
+                    loads[src] -= cost[a]
+                    loads[dst] += cost[a]
+                    rws[src] -= rows[a]
+                    rws[dst] += rows[a]
+
+
+def _compact(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, members_all,
+             M: int, tol: float = 0.01) -> None:
+    """Dissolve the last slot into holes of earlier slots when all of its atoms fit there.
+
+    An atom moves to slot ``j`` only where its parent atom is in an earlier slot or in the
+    target microbatch, the rows fit, and the target's load stays within ``(1 + tol)`` of slot
+    ``j``'s maximum (holes are filled, no slot gets slower by more than ``tol``).  Its
+    children, all in the last slot, then read it from slot ``j``.  Repeats while it succeeds.
+    """
+    cost, rows, parent = atoms.cost, atoms.rows, atoms.parent
+    while len(loads_all) > 1:
+        L = len(loads_all) - 1
+        todo = [a for mem in members_all[L] for a in mem]
+        depth = {}
+        for a in todo:
+            d, x = 0, parent[a]
+            while x >= 0 and slot_of[x] == L:
+                d += 1
+                x = parent[x]
+            depth[a] = d
+        todo.sort(key=lambda a: (depth[a], -cost[a]))
+        caps = [max(l) * (1.0 + tol) for l in loads_all[:L]]
+        rws = [[sum(rows[a] for a in mem) for mem in members_all[j]] for j in range(L)]
+        moves = []
+        ok = True
+        for a in todo:
+            p = parent[a]
+            best, best_left = None, None
+            for j in range(L - 1, -1, -1):
+                if p >= 0 and slot_of[p] > j:
+                    break
+                loads = loads_all[j]
+                for b in range(len(loads)):
+                    if p >= 0 and slot_of[p] == j and mb_of[p] != b:
+                        continue
+                    left = caps[j] - loads[b] - cost[a]
+                    if left < 0 or rws[j][b] + rows[a] > M:
+                        continue
+                    if best is None or left < best_left:
+                        best, best_left = (j, b), left
+            if best is None:
+                ok = False
+                break
+            j, b = best
+            moves.append((a, slot_of[a], mb_of[a], j, b))
+            loads_all[j][b] += cost[a]
+            rws[j][b] += rows[a]
+            members_all[j][b].append(a)
+            slot_of[a], mb_of[a] = j, b
+        if not ok:
+            for a, k0, b0, j, b in reversed(moves):
+                loads_all[j][b] -= cost[a]
+                members_all[j][b].remove(a)
+                slot_of[a], mb_of[a] = k0, b0
+            return
+        loads_all.pop()
+        members_all.pop()
+
+
+def _score(loads_all) -> Tuple[float, float]:
+    """(step efficiency, mean slot balance) of a fill, by estimated loads."""
+    means = sum(sum(l) / len(l) for l in loads_all)
+    maxes = sum(max(l) for l in loads_all)
+    bal = [sum(l) / len(l) / max(l) for l in loads_all if max(l) > 0]
+    return (means / maxes if maxes > 0 else 1.0, float(np.mean(bal)) if bal else 1.0)
+
+
+def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = None,
+            index: Optional[ForestIndex] = None, granularity: float = 0.1,
+            min_producer_rows: Optional[int] = None, extra_slots: int = 2) -> MicrobatchPlan:
+    """Refine an L1 plan (module docstring).  ``plan_seconds`` counts L2 alone.
+
+    ``granularity``: atoms costing more than this fraction of the mean microbatch cost are cut
+    (> 0).  ``min_producer_rows``: a tree's shared prefix shorter than this stays recomputed
+    (default: the KDA chunk size).  ``extra_slots``: slot counts tried above the row bound.
+    """
+    t0 = time.perf_counter()
+    if l1.mode != "tree":
+        raise ValueError("L2 refines a tree-mode (L1) plan")
+    model = cost_model or l1.cost_model
+    ix = index if index is not None else ForestIndex(forest)
+    if not granularity > 0:
+        raise ValueError(f"granularity must be > 0, got {granularity}")
+    dp, M = l1.num_replicas, l1.row_budget
+    mpr = model.chunk_size if min_producer_rows is None else int(min_producer_rows)
+    base, _ = build_atoms(ix, l1, model, mpr)
+    for a in range(len(base)):
+        base.rows[a], base.cost[a] = _atom_cost(ix, model, base.segs[a], base.rec[a], base.parent[a] >= 0)
+    total_rows = sum(base.rows)
+    S0 = max(1, math.ceil(math.ceil(total_rows / M) / dp))
+    tau0 = sum(base.cost) / (dp * S0)
+    atoms = _cut(ix, model, base, granularity * tau0)
+    kids = atoms.children()
+    tree_cost = np.zeros(ix.num_trees)
+    np.add.at(tree_cost, np.asarray(atoms.tree, dtype=np.int64), np.asarray(atoms.cost))
+    tree_rank = np.empty(ix.num_trees, dtype=np.int64)
+    tree_rank[np.argsort(-tree_cost, kind="stable")] = np.arange(ix.num_trees)
+    best = None
+    for S in range(S0, S0 + 1 + max(0, extra_slots)):
+        slot_of, mb_of, loads_all, members_all = _fill(atoms, kids, dp, M, S, tree_rank)
+        _compact(atoms, kids, slot_of, mb_of, loads_all, members_all, M)
+        _rebalance(atoms, kids, slot_of, mb_of, loads_all, members_all, M)
+        score = _score(loads_all)
+        key = (score[0], -len(loads_all))
+        if best is None or key > best[0]:
+            best = (key, slot_of, mb_of, members_all)
+        if len(loads_all) <= S:
+            break  # more slots would only spread the same work thinner
+    _, slot_of, mb_of, members_all = best
+    groups, placement = [], []
+    for k, members in enumerate(members_all):
+        for b, mem in enumerate(members):
+            if not mem:
+                continue
+            owned = [s for a in mem for s in atoms.segs[a]]
+            rec = [s for a in mem for s in atoms.rec[a]]
+            groups.append((np.asarray(owned, dtype=np.int64), np.asarray(rec, dtype=np.int64)))
+            placement.append((b, k))
+    plan = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+    if plan.tokens_computed > l1.tokens_computed:
+        groups = [(m.owned, m.recomputed) for m in l1.microbatches]
+        placement = [(m.replica, m.slot) for m in l1.microbatches]
+        plan = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+    plan.plan_seconds = time.perf_counter() - t0
+    return plan
+
+
+def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel] = None,
+               index: Optional[ForestIndex] = None, **l2_options) -> Tuple[MicrobatchPlan, MicrobatchPlan]:
+    """(L1 plan, L1+L2 plan).  The L1+L2 plan's ``plan_seconds`` includes L1's time."""
+    ix = index if index is not None else ForestIndex(forest)
+    l1 = plan_l1(forest, dp, row_budget, cost_model=cost_model, index=ix)
+    l2 = plan_l2(forest, l1, cost_model=cost_model, index=ix, **l2_options)
+    l2.plan_seconds += l1.plan_seconds
+    return l1, l2

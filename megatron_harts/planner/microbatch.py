@@ -1,0 +1,391 @@
+"""Microbatch plans: what the model, the schedule and the data loader read.
+
+A plan covers one global batch (one optimizer step) on ``num_replicas`` data-parallel
+replicas.  Every replica runs the same number of microbatch *slots* (``num_slots``); slot
+``k`` of every replica runs at the same time, so a microbatch may read the exports of a
+*producer* only when the producer sits in an earlier slot (of any replica) — or, trivially,
+when the rows are its own.
+
+Unit of work: whole segments.  A microbatch computes a set of segments (``computed``): the
+``owned`` ones carry their targets (logits, loss) for every trajectory through them, the
+``recomputed`` ones are context only (ancestors also computed elsewhere, no logits).  Every
+segment of the forest is owned by exactly one microbatch.  Rows not computed in a microbatch
+but on the root path of an owned segment come from producers as ``external`` context (MLA
+keys/values, KDA boundary states and replay inputs, conv context of those rows).  A segment is
+never split into row ranges: the planners refuse a row budget smaller than the longest
+root-to-leaf path (``check_budget``), so every segment, and every trajectory with all its
+ancestors, fits in one microbatch.  ``Microbatch.row_ranges`` gives the forest rows of a
+microbatch as ``[lo, hi)`` ranges (segments are contiguous in the row layout).
+
+Expanded-mode plans (the trajectory-packing baseline) list ``trajectories`` instead: each is
+computed on its own, no sharing, and ``owned``/``recomputed`` are empty.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .cost_model import CostFeatures, CostModel, ForestIndex
+
+__all__ = [
+    "PlanningError", "ExternalContext", "Microbatch", "SharingWindow", "MicrobatchPlan",
+    "check_budget", "check_dp", "assemble_plan", "assemble_expanded_plan", "place_sorted",
+]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class PlanningError(ValueError):
+    """Input the planners refuse: the message names the tree (or trajectory) and the budget."""
+
+
+def check_dp(dp) -> int:
+    if isinstance(dp, bool) or not isinstance(dp, (int, np.integer)) or dp < 1:
+        raise PlanningError(f"the data-parallel size must be an integer >= 1, got {dp!r}")
+    return int(dp)
+
+
+def check_budget(ix: ForestIndex, row_budget) -> int:
+    """Refuse a row budget under which some tree cannot be planned.
+
+    Every trajectory must fit in one microbatch with all its ancestors (the recompute-only
+    fallback every planner relies on), so the budget must be at least the longest root-to-leaf
+    path of every tree.  The error names the first offending tree, its longest trajectory and
+    the budget.
+    """
+    if isinstance(row_budget, bool) or not isinstance(row_budget, (int, np.integer)) or row_budget < 1:
+        raise PlanningError(f"the microbatch row budget must be an integer >= 1, got {row_budget!r}")
+    M = int(row_budget)
+    bad = np.flatnonzero(ix.tree_max_path > M)
+    if bad.size:
+        t = int(bad[0])
+        traj = ix.tree_longest_traj[t]
+        raise PlanningError(
+            f"tree {t} (trajectory {ix.forest.traj_ids[traj]!r}) has a root-to-leaf path of "
+            f"{int(ix.tree_max_path[t])} rows, more than the microbatch row budget {M}: it cannot be "
+            f"placed under that budget ({bad.size} tree(s) affected); use a budget of at least "
+            f"{int(ix.tree_max_path.max())} rows")
+    return M
+
+
+@dataclass(frozen=True)
+class ExternalContext:
+    """Rows a consumer reads from one producer: ``segments`` (preorder), ``rows`` in total."""
+    producer: int
+    segments: np.ndarray
+    rows: int
+
+
+@dataclass
+class Microbatch:
+    """One microbatch of a plan.
+
+    Invariants (``MicrobatchPlan.validate``): ``owned`` and ``recomputed`` are disjoint, sorted
+    segment ids; every ancestor of an owned segment is computed here or read from
+    ``external``; every recomputed segment is an ancestor of an owned one; ``rows <=
+    row_budget``.  ``consumers`` are the microbatches that read this one's rows.
+    """
+    index: int
+    replica: int
+    slot: int
+    owned: np.ndarray
+    recomputed: np.ndarray
+    external: Tuple[ExternalContext, ...]
+    consumers: Tuple[int, ...]
+    features: CostFeatures
+    cost: float
+    trajectories: np.ndarray = field(default_factory=lambda: _EMPTY)
+    recomputed_rows: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows computed here (owned + recomputed, or the packed trajectories)."""
+        return self.features.rows
+
+    @property
+    def computed(self) -> np.ndarray:
+        return np.union1d(self.owned, self.recomputed)
+
+    @property
+    def external_rows(self) -> int:
+        return sum(e.rows for e in self.external)
+
+    @property
+    def is_producer(self) -> bool:
+        return bool(self.consumers)
+
+    @property
+    def producers(self) -> Tuple[int, ...]:
+        return tuple(e.producer for e in self.external)
+
+    def row_ranges(self, forest) -> List[Tuple[int, int]]:
+        """Forest rows computed here as sorted, merged ``[lo, hi)`` ranges (compact mode)."""
+        segs = self.computed
+        lo = forest.seg_row[segs]
+        hi = lo + forest.seg_length[segs]
+        out: List[Tuple[int, int]] = []
+        for a, b in zip(lo.tolist(), hi.tolist()):
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        return out
+
+
+@dataclass(frozen=True)
+class SharingWindow:
+    """A producer and the consumers that read its exports (``segments``, ``rows`` rows).
+
+    The producer runs in ``producer_slot``; every consumer runs in a later slot; the exports
+    stay alive until ``last_slot`` (the last consumer's slot): ``retention`` slots.
+    """
+    producer: int
+    consumers: Tuple[int, ...]
+    segments: np.ndarray
+    rows: int
+    producer_slot: int
+    last_slot: int
+
+    @property
+    def retention(self) -> int:
+        return self.last_slot - self.producer_slot
+
+
+@dataclass
+class MicrobatchPlan:
+    """A global batch planned on ``num_replicas`` replicas in ``num_slots`` aligned slots.
+
+    ``slots[r, k]`` is the microbatch that replica ``r`` runs in slot ``k`` (-1: an idle
+    slot).  ``microbatches[i].index == i``; they are numbered by (slot, replica), so index
+    order is an execution order in which every producer precedes its consumers.
+    """
+    planner: str
+    mode: str                       # "tree" or "expanded"
+    num_replicas: int
+    num_slots: int
+    row_budget: int
+    chunk_size: int
+    microbatches: List[Microbatch]
+    slots: np.ndarray
+    windows: List[SharingWindow]
+    expanded_tokens: int
+    plan_seconds: float
+    cost_model: CostModel
+
+    @property
+    def tokens_computed(self) -> int:
+        """Every computed token: rows of every microbatch (producers once, recomputed
+        ancestors each time) plus KDA replay tokens."""
+        return sum(m.features.rows + m.features.replay_tokens for m in self.microbatches)
+
+    def at(self, replica: int, slot: int) -> Optional[Microbatch]:
+        i = int(self.slots[replica, slot])
+        return None if i < 0 else self.microbatches[i]
+
+    def schedule(self, replica: int) -> List[Optional[Microbatch]]:
+        """The microbatches replica ``replica`` runs, slot by slot (None: idle slot)."""
+        return [self.at(replica, k) for k in range(self.num_slots)]
+
+    def cost_matrix(self) -> np.ndarray:
+        """float64[num_replicas, num_slots]: cost of each slot entry (0 when idle)."""
+        c = np.zeros(self.slots.shape, dtype=np.float64)
+        for m in self.microbatches:
+            c[m.replica, m.slot] = m.cost
+        return c
+
+    def validate(self, forest) -> None:
+        """Check every plan invariant against ``forest``; raise ``AssertionError`` naming it.
+
+        Tree mode: every segment owned exactly once (so every target of every trajectory is
+        computed exactly once); each owned segment's root path computed locally or read from
+        producers that own those segments and run in an earlier slot; recomputed segments are
+        ancestors of owned ones; no microbatch over the row budget; slots aligned (one entry
+        per replica and slot, each microbatch exactly once); windows match the external reads.
+        Expanded mode: every trajectory in exactly one microbatch, none over budget.
+        """
+        R, S = self.num_replicas, self.num_slots
+        assert self.slots.shape == (R, S), f"slots shape {self.slots.shape} != {(R, S)}"
+        ids = self.slots[self.slots >= 0]
+        assert np.array_equal(np.sort(ids), np.arange(len(self.microbatches))), \
+            "every microbatch must sit in exactly one (replica, slot)"
+        for i, m in enumerate(self.microbatches):
+            assert m.index == i, f"microbatch {i}: index {m.index}"
+            assert self.slots[m.replica, m.slot] == i, f"microbatch {i}: replica/slot mismatch"
+            assert m.rows <= self.row_budget, \
+                f"microbatch {i}: {m.rows} rows over the budget {self.row_budget}"
+        order = sorted(range(len(self.microbatches)),
+                       key=lambda i: (self.microbatches[i].slot, self.microbatches[i].replica))
+        assert order == list(range(len(order))), "microbatches must be numbered by (slot, replica)"
+        if self.mode == "expanded":
+            seen = np.zeros(forest.num_trajectories, dtype=np.int64)
+            for m in self.microbatches:
+                seen[m.trajectories] += 1
+                assert m.features.rows == int(forest.traj_length[m.trajectories].sum())
+            assert np.all(seen == 1), "every trajectory must be packed exactly once"
+            return
+        assert self.mode == "tree", f"unknown mode {self.mode!r}"
+        parent = forest.seg_parent
+        owner = np.full(forest.num_segments, -1, dtype=np.int64)
+        for m in self.microbatches:
+            assert np.all(np.diff(m.owned) > 0) and np.all(np.diff(m.recomputed) > 0), \
+                f"microbatch {m.index}: segment lists must be sorted and unique"
+            assert np.all(owner[m.owned] == -1), \
+                f"microbatch {m.index}: owns a segment another microbatch owns"
+            owner[m.owned] = m.index
+        assert np.all(owner >= 0), f"segments {np.flatnonzero(owner < 0)[:5].tolist()} owned by no microbatch"
+        reads: Dict[int, set] = {}
+        for m in self.microbatches:
+            comp = set(m.owned.tolist())
+            rec = set(m.recomputed.tolist())
+            assert not comp & rec, f"microbatch {m.index}: a segment both owned and recomputed"
+            comp |= rec
+            ext: Dict[int, int] = {}
+            for e in m.external:
+                p = self.microbatches[e.producer]
+                assert p.slot < m.slot, \
+                    f"microbatch {m.index} (slot {m.slot}) reads producer {p.index} of slot {p.slot}"
+                for s in e.segments.tolist():
+                    assert owner[s] == e.producer, f"microbatch {m.index}: segment {s} not owned by {e.producer}"
+                    assert s not in comp and s not in ext, f"microbatch {m.index}: segment {s} twice"
+                    ext[s] = e.producer
+                assert e.rows == int(forest.seg_length[e.segments].sum())
+                reads.setdefault(e.producer, set()).add(m.index)
+            needed = set()
+            for s in m.owned.tolist():
+                a = int(parent[s])
+                while a >= 0:
+                    needed.add(a)
+                    assert a in comp or a in ext, \
+                        f"microbatch {m.index}: ancestor {a} of owned segment {s} neither computed nor read"
+                    a = int(parent[a])
+            assert rec <= needed, f"microbatch {m.index}: recomputes segments no owned segment needs"
+            assert set(ext) <= needed, f"microbatch {m.index}: reads segments no owned segment needs"
+            assert m.rows == int(forest.seg_length[m.computed].sum()), f"microbatch {m.index}: rows"
+            assert m.recomputed_rows == int(forest.seg_length[m.recomputed].sum())
+        for m in self.microbatches:
+            assert set(m.consumers) == reads.get(m.index, set()), f"microbatch {m.index}: consumers"
+        wins = {w.producer: w for w in self.windows}
+        assert set(wins) == set(reads), "one sharing window per producer"
+        for p, w in wins.items():
+            assert set(w.consumers) == reads[p]
+            assert w.producer_slot == self.microbatches[p].slot
+            assert w.last_slot == max(self.microbatches[c].slot for c in w.consumers)
+
+
+# ---------------------------------------------------------------------------------------------
+# building plans
+# ---------------------------------------------------------------------------------------------
+
+def place_sorted(costs: Sequence[float], dp: int) -> List[Tuple[int, int]]:
+    """(replica, slot) of each bin: bins sorted by decreasing cost fill slot after slot, so a
+    slot holds ``dp`` bins of similar cost (the baseline placement, also L1's)."""
+    order = sorted(range(len(costs)), key=lambda i: -costs[i])
+    place = [(0, 0)] * len(costs)
+    for j, i in enumerate(order):
+        place[i] = (j % dp, j // dp)
+    return place
+
+
+def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]],
+                  placement: Sequence[Tuple[int, int]], *, planner: str, dp: int,
+                  row_budget: int, cost_model: CostModel, plan_seconds: float = 0.0) -> MicrobatchPlan:
+    """Turn ``groups`` (owned, recomputed segment arrays, one per microbatch) placed at
+    ``placement`` ((replica, slot) each) into a plan: microbatches numbered by (slot, replica),
+    slots compacted (idle slots at the end dropped), external context read from the owners of
+    the missing ancestors, sharing windows, exact cost features.
+
+    Raises ``PlanningError`` if a microbatch exceeds the row budget (never a silent
+    over-budget plan) and ``AssertionError`` if a placement puts a consumer before its producer.
+    """
+    n = len(groups)
+    keep = [i for i in range(n) if len(groups[i][0])]
+    used_slots = sorted({placement[i][1] for i in keep})
+    slot_map = {s: k for k, s in enumerate(used_slots)}
+    order = sorted(keep, key=lambda i: (slot_map[placement[i][1]], placement[i][0]))
+    S = len(used_slots)
+    slots = np.full((dp, S), -1, dtype=np.int64)
+    owner = np.full(ix.num_segments, -1, dtype=np.int64)
+    owned_l, rec_l = [], []
+    for new, i in enumerate(order):
+        own = np.unique(np.asarray(groups[i][0], dtype=np.int64))
+        rec = np.setdiff1d(np.asarray(groups[i][1], dtype=np.int64), own)
+        owned_l.append(own)
+        rec_l.append(rec)
+        owner[own] = new
+        r, s = placement[i][0], slot_map[placement[i][1]]
+        assert slots[r, s] == -1, f"two microbatches at replica {r}, slot {s}"
+        slots[r, s] = new
+    parent = ix.parent
+    length = ix.length
+    mbs: List[Microbatch] = []
+    consumers: Dict[int, set] = {}
+    exported: Dict[int, set] = {}
+    for new, i in enumerate(order):
+        own, rec = owned_l[new], rec_l[new]
+        comp = np.union1d(own, rec)
+        comp_set = set(comp.tolist())
+        ext: Dict[int, List[int]] = {}
+        seen = set()
+        for s in comp.tolist():
+            a = parent[s]
+            while a >= 0 and a not in comp_set and a not in seen:
+                seen.add(a)
+                ext.setdefault(int(owner[a]), []).append(a)
+                a = parent[a]
+        r, k = placement[i][0], slot_map[placement[i][1]]
+        external = []
+        for p in sorted(ext):
+            segs = np.array(sorted(ext[p]), dtype=np.int64)
+            external.append(ExternalContext(p, segs, int(length[segs].sum())))
+            consumers.setdefault(p, set()).add(new)
+            exported.setdefault(p, set()).update(ext[p])
+        feats = cost_model.features(ix, comp, own)
+        if feats.rows > row_budget:
+            t = int(ix.seg_tree[comp[0]])
+            raise PlanningError(f"{planner}: a microbatch of tree {t} has {feats.rows} rows, over the "
+                                f"row budget {row_budget}")
+        mbs.append(Microbatch(index=new, replica=r, slot=k, owned=own, recomputed=rec,
+                              external=tuple(external), consumers=(), features=feats,
+                              cost=cost_model.cost(feats), recomputed_rows=int(length[rec].sum())))
+    windows = []
+    for p in sorted(consumers):
+        cons = tuple(sorted(consumers[p]))
+        mbs[p].consumers = cons
+        segs = np.array(sorted(exported[p]), dtype=np.int64)
+        last = max(mbs[c].slot for c in cons)
+        assert all(mbs[c].slot > mbs[p].slot for c in cons), \
+            f"{planner}: a consumer of microbatch {p} runs in its slot or before it"
+        windows.append(SharingWindow(p, cons, segs, int(length[segs].sum()), mbs[p].slot, last))
+    return MicrobatchPlan(planner=planner, mode="tree", num_replicas=dp, num_slots=S,
+                          row_budget=row_budget, chunk_size=cost_model.chunk_size, microbatches=mbs,
+                          slots=slots, windows=windows, expanded_tokens=ix.expanded_tokens,
+                          plan_seconds=plan_seconds, cost_model=cost_model)
+
+
+def assemble_expanded_plan(ix: ForestIndex, bins: Sequence[Sequence[int]],
+                           placement: Sequence[Tuple[int, int]], *, planner: str, dp: int,
+                           row_budget: int, cost_model: CostModel,
+                           plan_seconds: float = 0.0) -> MicrobatchPlan:
+    """An expanded-mode plan: ``bins`` of trajectory indices packed without sharing."""
+    keep = [i for i in range(len(bins)) if len(bins[i])]
+    used_slots = sorted({placement[i][1] for i in keep})
+    slot_map = {s: k for k, s in enumerate(used_slots)}
+    order = sorted(keep, key=lambda i: (slot_map[placement[i][1]], placement[i][0]))
+    slots = np.full((dp, len(used_slots)), -1, dtype=np.int64)
+    mbs = []
+    for new, i in enumerate(order):
+        trajs = np.sort(np.asarray(bins[i], dtype=np.int64))
+        feats = cost_model.expanded_features(ix, trajs)
+        if feats.rows > row_budget:
+            raise PlanningError(f"{planner}: a microbatch has {feats.rows} rows, over the row budget {row_budget}")
+        r, k = placement[i][0], slot_map[placement[i][1]]
+        slots[r, k] = new
+        mbs.append(Microbatch(index=new, replica=r, slot=k, owned=_EMPTY, recomputed=_EMPTY,
+                              external=(), consumers=(), features=feats, cost=cost_model.cost(feats),
+                              trajectories=trajs))
+    return MicrobatchPlan(planner=planner, mode="expanded", num_replicas=dp, num_slots=len(used_slots),
+                          row_budget=row_budget, chunk_size=cost_model.chunk_size, microbatches=mbs,
+                          slots=slots, windows=[], expanded_tokens=ix.expanded_tokens,
+                          plan_seconds=plan_seconds, cost_model=cost_model)
