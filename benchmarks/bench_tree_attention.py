@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""Tree attention (FlexAttention, interval block mask) vs dense causal SDPA vs expanded attention.
+
+One run, same device, same dtype, fwd+bwd each:
+
+- ``tree_flex``: :func:`megatron_harts.ops.tree_attention` with ``backend="flex"`` over the
+  compact rows of SWE-like rollout trees (``megatron_harts.tree_data.synthetic``); the block
+  mask is built once (its build time is reported separately, it is shared by all layers).
+- ``causal_sdpa``: ``scaled_dot_product_attention(is_causal=True)`` over the same R rows, as if
+  they were one sequence: the speed of light for a kernel doing R(R+1)/2 pairs.
+- ``expanded_flex``: what expanded training does: every trajectory's own causal attention,
+  packed (document-causal FlexAttention mask) over all trajectories' tokens.
+- ``expanded_sdpa_loop`` (``--expanded-loop``): one causal SDPA call per trajectory.
+- ``tree_sdpa`` (``--tree-sdpa``, default on CPU): the chunked dense-mask fallback backend.
+
+Reported per method: time, visible (query, key) pairs, time per pair, and the ratio of time
+per pair to causal SDPA's (target for tree_flex on GPU: <= 1.5).  Also the wall-time speedup of
+tree_flex over expanded attention.  Before timing, tree_flex's output and input gradients are
+checked against expanded attention of the same values (max error and cosine, reported).
+
+On CPU torch's FlexAttention has no backward: flex methods are timed forward only there
+(``bwd`` fields are null).  Use ``--device cpu --rows 512`` for a smoke run.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_harts.layout import Visibility, build_layout  # noqa: E402
+from megatron_harts.ops.tree_attention import build_tree_block_mask, tree_attention  # noqa: E402
+from megatron_harts.tree_data import build_forest  # noqa: E402
+from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe  # noqa: E402
+
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rows", type=int, default=32768, help="target number of compact rows (whole trees are "
+                   "added while they fit; default 32768)")
+    p.add_argument("--scheme", default="tree-step", choices=["tree-step", "step-wise"])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); default = --heads")
+    p.add_argument("--head-dim", type=int, default=128, help="q/k and v head dim (ignored with --mla)")
+    p.add_argument("--mla", action="store_true", help="MLA-like head dims: q/k 192, v 128")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--expanded-loop", action="store_true", help="also time one causal SDPA call per trajectory")
+    p.add_argument("--tree-sdpa", action="store_true", default=None,
+                   help="also time the chunked dense-mask tree backend (default: on CPU only)")
+    p.add_argument("--no-check", action="store_true", help="skip the tree-vs-expanded correctness check")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = p.parse_args(argv)
+    for name in ("rows", "heads", "head_dim", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+        p.error("--kv-heads must divide --heads")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if args.tree_sdpa is None:
+        args.tree_sdpa = torch.device(args.device).type == "cpu"
+    return args
+
+
+# ---------------------------------------------------------------------------
+# workload
+# ---------------------------------------------------------------------------
+
+def swe_forest(target_rows: int, scheme: str, seed: int):
+    """Whole SWE-like trees (one task, one sampled rollout tree each) added while the total
+    stays <= target_rows, until it reaches 3/4 of it.
+
+    Full-size trees (3000-token prompt, 8 leaves, <= 8192 tokens per trajectory) are 10k-30k
+    rows; below 32k target rows the synthetic lengths are scaled down so that several fit.
+    """
+    scale = min(1.0, target_rows / 32768)
+    trajs, rows, task = [], 0, 0
+    for attempt in range(200):
+        cfg = SweConfig(scheme=scheme, num_tasks=1, samples_per_task=1, max_leaves=8,
+                        prompt_median=max(8, int(3000 * scale)), action_median=max(2, int(150 * scale)),
+                        observation_median=max(2, int(400 * scale)), max_tokens=max(64, int(8192 * scale)),
+                        seed=seed * 100003 + attempt)
+        group = synthesize_swe(cfg)
+        n = build_forest(group).num_rows
+        if rows + n <= target_rows:
+            for t in group:
+                t.group = f"task{task}"
+                t.id = f"task{task}/{t.id}"
+            trajs.extend(group)
+            rows += n
+            task += 1
+        if rows >= 0.75 * target_rows:
+            break
+    if not trajs:
+        raise SystemExit(f"no synthetic tree fits in --rows {target_rows}")
+    return build_forest(trajs)
+
+
+def packed_causal_visibility(lengths: torch.Tensor) -> Visibility:
+    """Document-causal visibility over trajectories packed end to end: key k sees [k, end of its doc)."""
+    E = int(lengths.sum())
+    ends = torch.repeat_interleave(torch.cumsum(lengths, 0), lengths)
+    return Visibility(torch.arange(E + 1), torch.arange(E), ends, E, causal=True)
+
+
+# ---------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, warmup, repeats):
+    """Median wall time (ms) of fn() over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize(device)
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def fwd_bwd(attn, inputs, grad_out, backward: bool):
+    def run():
+        if backward:
+            for t in inputs:
+                t.grad = None
+            out = attn(*inputs)
+            out.backward(grad_out)
+        else:
+            with torch.no_grad():
+                attn(*inputs)
+    return run
+
+
+def cosine(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+# ---------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    on_cpu = device.type == "cpu"
+    H = args.heads
+    Hk = args.kv_heads or H
+    dqk, dv = (192, 128) if args.mla else (args.head_dim, args.head_dim)
+
+    forest = swe_forest(args.rows, args.scheme, args.seed)
+    layout = build_layout(forest).to(device)
+    R = layout.num_rows
+    lengths = layout.traj_length.cpu()
+    E = int(lengths.sum())
+    tree_pairs = int((layout.position_ids + 1).sum())
+    causal_pairs = R * (R + 1) // 2
+    expanded_pairs = int((lengths * (lengths + 1) // 2).sum())
+
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    mk = lambda *s: (torch.randn(*s, device=device, generator=gen) * 0.5).to(dtype).requires_grad_()
+    q, k, v = mk(R, H, dqk), mk(R, Hk, dqk), mk(R, Hk, dv)
+    g = torch.randn(R, H, dv, device=device, generator=gen).to(dtype)
+    rows = layout.traj_rows
+    qe, ke, ve = (t.detach()[rows].clone().requires_grad_() for t in (q, k, v))
+    ge = g[rows]
+    scale = dqk ** -0.5
+
+    bm = build_tree_block_mask(layout, block_size=args.block_size)
+    block_mask_ms = timed(lambda: build_tree_block_mask(layout, block_size=args.block_size), device, 1,
+                          max(1, args.repeats // 2))
+    exp_vis = packed_causal_visibility(lengths).to(device)
+    exp_bm = build_tree_block_mask(exp_vis, block_size=args.block_size)
+
+    tree_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="flex", block_mask=bm)
+    exp_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, exp_vis, scale, backend="flex", block_mask=exp_bm)
+
+    def causal(q_, k_, v_):
+        o = F.scaled_dot_product_attention(q_.transpose(0, 1)[None], k_.transpose(0, 1)[None],
+                                           v_.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                           enable_gqa=H != Hk)
+        return o[0].transpose(0, 1)
+
+    offsets = layout.traj_row_offsets.tolist()
+
+    def expanded_loop(q_, k_, v_):
+        return torch.cat([causal(q_[a:b], k_[a:b], v_[a:b]) for a, b in zip(offsets[:-1], offsets[1:])])
+
+    check = None
+    if not args.no_check:
+        grad_ok = not on_cpu
+        with torch.set_grad_enabled(grad_ok):
+            out_t = tree_flex(q, k, v)
+            out_e = exp_flex(qe, ke, ve) if not on_cpu else tree_attention(qe, ke, ve, exp_vis, scale, backend="sdpa")
+        check = {"out_max_abs_err": float((out_t[rows] - out_e).abs().max()),
+                 "out_cosine": cosine(out_t[rows], out_e)}
+        if grad_ok:
+            gt = torch.autograd.grad(out_t, (q, k, v), g)
+            # expanded gradients summed back onto rows = what tree mode must produce
+            ge_in = torch.autograd.grad(out_e, (qe, ke, ve), ge)
+            for name, a, b in zip("qkv", gt, ge_in):
+                summed = torch.zeros_like(a, dtype=torch.float32).index_add_(0, rows, b.float())
+                check[f"grad_{name}_cosine"] = cosine(a, summed)
+                check[f"grad_{name}_max_abs_err"] = float((a.float() - summed).abs().max())
+        del out_t, out_e
+
+    methods = [("tree_flex", tree_flex, (q, k, v), g, tree_pairs, True),
+               ("causal_sdpa", causal, (q, k, v), g, causal_pairs, False),
+               ("expanded_flex", exp_flex, (qe, ke, ve), ge, expanded_pairs, True)]
+    if args.expanded_loop:
+        methods.append(("expanded_sdpa_loop", expanded_loop, (qe, ke, ve), ge, expanded_pairs, False))
+    if args.tree_sdpa:
+        methods.append(("tree_sdpa", lambda a, b, c: tree_attention(a, b, c, layout, scale, backend="sdpa"),
+                        (q, k, v), g, tree_pairs, False))
+    results = {}
+    for name, fn, inputs, gout, pairs, is_flex in methods:
+        backward = not (is_flex and on_cpu)
+        fwd = timed(fwd_bwd(fn, inputs, gout, False), device, args.warmup, args.repeats)
+        both = timed(fwd_bwd(fn, inputs, gout, True), device, args.warmup, args.repeats) if backward else None
+        results[name] = {"pairs": pairs, "fwd_ms": fwd, "fwd_bwd_ms": both}
+    base = results["causal_sdpa"]
+    key = "fwd_bwd_ms"
+    for name, r in results.items():
+        for kind in ("fwd_ms", "fwd_bwd_ms"):
+            t = r[kind]
+            per = None if t is None else t / r["pairs"]
+            r[kind.replace("_ms", "_ns_per_pair")] = None if per is None else per * 1e6
+            ref = base[kind]
+            r[kind.replace("_ms", "_per_pair_vs_causal")] = (
+                None if per is None or ref is None else per / (ref / base["pairs"]))
+    tf, ef = results["tree_flex"], results["expanded_flex"]
+    summary = {
+        "tree_flex_per_pair_vs_causal_fwd_bwd": tf["fwd_bwd_per_pair_vs_causal"],
+        "tree_flex_per_pair_vs_causal_fwd": tf["fwd_per_pair_vs_causal"],
+        "target_per_pair_vs_causal": 1.5,
+        "speedup_tree_vs_expanded_fwd_bwd": (ef[key] / tf[key]) if tf[key] and ef[key] else None,
+        "speedup_tree_vs_expanded_fwd": ef["fwd_ms"] / tf["fwd_ms"],
+    }
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "dtype": args.dtype, "heads": H, "kv_heads": Hk, "dqk": dqk, "dv": dv,
+        "block_size": args.block_size, "scheme": args.scheme,
+        "rows": R, "trees": layout.num_trees, "trajectories": layout.num_trajectories,
+        "expanded_tokens": E, "compression": E / R,
+        "pairs": {"tree": tree_pairs, "causal": causal_pairs, "expanded": expanded_pairs},
+        "block_mask_build_ms": block_mask_ms, "check": check, "methods": results, "summary": summary,
+        "note": "flex has no backward on CPU: fwd_bwd is null there" if on_cpu else None,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return report
+    print(f"{report['device']}  torch {report['torch']}  {args.dtype}  heads {H}/{Hk}  dims {dqk}/{dv}")
+    print(f"rows {R} in {layout.num_trees} trees, {layout.num_trajectories} trajectories, expanded tokens {E} "
+          f"(compression {E / R:.2f}x); block mask build {block_mask_ms:.2f} ms")
+    if check:
+        print("check vs expanded: " + ", ".join(f"{k_} {v_:.3g}" for k_, v_ in check.items()))
+    print(f"{'method':<20}{'pairs':>13}{'fwd ms':>11}{'ns/pair':>10}{'x causal':>9}"
+          f"{'fwd+bwd ms':>12}{'ns/pair':>10}{'x causal':>9}")
+    fmt = lambda x, f: "-" if x is None else format(x, f)
+    for name, r in results.items():
+        print(f"{name:<20}{r['pairs']:>13}{r['fwd_ms']:>11.3f}{r['fwd_ns_per_pair']:>10.4f}"
+              f"{r['fwd_per_pair_vs_causal']:>9.2f}{fmt(r['fwd_bwd_ms'], '.3f'):>12}"
+              f"{fmt(r['fwd_bwd_ns_per_pair'], '.4f'):>10}{fmt(r['fwd_bwd_per_pair_vs_causal'], '.2f'):>9}")
+    s = summary
+    rel = s["tree_flex_per_pair_vs_causal_fwd_bwd"] or s["tree_flex_per_pair_vs_causal_fwd"]
+    sp = s["speedup_tree_vs_expanded_fwd_bwd"] or s["speedup_tree_vs_expanded_fwd"]
+    print(f"tree_flex time/pair vs causal SDPA: {rel:.2f}x (target <= 1.5); tree vs expanded: {sp:.2f}x faster"
+          + ("  [CPU: forward only]" if on_cpu else ""))
+    return report
+
+
+if __name__ == "__main__":
+    main()
