@@ -75,7 +75,8 @@ def megatron_cpu(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234, init_w
         "current_device": torch.cuda.current_device,
         "synchronize": torch.cuda.synchronize,
         "get_cuda_rng_tracker": mrandom.get_cuda_rng_tracker,
-        "device_count": torch.cuda.device_count,
+        "get_state": mrandom._get_cuda_rng_state,
+        "set_state": mrandom._set_cuda_rng_state,
     }
     tracker = _CpuRngTracker()
     tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
@@ -86,6 +87,9 @@ def megatron_cpu(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234, init_w
     try:
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *a, **k: None
+        # activation recomputation saves/restores the "CUDA" RNG state: use the CPU generator's
+        mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+        mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
         # every module that imported get_cuda_rng_tracker by name
         import sys
         for mod in list(sys.modules.values()):
@@ -110,3 +114,5 @@ def megatron_cpu(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234, init_w
             mod.get_cuda_rng_tracker = saved["get_cuda_rng_tracker"]
         torch.cuda.current_device = saved["current_device"]
         torch.cuda.synchronize = saved["synchronize"]
+        mrandom._get_cuda_rng_state = saved["get_state"]
+        mrandom._set_cuda_rng_state = saved["set_state"]

@@ -1,1 +1,28 @@
-"""Megatron modules and layer specs for hybrid KDA/MLA MoE models in tree and expanded mode."""
+"""Megatron modules and layer specs of the hybrid KDA/MLA MoE model, tree-aware.
+
+Public API:
+
+- :class:`HybridConfig` (config.py): megatron TransformerConfig + KDA/MLA/pattern fields.
+- :func:`build_hybrid_model` (model.py) -> :class:`HybridModel` (a GPTModel).
+- :class:`TreePackedSeqParams` (packed.py): ``for_tree(layout, ...)`` (tree mode) and
+  ``for_sequences(lengths)`` (expanded mode), passed as ``packed_seq_params``.
+- building blocks: :class:`RMSNorm` (SP-aware), :class:`KimiDeltaAttention`, :class:`TreeMLA`,
+  :class:`HybridRouter`, :class:`HybridTransformerLayer`, :func:`hybrid_block_spec`.
+- transformers conversion (hf_convert.py): :func:`hf_to_megatron`, :func:`megatron_to_hf`,
+  :func:`load_hf_weights`, :func:`kimi_linear_hf_config`.
+
+Call ``megatron_harts.patches.apply()`` before building (megatron-core 0.16.1 without TE).
+"""
+from .config import HybridConfig
+from .hf_convert import hf_to_megatron, kimi_linear_hf_config, load_hf_weights, megatron_to_hf
+from .kda import KimiDeltaAttention
+from .layer import HybridTransformerLayer, hybrid_block_spec
+from .mla import TreeMLA
+from .model import HybridModel, build_hybrid_model, validate_config
+from .norm import RMSNorm
+from .packed import TreePackedSeqParams
+from .router import HybridRouter
+
+__all__ = ["HybridConfig", "HybridModel", "build_hybrid_model", "validate_config", "TreePackedSeqParams",
+           "RMSNorm", "KimiDeltaAttention", "TreeMLA", "HybridRouter", "HybridTransformerLayer",
+           "hybrid_block_spec", "hf_to_megatron", "megatron_to_hf", "load_hf_weights", "kimi_linear_hf_config"]

@@ -1,0 +1,104 @@
+"""Tensor-parallel plumbing and sequence helpers shared by the KDA and MLA modules.
+
+Gradient convention inside a tensor-parallel attention module (one TP rank owns
+a slice of the heads):
+
+- the module input enters once through :func:`tp_input` (SP: all-gather of the
+  rows, backward reduce-scatter; no SP: ``copy_to_tensor_model_parallel_region``,
+  backward all-reduce), so every consumer inside may produce a *partial* input
+  gradient and exactly one reduction sums them;
+- weights replicated over TP ranks (low-rank down projections, per-head-dim
+  norms) are read through :func:`tp_replicated`, whose backward all-reduces their
+  gradient, so every rank holds the full gradient of its replicated copy.
+- head-sharded linears are megatron's Column/RowParallelLinear; the column ones
+  are built by :func:`local_column_linear` on already gathered inputs (no
+  communication of their own).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+
+def tp_size(group) -> int:
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+def tp_rank(group) -> int:
+    return 0 if group is None else torch.distributed.get_rank(group)
+
+
+def tp_input(x: torch.Tensor, config, tp_group) -> torch.Tensor:
+    """The module input as seen by head-sharded consumers (see module docstring)."""
+    if tp_size(tp_group) == 1:
+        return x
+    if config.sequence_parallel:
+        return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=tp_group)
+    return copy_to_tensor_model_parallel_region(x, group=tp_group)
+
+
+def tp_replicated(t: torch.Tensor, tp_group) -> torch.Tensor:
+    """A TP-replicated tensor whose gradient is all-reduced over the TP group in backward."""
+    if tp_size(tp_group) == 1:
+        return t
+    return copy_to_tensor_model_parallel_region(t, group=tp_group)
+
+
+def local_column_linear(input_size, output_size, config, tp_group, init_method=None):
+    """ColumnParallelLinear over already gathered inputs: no communication of its own."""
+    cfg = copy.copy(config)
+    cfg.sequence_parallel = False
+    return tensor_parallel.ColumnParallelLinear(
+        input_size, output_size, config=cfg, init_method=init_method or config.init_method, bias=False,
+        gather_output=False, skip_bias_add=True, disable_grad_reduce=True, tp_group=tp_group)
+
+
+def check_divisible(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(f"{what} ({n}) must be divisible by --tensor-model-parallel-size ({tp})")
+    return n // tp
+
+
+def to_padded(x: torch.Tensor, cu_seqlens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed tokens [Ntok, ...] -> ([N, Tmax, ...] zero padded, flat gather index [Ntok])."""
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    N, T = lengths.numel(), int(lengths.max())
+    seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths)
+    pos = torch.arange(x.shape[0], device=x.device) - cu[:-1][seq]
+    flat = seq * T + pos
+    out = x.new_zeros((N * T,) + tuple(x.shape[1:])).index_copy(0, flat, x)
+    return out.view((N, T) + tuple(x.shape[1:])), flat
+
+
+def from_padded(y: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_padded`: [N, T, ...] -> [Ntok, ...]."""
+    return y.reshape((-1,) + tuple(y.shape[2:]))[flat]
+
+
+def sequences_view(x_rows: torch.Tensor, s: int, b: int, packed) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Rows [s*b, ...] (s-major, as [s, b] flattens) as padded sequences [N, T, ...].
+
+    ``packed`` None: the b batch columns are the sequences.  Expanded mode: the
+    cu_seqlens of the packed params (then b must be 1).  Returns (padded, flat index or None).
+    """
+    if packed is None:
+        return x_rows.view((s, b) + tuple(x_rows.shape[1:])).transpose(0, 1), None
+    if b != 1:
+        raise ValueError(f"packed sequences need micro-batch size 1 in the [s, b] layout, got b={b}")
+    return to_padded(x_rows, packed.cu_seqlens_q)
+
+
+def sequences_unview(y: torch.Tensor, flat: Optional[torch.Tensor]) -> torch.Tensor:
+    """Back from :func:`sequences_view` to rows [s*b, ...]."""
+    if flat is None:
+        return y.transpose(0, 1).reshape((-1,) + tuple(y.shape[2:]))
+    return from_padded(y, flat)

@@ -1,0 +1,84 @@
+"""``HybridConfig``: megatron's TransformerConfig plus the Kimi-Linear hybrid's fields.
+
+Layer pattern: ``layer_types`` (a list of "kda"/"mla", one per layer) or, when
+it is None, ``kda_mla_ratio`` r: layers ``r, 2r+1, ...`` (every (r+1)-th, 0-based
+``(i + 1) % (r + 1) == 0``) are MLA, the others KDA (Kimi-Linear: r = 3).
+MLP pattern: ``mlp_types`` ("dense"/"moe" per layer) or the first
+``first_k_dense_replace`` layers dense and the rest MoE (when ``num_moe_experts``
+is set; all dense otherwise).
+
+Field names follow transformers' ``KimiLinearConfig`` where megatron has no
+equivalent; MoE options keep megatron's names (``moe_router_num_groups`` =
+``n_group``, ``moe_router_group_topk`` = ``topk_group``,
+``moe_router_topk_scaling_factor`` = ``routed_scaling_factor``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+LAYER_TYPES = ("kda", "mla")
+MLP_TYPES = ("dense", "moe")
+ATTENTION_BACKENDS = ("reference", "sdpa", "flex")
+
+
+@dataclass
+class HybridConfig(TransformerConfig):
+    """TransformerConfig of a KDA/MLA hybrid MoE model (see module docstring)."""
+
+    # KDA (linear attention) layers
+    linear_num_heads: int = 4
+    linear_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    kda_chunk_size: int = 64
+    kda_backend: str = "reference"
+    # MLA (full attention) layers
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    mla_rope: bool = False            # False: NoPE (Kimi-Linear); True: RoPE on the rope dims
+    mla_rotary_base: float = 10000.0
+    tree_attention_backend: str = "sdpa"
+    # patterns
+    layer_types: Optional[List[str]] = None
+    kda_mla_ratio: int = 3
+    mlp_types: Optional[List[str]] = None
+    first_k_dense_replace: int = 1
+    # router: experts per group summed to score a group (DeepSeek-V3 / Kimi-Linear: 2)
+    moe_router_group_score_topk: int = 2
+    # the model will run rollout trees (tree mode): refuse options the tree path cannot honour
+    tree_mode: bool = True
+
+    def resolved_layer_types(self) -> List[str]:
+        if self.layer_types is not None:
+            types = list(self.layer_types)
+            if len(types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(types)} entries, --num-layers is {self.num_layers}")
+            bad = [t for t in types if t not in LAYER_TYPES]
+            if bad:
+                raise ValueError(f"layer_types: unknown type {bad[0]!r}; expected one of {LAYER_TYPES}")
+            return types
+        r = self.kda_mla_ratio
+        if not isinstance(r, int) or r < 0:
+            raise ValueError(f"kda_mla_ratio must be a non-negative integer, got {r!r}")
+        return ["mla" if (i + 1) % (r + 1) == 0 else "kda" for i in range(self.num_layers)]
+
+    def resolved_mlp_types(self) -> List[str]:
+        if self.mlp_types is not None:
+            types = list(self.mlp_types)
+            if len(types) != self.num_layers:
+                raise ValueError(f"mlp_types has {len(types)} entries, --num-layers is {self.num_layers}")
+            bad = [t for t in types if t not in MLP_TYPES]
+            if bad:
+                raise ValueError(f"mlp_types: unknown type {bad[0]!r}; expected one of {MLP_TYPES}")
+            if "moe" in types and not self.num_moe_experts:
+                raise ValueError("mlp_types has MoE layers but --num-experts is not set")
+            return types
+        if not self.num_moe_experts:
+            return ["dense"] * self.num_layers
+        k = self.first_k_dense_replace
+        return ["dense" if i < k else "moe" for i in range(self.num_layers)]

@@ -1,0 +1,176 @@
+"""Weight mapping between transformers' KimiLinearForCausalLM and the hybrid model (TP = EP = 1 names).
+
+``hf_to_megatron(hf_state, config)`` returns a state dict for ``HybridModel``
+(full, unsharded tensors: the names and shapes of a TP = EP = 1 model);
+``megatron_to_hf(state, config)`` is its inverse.  Both are exact (copies,
+concatenations and splits only), so a round trip is the identity.  The
+checkpoint converter (tools/) builds on these and shards for TP/EP.
+
+Mapping per layer i (``L = model.layers.{i}`` in transformers, ``M = decoder.layers.{i}`` here):
+
+- norms: ``L.input_layernorm`` -> ``M.input_layernorm``, ``L.post_attention_layernorm`` ->
+  ``M.pre_mlp_layernorm``; ``model.norm`` -> ``decoder.final_layernorm``;
+  ``model.embed_tokens`` -> ``embedding.word_embeddings``; ``lm_head`` -> ``output_layer``.
+- KDA: see the table in models/kda.py; ``conv1d.weight [3C, 1, K]`` splits into
+  ``conv_q/k/v_weight [C, K]`` (channels ordered q, k, v).
+- MLA: see the table in models/mla.py.
+- dense MLP: ``linear_fc1 = cat(gate_proj, up_proj)`` (megatron's SwiGLU takes the
+  first half as the gate), ``linear_fc2 = down_proj``.
+- MoE: ``mlp.gate.weight`` -> ``mlp.router.weight``, ``mlp.gate.e_score_correction_bias`` ->
+  ``mlp.router.expert_bias``; expert e: ``experts.gate_up_proj[e]`` (gate rows first) ->
+  ``experts.local_experts.{e}.linear_fc1``, ``experts.down_proj[e]`` -> ``...linear_fc2``;
+  ``shared_experts`` like a dense MLP -> ``mlp.shared_experts``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+Rule = Tuple[str, List[str], Callable, Callable]   # ours, hf keys, hf->ours, ours->hf
+
+
+def _same(*xs):
+    return xs[0]
+
+
+def _unsame(x):
+    return [x]
+
+
+def _cat(*xs):
+    return torch.cat(xs, dim=0)
+
+
+def _split_half(x):
+    return list(x.chunk(2, dim=0))
+
+
+def _rules(config) -> List[Rule]:
+    rules: List[Rule] = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], _same, _unsame),
+                         ("decoder.final_layernorm.weight", ["model.norm.weight"], _same, _unsame),
+                         ("output_layer.weight", ["lm_head.weight"], _same, _unsame)]
+    attn, mlps = config.resolved_layer_types(), config.resolved_mlp_types()
+    C = config.linear_num_heads * config.linear_head_dim
+    for i, (a, m) in enumerate(zip(attn, mlps)):
+        L, M = f"model.layers.{i}", f"decoder.layers.{i}"
+        rules += [(f"{M}.input_layernorm.weight", [f"{L}.input_layernorm.weight"], _same, _unsame),
+                  (f"{M}.pre_mlp_layernorm.weight", [f"{L}.post_attention_layernorm.weight"], _same, _unsame)]
+        A, H = f"{M}.self_attention", f"{L}.self_attn"
+        if a == "kda":
+            for ours, hf in (("linear_q", "q_proj"), ("linear_k", "k_proj"), ("linear_v", "v_proj"),
+                             ("linear_f_a", "forget_gate.f_a_proj"), ("linear_f_b", "forget_gate.f_b_proj"),
+                             ("linear_beta", "b_proj"), ("linear_g_a", "g_a_proj"), ("linear_g_b", "g_b_proj"),
+                             ("linear_proj", "o_proj")):
+                rules.append((f"{A}.{ours}.weight", [f"{H}.{hf}.weight"], _same, _unsame))
+            rules += [(f"{A}.A_log", [f"{H}.forget_gate.A_log"], _same, _unsame),
+                      (f"{A}.dt_bias", [f"{H}.forget_gate.dt_bias"], _same, _unsame),
+                      (f"{A}.out_norm_weight", [f"{H}.o_norm.weight"], _same, _unsame)]
+            for j, part in enumerate("qkv"):
+                rules.append((f"{A}.conv_{part}_weight", [f"{H}.conv1d.weight"],
+                              (lambda w, j=j: w[j * C:(j + 1) * C, 0].clone()), None))
+        else:
+            pairs = [("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+                     ("kv_layernorm_weight", "kv_a_layernorm.weight"),
+                     ("linear_kv_up_proj.weight", "kv_b_proj.weight"), ("linear_proj.weight", "o_proj.weight")]
+            if config.q_lora_rank is None:
+                pairs.append(("linear_q_proj.weight", "q_proj.weight"))
+            else:
+                pairs += [("linear_q_down_proj.weight", "q_a_proj.weight"),
+                          ("q_layernorm_weight", "q_a_layernorm.weight"),
+                          ("linear_q_up_proj.weight", "q_b_proj.weight")]
+            rules += [(f"{A}.{o}", [f"{H}.{h}"], _same, _unsame) for o, h in pairs]
+        P, G = f"{M}.mlp", f"{L}.mlp"
+        if m == "dense":
+            rules += [(f"{P}.linear_fc1.weight", [f"{G}.gate_proj.weight", f"{G}.up_proj.weight"], _cat, _split_half),
+                      (f"{P}.linear_fc2.weight", [f"{G}.down_proj.weight"], _same, _unsame)]
+        else:
+            rules += [(f"{P}.router.weight", [f"{G}.gate.weight"], _same, _unsame),
+                      (f"{P}.router.expert_bias", [f"{G}.gate.e_score_correction_bias"], _same, _unsame),
+                      (f"{P}.shared_experts.linear_fc1.weight",
+                       [f"{G}.shared_experts.gate_proj.weight", f"{G}.shared_experts.up_proj.weight"], _cat, _split_half),
+                      (f"{P}.shared_experts.linear_fc2.weight", [f"{G}.shared_experts.down_proj.weight"], _same, _unsame)]
+            for e in range(config.num_moe_experts):
+                X = f"{P}.experts.local_experts.{e}"
+                rules += [(f"{X}.linear_fc1.weight", [f"{G}.experts.gate_up_proj"], (lambda w, e=e: w[e].clone()), None),
+                          (f"{X}.linear_fc2.weight", [f"{G}.experts.down_proj"], (lambda w, e=e: w[e].clone()), None)]
+    return rules
+
+
+def hf_to_megatron(hf_state: Dict[str, torch.Tensor], config) -> Dict[str, torch.Tensor]:
+    """State dict of a TP = EP = 1 HybridModel from a KimiLinearForCausalLM state dict.
+
+    Raises KeyError naming the first transformers key that is missing.
+    """
+    out = {}
+    for ours, hf_keys, to_ours, _ in _rules(config):
+        missing = [k for k in hf_keys if k not in hf_state]
+        if missing:
+            raise KeyError(f"transformers checkpoint lacks {missing[0]!r} (needed for {ours!r})")
+        out[ours] = to_ours(*(hf_state[k] for k in hf_keys))
+    return out
+
+
+def megatron_to_hf(state: Dict[str, torch.Tensor], config) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`hf_to_megatron` (KimiLinearForCausalLM names and shapes)."""
+    out: Dict[str, torch.Tensor] = {}
+    attn, mlps = config.resolved_layer_types(), config.resolved_mlp_types()
+    for ours, hf_keys, _, to_hf in _rules(config):
+        if to_hf is not None:
+            for k, v in zip(hf_keys, to_hf(state[ours])):
+                out[k] = v
+    for i, (a, m) in enumerate(zip(attn, mlps)):
+        M, L = f"decoder.layers.{i}", f"model.layers.{i}"
+        if a == "kda":
+            A = f"{M}.self_attention"
+            out[f"{L}.self_attn.conv1d.weight"] = torch.cat(
+                [state[f"{A}.conv_{p}_weight"] for p in "qkv"], dim=0).unsqueeze(1)
+        if m == "moe":
+            X = f"{M}.mlp.experts.local_experts"
+            n = config.num_moe_experts
+            out[f"{L}.mlp.experts.gate_up_proj"] = torch.stack([state[f"{X}.{e}.linear_fc1.weight"] for e in range(n)])
+            out[f"{L}.mlp.experts.down_proj"] = torch.stack([state[f"{X}.{e}.linear_fc2.weight"] for e in range(n)])
+    return out
+
+
+def load_hf_weights(model, hf_state: Dict[str, torch.Tensor], config) -> None:
+    """Copy a KimiLinearForCausalLM state dict into a TP = EP = 1 HybridModel (every tensor checked)."""
+    ours = hf_to_megatron(hf_state, config)
+    target = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, value in ours.items():
+        if name not in target:
+            raise KeyError(f"HybridModel has no tensor {name!r}")
+        if tuple(target[name].shape) != tuple(value.shape):
+            raise ValueError(f"{name}: shape {tuple(value.shape)} from transformers, model has {tuple(target[name].shape)}")
+        with torch.no_grad():
+            target[name].copy_(value)
+    uncovered = [n for n, _ in model.named_parameters() if n not in ours]
+    if uncovered:
+        raise KeyError(f"no transformers weight maps to {uncovered[0]!r}")
+
+
+def kimi_linear_hf_config(config, vocab_size: int, **overrides):
+    """transformers ``KimiLinearConfig`` describing the same architecture as ``config`` (tests, export)."""
+    from transformers import KimiLinearConfig
+    attn, mlps = config.resolved_layer_types(), config.resolved_mlp_types()
+    n_shared = 0
+    if config.moe_shared_expert_intermediate_size:
+        n_shared = config.moe_shared_expert_intermediate_size // config.moe_ffn_hidden_size
+    kw = dict(vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+              moe_intermediate_size=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+              num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+              num_key_value_heads=config.num_attention_heads, n_shared_experts=n_shared,
+              routed_scaling_factor=config.moe_router_topk_scaling_factor or 1.0,
+              kv_lora_rank=config.kv_lora_rank, q_lora_rank=config.q_lora_rank,
+              qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+              qk_nope_head_dim=config.qk_nope_head_dim, n_group=config.moe_router_num_groups or 1,
+              topk_group=config.moe_router_group_topk or 1, num_experts_per_tok=config.moe_router_topk,
+              norm_topk_prob=True, hidden_act="silu", rms_norm_eps=config.layernorm_epsilon,
+              tie_word_embeddings=False, num_local_experts=config.num_moe_experts or 1,
+              linear_head_dim=config.linear_head_dim, linear_num_heads=config.linear_num_heads,
+              linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+              layer_types=["linear_attention" if a == "kda" else "full_attention" for a in attn],
+              mlp_layer_types=["dense" if m == "dense" else "sparse" for m in mlps],
+              pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    kw.update(overrides)
+    return KimiLinearConfig(**kw)

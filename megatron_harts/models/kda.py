@@ -1,0 +1,192 @@
+"""Kimi Delta Attention layer (KDA) as a megatron-core attention module, tree-aware.
+
+Parameterization is transformers' ``KimiLinearDeltaAttention`` (one-to-one
+mapping in :mod:`megatron_harts.models.hf_convert`), with the heads split over
+tensor-parallel ranks (H heads of dimension D, ``Hl = H / tp`` per rank):
+
+=====================  ===================  ===================================
+ours                   shape (per rank)     transformers
+=====================  ===================  ===================================
+linear_q/k/v.weight    [Hl*D, hidden]       q_proj / k_proj / v_proj.weight
+conv_q/k/v_weight      [Hl*D, Kc]           conv1d.weight[C, 1, Kc], C = [q; k; v]
+linear_f_a.weight      [D, hidden] (repl.)  forget_gate.f_a_proj.weight
+linear_f_b.weight      [Hl*D, D]            forget_gate.f_b_proj.weight
+A_log                  [1, 1, Hl, 1]        forget_gate.A_log
+dt_bias                [Hl*D]               forget_gate.dt_bias
+linear_beta.weight     [Hl, hidden]         b_proj.weight
+linear_g_a.weight      [D, hidden] (repl.)  g_a_proj.weight
+linear_g_b.weight      [Hl*D, D]            g_b_proj.weight
+out_norm_weight        [D] (repl.)          o_norm.weight
+linear_proj.weight     [hidden, Hl*D]       o_proj.weight
+=====================  ===================  ===================================
+
+Forward, per token (x = the layer's normed input):
+q, k, v = SiLU(short causal conv of their projections, kernel Kc); q, k
+L2-normalized per head (``x / sqrt(|x|^2 + 1e-6)``);
+g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) (per channel, <= 0);
+beta = sigmoid(linear_beta(x)); o = KDA(q, k, v, g, beta) with scale D^-1/2;
+out = linear_proj(RMSNorm_D(o) * out_norm_weight * sigmoid(g_b(g_a(x)))).
+
+Modes (from the packed-sequence params, see models/packed.py): tree mode runs
+the conv along ``prev`` (ops.path_conv) and the KDA core through
+``ops.tree_kda`` on the layout's call schedule; expanded/batched mode runs the
+conv causally per sequence and ``ops.kda.kda_chunked`` per sequence.  Both use
+the same chunked reference math with chunks at multiples of the chunk size from
+each trajectory's position 0, so tree == expanded to rounding (bitwise in fp32
+with replay on the reference backend).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.parallel_state import get_tensor_model_parallel_group
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from ..ops.kda import kda_chunked
+from ..ops.path_conv import path_conv
+from ..ops.tree_kda import tree_kda
+from .common import (check_divisible, local_column_linear, sequences_unview, sequences_view, tp_input,
+                     tp_replicated, tp_size)
+from .norm import rms_normalize
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's / Kimi-Linear's L2 norm over the last dim: ``x / sqrt(sum(x^2) + eps)``."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv of sequences x [N, T, C] with weight [C, K], SiLU after (Kimi-Linear)."""
+    K = weight.shape[1]
+    y = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), weight.unsqueeze(1), groups=x.shape[-1])
+    return F.silu(y.transpose(1, 2))
+
+
+@dataclass
+class KDASubmodules:
+    """Linear layers of the KDA module (any Column/RowParallelLinear-compatible classes)."""
+    linear_proj: Union[ModuleSpec, type] = tensor_parallel.RowParallelLinear
+
+
+class KimiDeltaAttention(MegatronModule):
+    """KDA self-attention, tensor-parallel over heads; called like megatron's SelfAttention.
+
+    ``forward(hidden_states [s, b, h], attention_mask, packed_seq_params=...)``
+    returns ``(output [s, b, h], None)``.
+    """
+
+    def __init__(self, config, submodules: KDASubmodules, layer_number: int, attn_mask_type=None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, **kwargs):
+        super().__init__(config)
+        self.config = config
+        self.layer_number = layer_number
+        self.tp_group = pg_collection.tp if pg_collection is not None else get_tensor_model_parallel_group()
+        tp = tp_size(self.tp_group)
+        H, D = config.linear_num_heads, config.linear_head_dim
+        self.num_heads_local = check_divisible(H, tp, "linear_num_heads")
+        self.head_dim = D
+        self.kernel = config.linear_conv_kernel_dim
+        hid = config.hidden_size
+        C = self.num_heads_local * D
+        dt = config.params_dtype
+
+        self.linear_q = local_column_linear(hid, H * D, config, self.tp_group)
+        self.linear_k = local_column_linear(hid, H * D, config, self.tp_group)
+        self.linear_v = local_column_linear(hid, H * D, config, self.tp_group)
+        self.linear_beta = local_column_linear(hid, H, config, self.tp_group)
+        self.linear_f_b = local_column_linear(D, H * D, config, self.tp_group)
+        self.linear_g_b = local_column_linear(D, H * D, config, self.tp_group)
+        self.linear_f_a = torch.nn.Linear(hid, D, bias=False, dtype=dt)
+        self.linear_g_a = torch.nn.Linear(hid, D, bias=False, dtype=dt)
+        self.linear_proj = build_module(
+            submodules.linear_proj, H * D, hid, config=config, init_method=config.output_layer_init_method,
+            bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_group=self.tp_group)
+        self.conv_q_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt))
+        self.conv_k_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt))
+        self.conv_v_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt))
+        self.A_log = torch.nn.Parameter(torch.empty(1, 1, self.num_heads_local, 1, dtype=dt))
+        self.dt_bias = torch.nn.Parameter(torch.empty(C, dtype=dt))
+        self.out_norm_weight = torch.nn.Parameter(torch.ones(D, dtype=dt))
+        for p, dim in ((self.conv_q_weight, 0), (self.conv_k_weight, 0), (self.conv_v_weight, 0),
+                       (self.A_log, 2), (self.dt_bias, 0)):
+            set_tensor_model_parallel_attributes(p, True, dim, 1)
+        self.reset_kda_parameters()
+
+    def reset_kda_parameters(self, generator: Optional[torch.Generator] = None):
+        """fla's initialization: A ~ U[1, 16] (A_log = log A), dt ~ logU[1e-3, 1e-1], dt_bias = softplus^-1(dt)."""
+        if not self.config.perform_initialization:
+            return
+        with torch.no_grad():
+            for w in (self.conv_q_weight, self.conv_k_weight, self.conv_v_weight):
+                bound = 1.0 / math.sqrt(self.kernel)
+                w.uniform_(-bound, bound, generator=generator)
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0, generator=generator).log())
+            lo, hi = math.log(1e-3), math.log(1e-1)
+            dt = torch.empty_like(self.dt_bias).uniform_(lo, hi, generator=generator).exp().clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            for lin in (self.linear_f_a, self.linear_g_a):
+                self.config.init_method(lin.weight)
+
+    @staticmethod
+    def _lin(layer, x):
+        """A megatron linear on rows [N, in] (they expect [s, b, in])."""
+        return layer(x.unsqueeze(1))[0].squeeze(1)
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, **kwargs):
+        if inference_context is not None:
+            raise ValueError("KimiDeltaAttention: inference (KV/state cache) is not supported")
+        x = tp_input(hidden_states, self.config, self.tp_group)      # [s, b, h], full rows
+        s, b, hid = x.shape
+        rows = x.reshape(s * b, hid)
+        H, D = self.num_heads_local, self.head_dim
+        g_tp = self.tp_group
+        q = self._lin(self.linear_q, rows)
+        k = self._lin(self.linear_k, rows)
+        v = self._lin(self.linear_v, rows)
+        wq, wk, wv = self.conv_q_weight, self.conv_k_weight, self.conv_v_weight
+        tree = packed_seq_params is not None and getattr(packed_seq_params, "mode", "expanded") == "tree"
+        if tree:
+            if b != 1:
+                raise ValueError(f"tree mode needs the rows as [R, 1, h], got b={b}")
+            taps = packed_seq_params.conv_taps
+            prev = packed_seq_params.layout.prev
+            q, k, v = (path_conv(t, w, None, prev, activation="silu", taps=taps)
+                       for t, w in ((q, wq), (k, wk), (v, wv)))
+        else:
+            flat = None
+            convd = []
+            for t, w in ((q, wq), (k, wk), (v, wv)):
+                tp_, flat = sequences_view(t, s, b, packed_seq_params)
+                convd.append(sequences_unview(causal_conv(tp_, w), flat))
+            q, k, v = convd
+        q = l2norm(q.view(-1, H, D))
+        k = l2norm(k.view(-1, H, D))
+        v = v.view(-1, H, D)
+        fa = F.linear(rows, tp_replicated(self.linear_f_a.weight, g_tp))
+        f = self._lin(self.linear_f_b, fa) + self.dt_bias
+        g = -self.A_log.view(1, H, 1).exp() * F.softplus(f.view(-1, H, D), threshold=20.0)
+        beta = torch.sigmoid(self._lin(self.linear_beta, rows))
+        if tree:
+            o = tree_kda(q, k, v, g, beta, packed_seq_params.kda_schedule, backend=self.config.kda_backend)
+        else:
+            parts = [sequences_view(t, s, b, packed_seq_params) for t in (q, k, v, g, beta)]
+            flat = parts[0][1]
+            o, _ = kda_chunked(*(p for p, _ in parts), chunk_size=self.config.kda_chunk_size)
+            o = sequences_unview(o, flat)
+        ga = F.linear(rows, tp_replicated(self.linear_g_a.weight, g_tp))
+        gate = self._lin(self.linear_g_b, ga).view(-1, H, D)
+        w_norm = tp_replicated(self.out_norm_weight, g_tp)
+        o = rms_normalize(o, self.config.layernorm_epsilon) * w_norm * torch.sigmoid(gate)
+        o = o.reshape(s, b, H * D)
+        out, bias = self.linear_proj(o)
+        return out, bias

@@ -1,0 +1,96 @@
+"""Hybrid transformer layer and block spec (KDA / MLA attention, dense MLP / MoE).
+
+``HybridTransformerLayer`` is megatron's TransformerLayer; the only addition is
+that in tree mode it hands the layout's occurrence counts (from the
+``TreePackedSeqParams`` it receives like every layer does) to its MoE router
+for the duration of its forward, sliced to this rank's rows under sequence
+parallelism.  ``hybrid_block_spec(config)`` builds the per-layer specs from the
+config's layer and MLP patterns; everything else (norms, bias-dropout-add,
+MLP, MoE layer, experts, dispatcher) is megatron-core's.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from .kda import KDASubmodules, KimiDeltaAttention
+from .mla import MLASubmodules, TreeMLA
+from .norm import RMSNorm
+from .router import HybridRouter
+
+
+class HybridTransformerLayer(TransformerLayer):
+    """TransformerLayer that passes tree occurrence counts to its MoE router (see module docstring)."""
+
+    def forward(self, *args, **kwargs):
+        packed = kwargs.get("packed_seq_params")
+        router = getattr(self.mlp, "router", None) if self.is_moe_layer else None
+        if router is None or packed is None or getattr(packed, "mode", None) != "tree":
+            return super().forward(*args, **kwargs)
+        w = packed.token_weight
+        group = router.tp_cp_group
+        n = group.size()
+        total = float(w.sum()) / n
+        if self.config.sequence_parallel and n > 1:
+            rank = group.rank()
+            if w.shape[0] % n:
+                raise ValueError(f"sequence parallelism: {w.shape[0]} rows are not divisible by {n} ranks")
+            m = w.shape[0] // n
+            w = w[rank * m:(rank + 1) * m]
+        with router.token_weights(w, total):
+            return super().forward(*args, **kwargs)
+
+
+def _mlp_submodules() -> MLPSubmodules:
+    return MLPSubmodules(linear_fc1=tensor_parallel.ColumnParallelLinear,
+                         linear_fc2=tensor_parallel.RowParallelLinear)
+
+
+def moe_spec() -> ModuleSpec:
+    """megatron's MoELayer with SequentialMLP experts, a shared expert and the HybridRouter."""
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=ModuleSpec(module=SequentialMLP, submodules=_mlp_submodules()),
+        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_mlp_submodules()),
+        router=HybridRouter))
+
+
+def dense_mlp_spec() -> ModuleSpec:
+    return ModuleSpec(module=MLP, submodules=_mlp_submodules())
+
+
+def attention_spec(kind: str) -> ModuleSpec:
+    if kind == "kda":
+        return ModuleSpec(module=KimiDeltaAttention, submodules=KDASubmodules())
+    if kind == "mla":
+        return ModuleSpec(module=TreeMLA, submodules=MLASubmodules())
+    raise ValueError(f"unknown attention kind {kind!r}: expected 'kda' or 'mla'")
+
+
+def layer_spec(attention: str, mlp: str) -> ModuleSpec:
+    """One hybrid layer: RMSNorm -> attention (KDA or MLA) -> RMSNorm -> dense MLP or MoE."""
+    return ModuleSpec(module=HybridTransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=RMSNorm,
+        self_attention=attention_spec(attention),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=RMSNorm,
+        mlp=moe_spec() if mlp == "moe" else dense_mlp_spec(),
+        mlp_bda=get_bias_dropout_add))
+
+
+def hybrid_block_spec(config) -> TransformerBlockSubmodules:
+    """Per-layer specs from ``config.resolved_layer_types()`` / ``resolved_mlp_types()``, final RMSNorm."""
+    attn: List[str] = config.resolved_layer_types()
+    mlps: List[str] = config.resolved_mlp_types()
+    return TransformerBlockSubmodules(layer_specs=[layer_spec(a, m) for a, m in zip(attn, mlps)],
+                                      layer_norm=RMSNorm)

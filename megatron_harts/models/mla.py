@@ -1,0 +1,150 @@
+"""Multi-head latent attention (MLA) on megatron-core linears with the tree core attention.
+
+Parameterization is transformers' ``KimiLinearAttention`` (DeepSeek-V2 MLA;
+Kimi-Linear applies no rotary embedding, "NoPE", but keeps the shared key
+part of ``qk_rope_head_dim`` channels).  Heads are split over TP ranks.
+
+======================  ======================================  ==========================
+ours                    shape (per rank)                        transformers
+======================  ======================================  ==========================
+linear_q_proj           [Hl*(dn+dr), hidden]  (no q LoRA)       q_proj
+linear_q_down_proj      [q_lora, hidden] (repl.)                q_a_proj
+q_layernorm.weight      [q_lora] (repl.)                        q_a_layernorm.weight
+linear_q_up_proj        [Hl*(dn+dr), q_lora]                    q_b_proj
+linear_kv_down_proj     [kv_lora+dr, hidden] (repl.)            kv_a_proj_with_mqa
+kv_layernorm.weight     [kv_lora] (repl.)                       kv_a_layernorm.weight
+linear_kv_up_proj       [Hl*(dn+dv), kv_lora]                   kv_b_proj
+linear_proj             [hidden, Hl*dv]                         o_proj
+======================  ======================================  ==========================
+
+Per head: q = [q_nope, q_rope], k = [k_nope, k_rope (shared by all heads)],
+attention scale (dn + dr)^-1/2.  With ``config.mla_rope`` the rope parts are
+rotated (rotate-half convention, base ``mla_rotary_base``) by each row's
+position id: the path depth in tree mode, the position in the sequence in
+expanded mode, so tree rows get exactly their trajectories' rotations.
+
+Core attention: ``ops.tree_attention`` (a key row is visible to the rows of its
+subtree) in tree mode; causal attention per sequence in expanded/batched mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.parallel_state import get_tensor_model_parallel_group
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from ..ops.tree_attention import tree_attention
+from .common import (check_divisible, local_column_linear, sequences_unview, sequences_view, tp_input,
+                     tp_replicated, tp_size)
+from .norm import rms_normalize
+
+
+def rotate_half_rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) of x [N, heads, d] at integer positions pos [N]."""
+    d = x.shape[-1]
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d))
+    ang = pos.to(torch.float64)[:, None] * inv[None]
+    emb = torch.cat([ang, ang], dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+@dataclass
+class MLASubmodules:
+    linear_proj: Union[ModuleSpec, type] = tensor_parallel.RowParallelLinear
+
+
+class TreeMLA(MegatronModule):
+    """MLA self-attention, TP over heads, tree core attention; called like megatron's SelfAttention."""
+
+    def __init__(self, config, submodules: MLASubmodules, layer_number: int, attn_mask_type=None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, **kwargs):
+        super().__init__(config)
+        self.config = config
+        self.layer_number = layer_number
+        self.tp_group = pg_collection.tp if pg_collection is not None else get_tensor_model_parallel_group()
+        tp = tp_size(self.tp_group)
+        H = config.num_attention_heads
+        self.num_heads_local = check_divisible(H, tp, "num_attention_heads")
+        dn, dr, dv = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.dn, self.dr, self.dv = dn, dr, dv
+        hid = config.hidden_size
+        dt = config.params_dtype
+        self.q_lora_rank = config.q_lora_rank
+        if self.q_lora_rank is None:
+            self.linear_q_proj = local_column_linear(hid, H * (dn + dr), config, self.tp_group)
+        else:
+            self.linear_q_down_proj = torch.nn.Linear(hid, self.q_lora_rank, bias=False, dtype=dt)
+            self.q_layernorm_weight = torch.nn.Parameter(torch.ones(self.q_lora_rank, dtype=dt))
+            self.linear_q_up_proj = local_column_linear(self.q_lora_rank, H * (dn + dr), config, self.tp_group)
+        self.linear_kv_down_proj = torch.nn.Linear(hid, config.kv_lora_rank + dr, bias=False, dtype=dt)
+        self.kv_layernorm_weight = torch.nn.Parameter(torch.ones(config.kv_lora_rank, dtype=dt))
+        self.linear_kv_up_proj = local_column_linear(config.kv_lora_rank, H * (dn + dv), config, self.tp_group)
+        self.linear_proj = build_module(
+            submodules.linear_proj, H * dv, hid, config=config, init_method=config.output_layer_init_method,
+            bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_group=self.tp_group)
+        if config.perform_initialization:
+            with torch.no_grad():
+                for lin in ([self.linear_q_down_proj] if self.q_lora_rank else []) + [self.linear_kv_down_proj]:
+                    config.init_method(lin.weight)
+        self.scale = (dn + dr) ** -0.5
+
+    @staticmethod
+    def _lin(layer, x):
+        return layer(x.unsqueeze(1))[0].squeeze(1)
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, **kwargs):
+        if inference_context is not None:
+            raise ValueError("TreeMLA: inference (KV cache) is not supported")
+        cfg = self.config
+        x = tp_input(hidden_states, cfg, self.tp_group)
+        s, b, hid = x.shape
+        rows = x.reshape(s * b, hid)
+        H, dn, dr, dv = self.num_heads_local, self.dn, self.dr, self.dv
+        g = self.tp_group
+        if self.q_lora_rank is None:
+            q = self._lin(self.linear_q_proj, rows)
+        else:
+            qa = F.linear(rows, tp_replicated(self.linear_q_down_proj.weight, g))
+            qa = rms_normalize(qa, cfg.layernorm_epsilon) * tp_replicated(self.q_layernorm_weight, g)
+            q = self._lin(self.linear_q_up_proj, qa)
+        q = q.view(-1, H, dn + dr)
+        ckv = F.linear(rows, tp_replicated(self.linear_kv_down_proj.weight, g))
+        kv_lat, k_rope = ckv.split([cfg.kv_lora_rank, dr], dim=-1)
+        kv_lat = rms_normalize(kv_lat, cfg.layernorm_epsilon) * tp_replicated(self.kv_layernorm_weight, g)
+        kv = self._lin(self.linear_kv_up_proj, kv_lat).view(-1, H, dn + dv)
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        k_rope = k_rope.view(-1, 1, dr)
+        tree = packed_seq_params is not None and getattr(packed_seq_params, "mode", "expanded") == "tree"
+        if cfg.mla_rope and dr:
+            pos = self._positions(s, b, packed_seq_params, rows.device)
+            q = torch.cat([q[..., :dn], rotate_half_rope(q[..., dn:], pos, cfg.mla_rotary_base)], dim=-1)
+            k_rope = rotate_half_rope(k_rope, pos, cfg.mla_rotary_base)
+        k = torch.cat([k_nope, k_rope.expand(-1, H, dr)], dim=-1)
+        if tree:
+            o = tree_attention(q, k, v, packed_seq_params.layout, self.scale, backend=cfg.tree_attention_backend,
+                               block_mask=packed_seq_params.block_mask)
+        else:
+            (qp, flat), (kp, _), (vp, _) = (sequences_view(t, s, b, packed_seq_params) for t in (q, k, v))
+            op = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                                is_causal=True, scale=self.scale)
+            o = sequences_unview(op.transpose(1, 2), flat)
+        out, bias = self.linear_proj(o.reshape(s, b, H * dv))
+        return out, bias
+
+    @staticmethod
+    def _positions(s, b, packed, device):
+        if packed is not None and packed.position_ids is not None:
+            return packed.position_ids.to(device)
+        if packed is not None:
+            raise ValueError("TreeMLA with mla_rope needs position_ids in the packed-sequence params")
+        return torch.arange(s, device=device).repeat_interleave(b)

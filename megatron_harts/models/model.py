@@ -1,0 +1,106 @@
+"""The hybrid Kimi-Linear-style model on megatron-core's GPTModel, in tree or expanded mode.
+
+``build_hybrid_model(config, vocab_size)`` validates the config (options the
+tree path cannot honour are refused with the flag's name) and returns a
+``HybridModel``: megatron's GPTModel (embedding, TransformerBlock of
+``HybridTransformerLayer``s, final RMSNorm, vocab-parallel output layer) with
+no position embedding (MLA is NoPE unless ``mla_rope``).
+
+One model, two modes, same weights (``packed_seq_params`` selects):
+
+- tree: ``input_ids`` = the layout's row tokens [1, R],
+  ``packed_seq_params = TreePackedSeqParams.for_tree(layout, chunk_size=config.kda_chunk_size)``;
+- expanded: trajectories packed back to back [1, sum L] with
+  ``TreePackedSeqParams.for_sequences(lengths)``, or batched [b, s] with no
+  packed params.
+
+``forward(..., pair_row=, pair_token=)`` returns the log-probabilities of the
+(row, token) pairs from the vocab-parallel output layer
+(``ops.logprobs.multi_target_logprobs``: logits once per row, several targets
+per row); without pairs it returns the logits [s, b, V/tp].
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from ..ops.logprobs import multi_target_logprobs
+from ..ops.moe import validate_tree_moe_config
+from .config import ATTENTION_BACKENDS, HybridConfig
+from .layer import hybrid_block_spec
+
+
+def validate_config(config: HybridConfig) -> None:
+    """Refuse configurations the hybrid model (or, with ``tree_mode``, the tree path) cannot honour."""
+    if not isinstance(config, HybridConfig):
+        raise ValueError(f"build_hybrid_model needs a HybridConfig, got {type(config).__name__}")
+    config.resolved_layer_types()
+    mlps = config.resolved_mlp_types()
+    if config.normalization != "RMSNorm":
+        raise ValueError(f"--normalization {config.normalization!r}: the hybrid model uses RMSNorm")
+    if config.tree_attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"tree_attention_backend {config.tree_attention_backend!r} has no tree path; "
+                         f"expected one of {ATTENTION_BACKENDS}")
+    if config.context_parallel_size > 1:
+        raise ValueError("--context-parallel-size > 1: the tree KDA/MLA modules have no context-parallel path")
+    if config.moe_grouped_gemm:
+        raise ValueError("--moe-grouped-gemm: the hybrid spec uses SequentialMLP experts (no TE/grouped GEMM)")
+    if "moe" in mlps:
+        if config.moe_router_fusion:
+            raise ValueError("--moe-router-fusion needs Transformer Engine; the hybrid router is unfused")
+    if config.tree_mode:
+        validate_tree_moe_config(config)
+        lb = config.moe_router_load_balancing_type
+        lbs = lb if isinstance(lb, (list, tuple)) else [lb]
+        bad = [t for t in lbs if t not in ("aux_loss", "none")]
+        if "moe" in mlps and bad:
+            raise ValueError(f"--moe-router-load-balancing-type {bad[0]!r} is not supported with tree sharing: "
+                             "use 'aux_loss' or 'none'")
+        if config.hidden_dropout or config.attention_dropout:
+            raise ValueError("--hidden-dropout / --attention-dropout must be 0 with tree sharing: dropout masks "
+                             "differ between a shared row and its per-trajectory copies")
+
+
+class HybridModel(GPTModel):
+    """GPTModel with the hybrid block; forward returns pair log-probs or logits (module docstring)."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
+                labels=None, packed_seq_params=None, pair_row: Optional[torch.Tensor] = None,
+                pair_token: Optional[torch.Tensor] = None, return_hidden: bool = False, **kwargs):
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                              packed_seq_params=packed_seq_params)
+        if not self.post_process or return_hidden:
+            return hidden
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+            else self.output_layer.weight
+        if pair_row is None:
+            logits, _ = self.output_layer(hidden, weight=weight if self.share_embeddings_and_output_weights else None)
+            return logits
+        tp_group = self.pg_collection.tp
+        tp = tp_group.size()
+        reduce_hidden = True
+        if self.config.sequence_parallel and tp > 1:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+            reduce_hidden = False
+        rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])     # [b*s, h], batch-major
+        return multi_target_logprobs(rows, weight, pair_row, pair_token,
+                                     tp_group=tp_group if tp > 1 else None, reduce_hidden_grad=reduce_hidden)
+
+
+def build_hybrid_model(config: HybridConfig, vocab_size: int, *, max_sequence_length: int = 1 << 20,
+                       pre_process: bool = True, post_process: bool = True,
+                       share_embeddings_and_output_weights: bool = False, pg_collection=None,
+                       vp_stage: Optional[int] = None) -> HybridModel:
+    """Validate ``config`` and build the hybrid model (megatron's parallel state must be initialized)."""
+    validate_config(config)
+    return HybridModel(config=config, transformer_layer_spec=hybrid_block_spec(config), vocab_size=vocab_size,
+                       max_sequence_length=max_sequence_length, pre_process=pre_process,
+                       post_process=post_process, share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                       position_embedding_type="none", pg_collection=pg_collection, vp_stage=vp_stage)

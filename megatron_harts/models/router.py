@@ -1,0 +1,172 @@
+"""Kimi-Linear's router as a megatron-core ``TopKRouter`` subclass, occurrence-weighted in tree mode.
+
+Routing (transformers ``KimiLinearTopkRouter``, DeepSeek-V3 style), with
+``score_function="sigmoid"``:
+
+    s = sigmoid(x W^T);  c = s + expert_bias (selection only)
+    groups (moe_router_num_groups, moe_router_group_topk): a group's score is the
+        sum of its top ``moe_router_group_score_topk`` (2) values of c; experts
+        outside the best ``group_topk`` groups are excluded
+    experts = top-k of c;  weights = s[experts], normalized to sum 1 when k > 1,
+        times ``moe_router_topk_scaling_factor`` (routed_scaling_factor)
+
+(megatron's own group-limited top-k scores a group by its top ``k / group_topk``
+experts, which differs from Kimi-Linear unless that equals 2.)  The softmax
+score function keeps megatron's routing unchanged.
+
+Tree mode: a compact row stands for ``q(r)`` expanded tokens (its occurrence
+count).  Routing is a deterministic per-row function, so each copy routes the
+same way, and every statistic megatron computes over expanded tokens is the
+q-weighted statistic over rows (``megatron_harts.ops.moe``): the load-balancing
+aux loss (value and gradient), the z-loss, the expert-bias token counts
+(``local_tokens_per_expert``) and ``last_tokens_per_expert``.  The weights
+reach the router through :meth:`HybridRouter.token_weights`, which the hybrid
+transformer layer enters with the layout's occurrence counts for the duration
+of its forward (no globals).  Without weights (expanded mode) every statistic
+is megatron's own.
+
+Settings the tree path cannot honour (token dropping, sinkhorn, jitter, ...)
+are refused when the model is built (``ops.moe.validate_tree_moe_config``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
+                                                      topk_routing_with_score_function)
+from megatron.core.transformer.moe.router import TopKRouter
+
+from ..ops.moe import q_aux_loss, q_tokens_per_expert, q_z_loss
+
+TREE_LOAD_BALANCING_TYPES = ("aux_loss", "none")
+
+
+def kimi_topk_routing(logits: torch.Tensor, topk: int, *, num_groups: Optional[int], group_topk: Optional[int],
+                      group_score_topk: int, scaling_factor: Optional[float],
+                      expert_bias: Optional[torch.Tensor]):
+    """Sigmoid top-k routing of Kimi-Linear: returns (routing probs [N, E], routing map [N, E] bool)."""
+    N, E = logits.shape
+    scores = torch.sigmoid(logits)
+    choice = scores + expert_bias.to(scores.dtype) if expert_bias is not None else scores
+    if group_topk and num_groups and num_groups > 1:
+        per = E // num_groups
+        group_scores = choice.view(N, num_groups, per).topk(min(group_score_topk, per), dim=-1)[0].sum(-1)
+        group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        keep = group_mask.unsqueeze(-1).expand(N, num_groups, per).reshape(N, E).bool()
+        choice = choice.masked_fill(~keep, float("-inf"))
+    top_idx = torch.topk(choice, k=topk, dim=-1)[1]
+    w = scores.gather(1, top_idx)
+    if topk > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    if scaling_factor:
+        w = w * scaling_factor
+    probs = torch.zeros_like(logits).scatter(1, top_idx, w)
+    rmap = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_idx, True)
+    return probs, rmap
+
+
+class HybridRouter(TopKRouter):
+    """TopKRouter with Kimi-Linear's sigmoid group routing and occurrence-weighted statistics."""
+
+    def __init__(self, config, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self._token_weight: Optional[torch.Tensor] = None
+        self._token_weight_total: Optional[float] = None
+        self.last_tokens_per_expert: Optional[torch.Tensor] = None
+
+    @contextlib.contextmanager
+    def token_weights(self, weight: Optional[torch.Tensor], total: Optional[float] = None):
+        """Occurrence counts of the rows this rank routes during the block (None: expanded mode).
+
+        ``total``: the expanded token count of the whole microbatch on the tp_cp group
+        divided by its size (megatron's local token count); defaults to ``weight.sum()``.
+        """
+        saved = (self._token_weight, self._token_weight_total)
+        self._token_weight, self._token_weight_total = weight, total
+        try:
+            yield
+        finally:
+            self._token_weight, self._token_weight_total = saved
+
+    def _topk(self, logits):
+        cfg = self.config
+        if self.score_function != "sigmoid":
+            return topk_routing_with_score_function(
+                logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+                num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
+                scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
+                expert_bias=self.expert_bias, fused=False)
+        return kimi_topk_routing(logits, self.topk, num_groups=cfg.moe_router_num_groups,
+                                 group_topk=cfg.moe_router_group_topk,
+                                 group_score_topk=getattr(cfg, "moe_router_group_score_topk", 2),
+                                 scaling_factor=cfg.moe_router_topk_scaling_factor,
+                                 expert_bias=self.expert_bias)
+
+    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        w = self._token_weight
+        if w is None:
+            return self._routing_expanded(logits, padding_mask)
+        if padding_mask is not None:
+            raise ValueError("HybridRouter: tree mode takes occurrence counts, not a padding mask")
+        cfg = self.config
+        logits = logits.view(-1, cfg.num_moe_experts)
+        if w.shape[0] != logits.shape[0]:
+            raise ValueError(f"HybridRouter: {w.shape[0]} occurrence counts for {logits.shape[0]} routed rows")
+        w = w.to(logits.device)
+        local = self._token_weight_total
+        if cfg.moe_z_loss_coeff is not None and self.training and torch.is_grad_enabled():
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
+            coeff = cfg.moe_z_loss_coeff / self.tp_cp_group.size()
+            z = q_z_loss(logits, w, coeff, local_num_tokens=local)
+            logits = MoEAuxLossAutoScaler.apply(logits, z)
+            save_to_aux_losses_tracker("z_loss", z / coeff, self.layer_number,
+                                       cfg.num_layers + (cfg.mtp_num_layers or 0))
+        probs, rmap = self._topk(logits)
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            coeff = self.get_aux_loss_coeff("aux_loss")
+            rmap_aux, scores_aux = compute_routing_scores_for_aux_loss(logits, self.topk, self.score_function,
+                                                                       fused=False)
+            aux = q_aux_loss(scores_aux, rmap_aux, w, topk=self.topk, coeff=coeff, group=self.tp_cp_group,
+                             local_num_tokens=local)
+            probs = self.attach_and_log_load_balancing_loss(
+                probs, coeff, aux, "load_balancing_loss", self.tp_cp_group,
+                valid_token_count=local if local is not None else w.sum())
+        # megatron counts for the expert-bias update only in grad mode (not in eval or recompute passes)
+        count_for_bias = self.enable_expert_bias and torch.is_grad_enabled()
+        with torch.no_grad():
+            counts = q_tokens_per_expert(rmap, w, cfg.num_moe_experts)
+            self.last_tokens_per_expert = counts.detach()
+            if count_for_bias:
+                self.local_tokens_per_expert += counts.to(self.local_tokens_per_expert.dtype)
+        return probs, rmap
+
+    def _routing_expanded(self, logits, padding_mask):
+        """megatron's TopKRouter.routing with the Kimi top-k (aux losses, z-loss, expert bias unchanged)."""
+        cfg = self.config
+        seq_length, bsz = logits.shape[:2]
+        logits = logits.view(-1, cfg.num_moe_experts)
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1)
+        logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+        probs, rmap = self._topk(logits)
+        if cfg.moe_expert_capacity_factor is not None:
+            from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+            probs, rmap = apply_router_token_dropping(
+                probs, rmap, router_topk=self.topk, capacity_factor=cfg.moe_expert_capacity_factor,
+                drop_policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            rmap_aux, scores_aux = compute_routing_scores_for_aux_loss(
+                logits, self.topk, self.score_function, fused=False, padding_mask=padding_mask)
+            wp = padding_mask is not None
+            probs = self._apply_aux_loss(probs, scores_aux, rmap_aux, with_padding_mask=wp)
+            probs = self._apply_seq_aux_loss(probs, scores_aux, rmap_aux, seq_length, bsz, with_padding_mask=wp)
+            probs = self._apply_global_aux_loss(probs, scores_aux, rmap_aux, with_padding_mask=wp)
+        with torch.no_grad():
+            valid = rmap if padding_mask is None else rmap & (~padding_mask)[:, None]
+            self.last_tokens_per_expert = valid.sum(0).to(torch.float64)
+        self._apply_expert_bias(rmap, padding_mask=padding_mask)
+        return probs, rmap

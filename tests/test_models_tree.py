@@ -1,0 +1,129 @@
+"""Hybrid model (KDA + MLA + MoE on megatron-core): tree mode == expanded mode (DESIGN invariant 1).
+
+Tiny fp64 model on CPU (tests/megatron_cpu.py shim): per-target log-probs, the
+loss (with the MoE aux loss attached), every parameter gradient, aux-loss
+values, tokens per expert and expert-bias counts, with and without activation
+recomputation; plus the configurations the tree path refuses.
+"""
+import pytest
+import torch
+
+import megatron_harts.patches as patches
+from megatron_harts.models.model import build_hybrid_model
+
+from hybrid_tiny import VOCAB, expanded_inputs, randomize_, tiny_config, tiny_forest, tree_inputs
+from megatron_cpu import megatron_cpu
+
+
+@pytest.fixture(scope="module")
+def cpu_world():
+    patches.apply()
+    with megatron_cpu():
+        yield
+    patches.undo()
+
+
+def _run(model, inputs, coeffs):
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker)
+    clear_aux_losses_tracker()
+    model.zero_grad(set_to_none=True)
+    routers = [l.mlp.router for l in model.decoder.layers if l.is_moe_layer]
+    for r in routers:
+        r.local_tokens_per_expert.zero_()
+    ids, pos, psp, prow, ptok, select = inputs
+    lp = model(ids, pos, packed_seq_params=psp, pair_row=prow, pair_token=ptok)
+    lp = lp[select] if select is not None else lp
+    loss = (coeffs * lp).sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    aux = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
+    tpe = torch.stack([r.last_tokens_per_expert for r in routers])
+    bias_counts = torch.stack([r.local_tokens_per_expert.clone() for r in routers])
+    return lp.detach(), loss.detach(), grads, aux, tpe, bias_counts
+
+
+def _both_modes(cfg, seed=0):
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), seed)
+    forest = tiny_forest(seed)
+    lay, psp = tree_inputs(forest, cfg)
+    ids, pos, epsp, erows, etok, _ = expanded_inputs(lay, forest)
+    coeffs = torch.randn(lay.target_row.shape[0], generator=torch.Generator().manual_seed(seed + 7),
+                         dtype=torch.float64)
+    tree = _run(model, (lay.tokens[None], lay.position_ids[None], psp, lay.pair_row, lay.pair_token,
+                        lay.target_pair), coeffs)
+    expanded = _run(model, (ids, pos, epsp, erows, etok, None), coeffs)
+    return lay, tree, expanded
+
+
+def _assert_modes_equal(tree, expanded, rtol=1e-10):
+    lp_t, loss_t, g_t, aux_t, tpe_t, bias_t = tree
+    lp_e, loss_e, g_e, aux_e, tpe_e, bias_e = expanded
+    torch.testing.assert_close(lp_t, lp_e, rtol=rtol, atol=1e-12)
+    torch.testing.assert_close(loss_t, loss_e, rtol=rtol, atol=1e-12)
+    assert set(g_t) == set(g_e)
+    for name in g_e:
+        scale = float(g_e[name].abs().max())
+        assert scale > 0, f"{name} got no gradient: the test would not see a difference"
+        torch.testing.assert_close(g_t[name], g_e[name], rtol=0, atol=rtol * scale, msg=f"gradient of {name}")
+    assert float(aux_e.abs().sum()) > 0
+    torch.testing.assert_close(aux_t, aux_e, rtol=rtol, atol=0)
+    assert torch.equal(tpe_t, tpe_e)
+    assert torch.equal(bias_t, bias_e)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},                                                    # Kimi-Linear: NoPE MLA, no q LoRA
+    {"mla_rope": True, "q_lora_rank": 12, "kda_chunk_size": 8, "kda_mla_ratio": 2},
+])
+def test_tree_equals_expanded_fp64(cpu_world, overrides):
+    cfg = tiny_config(**overrides)
+    lay, tree, expanded = _both_modes(cfg)
+    assert lay.num_rows < expanded[0].shape[0] + lay.num_trajectories   # real sharing happened
+    assert set(cfg.resolved_layer_types()) == {"kda", "mla"}
+    assert cfg.resolved_mlp_types()[0] == "dense" and "moe" in cfg.resolved_mlp_types()
+    _assert_modes_equal(tree, expanded)
+
+
+def test_activation_recomputation_gives_equal_gradients(cpu_world):
+    _, tree, expanded = _both_modes(tiny_config(), seed=1)
+    cfg_r = tiny_config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    _, tree_r, expanded_r = _both_modes(cfg_r, seed=1)
+    _assert_modes_equal(tree_r, tree, rtol=1e-12)
+    _assert_modes_equal(expanded_r, expanded, rtol=1e-12)
+
+
+def test_batched_expanded_equals_packed(cpu_world):
+    """The [s, b] batched form (no packed params) is expanded mode too: same numbers as THD packing."""
+    from megatron_harts.models.packed import TreePackedSeqParams
+    cfg = tiny_config(moe_aux_loss_coeff=0.0)
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 2)
+    gen = torch.Generator().manual_seed(0)
+    seqs = torch.randint(0, VOCAB, (3, 11), generator=gen)
+    pos = torch.arange(11).repeat(3, 1)
+    with torch.no_grad():
+        batched = model(seqs, pos)                                           # [s, b, V]
+        psp = TreePackedSeqParams.for_sequences([11, 11, 11])
+        packed = model(seqs.reshape(1, -1), psp.position_ids[None], packed_seq_params=psp)   # [3*11, 1, V]
+    torch.testing.assert_close(batched.transpose(0, 1).reshape(-1, VOCAB), packed[:, 0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("overrides,flag", [
+    ({"moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor"),
+    ({"moe_router_load_balancing_type": "seq_aux_loss"}, "--moe-router-load-balancing-type"),
+    ({"moe_input_jitter_eps": 0.01}, "--moe-input-jitter-eps"),
+    ({"tree_attention_backend": "flash"}, "tree_attention_backend"),
+    ({"hidden_dropout": 0.1}, "--hidden-dropout"),
+    ({"layer_types": ["kda", "gdn", "kda", "mla"]}, "layer_types"),
+    ({"mlp_types": ["dense", "moe"]}, "mlp_types"),
+])
+def test_build_refuses_what_the_tree_path_cannot_honour(cpu_world, overrides, flag):
+    cfg = tiny_config(**overrides)
+    with pytest.raises(ValueError, match=flag.replace("-", r"\-")):
+        build_hybrid_model(cfg, vocab_size=VOCAB)
+
+
+def test_expanded_only_model_accepts_capacity_factor(cpu_world):
+    """With tree_mode=False the same options build: the refusal is about the tree path only."""
+    cfg = tiny_config(moe_expert_capacity_factor=1.0, tree_mode=False)
+    build_hybrid_model(cfg, vocab_size=VOCAB)
