@@ -219,20 +219,41 @@ def _tp_worker(rank, world, init_file, inputs_path, out_dir):
     try:
         d = torch.load(inputs_path)
         v_local = d["weight"].shape[0] // world
-        hidden = d["hidden"].clone().requires_grad_()
-        weight = d["weight"][rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+        shard = d["weight"][rank * v_local:(rank + 1) * v_local]
+        hidden, weight = d["hidden"].clone().requires_grad_(), shard.clone().requires_grad_()
         lp, ent = multi_target_logprobs(hidden, weight, d["pair_row"], d["pair_token"], tp_group=dist.group.WORLD,
                                         return_entropy=True, chunk_rows=3)
         (lp @ d["w"] + ent @ d["u"]).backward()
-        torch.save({"lp": lp.detach(), "ent": ent.detach(), "gh": hidden.grad, "gw": weight.grad},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        out = {"lp": lp.detach(), "ent": ent.detach(), "gh": hidden.grad, "gw": weight.grad}
+
+        # megatron-core's own vocab-parallel cross entropy on the expanded targets (TP=2)
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        parallel_state.initialize_model_parallel(world, 1)
+        try:
+            he, we = d["hidden"].clone().requires_grad_(), shard.clone().requires_grad_()
+            logits = (he[d["target_row"]] @ we.t()).unsqueeze(1)
+            neg_lp = vocab_parallel_cross_entropy(logits.clone(), d["target_token"].unsqueeze(1)).squeeze(1)
+            (-neg_lp.double() @ d["w_target"]).backward()
+            gh = he.grad.clone()
+            dist.all_reduce(gh, group=parallel_state.get_tensor_model_parallel_group())
+            out.update(megatron_lp=-neg_lp.detach(), megatron_gh=gh, megatron_gw=we.grad)
+            hidden.grad = None
+            weight.grad = None
+            lp = multi_target_logprobs(hidden, weight, d["pair_row"], d["pair_token"],
+                                       tp_group=parallel_state.get_tensor_model_parallel_group())
+            (lp[d["target_pair"]] @ d["w_target"]).backward()
+            out.update(tree_lp=lp[d["target_pair"]].detach(), tree_gh=hidden.grad, tree_gw=weight.grad)
+        finally:
+            parallel_state.destroy_model_parallel()
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_vocab_parallel_two_ranks_equals_full_vocab(tmp_path):
+def test_vocab_parallel_two_ranks_equals_full_vocab_and_megatron(tmp_path):
     forest, targets, hidden0, weight0 = make_problem(21, vocab=14)
-    pair_row, pair_token, _ = unique_pairs(targets)
+    pair_row, pair_token, target_pair = unique_pairs(targets)
     g = torch.Generator().manual_seed(2)
     w = torch.randn(pair_row.shape[0], dtype=torch.float64, generator=g)
     u = torch.randn(forest.num_rows, dtype=torch.float64, generator=g)
@@ -240,7 +261,10 @@ def test_vocab_parallel_two_ranks_equals_full_vocab(tmp_path):
     assert (pair_token < 7).any() and (pair_token >= 7).any(), pair_token
     inputs = tmp_path / "inputs.pt"
     torch.save({"hidden": hidden0, "weight": weight0, "pair_row": pair_row, "pair_token": pair_token,
-                "w": w, "u": u}, inputs)
+                "w": w, "u": u, "target_pair": target_pair,
+                "target_row": torch.tensor([r for _, _, r, _ in targets]),
+                "target_token": torch.tensor([tok for _, _, _, tok in targets]),
+                "w_target": torch.randn(len(targets), dtype=torch.float64, generator=g)}, inputs)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_tp_worker, args=(r, 2, str(tmp_path / "store"), str(inputs), str(tmp_path)))
              for r in range(2)]
@@ -263,3 +287,8 @@ def test_vocab_parallel_two_ranks_equals_full_vocab(tmp_path):
         assert rel_err(o["ent"], ent) < TOL
         assert rel_err(o["gh"], hidden.grad) < TOL  # all-reduced over the two ranks
     assert rel_err(torch.cat([out[0]["gw"], out[1]["gw"]]), weight.grad) < TOL
+    # against megatron's vocab_parallel_cross_entropy with TP=2 (it computes in fp32: .float())
+    for o in out:
+        assert rel_err(o["tree_lp"], o["megatron_lp"]) < 1e-5
+        assert rel_err(o["tree_gh"], o["megatron_gh"]) < 1e-5
+        assert rel_err(o["tree_gw"], o["megatron_gw"]) < 1e-5

@@ -92,20 +92,21 @@ class MultiTargetLogprobs(torch.autograd.Function):
         in_shard = (pair_token >= vocab_start) & (pair_token < vocab_start + v_local)
         for i, (c0, c1) in enumerate(_chunk_bounds(num_rows, chunk_rows)):
             z = (hidden[c0:c1] @ weight.t()).to(cdt)
-            m = z.max(dim=1).values
-            local_max[c0:c1] = m
-            shifted = z - m[:, None]
-            e = torch.exp(shifted)
-            local_sums[c0:c1, 0] = e.sum(dim=1)
-            if with_entropy:
-                local_sums[c0:c1, 1] = (e * shifted).sum(dim=1)
             p0, p1 = pair_bounds[i], pair_bounds[i + 1]
             if p1 > p0:
                 ok = in_shard[p0:p1]
                 col = torch.where(ok, pair_token[p0:p1] - vocab_start, torch.zeros_like(pair_token[p0:p1]))
                 val = z[pair_lrow[p0:p1] - c0, col]
                 target_logit[p0:p1] = torch.where(ok, val, torch.zeros_like(val))
-            del z, shifted, e
+            # two [chunk, V_local] temporaries at most: z (shifted in place) and its exp
+            m = z.max(dim=1).values
+            local_max[c0:c1] = m
+            z.sub_(m[:, None])
+            e = torch.exp(z)
+            local_sums[c0:c1, 0] = e.sum(dim=1)
+            if with_entropy:
+                local_sums[c0:c1, 1] = e.mul_(z).sum(dim=1)
+            del z, e
         row_max = local_max.clone()
         if group is not None:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -148,15 +149,16 @@ class MultiTargetLogprobs(torch.autograd.Function):
         in_shard = (pair_token >= vocab_start) & (pair_token < vocab_start + v_local)
         for i, (c0, c1) in enumerate(_chunk_bounds(num_rows, chunk_rows)):
             h = hidden[c0:c1]
-            z = (h @ weight.t()).to(cdt)
-            logp = z - lse[c0:c1, None]
+            # in place: two [chunk, V_local] temporaries at most (log-softmax and softmax)
+            logp = (h @ weight.t()).to(cdt).sub_(lse[c0:c1, None])
             p = torch.exp(logp)
-            coef = g_row[c0:c1, None]
             if use_ent:
-                grad_z = -p * (coef + g_ent[c0:c1, None] * (logp + entropy[c0:c1, None]))
+                # -p * (G + gH * (log p + H))
+                grad_z = (logp.add_(entropy[c0:c1, None]).mul_(g_ent[c0:c1, None])
+                          .add_(g_row[c0:c1, None]).mul_(p).neg_())
             else:
-                grad_z = -p * coef
-            del z, logp, p
+                grad_z = p.mul_(g_row[c0:c1, None]).neg_()
+            del logp, p
             p0, p1 = pair_bounds[i], pair_bounds[i + 1]
             if p1 > p0:
                 ok = in_shard[p0:p1]

@@ -39,7 +39,7 @@ over the group (sequence parallelism slices rows, not expanded tokens).
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Tuple, Union
+from typing import Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
