@@ -389,7 +389,7 @@ def fit_calibration(features: Sequence[CostFeatures], seconds: Sequence[float],
             if np.any(sol < 0):
                 continue
             res = float(np.sum((Xs[:, cols] @ sol - y) ** 2))
-            if res < best_res - 1e-15 * max(1.0, best_res):
+            if best is None or res < best_res * (1.0 - 1e-12):
                 w = np.zeros(X.shape[1])
                 w[cols] = sol
                 best, best_res = w, res

@@ -33,8 +33,10 @@ __all__ = ["plan_l1", "split_tree", "pack_pieces", "Piece"]
 # a piece: (owned segments, recomputed segments, rows)
 Piece = Tuple[List[int], List[int], int]
 
-#: L1 splits a piece costing more than this times the mean microbatch cost (dp > 1)
-SPLIT_FACTOR = 1.1
+#: balance splits L1 tries (dp > 1): a piece costing more than this times the mean microbatch
+#: cost is split; ``None`` splits only to reach ``K`` pieces.  L1 keeps the variant with the
+#: shortest modelled step (sum over slots of the costliest microbatch).
+SPLIT_FACTORS = (None, 1.5, 1.1)
 
 
 def split_tree(ix: ForestIndex, tree: int, M: int) -> List[Piece]:
@@ -189,9 +191,10 @@ def _piece_cost(ix: ForestIndex, model: CostModel, piece: Piece) -> float:
 
 
 def balance_pieces(ix: ForestIndex, model: CostModel, pieces: List[Piece], dp: int,
-                   M: int) -> Tuple[List[Piece], List[float], int]:
+                   M: int, factor: Optional[float] = None) -> Tuple[List[Piece], List[float], int]:
     """Split the costliest pieces until there are at least ``K`` (a multiple of ``dp``) pieces
-    and, when ``dp > 1``, none costs more than the mean microbatch cost ``total / K``.
+    and, when ``dp > 1`` and ``factor`` is given, none costs more than ``factor`` times the
+    mean microbatch cost ``total / K``.
 
     A split recomputes the shared ancestors of the parts (``split_piece`` at about half the
     piece's rows), so it costs compression: it happens only where balance needs it.  Returns
@@ -208,7 +211,7 @@ def balance_pieces(ix: ForestIndex, model: CostModel, pieces: List[Piece], dp: i
         if cand < 0:
             break
         tau = sum(costs) / K
-        if len(pieces) >= K and (dp == 1 or costs[cand] <= SPLIT_FACTOR * tau):
+        if len(pieces) >= K and (dp == 1 or factor is None or costs[cand] <= factor * tau):
             break
         p = pieces[cand]
         m = max(piece_depth(ix, p), -(-p[2] // 2))
@@ -233,20 +236,28 @@ def plan_l1(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel]
     ix = index if index is not None else ForestIndex(forest)
     dp = check_dp(dp)
     M = check_budget(ix, row_budget)
-    pieces: List[Piece] = []
+    base: List[Piece] = []
     for t in range(ix.num_trees):
-        pieces.extend(split_tree(ix, t, M))
-    pieces, costs, K = balance_pieces(ix, model, pieces, dp, M)
-    rows = [p[2] for p in pieces]
-    bins = pack_pieces(rows, costs, dp, M, min_bins=K)
+        base.extend(split_tree(ix, t, M))
+    best = None
+    for factor in (SPLIT_FACTORS if dp > 1 else (None,)):
+        pieces, costs, K = balance_pieces(ix, model, list(base), dp, M, factor)
+        rows = [p[2] for p in pieces]
+        bins = pack_pieces(rows, costs, dp, M, min_bins=K)
+        loads = [sum(costs[i] for i in b) + (model.coefficients.microbatch if b else 0.0) for b in bins]
+        placement = place_sorted(loads, dp)
+        slot_max: dict = {}
+        for (r, k), c in zip(placement, loads):
+            slot_max[k] = max(slot_max.get(k, 0.0), c)
+        key = (sum(slot_max.values()), sum(rows))
+        if best is None or key < best[0]:
+            best = (key, pieces, bins, placement)
+    _, pieces, bins, placement = best
     groups = []
-    loads = []
     for b in bins:
         owned = [x for i in b for x in pieces[i][0]]
         rec = [x for i in b for x in pieces[i][1]]
         groups.append((np.asarray(owned, dtype=np.int64), np.asarray(rec, dtype=np.int64)))
-        loads.append(sum(costs[i] for i in b))
-    placement = place_sorted(loads, dp)
     plan = assemble_plan(ix, groups, placement, planner="harts_l1", dp=dp, row_budget=M, cost_model=model)
     plan.plan_seconds = time.perf_counter() - t0
     return plan

@@ -225,10 +225,11 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
     placed = 0
     while placed < n:
         left = S - k
-        if left > 1:
+        if left > 1 and dp > 1:
             tau = remaining / (dp * left)
             hi, lo = tau * (1.0 + eps), tau * (1.0 - eps)
-        else:  # the last planned slot takes everything left, least-loaded first (LPT)
+        else:  # one replica (no balance to keep: fill by rows) or the last planned slot,
+            # which takes everything left, least-loaded first (LPT)
             hi = lo = math.inf
         big = len(opened)
         # atoms with a chain of atoms below them as long as the slots left go first (else the
