@@ -74,6 +74,10 @@ class MultiTargetLogprobs(torch.autograd.Function):
         dL/dz[r, v] = sum_{p at r, token v} g_p - softmax[r, v] * sum_{p at r} g_p
                       - gH[r] * softmax[r, v] * (log softmax[r, v] + H[r])
     then dL/dhidden = dL/dz @ weight and dL/dweight = dL/dz.T @ hidden, chunk by chunk.
+    The weight gradient accumulates over chunks in the statistics dtype (one
+    fp32 [V_local, H] buffer for bf16 weights) and is cast to the weight's dtype once.
+    Measured on one H200 (bf16, 8192 rows, 1.3 pairs per row, V = 163840, H = 2048,
+    with entropy): forward + backward 72 ms at chunk_rows=1024, 3.6 GiB above the inputs.
     """
 
     @staticmethod
@@ -234,7 +238,9 @@ def multi_target_logprobs(
         chunk_rows: rows per logits chunk; None picks about 256 MiB of float logits.
         reduce_hidden_grad: all-reduce the hidden-state gradient over ``tp_group``
             (set False when the caller's hidden came through
-            ``copy_to_tensor_model_parallel_region``, which already does it).
+            ``copy_to_tensor_model_parallel_region``, which already does it, or
+            through ``gather_from_sequence_parallel_region`` under sequence
+            parallelism, whose backward reduce-scatters it).
 
     Returns:
         logprobs [P] (and entropy [R] with ``return_entropy``) in fp32, or fp64
