@@ -10,7 +10,7 @@ from megatron_harts.models.config import HybridConfig
 from megatron_harts.models.packed import TreePackedSeqParams
 from megatron_harts.tree_data import build_forest, make_trajectory
 
-VOCAB = 29
+VOCAB = 32
 
 
 def tiny_config(dtype=torch.float64, **overrides) -> HybridConfig:

@@ -174,3 +174,42 @@ def kimi_linear_hf_config(config, vocab_size: int, **overrides):
               pad_token_id=None, bos_token_id=None, eos_token_id=None)
     kw.update(overrides)
     return KimiLinearConfig(**kw)
+
+
+def shard_full_state(full: Dict[str, torch.Tensor], model, config, *, tp_rank: int = 0, tp_size: int = 1,
+                     ep_rank: int = 0, ep_size: int = 1, etp_rank: int = None, etp_size: int = None
+                     ) -> Dict[str, torch.Tensor]:
+    """This rank's tensors of ``model`` (built with TP/EP) from a full TP = EP = 1 state dict.
+
+    Reads megatron's partition attributes (``tensor_model_parallel``, ``partition_dim``) of the
+    built model.  Gated first MLP layers (SwiGLU, ``config.gated_linear_unit``) hold
+    ``[gate_r; up_r]`` per rank, so both halves are split.  Expert ``local_experts.{i}`` of EP
+    rank e is global expert ``e * num_local + i``; experts split over the expert-TP group
+    (``etp_*``, default the TP group).
+    """
+    import re
+    etp_rank = tp_rank if etp_rank is None else etp_rank
+    etp_size = tp_size if etp_size is None else etp_size
+    n_local = (config.num_moe_experts or 0) // max(ep_size, 1)
+    out = {}
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, local in tensors.items():
+        src = name
+        expert = re.search(r"\.local_experts\.(\d+)\.", name)
+        if expert:
+            g = ep_rank * n_local + int(expert.group(1))
+            src = name[:expert.start()] + f".local_experts.{g}." + name[expert.end():]
+        if src not in full:
+            continue
+        value = full[src]
+        if tuple(value.shape) != tuple(local.shape):
+            rank, size = (etp_rank, etp_size) if expert else (tp_rank, tp_size)
+            dim = getattr(local, "partition_dim", 0)
+            if config.gated_linear_unit and name.endswith("linear_fc1.weight"):
+                value = torch.cat([h.chunk(size, dim=dim)[rank] for h in value.chunk(2, dim=0)], dim=0)
+            else:
+                value = value.chunk(size, dim=dim)[rank]
+            if tuple(value.shape) != tuple(local.shape):
+                raise ValueError(f"{name}: cannot shard {tuple(full[src].shape)} into {tuple(local.shape)}")
+        out[name] = value.clone()
+    return out
