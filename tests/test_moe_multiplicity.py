@@ -6,6 +6,8 @@ TopKRouter._apply_seq_aux_loss does it, and megatron's TopKRouter.routing run
 on the expanded micro-batch (aux, seq_aux, global_aux, z-loss, expert-bias
 token counts), forward and gradient.  fp64, 1e-10.  DESIGN invariant 1.
 """
+import multiprocessing
+import os
 import socket
 from types import SimpleNamespace
 
@@ -289,6 +291,71 @@ def test_topk_router_on_expanded_microbatches(megatron_cpu):
             assert torch.equal(router.global_tokens_per_expert, glob.global_tokens_per_expert)
     finally:
         router_mod.z_loss_func = orig_z
+
+
+def _split_rows_worker(rank, world, init_file, inputs_path, out_dir):
+    """One rank of a row-split (sequence-parallel-like) micro-batch: rows r with r % world == rank."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        d = torch.load(inputs_path)
+        mine = torch.arange(d["scores"].shape[0]) % world == rank
+        scores = d["scores"][mine].clone().requires_grad_()
+        rmap, q = d["rmap"][mine], d["q"][mine]
+        local = float(d["q"].sum()) / world  # expanded tokens per rank, as megatron splits them evenly
+        group = dist.group.WORLD
+        glob = QGlobalAuxLoss(E, dtype=torch.float64)
+        losses = torch.stack([
+            q_aux_loss(scores, rmap, q, topk=K, coeff=0.3, group=group, local_num_tokens=local),
+            q_seq_aux_loss(scores, rmap, topk=K, coeff=0.2, group=group, row_traj_lo=d["lo"][mine],
+                           row_traj_hi=d["hi"][mine], num_trajectories=d["n"], reduction="sum"),
+            glob(scores, rmap, q, topk=K, coeff=0.4, group=group, local_num_tokens=local),
+        ])
+        (losses @ d["w"]).backward()
+        torch.save({"losses": losses.detach(), "grad": scores.grad, "rows": torch.nonzero(mine)[:, 0],
+                    "global_tpe": glob.global_tokens_per_expert}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rows_split_over_two_ranks_sum_to_the_whole(tmp_path):
+    """With a reduce group the counts are all-reduced and score sums stay local (megatron's
+    distributed formula): the per-rank losses of a row split add up to the one-rank loss."""
+    f = random_forest(5)
+    m = membership(f)
+    logits = torch.randn(f.num_rows, E, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    scores, rmap = router_scores(logits, "softmax")
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    inputs = tmp_path / "inputs.pt"
+    torch.save({"scores": scores.detach(), "rmap": rmap, "q": m.q, "lo": m.row_traj_lo, "hi": m.row_traj_hi,
+                "n": m.num_trajectories, "w": w}, inputs)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_split_rows_worker, args=(r, 2, str(tmp_path / "store"), str(inputs),
+                                                          str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    out = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    x = scores.detach().clone().requires_grad_()
+    whole = torch.stack([
+        q_aux_loss(x, rmap, m.q, topk=K, coeff=0.3),
+        q_seq_aux_loss(x, rmap, topk=K, coeff=0.2, reduction="sum", **ranges(m)),
+        QGlobalAuxLoss(E, dtype=torch.float64)(x, rmap, m.q, topk=K, coeff=0.4),
+    ])
+    (whole @ w).backward()
+    assert rel_err(out[0]["losses"] + out[1]["losses"], whole.detach()) < TOL
+    grad = torch.zeros_like(x)
+    for o in out:
+        grad[o["rows"]] = o["grad"]
+        assert torch.equal(o["global_tpe"], q_tokens_per_expert(rmap, m.q, E).double())
+    assert rel_err(grad, x.grad) < TOL
 
 
 def test_validate_tree_moe_config_refuses_token_dropping():
