@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import megatron_harts.patches as patches
-from megatron_harts.patches import router_gating
+from megatron_harts.patches import checkpoint_without_output, router_gating
 
 
 def test_every_patch_pins_its_upstream_source():
@@ -28,8 +28,8 @@ def test_nothing_is_patched_at_import_and_apply_undo_round_trip():
     x = torch.randn(5, 3, dtype=torch.float32)
     with pytest.raises(NameError, match="te_general_gemm"):
         moe_utils.router_gating_linear(x, w, None, torch.float32)
-    assert patches.apply() == [router_gating.NAME]
-    assert patches.apply() == [router_gating.NAME]            # idempotent
+    assert router_gating.NAME in patches.apply()
+    assert router_gating.NAME in patches.apply()              # idempotent
     out = moe_utils.router_gating_linear(x, w, None, torch.float32)
     torch.testing.assert_close(out, x @ w.t())
     patches.undo()
@@ -42,3 +42,22 @@ def test_version_guard(monkeypatch):
     with pytest.raises(RuntimeError, match="0.16"):
         patches.apply()
     assert not router_gating.is_applied()
+
+
+def test_checkpoint_without_output_default_is_not_fp8():
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+    patches.undo()
+    if not checkpoint_without_output.needed():
+        pytest.skip("Transformer Engine installed: FP8GlobalStateManager exists")
+    assert CheckpointWithoutOutput().fp8 is True          # the upstream bug: fp8=False counts as fp8
+    patches.apply()
+    assert CheckpointWithoutOutput().fp8 is False
+    assert CheckpointWithoutOutput(fp8=None).fp8 is False
+    assert CheckpointWithoutOutput(fp8="hybrid").fp8 is True
+    from megatron_cpu import megatron_cpu
+    with megatron_cpu():
+        x = torch.randn(3, requires_grad=True)
+        y = CheckpointWithoutOutput().checkpoint(torch.sin, x)     # raised NameError before the patch
+        torch.testing.assert_close(y, torch.sin(x))
+    patches.undo()
+    assert CheckpointWithoutOutput().fp8 is True

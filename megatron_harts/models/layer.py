@@ -4,13 +4,18 @@
 that in tree mode it hands the layout's occurrence counts (from the
 ``TreePackedSeqParams`` it receives like every layer does) to its MoE router
 for the duration of its forward, sliced to this rank's rows under sequence
-parallelism.  ``hybrid_block_spec(config)`` builds the per-layer specs from the
+parallelism.  ``HybridMoELayer`` is megatron's MoELayer whose selective
+recomputation (``--recompute-modules moe``) re-enters the occurrence counts
+captured at forward time, so the recomputed router (run during backward,
+outside the layer's forward) attaches the same q-weighted aux loss.  ``hybrid_block_spec(config)`` builds the per-layer specs from the
 config's layer and MLP patterns; everything else (norms, bias-dropout-add,
 MLP, MoE layer, experts, dispatcher) is megatron-core's.
 """
 from __future__ import annotations
 
 from typing import List
+
+import dataclasses
 
 import torch
 
@@ -30,8 +35,39 @@ from .norm import RMSNorm
 from .router import HybridRouter
 
 
+class HybridMoELayer(MoELayer):
+    """MoELayer whose own activation recomputation keeps the router's tree occurrence counts."""
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        weights = self.router.token_weight_state()
+        if not self.moe_layer_recompute or weights[0] is None:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+
+        def run(h):
+            # the recomputation runs during backward: re-enter the counts captured now
+            with self.router.token_weights(*weights):
+                self.moe_layer_recompute = False
+                try:
+                    return MoELayer.forward(self, h, intermediate_tensors, padding_mask)
+                finally:
+                    self.moe_layer_recompute = True
+
+        return tensor_parallel.checkpoint(run, False, hidden_states)
+
+
 class HybridTransformerLayer(TransformerLayer):
     """TransformerLayer that passes tree occurrence counts to its MoE router (see module docstring)."""
+
+    def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1,
+                 hidden_dropout=None, pg_collection=None, vp_stage=None, **kwargs):
+        mlp = submodules.mlp
+        if (isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) and issubclass(mlp.module, MoELayer)
+                and mlp.module is not MoELayer and pg_collection is not None):
+            # megatron passes pg_collection to MoELayer itself only, not to subclasses
+            submodules = dataclasses.replace(
+                submodules, mlp=dataclasses.replace(mlp, params={**mlp.params, "pg_collection": pg_collection}))
+        super().__init__(config, submodules, layer_number=layer_number, hidden_dropout=hidden_dropout,
+                         pg_collection=pg_collection, vp_stage=vp_stage, **kwargs)
 
     def forward(self, *args, **kwargs):
         packed = kwargs.get("packed_seq_params")
@@ -58,8 +94,8 @@ def _mlp_submodules() -> MLPSubmodules:
 
 
 def moe_spec() -> ModuleSpec:
-    """megatron's MoELayer with SequentialMLP experts, a shared expert and the HybridRouter."""
-    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+    """HybridMoELayer with SequentialMLP experts, a shared expert and the HybridRouter."""
+    return ModuleSpec(module=HybridMoELayer, submodules=MoESubmodules(
         experts=ModuleSpec(module=SequentialMLP, submodules=_mlp_submodules()),
         shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_mlp_submodules()),
         router=HybridRouter))

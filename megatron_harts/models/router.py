@@ -92,6 +92,10 @@ class HybridRouter(TopKRouter):
         finally:
             self._token_weight, self._token_weight_total = saved
 
+    def token_weight_state(self):
+        """The (weights, total) pair in force now, for re-entering it later (recomputation)."""
+        return self._token_weight, self._token_weight_total
+
     def _topk(self, logits):
         cfg = self.config
         if self.score_function != "sigmoid":

@@ -21,10 +21,10 @@ import hashlib
 import inspect
 from typing import List
 
-from . import router_gating
+from . import checkpoint_without_output, router_gating
 
 SUPPORTED_MEGATRON = "0.16."
-PATCHES = [router_gating]
+PATCHES = [router_gating, checkpoint_without_output]
 
 
 def megatron_version() -> str:
