@@ -67,7 +67,7 @@ def tiny_forest(seed=0, n=5, vocab=VOCAB):
 
 def tree_inputs(forest, cfg):
     lay = build_layout(forest)
-    psp = TreePackedSeqParams.for_tree(lay, chunk_size=cfg.kda_chunk_size, conv_kernel=cfg.linear_conv_kernel_dim)
+    psp = TreePackedSeqParams.for_tree(lay, config=cfg)
     return lay, psp
 
 

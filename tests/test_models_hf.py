@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import megatron_harts.patches as patches
-from megatron_harts.models.hf_convert import (hf_to_megatron, kimi_linear_hf_config, load_hf_weights,
-                                              megatron_to_hf)
+from megatron_harts.models.hf_convert import (hf_to_megatron, hybrid_config_from_hf, kimi_linear_hf_config,
+                                              load_hf_weights, megatron_to_hf)
 from megatron_harts.models.model import build_hybrid_model
 
 from hybrid_tiny import VOCAB, expanded_inputs, randomize_, tiny_config, tiny_forest, tree_inputs
@@ -69,3 +69,22 @@ def test_weight_mapping_round_trip_and_load(cpu_world):
     hf_state.pop("model.layers.1.mlp.experts.down_proj")
     with pytest.raises(KeyError, match="experts.down_proj"):
         hf_to_megatron(hf_state, cfg)
+
+
+def test_config_from_transformers_round_trip(cpu_world):
+    cfg = tiny_config(q_lora_rank=12)
+    hf_cfg = kimi_linear_hf_config(cfg, VOCAB)
+    back = hybrid_config_from_hf(hf_cfg, params_dtype=torch.float64)
+    for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "linear_num_heads",
+                  "linear_head_dim", "linear_conv_kernel_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                  "qk_rope_head_dim", "v_head_dim", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                  "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+                  "moe_router_group_topk", "layernorm_epsilon"):
+        assert getattr(back, field) == getattr(cfg, field), field
+    assert back.resolved_layer_types() == cfg.resolved_layer_types()
+    assert back.resolved_mlp_types() == cfg.resolved_mlp_types()
+    model = build_hybrid_model(back, vocab_size=VOCAB)        # the converted config builds
+    assert model.decoder.layers[1].mlp.router.expert_bias is not None
+    hf_cfg.norm_topk_prob = False
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        hybrid_config_from_hf(hf_cfg)

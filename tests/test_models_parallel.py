@@ -48,40 +48,43 @@ def _forward_backward(model, cfg, tree: bool, tp_group=None):
     return {"lp": lp.detach(), "grads": grads, "aux": aux, "tpe": tpe}
 
 
-def _worker(rank, world, port, tp, ep, ref_path, out_dir):
+def _worker(rank, world, port, setups, ref_path, out_dir):
+    """One gloo process: for each (tp, ep) setup, megatron's groups, the sharded model, both modes."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    ref = torch.load(ref_path, weights_only=False)
     try:
         from megatron.core import parallel_state as ps
         patches.apply()
-        with megatron_cpu(tp=tp, ep=ep, init_world=False):
-            ref = torch.load(ref_path, weights_only=False)
-            cfg = tiny_config(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_model_parallel_size=ep)
-            model = build_hybrid_model(cfg, vocab_size=VOCAB)
-            ranks = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-                         ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep)
-            local = shard_full_state(ref["state"], model, cfg, **ranks)
-            tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-            assert {n for n, _ in model.named_parameters()} <= set(local)
-            with torch.no_grad():
-                for n, v in local.items():
-                    tensors[n].copy_(v)
-            result = {}
-            for mode in ("tree", "expanded"):
-                got = _forward_backward(model, cfg, mode == "tree", ps.get_tensor_model_parallel_group())
-                want = ref[mode]
-                expect = shard_full_state(want["grads"], model, cfg, **ranks)
-                rel = {}
-                for n, g in got["grads"].items():
-                    e = expect[n] * (ep if ".local_experts." in n else 1)   # EP ranks hold the same batch here
-                    rel[n] = float((g - e).abs().max() / e.abs().max().clamp_min(1e-300))
-                result[mode] = {"lp": float((got["lp"] - want["lp"]).abs().max()),
-                                "aux": float((got["aux"] - want["aux"]).abs().max()),
-                                "tpe": float((got["tpe"] - want["tpe"]).abs().max()),
-                                "grad_rel": rel, "num_grads": len(got["grads"])}
-            torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        for tp, ep in setups:
+            with megatron_cpu(tp=tp, ep=ep, init_world=False):
+                cfg = tiny_config(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                                  expert_model_parallel_size=ep)
+                model = build_hybrid_model(cfg, vocab_size=VOCAB)
+                ranks = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+                             ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep)
+                local = shard_full_state(ref["state"], model, cfg, **ranks)
+                tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+                assert {n for n, _ in model.named_parameters()} <= set(local)
+                with torch.no_grad():
+                    for n, v in local.items():
+                        tensors[n].copy_(v)
+                result = {}
+                for mode in ("tree", "expanded"):
+                    got = _forward_backward(model, cfg, mode == "tree", ps.get_tensor_model_parallel_group())
+                    want = ref[mode]
+                    expect = shard_full_state(want["grads"], model, cfg, **ranks)
+                    rel = {}
+                    for n, g in got["grads"].items():
+                        e = expect[n] * (ep if ".local_experts." in n else 1)   # EP ranks hold the same batch here
+                        rel[n] = float((g - e).abs().max() / e.abs().max().clamp_min(1e-300))
+                    result[mode] = {"lp": float((got["lp"] - want["lp"]).abs().max()),
+                                    "aux": float((got["aux"] - want["aux"]).abs().max()),
+                                    "tpe": float((got["tpe"] - want["tpe"]).abs().max()),
+                                    "grad_rel": rel, "num_grads": len(got["grads"])}
+                torch.save(result, os.path.join(out_dir, f"tp{tp}_ep{ep}_rank{rank}.pt"))
     finally:
         patches.undo()
         dist.destroy_process_group()
@@ -106,17 +109,19 @@ def reference(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2_sp", "ep2"])
-def test_parallel_equals_single_process(reference, tmp_path, tp, ep):
-    mp.spawn(_worker, args=(2, free_port(), tp, ep, str(reference), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        for mode in ("tree", "expanded"):
-            r = res[mode]
-            assert r["num_grads"] > 80
-            assert r["lp"] < 1e-11, (rank, mode, r["lp"])
-            assert r["aux"] < 1e-11 and r["tpe"] == 0, (rank, mode, r["aux"], r["tpe"])
-            worst = max(r["grad_rel"].items(), key=lambda kv: kv[1])
-            assert worst[1] < 1e-10, (rank, mode, worst)
-            print(f"{tp=} {ep=} rank {rank} {mode}: log-prob max abs diff {r['lp']:.1e}, worst gradient "
-                  f"relative diff {worst[1]:.1e} ({worst[0]})")
+def test_parallel_equals_single_process(reference, tmp_path):
+    """TP=2 with SP (all-gather dispatcher, expert TP=2), then EP=2, in the same two processes."""
+    setups = [(2, 1), (1, 2)]
+    mp.spawn(_worker, args=(2, free_port(), setups, str(reference), str(tmp_path)), nprocs=2, join=True)
+    for tp, ep in setups:
+        for rank in range(2):
+            res = torch.load(tmp_path / f"tp{tp}_ep{ep}_rank{rank}.pt", weights_only=False)
+            for mode in ("tree", "expanded"):
+                r = res[mode]
+                assert r["num_grads"] > 80
+                assert r["lp"] < 1e-11, (tp, ep, rank, mode, r["lp"])
+                assert r["aux"] < 1e-11 and r["tpe"] == 0, (tp, ep, rank, mode, r["aux"], r["tpe"])
+                worst = max(r["grad_rel"].items(), key=lambda kv: kv[1])
+                assert worst[1] < 1e-10, (tp, ep, rank, mode, worst)
+                print(f"{tp=} {ep=} rank {rank} {mode}: log-prob max abs diff {r['lp']:.1e}, worst gradient "
+                      f"relative diff {worst[1]:.1e} ({worst[0]})")

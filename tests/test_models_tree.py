@@ -23,6 +23,9 @@ def cpu_world():
     patches.undo()
 
 
+_CACHE = {}
+
+
 def _run(model, inputs, coeffs):
     from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
                                                          get_moe_layer_wise_logging_tracker)
@@ -105,7 +108,9 @@ def test_tree_equals_expanded_softmax_router(cpu_world):
     dict(recompute_granularity="selective", recompute_modules=["moe", "layernorm"]),
 ], ids=["full", "selective_moe_layernorm"])
 def test_activation_recomputation_gives_equal_gradients(cpu_world, recompute):
-    _, tree, expanded = _both_modes(tiny_config(), seed=1)
+    if "no_recompute" not in _CACHE:
+        _CACHE["no_recompute"] = _both_modes(tiny_config(), seed=1)
+    _, tree, expanded = _CACHE["no_recompute"]
     _, tree_r, expanded_r = _both_modes(tiny_config(**recompute), seed=1)
     _assert_modes_equal(tree_r, tree, rtol=1e-12)
     _assert_modes_equal(expanded_r, expanded, rtol=1e-12)
@@ -135,6 +140,10 @@ def test_batched_expanded_equals_packed(cpu_world):
     ({"hidden_dropout": 0.1}, "--hidden-dropout"),
     ({"layer_types": ["kda", "gdn", "kda", "mla"]}, "layer_types"),
     ({"mlp_types": ["dense", "moe"]}, "mlp_types"),
+    ({"window_size": (8, 0)}, "--window-size"),
+    ({"qk_layernorm": True}, "--qk-layernorm"),
+    ({"softmax_type": "learnable"}, "--softmax-type"),
+    ({"normalization": "LayerNorm"}, "--normalization"),
 ])
 def test_build_refuses_what_the_tree_path_cannot_honour(cpu_world, overrides, flag):
     cfg = tiny_config(**overrides)

@@ -9,12 +9,14 @@ Public API:
 - building blocks: :class:`RMSNorm` (SP-aware), :class:`KimiDeltaAttention`, :class:`TreeMLA`,
   :class:`HybridRouter`, :class:`HybridTransformerLayer`, :func:`hybrid_block_spec`.
 - transformers conversion (hf_convert.py): :func:`hf_to_megatron`, :func:`megatron_to_hf`,
-  :func:`load_hf_weights`, :func:`kimi_linear_hf_config`.
+  :func:`load_hf_weights`, :func:`kimi_linear_hf_config`, :func:`hybrid_config_from_hf`,
+  :func:`shard_full_state` (TP/EP shards of a full state dict).
 
 Call ``megatron_harts.patches.apply()`` before building (megatron-core 0.16.1 without TE).
 """
 from .config import HybridConfig
-from .hf_convert import hf_to_megatron, kimi_linear_hf_config, load_hf_weights, megatron_to_hf
+from .hf_convert import (hf_to_megatron, hybrid_config_from_hf, kimi_linear_hf_config, load_hf_weights,
+                         megatron_to_hf, shard_full_state)
 from .kda import KimiDeltaAttention
 from .layer import HybridTransformerLayer, hybrid_block_spec
 from .mla import TreeMLA
@@ -25,4 +27,5 @@ from .router import HybridRouter
 
 __all__ = ["HybridConfig", "HybridModel", "build_hybrid_model", "validate_config", "TreePackedSeqParams",
            "RMSNorm", "KimiDeltaAttention", "TreeMLA", "HybridRouter", "HybridTransformerLayer",
-           "hybrid_block_spec", "hf_to_megatron", "megatron_to_hf", "load_hf_weights", "kimi_linear_hf_config"]
+           "hybrid_block_spec", "hf_to_megatron", "megatron_to_hf", "load_hf_weights", "kimi_linear_hf_config",
+           "hybrid_config_from_hf", "shard_full_state"]

@@ -213,3 +213,44 @@ def shard_full_state(full: Dict[str, torch.Tensor], model, config, *, tp_rank: i
                 raise ValueError(f"{name}: cannot shard {tuple(full[src].shape)} into {tuple(local.shape)}")
         out[name] = value.clone()
     return out
+
+
+def hybrid_config_from_hf(hf_config, **overrides):
+    """HybridConfig of the architecture a transformers ``KimiLinearConfig`` describes.
+
+    Megatron-side settings (parallelism, dtypes, recomputation, ...) come from ``overrides``.
+    Kimi-Linear routes with sigmoid scores, an expert-score correction bias, groups and a
+    routed scaling factor, renormalizing the top-k weights (``norm_topk_prob`` must be True).
+    """
+    import torch.nn.functional as F
+
+    from .config import HybridConfig
+    c = hf_config
+    if c.num_key_value_heads != c.num_attention_heads:
+        raise ValueError("KimiLinearConfig.num_key_value_heads must equal num_attention_heads (MLA)")
+    if c.hidden_act != "silu":
+        raise ValueError(f"KimiLinearConfig.hidden_act {c.hidden_act!r}: only silu (SwiGLU) is supported")
+    sparse = [t == "sparse" for t in c.mlp_layer_types]
+    if any(sparse) and not c.norm_topk_prob:
+        raise ValueError("KimiLinearConfig.norm_topk_prob must be True (the router renormalizes top-k weights)")
+    kw = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size,
+              num_attention_heads=c.num_attention_heads, normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps,
+              gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+              attention_dropout=0.0, linear_num_heads=c.linear_num_heads, linear_head_dim=c.linear_head_dim,
+              linear_conv_kernel_dim=c.linear_conv_kernel_dim, q_lora_rank=c.q_lora_rank,
+              kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+              qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, mla_rope=False,
+              layer_types=["mla" if t == "full_attention" else "kda" for t in c.layer_types],
+              mlp_types=["moe" if s else "dense" for s in sparse])
+    if any(sparse):
+        kw.update(num_moe_experts=c.num_local_experts, moe_router_topk=c.num_experts_per_tok,
+                  moe_ffn_hidden_size=c.moe_intermediate_size,
+                  moe_shared_expert_intermediate_size=(c.moe_intermediate_size * c.n_shared_experts
+                                                       if c.n_shared_experts else None),
+                  moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_router_topk_scaling_factor=c.routed_scaling_factor,
+                  moe_router_num_groups=c.n_group if c.n_group and c.n_group > 1 else None,
+                  moe_router_group_topk=c.topk_group if c.n_group and c.n_group > 1 else None,
+                  moe_router_dtype="fp32", moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    kw.update(overrides)
+    return HybridConfig(**kw)

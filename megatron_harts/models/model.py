@@ -17,7 +17,10 @@ One model, two modes, same weights (``packed_seq_params`` selects):
 ``forward(..., pair_row=, pair_token=)`` returns the log-probabilities of the
 (row, token) pairs from the vocab-parallel output layer
 (``ops.logprobs.multi_target_logprobs``: logits once per row, several targets
-per row); without pairs it returns the logits [s, b, V/tp].
+per row); rows are numbered batch-major (``b * s + position``; for [R, 1] or
+packed inputs simply the token index).  Without pairs it returns the logits
+[s, b, V/tp].  Under sequence parallelism the token count must be divisible by
+the TP size (megatron scatters the embeddings along the sequence).
 """
 from __future__ import annotations
 
@@ -45,6 +48,24 @@ def validate_config(config: HybridConfig) -> None:
     if config.tree_attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"tree_attention_backend {config.tree_attention_backend!r} has no tree path; "
                          f"expected one of {ATTENTION_BACKENDS}")
+    # attention options that the KDA/MLA modules (tree path and expanded path alike) do not implement
+    unsupported = (("window_size", lambda v: v is not None, "--window-size", "sliding-window attention"),
+                   ("softmax_type", lambda v: v != "vanilla", "--softmax-type", "attention sinks"),
+                   ("qk_layernorm", bool, "--qk-layernorm", "QK layer norm"),
+                   ("qk_clip", bool, "--qk-clip", "QK clipping"),
+                   ("attention_output_gate", bool, "--attention-output-gate", "the attention output gate"),
+                   ("experimental_attention_variant", lambda v: v is not None, "--experimental-attention-variant",
+                    "megatron's experimental attention variants"),
+                   ("linear_attention_freq", lambda v: v is not None, "--linear-attention-freq",
+                    "megatron's linear-attention pattern (use layer_types / kda_mla_ratio)"),
+                   ("add_qkv_bias", bool, "--add-qkv-bias", "QKV biases"),
+                   ("mtp_num_layers", lambda v: v, "--mtp-num-layers", "multi-token prediction"),
+                   ("fp8", lambda v: v is not None, "--fp8-format", "fp8 (needs Transformer Engine)"),
+                   ("fp4", lambda v: v is not None, "--fp4-format", "fp4 (needs Transformer Engine)"))
+    for attr, refused, flag, what in unsupported:
+        value = getattr(config, attr, None)
+        if refused(value):
+            raise ValueError(f"{flag} {value!r} ({attr}): {what} has no path in the hybrid KDA/MLA model")
     if config.context_parallel_size > 1:
         raise ValueError("--context-parallel-size > 1: the tree KDA/MLA modules have no context-parallel path")
     if config.moe_grouped_gemm:
@@ -72,6 +93,10 @@ class HybridModel(GPTModel):
                 attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
                 labels=None, packed_seq_params=None, pair_row: Optional[torch.Tensor] = None,
                 pair_token: Optional[torch.Tensor] = None, return_hidden: bool = False, **kwargs):
+        tp = self.pg_collection.tp.size()
+        if self.config.sequence_parallel and tp > 1 and input_ids is not None and input_ids.shape[1] % tp:
+            raise ValueError(f"--sequence-parallel: {input_ids.shape[1]} tokens/rows are not divisible by "
+                             f"--tensor-model-parallel-size {tp}; pad the microbatch")
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
@@ -84,7 +109,6 @@ class HybridModel(GPTModel):
             logits, _ = self.output_layer(hidden, weight=weight if self.share_embeddings_and_output_weights else None)
             return logits
         tp_group = self.pg_collection.tp
-        tp = tp_group.size()
         reduce_hidden = True
         if self.config.sequence_parallel and tp > 1:
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)

@@ -61,9 +61,17 @@ class TreePackedSeqParams(PackedSeqParams):
         return int(self.cu_seqlens_q[-1])
 
     @classmethod
-    def for_tree(cls, layout, *, chunk_size: int = 64, conv_kernel: int = 4, replay: bool = True,
+    def for_tree(cls, layout, *, config=None, chunk_size: int = 64, conv_kernel: int = 4, replay: bool = True,
                  attention_backend: str = "sdpa", device=None) -> "TreePackedSeqParams":
-        """All per-microbatch tree metadata for ``layout``, built once and shared by all layers."""
+        """All per-microbatch tree metadata for ``layout``, built once and shared by all layers.
+
+        With ``config`` (a HybridConfig) the chunk size, conv kernel and attention backend are
+        the model's (``kda_chunk_size``, ``linear_conv_kernel_dim``, ``tree_attention_backend``).
+        """
+        if config is not None:
+            chunk_size = config.kda_chunk_size
+            conv_kernel = config.linear_conv_kernel_dim
+            attention_backend = config.tree_attention_backend
         from ..ops.path_conv import build_conv_taps
         from ..ops.tree_kda import build_kda_schedule
         from ..planner.calls import plan_calls
