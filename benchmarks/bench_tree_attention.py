@@ -37,7 +37,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron_harts.layout import Visibility, build_layout  # noqa: E402
-from megatron_harts.ops.tree_attention import build_tree_block_mask, tree_attention  # noqa: E402
+from megatron_harts.ops.tree_attention import (build_tree_block_mask, set_flex_compile_mode,  # noqa: E402
+                                                tree_attention)
 from megatron_harts.tree_data import build_forest  # noqa: E402
 from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe  # noqa: E402
 
@@ -58,6 +59,10 @@ def parse_args(argv=None):
     p.add_argument("--mla", action="store_true", help="MLA-like head dims: q/k 192, v 128")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--kernel-options", default=None,
+                   help='JSON dict passed to flex_attention as kernel_options, e.g. \'{"BLOCK_M": 64}\'')
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode for flex_attention on GPU "
+                   "(e.g. max-autotune-no-cudagraphs); default: torch's default")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -181,6 +186,7 @@ def main(argv=None):
     Hk = args.kv_heads or H
     dqk, dv = (192, 128) if args.mla else (args.head_dim, args.head_dim)
 
+    set_flex_compile_mode(args.compile_mode)
     forest = swe_forest(args.rows, args.scheme, args.seed)
     layout = build_layout(forest).to(device)
     R = layout.num_rows
@@ -202,11 +208,17 @@ def main(argv=None):
     bm = build_tree_block_mask(layout, block_size=args.block_size)
     block_mask_ms = timed(lambda: build_tree_block_mask(layout, block_size=args.block_size), device, 1,
                           max(1, args.repeats // 2))
+    nfull, npart = int(bm.full_kv_num_blocks.sum()), int(bm.kv_num_blocks.sum())
+    block_stats = {"full_blocks": nfull, "partial_blocks": npart,
+                   "visible_pairs_per_computed_pair": tree_pairs / ((nfull + npart) * args.block_size ** 2)}
     exp_vis = packed_causal_visibility(lengths).to(device)
     exp_bm = build_tree_block_mask(exp_vis, block_size=args.block_size)
 
-    tree_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="flex", block_mask=bm)
-    exp_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, exp_vis, scale, backend="flex", block_mask=exp_bm)
+    kernel_options = json.loads(args.kernel_options) if args.kernel_options else None
+    tree_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="flex", block_mask=bm,
+                                                  kernel_options=kernel_options)
+    exp_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, exp_vis, scale, backend="flex", block_mask=exp_bm,
+                                                 kernel_options=kernel_options)
 
     def causal(q_, k_, v_):
         o = F.scaled_dot_product_attention(q_.transpose(0, 1)[None], k_.transpose(0, 1)[None],
@@ -225,11 +237,14 @@ def main(argv=None):
         with torch.set_grad_enabled(grad_ok):
             out_t = tree_flex(q, k, v)
             out_e = exp_flex(qe, ke, ve) if not on_cpu else tree_attention(qe, ke, ve, exp_vis, scale, backend="sdpa")
-        check = {"out_max_abs_err": float((out_t[rows] - out_e).abs().max()),
-                 "out_cosine": cosine(out_t[rows], out_e)}
+        check = {"out_max_abs_err": float((out_t.detach()[rows] - out_e.detach()).abs().max()),
+                 "out_cosine": cosine(out_t.detach()[rows], out_e.detach())}
         if grad_ok:
-            gt = torch.autograd.grad(out_t, (q, k, v), g)
-            # expanded gradients summed back onto rows = what tree mode must produce
+            # expanded mode gives every copy of a row its own output gradient (here: the row's g);
+            # tree mode gets their sum, and its input gradients must equal the expanded ones
+            # summed back onto rows
+            g_rows = torch.zeros_like(g, dtype=torch.float32).index_add_(0, rows, ge.float()).to(dtype)
+            gt = torch.autograd.grad(out_t, (q, k, v), g_rows)
             ge_in = torch.autograd.grad(out_e, (qe, ke, ve), ge)
             for name, a, b in zip("qkv", gt, ge_in):
                 summed = torch.zeros_like(a, dtype=torch.float32).index_add_(0, rows, b.float())
@@ -276,7 +291,8 @@ def main(argv=None):
         "rows": R, "trees": layout.num_trees, "trajectories": layout.num_trajectories,
         "expanded_tokens": E, "compression": E / R,
         "pairs": {"tree": tree_pairs, "causal": causal_pairs, "expanded": expanded_pairs},
-        "block_mask_build_ms": block_mask_ms, "check": check, "methods": results, "summary": summary,
+        "block_mask_build_ms": block_mask_ms, "tree_block_mask": block_stats,
+        "kernel_options": kernel_options, "compile_mode": args.compile_mode, "check": check, "methods": results, "summary": summary,
         "note": "flex has no backward on CPU: fwd_bwd is null there" if on_cpu else None,
     }
     if args.json:
@@ -285,6 +301,7 @@ def main(argv=None):
     print(f"{report['device']}  torch {report['torch']}  {args.dtype}  heads {H}/{Hk}  dims {dqk}/{dv}")
     print(f"rows {R} in {layout.num_trees} trees, {layout.num_trajectories} trajectories, expanded tokens {E} "
           f"(compression {E / R:.2f}x); block mask build {block_mask_ms:.2f} ms")
+    print("tree block mask: " + ", ".join(f"{k_} {v_:.3g}" for k_, v_ in block_stats.items()))
     if check:
         print("check vs expanded: " + ", ".join(f"{k_} {v_:.3g}" for k_, v_ in check.items()))
     print(f"{'method':<20}{'pairs':>13}{'fwd ms':>11}{'ns/pair':>10}{'x causal':>9}"

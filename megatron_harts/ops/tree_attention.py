@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..layout import CompactLayout, Visibility
 
-__all__ = ["tree_attention", "build_tree_block_mask", "BACKENDS"]
+__all__ = ["tree_attention", "build_tree_block_mask", "set_flex_compile_mode", "BACKENDS"]
 
 BACKENDS = ("reference", "sdpa", "flex")
 
@@ -186,9 +186,18 @@ def build_tree_block_mask(visibility: VisibilityLike, *, context_visibility: Opt
 
 
 _COMPILED_FLEX = None
+_FLEX_COMPILE_MODE = None
 
 
-def _flex(q, k, v, block_mask, scale, gqa: bool):
+def set_flex_compile_mode(mode: Optional[str] = None) -> None:
+    """torch.compile mode used for FlexAttention on GPU (None: torch's default;
+    e.g. "max-autotune-no-cudagraphs" autotunes kernel configs at first use)."""
+    global _COMPILED_FLEX, _FLEX_COMPILE_MODE
+    _FLEX_COMPILE_MODE = mode
+    _COMPILED_FLEX = None
+
+
+def _flex(q, k, v, block_mask, scale, gqa: bool, kernel_options=None):
     from torch.nn.attention.flex_attention import flex_attention
     global _COMPILED_FLEX
     if q.device.type == "cpu":
@@ -199,10 +208,11 @@ def _flex(q, k, v, block_mask, scale, gqa: bool):
             # eager CPU flex materializes the scores: expected here, CPU is for tests only
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             return flex_attention(q.detach(), k.detach(), v.detach(), block_mask=block_mask, scale=scale,
-                                  enable_gqa=gqa)
+                                  enable_gqa=gqa, kernel_options=kernel_options)
     if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention)
-    return _COMPILED_FLEX(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        _COMPILED_FLEX = torch.compile(flex_attention, mode=_FLEX_COMPILE_MODE)
+    return _COMPILED_FLEX(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                          kernel_options=kernel_options)
 
 
 # ---------------------------------------------------------------------------
@@ -238,7 +248,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
                    scale: Optional[float] = None, *, backend: str = "sdpa",
                    context_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                    context_visibility: Optional[Visibility] = None, block_mask=None,
-                   query_block: int = 1024) -> torch.Tensor:
+                   query_block: int = 1024, kernel_options: Optional[dict] = None) -> torch.Tensor:
     """Attention of every row's query over the keys visible to it.
 
     q ``[R, H, Dqk]``, k ``[R, Hk, Dqk]``, v ``[R, Hk, Dv]`` (``H`` a multiple of ``Hk``: GQA),
@@ -246,7 +256,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
     ``Dqk ** -0.5``.  ``context_kv = (k_ctx [Rc, Hk, Dqk], v_ctx [Rc, Hk, Dv])`` adds keys of
     rows outside the microbatch, visible per ``context_visibility`` (default: the layout's).
     ``block_mask``: for ``backend="flex"``, the mask from :func:`build_tree_block_mask`
-    (built here when omitted).  Returns ``[R, H, Dv]``; differentiable in q, k, v and context.
+    (built here when omitted); ``kernel_options`` go to flex_attention unchanged.
+    ``query_block``: rows per SDPA call (``backend="sdpa"``).  Returns ``[R, H, Dv]``; differentiable in q, k, v and context.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -279,7 +290,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
         raise ValueError(f"block_mask is for (queries, keys) = {tuple(block_mask.seq_lengths)}, "
                          f"expected {(R, R + n_ctx)}")
     out = _flex(q.transpose(0, 1)[None], k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None],
-                block_mask, scale, H != Hk)
+                block_mask, scale, H != Hk, kernel_options)
     return out[0].transpose(0, 1)
 
 
