@@ -65,6 +65,14 @@ def _worker(rank, world, port, setups, ref_path, out_dir):
                 model = build_hybrid_model(cfg, vocab_size=VOCAB)
                 ranks = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
                              ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep)
+                if tp > 1:
+                    # distributed checkpoints see the head-sharded KDA tensors as slices of the full ones
+                    sd = model.decoder.layers[0].self_attention.sharded_state_dict(prefix="a.")
+                    h_local = cfg.linear_num_heads // tp
+                    assert sd["a.A_log"].global_shape == (1, 1, cfg.linear_num_heads, 1)
+                    assert sd["a.A_log"].global_offset == (0, 0, ranks["tp_rank"] * h_local, 0)
+                    assert sd["a.conv_k_weight"].global_offset[0] == ranks["tp_rank"] * h_local * cfg.linear_head_dim
+                    assert sd["a.linear_f_a.weight"].global_offset == (0, 0)      # replicated
                 local = shard_full_state(ref["state"], model, cfg, **ranks)
                 tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
                 assert {n for n, _ in model.named_parameters()} <= set(local)

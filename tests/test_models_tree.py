@@ -155,3 +155,9 @@ def test_expanded_only_model_accepts_capacity_factor(cpu_world):
     """With tree_mode=False the same options build: the refusal is about the tree path only."""
     cfg = tiny_config(moe_expert_capacity_factor=1.0, tree_mode=False)
     build_hybrid_model(cfg, vocab_size=VOCAB)
+
+
+def test_sharded_state_dict_covers_every_parameter(cpu_world):
+    model = build_hybrid_model(tiny_config(), vocab_size=VOCAB)
+    sd = model.sharded_state_dict()
+    assert {n for n, _ in model.named_parameters()} <= set(sd)

@@ -30,10 +30,11 @@ out = linear_proj(RMSNorm_D(o) * out_norm_weight * sigmoid(g_b(g_a(x)))).
 Modes (from the packed-sequence params, see models/packed.py): tree mode runs
 the conv along ``prev`` (ops.path_conv) and the KDA core through
 ``ops.tree_kda`` on the layout's call schedule; expanded/batched mode runs the
-conv causally per sequence and ``ops.kda.kda_chunked`` per sequence.  Both use
-the same chunked reference math with chunks at multiples of the chunk size from
-each trajectory's position 0, so tree == expanded to rounding (bitwise in fp32
-with replay on the reference backend).
+conv causally per sequence and the same KDA backend (``config.kda_backend`` from
+``ops.tree_kda.KDA_BACKENDS``; "reference" = ``ops.kda.kda_chunked``) on each
+sequence.  Both run chunks at multiples of the chunk size from each trajectory's
+position 0, so tree == expanded to rounding (bitwise in fp32 with replay on the
+reference backend).
 """
 from __future__ import annotations
 
@@ -47,12 +48,14 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.parallel_state import get_tensor_model_parallel_group
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
+                                             sharded_state_dict_default)
 
-from ..ops.kda import kda_chunked
 from ..ops.path_conv import path_conv
-from ..ops.tree_kda import tree_kda
+from ..ops.tree_kda import KDA_BACKENDS, tree_kda
 from .common import (check_divisible, local_column_linear, sequences_unview, sequences_view, tp_input,
                      tp_replicated, tp_size)
 from .norm import rms_normalize
@@ -97,6 +100,9 @@ class KimiDeltaAttention(MegatronModule):
         hid = config.hidden_size
         C = self.num_heads_local * D
         dt = config.params_dtype
+        if config.kda_backend not in KDA_BACKENDS:
+            raise ValueError(f"kda_backend {config.kda_backend!r}: expected one of {sorted(KDA_BACKENDS)}")
+        dev = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
 
         self.linear_q = local_column_linear(hid, H * D, config, self.tp_group)
         self.linear_k = local_column_linear(hid, H * D, config, self.tp_group)
@@ -104,36 +110,56 @@ class KimiDeltaAttention(MegatronModule):
         self.linear_beta = local_column_linear(hid, H, config, self.tp_group)
         self.linear_f_b = local_column_linear(D, H * D, config, self.tp_group)
         self.linear_g_b = local_column_linear(D, H * D, config, self.tp_group)
-        self.linear_f_a = torch.nn.Linear(hid, D, bias=False, dtype=dt)
-        self.linear_g_a = torch.nn.Linear(hid, D, bias=False, dtype=dt)
+        # TP-replicated low-rank down projections (same values on every TP rank: default generator)
+        self.linear_f_a = torch.nn.Linear(hid, D, bias=False, dtype=dt, device=dev)
+        self.linear_g_a = torch.nn.Linear(hid, D, bias=False, dtype=dt, device=dev)
         self.linear_proj = build_module(
             submodules.linear_proj, H * D, hid, config=config, init_method=config.output_layer_init_method,
             bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_group=self.tp_group)
-        self.conv_q_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt))
-        self.conv_k_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt))
-        self.conv_v_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt))
-        self.A_log = torch.nn.Parameter(torch.empty(1, 1, self.num_heads_local, 1, dtype=dt))
-        self.dt_bias = torch.nn.Parameter(torch.empty(C, dtype=dt))
-        self.out_norm_weight = torch.nn.Parameter(torch.ones(D, dtype=dt))
-        for p, dim in ((self.conv_q_weight, 0), (self.conv_k_weight, 0), (self.conv_v_weight, 0),
-                       (self.A_log, 2), (self.dt_bias, 0)):
-            set_tensor_model_parallel_attributes(p, True, dim, 1)
+        self.conv_q_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt, device=dev))
+        self.conv_k_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt, device=dev))
+        self.conv_v_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt, device=dev))
+        self.A_log = torch.nn.Parameter(torch.empty(1, 1, self.num_heads_local, 1, dtype=dt, device=dev))
+        self.dt_bias = torch.nn.Parameter(torch.empty(C, dtype=dt, device=dev))
+        self.out_norm_weight = torch.nn.Parameter(torch.ones(D, dtype=dt, device=dev))
+        for name, dim in self.TP_SHARDED.items():
+            set_tensor_model_parallel_attributes(getattr(self, name), True, dim, 1)
         self.reset_kda_parameters()
 
-    def reset_kda_parameters(self, generator: Optional[torch.Generator] = None):
-        """fla's initialization: A ~ U[1, 16] (A_log = log A), dt ~ logU[1e-3, 1e-1], dt_bias = softplus^-1(dt)."""
+    # parameters split over TP ranks (head-major), and their split axis
+    TP_SHARDED = {"conv_q_weight": 0, "conv_k_weight": 0, "conv_v_weight": 0, "A_log": 2, "dt_bias": 0}
+
+    def reset_kda_parameters(self):
+        """fla's initialization: A ~ U[1, 16] (A_log = log A), dt ~ logU[1e-3, 1e-1], dt_bias = softplus^-1(dt).
+
+        Head-sharded tensors draw from megatron's model-parallel RNG (different per TP rank),
+        the replicated down projections from the default generator (equal on all TP ranks).
+        """
         if not self.config.perform_initialization:
             return
         with torch.no_grad():
-            for w in (self.conv_q_weight, self.conv_k_weight, self.conv_v_weight):
-                bound = 1.0 / math.sqrt(self.kernel)
-                w.uniform_(-bound, bound, generator=generator)
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0, generator=generator).log())
-            lo, hi = math.log(1e-3), math.log(1e-1)
-            dt = torch.empty_like(self.dt_bias).uniform_(lo, hi, generator=generator).exp().clamp_min(1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            with tp_random.get_cuda_rng_tracker().fork():
+                for w in (self.conv_q_weight, self.conv_k_weight, self.conv_v_weight):
+                    bound = 1.0 / math.sqrt(self.kernel)
+                    w.uniform_(-bound, bound)
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+                lo, hi = math.log(1e-3), math.log(1e-1)
+                dt = torch.empty_like(self.dt_bias).uniform_(lo, hi).exp().clamp_min(1e-4)
+                self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
             for lin in (self.linear_f_a, self.linear_g_a):
                 self.config.init_method(lin.weight)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Distributed-checkpoint view: head-sharded tensors split along TP_SHARDED's axes."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        own = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        out = make_sharded_tensors_for_checkpoint(own, prefix, dict(self.TP_SHARDED), sharded_offsets,
+                                                  tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+        for name, module in self.named_children():
+            out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                  tp_group=self.tp_group))
+        return out
 
     @staticmethod
     def _lin(layer, x):
@@ -181,7 +207,8 @@ class KimiDeltaAttention(MegatronModule):
         else:
             parts = [sequences_view(t, s, b, packed_seq_params) for t in (q, k, v, g, beta)]
             flat = parts[0][1]
-            o, _ = kda_chunked(*(p for p, _ in parts), chunk_size=self.config.kda_chunk_size)
+            run = KDA_BACKENDS[self.config.kda_backend]
+            o, _ = run(*(p for p, _ in parts), chunk_size=self.config.kda_chunk_size)
             o = sequences_unview(o, flat)
         ga = F.linear(rows, tp_replicated(self.linear_g_a.weight, g_tp))
         gate = self._lin(self.linear_g_b, ga).view(-1, H, D)

@@ -77,15 +77,17 @@ class TreeMLA(MegatronModule):
         self.dn, self.dr, self.dv = dn, dr, dv
         hid = config.hidden_size
         dt = config.params_dtype
+        dev = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.q_lora_rank = config.q_lora_rank
         if self.q_lora_rank is None:
             self.linear_q_proj = local_column_linear(hid, H * (dn + dr), config, self.tp_group)
         else:
-            self.linear_q_down_proj = torch.nn.Linear(hid, self.q_lora_rank, bias=False, dtype=dt)
-            self.q_layernorm_weight = torch.nn.Parameter(torch.ones(self.q_lora_rank, dtype=dt))
+            self.linear_q_down_proj = torch.nn.Linear(hid, self.q_lora_rank, bias=False, dtype=dt, device=dev)
+            self.q_layernorm_weight = torch.nn.Parameter(torch.ones(self.q_lora_rank, dtype=dt, device=dev))
             self.linear_q_up_proj = local_column_linear(self.q_lora_rank, H * (dn + dr), config, self.tp_group)
-        self.linear_kv_down_proj = torch.nn.Linear(hid, config.kv_lora_rank + dr, bias=False, dtype=dt)
-        self.kv_layernorm_weight = torch.nn.Parameter(torch.ones(config.kv_lora_rank, dtype=dt))
+        # TP-replicated (same values on every TP rank): latent down projections and their norms
+        self.linear_kv_down_proj = torch.nn.Linear(hid, config.kv_lora_rank + dr, bias=False, dtype=dt, device=dev)
+        self.kv_layernorm_weight = torch.nn.Parameter(torch.ones(config.kv_lora_rank, dtype=dt, device=dev))
         self.linear_kv_up_proj = local_column_linear(config.kv_lora_rank, H * (dn + dv), config, self.tp_group)
         self.linear_proj = build_module(
             submodules.linear_proj, H * dv, hid, config=config, init_method=config.output_layer_init_method,

@@ -46,7 +46,8 @@ class RMSNorm(MegatronModule):
         if getattr(config, "layernorm_zero_centered_gamma", False):
             raise ValueError("RMSNorm: --apply-layernorm-1p (layernorm_zero_centered_gamma) is not supported")
         self.eps = config.layernorm_epsilon if eps is None else eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        dev = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=dev))
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
