@@ -296,3 +296,8 @@ def test_bad_input_names_the_argument():
             build_layout(build_forest([make_trajectory({"id": "b", "tokens": [1, 2]})]))))
     with pytest.raises(ValueError, match="block_size"):
         build_tree_block_mask(lay, block_size=10)
+    f2 = build_forest([make_trajectory({"id": "a", "tokens": [1, 2, 3]}), make_trajectory({"id": "b", "tokens": [1, 2, 4]})])
+    sub = build_layout(f2, roots=[1], context=build_layout(f2))
+    x = torch.randn(sub.num_rows, 1, 4)
+    with pytest.raises(ValueError, match="context_kv: this layout's rows also see 2 context rows"):
+        tree_attention(x, x, x, sub)

@@ -55,6 +55,9 @@ def _resolve(visibility: VisibilityLike, context_visibility: Optional[Visibility
     if not with_context:
         if context_visibility is not None:
             raise ValueError("context_visibility given without context keys/values (context_kv)")
+        if isinstance(visibility, CompactLayout) and visibility.num_context_rows:
+            raise ValueError(f"context_kv: this layout's rows also see {visibility.num_context_rows} context "
+                             f"rows (ancestors in the producer); pass their keys and values")
         return vis, None
     if context_visibility is None:
         if not isinstance(visibility, CompactLayout):
@@ -257,6 +260,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
     rows outside the microbatch, visible per ``context_visibility`` (default: the layout's).
     ``block_mask``: for ``backend="flex"``, the mask from :func:`build_tree_block_mask`
     (built here when omitted); ``kernel_options`` go to flex_attention unchanged.
+    A layout with context rows requires ``context_kv``.  Causal visibility (every layout) lets
+    every row see itself; with a custom visibility a row that sees no key gets NaN from
+    ``reference``/``sdpa`` and 0 from ``flex``.
     ``query_block``: rows per SDPA call (``backend="sdpa"``).  Returns ``[R, H, Dv]``; differentiable in q, k, v and context.
     """
     if backend not in BACKENDS:
