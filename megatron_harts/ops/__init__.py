@@ -1,4 +1,12 @@
 """Tree-mode operators.  Each has a plain-torch reference beside its fast path, under one
-interface, and tests pinning equality with per-trajectory (expanded) computation."""
-from .tree_attention import tree_attention, build_tree_block_mask
-from .path_conv import path_conv, build_conv_taps
+interface, and tests pinning equality with per-trajectory (expanded) computation.
+
+Modules (import from them directly; this package re-exports nothing, so that a module and
+the function it is named after never shadow each other):
+
+- ``tree_attention``: full attention over visible rows (reference / chunked SDPA / FlexAttention).
+- ``path_conv``: KDA's causal short convolution along each row's path.
+- ``kda`` and ``tree_kda``: the KDA core and its executor over a call plan.
+- ``logprobs``: multi-target log-probs from (vocab-parallel) output layers.
+- ``moe``: occurrence-weighted MoE statistics (aux losses, tokens per expert).
+"""
