@@ -13,6 +13,23 @@ Public API:
   :func:`shard_full_state` (TP/EP shards of a full state dict).
 
 Call ``megatron_harts.patches.apply()`` before building (megatron-core 0.16.1 without TE).
+
+Usage (megatron's parallel state initialized)::
+
+    cfg = HybridConfig(num_layers=..., hidden_size=..., num_attention_heads=..., ffn_hidden_size=...,
+                       normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                       add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                       kda_mla_ratio=3, num_moe_experts=..., moe_router_score_function="sigmoid", ...)
+    model = build_hybrid_model(cfg, vocab_size)
+    # tree mode: one row per unique prefix token
+    layout = build_layout(forest)
+    psp = TreePackedSeqParams.for_tree(layout, config=cfg)
+    lp = model(layout.tokens[None], layout.position_ids[None], packed_seq_params=psp,
+               pair_row=layout.pair_row, pair_token=layout.pair_token)        # [pairs]
+    target_logprobs = lp[layout.target_pair]
+    # expanded mode: the same model on trajectories packed back to back
+    psp = TreePackedSeqParams.for_sequences(lengths)
+    lp = model(tokens[None], psp.position_ids[None], packed_seq_params=psp, pair_row=rows, pair_token=next_tokens)
 """
 from .config import HybridConfig
 from .hf_convert import (hf_to_megatron, hybrid_config_from_hf, kimi_linear_hf_config, load_hf_weights,

@@ -50,6 +50,8 @@ class HybridConfig(TransformerConfig):
     first_k_dense_replace: int = 1
     # router: experts per group summed to score a group (DeepSeek-V3 / Kimi-Linear: 2)
     moe_router_group_score_topk: int = 2
+    # sigmoid router: renormalize the top-k weights to sum 1 (transformers' norm_topk_prob), also for k = 1
+    moe_router_norm_topk_prob: bool = True
     # the model will run rollout trees (tree mode): refuse options the tree path cannot honour
     tree_mode: bool = True
 

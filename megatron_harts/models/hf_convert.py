@@ -165,7 +165,7 @@ def kimi_linear_hf_config(config, vocab_size: int, **overrides):
               qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
               qk_nope_head_dim=config.qk_nope_head_dim, n_group=config.moe_router_num_groups or 1,
               topk_group=config.moe_router_group_topk or 1, num_experts_per_tok=config.moe_router_topk,
-              norm_topk_prob=True, hidden_act="silu", rms_norm_eps=config.layernorm_epsilon,
+              norm_topk_prob=config.moe_router_norm_topk_prob, hidden_act="silu", rms_norm_eps=config.layernorm_epsilon,
               tie_word_embeddings=False, num_local_experts=config.num_moe_experts or 1,
               linear_head_dim=config.linear_head_dim, linear_num_heads=config.linear_num_heads,
               linear_conv_kernel_dim=config.linear_conv_kernel_dim,
@@ -220,7 +220,7 @@ def hybrid_config_from_hf(hf_config, **overrides):
 
     Megatron-side settings (parallelism, dtypes, recomputation, ...) come from ``overrides``.
     Kimi-Linear routes with sigmoid scores, an expert-score correction bias, groups and a
-    routed scaling factor, renormalizing the top-k weights (``norm_topk_prob`` must be True).
+    routed scaling factor, renormalizing the top-k weights when ``norm_topk_prob``.
     """
     import torch.nn.functional as F
 
@@ -231,8 +231,6 @@ def hybrid_config_from_hf(hf_config, **overrides):
     if c.hidden_act != "silu":
         raise ValueError(f"KimiLinearConfig.hidden_act {c.hidden_act!r}: only silu (SwiGLU) is supported")
     sparse = [t == "sparse" for t in c.mlp_layer_types]
-    if any(sparse) and not c.norm_topk_prob:
-        raise ValueError("KimiLinearConfig.norm_topk_prob must be True (the router renormalizes top-k weights)")
     kw = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size,
               num_attention_heads=c.num_attention_heads, normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps,
               gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
@@ -248,6 +246,7 @@ def hybrid_config_from_hf(hf_config, **overrides):
                   moe_shared_expert_intermediate_size=(c.moe_intermediate_size * c.n_shared_experts
                                                        if c.n_shared_experts else None),
                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_router_norm_topk_prob=bool(c.norm_topk_prob),
                   moe_router_topk_scaling_factor=c.routed_scaling_factor,
                   moe_router_num_groups=c.n_group if c.n_group and c.n_group > 1 else None,
                   moe_router_group_topk=c.topk_group if c.n_group and c.n_group > 1 else None,

@@ -17,7 +17,7 @@ One model, two modes, same weights (``packed_seq_params`` selects):
 ``forward(..., pair_row=, pair_token=)`` returns the log-probabilities of the
 (row, token) pairs from the vocab-parallel output layer
 (``ops.logprobs.multi_target_logprobs``: logits once per row, several targets
-per row); rows are numbered batch-major (``b * s + position``; for [R, 1] or
+per row; with ``return_entropy`` also each row's softmax entropy); rows are numbered batch-major (``b * s + position``; for [R, 1] or
 packed inputs simply the token index).  Without pairs it returns the logits
 [s, b, V/tp].  Under sequence parallelism the token count must be divisible by
 the TP size (megatron scatters the embeddings along the sequence).
@@ -92,7 +92,8 @@ class HybridModel(GPTModel):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
                 labels=None, packed_seq_params=None, pair_row: Optional[torch.Tensor] = None,
-                pair_token: Optional[torch.Tensor] = None, return_hidden: bool = False, **kwargs):
+                pair_token: Optional[torch.Tensor] = None, return_hidden: bool = False,
+                return_entropy: bool = False, **kwargs):
         tp = self.pg_collection.tp.size()
         if self.config.sequence_parallel and tp > 1 and input_ids is not None and input_ids.shape[1] % tp:
             raise ValueError(f"--sequence-parallel: {input_ids.shape[1]} tokens/rows are not divisible by "
@@ -114,8 +115,8 @@ class HybridModel(GPTModel):
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
             reduce_hidden = False
         rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])     # [b*s, h], batch-major
-        return multi_target_logprobs(rows, weight, pair_row, pair_token,
-                                     tp_group=tp_group if tp > 1 else None, reduce_hidden_grad=reduce_hidden)
+        return multi_target_logprobs(rows, weight, pair_row, pair_token, tp_group=tp_group if tp > 1 else None,
+                                     reduce_hidden_grad=reduce_hidden, return_entropy=return_entropy)
 
 
 def build_hybrid_model(config: HybridConfig, vocab_size: int, *, max_sequence_length: int = 1 << 20,

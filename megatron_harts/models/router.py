@@ -7,8 +7,9 @@ Routing (transformers ``KimiLinearTopkRouter``, DeepSeek-V3 style), with
     groups (moe_router_num_groups, moe_router_group_topk): a group's score is the
         sum of its top ``moe_router_group_score_topk`` (2) values of c; experts
         outside the best ``group_topk`` groups are excluded
-    experts = top-k of c;  weights = s[experts], normalized to sum 1 when k > 1,
-        times ``moe_router_topk_scaling_factor`` (routed_scaling_factor)
+    experts = top-k of c;  weights = s[experts], normalized to sum 1 when
+        ``moe_router_norm_topk_prob`` (norm_topk_prob), times
+        ``moe_router_topk_scaling_factor`` (routed_scaling_factor)
 
 (megatron's own group-limited top-k scores a group by its top ``k / group_topk``
 experts, which differs from Kimi-Linear unless that equals 2.)  The softmax
@@ -46,7 +47,7 @@ TREE_LOAD_BALANCING_TYPES = ("aux_loss", "none")
 
 def kimi_topk_routing(logits: torch.Tensor, topk: int, *, num_groups: Optional[int], group_topk: Optional[int],
                       group_score_topk: int, scaling_factor: Optional[float],
-                      expert_bias: Optional[torch.Tensor]):
+                      expert_bias: Optional[torch.Tensor], normalize: bool = True):
     """Sigmoid top-k routing of Kimi-Linear: returns (routing probs [N, E], routing map [N, E] bool)."""
     N, E = logits.shape
     scores = torch.sigmoid(logits)
@@ -60,7 +61,7 @@ def kimi_topk_routing(logits: torch.Tensor, topk: int, *, num_groups: Optional[i
         choice = choice.masked_fill(~keep, float("-inf"))
     top_idx = torch.topk(choice, k=topk, dim=-1)[1]
     w = scores.gather(1, top_idx)
-    if topk > 1:
+    if normalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     if scaling_factor:
         w = w * scaling_factor
@@ -108,7 +109,8 @@ class HybridRouter(TopKRouter):
                                  group_topk=cfg.moe_router_group_topk,
                                  group_score_topk=getattr(cfg, "moe_router_group_score_topk", 2),
                                  scaling_factor=cfg.moe_router_topk_scaling_factor,
-                                 expert_bias=self.expert_bias)
+                                 expert_bias=self.expert_bias,
+                                 normalize=getattr(cfg, "moe_router_norm_topk_prob", self.topk > 1))
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         w = self._token_weight
