@@ -65,9 +65,23 @@ def tiny_forest(seed=0, n=5, vocab=VOCAB):
     return build_forest(trajs)
 
 
-def tree_inputs(forest, cfg):
+def random_forest(seed=0, n=7, vocab=VOCAB):
+    """Random cuts of a shared base plus random tails: forks anywhere (inside, at and after chunk
+    boundaries), trajectories that end inside others, and a second tree."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, vocab, 24).tolist()
+    toks = []
+    for i in range(n):
+        cut = int(rng.integers(0, 25))
+        tail = rng.integers(0, vocab, int(rng.integers(0 if cut else 1, 8))).tolist()
+        toks.append(base[:cut] + tail)
+    toks.append(rng.integers(0, vocab, 9).tolist())
+    return build_forest([make_trajectory({"id": i, "tokens": t}) for i, t in enumerate(toks) if t])
+
+
+def tree_inputs(forest, cfg, replay=True):
     lay = build_layout(forest)
-    psp = TreePackedSeqParams.for_tree(lay, config=cfg)
+    psp = TreePackedSeqParams.for_tree(lay, config=cfg, replay=replay)
     return lay, psp
 
 

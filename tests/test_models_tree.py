@@ -11,7 +11,7 @@ import torch
 import megatron_harts.patches as patches
 from megatron_harts.models.model import build_hybrid_model
 
-from hybrid_tiny import VOCAB, expanded_inputs, randomize_, tiny_config, tiny_forest, tree_inputs
+from hybrid_tiny import VOCAB, expanded_inputs, random_forest, randomize_, tiny_config, tiny_forest, tree_inputs
 from megatron_cpu import megatron_cpu
 
 
@@ -49,10 +49,10 @@ def _run(model, inputs, coeffs):
     return lp.detach(), loss.detach(), grads, aux, tpe, bias_counts
 
 
-def _both_modes(cfg, seed=0):
+def _both_modes(cfg, seed=0, forest=None, replay=True):
     model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), seed)
-    forest = tiny_forest(seed)
-    lay, psp = tree_inputs(forest, cfg)
+    forest = tiny_forest(seed) if forest is None else forest
+    lay, psp = tree_inputs(forest, cfg, replay=replay)
     ids, pos, epsp, erows, etok, _ = expanded_inputs(lay, forest)
     coeffs = torch.randn(lay.target_row.shape[0], generator=torch.Generator().manual_seed(seed + 7),
                          dtype=torch.float64)
@@ -80,14 +80,16 @@ def _assert_modes_equal(tree, expanded, rtol=1e-10):
     assert torch.equal(bias_t, bias_e)
 
 
-@pytest.mark.parametrize("overrides", [
-    {},                                       # Kimi-Linear: NoPE MLA, no q LoRA, sigmoid group routing
-    {"mla_rope": True, "q_lora_rank": 12, "kda_chunk_size": 8, "kda_mla_ratio": 2, "moe_z_loss_coeff": 1e-2,
-     "tree_attention_backend": "sdpa"},
-], ids=["kimi", "rope_qlora_zloss_sdpa"])
-def test_tree_equals_expanded_fp64(cpu_world, overrides):
+@pytest.mark.parametrize("overrides,forest_seed,replay", [
+    ({}, None, True),                         # Kimi-Linear: NoPE MLA, no q LoRA, sigmoid group routing
+    ({"mla_rope": True, "q_lora_rank": 12, "kda_chunk_size": 8, "kda_mla_ratio": 2, "moe_z_loss_coeff": 1e-2,
+      "tree_attention_backend": "sdpa"}, 1, False),
+], ids=["kimi", "rope_qlora_zloss_sdpa_random_forest_no_replay"])
+def test_tree_equals_expanded_fp64(cpu_world, overrides, forest_seed, replay):
     cfg = tiny_config(**overrides)
-    lay, tree, expanded = _both_modes(cfg)
+    forest = None if forest_seed is None else random_forest(forest_seed)
+    lay, tree, expanded = _both_modes(cfg, forest=forest, replay=replay)
+    assert lay.num_trees >= 2 and lay.num_segments >= 5
     assert lay.num_rows < int(lay.traj_length.sum())                     # real sharing happened
     assert set(cfg.resolved_layer_types()) == {"kda", "mla"}
     assert cfg.resolved_mlp_types()[0] == "dense" and "moe" in cfg.resolved_mlp_types()
