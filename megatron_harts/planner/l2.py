@@ -24,8 +24,10 @@ L1 microbatches).  L2
    move from the costliest microbatch to the cheapest while that lowers the slot maximum.
    The number of slots tried starts at the row lower bound; the best-balanced fill is kept.
 
-L2 never computes more tokens than its L1 input: if it would (tiny trees where replay
-outweighs the rows saved), the L1 microbatches are returned with L1's placement.
+L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
+step (sum over slots of the costliest microbatch) than L1's: otherwise (tiny trees where
+replay outweighs the rows saved; batches so small that a producer slot would idle most
+replicas) the L1 microbatches are returned with L1's placement.
 """
 from __future__ import annotations
 
@@ -200,8 +202,15 @@ def _cut(ix: ForestIndex, model: CostModel, atoms: Atoms, threshold: float) -> A
 
 
 def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
-          tree_rank: np.ndarray, eps: float = 0.01):
-    """Slot-by-slot fill (step 3).  Returns (slot, replica) per atom and the loads."""
+          tree_rank: np.ndarray, recompute=None, eps: float = 0.01, reserve: float = 0.85):
+    """Slot-by-slot fill (step 3).  Returns per atom its slot and microbatch, the estimated
+    loads and members per slot, and the ancestors recomputed for atoms placed by recomputation.
+
+    ``recompute(a, have)`` -> (segments, rows, cost) of the ancestors of atom ``a`` missing from
+    a microbatch computing ``have``: when a slot (not the last) still has a microbatch under
+    its target after the ready atoms, an atom whose parent runs in the same slot elsewhere may
+    go there with its ancestors recomputed (at most its own cost in overhead).
+    """
     n = len(atoms)
     cost, rows, parent, tree = atoms.cost, atoms.rows, atoms.parent, atoms.tree
     slot_of = [-1] * n
@@ -217,6 +226,7 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
         if kids[a]:
             height[a] = 1 + max(height[c] for c in kids[a])
     remaining = float(sum(cost))
+    extra: Dict[int, List[int]] = {}
     pending = [a for a in range(n) if parent[a] < 0]
     opened: Dict[int, int] = {}
     k = 0
@@ -226,7 +236,9 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
     while placed < n:
         left = S - k
         if left > 1 and dp > 1:
-            tau = remaining / (dp * left)
+            # the last planned slot is planned lighter (``reserve``): it takes whatever is left
+            # and must not spill past the plan for want of rows
+            tau = remaining / (dp * (left - 1 + reserve))
             hi, lo = tau * (1.0 + eps), tau * (1.0 - eps)
         else:  # one replica (no balance to keep: fill by rows) or the last planned slot,
             # which takes everything left, least-loaded first (LPT)
@@ -239,6 +251,7 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
         loads = [0.0] * dp
         rws = [0] * dp
         members: List[List[int]] = [[] for _ in range(dp)]
+        have: List[set] = [set() for _ in range(dp)]
         nxt: List[int] = []
         full = 0
         for a0 in pending:
@@ -275,6 +288,7 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
                     members[best].append(x)
                     slot_of[x] = k
                     mb_of[x] = best
+                    have[best].update(atoms.segs[x])
                 loads[best] += bc
                 rws[best] += br
                 if not was_full and loads[best] >= lo:
@@ -286,16 +300,41 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
                 if len(bundle) == 1:
                     for c in kids[a]:
                         queue.append((c, best))
+        if recompute is not None and dp > 1 and left > 1 and full < dp:
+            blocked = sorted((a for a in nxt if parent[a] >= 0 and slot_of[parent[a]] == k),
+                             key=lambda a: -cost[a])
+            for a in blocked:
+                under = sorted((b for b in range(dp) if loads[b] < lo), key=lambda b: loads[b])
+                if not under:
+                    break
+                for b in under:
+                    segs, r_add, c_add = recompute(a, have[b])
+                    if c_add > cost[a] or rws[b] + rows[a] + r_add > M or loads[b] + cost[a] + c_add > hi:
+                        continue
+                    members[b].append(a)
+                    slot_of[a], mb_of[a] = k, b
+                    have[b].update(atoms.segs[a])
+                    have[b].update(segs)
+                    extra[a] = segs
+                    loads[b] += cost[a] + c_add
+                    rws[b] += rows[a] + r_add
+                    placed += 1
+                    remaining -= cost[a]
+                    nxt.extend(kids[a])  # its children are ready in the next slot
+                    break
+            nxt = [a for a in nxt if slot_of[a] < 0]
         # atoms whose parent landed in this slot but were not queued (full slot) become ready
         pending = nxt
+        if k > 4 * (S + n):
+            raise AssertionError("L2 fill made no progress")  # a bug, never a silent loop
         loads_all.append(loads)
         members_all.append(members)
         k += 1
-    return slot_of, mb_of, loads_all, members_all
+    return slot_of, mb_of, loads_all, members_all, extra
 
 
 def _rebalance(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, members_all,
-               M: int, rounds: int = 64) -> None:
+               M: int, extra, rounds: int = 64) -> None:
     """Per slot, move or swap *local groups* (an atom with its descendants in the same
     microbatch and slot) between the costliest and the cheapest microbatch while the slot's
     maximum drops.  A group moves only where its root's parent atom is in an earlier slot or
@@ -304,10 +343,12 @@ def _rebalance(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, m
 
     def groups(k, b):
         out = []
+        if any(a in extra for a in members_all[k][b]):
+            return out  # what the recomputed ancestors stop at must stay
         for a in members_all[k][b]:
             p = parent[a]
-            if p >= 0 and slot_of[p] == k and mb_of[p] == b:
-                continue
+            if (p >= 0 and slot_of[p] == k and mb_of[p] == b) or a in extra:
+                continue  # a local child moves with its parent; recomputing atoms stay
             g, i = [a], 0
             while i < len(g):
                 g.extend(x for x in kids[g[i]] if slot_of[x] == k)
@@ -363,7 +404,7 @@ def _rebalance(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, m
 
 
 def _compact(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, members_all,
-             M: int, tol: float = 0.01) -> None:
+             M: int, extra, tol: float = 0.01) -> None:
     """Dissolve the last slot into holes of earlier slots when all of its atoms fit there.
 
     An atom moves to slot ``j`` only where its parent atom is in an earlier slot or in the
@@ -375,6 +416,8 @@ def _compact(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, mem
     while len(loads_all) > 1:
         L = len(loads_all) - 1
         todo = [a for mem in members_all[L] for a in mem]
+        if any(a in extra for a in todo):
+            return
         depth = {}
         for a in todo:
             d, x = 0, parent[a]
@@ -459,34 +502,58 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     np.add.at(tree_cost, np.asarray(atoms.tree, dtype=np.int64), np.asarray(atoms.cost))
     tree_rank = np.empty(ix.num_trees, dtype=np.int64)
     tree_rank[np.argsort(-tree_cost, kind="stable")] = np.arange(ix.num_trees)
+    c = model.coefficients
+    parent_seg = ix.parent
+
+    def recompute(a, have):
+        """Ancestors of atom ``a`` a microbatch computing ``have`` lacks: (segs, rows, cost)."""
+        segs = []
+        x = parent_seg[atoms.segs[a][0]]
+        while x >= 0 and x not in have:
+            segs.append(x)
+            x = parent_seg[x]
+        if not segs:
+            return segs, 0, 0.0
+        arr = np.asarray(segs, dtype=np.int64)
+        r = int(ix.length[arr].sum())
+        return segs, r, c.row * r + c.attention_pair * float(ix.seg_pairs[arr].sum())
+
     best = None
     for S in range(S0, S0 + 1 + max(0, extra_slots)):
-        slot_of, mb_of, loads_all, members_all = _fill(atoms, kids, dp, M, S, tree_rank)
-        _compact(atoms, kids, slot_of, mb_of, loads_all, members_all, M)
-        _rebalance(atoms, kids, slot_of, mb_of, loads_all, members_all, M)
+        slot_of, mb_of, loads_all, members_all, extra = _fill(atoms, kids, dp, M, S, tree_rank, recompute)
+        _compact(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra)
+        _rebalance(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra)
         score = _score(loads_all)
         key = (score[0], -len(loads_all))
         if best is None or key > best[0]:
-            best = (key, slot_of, mb_of, members_all)
+            best = (key, slot_of, mb_of, members_all, extra)
         if len(loads_all) <= S:
             break  # more slots would only spread the same work thinner
-    _, slot_of, mb_of, members_all = best
+    _, slot_of, mb_of, members_all, extra = best
     groups, placement = [], []
     for k, members in enumerate(members_all):
         for b, mem in enumerate(members):
             if not mem:
                 continue
             owned = [s for a in mem for s in atoms.segs[a]]
-            rec = [s for a in mem for s in atoms.rec[a]]
+            rec = [s for a in mem for s in atoms.rec[a]] + [s for a in mem for s in extra.get(a, ())]
             groups.append((np.asarray(owned, dtype=np.int64), np.asarray(rec, dtype=np.int64)))
             placement.append((b, k))
     plan = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
-    if plan.tokens_computed > l1.tokens_computed:
-        groups = [(m.owned, m.recomputed) for m in l1.microbatches]
-        placement = [(m.replica, m.slot) for m in l1.microbatches]
-        plan = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+    groups = [(m.owned, m.recomputed) for m in l1.microbatches]
+    placement = [(m.replica, m.slot) for m in l1.microbatches]
+    keep = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+    if plan.tokens_computed > keep.tokens_computed or \
+            (step_cost(keep), -keep.tokens_computed) < (step_cost(plan), -plan.tokens_computed):
+        plan = keep
     plan.plan_seconds = time.perf_counter() - t0
     return plan
+
+
+def step_cost(plan: MicrobatchPlan) -> float:
+    """Modelled step time: sum over slots of the costliest microbatch of the slot."""
+    c = plan.cost_matrix()
+    return float(c.max(axis=0).sum()) if c.size else 0.0
 
 
 def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel] = None,

@@ -173,7 +173,7 @@ def plan_ortools_ffd(forest, dp: int, row_budget: int, *, cost_model: Optional[C
     n, nb = len(items), len(hint)
     lower = -(-sum(sizes) // M)
     bins = hint
-    if nb > lower:
+    if n:
         m = cp_model.CpModel()
         x = [[m.NewBoolVar(f"x{i}_{b}") for b in range(nb)] for i in range(n)]
         y = [m.NewBoolVar(f"y{b}") for b in range(nb)]

@@ -1,0 +1,157 @@
+"""Microbatch planner benchmark: HARTS L1, L1+L2 and the packing baselines in one run.
+
+Global batches of SWE-like synthetic rollouts (megatron_harts.tree_data.synthetic: Tree-Step
+and Step-wise, 256 to 2048 trajectories; whole tasks, the last one cut to the size) are planned
+on DP 1, 2, 4 and 8 replicas with a row budget per microbatch (default 32768).  Every planner's
+metrics come from megatron_harts.planner.metrics.plan_metrics; planning times include building
+the forest index (shared, counted for every planner), after one warm-up run (imports).  The target checks of issue 7 are printed
+at the end, with the numbers:
+
+- L1+L2 compression >= 1.3x L1's on Tree-Step batches, and above OR-Tools+FFD everywhere;
+- at DP 8, L1+L2 balance_mean >= 98% and balance_p5 >= 95%;
+- L1+L2 planning <= 0.5 s per step at 1024 trajectories and >= 5x faster than OR-Tools+FFD.
+
+    python benchmarks/bench_planner.py                       # every size, every DP
+    python benchmarks/bench_planner.py --sizes 256 --dps 8   # one column
+    python benchmarks/bench_planner.py --json out.json       # also write every number
+
+OR-Tools is the "bench" extra of setup.py; without it the ortools_ffd rows say so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_harts.planner.cost_model import CostModel, ForestIndex, load_calibration  # noqa: E402
+from megatron_harts.planner.l1 import plan_l1  # noqa: E402
+from megatron_harts.planner.l2 import plan_l2  # noqa: E402
+from megatron_harts.planner.metrics import plan_metrics  # noqa: E402
+from megatron_harts.planner.packing_baselines import (ortools_available, plan_ffd, plan_ortools_ffd,  # noqa: E402
+                                                      plan_tree_ffd)
+from megatron_harts.tree_data import build_forest  # noqa: E402
+from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe  # noqa: E402
+
+PLANNERS = ("harts_l1", "harts_l1l2", "ffd", "tree_ffd", "ortools_ffd")
+SAMPLES = {"tree-step": 4, "step-wise": 8}
+
+
+def swe_batch(scheme: str, n: int, seed: int):
+    """A forest of exactly ``n`` SWE-like trajectories (whole tasks, the last one cut)."""
+    tasks = 1
+    while True:
+        trajs = synthesize_swe(SweConfig(scheme=scheme, num_tasks=tasks, samples_per_task=SAMPLES[scheme],
+                                         seed=seed))
+        if len(trajs) >= n:
+            return build_forest(trajs[:n])
+        per_task = max(1.0, len(trajs) / tasks)
+        tasks = max(tasks + 1, int(tasks * n / len(trajs) + 1)) if per_task else tasks + 1
+
+
+def plan_all(forest, dp: int, M: int, model: CostModel, ortools_limit: float):
+    t0 = time.perf_counter()
+    ix = ForestIndex(forest)
+    t_index = time.perf_counter() - t0
+    out = {}
+    l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
+    l2 = plan_l2(forest, l1, cost_model=model, index=ix)
+    l2.plan_seconds += l1.plan_seconds
+    plans = {"harts_l1": l1, "harts_l1l2": l2,
+             "ffd": plan_ffd(forest, dp, M, cost_model=model, index=ix),
+             "tree_ffd": plan_tree_ffd(forest, dp, M, cost_model=model, index=ix)}
+    if ortools_available():
+        plans["ortools_ffd"] = plan_ortools_ffd(forest, dp, M, cost_model=model, index=ix,
+                                                time_limit_s=ortools_limit)
+    for name in PLANNERS:
+        if name not in plans:
+            out[name] = None
+            continue
+        plans[name].validate(forest)
+        m = plan_metrics(plans[name])
+        m["plan_seconds"] += t_index
+        out[name] = m
+    return out
+
+
+def fmt(m, key, pct=False):
+    if m is None:
+        return "n/a"
+    v = m[key]
+    return f"{100 * v:.2f}%" if pct else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schemes", nargs="+", default=["tree-step", "step-wise"], choices=list(SAMPLES))
+    ap.add_argument("--sizes", nargs="+", type=int, default=[256, 512, 1024, 2048])
+    ap.add_argument("--dps", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--budget", type=int, default=32768, help="rows per microbatch (default 32768)")
+    ap.add_argument("--calibration", help="cost-model calibration file")
+    ap.add_argument("--ortools-time-limit", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="FILE", help="write every number to FILE")
+    args = ap.parse_args(argv)
+    model = load_calibration(args.calibration) if args.calibration else CostModel()
+    plan_all(swe_batch("tree-step", 8, args.seed), 2, args.budget, model, 1.0)  # warm-up: imports, caches
+    results = []
+    header = ("scheme", "traj", "dp", "planner", "compression", "balance", "balance_p5", "step_min",
+              "microbatches", "peak_rows", "retention", "plan_s")
+    print("  ".join(header))
+    for scheme in args.schemes:
+        for n in args.sizes:
+            forest = swe_batch(scheme, n, args.seed)
+            st = forest.stats()
+            print(f"# {scheme} {n} trajectories: {st['num_trees']} trees, {st['unique_tokens']} unique / "
+                  f"{st['expanded_tokens']} expanded tokens (forest compression {st['compression']:.3f}x)",
+                  flush=True)
+            for dp in args.dps:
+                res = plan_all(forest, dp, args.budget, model, args.ortools_time_limit)
+                for name in PLANNERS:
+                    m = res[name]
+                    print("  ".join([scheme, str(n), str(dp), name, fmt(m, "compression"),
+                                     fmt(m, "balance_mean", True), fmt(m, "balance_p5", True),
+                                     fmt(m, "step_min_balance", True), fmt(m, "microbatches"),
+                                     fmt(m, "peak_rows"), fmt(m, "max_retention"), fmt(m, "plan_seconds")]),
+                          flush=True)
+                results.append({"scheme": scheme, "trajectories": n, "dp": dp, "budget": args.budget,
+                                "forest_compression": st["compression"], "planners": res})
+    print("\n# targets")
+    fails = 0
+
+    def check(ok, text):
+        nonlocal fails
+        fails += not ok
+        print(("PASS " if ok else "MISS ") + text)
+
+    for r in results:
+        p = r["planners"]
+        tag = f"{r['scheme']} {r['trajectories']} dp{r['dp']}"
+        l1, l2, ort = p["harts_l1"], p["harts_l1l2"], p["ortools_ffd"]
+        ratio = l2["compression"] / l1["compression"]
+        if r["scheme"] == "tree-step":
+            check(ratio >= 1.3, f"{tag}: L1+L2/L1 compression {ratio:.3f}x (>= 1.3x)")
+        if ort is not None:
+            check(l2["compression"] > ort["compression"],
+                  f"{tag}: L1+L2 {l2['compression']:.3f}x vs OR-Tools+FFD {ort['compression']:.3f}x")
+        if r["dp"] == 8:
+            check(l2["balance_mean"] >= 0.98 and l2["balance_p5"] >= 0.95,
+                  f"{tag}: balance {100 * l2['balance_mean']:.2f}% (>= 98%), p5 {100 * l2['balance_p5']:.2f}% "
+                  f"(>= 95%)")
+        if r["trajectories"] == 1024:
+            check(l2["plan_seconds"] <= 0.5, f"{tag}: L1+L2 planning {l2['plan_seconds']:.3f} s (<= 0.5 s)")
+        if ort is not None:
+            speed = ort["plan_seconds"] / l2["plan_seconds"]
+            check(speed >= 5, f"{tag}: OR-Tools+FFD / L1+L2 planning time {speed:.1f}x (>= 5x)")
+    print(f"# {fails} target check(s) missed")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
