@@ -191,7 +191,8 @@ def _piece_cost(ix: ForestIndex, model: CostModel, piece: Piece) -> float:
 
 
 def balance_pieces(ix: ForestIndex, model: CostModel, pieces: List[Piece], dp: int,
-                   M: int, factor: Optional[float] = None) -> Tuple[List[Piece], List[float], int]:
+                   M: int, factor: Optional[float] = None,
+                   costs: Optional[List[float]] = None) -> Tuple[List[Piece], List[float], int]:
     """Split the costliest pieces until there are at least ``K`` (a multiple of ``dp``) pieces
     and, when ``dp > 1`` and ``factor`` is given, none costs more than ``factor`` times the
     mean microbatch cost ``total / K``.
@@ -200,7 +201,7 @@ def balance_pieces(ix: ForestIndex, model: CostModel, pieces: List[Piece], dp: i
     piece's rows), so it costs compression: it happens only where balance needs it.  Returns
     the pieces, their costs and ``K``.
     """
-    costs = [_piece_cost(ix, model, p) for p in pieces]
+    costs = list(costs) if costs is not None else [_piece_cost(ix, model, p) for p in pieces]
     K = dp * max(1, -(-_ffd_count([p[2] for p in pieces], M) // dp))
     stuck = [False] * len(pieces)
     for _ in range(8 * K + 8 * len(pieces)):
@@ -239,9 +240,10 @@ def plan_l1(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel]
     base: List[Piece] = []
     for t in range(ix.num_trees):
         base.extend(split_tree(ix, t, M))
+    base_costs = [_piece_cost(ix, model, p) for p in base]
     best = None
     for factor in (SPLIT_FACTORS if dp > 1 else (None,)):
-        pieces, costs, K = balance_pieces(ix, model, list(base), dp, M, factor)
+        pieces, costs, K = balance_pieces(ix, model, list(base), dp, M, factor, base_costs)
         rows = [p[2] for p in pieces]
         bins = pack_pieces(rows, costs, dp, M, min_bins=K)
         loads = [sum(costs[i] for i in b) + (model.coefficients.microbatch if b else 0.0) for b in bins]

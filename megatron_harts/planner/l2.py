@@ -31,6 +31,7 @@ replicas) the L1 microbatches are returned with L1's placement.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from bisect import bisect_left
@@ -308,6 +309,8 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
                 if not under:
                     break
                 for b in under:
+                    if loads[b] + cost[a] > hi or rws[b] + rows[a] > M:
+                        continue
                     segs, r_add, c_add = recompute(a, have[b])
                     if c_add > cost[a] or rws[b] + rows[a] + r_add > M or loads[b] + cost[a] + c_add > hi:
                         continue
@@ -505,18 +508,20 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     c = model.coefficients
     parent_seg = ix.parent
 
+    seg_cost = (c.row * ix.length + c.attention_pair * ix.seg_pairs).tolist()
+    seg_len = ix.length.tolist()
+
     def recompute(a, have):
         """Ancestors of atom ``a`` a microbatch computing ``have`` lacks: (segs, rows, cost)."""
         segs = []
+        r, cost = 0, 0.0
         x = parent_seg[atoms.segs[a][0]]
         while x >= 0 and x not in have:
             segs.append(x)
+            r += seg_len[x]
+            cost += seg_cost[x]
             x = parent_seg[x]
-        if not segs:
-            return segs, 0, 0.0
-        arr = np.asarray(segs, dtype=np.int64)
-        r = int(ix.length[arr].sum())
-        return segs, r, c.row * r + c.attention_pair * float(ix.seg_pairs[arr].sum())
+        return segs, r, cost
 
     best = None
     for S in range(S0, S0 + 1 + max(0, extra_slots)):
@@ -540,9 +545,13 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             groups.append((np.asarray(owned, dtype=np.int64), np.asarray(rec, dtype=np.int64)))
             placement.append((b, k))
     plan = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
-    groups = [(m.owned, m.recomputed) for m in l1.microbatches]
-    placement = [(m.replica, m.slot) for m in l1.microbatches]
-    keep = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+    if model != l1.cost_model:  # judge L1's microbatches with this cost model
+        groups = [(m.owned, m.recomputed) for m in l1.microbatches]
+        placement = [(m.replica, m.slot) for m in l1.microbatches]
+        keep = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+    else:
+        keep = dataclasses.replace(l1, planner="harts_l1l2", windows=list(l1.windows),
+                                   microbatches=list(l1.microbatches), slots=l1.slots.copy())
     if plan.tokens_computed > keep.tokens_computed or \
             (step_cost(keep), -keep.tokens_computed) < (step_cost(plan), -plan.tokens_computed):
         plan = keep
