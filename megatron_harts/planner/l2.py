@@ -210,7 +210,8 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
     ``recompute(a, have)`` -> (segments, rows, cost) of the ancestors of atom ``a`` missing from
     a microbatch computing ``have``: when a slot (not the last) still has a microbatch under
     its target after the ready atoms, an atom whose parent runs in the same slot elsewhere may
-    go there with its ancestors recomputed (at most its own cost in overhead).
+    go there with its ancestors recomputed (overhead at most the cost of its subtree, which
+    follows it into that microbatch as far as it fits).
     """
     n = len(atoms)
     cost, rows, parent, tree = atoms.cost, atoms.rows, atoms.parent, atoms.tree
@@ -223,9 +224,11 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
         a = stack.pop()
         order.append(a)
         stack.extend(kids[a])
+    below = list(cost)  # cost of an atom and all its descendants
     for a in reversed(order):
         if kids[a]:
             height[a] = 1 + max(height[c] for c in kids[a])
+            below[a] += sum(below[c] for c in kids[a])
     remaining = float(sum(cost))
     extra: Dict[int, List[int]] = {}
     pending = [a for a in range(n) if parent[a] < 0]
@@ -247,19 +250,22 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
         big = len(opened)
         # atoms with a chain of atoms below them as long as the slots left go first (else the
         # chain spills past the planned slots), then the oldest open tree, then the largest
-        pending.sort(key=lambda a: (height[a] + 1 < left, opened.get(tree[a], big + int(tree_rank[tree[a]])),
-                                    -cost[a]))
+        if left <= 1 and dp > 1:  # the last slot packs whole subtrees: largest first (LPT)
+            pending.sort(key=lambda a: -below[a])
+        else:
+            pending.sort(key=lambda a: (height[a] + 1 < left, opened.get(tree[a], big + int(tree_rank[tree[a]])),
+                                        -cost[a]))
         loads = [0.0] * dp
         rws = [0] * dp
         members: List[List[int]] = [[] for _ in range(dp)]
         have: List[set] = [set() for _ in range(dp)]
         nxt: List[int] = []
         full = 0
-        for a0 in pending:
-            if full == dp:
-                nxt.append(a0)
-                continue
-            queue = [(a0, -1)]
+
+        def run_queue(queue):
+            """Place atoms (``(atom, only_mb)``, LIFO); a placed atom's children follow into its
+            microbatch; whatever does not fit is ready in the next slot."""
+            nonlocal full, placed, remaining
             while queue:
                 a, only = queue.pop()
                 # in the last planned slot an atom goes with all its descendants (a bundle), so
@@ -301,10 +307,18 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
                 if len(bundle) == 1:
                     for c in kids[a]:
                         queue.append((c, best))
+
+        for a0 in pending:
+            if full == dp:
+                nxt.append(a0)
+                continue
+            run_queue([(a0, -1)])
         if recompute is not None and dp > 1 and left > 1 and full < dp:
             blocked = sorted((a for a in nxt if parent[a] >= 0 and slot_of[parent[a]] == k),
-                             key=lambda a: -cost[a])
+                             key=lambda a: -below[a])
             for a in blocked:
+                if slot_of[a] >= 0:
+                    continue
                 under = sorted((b for b in range(dp) if loads[b] < lo), key=lambda b: loads[b])
                 if not under:
                     break
@@ -312,8 +326,9 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
                     if loads[b] + cost[a] > hi or rws[b] + rows[a] > M:
                         continue
                     segs, r_add, c_add = recompute(a, have[b])
-                    if c_add > cost[a] or rws[b] + rows[a] + r_add > M or loads[b] + cost[a] + c_add > hi:
+                    if c_add > below[a] or rws[b] + rows[a] + r_add > M or loads[b] + cost[a] + c_add > hi:
                         continue
+                    was_full = loads[b] >= lo
                     members[b].append(a)
                     slot_of[a], mb_of[a] = k, b
                     have[b].update(atoms.segs[a])
@@ -321,9 +336,11 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
                     extra[a] = segs
                     loads[b] += cost[a] + c_add
                     rws[b] += rows[a] + r_add
+                    if not was_full and loads[b] >= lo:
+                        full += 1
                     placed += 1
                     remaining -= cost[a]
-                    nxt.extend(kids[a])  # its children are ready in the next slot
+                    run_queue([(c, b) for c in kids[a]])  # its subtree follows where it fits
                     break
             nxt = [a for a in nxt if slot_of[a] < 0]
         # atoms whose parent landed in this slot but were not queued (full slot) become ready
