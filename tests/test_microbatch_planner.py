@@ -301,6 +301,25 @@ def test_swe_plans_valid_and_l2_compresses(tree_step, dp):
     assert plan_metrics(plan_ffd(f, dp, M, index=ix))["compression"] == pytest.approx(1.0)
 
 
+def test_step_wise_small_batch_on_many_replicas():
+    # few trees, little work per replica: L2 fills idle replicas of the producer slot by
+    # recomputing prompts, or keeps L1's plan when that gives the shorter step
+    cfg = SweConfig(scheme="step-wise", num_tasks=3, samples_per_task=4, prompt_median=800, max_tokens=4000,
+                    action_median=80, observation_median=150, seed=7)
+    f = build_forest(synthesize_swe(cfg))
+    M = int(f.traj_length.max()) + 100
+    ix = ForestIndex(f)
+    l1, l2 = plan_harts(f, 8, M, index=ix)
+    for plan in (l1, l2):
+        plan.validate(f)
+        check_plan(plan, f)
+    assert l2.tokens_computed <= l1.tokens_computed
+    from megatron_harts.planner.l2 import step_cost
+    assert step_cost(l2) <= step_cost(l1) + 1e-9
+    # this batch exercises the hybrid: producers, and microbatches that recompute a prompt
+    assert l2.windows and any(m.recomputed.size and (m.external or m.consumers) for m in l2.microbatches)
+
+
 def test_l1_pieces_partition_trees(tree_step):
     f = tree_step
     ix = ForestIndex(f)
