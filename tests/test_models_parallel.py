@@ -15,6 +15,14 @@ from hybrid_tiny import VOCAB, expanded_inputs, randomize_, tiny_config, tiny_fo
 from megatron_cpu import free_port, megatron_cpu
 
 FOREST = dict(seed=0, n=4)      # 34 compact rows, 54 expanded tokens: both even (SP splits rows over 2 ranks)
+# (tp, ep, sequence parallel, model kind): MoE + TP needs SP in megatron; a dense model runs TP without SP
+SETUPS = [(2, 1, True, "moe"), (1, 2, False, "moe"), (2, 1, False, "dense")]
+
+
+def _config(kind, **kw):
+    if kind == "dense":
+        return tiny_config(mlp_types=["dense"] * 4, **kw)
+    return tiny_config(**kw)
 
 
 def _forward_backward(model, cfg, tree: bool, tp_group=None):
@@ -38,8 +46,10 @@ def _forward_backward(model, cfg, tree: bool, tp_group=None):
             if p.grad is not None and getattr(p, "sequence_parallel", False):
                 dist.all_reduce(p.grad, group=tp_group)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    aux = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
-    tpe = torch.stack([l.mlp.router.last_tokens_per_expert for l in model.decoder.layers if l.is_moe_layer])
+    tracker = get_moe_layer_wise_logging_tracker()
+    aux = tracker["load_balancing_loss"]["values"].clone() if "load_balancing_loss" in tracker else torch.zeros(1)
+    routers = [l.mlp.router for l in model.decoder.layers if l.is_moe_layer]
+    tpe = torch.stack([r.last_tokens_per_expert for r in routers]) if routers else torch.zeros(1)
     if tp_group is not None and cfg.sequence_parallel:
         # under SP each rank routes its slice of the rows: per-rank aux losses and counts add up
         # (megatron's tracker reduces them over the tp_cp group when it logs)
@@ -49,7 +59,7 @@ def _forward_backward(model, cfg, tree: bool, tp_group=None):
 
 
 def _worker(rank, world, port, setups, ref_path, out_dir):
-    """One gloo process: for each (tp, ep) setup, megatron's groups, the sharded model, both modes."""
+    """One gloo process: for each setup of SETUPS, megatron's groups, the sharded model, both modes."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -58,10 +68,9 @@ def _worker(rank, world, port, setups, ref_path, out_dir):
     try:
         from megatron.core import parallel_state as ps
         patches.apply()
-        for tp, ep in setups:
+        for tp, ep, sp, kind in setups:
             with megatron_cpu(tp=tp, ep=ep, init_world=False):
-                cfg = tiny_config(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
-                                  expert_model_parallel_size=ep)
+                cfg = _config(kind, tensor_model_parallel_size=tp, sequence_parallel=sp, expert_model_parallel_size=ep)
                 model = build_hybrid_model(cfg, vocab_size=VOCAB)
                 ranks = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
                              ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep)
@@ -73,7 +82,8 @@ def _worker(rank, world, port, setups, ref_path, out_dir):
                     assert sd["a.A_log"].global_offset == (0, 0, ranks["tp_rank"] * h_local, 0)
                     assert sd["a.conv_k_weight"].global_offset[0] == ranks["tp_rank"] * h_local * cfg.linear_head_dim
                     assert sd["a.linear_f_a.weight"].global_offset == (0, 0)      # replicated
-                local = shard_full_state(ref["state"], model, cfg, **ranks)
+                ref_k = ref[kind]
+                local = shard_full_state(ref_k["state"], model, cfg, **ranks)
                 tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
                 assert {n for n, _ in model.named_parameters()} <= set(local)
                 with torch.no_grad():
@@ -82,7 +92,7 @@ def _worker(rank, world, port, setups, ref_path, out_dir):
                 result = {}
                 for mode in ("tree", "expanded"):
                     got = _forward_backward(model, cfg, mode == "tree", ps.get_tensor_model_parallel_group())
-                    want = ref[mode]
+                    want = ref_k[mode]
                     expect = shard_full_state(want["grads"], model, cfg, **ranks)
                     rel = {}
                     for n, g in got["grads"].items():
@@ -92,7 +102,7 @@ def _worker(rank, world, port, setups, ref_path, out_dir):
                                     "aux": float((got["aux"] - want["aux"]).abs().max()),
                                     "tpe": float((got["tpe"] - want["tpe"]).abs().max()),
                                     "grad_rel": rel, "num_grads": len(got["grads"])}
-                torch.save(result, os.path.join(out_dir, f"tp{tp}_ep{ep}_rank{rank}.pt"))
+                torch.save(result, os.path.join(out_dir, f"tp{tp}_ep{ep}_{kind}_rank{rank}.pt"))
     finally:
         patches.undo()
         dist.destroy_process_group()
@@ -105,12 +115,14 @@ def reference(tmp_path_factory):
     patches.apply()
     try:
         with megatron_cpu():
-            cfg = tiny_config()
-            model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 5)
-            state = {n: t.detach().clone() for n, t in
-                     {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()}
-            ref = {"state": state, "tree": _forward_backward(model, cfg, True),
-                   "expanded": _forward_backward(model, cfg, False)}
+            ref = {}
+            for kind in ("moe", "dense"):
+                cfg = _config(kind)
+                model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 5)
+                state = {n: t.detach().clone() for n, t in
+                         {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()}
+                ref[kind] = {"state": state, "tree": _forward_backward(model, cfg, True),
+                             "expanded": _forward_backward(model, cfg, False)}
             torch.save(ref, path)
     finally:
         patches.undo()
@@ -118,18 +130,18 @@ def reference(tmp_path_factory):
 
 
 def test_parallel_equals_single_process(reference, tmp_path):
-    """TP=2 with SP (all-gather dispatcher, expert TP=2), then EP=2, in the same two processes."""
-    setups = [(2, 1), (1, 2)]
-    mp.spawn(_worker, args=(2, free_port(), setups, str(reference), str(tmp_path)), nprocs=2, join=True)
-    for tp, ep in setups:
+    """In the same two processes: TP=2 with SP (all-gather dispatcher, expert TP=2), EP=2, and a
+    dense model with TP=2 without SP (the copy-to-TP-region path of the attention modules)."""
+    mp.spawn(_worker, args=(2, free_port(), SETUPS, str(reference), str(tmp_path)), nprocs=2, join=True)
+    for tp, ep, sp, kind in SETUPS:
         for rank in range(2):
-            res = torch.load(tmp_path / f"tp{tp}_ep{ep}_rank{rank}.pt", weights_only=False)
+            res = torch.load(tmp_path / f"tp{tp}_ep{ep}_{kind}_rank{rank}.pt", weights_only=False)
             for mode in ("tree", "expanded"):
                 r = res[mode]
-                assert r["num_grads"] > 80
+                assert r["num_grads"] > (80 if kind == "moe" else 40)
                 assert r["lp"] < 1e-11, (tp, ep, rank, mode, r["lp"])
                 assert r["aux"] < 1e-11 and r["tpe"] == 0, (tp, ep, rank, mode, r["aux"], r["tpe"])
                 worst = max(r["grad_rel"].items(), key=lambda kv: kv[1])
                 assert worst[1] < 1e-10, (tp, ep, rank, mode, worst)
-                print(f"{tp=} {ep=} rank {rank} {mode}: log-prob max abs diff {r['lp']:.1e}, worst gradient "
+                print(f"{tp=} {ep=} {sp=} {kind} rank {rank} {mode}: log-prob max abs diff {r['lp']:.1e}, worst gradient "
                       f"relative diff {worst[1]:.1e} ({worst[0]})")
