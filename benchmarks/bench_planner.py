@@ -4,7 +4,9 @@ Global batches of SWE-like synthetic rollouts (megatron_harts.tree_data.syntheti
 and Step-wise, 256 to 2048 trajectories; whole tasks, the last one cut to the size) are planned
 on DP 1, 2, 4 and 8 replicas with a row budget per microbatch (default 32768).  Every planner's
 metrics come from megatron_harts.planner.metrics.plan_metrics; planning times include building
-the forest index (shared, counted for every planner), after one warm-up run (imports).  The target checks of issue 7 are printed
+the forest index (shared, counted for every planner), after one warm-up run (imports), and are
+the fastest of ``--repeat`` runs (3; OR-Tools runs once: its time is mostly its search limit)
+because this benchmark shares its CPUs.  The target checks of issue 7 are printed
 at the end, with the numbers:
 
 - L1+L2 compression >= 1.3x L1's on Tree-Step batches, and above OR-Tools+FFD everywhere;
@@ -52,29 +54,46 @@ def swe_batch(scheme: str, n: int, seed: int):
         tasks = max(tasks + 1, int(tasks * n / len(trajs) + 1)) if per_task else tasks + 1
 
 
-def plan_all(forest, dp: int, M: int, model: CostModel, ortools_limit: float):
-    t0 = time.perf_counter()
-    ix = ForestIndex(forest)
-    t_index = time.perf_counter() - t0
-    out = {}
-    l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
-    l2 = plan_l2(forest, l1, cost_model=model, index=ix)
-    l2.plan_seconds += l1.plan_seconds
+def plan_all(forest, dp: int, M: int, model: CostModel, ortools_limit: float, repeat: int = 3):
+    """Every planner on one batch; times are the minimum of ``repeat`` runs (one for OR-Tools,
+    whose time is its search limit or less), each including the forest index."""
+    t_index = []
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        ix = ForestIndex(forest)
+        t_index.append(time.perf_counter() - t0)
+
+    def harts():
+        l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
+        l2 = plan_l2(forest, l1, cost_model=model, index=ix)
+        l2.plan_seconds += l1.plan_seconds
+        return l1, l2
+
+    def best_of(fn):
+        runs = [fn() for _ in range(max(1, repeat))]
+        return runs[min(range(len(runs)), key=lambda i: _seconds(runs[i]))]
+
+    l1, l2 = best_of(harts)
     plans = {"harts_l1": l1, "harts_l1l2": l2,
-             "ffd": plan_ffd(forest, dp, M, cost_model=model, index=ix),
-             "tree_ffd": plan_tree_ffd(forest, dp, M, cost_model=model, index=ix)}
+             "ffd": best_of(lambda: plan_ffd(forest, dp, M, cost_model=model, index=ix)),
+             "tree_ffd": best_of(lambda: plan_tree_ffd(forest, dp, M, cost_model=model, index=ix))}
     if ortools_available():
         plans["ortools_ffd"] = plan_ortools_ffd(forest, dp, M, cost_model=model, index=ix,
                                                 time_limit_s=ortools_limit)
+    out = {}
     for name in PLANNERS:
         if name not in plans:
             out[name] = None
             continue
         plans[name].validate(forest)
         m = plan_metrics(plans[name])
-        m["plan_seconds"] += t_index
+        m["plan_seconds"] += min(t_index)
         out[name] = m
     return out
+
+
+def _seconds(x) -> float:
+    return x[1].plan_seconds if isinstance(x, tuple) else x.plan_seconds
 
 
 def fmt(m, key, pct=False):
@@ -93,6 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", help="cost-model calibration file")
     ap.add_argument("--ortools-time-limit", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per planner, the fastest timed (default 3)")
     ap.add_argument("--json", metavar="FILE", help="write every number to FILE")
     args = ap.parse_args(argv)
     model = load_calibration(args.calibration) if args.calibration else CostModel()
@@ -109,7 +129,7 @@ def main(argv=None) -> int:
                   f"{st['expanded_tokens']} expanded tokens (forest compression {st['compression']:.3f}x)",
                   flush=True)
             for dp in args.dps:
-                res = plan_all(forest, dp, args.budget, model, args.ortools_time_limit)
+                res = plan_all(forest, dp, args.budget, model, args.ortools_time_limit, args.repeat)
                 for name in PLANNERS:
                     m = res[name]
                     print("  ".join([scheme, str(n), str(dp), name, fmt(m, "compression"),
