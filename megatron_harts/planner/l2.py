@@ -120,17 +120,21 @@ def build_atoms(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
             if p >= 0 and shared[p] and (not shared[s] or first[s] != first[p]):
                 produced += int(ix.start[s]) % B
         produce[t] = shared_rows >= min_producer_rows and produced < recompute
+    # the L1 pieces of trees that keep recomputation: (owned, recomputed) per microbatch
+    kept: Dict[int, List[Tuple[List[int], List[int]]]] = {}
+    for m in l1.microbatches:
+        own_t = tree_of[m.owned]
+        rec_t = tree_of[m.recomputed]
+        for t in np.unique(own_t).tolist():
+            if not produce[t]:
+                kept.setdefault(t, []).append((m.owned[own_t == t].tolist(), m.recomputed[rec_t == t].tolist()))
     atoms = Atoms()
     atom_of = np.full(S, -1, dtype=np.int64)
     for t in range(ix.num_trees):
         a, b = int(offs[t]), int(offs[t + 1])
         if not produce[t]:
-            for m in l1.microbatches:
-                own = m.owned[(m.owned >= a) & (m.owned < b)]
-                if own.size == 0:
-                    continue
-                rec = m.recomputed[(m.recomputed >= a) & (m.recomputed < b)]
-                atoms.add(own.tolist(), rec.tolist(), -1, t)
+            for own, rec in kept.get(t, ()):
+                atoms.add(own, rec, -1, t)
             continue
         for s in range(a, b):
             p = par[s]
@@ -147,7 +151,6 @@ def build_atoms(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
                 else:
                     x = atoms.add([s], [], int(atom_of[p]) if p >= 0 else -1, t)
             atom_of[s] = x
-    del tree_of
     return atoms, produce
 
 
@@ -371,7 +374,7 @@ def _rebalance(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, m
                 continue  # a local child moves with its parent; recomputing atoms stay
             g, i = [a], 0
             while i < len(g):
-                g.extend(x for x in kids[g[i]] if slot_of[x] == k)
+                g.extend(x for x in kids[g[i]] if slot_of[x] == k and mb_of[x] == b)
                 i += 1
             out.append((g, sum(cost[x] for x in g), sum(rows[x] for x in g), p))
         return out
