@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.planner.cost_model import CostModel, ForestIndex, load_calibration  # noqa: E402
+from megatron_harts.planner.cost_model import CostModel, ForestIndex, load_calibration, save_calibration  # noqa: E402
 from megatron_harts.planner.l1 import plan_l1  # noqa: E402
 from megatron_harts.planner.l2 import plan_l2  # noqa: E402
 from megatron_harts.planner.metrics import plan_metrics  # noqa: E402
@@ -114,8 +114,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="runs per planner, the fastest timed (default 3)")
     ap.add_argument("--json", metavar="FILE", help="write every number to FILE")
+    ap.add_argument("--write-calibration", metavar="FILE",
+                    help="write the cost model used (defaults or --calibration) as a calibration file: "
+                         "the template the GPU calibration run fills")
     args = ap.parse_args(argv)
     model = load_calibration(args.calibration) if args.calibration else CostModel()
+    if args.write_calibration:
+        save_calibration(args.write_calibration, model,
+                         {"origin": args.calibration or "megatron_harts.planner.cost_model defaults"})
     plan_all(swe_batch("tree-step", 8, args.seed), 2, args.budget, model, 1.0)  # warm-up: imports, caches
     results = []
     header = ("scheme", "traj", "dp", "planner", "compression", "balance", "balance_p5", "step_min",
