@@ -1,0 +1,173 @@
+"""A single-process megatron-core world for tools that run the model outside a training launcher.
+
+megatron-core 0.16.1 assumes CUDA in a few places: ``torch.cuda.current_device()`` as a
+device, ``torch.cuda.synchronize``, and the CUDA RNG tracker (model-parallel RNG forks,
+activation recomputation).  :func:`megatron_cpu_runtime` makes those work on the CPU for
+the duration of a ``with`` block, and :func:`single_process_megatron` picks it or the
+plain CUDA setup by device.
+
+Invariants:
+
+- Nothing happens at import: a caller applies the context manager explicitly (tools do; the
+  test fixture ``tests/megatron_cpu.py`` is this same context manager).
+- Inside the block: a gloo world (of 1 unless the caller made its own), megatron's
+  model-parallel groups, ``torch.cuda.current_device() == "cpu"``, ``torch.cuda.synchronize``
+  a no-op, every megatron module's ``get_cuda_rng_tracker`` returning a CPU tracker seeded
+  from ``seed`` (so parameter initialization is reproducible), and the CPU generator seeded.
+- On exit, also on error: model-parallel groups destroyed, the world destroyed if this block
+  created it, and every redirected attribute restored to the object it was before.
+
+This does not apply ``megatron_harts.patches`` (call ``patches.apply()`` / ``undo()`` around it).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["megatron_cpu_runtime", "megatron_cuda_runtime", "single_process_megatron", "free_port",
+           "CpuRngTracker"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a local gloo/nccl rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CpuRngTracker:
+    """Stand-in for megatron's CUDA RNG tracker: named CPU generator states.
+
+    ``fork(name)`` runs its block with the named state on the default CPU generator, stores
+    the advanced state back under the name, and restores the default generator after.
+    """
+
+    def __init__(self):
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def is_initialized(self):
+        return True
+
+    def reset(self):
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+        self.seeds_.add(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        outer = torch.get_rng_state()
+        if name in self.states_:
+            torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            if name in self.states_:
+                self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _start_world(backend: str) -> bool:
+    """Create a world of one process unless one exists; returns whether this call created it."""
+    if dist.is_initialized():
+        return False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group(backend, rank=0, world_size=1)
+    return True
+
+
+@contextlib.contextmanager
+def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234, init_world: bool = True):
+    """megatron-core on CPU for the block (module docstring); yields the CPU RNG tracker.
+
+    With ``init_world`` a gloo world of one process is created when none exists (and destroyed
+    on exit); multi-process callers create their world themselves and pass ``init_world=False``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize,
+             "get_cuda_rng_tracker": mrandom.get_cuda_rng_tracker, "get_state": mrandom._get_cuda_rng_state,
+             "set_state": mrandom._set_cuda_rng_state}
+    tracker = CpuRngTracker()
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 100)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    redirected = []
+    created_world = False
+    groups = False
+    try:
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.synchronize = lambda *a, **k: None
+        # activation recomputation saves/restores the "CUDA" RNG state: use the CPU generator's
+        mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+        mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+        # every megatron module that imported get_cuda_rng_tracker by name
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("megatron.core") and \
+                    getattr(mod, "get_cuda_rng_tracker", None) is saved["get_cuda_rng_tracker"]:
+                redirected.append(mod)
+                mod.get_cuda_rng_tracker = lambda *a, **k: tracker
+        if init_world:
+            created_world = _start_world("gloo")
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+        groups = True
+        torch.manual_seed(seed)
+        yield tracker
+    finally:
+        if groups:
+            parallel_state.destroy_model_parallel()
+        if created_world:
+            dist.destroy_process_group()
+        for mod in redirected:
+            mod.get_cuda_rng_tracker = saved["get_cuda_rng_tracker"]
+        torch.cuda.current_device = saved["current_device"]
+        torch.cuda.synchronize = saved["synchronize"]
+        mrandom._get_cuda_rng_state = saved["get_state"]
+        mrandom._set_cuda_rng_state = saved["set_state"]
+
+
+@contextlib.contextmanager
+def megatron_cuda_runtime(seed: int = 1234):
+    """A one-GPU megatron-core world (nccl, TP = PP = EP = 1, CUDA RNG tracker seeded); undone on exit."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    created_world = _start_world("nccl")
+    groups = False
+    try:
+        parallel_state.initialize_model_parallel()
+        groups = True
+        model_parallel_cuda_manual_seed(seed)
+        torch.manual_seed(seed)
+        yield None
+    finally:
+        if groups:
+            parallel_state.destroy_model_parallel()
+        if created_world:
+            dist.destroy_process_group()
+
+
+def single_process_megatron(device: str = "cpu", seed: int = 1234):
+    """The single-process world for ``device`` ("cpu" or "cuda"): a context manager."""
+    if device == "cpu":
+        return megatron_cpu_runtime(seed=seed)
+    if device == "cuda":
+        return megatron_cuda_runtime(seed=seed)
+    raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
