@@ -359,8 +359,8 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
 def _rebalance(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, members_all,
                M: int, extra, rounds: int = 64) -> None:
     """Per slot, move or swap *local groups* (an atom with its descendants in the same
-    microbatch and slot) between the costliest and the cheapest microbatch while the slot's
-    maximum drops.  A group moves only where its root's parent atom is in an earlier slot or
+    microbatch and slot) between the costliest microbatch and the cheapest one that can take
+    them while the slot's maximum drops.  A group moves only where its root's parent atom is in an earlier slot or
     in the target microbatch; the row budget is kept."""
     cost, rows, parent = atoms.cost, atoms.rows, atoms.parent
 
@@ -389,28 +389,32 @@ def _rebalance(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, m
         rws = [sum(rows[a] for a in mem) for mem in members]
         for _ in range(rounds):
             bmax = max(range(dp), key=lambda b: loads[b])
-            bmin = min(range(dp), key=lambda b: loads[b])
             hi_load = loads[bmax]
-            if hi_load - loads[bmin] <= 0:
-                break
             gmax = groups(k, bmax)
-            gmin = groups(k, bmin)
-            best, best_new = None, hi_load - 1e-12 * max(1.0, hi_load)
-            for gx, cx, rx, px in gmax:
-                if not movable(px, k, bmin):
-                    continue
-                if rws[bmin] + rx <= M:
-                    new = max(hi_load - cx, loads[bmin] + cx)
-                    if new < best_new:
-                        best, best_new = (gx, None), new
-                for gy, cy, ry, py in gmin:
-                    if cy >= cx or not movable(py, k, bmax):
+            best = None
+            # the cheapest microbatch first; another one when rows leave the cheapest no room
+            for bmin in sorted(range(dp), key=lambda b: loads[b]):
+                if bmin == bmax or hi_load - loads[bmin] <= 0:
+                    break
+                gmin = groups(k, bmin)
+                best_new = hi_load - 1e-12 * max(1.0, hi_load)
+                for gx, cx, rx, px in gmax:
+                    if not movable(px, k, bmin):
                         continue
-                    if rws[bmin] + rx - ry > M or rws[bmax] - rx + ry > M:
-                        continue
-                    new = max(hi_load - cx + cy, loads[bmin] + cx - cy)
-                    if new < best_new:
-                        best, best_new = (gx, gy), new
+                    if rws[bmin] + rx <= M:
+                        new = max(hi_load - cx, loads[bmin] + cx)
+                        if new < best_new:
+                            best, best_new = (gx, None), new
+                    for gy, cy, ry, py in gmin:
+                        if cy >= cx or not movable(py, k, bmax):
+                            continue
+                        if rws[bmin] + rx - ry > M or rws[bmax] - rx + ry > M:
+                            continue
+                        new = max(hi_load - cx + cy, loads[bmin] + cx - cy)
+                        if new < best_new:
+                            best, best_new = (gx, gy), new
+                if best is not None:
+                    break
             if best is None:
                 break
             for g, src, dst in ((best[0], bmax, bmin), (best[1], bmin, bmax)):
