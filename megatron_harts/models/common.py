@@ -61,6 +61,11 @@ def local_column_linear(input_size, output_size, config, tp_group, init_method=N
         gather_output=False, skip_bias_add=True, disable_grad_reduce=True, tp_group=tp_group)
 
 
+def rows_linear(layer, x: torch.Tensor) -> torch.Tensor:
+    """A megatron linear applied to rows [N, in] (megatron linears take [s, b, in] and return (out, bias))."""
+    return layer(x.unsqueeze(1))[0].squeeze(1)
+
+
 def check_divisible(n: int, tp: int, what: str) -> int:
     if n % tp:
         raise ValueError(f"{what} ({n}) must be divisible by --tensor-model-parallel-size ({tp})")

@@ -56,7 +56,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, ma
 
 from ..ops.path_conv import path_conv
 from ..ops.tree_kda import KDA_BACKENDS, tree_kda
-from .common import (check_divisible, local_column_linear, sequences_unview, sequences_view, tp_input,
+from .common import (check_divisible, local_column_linear, rows_linear, sequences_unview, sequences_view, tp_input,
                      tp_replicated, tp_size)
 from .norm import rms_normalize
 
@@ -161,11 +161,6 @@ class KimiDeltaAttention(MegatronModule):
                                                   tp_group=self.tp_group))
         return out
 
-    @staticmethod
-    def _lin(layer, x):
-        """A megatron linear on rows [N, in] (they expect [s, b, in])."""
-        return layer(x.unsqueeze(1))[0].squeeze(1)
-
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, **kwargs):
@@ -176,9 +171,9 @@ class KimiDeltaAttention(MegatronModule):
         rows = x.reshape(s * b, hid)
         H, D = self.num_heads_local, self.head_dim
         g_tp = self.tp_group
-        q = self._lin(self.linear_q, rows)
-        k = self._lin(self.linear_k, rows)
-        v = self._lin(self.linear_v, rows)
+        q = rows_linear(self.linear_q, rows)
+        k = rows_linear(self.linear_k, rows)
+        v = rows_linear(self.linear_v, rows)
         wq, wk, wv = self.conv_q_weight, self.conv_k_weight, self.conv_v_weight
         tree = packed_seq_params is not None and getattr(packed_seq_params, "mode", "expanded") == "tree"
         if tree:
@@ -199,9 +194,9 @@ class KimiDeltaAttention(MegatronModule):
         k = l2norm(k.view(-1, H, D))
         v = v.view(-1, H, D)
         fa = F.linear(rows, tp_replicated(self.linear_f_a.weight, g_tp))
-        f = self._lin(self.linear_f_b, fa) + self.dt_bias
+        f = rows_linear(self.linear_f_b, fa) + self.dt_bias
         g = -self.A_log.view(1, H, 1).exp() * F.softplus(f.view(-1, H, D), threshold=20.0)
-        beta = torch.sigmoid(self._lin(self.linear_beta, rows))
+        beta = torch.sigmoid(rows_linear(self.linear_beta, rows))
         if tree:
             o = tree_kda(q, k, v, g, beta, packed_seq_params.kda_schedule, backend=self.config.kda_backend)
         else:
@@ -211,7 +206,7 @@ class KimiDeltaAttention(MegatronModule):
             o, _ = run(*(p for p, _ in parts), chunk_size=self.config.kda_chunk_size)
             o = sequences_unview(o, flat)
         ga = F.linear(rows, tp_replicated(self.linear_g_a.weight, g_tp))
-        gate = self._lin(self.linear_g_b, ga).view(-1, H, D)
+        gate = rows_linear(self.linear_g_b, ga).view(-1, H, D)
         w_norm = tp_replicated(self.out_norm_weight, g_tp)
         o = rms_normalize(o, self.config.layernorm_epsilon) * w_norm * torch.sigmoid(gate)
         o = o.reshape(s, b, H * D)

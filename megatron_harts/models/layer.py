@@ -13,11 +13,8 @@ MLP, MoE layer, experts, dispatcher) is megatron-core's.
 """
 from __future__ import annotations
 
-from typing import List
-
 import dataclasses
-
-import torch
+from typing import List
 
 from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add

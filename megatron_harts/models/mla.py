@@ -40,7 +40,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from ..ops.tree_attention import tree_attention
-from .common import (check_divisible, local_column_linear, sequences_unview, sequences_view, tp_input,
+from .common import (check_divisible, local_column_linear, rows_linear, sequences_unview, sequences_view, tp_input,
                      tp_replicated, tp_size)
 from .norm import rms_normalize
 
@@ -98,10 +98,6 @@ class TreeMLA(MegatronModule):
                     config.init_method(lin.weight)
         self.scale = (dn + dr) ** -0.5
 
-    @staticmethod
-    def _lin(layer, x):
-        return layer(x.unsqueeze(1))[0].squeeze(1)
-
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, **kwargs):
@@ -114,16 +110,16 @@ class TreeMLA(MegatronModule):
         H, dn, dr, dv = self.num_heads_local, self.dn, self.dr, self.dv
         g = self.tp_group
         if self.q_lora_rank is None:
-            q = self._lin(self.linear_q_proj, rows)
+            q = rows_linear(self.linear_q_proj, rows)
         else:
             qa = F.linear(rows, tp_replicated(self.linear_q_down_proj.weight, g))
             qa = rms_normalize(qa, cfg.layernorm_epsilon) * tp_replicated(self.q_layernorm_weight, g)
-            q = self._lin(self.linear_q_up_proj, qa)
+            q = rows_linear(self.linear_q_up_proj, qa)
         q = q.view(-1, H, dn + dr)
         ckv = F.linear(rows, tp_replicated(self.linear_kv_down_proj.weight, g))
         kv_lat, k_rope = ckv.split([cfg.kv_lora_rank, dr], dim=-1)
         kv_lat = rms_normalize(kv_lat, cfg.layernorm_epsilon) * tp_replicated(self.kv_layernorm_weight, g)
-        kv = self._lin(self.linear_kv_up_proj, kv_lat).view(-1, H, dn + dv)
+        kv = rows_linear(self.linear_kv_up_proj, kv_lat).view(-1, H, dn + dv)
         k_nope, v = kv.split([dn, dv], dim=-1)
         k_rope = k_rope.view(-1, 1, dr)
         tree = packed_seq_params is not None and getattr(packed_seq_params, "mode", "expanded") == "tree"

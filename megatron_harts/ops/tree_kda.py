@@ -96,7 +96,7 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
     calls = []
     for c in range(int(plan.num_calls)):
         seqs = range(int(plan.call_offsets[c]), int(plan.call_offsets[c + 1]))
-        row_lists, sem_len, init, exp_seq, exp_off, exp_slot = [], [], [], [], [], []
+        row_lists, init, exp_seq, exp_off, exp_slot = [], [], [], [], []
         for n, q in enumerate(seqs):
             s = int(plan.seq_start[q])
             first = int(plan.seq_first_segment[q])

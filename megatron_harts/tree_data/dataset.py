@@ -23,7 +23,7 @@ import json
 import os
 import struct
 import zlib
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 

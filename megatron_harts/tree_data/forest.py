@@ -316,6 +316,15 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return m
 
 
+def _lexicographic_order(trajs: Sequence[Trajectory], scopes: np.ndarray) -> List[int]:
+    """Trajectory indices sorted by (scope, token sequence); a prefix sorts before its extensions.
+
+    Big-endian uint32 bytes compare (memcmp) exactly like the id sequences they encode.
+    """
+    keys = [t.tokens.astype(">u4").tobytes() for t in trajs]
+    return sorted(range(len(trajs)), key=lambda i: (scopes[i], keys[i]))
+
+
 def build_forest(trajectories: Sequence[Trajectory]) -> Forest:
     """Merge identical token prefixes (within a group) into a forest.
 
@@ -332,9 +341,7 @@ def build_forest(trajectories: Sequence[Trajectory]) -> Forest:
     for t in trajs:
         if t.tokens.size and t.tokens.max() > np.iinfo(np.uint32).max:
             raise t.error("tokens", "token id does not fit in 32 bits")
-    keys = [t.tokens.astype(">u4").tobytes() for t in trajs]
-    order = sorted(range(n), key=lambda i: (scopes[i], keys[i]))
-    del keys
+    order = _lexicographic_order(trajs, scopes)
     lengths = np.array([len(trajs[i]) for i in order], dtype=np.int64)
 
     # one stack pass over the sorted trajectories builds the trie of nodes
