@@ -1,7 +1,6 @@
 """Multi-target log-probs (megatron_harts/ops/logprobs.py) against full-vocab references,
 expanded per-trajectory computation, megatron-core's vocab_parallel_cross_entropy (TP=1)
 and a real two-process vocab-parallel run (gloo).  DESIGN invariant 1."""
-import multiprocessing
 import os
 import socket
 
@@ -12,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_harts.ops.logprobs import multi_target_logprobs, multi_target_logprobs_reference
 from megatron_harts.tree_data import build_forest, make_trajectory
+from multiproc import run_ranks
 
 TOL = 1e-10
 
@@ -265,18 +265,7 @@ def test_vocab_parallel_two_ranks_equals_full_vocab_and_megatron(tmp_path):
                 "target_row": torch.tensor([r for _, _, r, _ in targets]),
                 "target_token": torch.tensor([tok for _, _, _, tok in targets]),
                 "w_target": torch.randn(len(targets), dtype=torch.float64, generator=g)}, inputs)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, str(tmp_path / "store"), str(inputs), str(tmp_path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=90)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(_tp_worker, 2, (str(tmp_path / "store"), str(inputs), str(tmp_path)), timeout=90)
     out = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()

@@ -5,7 +5,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_harts.patches as patches
 from megatron_harts.models.hf_convert import shard_full_state
@@ -13,6 +12,7 @@ from megatron_harts.models.model import build_hybrid_model
 
 from hybrid_tiny import VOCAB, expanded_inputs, randomize_, tiny_config, tiny_forest, tree_inputs
 from megatron_cpu import free_port, megatron_cpu
+from multiproc import run_ranks
 
 FOREST = dict(seed=0, n=4)      # 34 compact rows, 54 expanded tokens: both even (SP splits rows over 2 ranks)
 # (tp, ep, sequence parallel, model kind): MoE + TP needs SP in megatron; a dense model runs TP without SP
@@ -132,7 +132,7 @@ def reference(tmp_path_factory):
 def test_parallel_equals_single_process(reference, tmp_path):
     """In the same two processes: TP=2 with SP (all-gather dispatcher, expert TP=2), EP=2, and a
     dense model with TP=2 without SP (the copy-to-TP-region path of the attention modules)."""
-    mp.spawn(_worker, args=(2, free_port(), SETUPS, str(reference), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_worker, 2, (free_port(), SETUPS, str(reference), str(tmp_path)), timeout=300)
     for tp, ep, sp, kind in SETUPS:
         for rank in range(2):
             res = torch.load(tmp_path / f"tp{tp}_ep{ep}_{kind}_rank{rank}.pt", weights_only=False)

@@ -6,7 +6,6 @@ TopKRouter._apply_seq_aux_loss does it, and megatron's TopKRouter.routing run
 on the expanded micro-batch (aux, seq_aux, global_aux, z-loss, expert-bias
 token counts), forward and gradient.  fp64, 1e-10.  DESIGN invariant 1.
 """
-import multiprocessing
 import os
 import socket
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ from megatron_harts.ops.moe import (
     q_tokens_per_expert, q_z_loss, routing_map_from_topk, seq_aux_loss_reference,
     tokens_per_expert_reference, trajectory_row_sums, validate_tree_moe_config, z_loss_reference)
 from megatron_harts.tree_data import build_forest, make_trajectory
+from multiproc import run_ranks
 
 TOL = 1e-10
 E, K = 6, 2
@@ -329,18 +329,7 @@ def test_rows_split_over_two_ranks_sum_to_the_whole(tmp_path):
     inputs = tmp_path / "inputs.pt"
     torch.save({"scores": scores.detach(), "rmap": rmap, "q": m.q, "lo": m.row_traj_lo, "hi": m.row_traj_hi,
                 "n": m.num_trajectories, "w": w}, inputs)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_split_rows_worker, args=(r, 2, str(tmp_path / "store"), str(inputs),
-                                                          str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=90)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(_split_rows_worker, 2, (str(tmp_path / "store"), str(inputs), str(tmp_path)), timeout=90)
     out = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     x = scores.detach().clone().requires_grad_()

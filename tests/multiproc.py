@@ -1,0 +1,23 @@
+"""Run a test worker on N spawned processes with a deadline (test helper only).
+
+A gloo collective that waits forever must fail the test, never hang CI: every
+worker gets ``timeout`` seconds, stragglers are killed, and the exit codes are
+asserted.
+"""
+import multiprocessing
+
+
+def run_ranks(target, world: int, args: tuple, timeout: float = 120.0) -> None:
+    """Start ``target(rank, world, *args)`` for every rank; assert all exited 0 within ``timeout``."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    assert all(c == 0 for c in codes), f"worker exit codes {codes} (a negative code is a signal: killed at the deadline or crashed)"
