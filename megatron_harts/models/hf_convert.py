@@ -23,7 +23,7 @@ Mapping per layer i (``L = model.layers.{i}`` in transformers, ``M = decoder.lay
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -253,3 +253,197 @@ def hybrid_config_from_hf(hf_config, **overrides):
                   moe_router_dtype="fp32", moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
     kw.update(overrides)
     return HybridConfig(**kw)
+
+
+# ---------------------------------------------------------------------------
+# checkpoint files: transformers directories, TP shards of a full state dict
+# ---------------------------------------------------------------------------
+
+HF_CONFIG = "config.json"
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A bad checkpoint or conversion request; the message names the file, tensor, field or flag."""
+
+
+def read_hf_config(path: str) -> dict:
+    """The JSON of ``path/config.json``, checked to describe a transformers ``kimi_linear`` model."""
+    import json
+    import os
+    cfg_path = os.path.join(path, HF_CONFIG)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such directory")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{cfg_path}: no such file (a transformers checkpoint directory has one)")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.get("model_type") != "kimi_linear":
+        got = raw.get("model_type") if isinstance(raw, dict) else type(raw).__name__
+        raise CheckpointError(f"{cfg_path}: field 'model_type' is {got!r}, expected 'kimi_linear'")
+    if raw.get("tie_word_embeddings"):
+        raise CheckpointError(f"{cfg_path}: field 'tie_word_embeddings' is true; only untied embeddings "
+                              "(Kimi-Linear's) are supported")
+    return raw
+
+
+def kimi_linear_config_from_dict(raw: dict, where: str = HF_CONFIG):
+    """transformers ``KimiLinearConfig`` from config.json's dict (errors name ``where``)."""
+    from transformers import KimiLinearConfig
+    try:
+        return KimiLinearConfig.from_dict(dict(raw))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def load_hf_checkpoint(path: str, dtype=None) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """config.json's dict and the in-memory state dict (KimiLinearForCausalLM names) of a directory.
+
+    transformers stores Kimi-Linear in the original checkpoint naming (``block_sparse_moe``,
+    per-expert ``w1/w2/w3``, separate ``q/k/v_conv1d``); its loader converts that exactly
+    (renames, concatenations), so the tensors are the stored values, in their stored dtype unless
+    ``dtype`` is given.  Missing, unexpected or mis-shaped tensors raise CheckpointError.
+    """
+    import os
+    import warnings
+    from transformers import KimiLinearForCausalLM
+    raw = read_hf_config(path)
+    hf_cfg = kimi_linear_config_from_dict(raw, os.path.join(path, HF_CONFIG))
+    if not (os.path.isfile(os.path.join(path, HF_SINGLE)) or os.path.isfile(os.path.join(path, HF_INDEX))):
+        raise CheckpointError(f"{path}: neither {HF_SINGLE} nor {HF_INDEX} exists")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, info = KimiLinearForCausalLM.from_pretrained(
+                path, config=hf_cfg, dtype=dtype if dtype is not None else "auto", output_loading_info=True,
+                ignore_mismatched_sizes=True, experts_implementation="eager")
+    except (OSError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: cannot load the safetensors files ({first})") from None
+    for kind in ("missing_keys", "mismatched_keys", "unexpected_keys"):
+        bad = sorted(info.get(kind) or [], key=str)
+        if bad:
+            what = {"missing_keys": "is missing", "mismatched_keys": "has a shape config.json does not imply",
+                    "unexpected_keys": "is not part of the architecture config.json describes"}[kind]
+            name = bad[0][0] if isinstance(bad[0], tuple) else bad[0]
+            raise CheckpointError(f"{path}: tensor {name!r} {what}")
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    return raw, state
+
+
+def save_hf_checkpoint(path: str, config_json: dict, state: Dict[str, torch.Tensor],
+                       max_shard_size: str = "5GB") -> None:
+    """Write a transformers Kimi-Linear directory (config.json as given, safetensors via transformers).
+
+    The model is assembled without initialization (``assign``: the tensors themselves), so the stored
+    values and dtypes are exactly ``state``'s.
+    """
+    import json
+    import os
+    import warnings
+    from transformers import KimiLinearForCausalLM
+    hf_cfg = kimi_linear_config_from_dict(config_json)
+    with torch.device("meta"):
+        model = KimiLinearForCausalLM(hf_cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise CheckpointError(f"state for transformers lacks {missing[:1]} / has extra {unexpected[:1]}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(path, max_shard_size=max_shard_size)
+    with open(os.path.join(path, HF_CONFIG), "w") as f:      # the fields exactly as they came
+        json.dump(config_json, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+class _ShapeOnlyModel:
+    """Meta tensors with a TP rank's local shapes and megatron's partition attributes (for shard_full_state)."""
+
+    def __init__(self, info: Dict[str, Tuple[Tuple[int, ...], Optional[int]]], tp_size: int):
+        self.params = {}
+        for name, (shape, dim) in info.items():
+            local = list(shape)
+            if dim is not None:
+                local[dim] //= tp_size
+            t = torch.empty(local, device="meta")
+            if dim is not None:
+                t.partition_dim = dim
+            self.params[name] = t
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def named_buffers(self):
+        return iter(())
+
+
+def tp_partition_info(model) -> Dict[str, Tuple[Tuple[int, ...], Optional[int]]]:
+    """Full shape and TP split axis (None: replicated) of every tensor of a TP = EP = 1 HybridModel."""
+    out = {}
+    for name, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
+        split = bool(getattr(t, "tensor_model_parallel", False))
+        out[name] = (tuple(t.shape), int(t.partition_dim) if split else None)
+    return out
+
+
+def check_tp_divisible(info, config, vocab_size: int, tp_size: int) -> None:
+    """Raise CheckpointError naming the config field (or tensor) that ``--tp tp_size`` does not divide."""
+    if tp_size < 1:
+        raise CheckpointError(f"--tp must be >= 1, got {tp_size}")
+    fields = [("num_attention_heads", config.num_attention_heads), ("linear_num_heads", config.linear_num_heads),
+              ("vocab_size", vocab_size), ("intermediate_size", config.ffn_hidden_size)]
+    if config.num_moe_experts:
+        fields.append(("moe_intermediate_size", config.moe_ffn_hidden_size))
+    for field, value in fields:
+        if value % tp_size:
+            raise CheckpointError(f"--tp {tp_size} does not divide config.json field {field!r} = {value}")
+    for name, (shape, dim) in info.items():
+        if dim is not None and shape[dim] % tp_size:
+            raise CheckpointError(f"--tp {tp_size} does not divide dimension {dim} of {name} {shape}")
+
+
+def shard_for_tp(full: Dict[str, torch.Tensor], info, config, tp_size: int) -> List[Dict[str, torch.Tensor]]:
+    """Per-TP-rank state dicts of ``full`` (what :func:`shard_full_state` gives a model built with TP = tp_size).
+
+    ``info`` is :func:`tp_partition_info` of the TP = 1 model: megatron marks the same tensors as
+    TP-split at every TP size, so the local shapes follow without building the TP model.
+    """
+    proxy = _ShapeOnlyModel({k: v for k, v in info.items() if k in full}, tp_size)
+    return [shard_full_state(full, proxy, config, tp_rank=r, tp_size=tp_size) for r in range(tp_size)]
+
+
+def merge_tp_shards(shards: List[Dict[str, torch.Tensor]], info, config) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`shard_for_tp`: the full (TP = 1) tensors from every rank's state dict.
+
+    Replicated tensors must be equal on all ranks (bitwise); split ones are concatenated along
+    their partition axis (gated ``linear_fc1``: gate halves first, then up halves).
+    """
+    tp = len(shards)
+    out = {}
+    for name, (shape, dim) in info.items():
+        have = [r for r, s in enumerate(shards) if name in s]
+        if not have:
+            continue
+        if len(have) != tp:
+            missing = next(r for r in range(tp) if r not in have)
+            raise CheckpointError(f"TP rank {missing} lacks {name!r}")
+        parts = [s[name] for s in shards]
+        if dim is None or tp == 1:
+            for r, p in enumerate(parts[1:], 1):
+                if p.shape != parts[0].shape or not torch.equal(p, parts[0]):
+                    raise CheckpointError(f"{name!r} is replicated over TP but rank {r} differs from rank 0")
+            value = parts[0]
+        elif config.gated_linear_unit and name.endswith("linear_fc1.weight"):
+            halves = [p.chunk(2, dim=0) for p in parts]
+            value = torch.cat([torch.cat([h[0] for h in halves], dim=dim), torch.cat([h[1] for h in halves], dim=dim)],
+                              dim=0)
+        else:
+            value = torch.cat(parts, dim=dim)
+        if tuple(value.shape) != tuple(shape):
+            raise CheckpointError(f"{name!r}: TP shards give shape {tuple(value.shape)}, the model has {shape}")
+        out[name] = value
+    return out

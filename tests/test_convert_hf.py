@@ -1,0 +1,216 @@
+"""tools/convert_hf_checkpoint.py: transformers Kimi-Linear <-> Megatron checkpoints (torch TP shards, dist).
+
+A tiny random KimiLinearForCausalLM is built from a config and saved with save_pretrained
+(sharded, original Kimi naming on disk); no hub access.
+"""
+import glob
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import megatron_harts.patches as patches
+from megatron_harts.models.hf_convert import kimi_linear_hf_config, shard_full_state
+from megatron_harts.models.model import build_hybrid_model
+
+from hybrid_tiny import VOCAB, tiny_config
+from megatron_cpu import free_port, megatron_cpu
+
+transformers = pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("convert_hf_checkpoint",
+                                                  os.path.join(ROOT, "tools", "convert_hf_checkpoint.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TOOL = _tool()
+
+
+def convert(capsys, *argv):
+    """Run the tool as its __main__ does; returns (exit status, stdout, stderr)."""
+    from megatron_harts.cli import run
+    with pytest.raises(SystemExit) as e:
+        run(TOOL.main, [str(a) for a in argv])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+# transformers' MLA latent norms (q_a_layernorm, kv_a_layernorm) always use eps 1e-6, ours use
+# layernorm_epsilon: equal models need rms_norm_eps = 1e-6 until the MLA module takes that eps
+# (test_mla_latent_norm_eps_differs_from_transformers pins the difference)
+EPS = 1e-6
+
+
+def _cfg(eps=EPS):
+    return tiny_config(dtype=torch.float32, q_lora_rank=12, layernorm_epsilon=eps)
+
+
+def _save_hf(d, eps=EPS):
+    torch.manual_seed(0)
+    model = transformers.KimiLinearForCausalLM(kimi_linear_hf_config(_cfg(eps), VOCAB)).float()
+    with torch.no_grad():       # non-trivial norms and expert biases (init leaves them 1 / 0)
+        for n, p in model.named_parameters():
+            if "norm" in n or "A_log" in n or "dt_bias" in n:
+                p.add_(0.1 * torch.randn_like(p))
+        for n, b in model.named_buffers():
+            if "e_score_correction_bias" in n:
+                b.copy_(0.05 * torch.randn_like(b))
+    model.save_pretrained(d, max_shard_size="40KB")
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = _save_hf(tmp_path_factory.mktemp("hf") / "kimi")
+    assert os.path.isfile(d / "model.safetensors.index.json")       # sharded on disk
+    return d
+
+
+def _safetensors(d):
+    from safetensors.torch import load_file
+    out = {}
+    for f in glob.glob(os.path.join(d, "*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _assert_same_checkpoint(a, b):
+    sa, sb = _safetensors(a), _safetensors(b)
+    assert set(sa) == set(sb) and len(sa) > 50
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+    with open(os.path.join(a, "config.json")) as fa, open(os.path.join(b, "config.json")) as fb:
+        assert json.load(fa) == json.load(fb)
+
+
+def _shard_worker(rank, world, port, ckpt, out_dir):
+    """A real TP=2 model: the converter's rank file equals shard_full_state of the TP=1 state, and loads strictly."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    patches.apply()
+    try:
+        with megatron_cpu(tp=2, init_world=False):
+            cfg = tiny_config(dtype=torch.float32, q_lora_rank=12, tensor_model_parallel_size=2,
+                              sequence_parallel=True)
+            model = build_hybrid_model(cfg, vocab_size=VOCAB)
+            full = torch.load(os.path.join(ckpt["tp1"], "release", "mp_rank_00", "model_optim_rng.pt"))["model"]
+            mine = torch.load(os.path.join(ckpt["tp2"], "release", f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
+            expect = shard_full_state({k: v for k, v in full.items() if v is not None}, model, cfg, tp_rank=rank,
+                                      tp_size=2)
+            got = {k: v for k, v in mine["model"].items() if v is not None}
+            result = {"same_keys": set(got) == set(expect), "n": len(got),
+                      "equal": all(torch.equal(got[k], expect[k]) for k in expect),
+                      "split": sum(got[k].shape != full[k].shape for k in got), "tp_size": mine["tp_size"]}
+            model.load_state_dict(mine["model"], strict=True)
+            torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        patches.undo()
+        dist.destroy_process_group()
+
+
+def test_round_trip_bitwise_and_tp2_shards(hf_dir, tmp_path, capsys):
+    tp1, tp2 = tmp_path / "mg1", tmp_path / "mg2"
+    code, out, err = convert(capsys, "--direction", "hf-to-megatron", "--input", hf_dir, "--output", tp1, "--json")
+    assert code == 0, err
+    assert json.loads(out)["tp"] == 1
+    assert convert(capsys, "--direction", "hf-to-megatron", "--input", hf_dir, "--output", tp2, "--tp", 2)[0] == 0
+    assert sorted(os.listdir(tp2 / "release")) == ["mp_rank_00", "mp_rank_01"]
+    assert (tp2 / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
+    for src, back in ((tp1, tmp_path / "back1"), (tp2, tmp_path / "back2")):
+        code, _, err = convert(capsys, "--direction", "megatron-to-hf", "--input", src, "--output", back)
+        assert code == 0, err
+        _assert_same_checkpoint(hf_dir, back)
+    mp.spawn(_shard_worker, args=(2, free_port(), {"tp1": str(tp1), "tp2": str(tp2)}, str(tmp_path)), nprocs=2,
+             join=True)
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r["same_keys"] and r["equal"] and r["tp_size"] == 2, r
+        assert r["split"] > 40                # most tensors really are split over the two ranks
+
+
+def test_dist_checkpoint_round_trip(hf_dir, tmp_path, capsys):
+    pytest.importorskip("psutil")           # megatron-core's dist-checkpoint writer needs it
+    code, _, err = convert(capsys, "--direction", "hf-to-megatron", "--input", hf_dir, "--output",
+                           tmp_path / "dist", "--format", "dist")
+    assert code == 0, err
+    assert os.path.isfile(tmp_path / "dist" / "release" / "metadata.json")
+    code, _, err = convert(capsys, "--direction", "megatron-to-hf", "--input", tmp_path / "dist", "--output",
+                           tmp_path / "back")
+    assert code == 0, err
+    _assert_same_checkpoint(hf_dir, tmp_path / "back")
+
+
+def _converted_vs_transformers(hf_dir, tmp_path, capsys, eps=EPS):
+    assert convert(capsys, "--direction", "hf-to-megatron", "--input", hf_dir, "--output", tmp_path / "mg")[0] == 0
+    sd = torch.load(tmp_path / "mg" / "release" / "mp_rank_00" / "model_optim_rng.pt")["model"]
+    hf = transformers.KimiLinearForCausalLM.from_pretrained(hf_dir).float().eval()
+    tokens = torch.tensor([[3, 17, 5, 29, 0, 8, 8, 21, 14, 2, 30, 11]])
+    patches.apply()
+    try:
+        with megatron_cpu():
+            model = build_hybrid_model(_cfg(eps), vocab_size=VOCAB).eval()
+            model.load_state_dict(sd, strict=True)
+            with torch.no_grad():
+                ours = model(tokens, torch.arange(12)[None])[:, 0].log_softmax(-1)     # [s, V]
+                ref = hf(tokens).logits[0].log_softmax(-1)
+    finally:
+        patches.undo()
+    assert float(ref.std()) > 0.01
+    return ours, ref
+
+
+def test_converted_state_gives_transformers_logprobs(hf_dir, tmp_path, capsys):
+    ours, ref = _converted_vs_transformers(hf_dir, tmp_path, capsys)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.xfail(strict=True, reason="TreeMLA normalizes the q/kv latents with layernorm_epsilon, transformers "
+                                       "with 1e-6: log-probs differ by ~7e-5 when rms_norm_eps = 1e-5")
+def test_mla_latent_norm_eps_differs_from_transformers(tmp_path, capsys):
+    d = _save_hf(tmp_path / "kimi_eps5", eps=1e-5)
+    ours, ref = _converted_vs_transformers(d, tmp_path, capsys, eps=1e-5)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def _one_error(code, err, *needles):
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def test_bad_input_one_error_no_output(hf_dir, tmp_path, capsys):
+    import shutil
+    out = tmp_path / "out"
+    args = ["--direction", "hf-to-megatron", "--output", out]
+    _one_error(*convert(capsys, *args, "--input", tmp_path / "nope")[::2], "nope")
+    _one_error(*convert(capsys, *args, "--input", hf_dir, "--tp", 4)[::2], "--tp 4", "num_attention_heads")
+    _one_error(*convert(capsys, *args, "--input", hf_dir, "--tp", 3)[::2], "--tp")
+    _one_error(*convert(capsys, *args, "--input", hf_dir, "--format", "zarr")[::2], "--format")
+    other = tmp_path / "other"
+    shutil.copytree(hf_dir, other)
+    raw = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
+    _one_error(*convert(capsys, *args, "--input", other)[::2], "config.json", "model_type")
+    (other / "config.json").write_text(json.dumps({**raw, "intermediate_size": 64}))
+    _one_error(*convert(capsys, *args, "--input", other)[::2], str(other), "mlp")
+    (other / "config.json").write_text(json.dumps(raw))
+    for f in glob.glob(str(other / "*.safetensors")):
+        os.remove(f)
+    os.remove(other / "model.safetensors.index.json")
+    _one_error(*convert(capsys, *args, "--input", other)[::2], "model.safetensors")
+    _one_error(*convert(capsys, "--direction", "megatron-to-hf", "--input", hf_dir, "--output", out)[::2],
+               "latest_checkpointed_iteration.txt")
+    assert sorted(os.listdir(tmp_path)) == ["other"]         # no output, no temporary directory left
