@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Tree mode vs expanded mode on the same weights (DESIGN invariant 1), optionally vs transformers.
+
+Builds the hybrid model from a preset (--preset tiny|small, random weights from --seed) or from a
+transformers Kimi-Linear checkpoint directory (--hf-checkpoint DIR, converted on the fly), reads
+trajectories (--input FILE, JSONL/Parquet) or generates a small SWE-like set (--synthetic, the
+repo's generator scaled to the model's vocabulary), runs expanded mode and tree mode, and reports
+per-target log-prob, RL-loss, gradient, MoE aux-loss and tokens-per-expert differences and the
+token-wise logit cosine.  The RL loss (megatron_harts/models/fidelity.py, ``pg_loss``) is
+sum over targets of -weight * advantage * logprob (PPO-clip with the ratio to old_logprobs where
+present) / number of targets, the same formula in both modes.
+
+Exit status: 0 when within the design's tolerance for --dtype (fp64: relative 1e-10, fp32: 1e-5,
+the transformers oracle at 1e-5 for both; bf16: logit cosine no worse than expanded
+mode's own rerun), 1 otherwise, 2 on bad input (one ``error:`` line).
+"""
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_harts.cli import CliError, print_table, run  # noqa: E402
+
+DTYPES = ("float64", "float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
+KEYS = ("max_logprob_abs_diff", "max_grad_rel_diff", "loss_abs_diff", "aux_loss_abs_diff", "tokens_per_expert_equal",
+        "logit_cosine", "oracle_max_logprob_abs_diff")
+
+
+def quiet_libraries():
+    """megatron-core warns at import about missing TE/apex and logs spec notes: not the user's concern."""
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def synthetic_trajectories(vocab_size: int, seed: int):
+    """A small tree-step SWE-like set (prompt, branching action/observation turns) in ``vocab_size``."""
+    from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
+    cfg = SweConfig(scheme="tree-step", num_tasks=2, samples_per_task=2, prompt_median=12, min_turns=2, max_turns=3,
+                    action_median=4, observation_median=5, branch_prob=0.6, branch_factor=2, max_leaves=3,
+                    max_tokens=48, vocab_size=vocab_size, seed=seed)
+    return synthesize_swe(cfg)
+
+
+def _json_safe(report):
+    return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in report.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--preset", default=None, metavar="tiny|small", help="model preset (default tiny)")
+    src.add_argument("--hf-checkpoint", default=None, metavar="DIR", help="transformers kimi_linear checkpoint")
+    data = ap.add_mutually_exclusive_group(required=True)
+    data.add_argument("--input", default=None, metavar="FILE", help="trajectories (.jsonl, .jsonl.gz, .parquet)")
+    data.add_argument("--synthetic", action="store_true", help="generate a small SWE-like trajectory set")
+    ap.add_argument("--dtype", default="float64", metavar="|".join(DTYPES), help="model dtype (default float64)")
+    ap.add_argument("--device", default="cpu", metavar="|".join(DEVICES), help="default cpu")
+    ap.add_argument("--oracle", default=None, metavar="hf",
+                    help="also compare expanded mode with transformers' KimiLinearForCausalLM")
+    ap.add_argument("--seed", type=int, default=0, help="weights (presets) and synthetic data seed")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = ap.parse_args(argv)
+    quiet_libraries()
+    from megatron_harts.models.fidelity import PRESETS
+    preset = args.preset or ("tiny" if args.hf_checkpoint is None else None)
+    if preset is not None and preset not in PRESETS:
+        raise CliError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if args.dtype not in DTYPES:
+        raise CliError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.device not in DEVICES:
+        raise CliError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.oracle not in (None, "hf"):
+        raise CliError(f"--oracle must be hf, got {args.oracle!r}")
+    if args.input is not None and not os.path.isfile(args.input):
+        raise CliError(f"--input {args.input}: no such file")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: no CUDA device is available")
+    import megatron_harts.patches as patches
+    from megatron_harts.layout import build_layout
+    from megatron_harts.models import build_hybrid_model, fidelity, hf_convert
+    from megatron_harts.models.cpu_runtime import single_process_megatron
+    from megatron_harts.tree_data import build_forest, read_trajectories
+
+    dtype = getattr(torch, args.dtype)
+    hf_state = None
+    if args.hf_checkpoint is not None:
+        try:
+            raw, hf_state = hf_convert.load_hf_checkpoint(args.hf_checkpoint)
+        except hf_convert.CheckpointError as e:
+            raise CliError(str(e)) from None
+        hf_cfg = hf_convert.kimi_linear_config_from_dict(raw)
+        vocab = hf_cfg.vocab_size
+    else:
+        vocab = PRESETS[preset]["vocab_size"]
+    trajs = synthetic_trajectories(vocab, args.seed) if args.synthetic else \
+        read_trajectories([args.input], vocab_size=vocab)
+    if not trajs:
+        raise CliError(f"--input {args.input}: no trajectories")
+    forest = build_forest(trajs)
+    layout = build_layout(forest)
+    if layout.num_targets == 0:
+        raise CliError(f"--input {args.input}: no trajectory has a training target (loss_mask is all 0)")
+    patches.apply()
+    try:
+        with single_process_megatron(args.device, seed=args.seed):
+            if hf_state is not None:
+                try:
+                    cfg = hf_convert.hybrid_config_from_hf(
+                        hf_cfg, **fidelity.measurement_overrides(dtype, args.device))
+                    model = build_hybrid_model(cfg, vocab_size=vocab)
+                    hf_convert.load_hf_weights(model, hf_state, cfg)
+                except (KeyError, ValueError) as e:
+                    raise CliError(f"--hf-checkpoint {args.hf_checkpoint}: {e}") from None
+            else:
+                cfg, _ = fidelity.preset_config(preset, dtype, args.device)
+                model = build_hybrid_model(cfg, vocab_size=vocab)
+                fidelity.randomize_parameters(model, args.seed)
+            if args.device == "cuda":
+                model = model.cuda()
+            model.train()
+            expanded = fidelity.run_expanded(model, forest, layout, cfg, args.device)
+            tree = fidelity.run_tree(model, layout, cfg, args.device)
+            rerun = fidelity.run_expanded(model, forest, layout, cfg, args.device) if args.dtype == "bfloat16" \
+                else None
+            oracle = None
+            if args.oracle == "hf":
+                oracle = fidelity.oracle_logprobs(model, cfg, vocab, forest, layout, dtype)
+            report = fidelity.fidelity_report(tree, expanded, args.dtype, expanded_rerun=rerun,
+                                              oracle_logprobs=oracle)
+    finally:
+        patches.undo()
+    report.update(model=preset or args.hf_checkpoint, device=args.device, num_trajectories=layout.num_trajectories,
+                  rows=layout.num_rows, expanded_tokens=layout.num_expanded_tokens)
+    if args.json:
+        print(json.dumps(_json_safe(report), indent=2, sort_keys=True))
+    else:
+        rows = [(k, f"{v:.3e}" if isinstance(v, float) else v) for k, v in sorted(report.items())]
+        print_table(rows, header=("measure", "value"))
+        print("PASS" if report["pass"] else f"FAIL: {', '.join(report['failed'])}")
+    return 0 if report["pass"] else 1
+
+
+if __name__ == "__main__":
+    run(main)
