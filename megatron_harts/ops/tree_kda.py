@@ -20,14 +20,29 @@ Invariants kept:
   per-trajectory training, so the reference backend reproduces expanded
   outputs bitwise (shared/DESIGN.md, invariant 2).
 
+Consumer layouts (cross-microbatch sharing windows): a layout may hold subtrees
+whose ancestor rows live in a producer layout.  A subtree root starting at path
+position ``p`` starts its sequence at ``s = floor(p/B)*B`` (``s = p`` without
+replay) from the producer's boundary state at ``s`` (the zero state when
+``s == 0``); the replay tokens ``[s, p)`` are producer rows whose inputs come
+with that state (``KdaExternal``).  ``plan_subtree_calls`` plans such layouts
+with the unchanged call planner through a thin adapter: every subtree is
+shifted by ``-s`` (chunk boundaries stay at multiples of B) and, when ``s <
+p``, gets a *stub* root segment of length ``p - s`` standing for the replay
+rows, so the root's sequence runs on from the stub exactly as expanded
+training runs on from the producer's tokens.  Stub outputs are discarded.  The
+producer side exports, differentiably, the state after any of its rows
+(``export_rows``), taken from the chunk recurrence of the sequence in which
+that row is semantic (at an aligned position this is a chunk-boundary state).
+
 Backends share this interface: ``reference`` (ops/kda.py ``kda_chunked``, any
 device).  A GPU backend plugs in through ``KDA_BACKENDS``: a function with the
 signature of ``kda_chunked``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -45,23 +60,151 @@ class KdaCall:
     out_index: torch.Tensor     # long [M]: flat n*T+t of semantic positions
     out_rows: torch.Tensor      # long [M]: rows those outputs belong to
     init_slot: torch.Tensor     # long [N]: exported-state slot starting each sequence, -1 = zero state
+    init_external: torch.Tensor  # long [N]: external (producer) state starting each sequence, -1 = none
     export_seq: torch.Tensor    # long [P]: sequence (in this call) of each export
     export_offset: torch.Tensor  # long [P]: tokens of that sequence before the exported state
     export_slot: torch.Tensor   # long [P]: global slot of each export
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
 @dataclass
 class KdaSchedule:
+    """The calls of one microbatch and what crosses its boundary.
+
+    Rows ``[0, num_rows)`` are the layout's; rows ``[num_rows, num_rows + num_external_rows)``
+    are the external replay rows (``external_replay_root``/``external_replay_position``: the
+    layout root segment and path position of each, root by root in path order).  Sequences
+    with ``init_external >= 0`` start from external state ``init_external`` (the producer's
+    boundary state at ``external_state_position`` above root ``external_state_root``).
+    ``export_rows[j]`` is the layout row after which the state ``j`` is exported.
+    """
     calls: List[KdaCall]
     chunk_size: int
     num_rows: int
     num_slots: int
     replay_tokens: int
     replay: bool
+    num_external_rows: int = 0
+    external_state_root: np.ndarray = field(default_factory=lambda: _EMPTY)
+    external_state_position: np.ndarray = field(default_factory=lambda: _EMPTY)
+    external_replay_root: np.ndarray = field(default_factory=lambda: _EMPTY)
+    external_replay_position: np.ndarray = field(default_factory=lambda: _EMPTY)
+    export_rows: np.ndarray = field(default_factory=lambda: _EMPTY)
+    export_slots: np.ndarray = field(default_factory=lambda: _EMPTY)
+
+    @property
+    def num_external_states(self) -> int:
+        return int(self.external_state_root.size)
 
     def to(self, device) -> "KdaSchedule":
         calls = [KdaCall(**{f: getattr(c, f).to(device) for f in KdaCall.__dataclass_fields__}) for c in self.calls]
-        return KdaSchedule(calls, self.chunk_size, self.num_rows, self.num_slots, self.replay_tokens, self.replay)
+        return KdaSchedule(calls, self.chunk_size, self.num_rows, self.num_slots, self.replay_tokens, self.replay,
+                           self.num_external_rows, self.external_state_root, self.external_state_position,
+                           self.external_replay_root, self.external_replay_position, self.export_rows,
+                           self.export_slots)
+
+
+@dataclass
+class KdaExternal:
+    """What a consumer's KDA reads from its producer, in the order its schedule lists.
+
+    ``initial_states`` [E, H, K, V]: the producer's boundary states (``external_state_*``);
+    ``q, k, g`` [X, H, K], ``v`` [X, H, V], ``beta`` [X, H]: the replay rows' KDA inputs
+    (``external_replay_*``).  Gradients flow into all of them.
+    """
+    initial_states: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+
+@dataclass
+class SubtreeCallPlan:
+    """A call plan of a layout whose roots may start at p > 0 (``plan_subtree_calls``).
+
+    ``plan`` is a ``CallPlan`` over the augmented segment table (``parent``, ``start``,
+    ``length``, ``row``): every layout root block shifted by ``-root_state_position``, with a
+    stub root segment (``real_segment == -1``) of ``p - s`` external replay rows (rows
+    ``num_rows + ...``) in front of the block when ``s < p``.
+    """
+    plan: Any
+    parent: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    row: np.ndarray
+    real_segment: np.ndarray
+    block: np.ndarray               # layout root block of every augmented segment
+    root_segment: np.ndarray        # layout root segments, in order
+    root_state_position: np.ndarray  # s of every root (true path position)
+    num_rows: int
+    replay_tokens: int              # the layout's own replay (external replay included)
+
+
+def plan_subtree_calls(seg_parent, seg_start, seg_length, seg_row, chunk_size: int, *, replay: bool = True,
+                       backend: str = "auto") -> SubtreeCallPlan:
+    """Plan the calls of a layout of whole trees and/or subtrees with true start positions.
+
+    Adapter over ``planner.calls.plan_calls`` (whose roots start at 0): see the module
+    docstring.  For a layout of whole trees the augmented table is the layout's own and the
+    plan is ``plan_calls``'s.  The stub always continues into its only child (the planner
+    continues one child of every segment); this is checked.
+    """
+    from ..planner.calls import plan_calls
+
+    seg_parent, seg_start, seg_length, seg_row = (np.asarray(x, dtype=np.int64)
+                                                  for x in (seg_parent, seg_start, seg_length, seg_row))
+    B = int(chunk_size)
+    if B < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    S = seg_parent.size
+    num_rows = int((seg_row + seg_length).max()) if S else 0
+    roots = np.flatnonzero(seg_parent < 0)
+    if S and (roots.size == 0 or roots[0] != 0):
+        raise ValueError("segment table: segment 0 must be a root (segments in DFS preorder)")
+    bounds = np.append(roots, S)
+    parent, start, length, row, real, block = [], [], [], [], [], []
+    state_pos = np.zeros(roots.size, dtype=np.int64)
+    ext_row = num_rows
+    for i, r in enumerate(roots.tolist()):
+        p = int(seg_start[r])
+        s = (p // B) * B if replay else p
+        state_pos[i] = s
+        base = len(parent)
+        if p > s:
+            parent.append(-1)
+            start.append(0)
+            length.append(p - s)
+            row.append(ext_row)
+            real.append(-1)
+            block.append(i)
+            ext_row += p - s
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        offset = base + (1 if p > s else 0)
+        for j in range(lo, hi):
+            pj = int(seg_parent[j])
+            parent.append((base if p > s else -1) if pj < 0 else pj - lo + offset)
+            start.append(int(seg_start[j]) - s)
+            length.append(int(seg_length[j]))
+            row.append(int(seg_row[j]))
+            real.append(j)
+            block.append(i)
+    a = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    parent, start, length, row, real, block = map(a, (parent, start, length, row, real, block))
+    plan = plan_calls(parent, start, length, B, replay=replay, backend=backend)
+    for t in np.flatnonzero(real < 0).tolist():
+        q = int(plan.segment_sequence[t])
+        segs = plan.seq_segments[plan.seq_segments_offsets[q]:plan.seq_segments_offsets[q + 1]]
+        if segs.size < 2 or int(segs[0]) != t or int(segs[1]) != t + 1:
+            raise ValueError(f"plan_subtree_calls: the replay stub of root segment {int(real[t + 1])} does not "
+                             "run on into it")
+    stub_tokens = int(length[real < 0].sum())
+    return SubtreeCallPlan(plan=plan, parent=parent, start=start, length=length, row=row, real_segment=real,
+                           block=block, root_segment=roots.astype(np.int64), root_state_position=state_pos,
+                           num_rows=num_rows, replay_tokens=int(plan.replay_tokens) + stub_tokens)
 
 
 def _path_rows(seg_parent, seg_start, seg_length, seg_row, first_seg: int, lo: int) -> np.ndarray:
@@ -81,72 +224,140 @@ def _path_rows(seg_parent, seg_start, seg_length, seg_row, first_seg: int, lo: i
 
 
 def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
+                       export_rows: Optional[Sequence[int]] = None,
                        device: Optional[torch.device] = None) -> KdaSchedule:
-    """Index tensors of every call of ``plan`` over rows laid out by ``seg_row``."""
+    """Index tensors of every call of ``plan`` over rows laid out by ``seg_row``.
+
+    ``plan``: a ``CallPlan`` of the segment table (whole trees, roots at 0), or a
+    ``SubtreeCallPlan`` from ``plan_subtree_calls`` (subtrees whose ancestors live in a
+    producer: external initial states and replay rows).  ``export_rows``: layout rows after
+    which the state is exported (a producer's boundary states for its consumers), in order.
+    """
     seg_parent, seg_start, seg_length, seg_row = (np.asarray(x, dtype=np.int64)
                                                   for x in (seg_parent, seg_start, seg_length, seg_row))
-    B = int(plan.chunk_size)
     num_rows = int((seg_row + seg_length).max()) if seg_row.size else 0
+    if isinstance(plan, SubtreeCallPlan):
+        sp = plan
+        if sp.real_segment[sp.real_segment >= 0].size != seg_parent.size or sp.num_rows != num_rows:
+            raise ValueError("plan: the subtree call plan was made for another segment table")
+        plan = sp.plan
+        a_parent, a_start, a_length, a_row = sp.parent, sp.start, sp.length, sp.row
+        real, block, state_pos = sp.real_segment, sp.block, sp.root_state_position
+        roots, replay_tokens = sp.root_segment, sp.replay_tokens
+    else:
+        if seg_start[seg_parent < 0].any():
+            raise ValueError("plan: a CallPlan covers whole trees only (roots at position 0); plan a layout "
+                             "with subtree roots with plan_subtree_calls")
+        a_parent, a_start, a_length, a_row = seg_parent, seg_start, seg_length, seg_row
+        real = np.arange(seg_parent.size, dtype=np.int64)
+        roots = np.flatnonzero(seg_parent < 0)
+        block = np.cumsum(seg_parent < 0) - 1
+        state_pos = np.zeros(roots.size, dtype=np.int64)
+        replay_tokens = int(plan.replay_tokens)
+    if plan.num_sequences and int(plan.segment_sequence.size) != a_parent.size:
+        raise ValueError(f"plan covers {int(plan.segment_sequence.size)} segments, the table {a_parent.size}")
+    B = int(plan.chunk_size)
+    # external states (one per root with s > 0) and replay rows (stub rows, root by root)
+    ext_state_of_block = np.full(roots.size, -1, dtype=np.int64)
+    ext_state_of_block[state_pos > 0] = np.arange(int((state_pos > 0).sum()))
+    stubs = np.flatnonzero(real < 0)
+    rep_root = np.repeat(roots[block[stubs]], a_length[stubs]) if stubs.size else _EMPTY
+    rep_pos = (np.concatenate([state_pos[block[t]] + np.arange(a_length[t]) for t in stubs.tolist()])
+               if stubs.size else _EMPTY)
+    num_ext_rows = int(a_length[stubs].sum())
     # slot of every export, and the slot each sequence starts from
+    num_plan_slots = int(plan.seq_exports_offsets[-1]) if plan.num_sequences else 0
     slot_of = {}
-    for q in range(len(plan.seq_start)):
-        a, b = int(plan.seq_exports_offsets[q]), int(plan.seq_exports_offsets[q + 1])
-        for e in range(a, b):
+    extra = {}  # sequence -> [(offset, slot)]
+    for q in range(plan.num_sequences):
+        for e in range(int(plan.seq_exports_offsets[q]), int(plan.seq_exports_offsets[q + 1])):
             slot_of[(q, int(plan.seq_export_positions[e]))] = e
+    export_rows = _EMPTY if export_rows is None else np.asarray(list(export_rows), dtype=np.int64).reshape(-1)
+    if export_rows.size and (export_rows.min() < 0 or export_rows.max() >= num_rows):
+        raise ValueError(f"export_rows must be layout rows in [0, {num_rows})")
+    aug_of_real = np.full(seg_parent.size, -1, dtype=np.int64)
+    aug_of_real[real[real >= 0]] = np.flatnonzero(real >= 0)
+    row_seg = np.searchsorted(seg_row, export_rows, side="right") - 1
+    export_slots = np.arange(num_plan_slots, num_plan_slots + export_rows.size, dtype=np.int64)
+    for j, (r, sg) in enumerate(zip(export_rows.tolist(), row_seg.tolist())):
+        t = int(aug_of_real[sg])
+        q = int(plan.segment_sequence[t])
+        end = int(a_start[t]) + (r - int(seg_row[sg])) + 1
+        extra.setdefault(q, []).append((end - int(plan.seq_start[q]), int(export_slots[j])))
     calls = []
     for c in range(int(plan.num_calls)):
         seqs = range(int(plan.call_offsets[c]), int(plan.call_offsets[c + 1]))
-        row_lists, init, exp_seq, exp_off, exp_slot = [], [], [], [], []
+        row_lists, init, init_ext, exp_seq, exp_off, exp_slot = [], [], [], [], [], []
         for n, q in enumerate(seqs):
             s = int(plan.seq_start[q])
             first = int(plan.seq_first_segment[q])
             segs = plan.seq_segments[plan.seq_segments_offsets[q]:plan.seq_segments_offsets[q + 1]]
-            replay_rows = _path_rows(seg_parent, seg_start, seg_length, seg_row, first, s)
-            sem_rows = np.concatenate([np.arange(seg_row[i], seg_row[i] + seg_length[i]) for i in segs])
-            row_lists.append((replay_rows, sem_rows))
+            replay_rows = _path_rows(a_parent, a_start, a_length, a_row, first, s)
+            sem = [np.arange(a_row[i], a_row[i] + a_length[i]) for i in segs]
+            out_mask = np.concatenate([np.full(int(a_length[i]), real[i] >= 0) for i in segs])
+            row_lists.append((replay_rows, np.concatenate(sem), out_mask))
             src = int(plan.seq_source[q])
             if src < 0:
                 init.append(-1)
+                init_ext.append(int(ext_state_of_block[block[first]]))
             else:
                 key = (src, s)
                 if key not in slot_of:
                     raise ValueError(f"plan: sequence {q} starts at {s} from sequence {src}, which does not "
                                      "export that state")
                 init.append(slot_of[key])
-            a, b = int(plan.seq_exports_offsets[q]), int(plan.seq_exports_offsets[q + 1])
-            for e in range(a, b):
+                init_ext.append(-1)
+            for e in range(int(plan.seq_exports_offsets[q]), int(plan.seq_exports_offsets[q + 1])):
                 exp_seq.append(n)
                 exp_off.append(int(plan.seq_export_positions[e]) - s)
                 exp_slot.append(e)
-        lengths = [len(r) + len(m) for r, m in row_lists]
+            for off, sl in extra.get(q, []):
+                exp_seq.append(n)
+                exp_off.append(off)
+                exp_slot.append(sl)
+        lengths = [len(r) + len(m) for r, m, _ in row_lists]
         T = max(lengths)
         T += (-T) % B
         N = len(row_lists)
         rows = np.zeros((N, T), dtype=np.int64)
         valid = np.zeros((N, T), dtype=bool)
         out_index, out_rows = [], []
-        for n, (rr, sr) in enumerate(row_lists):
+        for n, (rr, sr, om) in enumerate(row_lists):
             allr = np.concatenate([rr, sr])
             rows[n, : len(allr)] = allr
             valid[n, : len(allr)] = True
-            out_index.append(n * T + len(rr) + np.arange(len(sr)))
-            out_rows.append(sr)
+            out_index.append((n * T + len(rr) + np.arange(len(sr)))[om])
+            out_rows.append(sr[om])
         t = lambda x, dt=torch.long: torch.as_tensor(np.asarray(x), dtype=dt, device=device)  # noqa: E731
+        i64 = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
         calls.append(KdaCall(rows=t(rows), valid=t(valid, torch.bool), out_index=t(np.concatenate(out_index)),
-                             out_rows=t(np.concatenate(out_rows)), init_slot=t(init),
-                             export_seq=t(np.array(exp_seq, dtype=np.int64)),
-                             export_offset=t(np.array(exp_off, dtype=np.int64)),
-                             export_slot=t(np.array(exp_slot, dtype=np.int64))))
+                             out_rows=t(np.concatenate(out_rows)), init_slot=t(i64(init)),
+                             init_external=t(i64(init_ext)), export_seq=t(i64(exp_seq)),
+                             export_offset=t(i64(exp_off)), export_slot=t(i64(exp_slot))))
     covered = sum(int(c.out_rows.numel()) for c in calls)
     if covered != num_rows:
         raise ValueError(f"plan covers {covered} rows, the layout has {num_rows}")
-    return KdaSchedule(calls=calls, chunk_size=B, num_rows=num_rows, num_slots=int(plan.seq_exports_offsets[-1]),
-                       replay_tokens=int(plan.replay_tokens), replay=bool(plan.replay))
+    has_state = state_pos > 0
+    return KdaSchedule(calls=calls, chunk_size=B, num_rows=num_rows,
+                       num_slots=num_plan_slots + int(export_rows.size), replay_tokens=replay_tokens,
+                       replay=bool(plan.replay), num_external_rows=num_ext_rows,
+                       external_state_root=roots[has_state].astype(np.int64),
+                       external_state_position=state_pos[has_state].astype(np.int64),
+                       external_replay_root=rep_root.astype(np.int64),
+                       external_replay_position=rep_pos.astype(np.int64),
+                       export_rows=export_rows, export_slots=export_slots)
 
 
 def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] = None,
-             backend: str = "reference") -> torch.Tensor:
-    """KDA outputs [R, H, V] of every row; inputs are per row: q, k, g [R, H, K], v [R, H, V], beta [R, H]."""
+             backend: str = "reference", external: Optional[KdaExternal] = None,
+             return_exports: bool = False):
+    """KDA outputs [R, H, V] of every row; inputs are per row: q, k, g [R, H, K], v [R, H, V], beta [R, H].
+
+    ``external``: the producer's states and replay inputs when the schedule has any (a
+    consumer layout).  With ``return_exports`` returns ``(outputs, states)``, ``states``
+    [len(schedule.export_rows), H, K, V] (compute dtype) the states after
+    ``schedule.export_rows``, in the autograd graph.
+    """
     if backend not in KDA_BACKENDS:
         raise ValueError(f"backend must be one of {sorted(KDA_BACKENDS)}, got {backend!r}")
     R, H, K = q.shape
@@ -154,6 +365,22 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
         raise ValueError(f"inputs have {R} rows, the schedule {schedule.num_rows}")
     run = KDA_BACKENDS[backend]
     V = v.shape[-1]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    needs_external = schedule.num_external_rows > 0 or schedule.num_external_states > 0
+    ext_states = None
+    if needs_external:
+        if external is None:
+            raise ValueError("this schedule's subtrees start from producer states: pass external=KdaExternal(...)")
+        X, E = schedule.num_external_rows, schedule.num_external_states
+        if external.q.shape[0] != X or external.initial_states.shape[0] != E:
+            raise ValueError(f"external: the schedule needs {E} states and {X} replay rows, got "
+                             f"{external.initial_states.shape[0]} and {external.q.shape[0]}")
+        q, k, v, g, beta = (torch.cat([x, y.to(x.dtype)]) for x, y in
+                            zip((q, k, v, g, beta), (external.q, external.k, external.v, external.g, external.beta)))
+        ext_states = external.initial_states.to(cdt)
+    elif external is not None and (external.q.shape[0] or external.initial_states.shape[0]):
+        raise ValueError("external: this schedule reads no producer state (a layout of whole trees), got "
+                         f"{external.initial_states.shape[0]} states and {external.q.shape[0]} replay rows")
     slots: List[Optional[torch.Tensor]] = [None] * schedule.num_slots
     out = v.new_zeros(R, H, V)
     for call in schedule.calls:
@@ -166,13 +393,48 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
             return torch.where(m, y, torch.zeros((), dtype=y.dtype, device=y.device))
 
         init = None
-        if bool((call.init_slot >= 0).any()):
-            zero = q.new_zeros(H, K, V, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-            init = torch.stack([zero if s < 0 else slots[s] for s in call.init_slot.tolist()])
+        if bool((call.init_slot >= 0).any()) or bool((call.init_external >= 0).any()):
+            zero = q.new_zeros(H, K, V, dtype=cdt)
+            init = torch.stack([slots[s] if s >= 0 else (ext_states[e] if e >= 0 else zero)
+                                for s, e in zip(call.init_slot.tolist(), call.init_external.tolist())])
         o, states = run(gather(q), gather(k), gather(v), gather(g), gather(beta), chunk_size=schedule.chunk_size,
                         scale=scale, initial_state=init, state_index=call.export_seq,
                         state_offset=call.export_offset)
         for p, s in enumerate(call.export_slot.tolist()):
             slots[s] = states[p]
         out = out.index_copy(0, call.out_rows, o.reshape(N * T, H, V)[call.out_index])
-    return out
+    if not return_exports:
+        return out
+    exported = (torch.stack([slots[int(s)] for s in schedule.export_slots]) if schedule.export_slots.size
+                else q.new_zeros(0, H, K, V, dtype=cdt))
+    return out, exported
+
+
+def consumer_kda_sources(layout, schedule: KdaSchedule):
+    """Producer rows feeding a consumer layout's KDA: ``(state_rows, replay_rows)`` (int64 numpy).
+
+    ``state_rows[e]``: the producer row after which the producer exports external state e
+    (the row at position ``external_state_position[e] - 1`` on root ``external_state_root[e]``'s
+    path); ``replay_rows[x]``: the producer row of replay row x.  Both come from the layout's
+    context rows (``prev_external``, ``ctx_prev``, ``ctx_source_rows``).
+    """
+    prev_ext = layout.prev_external.cpu().numpy()
+    ctx_prev = layout.ctx_prev.cpu().numpy()
+    ctx_pos = layout.ctx_position_ids.cpu().numpy()
+    ctx_src = layout.ctx_source_rows.cpu().numpy()
+
+    def row_at(root: int, pos: int) -> int:
+        c = int(prev_ext[int(layout.seg_row[root])])
+        while c >= 0 and int(ctx_pos[c]) > pos:
+            c = int(ctx_prev[c])
+        if c < 0 or int(ctx_pos[c]) != pos:
+            raise ValueError(f"consumer layout: root segment {root} has no context row at position {pos}")
+        return int(ctx_src[c])
+
+    state_rows = np.array([row_at(r, p - 1) for r, p in zip(schedule.external_state_root.tolist(),
+                                                            schedule.external_state_position.tolist())],
+                          dtype=np.int64)
+    replay_rows = np.array([row_at(r, p) for r, p in zip(schedule.external_replay_root.tolist(),
+                                                         schedule.external_replay_position.tolist())],
+                           dtype=np.int64)
+    return state_rows, replay_rows
