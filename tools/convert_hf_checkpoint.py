@@ -45,6 +45,7 @@ def quiet_megatron():
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message="full scope is deprecated")
+    warnings.filterwarnings("ignore", message="MLP requires ffn_hidden_size")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("megatron").setLevel(logging.ERROR)

@@ -36,6 +36,7 @@ def quiet_libraries():
     """megatron-core warns at import about missing TE/apex and logs spec notes: not the user's concern."""
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
+    warnings.filterwarnings("ignore", message="MLP requires ffn_hidden_size")
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("megatron").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
