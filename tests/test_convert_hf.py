@@ -54,7 +54,7 @@ def _cfg(eps=EPS):
     return tiny_config(dtype=torch.float32, q_lora_rank=12, layernorm_epsilon=eps)
 
 
-def _save_hf(d, eps=EPS):
+def _save_hf(d, eps=EPS, dtype=torch.float32):
     torch.manual_seed(0)
     model = transformers.KimiLinearForCausalLM(kimi_linear_hf_config(_cfg(eps), VOCAB)).float()
     with torch.no_grad():       # non-trivial norms and expert biases (init leaves them 1 / 0)
@@ -64,7 +64,7 @@ def _save_hf(d, eps=EPS):
         for n, b in model.named_buffers():
             if "e_score_correction_bias" in n:
                 b.copy_(0.05 * torch.randn_like(b))
-    model.save_pretrained(d, max_shard_size="40KB")
+    model.to(dtype).save_pretrained(d, max_shard_size="40KB")
     return d
 
 
@@ -149,6 +149,17 @@ def test_dist_checkpoint_round_trip(hf_dir, tmp_path, capsys):
                            tmp_path / "back")
     assert code == 0, err
     _assert_same_checkpoint(hf_dir, tmp_path / "back")
+
+
+def test_bf16_round_trip_keeps_stored_dtypes(tmp_path, capsys):
+    """transformers loads some modules upcast to fp32 (dt_bias, router): the stored bf16 comes back."""
+    src = _save_hf(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert {v.dtype for v in _safetensors(src).values()} == {torch.bfloat16}
+    assert convert(capsys, "--direction", "hf-to-megatron", "--input", src, "--output", tmp_path / "mg", "--tp", 2)[0] == 0
+    shard = torch.load(tmp_path / "mg" / "release" / "mp_rank_01" / "model_optim_rng.pt")["model"]
+    assert {v.dtype for v in shard.values() if v is not None} == {torch.bfloat16}
+    assert convert(capsys, "--direction", "megatron-to-hf", "--input", tmp_path / "mg", "--output", tmp_path / "b")[0] == 0
+    _assert_same_checkpoint(src, tmp_path / "b")
 
 
 def _converted_vs_transformers(hf_dir, tmp_path, capsys, eps=EPS):

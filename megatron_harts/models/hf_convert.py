@@ -23,6 +23,7 @@ Mapping per layer i (``L = model.layers.{i}`` in transformers, ``M = decoder.lay
 """
 from __future__ import annotations
 
+import re
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -332,7 +333,43 @@ def load_hf_checkpoint(path: str, dtype=None) -> Tuple[dict, Dict[str, torch.Ten
             name = bad[0][0] if isinstance(bad[0], tuple) else bad[0]
             raise CheckpointError(f"{path}: tensor {name!r} {what}")
     state = {k: v.detach() for k, v in model.state_dict().items()}
+    if dtype is None:
+        # transformers upcasts some modules (_keep_in_fp32_modules) on load: give back the stored dtypes
+        stored = _stored_dtypes(path)
+        state = {k: (v.to(stored[_disk_key(k)]) if _disk_key(k) in stored else v) for k, v in state.items()}
     return raw, state
+
+
+_DISK_RULES = [(re.compile(r"\.forget_gate\."), "."),
+               (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+               (re.compile(r"\.self_attn\.[qkv]_conv1d\."), ".self_attn.conv1d."),
+               (re.compile(r"\.experts\.\d+\.w[13]\.weight$"), ".experts.gate_up_proj"),
+               (re.compile(r"\.experts\.\d+\.w2\.weight$"), ".experts.down_proj")]
+
+
+def _disk_key(name: str) -> str:
+    """A name in one spelling shared by the stored (original Kimi) and the loaded (transformers) naming."""
+    for pattern, repl in _DISK_RULES:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def _stored_dtypes(path: str) -> Dict[str, torch.dtype]:
+    """dtype of every stored tensor (safetensors headers), keyed by :func:`_disk_key`."""
+    import glob
+    import os
+    from safetensors import safe_open
+    out: Dict[str, torch.dtype] = {}
+    for fp in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(fp, framework="pt") as f:
+            for k in f.keys():
+                code = f.get_slice(k).get_dtype()
+                if code in _SAFETENSORS_DTYPES:
+                    out[_disk_key(k)] = _SAFETENSORS_DTYPES[code]
+    return out
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def save_hf_checkpoint(path: str, config_json: dict, state: Dict[str, torch.Tensor],
