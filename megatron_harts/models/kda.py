@@ -55,7 +55,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, ma
                                              sharded_state_dict_default)
 
 from ..ops.path_conv import path_conv
-from ..ops.tree_kda import KDA_BACKENDS, tree_kda
+from ..ops.tree_kda import KDA_BACKENDS, KdaExternal, tree_kda
 from .common import (check_divisible, local_column_linear, rows_linear, sequences_unview, sequences_view, tp_input,
                      tp_replicated, tp_size)
 from .norm import rms_normalize
@@ -180,9 +180,17 @@ class KimiDeltaAttention(MegatronModule):
             if b != 1:
                 raise ValueError(f"tree mode needs the rows as [R, 1, h], got b={b}")
             taps = packed_seq_params.conv_taps
-            prev = packed_seq_params.layout.prev
-            q, k, v = (path_conv(t, w, None, prev, activation="silu", taps=taps)
-                       for t, w in ((q, wq), (k, wk), (v, wv)))
+            ci = packed_seq_params.consumer_index
+            pre = {"conv_q": q, "conv_k": k, "conv_v": v}
+            if ci is None:
+                prev = packed_seq_params.layout.prev
+                q, k, v = (path_conv(t, w, None, prev, activation="silu", taps=taps)
+                           for t, w in ((q, wq), (k, wk), (v, wv)))
+            else:   # consumer: the conv reads the producer's inputs of the context rows
+                ex = packed_seq_params.layer_exports(self.layer_number)
+                lay = packed_seq_params.layout
+                q, k, v = (path_conv(t, w, None, lay, activation="silu", taps=taps, context=ex[n][ci.ctx])
+                           for t, w, n in ((q, wq, "conv_q"), (k, wk, "conv_k"), (v, wv, "conv_v")))
         else:
             flat = None
             convd = []
@@ -198,7 +206,22 @@ class KimiDeltaAttention(MegatronModule):
         g = -self.A_log.view(1, H, 1).exp() * F.softplus(f.view(-1, H, D), threshold=20.0)
         beta = torch.sigmoid(rows_linear(self.linear_beta, rows))
         if tree:
-            o = tree_kda(q, k, v, g, beta, packed_seq_params.kda_schedule, backend=self.config.kda_backend)
+            psp = packed_seq_params
+            external = None
+            if psp.consumer_index is not None:
+                ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
+                external = KdaExternal(ex["states"][ci.state],
+                                       *(ex[n][ci.replay] for n in ("q", "k", "v", "g", "beta")))
+            if psp.export_spec is not None:   # producer: record what the window's consumers read
+                o, states = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=self.config.kda_backend,
+                                     return_exports=True)
+                exp_rows = psp.export_spec.rows.to(q.device)
+                rec = {n: t[exp_rows] for n, t in pre.items()}
+                rec.update({n: t[exp_rows] for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))})
+                rec["states"] = states
+                psp.record_export(self.layer_number, rec)
+            else:
+                o = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=self.config.kda_backend, external=external)
         else:
             parts = [sequences_view(t, s, b, packed_seq_params) for t in (q, k, v, g, beta)]
             flat = parts[0][1]

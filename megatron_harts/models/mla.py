@@ -129,8 +129,16 @@ class TreeMLA(MegatronModule):
             k_rope = rotate_half_rope(k_rope, pos, cfg.mla_rotary_base)
         k = torch.cat([k_nope, k_rope.expand(-1, H, dr)], dim=-1)
         if tree:
-            o = tree_attention(q, k, v, packed_seq_params.layout, self.scale, backend=cfg.tree_attention_backend,
-                               block_mask=packed_seq_params.block_mask)
+            psp = packed_seq_params
+            context_kv = None
+            if psp.consumer_index is not None:   # consumer: the producer's keys/values of the context rows
+                ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
+                context_kv = (ex["k"][ci.ctx], ex["v"][ci.ctx])
+            if psp.export_spec is not None:      # producer: record what the window's consumers read
+                exp_rows = psp.export_spec.rows.to(k.device)
+                psp.record_export(self.layer_number, {"k": k[exp_rows], "v": v[exp_rows]})
+            o = tree_attention(q, k, v, psp.layout, self.scale, backend=cfg.tree_attention_backend,
+                               block_mask=psp.block_mask, context_kv=context_kv)
         else:
             (qp, flat), (kp, _), (vp, _) = (sequences_view(t, s, b, packed_seq_params) for t in (q, k, v))
             op = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),

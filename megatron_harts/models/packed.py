@@ -16,17 +16,130 @@ Two modes, one model, same weights:
 
 Without any packed-sequence params the model runs the batched [s, b] form
 (each batch column one causal sequence), which is expanded mode too.
+
+Sharing windows (cross-microbatch): a *producer* layout built with
+``for_tree(producer, export=ExportSpec.for_consumers(producer, consumers, ...))``
+records, during its forward, per-layer exports in ``packed.exports`` (a
+:class:`WindowExports`, tensors still in the producer's autograd graph): for
+every producer row any consumer reads (``spec.rows``), MLA's keys and values,
+KDA's conv inputs (pre-conv q/k/v projections) and KDA core inputs (q, k, v,
+g, beta), and KDA's recurrent states after ``spec.state_rows``.  A *consumer*
+layout (subtrees whose ancestors are the producer's rows) runs with
+``for_tree(consumer, exports=...)``: MLA attends to the context rows' keys and
+values, the conv reads the context rows' inputs, KDA starts its subtree roots
+from the producer's boundary states and replays the producer's rows.  Pass
+``exports.detached()`` to every consumer of a window (shared leaves: export
+gradients accumulate), then ``exports.close(leaves)`` runs the one producer
+backward ("window close").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
 
 import torch
 
 from megatron.core.packed_seq_params import PackedSeqParams
 
 MODES = ("tree", "expanded")
+
+
+def _kda_consumer_schedule(layout, chunk_size: int, replay: bool, device=None):
+    from ..ops.tree_kda import build_kda_schedule, plan_subtree_calls
+    sp = plan_subtree_calls(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row, chunk_size,
+                            replay=replay)
+    return build_kda_schedule(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row, sp,
+                              device=device)
+
+
+@dataclass
+class ExportSpec:
+    """The producer rows a window's consumers read (``rows``, sorted, unique, producer row ids)
+    and the producer rows after which they need KDA states (``state_rows``, sorted, unique).
+
+    Invariant: every context row of every consumer is in ``rows`` (so are its replay rows);
+    every consumer's external KDA state is the state after one of ``state_rows``.
+    """
+    producer_rows: int
+    producer_forest_rows: torch.Tensor
+    rows: torch.Tensor
+    state_rows: np.ndarray
+    chunk_size: int
+    replay: bool
+
+    @classmethod
+    def for_consumers(cls, producer, consumers: Sequence, *, config=None, chunk_size: int = 64,
+                      replay: bool = True) -> "ExportSpec":
+        """The exports ``consumers`` (layouts built with ``context=producer``) need from ``producer``."""
+        from ..ops.tree_kda import consumer_kda_sources
+        if config is not None:
+            chunk_size = config.kda_chunk_size
+        if producer.num_context_rows:
+            raise ValueError("ExportSpec: the producer has context rows of its own (nested producers are not "
+                             "supported: a producer must hold whole trees)")
+        rows: List[np.ndarray] = []
+        states: List[np.ndarray] = []
+        pf = producer.forest_rows.cpu()
+        for i, c in enumerate(consumers):
+            if not c.num_context_rows:
+                raise ValueError(f"ExportSpec: consumer {i} has no context rows (it reads nothing from a producer)")
+            src = c.ctx_source_rows.cpu()
+            if not torch.equal(pf[src], c.ctx_forest_rows.cpu()):
+                raise ValueError(f"ExportSpec: consumer {i} was built against another producer layout")
+            sched = _kda_consumer_schedule(c, chunk_size, replay)
+            state_rows, _ = consumer_kda_sources(c, sched)
+            rows.append(src.numpy())
+            states.append(state_rows)
+        r = np.unique(np.concatenate(rows)) if rows else np.zeros(0, dtype=np.int64)
+        st = np.unique(np.concatenate(states)) if states else np.zeros(0, dtype=np.int64)
+        return cls(producer_rows=producer.num_rows, producer_forest_rows=pf, rows=torch.as_tensor(r),
+                   state_rows=st.astype(np.int64), chunk_size=int(chunk_size), replay=bool(replay))
+
+
+@dataclass
+class WindowExports:
+    """Per-layer exports of a producer run (``layers[layer_number][name]``), for ``spec``.
+
+    Tensors keep their autograd link to the producer's forward; ``detached()`` gives the
+    consumers' view (leaves whose gradients accumulate over every consumer of the window) and
+    ``close(leaves)`` back-propagates those accumulated gradients through the producer once.
+    """
+    spec: ExportSpec
+    layers: Dict[int, Dict[str, torch.Tensor]]
+
+    def detached(self) -> "WindowExports":
+        return WindowExports(self.spec, {n: {k: t.detach().requires_grad_(t.is_floating_point())
+                                             for k, t in d.items()} for n, d in self.layers.items()})
+
+    def close(self, leaves: "WindowExports", loss: Optional[torch.Tensor] = None,
+              retain_graph: bool = False) -> None:
+        """One producer backward from the gradients the consumers accumulated in ``leaves``
+        (plus, when given, the producer's own ``loss``)."""
+        outs, grads = ([loss], [torch.ones_like(loss)]) if loss is not None else ([], [])
+        for n, d in self.layers.items():
+            for k, t in d.items():
+                g = leaves.layers[n][k].grad
+                if g is not None and t.requires_grad:
+                    outs.append(t)
+                    grads.append(g)
+        if outs:
+            torch.autograd.backward(outs, grads, retain_graph=retain_graph)
+
+    def nbytes(self) -> int:
+        """Bytes held by the exported tensors (the window's retained export memory)."""
+        return sum(t.numel() * t.element_size() for d in self.layers.values() for t in d.values())
+
+
+@dataclass
+class ConsumerIndex:
+    """Where a consumer's reads sit in its producer's exports: ``ctx`` (each context row's
+    index in ``spec.rows``), ``replay`` (each KDA replay row's), ``state`` (each external KDA
+    state's index in ``spec.state_rows``)."""
+    ctx: torch.Tensor
+    replay: torch.Tensor
+    state: torch.Tensor
 
 
 @dataclass
@@ -45,6 +158,21 @@ class TreePackedSeqParams(PackedSeqParams):
     block_mask: Any = None                   # FlexAttention BlockMask (tree mode, flex backend)
     token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode)
     position_ids: Optional[torch.Tensor] = None  # [tokens] path depth (tree) / position in sequence
+    export_spec: Optional[ExportSpec] = None  # producer: what to record (tree mode)
+    exports: Optional[WindowExports] = None   # producer: filled by the forward; consumer: what to read
+    consumer_index: Optional[ConsumerIndex] = None  # consumer: where its reads sit in ``exports``
+
+    def record_export(self, layer_number: int, tensors: Dict[str, torch.Tensor]) -> None:
+        """Producer: keep one layer's exports (called by the layers during the forward)."""
+        self.exports.layers[int(layer_number)] = tensors
+
+    def layer_exports(self, layer_number: int) -> Dict[str, torch.Tensor]:
+        """Consumer: the producer's exports of one layer."""
+        d = self.exports.layers.get(int(layer_number))
+        if d is None:
+            raise ValueError(f"consumer: the producer's exports have no layer {layer_number} (was the producer "
+                             "run with the same model?)")
+        return d
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -62,38 +190,88 @@ class TreePackedSeqParams(PackedSeqParams):
 
     @classmethod
     def for_tree(cls, layout, *, config=None, chunk_size: int = 64, conv_kernel: int = 4, replay: bool = True,
-                 attention_backend: str = "sdpa", device=None) -> "TreePackedSeqParams":
+                 attention_backend: str = "sdpa", device=None, export: Optional[ExportSpec] = None,
+                 exports: Optional[WindowExports] = None) -> "TreePackedSeqParams":
         """All per-microbatch tree metadata for ``layout``, built once and shared by all layers.
 
         With ``config`` (a HybridConfig) the chunk size, conv kernel and attention backend are
         the model's (``kda_chunk_size``, ``linear_conv_kernel_dim``, ``tree_attention_backend``).
+        ``export``: this layout is a producer; its forward records ``self.exports``.
+        ``exports``: this layout is a consumer (it has context rows) reading them.
         """
         if config is not None:
             chunk_size = config.kda_chunk_size
             conv_kernel = config.linear_conv_kernel_dim
             attention_backend = config.tree_attention_backend
         from ..ops.path_conv import build_conv_taps
-        from ..ops.tree_kda import build_kda_schedule
+        from ..ops.tree_kda import build_kda_schedule, consumer_kda_sources
         from ..planner.calls import plan_calls
 
-        if layout.num_context_rows:
-            raise ValueError("TreePackedSeqParams.for_tree: layouts with context rows (cross-microbatch "
-                             "consumers) are not supported by the model yet")
         device = torch.device(device) if device is not None else layout.prev.device
         layout = layout.to(device)
-        plan = plan_calls(layout.seg_parent, layout.seg_start, layout.seg_length, chunk_size, replay=replay)
-        schedule = build_kda_schedule(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row,
-                                      plan, device=device)
-        taps = build_conv_taps(layout.prev, conv_kernel)
+        consumer_index = None
+        if layout.num_context_rows:
+            if exports is None:
+                raise ValueError("TreePackedSeqParams.for_tree: this layout has context rows (a consumer): pass "
+                                 "exports= (the producer's WindowExports)")
+            if export is not None:
+                raise ValueError("TreePackedSeqParams.for_tree: a consumer cannot also be a producer (nested "
+                                 "producers are not supported)")
+            spec = exports.spec
+            if (spec.chunk_size, spec.replay) != (int(chunk_size), bool(replay)):
+                raise ValueError(f"exports were made for chunk size {spec.chunk_size} and replay={spec.replay}, "
+                                 f"this consumer runs chunk size {chunk_size} and replay={replay}")
+            src = layout.ctx_source_rows.cpu()
+            if (src.numel() and int(src.max()) >= spec.producer_rows) or \
+                    not torch.equal(spec.producer_forest_rows[src], layout.ctx_forest_rows.cpu()):
+                raise ValueError("TreePackedSeqParams.for_tree: the consumer's context rows are not the rows of the "
+                                 "producer these exports come from")
+            schedule = _kda_consumer_schedule(layout, chunk_size, replay, device)
+            state_rows, replay_rows = consumer_kda_sources(layout, schedule)
+
+            def index(values, table, what):
+                table = np.asarray(table)
+                pos = np.searchsorted(table, values)
+                ok = (pos < table.size) & (table[np.minimum(pos, max(table.size - 1, 0))] == values) \
+                    if table.size else np.zeros(len(values), dtype=bool)
+                if not np.all(ok):
+                    raise ValueError(f"TreePackedSeqParams.for_tree: the producer's exports lack {what} this "
+                                     "consumer needs (ExportSpec.for_consumers was built without it)")
+                return torch.as_tensor(pos, dtype=torch.int64, device=device)
+
+            consumer_index = ConsumerIndex(ctx=index(src.numpy(), spec.rows.numpy(), "context rows"),
+                                           replay=index(replay_rows, spec.rows.numpy(), "replay rows"),
+                                           state=index(state_rows, spec.state_rows, "KDA states"))
+        else:
+            if exports is not None:
+                raise ValueError("TreePackedSeqParams.for_tree: exports= is for consumer layouts (with context "
+                                 "rows); this layout has none")
+            export_rows = None
+            if export is not None:
+                if export.producer_rows != layout.num_rows or \
+                        not torch.equal(export.producer_forest_rows, layout.forest_rows.cpu()):
+                    raise ValueError("TreePackedSeqParams.for_tree: export= was made for another producer layout")
+                if (export.chunk_size, export.replay) != (int(chunk_size), bool(replay)):
+                    raise ValueError(f"export= was made for chunk size {export.chunk_size} and replay="
+                                     f"{export.replay}, this producer runs {chunk_size} and replay={replay}")
+                export_rows = export.state_rows
+                exports = WindowExports(export, {})
+            plan = plan_calls(layout.seg_parent, layout.seg_start, layout.seg_length, chunk_size, replay=replay)
+            schedule = build_kda_schedule(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row,
+                                          plan, export_rows=export_rows, device=device)
+        taps = build_conv_taps(layout, conv_kernel)
         block_mask = None
         if attention_backend == "flex":
             from ..ops.tree_attention import build_tree_block_mask
-            block_mask = build_tree_block_mask(layout, device=device)
+            block_mask = build_tree_block_mask(
+                layout, context_visibility=layout.context_visibility if layout.num_context_rows else None,
+                device=device)
         R = layout.num_rows
         cu = torch.tensor([0, R], dtype=torch.int32, device=device)
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=R, max_seqlen_kv=R,
                    mode="tree", layout=layout, kda_schedule=schedule, conv_taps=taps, block_mask=block_mask,
-                   token_weight=layout.occurrence.to(torch.float64), position_ids=layout.position_ids)
+                   token_weight=layout.occurrence.to(torch.float64), position_ids=layout.position_ids,
+                   export_spec=export, exports=exports, consumer_index=consumer_index)
 
     @classmethod
     def for_sequences(cls, lengths, *, device=None) -> "TreePackedSeqParams":
