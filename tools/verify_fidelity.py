@@ -95,6 +95,9 @@ def main(argv=None) -> int:
     from megatron_harts.tree_data import build_forest, read_trajectories
 
     dtype = getattr(torch, args.dtype)
+    if args.hf_checkpoint is not None or args.oracle is not None:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
     hf_state = None
     if args.hf_checkpoint is not None:
         try:
