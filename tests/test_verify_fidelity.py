@@ -46,6 +46,21 @@ def test_synthetic_tree_equals_expanded_and_transformers(capsys, dtype, tol):
     assert report["loss_expanded"] != 0
 
 
+def test_input_file_with_weights_and_token_advantages(tmp_path, capsys):
+    """--input: shared prefixes, a per-token advantage, a weight, old log-probs (PPO-clip) and none."""
+    rows = [{"id": "a", "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9], "advantage": 0.5, "weight": 2.0},
+            {"id": "b", "tokens": [1, 2, 3, 4, 5, 9, 9, 2], "advantage": [0, 1, 2, 3, 4, 5, -1, -2]},
+            {"id": "c", "tokens": [1, 2, 3, 4, 5, 6, 30], "advantage": -1.0,
+             "old_logprobs": [0, -1, -2, -3, -1, -2, -0.5]}]
+    src = tmp_path / "t.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = verify(capsys, "--input", src, "--json")
+    report = json.loads(out)
+    assert code == 0, (report, err)
+    assert report["num_trajectories"] == 3 and report["rows"] == 13 and report["max_logprob_rel_diff"] <= 1e-10
+    assert report["oracle_max_logprob_abs_diff"] is None
+
+
 def _run(seed=0, n=12, e=3):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
