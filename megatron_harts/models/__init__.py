@@ -10,7 +10,13 @@ Public API:
   :class:`HybridRouter`, :class:`HybridTransformerLayer`, :func:`hybrid_block_spec`.
 - transformers conversion (hf_convert.py): :func:`hf_to_megatron`, :func:`megatron_to_hf`,
   :func:`load_hf_weights`, :func:`kimi_linear_hf_config`, :func:`hybrid_config_from_hf`,
-  :func:`shard_full_state` (TP/EP shards of a full state dict).
+  :func:`shard_full_state` (TP/EP shards of a full state dict); checkpoint files:
+  :func:`~.hf_convert.load_hf_checkpoint` / :func:`~.hf_convert.save_hf_checkpoint` (transformers
+  directories, stored dtypes kept), :func:`~.hf_convert.shard_for_tp` / :func:`~.hf_convert.merge_tp_shards`
+  (tools/convert_hf_checkpoint.py).
+- fidelity.py: tree vs expanded (and transformers) comparison behind tools/verify_fidelity.py.
+- cpu_runtime.py: :func:`~.cpu_runtime.megatron_cpu_runtime`, a single-process megatron-core world on
+  CPU as an explicit context manager (tools and the test shim; nothing is applied at import).
 
 Call ``megatron_harts.patches.apply()`` before building (megatron-core 0.16.1 without TE).
 
