@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_harts.patches as patches
 from megatron_harts.models.hf_convert import kimi_linear_hf_config, shard_full_state
@@ -19,6 +18,7 @@ from megatron_harts.models.model import build_hybrid_model
 
 from hybrid_tiny import VOCAB, tiny_config
 from megatron_cpu import free_port, megatron_cpu
+from multiproc import run_ranks
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,8 +131,7 @@ def test_round_trip_bitwise_and_tp2_shards(hf_dir, tmp_path, capsys):
         code, _, err = convert(capsys, "--direction", "megatron-to-hf", "--input", src, "--output", back)
         assert code == 0, err
         _assert_same_checkpoint(hf_dir, back)
-    mp.spawn(_shard_worker, args=(2, free_port(), {"tp1": str(tp1), "tp2": str(tp2)}, str(tmp_path)), nprocs=2,
-             join=True)
+    run_ranks(_shard_worker, 2, (free_port(), {"tp1": str(tp1), "tp2": str(tp2)}, str(tmp_path)))
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["same_keys"] and r["equal"] and r["tp_size"] == 2, r
