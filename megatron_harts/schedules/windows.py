@@ -1,0 +1,160 @@
+"""Sharing windows on pipeline size 1: producers, consumers, window close.
+
+``forward_backward_windows`` has megatron-core's schedule signature
+(``forward_backward_no_pipelining``'s keywords) and runs one step of microbatches some of which
+form sharing windows (shared/DESIGN.md: producer / consumer / sharing window):
+
+- a *producer* (a microbatch that some later microbatch names as its producer) runs its
+  forward with per-layer exports recorded (``TreePackedSeqParams.for_tree(export=...)``); its
+  loss and graph stay alive, its backward is deferred;
+- each *consumer* runs forward and backward at once, reading the producer's exports through
+  detached leaves shared by all consumers of the window, so the export gradients accumulate;
+- after the window's last consumer the window *closes*: one backward through the producer,
+  from its own loss and the accumulated export gradients; its exports are freed.
+
+Plain microbatches (no window) run forward+backward at once.  The parameter gradients of the
+step are those of running every microbatch with its shared prefix recomputed (and so, with
+the tree path, those of expanded training): tests/test_windows_schedule.py pins both.
+
+Microbatches are :class:`WindowedMicrobatch` items (a layout of whole trees or of whole
+subtrees, the mask of the targets it owns, and its producer's position in the step); the data
+iterator yields them in execution order, producers before their consumers.
+``forward_step_func(data_iterator, model)`` is called once per microbatch with an iterator
+yielding ``(microbatch, packed_seq_params)`` and returns ``(output, loss_func)``;
+``loss_func(output)`` returns ``(loss, stats)`` or ``(loss, num_tokens, stats)`` as in
+megatron.  Peak retained export memory (bytes of live exports, maximum over the step) is
+reported in ``window_stats`` when a dict is passed.
+
+Limits (refused with ValueError): pipeline size > 1 (consumer 1F1B is a separate schedule),
+model chunks (virtual pipeline), a consumer before its producer, a producer that is itself a
+consumer (nested producers).  Gradient reduction across data-parallel replicas stays the
+caller's (``finalize_model_grads``), as with megatron's schedules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from ..models.packed import ExportSpec, TreePackedSeqParams
+
+__all__ = ["WindowedMicrobatch", "forward_backward_windows"]
+
+
+@dataclass
+class WindowedMicrobatch:
+    """One microbatch of a windowed step.
+
+    ``layout``: its rows (whole trees, or whole subtrees built with ``context=`` the producer's
+    layout); ``owned``: bool [num_targets] mask of the targets whose loss this microbatch
+    carries (None: all; a producer leaves its consumers' targets unowned when its layout holds
+    their rows too); ``producer``: position in the step of the producer whose exports it reads
+    (None: not a consumer); ``replay``: KDA replay (the tree path's default).
+    """
+    layout: Any
+    owned: Optional[torch.Tensor] = None
+    producer: Optional[int] = None
+    replay: bool = True
+
+
+def _loss_of(loss_func: Callable, output):
+    out = loss_func(output)
+    if not isinstance(out, tuple) or len(out) not in (2, 3):
+        raise ValueError("loss_func must return (loss, stats) or (loss, num_tokens, stats)")
+    return out[0], out[-1]
+
+
+def _model_config(model):
+    cfg = getattr(model, "config", None)
+    if cfg is None and hasattr(model, "module"):
+        cfg = getattr(model.module, "config", None)
+    if cfg is None:
+        raise ValueError("forward_backward_windows: the model has no config (a HybridModel is expected)")
+    return cfg
+
+
+def forward_backward_windows(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                             seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                             decoder_seq_length: Optional[int] = None, forward_only: bool = False,
+                             collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None,
+                             adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
+                             force_all_reduce: Optional[bool] = False,
+                             window_stats: Optional[Dict[str, Any]] = None) -> List[Any]:
+    """Run ``num_microbatches`` windowed microbatches (see the module docstring).
+
+    Returns the per-microbatch ``stats`` of ``loss_func``, in execution order (megatron's
+    ``forward_data_store``).  ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``,
+    ``first_val_step``, ``adjust_tensor_shapes_fn``, ``p2p_communicator``,
+    ``force_all_reduce`` are accepted for signature compatibility and unused, as in
+    megatron's ``forward_backward_no_pipelining``.
+    """
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError("forward_backward_windows: model chunks (virtual pipeline) are not supported")
+        model = model[0]
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != 1:
+            raise ValueError("forward_backward_windows: one data iterator expected")
+        data_iterator = data_iterator[0]
+    if collect_non_loss_data:
+        raise ValueError("forward_backward_windows: collect_non_loss_data is not supported")
+    pp = pg_collection.pp.size() if pg_collection is not None and getattr(pg_collection, "pp", None) is not None \
+        else getattr(_model_config(model), "pipeline_model_parallel_size", 1)
+    if pp != 1:
+        raise ValueError(f"forward_backward_windows runs pipeline size 1, got {pp}")
+    cfg = _model_config(model)
+    mbs: List[WindowedMicrobatch] = [next(data_iterator) for _ in range(int(num_microbatches))]
+    consumers_of: Dict[int, List[int]] = {}
+    for i, mb in enumerate(mbs):
+        if not isinstance(mb, WindowedMicrobatch):
+            raise ValueError(f"microbatch {i}: expected a WindowedMicrobatch, got {type(mb).__name__}")
+        if mb.producer is not None:
+            p = int(mb.producer)
+            if not 0 <= p < i:
+                raise ValueError(f"microbatch {i}: its producer {p} must run before it in the step")
+            if mbs[p].producer is not None:
+                raise ValueError(f"microbatch {i}: its producer {p} is itself a consumer (nested producers are "
+                                 "not supported)")
+            consumers_of.setdefault(p, []).append(i)
+    last_consumer = {p: cs[-1] for p, cs in consumers_of.items()}
+
+    open_windows: Dict[int, dict] = {}
+    live_bytes, peak_bytes = 0, 0
+    store: List[Any] = []
+
+    def run(i: int, mb: WindowedMicrobatch, psp):
+        output, loss_func = forward_step_func(iter([(mb, psp)]), model)
+        loss, stats = _loss_of(loss_func, output)
+        store.append(stats)
+        return loss
+
+    for i, mb in enumerate(mbs):
+        if i in consumers_of:                       # producer: forward, exports kept, backward deferred
+            spec = ExportSpec.for_consumers(mb.layout, [mbs[c].layout for c in consumers_of[i]], config=cfg,
+                                            replay=mb.replay)
+            psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, export=spec, replay=mb.replay)
+            loss = run(i, mb, psp)
+            leaves = psp.exports.detached()
+            nbytes = psp.exports.nbytes()
+            open_windows[i] = {"loss": loss, "exports": psp.exports, "leaves": leaves, "bytes": nbytes}
+            live_bytes += nbytes
+            peak_bytes = max(peak_bytes, live_bytes)
+            continue
+        if mb.producer is not None:                 # consumer: reads the window's shared leaves
+            w = open_windows[int(mb.producer)]
+            psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, exports=w["leaves"], replay=mb.replay)
+        else:
+            psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, replay=mb.replay)
+        loss = run(i, mb, psp)
+        if not forward_only:
+            loss.backward()
+        if mb.producer is not None and last_consumer[int(mb.producer)] == i:   # window close
+            w = open_windows.pop(int(mb.producer))
+            if not forward_only:
+                w["exports"].close(w["leaves"], loss=w["loss"])
+            live_bytes -= w["bytes"]
+    if window_stats is not None:
+        window_stats["peak_export_bytes"] = peak_bytes
+        window_stats["windows"] = len(consumers_of)
+    return store
