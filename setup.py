@@ -9,6 +9,8 @@ with pybind11.  Dependencies and why each is here:
   build torch==2.13.0 before this package).
 - megatron-core==0.16.1: the model building blocks and parallel state; the last
   release that runs on Python 3.11 (shared/DESIGN.md).
+- psutil: megatron-core's dist-checkpoint writer imports it (not declared by
+  megatron-core); tools/convert_hf_checkpoint.py --format dist needs it.
 - extra "gpu": fla-core==0.6.0, KDA Triton kernels; imported lazily on GPU only.
 - extra "test": pytest, hypothesis (property tests), transformers>=5.6 (the
   Kimi-Linear oracle of invariant 4).
@@ -51,6 +53,7 @@ setup(
         "pyarrow>=14",
         "torch>=2.6",
         "megatron-core==0.16.1",
+        "psutil>=5.9",
     ],
     extras_require={
         "gpu": ["fla-core==0.6.0"],

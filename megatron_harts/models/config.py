@@ -41,6 +41,8 @@ class HybridConfig(TransformerConfig):
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
     mla_rope: bool = False            # False: NoPE (Kimi-Linear); True: RoPE on the rope dims
+    mla_latent_norm_eps: float = 1e-6  # RMSNorm eps of the q/kv latents: Kimi-Linear fixes it at 1e-6,
+                                       # whatever rms_norm_eps (layernorm_epsilon) says
     mla_rotary_base: float = 10000.0
     tree_attention_backend: str = "sdpa"
     # patterns
