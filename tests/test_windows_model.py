@@ -64,6 +64,11 @@ def _window(model, forest, cfg, consumer_roots, coef_of, replay=True):
     producer = build_layout(forest)
     consumers = [build_layout(forest, roots=r, context=producer) for r in consumer_roots]
     spec = ExportSpec.for_consumers(producer, consumers, config=cfg, replay=replay)
+    # KDA exports only what is read: conv inputs within the conv's reach, replay rows (< B per root)
+    n_roots = sum(len(r) for r in consumer_roots)
+    assert 0 < spec.conv_rows.numel() <= (cfg.linear_conv_kernel_dim - 1) * n_roots
+    assert spec.replay_rows.numel() <= (cfg.kda_chunk_size - 1) * n_roots
+    assert set(spec.conv_rows.tolist()) <= set(spec.rows.tolist()) >= set(spec.replay_rows.tolist())
     psp = TreePackedSeqParams.for_tree(producer, config=cfg, export=spec, replay=replay)
     lp_p = _logprobs(model, producer, psp)
     taken = np.concatenate([c.forest_rows.numpy() for c in consumers])

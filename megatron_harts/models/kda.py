@@ -189,7 +189,9 @@ class KimiDeltaAttention(MegatronModule):
             else:   # consumer: the conv reads the producer's inputs of the context rows
                 ex = packed_seq_params.layer_exports(self.layer_number)
                 lay = packed_seq_params.layout
-                q, k, v = (path_conv(t, w, None, lay, activation="silu", taps=taps, context=ex[n][ci.ctx])
+                Rc = lay.num_context_rows
+                q, k, v = (path_conv(t, w, None, lay, activation="silu", taps=taps,
+                                     context=ci.conv_context(ex[n], Rc))
                            for t, w, n in ((q, wq, "conv_q"), (k, wk, "conv_k"), (v, wv, "conv_v")))
         else:
             flat = None
@@ -215,9 +217,10 @@ class KimiDeltaAttention(MegatronModule):
             if psp.export_spec is not None:   # producer: record what the window's consumers read
                 o, states = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=self.config.kda_backend,
                                      return_exports=True)
-                exp_rows = psp.export_spec.rows.to(q.device)
-                rec = {n: t[exp_rows] for n, t in pre.items()}
-                rec.update({n: t[exp_rows] for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))})
+                conv_rows = psp.export_spec.conv_rows.to(q.device)
+                replay_rows = psp.export_spec.replay_rows.to(q.device)
+                rec = {n: t[conv_rows] for n, t in pre.items()}
+                rec.update({n: t[replay_rows] for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))})
                 rec["states"] = states
                 psp.record_export(self.layer_number, rec)
             else:

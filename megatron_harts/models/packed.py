@@ -21,9 +21,11 @@ Sharing windows (cross-microbatch): a *producer* layout built with
 ``for_tree(producer, export=ExportSpec.for_consumers(producer, consumers, ...))``
 records, during its forward, per-layer exports in ``packed.exports`` (a
 :class:`WindowExports`, tensors still in the producer's autograd graph): for
-every producer row any consumer reads (``spec.rows``), MLA's keys and values,
-KDA's conv inputs (pre-conv q/k/v projections) and KDA core inputs (q, k, v,
-g, beta), and KDA's recurrent states after ``spec.state_rows``.  A *consumer*
+MLA's keys and values of every context row of a consumer (``spec.rows``), KDA's
+conv inputs (pre-conv q/k/v projections) of the context rows within a consumer
+row's conv reach (``spec.conv_rows``), KDA's core inputs (q, k, v, g, beta) of
+the replay rows (``spec.replay_rows``) and KDA's recurrent states after
+``spec.state_rows``.  A *consumer*
 layout (subtrees whose ancestors are the producer's rows) runs with
 ``for_tree(consumer, exports=...)``: MLA attends to the context rows' keys and
 values, the conv reads the context rows' inputs, KDA starts its subtree roots
@@ -46,6 +48,15 @@ from megatron.core.packed_seq_params import PackedSeqParams
 MODES = ("tree", "expanded")
 
 
+def _conv_reach(layout, conv_kernel: int) -> torch.Tensor:
+    """Context rows (sorted indices) that some row's conv taps reach."""
+    from ..ops.path_conv import build_conv_taps
+    taps = build_conv_taps(layout, conv_kernel).cpu()
+    R = layout.num_rows
+    hit = taps[(taps >= R) & (taps < R + layout.num_context_rows)] - R
+    return torch.unique(hit)
+
+
 def _kda_consumer_schedule(layout, chunk_size: int, replay: bool, device=None):
     from ..ops.tree_kda import build_kda_schedule, plan_subtree_calls
     sp = plan_subtree_calls(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row, chunk_size,
@@ -56,30 +67,37 @@ def _kda_consumer_schedule(layout, chunk_size: int, replay: bool, device=None):
 
 @dataclass
 class ExportSpec:
-    """The producer rows a window's consumers read (``rows``, sorted, unique, producer row ids)
-    and the producer rows after which they need KDA states (``state_rows``, sorted, unique).
+    """The producer rows a window's consumers read (sorted, unique producer row ids).
 
-    Invariant: every context row of every consumer is in ``rows`` (so are its replay rows);
-    every consumer's external KDA state is the state after one of ``state_rows``.
+    Invariants: every context row of every consumer is in ``rows`` (MLA keys/values); every
+    context row some consumer row's conv taps reach is in ``conv_rows``; every KDA replay row
+    is in ``replay_rows``; every consumer's external KDA state is the state after one of
+    ``state_rows``.
     """
     producer_rows: int
     producer_forest_rows: torch.Tensor
     rows: torch.Tensor
+    conv_rows: torch.Tensor
+    replay_rows: torch.Tensor
     state_rows: np.ndarray
     chunk_size: int
     replay: bool
+    conv_kernel: int
 
     @classmethod
     def for_consumers(cls, producer, consumers: Sequence, *, config=None, chunk_size: int = 64,
-                      replay: bool = True) -> "ExportSpec":
+                      conv_kernel: int = 4, replay: bool = True) -> "ExportSpec":
         """The exports ``consumers`` (layouts built with ``context=producer``) need from ``producer``."""
         from ..ops.tree_kda import consumer_kda_sources
         if config is not None:
             chunk_size = config.kda_chunk_size
+            conv_kernel = config.linear_conv_kernel_dim
         if producer.num_context_rows:
             raise ValueError("ExportSpec: the producer has context rows of its own (nested producers are not "
                              "supported: a producer must hold whole trees)")
         rows: List[np.ndarray] = []
+        conv: List[np.ndarray] = []
+        replays: List[np.ndarray] = []
         states: List[np.ndarray] = []
         pf = producer.forest_rows.cpu()
         for i, c in enumerate(consumers):
@@ -89,13 +107,18 @@ class ExportSpec:
             if not torch.equal(pf[src], c.ctx_forest_rows.cpu()):
                 raise ValueError(f"ExportSpec: consumer {i} was built against another producer layout")
             sched = _kda_consumer_schedule(c, chunk_size, replay)
-            state_rows, _ = consumer_kda_sources(c, sched)
+            state_rows, replay_rows = consumer_kda_sources(c, sched)
             rows.append(src.numpy())
+            conv.append(src.numpy()[_conv_reach(c, conv_kernel).numpy()])
+            replays.append(replay_rows)
             states.append(state_rows)
-        r = np.unique(np.concatenate(rows)) if rows else np.zeros(0, dtype=np.int64)
-        st = np.unique(np.concatenate(states)) if states else np.zeros(0, dtype=np.int64)
-        return cls(producer_rows=producer.num_rows, producer_forest_rows=pf, rows=torch.as_tensor(r),
-                   state_rows=st.astype(np.int64), chunk_size=int(chunk_size), replay=bool(replay))
+
+        def union(parts):
+            return np.unique(np.concatenate(parts)).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+        return cls(producer_rows=producer.num_rows, producer_forest_rows=pf, rows=torch.as_tensor(union(rows)),
+                   conv_rows=torch.as_tensor(union(conv)), replay_rows=torch.as_tensor(union(replays)),
+                   state_rows=union(states), chunk_size=int(chunk_size), replay=bool(replay),
+                   conv_kernel=int(conv_kernel))
 
 
 @dataclass
@@ -135,11 +158,20 @@ class WindowExports:
 @dataclass
 class ConsumerIndex:
     """Where a consumer's reads sit in its producer's exports: ``ctx`` (each context row's
-    index in ``spec.rows``), ``replay`` (each KDA replay row's), ``state`` (each external KDA
-    state's index in ``spec.state_rows``)."""
+    index in ``spec.rows``), ``conv_ctx`` (the context rows its conv reaches) and ``conv`` (their
+    indices in ``spec.conv_rows``), ``replay`` (each KDA replay row's index in
+    ``spec.replay_rows``), ``state`` (each external KDA state's index in ``spec.state_rows``)."""
     ctx: torch.Tensor
+    conv_ctx: torch.Tensor
+    conv: torch.Tensor
     replay: torch.Tensor
     state: torch.Tensor
+
+    def conv_context(self, exported: torch.Tensor, num_context_rows: int) -> torch.Tensor:
+        """The conv input of every context row [Rc, C]: exported where the conv reaches, 0 elsewhere
+        (never read)."""
+        out = exported.new_zeros(num_context_rows, exported.shape[-1])
+        return out.index_copy(0, self.conv_ctx, exported[self.conv])
 
 
 @dataclass
@@ -218,9 +250,10 @@ class TreePackedSeqParams(PackedSeqParams):
                 raise ValueError("TreePackedSeqParams.for_tree: a consumer cannot also be a producer (nested "
                                  "producers are not supported)")
             spec = exports.spec
-            if (spec.chunk_size, spec.replay) != (int(chunk_size), bool(replay)):
-                raise ValueError(f"exports were made for chunk size {spec.chunk_size} and replay={spec.replay}, "
-                                 f"this consumer runs chunk size {chunk_size} and replay={replay}")
+            if (spec.chunk_size, spec.replay, spec.conv_kernel) != (int(chunk_size), bool(replay), int(conv_kernel)):
+                raise ValueError(f"exports were made for chunk size {spec.chunk_size}, replay={spec.replay}, conv "
+                                 f"kernel {spec.conv_kernel}; this consumer runs chunk size {chunk_size}, "
+                                 f"replay={replay}, conv kernel {conv_kernel}")
             src = layout.ctx_source_rows.cpu()
             if (src.numel() and int(src.max()) >= spec.producer_rows) or \
                     not torch.equal(spec.producer_forest_rows[src], layout.ctx_forest_rows.cpu()):
@@ -239,8 +272,12 @@ class TreePackedSeqParams(PackedSeqParams):
                                      "consumer needs (ExportSpec.for_consumers was built without it)")
                 return torch.as_tensor(pos, dtype=torch.int64, device=device)
 
+            reach = _conv_reach(layout, conv_kernel)
             consumer_index = ConsumerIndex(ctx=index(src.numpy(), spec.rows.numpy(), "context rows"),
-                                           replay=index(replay_rows, spec.rows.numpy(), "replay rows"),
+                                           conv_ctx=reach.to(device),
+                                           conv=index(src.numpy()[reach.numpy()], spec.conv_rows.numpy(),
+                                                      "conv context rows"),
+                                           replay=index(replay_rows, spec.replay_rows.numpy(), "replay rows"),
                                            state=index(state_rows, spec.state_rows, "KDA states"))
         else:
             if exports is not None:
@@ -251,9 +288,11 @@ class TreePackedSeqParams(PackedSeqParams):
                 if export.producer_rows != layout.num_rows or \
                         not torch.equal(export.producer_forest_rows, layout.forest_rows.cpu()):
                     raise ValueError("TreePackedSeqParams.for_tree: export= was made for another producer layout")
-                if (export.chunk_size, export.replay) != (int(chunk_size), bool(replay)):
-                    raise ValueError(f"export= was made for chunk size {export.chunk_size} and replay="
-                                     f"{export.replay}, this producer runs {chunk_size} and replay={replay}")
+                if (export.chunk_size, export.replay, export.conv_kernel) != \
+                        (int(chunk_size), bool(replay), int(conv_kernel)):
+                    raise ValueError(f"export= was made for chunk size {export.chunk_size}, replay={export.replay}, "
+                                     f"conv kernel {export.conv_kernel}; this producer runs {chunk_size}, "
+                                     f"replay={replay}, conv kernel {conv_kernel}")
                 export_rows = export.state_rows
                 exports = WindowExports(export, {})
             plan = plan_calls(layout.seg_parent, layout.seg_start, layout.seg_length, chunk_size, replay=replay)
