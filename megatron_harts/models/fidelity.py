@@ -288,14 +288,18 @@ def oracle_logprobs(model, config, vocab_size: int, forest, layout, dtype: torch
     missing, unexpected = hf.load_state_dict(megatron_to_hf(state, config), strict=False, assign=True)
     if missing or unexpected:
         raise RuntimeError(f"oracle weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    hf = hf.to(dtype).eval()
+    # on the model's device: with fla installed, transformers runs its Triton kernels, which need CUDA tensors
+    device = next(model.parameters()).device
+    hf = hf.to(device=device, dtype=dtype).eval()
+    target_traj, target_pos, target_tok = (x.cpu() for x in (layout.target_traj, layout.target_position,
+                                                              layout.target_token))
     out = torch.empty(layout.num_targets, dtype=torch.float64)
     with torch.no_grad():
         for t, tid in enumerate(layout.traj_ids):
-            sel = torch.nonzero(layout.target_traj == t)[:, 0]
+            sel = torch.nonzero(target_traj == t)[:, 0]
             if sel.numel() == 0:
                 continue
-            ids = torch.as_tensor(np.asarray(forest.expand(tid).tokens))[None]
-            logp = hf(ids).logits[0].double().log_softmax(-1)
-            out[sel] = logp[layout.target_position[sel] - 1, layout.target_token[sel]]
+            ids = torch.as_tensor(np.asarray(forest.expand(tid).tokens), device=device)[None]
+            logp = hf(ids).logits[0].double().log_softmax(-1).cpu()
+            out[sel] = logp[target_pos[sel] - 1, target_tok[sel]]
     return out
