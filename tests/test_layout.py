@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_harts.layout import (CompactLayout, Visibility, build_layout, scatter_targets_to_expanded,
+from megatron_harts.layout import (Visibility, build_layout, scatter_targets_to_expanded,
                                    scatter_to_expanded, scatter_to_expanded_padded)
 from megatron_harts.tree_data import build_forest, make_trajectory
 from test_forest import trajectory_sets

@@ -1,26 +1,15 @@
 """Expanded mode == transformers' KimiLinearForCausalLM per trajectory (DESIGN invariant 4), and the
 weight mapping both ways."""
-import numpy as np
 import pytest
 import torch
 
-import megatron_harts.patches as patches
 from megatron_harts.models.hf_convert import (hf_to_megatron, hybrid_config_from_hf, kimi_linear_hf_config,
                                               load_hf_weights, megatron_to_hf)
 from megatron_harts.models.model import build_hybrid_model
 
 from hybrid_tiny import VOCAB, expanded_inputs, randomize_, tiny_config, tiny_forest, tree_inputs
-from megatron_cpu import megatron_cpu
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def cpu_world():
-    patches.apply()
-    with megatron_cpu():
-        yield
-    patches.undo()
 
 
 def _state(model):

@@ -8,19 +8,9 @@ recomputation; plus the configurations the tree path refuses.
 import pytest
 import torch
 
-import megatron_harts.patches as patches
 from megatron_harts.models.model import build_hybrid_model
 
 from hybrid_tiny import VOCAB, expanded_inputs, random_forest, randomize_, tiny_config, tiny_forest, tree_inputs
-from megatron_cpu import megatron_cpu
-
-
-@pytest.fixture(scope="module")
-def cpu_world():
-    patches.apply()
-    with megatron_cpu():
-        yield
-    patches.undo()
 
 
 _CACHE = {}

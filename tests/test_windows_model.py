@@ -11,21 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-import megatron_harts.patches as patches
 from megatron_harts.layout import build_layout
 from megatron_harts.models.model import build_hybrid_model
 from megatron_harts.models.packed import ExportSpec, TreePackedSeqParams
 
 from hybrid_tiny import VOCAB, random_forest, randomize_, tiny_config, tiny_forest
-from megatron_cpu import megatron_cpu
-
-
-@pytest.fixture(scope="module")
-def cpu_world():
-    patches.apply()
-    with megatron_cpu():
-        yield
-    patches.undo()
 
 
 def _config(**kw):

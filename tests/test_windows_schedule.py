@@ -6,22 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-import megatron_harts.patches as patches
 from megatron_harts.layout import build_layout
 from megatron_harts.models.model import build_hybrid_model
 from megatron_harts.models.packed import TreePackedSeqParams
 from megatron_harts.schedules.windows import WindowedMicrobatch, forward_backward_windows
 
 from hybrid_tiny import VOCAB, randomize_, tiny_config, tiny_forest
-from megatron_cpu import megatron_cpu
-
-
-@pytest.fixture(scope="module")
-def cpu_world():
-    patches.apply()
-    with megatron_cpu():
-        yield
-    patches.undo()
 
 
 def coef_of(key):
