@@ -205,8 +205,8 @@ def _flex(q, k, v, block_mask, scale, gqa: bool, kernel_options=None):
     global _COMPILED_FLEX
     if q.device.type == "cpu":
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            raise NotImplementedError("backend='flex': torch's FlexAttention has no backward on CPU; "
-                                      "use backend='sdpa' or 'reference' there")
+            raise ValueError("backend='flex': torch's FlexAttention has no backward on CPU; "
+                         "use backend='sdpa' or 'reference' there")
         with warnings.catch_warnings():
             # eager CPU flex materializes the scores: expected here, CPU is for tests only
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
