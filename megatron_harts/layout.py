@@ -1,8 +1,10 @@
 """Compact microbatch layout: the rows of a set of (sub)trees, each unique prefix token once.
 
 A :class:`CompactLayout` is what the model and the ops consume for one microbatch.  It is
-built by :func:`build_layout` from whole trees of a :class:`~megatron_harts.tree_data.Forest`
-or from whole subtrees whose ancestor rows live in another (producer) layout.
+built by :func:`build_layout` from whole trees of a :class:`~megatron_harts.tree_data.Forest`,
+from whole subtrees whose ancestor rows live in another (producer) layout, or from a
+microbatch's computed segment set (``segments=``, ``owned=``: a set closed under "the parent is
+in the set or is context"; only owned segments carry targets).
 
 Invariants (tests pin every one of them against per-trajectory, "expanded", computation):
 
@@ -22,7 +24,9 @@ Invariants (tests pin every one of them against per-trajectory, "expanded", comp
   ``position_ids[r] + 1`` has loss mask 1 in t.  The token may differ between trajectories at a
   fork row.  Targets are sorted by (row, token, trajectory).  A trajectory that ends at r has
   no target there.  The target predicting a subtree root's first token sits on a context row,
-  so it belongs to the producer layout, not to this one.
+  so it belongs to the producer layout, not to this one.  A ``segments=`` layout keeps only the
+  targets whose row lies in an owned segment, including those that the last row of a segment
+  predicts for a trajectory continuing into a child outside the layout.
 - ``target_weight`` is the trajectory's ``weight`` (1.0 when absent); it is a per-trajectory
   factor only: any per-token normalisation is the RL objective's job.  ``target_old_logprob``
   is the trajectory's old log-prob of the target token (NaN when the trajectory has none).
@@ -32,7 +36,8 @@ Invariants (tests pin every one of them against per-trajectory, "expanded", comp
   ``target_pair[i]`` is the pair of target i (non-decreasing).
 - Trajectory table: ``traj_rows[traj_row_offsets[t]:traj_row_offsets[t+1]]`` are the rows of
   trajectory t's positions ``traj_start[t] ... traj_length[t]-1`` (``traj_start`` = 0 for whole
-  trees; for a subtree layout the positions before it are context rows).
+  trees; for a subtree layout the positions before it are context rows).  For a ``segments=``
+  layout the run stops where the trajectory's path leaves the set (it never re-enters).
 - Segment table (layout-local, int64 numpy, the KDA call planner's input): segments in DFS
   preorder, ``seg_parent[s] < s`` (-1 at a root of the layout), ``seg_start`` = true path
   position, ``seg_row`` = first layout row; rows are segment after segment.
@@ -280,12 +285,14 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
 
 
-def _int_list(values, name: str, upper: int) -> np.ndarray:
+def _int_list(values, name: str, upper: int, allow_empty: bool = False) -> np.ndarray:
     """Validated sorted unique int64 indices in [0, upper) (ValueError naming ``name``)."""
     try:
         arr = np.asarray(list(values))
     except TypeError:
         raise ValueError(f"{name} must be a sequence of integers, got {type(values).__name__}") from None
+    if arr.size == 0 and allow_empty:
+        return np.zeros(0, dtype=np.int64)
     if arr.size == 0:
         raise ValueError(f"{name} is empty: a layout needs at least one tree")
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
@@ -322,8 +329,11 @@ def _local_subtree_ends(parent: np.ndarray) -> np.ndarray:
 
 
 def _overlay(flat: np.ndarray, exc, traj_local: np.ndarray, flat_offsets: np.ndarray,
-             traj_start: np.ndarray) -> np.ndarray:
-    """Apply per-(forest trajectory, position) exceptions onto expanded flat values."""
+             traj_start: np.ndarray, flat_lengths: Optional[np.ndarray] = None) -> np.ndarray:
+    """Apply per-(forest trajectory, position) exceptions onto expanded flat values.
+
+    Trajectory t's flat values are its positions ``traj_start[t] ...``: all the rest of its
+    path, or ``flat_lengths[t]`` of them when given."""
     if exc.traj.shape[0] == 0 or traj_local.shape[0] == 0:
         return flat
     # exceptions are sorted by trajectory: keep those of our trajectories
@@ -333,6 +343,8 @@ def _overlay(flat: np.ndarray, exc, traj_local: np.ndarray, flat_offsets: np.nda
     t = idx_c[ours]
     pos = exc.pos[ours]
     keep = pos >= traj_start[t]
+    if flat_lengths is not None:
+        keep &= pos < traj_start[t] + flat_lengths[t]
     t, pos = t[keep], pos[keep]
     out = flat.copy()
     out[flat_offsets[t] + pos - traj_start[t]] = exc.value[ours][keep]
@@ -341,22 +353,51 @@ def _overlay(flat: np.ndarray, exc, traj_local: np.ndarray, flat_offsets: np.nda
 
 def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
                  roots: Optional[Sequence[int]] = None,
-                 context: Optional[CompactLayout] = None) -> CompactLayout:
-    """The compact layout of whole trees, or of whole subtrees, of ``forest``.
+                 context: Optional[CompactLayout] = None,
+                 segments: Optional[Sequence[int]] = None,
+                 owned: Optional[Sequence[int]] = None) -> CompactLayout:
+    """The compact layout of whole trees, of whole subtrees, or of a computed segment set.
 
     - ``trees``: tree indices (default: all trees).
     - ``roots``: forest segment ids instead: the layout holds each one's whole subtree.  They
       must not be nested.  A root that is not a tree root has ancestors: their rows are the
       layout's context rows, which must live in ``context``, the producer layout (a layout
       of the same forest holding those rows as its own rows).
+    - ``segments``: forest segment ids instead: the layout holds exactly these segments (a
+      microbatch's computed set, e.g. ``Microbatch.computed``).  A segment whose parent is not
+      in the set is a layout root; all its ancestors are context rows (from ``context``), so
+      none of them may be in the set (a computed segment above external context is refused).
+      ``owned`` (default: all of ``segments``) are the segments whose rows carry targets: a
+      target belongs to the segment of the row that predicts it, and the last row of an owned
+      segment also predicts the next token of trajectories that leave the set there.  The other
+      segments (recomputed) contribute rows, keys, KDA and conv context, but no targets.
+      Trajectories are those through the layout roots; ``traj_rows`` holds the run of their
+      positions held here (``traj_start`` ... up to where the path leaves the set).
     Either way the layout's rows are in forest order, whatever order the ids are given in.
     """
     if not isinstance(forest, Forest):
         raise ValueError(f"forest must be a Forest, got {type(forest).__name__}")
-    if trees is not None and roots is not None:
-        raise ValueError("trees and roots: pass one of them, not both")
+    if sum(x is not None for x in (trees, roots, segments)) > 1:
+        given = " and ".join(n for n, x in (("trees", trees), ("roots", roots), ("segments", segments))
+                             if x is not None)
+        raise ValueError(f"{given}: pass one of trees, roots, segments, not several")
+    if owned is not None and segments is None:
+        raise ValueError("owned applies to a segments= layout only")
     S_f = forest.num_segments
-    if roots is None:
+    owned_f = None
+    if segments is not None:
+        seg_f = _int_list(segments, "segments", S_f)
+        owned_f = seg_f if owned is None else _int_list(owned, "owned", S_f, allow_empty=True)
+        if not np.isin(owned_f, seg_f).all():
+            bad = int(owned_f[~np.isin(owned_f, seg_f)][0])
+            raise ValueError(f"owned: segment {bad} is not in segments")
+        fpar = forest.seg_parent[seg_f]
+        lpar = np.searchsorted(seg_f, fpar)
+        lpar_c = np.minimum(lpar, seg_f.shape[0] - 1)
+        in_set = (fpar >= 0) & (seg_f[lpar_c] == fpar)
+        roots_a = seg_f[~in_set]
+        root_end = None
+    elif roots is None:
         tree_idx = _int_list(range(forest.num_trees) if trees is None else trees, "trees", forest.num_trees)
         roots_a = forest.tree_offsets[tree_idx]
         root_end = forest.tree_offsets[tree_idx + 1]
@@ -374,17 +415,24 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
         raise ValueError(f"context must be a CompactLayout (the producer), got {type(context).__name__}")
 
     # ---- segments ----------------------------------------------------------
-    n_seg_block = root_end - roots_a
-    seg_f = _ranges(roots_a, n_seg_block)                       # forest segment of each local segment
-    S = seg_f.shape[0]
-    block_of_seg = np.repeat(np.arange(roots_a.shape[0], dtype=np.int64), n_seg_block)
-    tree_seg_offsets = np.zeros(roots_a.shape[0] + 1, dtype=np.int64)
-    np.cumsum(n_seg_block, out=tree_seg_offsets[1:])
-    shift = seg_f - np.arange(S, dtype=np.int64)                 # constant inside a block
-    seg_parent = forest.seg_parent[seg_f] - shift
-    is_root = np.zeros(S, dtype=bool)
-    is_root[tree_seg_offsets[:-1]] = True
-    seg_parent[is_root] = -1
+    if segments is None:
+        n_seg_block = root_end - roots_a
+        seg_f = _ranges(roots_a, n_seg_block)                   # forest segment of each local segment
+        S = seg_f.shape[0]
+        block_of_seg = np.repeat(np.arange(roots_a.shape[0], dtype=np.int64), n_seg_block)
+        tree_seg_offsets = np.zeros(roots_a.shape[0] + 1, dtype=np.int64)
+        np.cumsum(n_seg_block, out=tree_seg_offsets[1:])
+        shift = seg_f - np.arange(S, dtype=np.int64)             # constant inside a block
+        seg_parent = forest.seg_parent[seg_f] - shift
+        is_root = np.zeros(S, dtype=bool)
+        is_root[tree_seg_offsets[:-1]] = True
+        seg_parent[is_root] = -1
+    else:
+        S = seg_f.shape[0]
+        seg_parent = np.where(in_set, lpar_c, -1).astype(np.int64)
+        is_root = ~in_set
+        tree_seg_offsets = np.append(np.flatnonzero(is_root), S).astype(np.int64)
+        block_of_seg = np.cumsum(is_root) - 1
     seg_start = forest.seg_start[seg_f].copy()
     seg_length = forest.seg_length[seg_f].copy()
     seg_row = np.zeros(S, dtype=np.int64)
@@ -435,28 +483,54 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
     traj_row_offsets = np.zeros(N + 1, dtype=np.int64)
     np.cumsum(local_len, out=traj_row_offsets[1:])
 
-    # per-token metadata at every expanded position held here
-    E = traj_rows.shape[0]
-    flat_traj = np.repeat(np.arange(N, dtype=np.int64), local_len)
-    flat_frow = forest_rows[traj_rows]
-    lm = _overlay(forest.row_loss_mask[flat_frow], forest.exc_loss_mask, traj_forest, traj_row_offsets,
-                  traj_start)
+    # exits (segments= layouts): a trajectory whose path leaves the set after its held run has
+    # one more position, the first row of the forest child it continues into; the held run's
+    # last row predicts that token.  Whole (sub)trees have no exits.
+    exit_frow = np.full(N, -1, dtype=np.int64)
+    if segments is not None:
+        children = np.flatnonzero(np.isin(forest.seg_parent, seg_f) & ~np.isin(np.arange(S_f), seg_f))
+        for c in children.tolist():
+            lp = int(np.searchsorted(seg_f, forest.seg_parent[c]))
+            sh = int(t_shift[lp])
+            exit_frow[int(forest.seg_traj_lo[c]) - sh: int(forest.seg_traj_hi[c]) - sh] = forest.seg_row[c]
+    has_exit = exit_frow >= 0
+    ext_len = local_len + has_exit
+    ext_offsets = np.zeros(N + 1, dtype=np.int64)
+    np.cumsum(ext_len, out=ext_offsets[1:])
+    ext_traj = np.repeat(np.arange(N, dtype=np.int64), ext_len)
+    ext_k = np.arange(ext_offsets[-1], dtype=np.int64) - ext_offsets[ext_traj]
+    ext_held = ext_k < local_len[ext_traj]
+    ext_row = np.full(ext_offsets[-1], -1, dtype=np.int64)       # layout row, -1 at an exit position
+    ext_row[ext_held] = traj_rows
+    ext_frow = np.where(ext_held, forest_rows[np.maximum(ext_row, 0)], exit_frow[ext_traj]) \
+        if ext_row.size else np.zeros(0, dtype=np.int64)
+
+    # per-token metadata at every expanded position held here (and at exits)
+    E = ext_row.shape[0]
+    flat_traj = ext_traj
+    flat_frow = ext_frow
+    lm = _overlay(forest.row_loss_mask[flat_frow], forest.exc_loss_mask, traj_forest, ext_offsets,
+                  traj_start, ext_len)
     old_lp = _overlay(forest.row_old_logprobs[flat_frow], forest.exc_old_logprobs, traj_forest,
-                      traj_row_offsets, traj_start)
+                      ext_offsets, traj_start, ext_len)
     old_lp = np.where(forest.traj_has_old_logprobs[traj_forest][flat_traj], old_lp, np.nan)
     adv_tok = _overlay(forest.row_advantage[flat_frow], forest.exc_advantage, traj_forest,
-                       traj_row_offsets, traj_start)
+                       ext_offsets, traj_start, ext_len)
     kind = forest.traj_adv_kind[traj_forest][flat_traj]
     adv = np.where(kind == ADV_TOKEN, adv_tok,
                    np.where(kind == ADV_SCALAR, forest.traj_advantage[traj_forest][flat_traj], np.nan))
     weight = forest.traj_weight[traj_forest]
     weight = np.where(np.isnan(weight), 1.0, weight)
 
-    # targets: expanded position i >= 1 (not the first held position) with loss mask 1
+    # targets: expanded position i >= 1 (not the first held position) with loss mask 1, whose
+    # predicting row (the previous position, always held) lies in an owned segment
     is_first = np.zeros(E, dtype=bool)
-    is_first[traj_row_offsets[:-1][local_len > 0]] = True
+    is_first[ext_offsets[:-1][ext_len > 0]] = True
     tgt = np.flatnonzero((lm == 1) & ~is_first)
-    target_row = traj_rows[tgt - 1]
+    target_row = ext_row[tgt - 1]
+    if owned_f is not None:
+        keep = np.isin(seg_f[row_seg[target_row]], owned_f)
+        tgt, target_row = tgt[keep], target_row[keep]
     target_traj = flat_traj[tgt]
     target_token = forest.tokens[flat_frow[tgt]]
     order = np.lexsort((target_traj, target_token, target_row))
@@ -516,6 +590,12 @@ def _build_context(forest: Forest, roots: np.ndarray, seg_f: np.ndarray, tree_se
         return {"forest_rows": empty, "source_rows": empty, "prev": empty, "position_ids": empty,
                 "vis_offsets": np.zeros(1, dtype=np.int64), "vis_start": empty, "vis_end": empty,
                 "root_prev_external": np.full(n_roots, -1, dtype=np.int64)}
+    local = np.isin(np.asarray(anc_seg, dtype=np.int64), seg_f)
+    if local.any():
+        j = int(np.flatnonzero(local)[0])
+        raise ValueError(f"segments: segment {int(roots[anc_root[j]])} has external context (its parent is not "
+                         f"in the set) below segment {anc_seg[j]}, which is in the set; a computed segment "
+                         f"above external context is not supported (recompute the context instead)")
     if producer is None:
         i = anc_root[0]
         raise ValueError(f"context: root segment {int(roots[i])} is not a tree root; its ancestor rows "

@@ -305,3 +305,143 @@ def test_construction_is_vectorized_on_a_swe_forest():
     np.testing.assert_array_equal(flat.numpy(), np.concatenate([f.expand(t).tokens for t in lay.traj_ids]))
     lm = np.concatenate([f.expand(t).loss_mask[1:] for t in lay.traj_ids])
     assert lay.num_targets == int(lm.sum())
+
+
+def _ancestors(f, s):
+    out = []
+    a = int(f.seg_parent[s])
+    while a >= 0:
+        out.append(a)
+        a = int(f.seg_parent[a])
+    return out
+
+
+def _seg_rows(f, segs):
+    return np.concatenate([np.arange(f.seg_row[s], f.seg_row[s] + f.seg_length[s]) for s in sorted(segs)]) \
+        if len(segs) else np.zeros(0, dtype=np.int64)
+
+
+def check_segment_layout(f, lay, segs, owned):
+    """A ``segments=`` layout against brute force over every forest trajectory."""
+    fr = lay.forest_rows.numpy()
+    np.testing.assert_array_equal(fr, _seg_rows(f, segs))
+    local = {int(r): i for i, r in enumerate(fr)}
+    ctx = {int(r): i for i, r in enumerate(lay.ctx_forest_rows.numpy())}
+    owned_rows = set(_seg_rows(f, owned).tolist())
+    row_seg = np.searchsorted(f.seg_row, np.arange(f.tokens.shape[0]), side="right") - 1
+    occ = (f.seg_traj_hi - f.seg_traj_lo)[row_seg]
+    np.testing.assert_array_equal(lay.occurrence.numpy(), occ[fr])
+    np.testing.assert_array_equal(lay.tokens.numpy(), f.tokens[fr])
+    want, trajs = [], []
+    R = lay.num_rows
+    dense = np.zeros((R, R), dtype=bool)
+    cdense = np.zeros((R, lay.num_context_rows), dtype=bool)
+    for ti, tid in enumerate(f.traj_ids):
+        tr = f.expand(tid)
+        frows = f.trajectory_rows(ti)
+        held = [j for j, r in enumerate(frows) if int(r) in local]
+        for j in range(1, len(tr)):
+            if tr.loss_mask[j] == 1 and int(frows[j - 1]) in owned_rows:
+                old = float(tr.old_logprobs[j]) if tr.old_logprobs is not None else math.nan
+                adv = float(tr.advantage[j]) if isinstance(tr.advantage, np.ndarray) else \
+                    (math.nan if tr.advantage is None else float(tr.advantage))
+                want.append((local[int(frows[j - 1])], int(tr.tokens[j]), tid, j,
+                             1.0 if tr.weight is None else tr.weight, old, adv))
+        if not held:
+            continue
+        s, n = held[0], len(held)
+        assert held == list(range(s, s + n)), "a trajectory's held positions are one run"
+        assert all(int(r) in ctx for r in frows[:s])
+        trajs.append(tid)
+        t = lay.traj_ids.index(tid)
+        rows = lay.trajectory_rows(t).numpy()
+        assert int(lay.traj_start[t]) == s and int(lay.traj_length[t]) == len(tr)
+        np.testing.assert_array_equal(rows, [local[int(r)] for r in frows[s:s + n]])
+        np.testing.assert_array_equal(lay.position_ids[rows].numpy(), np.arange(s, s + n))
+        np.testing.assert_array_equal(lay.prev[rows].numpy(), np.concatenate([[-1], rows[:-1]]))
+        assert int(lay.prev_external[rows[0]]) == (ctx[int(frows[s - 1])] if s else -1)
+        for j, r in enumerate(rows):
+            dense[r, rows[:j + 1]] = True
+            cdense[r, [ctx[int(x)] for x in frows[:s]]] = True
+    assert sorted(lay.traj_ids, key=repr) == sorted(trajs, key=repr)
+    np.testing.assert_array_equal(lay.visibility.validate().dense().numpy(), dense)
+    np.testing.assert_array_equal(lay.context_visibility.validate("cv").dense().numpy(), cdense)
+    got = [(int(r), int(tok), lay.traj_ids[int(t)], int(p), w, o, a) for r, tok, t, p, w, o, a in zip(
+        lay.target_row, lay.target_token, lay.target_traj, lay.target_position, lay.target_weight.tolist(),
+        lay.target_old_logprob.tolist(), lay.target_advantage.tolist())]
+    key = lambda x: (x[0], x[1], repr(x[2]))
+    assert len(got) == len(want)
+    for g, w in zip(sorted(got, key=key), sorted(want, key=key)):
+        assert g[:4] == w[:4] and all(same_float(a, b) for a, b in zip(g[4:], w[4:])), (g, w)
+    np.testing.assert_array_equal(lay.pair_row[lay.target_pair].numpy(), lay.target_row.numpy())
+
+
+@settings(max_examples=60, deadline=None)
+@given(trajectory_sets(), st.data())
+def test_segment_set_layout(trajs, data):
+    """Computed segment sets: recomputed ancestors, owned subsets, context from a producer."""
+    f = build_forest(trajs)
+    S = f.num_segments
+    producer = build_layout(f)
+    pick = lambda: data.draw(st.lists(st.integers(0, S - 1), max_size=4, unique=True))
+    ctx = set()                                  # ancestor-closed context set
+    for s in pick():
+        ctx.update([s] + _ancestors(f, s))
+    base = [s for s in pick() + [data.draw(st.integers(0, S - 1))] if s not in ctx]
+    if not base:
+        return
+    segs = set(base)
+    for s in base:
+        segs.update(a for a in _ancestors(f, s) if a not in ctx)
+    owned = data.draw(st.lists(st.sampled_from(sorted(segs)), unique=True))
+    lay = build_layout(f, segments=sorted(segs)[::-1], owned=owned, context=producer if ctx else None)
+    check_segment_layout(f, lay, segs, owned)
+    whole = build_layout(f, segments=range(S))   # all segments, all owned: the whole-forest layout
+    ref = build_layout(f)
+    for name in ("forest_rows", "prev", "target_row", "target_token", "target_traj", "traj_rows", "vis_end"):
+        assert torch.equal(getattr(whole, name), getattr(ref, name)), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(trajectory_sets(), st.data())
+def test_segment_partition_covers_every_target_once(trajs, data):
+    """Owned segments partitioned over layouts (ancestors recomputed): every target exactly once."""
+    f = build_forest(trajs)
+    group = [data.draw(st.integers(0, 2)) for _ in range(f.num_segments)]
+    ref = build_layout(f)
+    want = sorted(zip(ref.forest_rows[ref.target_row].tolist(), ref.target_token.tolist(),
+                      [repr(ref.traj_ids[t]) for t in ref.target_traj.tolist()], ref.target_position.tolist()))
+    got = []
+    for g in range(3):
+        owned = [s for s in range(f.num_segments) if group[s] == g]
+        if not owned:
+            continue
+        segs = set(owned)
+        for s in owned:
+            segs.update(_ancestors(f, s))
+        lay = build_layout(f, segments=sorted(segs), owned=owned)
+        got += zip(lay.forest_rows[lay.target_row].tolist(), lay.target_token.tolist(),
+                   [repr(lay.traj_ids[t]) for t in lay.target_traj.tolist()], lay.target_position.tolist())
+    assert sorted(got) == want
+
+
+def test_segment_set_refusals():
+    f = forest_of([{"id": "a", "tokens": [1, 2, 3, 4]}, {"id": "b", "tokens": [1, 2, 5, 6]},
+                   {"id": "c", "tokens": [1, 2, 5, 7]}])
+    # segments: 0 = [1, 2], 1 = [3, 4], 2 = [5], 3 = [6], 4 = [7]
+    assert f.num_segments == 5 and list(f.seg_parent) == [-1, 0, 0, 2, 2]
+    producer = build_layout(f)
+    with pytest.raises(ValueError, match="owned: segment 1 is not in segments"):
+        build_layout(f, segments=[0], owned=[1])
+    with pytest.raises(ValueError, match="owned applies"):
+        build_layout(f, owned=[0])
+    with pytest.raises(ValueError, match="roots and segments"):
+        build_layout(f, roots=[0], segments=[0])
+    with pytest.raises(ValueError, match="segments"):
+        build_layout(f, segments=[9])
+    with pytest.raises(ValueError, match="context"):
+        build_layout(f, segments=[1, 3])              # parents 0 and 2 are context, no producer
+    with pytest.raises(ValueError, match="above external context"):
+        build_layout(f, segments=[0, 3], context=producer)   # 2 external below the computed 0
+    lay = build_layout(f, segments=[1, 3], context=producer)
+    check_segment_layout(f, lay, {1, 3}, {1, 3})
