@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from ..models.packed import ExportSpec, TreePackedSeqParams
@@ -50,12 +51,17 @@ class WindowedMicrobatch:
     layout); ``owned``: bool [num_targets] mask of the targets whose loss this microbatch
     carries (None: all; a producer leaves its consumers' targets unowned when its layout holds
     their rows too); ``producer``: position in the step of the producer whose exports it reads
-    (None: not a consumer); ``replay``: KDA replay (the tree path's default).
+    (None: not a consumer); ``replay``: KDA replay (the tree path's default); ``counted``: bool
+    [num_rows] mask of the rows whose MoE statistics (tokens per expert, aux-loss token weights)
+    count in this microbatch, with their occurrence count (None: all rows).  A row computed in
+    several microbatches of a step (recomputed context) must be counted in exactly one of them
+    for the step's tokens-per-expert to equal expanded training's.
     """
     layout: Any
     owned: Optional[torch.Tensor] = None
     producer: Optional[int] = None
     replay: bool = True
+    counted: Optional[torch.Tensor] = None
 
 
 def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True) -> List[WindowedMicrobatch]:
@@ -75,7 +81,9 @@ def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True
     a consumer, the external segments are recomputed here instead (the item has no producer and
     more rows than the plan's): the step's log-probs and gradients are the same either way,
     only the sharing is lost (an item whose microbatch has ``external`` context but whose
-    ``producer`` is None recomputed it).
+    ``producer`` is None recomputed it).  ``counted`` marks the rows of owned segments: every
+    row of the forest is counted once over the plan (all replicas), so the step's MoE
+    tokens-per-expert are expanded training's.
     """
     from ..layout import build_layout
     if getattr(plan, "mode", None) != "tree":
@@ -117,8 +125,20 @@ def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True
             lay = build_layout(forest, segments=sorted(comp), owned=m.owned)
         position[m.index] = len(items)
         computed_of[m.index] = comp
-        items.append(WindowedMicrobatch(lay, None, producer, replay))
+        counted = torch.as_tensor(np.isin(lay.seg_forest, m.owned)[lay.row_segment.numpy()])
+        items.append(WindowedMicrobatch(lay, None, producer, replay, counted))
     return items
+
+
+def _count_rows(mb: WindowedMicrobatch, psp) -> None:
+    """Zero the MoE token weight (occurrence count) of the rows ``mb.counted`` leaves out."""
+    if mb.counted is None:
+        return
+    c = torch.as_tensor(mb.counted)
+    if c.dtype != torch.bool or c.shape != (mb.layout.num_rows,):
+        raise ValueError(f"WindowedMicrobatch.counted must be a bool tensor of {mb.layout.num_rows} rows, "
+                         f"got {c.dtype} {tuple(c.shape)}")
+    psp.token_weight = psp.token_weight * c.to(psp.token_weight.device, psp.token_weight.dtype)
 
 
 def _loss_of(loss_func: Callable, output):
@@ -197,6 +217,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
             spec = ExportSpec.for_consumers(mb.layout, [mbs[c].layout for c in consumers_of[i]], config=cfg,
                                             replay=mb.replay)
             psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, export=spec, replay=mb.replay)
+            _count_rows(mb, psp)
             loss = run(i, mb, psp)
             leaves = psp.exports.detached()
             nbytes = psp.exports.nbytes()
@@ -209,6 +230,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
             psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, exports=w["leaves"], replay=mb.replay)
         else:
             psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, replay=mb.replay)
+        _count_rows(mb, psp)
         loss = run(i, mb, psp)
         if not forward_only:
             loss.backward()
