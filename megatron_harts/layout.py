@@ -42,8 +42,9 @@ Invariants (tests pin every one of them against per-trajectory, "expanded", comp
   preorder, ``seg_parent[s] < s`` (-1 at a root of the layout), ``seg_start`` = true path
   position, ``seg_row`` = first layout row; rows are segment after segment.
 
-Construction is vectorized numpy: linear in rows + expanded tokens of the layout, with
-Python loops only per segment or per root.
+Construction is vectorized numpy: linear in rows + expanded tokens of the layout (plus the
+forest's segment count for a ``segments=`` layout), with Python loops only per segment or per
+root.
 """
 from __future__ import annotations
 

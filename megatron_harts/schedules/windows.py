@@ -16,9 +16,12 @@ Plain microbatches (no window) run forward+backward at once.  The parameter grad
 step are those of running every microbatch with its shared prefix recomputed (and so, with
 the tree path, those of expanded training): tests/test_windows_schedule.py pins both.
 
-Microbatches are :class:`WindowedMicrobatch` items (a layout of whole trees or of whole
-subtrees, the mask of the targets it owns, and its producer's position in the step); the data
-iterator yields them in execution order, producers before their consumers.
+Microbatches are :class:`WindowedMicrobatch` items (a layout of whole trees, of whole
+subtrees or of a computed segment set, the mask of the targets it owns, its producer's position
+in the step, and the rows its MoE statistics count); the data iterator yields them in execution
+order, producers before their consumers.  :func:`windowed_microbatches` builds them from one
+replica's share of a planner's ``MicrobatchPlan`` (tests/test_windows_plan.py pins that a
+planned step equals the recomputed step and expanded training).
 ``forward_step_func(data_iterator, model)`` is called once per microbatch with an iterator
 yielding ``(microbatch, packed_seq_params)`` and returns ``(output, loss_func)``;
 ``loss_func(output)`` returns ``(loss, stats)`` or ``(loss, num_tokens, stats)`` as in
