@@ -4,7 +4,6 @@ A tiny random KimiLinearForCausalLM is built from a config and saved with save_p
 (sharded, original Kimi naming on disk); no hub access.
 """
 import glob
-import importlib.util
 import json
 import os
 
@@ -19,29 +18,17 @@ from megatron_harts.models.model import build_hybrid_model
 from hybrid_tiny import VOCAB, tiny_config
 from megatron_cpu import free_port, megatron_cpu
 from multiproc import run_ranks
+from tool_runner import load_tool, run_tool
 
 transformers = pytest.importorskip("transformers")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("convert_hf_checkpoint",
-                                                  os.path.join(ROOT, "tools", "convert_hf_checkpoint.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-TOOL = _tool()
+TOOL = load_tool("convert_hf_checkpoint")
 
 
 def convert(capsys, *argv):
     """Run the tool as its __main__ does; returns (exit status, stdout, stderr)."""
-    from megatron_harts.cli import run
-    with pytest.raises(SystemExit) as e:
-        run(TOOL.main, [str(a) for a in argv])
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
+    return run_tool(TOOL, capsys, *argv)
 
 
 # transformers' MLA latent norms (q_a_layernorm, kv_a_layernorm) always use eps 1e-6, ours use

@@ -1,34 +1,22 @@
 """tools/verify_fidelity.py and megatron_harts/models/fidelity.py: tree vs expanded vs transformers."""
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
 
-from megatron_harts.cli import run
 from megatron_harts.models.fidelity import ModeRun, fidelity_report, pg_loss
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tool_runner import load_tool, run_tool
+
 KEYS = {"max_logprob_abs_diff", "max_grad_rel_diff", "loss_abs_diff", "aux_loss_abs_diff", "tokens_per_expert_equal",
         "logit_cosine", "oracle_max_logprob_abs_diff"}
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("verify_fidelity", os.path.join(ROOT, "tools", "verify_fidelity.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-TOOL = _tool()
+TOOL = load_tool("verify_fidelity")
 
 
 def verify(capsys, *argv):
-    with pytest.raises(SystemExit) as e:
-        run(TOOL.main, [str(a) for a in argv])
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
+    return run_tool(TOOL, capsys, *argv)
 
 
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
