@@ -104,7 +104,7 @@ def megatron_cpu(monkeypatch):
         parallel_state.initialize_model_parallel(1, 1)
         yield dist.group.WORLD
     finally:
-        moe_utils.clear_aux_losses_tracker()
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()   # sized per model: drop, not zero
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 

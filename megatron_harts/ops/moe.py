@@ -220,6 +220,15 @@ def q_tokens_per_expert(routing: torch.Tensor, q: torch.Tensor, num_experts: int
     return (rmap.to(qq.dtype) * qq[:, None]).sum(dim=0)
 
 
+def _switch_loss(scores: torch.Tensor, q: torch.Tensor, tokens_per_expert: torch.Tensor, total,
+                 *, topk: int, coeff: float) -> torch.Tensor:
+    """megatron's switch load-balancing formula on q-weighted rows:
+    E * coeff / (topk * T^2) * sum_e (sum_r q_r scores[r, e]) * N_e."""
+    num_experts = scores.shape[1]
+    agg = q.to(scores.dtype) @ scores
+    return (agg * tokens_per_expert.to(scores.dtype)).sum() * (num_experts * coeff / (topk * total * total))
+
+
 def q_aux_loss(
     scores: torch.Tensor,
     routing: torch.Tensor,
@@ -247,10 +256,9 @@ def q_aux_loss(
     _check_topk_coeff(topk, coeff)
     rmap = _routing_map(routing, num_rows, num_experts)
     q = _check_q(q, num_rows)
-    tpe = _all_reduce(q_tokens_per_expert(rmap, q, num_experts), group).to(scores.dtype)
+    tpe = _all_reduce(q_tokens_per_expert(rmap, q, num_experts), group)
     total = _total_tokens(q, local_num_tokens, group)
-    agg = q.to(scores.dtype) @ scores
-    return (agg * tpe).sum() * (num_experts * coeff / (topk * total * total))
+    return _switch_loss(scores, q, tpe, total, topk=topk, coeff=coeff)
 
 
 def q_seq_aux_loss(
@@ -344,9 +352,7 @@ class QGlobalAuxLoss:
         total = _total_tokens(q, local_num_tokens, group)
         self.global_tokens_per_expert += tpe.to(self.global_tokens_per_expert.dtype)
         self.ga_steps += 1
-        averaged = (self.global_tokens_per_expert / self.ga_steps).to(scores.dtype)
-        agg = q.to(scores.dtype) @ scores
-        return (agg * averaged).sum() * (num_experts * coeff / (topk * total * total))
+        return _switch_loss(scores, q, self.global_tokens_per_expert / self.ga_steps, total, topk=topk, coeff=coeff)
 
 
 def q_z_loss(
