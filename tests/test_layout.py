@@ -184,9 +184,10 @@ def test_layout_of_some_trees(trajs, data):
     assert lay.num_context_rows == 0
 
 
-def non_nested_roots(f, data):
+def non_nested_roots(f, data, max_size=4):
+    """A drawn set of segments none of which lies in another's subtree (consumer subtree roots)."""
     size = f.seg_subtree_size
-    cand = data.draw(st.lists(st.integers(0, f.num_segments - 1), min_size=1, max_size=4, unique=True))
+    cand = data.draw(st.lists(st.integers(0, f.num_segments - 1), min_size=1, max_size=max_size, unique=True))
     roots = []
     for s in sorted(cand):
         if not roots or s >= roots[-1] + size[roots[-1]]:

@@ -10,6 +10,7 @@ from megatron_harts.layout import build_layout
 from megatron_harts.ops.path_conv import build_conv_taps, path_conv
 from megatron_harts.tree_data import build_forest, make_trajectory
 from test_forest import trajectory_sets
+from test_layout import non_nested_roots
 from test_tree_attention import joint_paths
 
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -66,11 +67,7 @@ def test_whole_trees_equal_expanded(trajs, backend, K, activation, use_bias):
 def test_subtree_with_context_equals_expanded(trajs, data):
     f = build_forest(trajs)
     producer = build_layout(f)
-    size = f.seg_subtree_size
-    roots = []
-    for s in sorted(data.draw(st.lists(st.integers(0, f.num_segments - 1), min_size=1, max_size=3, unique=True))):
-        if not roots or s >= roots[-1] + size[roots[-1]]:
-            roots.append(s)
+    roots = non_nested_roots(f, data, max_size=3)
     lay = build_layout(f, roots=roots, context=producer)
     for backend in ("gather", "reference"):
         compare_with_expanded(f, lay, backend)

@@ -12,6 +12,7 @@ from megatron_harts.layout import Visibility, build_layout
 from megatron_harts.ops.tree_attention import build_tree_block_mask, tree_attention
 from megatron_harts.tree_data import build_forest, make_trajectory
 from test_forest import trajectory_sets
+from test_layout import non_nested_roots
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -93,11 +94,7 @@ def test_whole_trees_equal_expanded_fwd_bwd(trajs, backend, heads):
 def test_subtree_with_context_equals_expanded(trajs, data):
     f = build_forest(trajs)
     producer = build_layout(f)
-    size = f.seg_subtree_size
-    roots = []
-    for s in sorted(data.draw(st.lists(st.integers(0, f.num_segments - 1), min_size=1, max_size=3, unique=True))):
-        if not roots or s >= roots[-1] + size[roots[-1]]:
-            roots.append(s)
+    roots = non_nested_roots(f, data, max_size=3)
     lay = build_layout(f, roots=roots, context=producer)
     for backend in ("reference", "sdpa"):
         compare_with_expanded(f, lay, backend, **({"query_block": 2} if backend == "sdpa" else {}))
