@@ -18,7 +18,7 @@ from megatron_harts.models.model import build_hybrid_model
 from hybrid_tiny import VOCAB, tiny_config
 from megatron_cpu import free_port, megatron_cpu
 from multiproc import run_ranks
-from tool_runner import load_tool, run_tool
+from tool_runner import assert_one_error, load_tool, run_tool
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,34 +179,26 @@ def test_mla_latent_norm_eps_matches_transformers(tmp_path, capsys):
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
-def _one_error(code, err, *needles):
-    assert code == 2
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-
-
 def test_bad_input_one_error_no_output(hf_dir, tmp_path, capsys):
     import shutil
     out = tmp_path / "out"
     args = ["--direction", "hf-to-megatron", "--output", out]
-    _one_error(*convert(capsys, *args, "--input", tmp_path / "nope")[::2], "nope")
-    _one_error(*convert(capsys, *args, "--input", hf_dir, "--tp", 4)[::2], "--tp 4", "num_attention_heads")
-    _one_error(*convert(capsys, *args, "--input", hf_dir, "--tp", 3)[::2], "--tp")
-    _one_error(*convert(capsys, *args, "--input", hf_dir, "--format", "zarr")[::2], "--format")
+    assert_one_error(*convert(capsys, *args, "--input", tmp_path / "nope")[::2], "nope")
+    assert_one_error(*convert(capsys, *args, "--input", hf_dir, "--tp", 4)[::2], "--tp 4", "num_attention_heads")
+    assert_one_error(*convert(capsys, *args, "--input", hf_dir, "--tp", 3)[::2], "--tp")
+    assert_one_error(*convert(capsys, *args, "--input", hf_dir, "--format", "zarr")[::2], "--format")
     other = tmp_path / "other"
     shutil.copytree(hf_dir, other)
     raw = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
-    _one_error(*convert(capsys, *args, "--input", other)[::2], "config.json", "model_type")
+    assert_one_error(*convert(capsys, *args, "--input", other)[::2], "config.json", "model_type")
     (other / "config.json").write_text(json.dumps({**raw, "intermediate_size": 64}))
-    _one_error(*convert(capsys, *args, "--input", other)[::2], str(other), "mlp")
+    assert_one_error(*convert(capsys, *args, "--input", other)[::2], str(other), "mlp")
     (other / "config.json").write_text(json.dumps(raw))
     for f in glob.glob(str(other / "*.safetensors")):
         os.remove(f)
     os.remove(other / "model.safetensors.index.json")
-    _one_error(*convert(capsys, *args, "--input", other)[::2], "model.safetensors")
-    _one_error(*convert(capsys, "--direction", "megatron-to-hf", "--input", hf_dir, "--output", out)[::2],
+    assert_one_error(*convert(capsys, *args, "--input", other)[::2], "model.safetensors")
+    assert_one_error(*convert(capsys, "--direction", "megatron-to-hf", "--input", hf_dir, "--output", out)[::2],
                "latest_checkpointed_iteration.txt")
     assert sorted(os.listdir(tmp_path)) == ["other"]         # no output, no temporary directory left

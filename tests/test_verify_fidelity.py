@@ -6,7 +6,7 @@ import torch
 
 from megatron_harts.models.fidelity import ModeRun, fidelity_report, pg_loss
 
-from tool_runner import load_tool, run_tool
+from tool_runner import assert_one_error, load_tool, run_tool
 
 KEYS = {"max_logprob_abs_diff", "max_grad_rel_diff", "loss_abs_diff", "aux_loss_abs_diff", "tokens_per_expert_equal",
         "logit_cosine", "oracle_max_logprob_abs_diff"}
@@ -106,20 +106,12 @@ def test_pg_loss_plain_and_ppo_clip():
     assert abs(float(scale) - (1.0 + 4.0 + abs(float(third))) / 3) < 1e-12
 
 
-def _one_error(code, err, *needles):
-    assert code == 2
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-
-
 def test_bad_input_exit_2(tmp_path, capsys):
-    _one_error(*verify(capsys, "--input", tmp_path / "missing.jsonl")[::2], "missing.jsonl")
-    _one_error(*verify(capsys, "--synthetic", "--preset", "huge")[::2], "--preset", "huge")
-    _one_error(*verify(capsys, "--synthetic", "--dtype", "float16")[::2], "--dtype", "float16")
-    _one_error(*verify(capsys, "--synthetic", "--oracle", "vllm")[::2], "--oracle")
-    _one_error(*verify(capsys, "--synthetic", "--hf-checkpoint", tmp_path)[::2], "config.json")
+    assert_one_error(*verify(capsys, "--input", tmp_path / "missing.jsonl")[::2], "missing.jsonl")
+    assert_one_error(*verify(capsys, "--synthetic", "--preset", "huge")[::2], "--preset", "huge")
+    assert_one_error(*verify(capsys, "--synthetic", "--dtype", "float16")[::2], "--dtype", "float16")
+    assert_one_error(*verify(capsys, "--synthetic", "--oracle", "vllm")[::2], "--oracle")
+    assert_one_error(*verify(capsys, "--synthetic", "--hf-checkpoint", tmp_path)[::2], "config.json")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "tokens": [1, 2, 3]}\n{"id": "b", "tokens": [1, 99]}\n')     # tiny vocab is 32
-    _one_error(*verify(capsys, "--input", bad)[::2], "bad.jsonl:2", "'b'", "tokens")
+    assert_one_error(*verify(capsys, "--input", bad)[::2], "bad.jsonl:2", "'b'", "tokens")

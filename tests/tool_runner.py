@@ -23,3 +23,12 @@ def run_tool(tool, capsys, *argv):
         run(tool.main, [str(a) for a in argv])
     out = capsys.readouterr()
     return e.value.code, out.out, out.err
+
+
+def assert_one_error(code, err, *needles):
+    """Exit status 2 and exactly one ``error:`` line on stderr, naming every needle."""
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
