@@ -14,6 +14,12 @@ Invariants:
   model-parallel groups, ``torch.cuda.current_device() == "cpu"``, ``torch.cuda.synchronize``
   a no-op, every megatron module's ``get_cuda_rng_tracker`` returning a CPU tracker seeded
   from ``seed`` (so parameter initialization is reproducible), and the CPU generator seeded.
+- megatron's optimizer modules (``CUDA_LITERAL_MODULES``) create small tensors with a
+  literal ``device='cuda'`` (loss scale, found-inf flag, grad-norm buffers, the local multi-tensor L2 norm): inside the block
+  their module-level ``torch`` name is a proxy whose tensor factories read a CUDA device as
+  the CPU; everything else is the real torch.  Their gradient clipping asserts CUDA float
+  gradients: ``clip_grad_by_total_norm_fp32`` is, inside the block, :func:`clip_grads_cpu`
+  (same coefficient ``max_norm / (total_norm + 1e-6)``, applied when below 1).
 - On exit, also on error: model-parallel groups destroyed, the world destroyed if this block
   created it, and every redirected attribute restored to the object it was before.
 
@@ -30,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["megatron_cpu_runtime", "megatron_cuda_runtime", "single_process_megatron", "free_port",
-           "CpuRngTracker"]
+           "CpuRngTracker", "clip_grads_cpu"]
 
 
 def free_port() -> int:
@@ -81,6 +87,42 @@ class CpuRngTracker:
             torch.set_rng_state(outer)
 
 
+CUDA_LITERAL_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
+                        "megatron.core.optimizer.grad_scaler", "megatron.core.optimizer.distrib_optimizer",
+                        "megatron.core.utils")
+
+
+class _CpuDeviceTorch:
+    """``torch`` with ``device="cuda..."`` in the tensor factories read as the CPU."""
+
+    _FACTORIES = frozenset(("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like"))
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        def factory(*args, device=None, **kwargs):
+            if device is not None and str(device).startswith("cuda"):
+                device = "cpu"
+            return attr(*args, device=device, **kwargs)
+        return factory
+
+
+def clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad: bool = False) -> None:
+    """megatron's ``clip_grad_by_total_norm_fp32`` for gradients of any dtype and device."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    for p in parameters:
+        g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+        if g is not None:
+            g.detach().mul_(coeff)
+
+
 def _start_world(backend: str) -> bool:
     """Create a world of one process unless one exists; returns whether this call created it."""
     if dist.is_initialized():
@@ -109,6 +151,7 @@ def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234
     tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 100)
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     redirected = []
+    literal = []
     created_world = False
     groups = False
     try:
@@ -123,6 +166,15 @@ def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234
                     getattr(mod, "get_cuda_rng_tracker", None) is saved["get_cuda_rng_tracker"]:
                 redirected.append(mod)
                 mod.get_cuda_rng_tracker = lambda *a, **k: tracker
+        import importlib
+        for name in CUDA_LITERAL_MODULES:
+            mod = importlib.import_module(name)
+            if mod.torch is torch:
+                literal.append(mod)
+                mod.torch = _CpuDeviceTorch(torch)
+        from megatron.core.optimizer import optimizer as moptimizer
+        saved["clip"] = moptimizer.clip_grad_by_total_norm_fp32
+        moptimizer.clip_grad_by_total_norm_fp32 = clip_grads_cpu
         if init_world:
             created_world = _start_world("gloo")
         parallel_state.initialize_model_parallel(
@@ -137,6 +189,11 @@ def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234
             dist.destroy_process_group()
         for mod in redirected:
             mod.get_cuda_rng_tracker = saved["get_cuda_rng_tracker"]
+        for mod in literal:
+            mod.torch = torch
+        if "clip" in saved:
+            from megatron.core.optimizer import optimizer as moptimizer
+            moptimizer.clip_grad_by_total_norm_fp32 = saved["clip"]
         torch.cuda.current_device = saved["current_device"]
         torch.cuda.synchronize = saved["synchronize"]
         mrandom._get_cuda_rng_state = saved["get_state"]
