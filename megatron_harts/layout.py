@@ -57,8 +57,8 @@ import torch
 from .tree_data.forest import ADV_SCALAR, ADV_TOKEN, Forest
 from .tree_data.trajectory import TrajectoryId
 
-__all__ = ["CompactLayout", "Visibility", "build_layout", "scatter_to_expanded",
-           "scatter_to_expanded_padded", "scatter_targets_to_expanded"]
+__all__ = ["CompactLayout", "ExpandedBatch", "Visibility", "build_layout", "build_expanded_batch",
+           "scatter_to_expanded", "scatter_to_expanded_padded", "scatter_targets_to_expanded"]
 
 
 # ---------------------------------------------------------------------------
@@ -718,3 +718,98 @@ def scatter_targets_to_expanded(layout: CompactLayout, values, fill=float("nan")
     if padded:
         return _pad(layout, flat, off, fill)
     return flat, off
+
+
+# ---------------------------------------------------------------------------
+# expanded (trajectory-by-trajectory) batches
+# ---------------------------------------------------------------------------
+
+@dataclass
+class ExpandedBatch:
+    """Trajectories packed back to back with no sharing: the expanded-mode microbatch.
+
+    It carries the same target fields as a :class:`CompactLayout` (``target_*``,
+    ``pair_*``, ``traj_forest``), with rows being packed token positions: trajectory t
+    occupies rows ``[offsets[t], offsets[t+1])`` and its target at position j (loss mask 1,
+    j >= 1) sits on row ``offsets[t] + j - 1``.  Every target is its own (row, token) pair.
+    Target metadata (weight, old log-prob, advantage) follows :func:`build_layout`'s rules,
+    so a loss computed from a batch's targets is the one tree mode computes for them.
+    """
+    tokens: torch.Tensor            # int64 [T]
+    position_ids: torch.Tensor      # int64 [T], position inside its trajectory
+    lengths: List[int]
+    traj_ids: List[TrajectoryId]
+    traj_forest: np.ndarray         # int64, trajectory index in the forest
+    target_row: torch.Tensor
+    target_traj: torch.Tensor       # int64, index into traj_forest
+    target_token: torch.Tensor
+    target_position: torch.Tensor
+    target_weight: torch.Tensor
+    target_old_logprob: torch.Tensor
+    target_advantage: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.target_row.shape[0])
+
+    @property
+    def num_trajectories(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def pair_row(self) -> torch.Tensor:
+        return self.target_row
+
+    @property
+    def pair_token(self) -> torch.Tensor:
+        return self.target_token
+
+    @property
+    def target_pair(self) -> torch.Tensor:
+        return torch.arange(self.num_targets, device=self.target_row.device)
+
+    def to(self, device) -> "ExpandedBatch":
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
+        return ExpandedBatch(**kw)
+
+
+def build_expanded_batch(forest: Forest, trajectories: Sequence[int]) -> ExpandedBatch:
+    """The listed forest trajectories (indices; packed in increasing index order) as one expanded batch."""
+    idx = _int_list(trajectories, "trajectories", forest.num_trajectories)
+    toks, pos, rows, traj, tok, tpos, w, old, adv = [], [], [], [], [], [], [], [], []
+    offset = 0
+    for local, t in enumerate(idx.tolist()):
+        tr = forest.expand(forest.traj_ids[t])
+        n = len(tr)
+        toks.append(tr.tokens)
+        pos.append(np.arange(n))
+        j = np.flatnonzero(np.asarray(tr.loss_mask[1:], dtype=bool)) + 1
+        rows.append(offset + j - 1)
+        traj.append(np.full(j.size, local))
+        tok.append(tr.tokens[j])
+        tpos.append(j)
+        w.append(np.full(j.size, 1.0 if tr.weight is None else tr.weight))
+        old.append(np.full(j.size, np.nan) if tr.old_logprobs is None else np.asarray(tr.old_logprobs, np.float64)[j])
+        if tr.advantage is None:
+            adv.append(np.full(j.size, np.nan))
+        elif np.ndim(tr.advantage) == 0:
+            adv.append(np.full(j.size, float(tr.advantage)))
+        else:
+            adv.append(np.asarray(tr.advantage, np.float64)[j])
+        offset += n
+
+    def cat(parts, dtype):
+        return torch.as_tensor(np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype))
+    return ExpandedBatch(
+        tokens=cat(toks, np.int64), position_ids=cat(pos, np.int64), lengths=[len(x) for x in toks],
+        traj_ids=[forest.traj_ids[t] for t in idx.tolist()], traj_forest=idx.astype(np.int64),
+        target_row=cat(rows, np.int64), target_traj=cat(traj, np.int64), target_token=cat(tok, np.int64),
+        target_position=cat(tpos, np.int64), target_weight=cat(w, np.float64),
+        target_old_logprob=cat(old, np.float64), target_advantage=cat(adv, np.float64))

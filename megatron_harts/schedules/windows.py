@@ -12,7 +12,10 @@ form sharing windows (shared/DESIGN.md: producer / consumer / sharing window):
 - after the window's last consumer the window *closes*: one backward through the producer,
   from its own loss and the accumulated export gradients; its exports are freed.
 
-Plain microbatches (no window) run forward+backward at once.  The parameter gradients of the
+Plain microbatches (no window) run forward+backward at once; a plain microbatch may also be an
+expanded one (``layout`` an :class:`~megatron_harts.layout.ExpandedBatch`: trajectories packed
+with no sharing, ``TreePackedSeqParams.for_sequences``), so expanded training runs through the
+same schedule (:func:`expanded_microbatches`).  The parameter gradients of the
 step are those of running every microbatch with its shared prefix recomputed (and so, with
 the tree path, those of expanded training): tests/test_windows_schedule.py pins both.
 
@@ -43,7 +46,7 @@ import torch
 
 from ..models.packed import ExportSpec, TreePackedSeqParams
 
-__all__ = ["WindowedMicrobatch", "forward_backward_windows", "windowed_microbatches"]
+__all__ = ["WindowedMicrobatch", "expanded_microbatches", "forward_backward_windows", "windowed_microbatches"]
 
 
 @dataclass
@@ -67,7 +70,28 @@ class WindowedMicrobatch:
     counted: Optional[torch.Tensor] = None
 
 
-def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True) -> List[WindowedMicrobatch]:
+def _check_plan(plan, mode: str, replica, caller: str) -> None:
+    if getattr(plan, "mode", None) != mode:
+        raise ValueError(f"{caller}: a {mode}-mode MicrobatchPlan is expected, got mode {getattr(plan, 'mode', None)!r}")
+    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < plan.num_replicas:
+        raise ValueError(f"{caller}: replica must be an integer in [0, {plan.num_replicas}), got {replica!r}")
+
+
+def expanded_microbatches(forest, plan, replica: int = 0) -> List[WindowedMicrobatch]:
+    """A planned expanded step of one replica: each microbatch's trajectories packed with no sharing.
+
+    ``plan`` is an expanded-mode ``MicrobatchPlan`` (e.g. ``planner.plan_ffd``); items come in
+    slot order (idle slots skipped); every trajectory of the forest is in exactly one item over
+    all replicas, so the step's targets are each computed once.
+    """
+    from ..layout import build_expanded_batch
+    _check_plan(plan, "expanded", replica, "expanded_microbatches")
+    return [WindowedMicrobatch(build_expanded_batch(forest, m.trajectories)) for m in plan.schedule(replica)
+            if m is not None]
+
+
+def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True,
+                          windows: bool = True) -> List[WindowedMicrobatch]:
     """A planned step of one replica as :class:`WindowedMicrobatch` items, in execution order.
 
     ``plan`` is a tree-mode ``MicrobatchPlan`` of ``forest``; the items are replica
@@ -108,7 +132,7 @@ def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True
         comp = set(m.computed.tolist())
         ext = sorted(int(s) for e in m.external for s in e.segments.tolist())
         producer = None
-        if ext:
+        if ext and windows:
             above = False
             for s in ext:
                 a = int(parent[s])
@@ -190,15 +214,20 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     if pp != 1:
         raise ValueError(f"forward_backward_windows runs pipeline size 1, got {pp}")
     cfg = _model_config(model)
+    from ..layout import ExpandedBatch
     mbs: List[WindowedMicrobatch] = [next(data_iterator) for _ in range(int(num_microbatches))]
     consumers_of: Dict[int, List[int]] = {}
     for i, mb in enumerate(mbs):
         if not isinstance(mb, WindowedMicrobatch):
             raise ValueError(f"microbatch {i}: expected a WindowedMicrobatch, got {type(mb).__name__}")
+        if isinstance(mb.layout, ExpandedBatch) and mb.producer is not None:
+            raise ValueError(f"microbatch {i}: an expanded microbatch cannot read a producer")
         if mb.producer is not None:
             p = int(mb.producer)
             if not 0 <= p < i:
                 raise ValueError(f"microbatch {i}: its producer {p} must run before it in the step")
+            if isinstance(mbs[p].layout, ExpandedBatch):
+                raise ValueError(f"microbatch {i}: its producer {p} is an expanded microbatch (no exports)")
             if mbs[p].producer is not None:
                 raise ValueError(f"microbatch {i}: its producer {p} is itself a consumer (nested producers are "
                                  "not supported)")
@@ -228,7 +257,9 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
             live_bytes += nbytes
             peak_bytes = max(peak_bytes, live_bytes)
             continue
-        if mb.producer is not None:                 # consumer: reads the window's shared leaves
+        if isinstance(mb.layout, ExpandedBatch):    # expanded: trajectories packed, no sharing
+            psp = TreePackedSeqParams.for_sequences(mb.layout.lengths, device=mb.layout.tokens.device)
+        elif mb.producer is not None:               # consumer: reads the window's shared leaves
             w = open_windows[int(mb.producer)]
             psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, exports=w["leaves"], replay=mb.replay)
         else:
