@@ -1,0 +1,480 @@
+"""RL and SFT objectives over tree targets, equal to expanded (trajectory-by-trajectory) training.
+
+A training step's loss is defined on the step's whole global batch, expanded: every trajectory
+on its own, with a loss mask over its positions (a target is a position ``j >= 1`` with
+``loss_mask[j] == 1``, predicted from position ``j - 1``).  In tree mode the same targets are
+spread over many microbatches and data-parallel ranks, and a shared row carries the targets of
+every trajectory through it.  Each microbatch computes only the targets it owns.  This module
+makes the sum of the microbatch losses equal the expanded global-batch loss:
+
+1. :func:`forest_normalizer` (or :func:`batch_normalizer`) counts, once per step and over the
+   whole step, the loss tokens of every trajectory.
+2. :func:`target_scale` turns those counts into one coefficient per target, so that the global
+   loss is ``sum_i scale_i * per_token_loss_i`` over all the step's targets.  With ``w_i`` the
+   trajectory weight of target i (``CompactLayout.target_weight``, 1.0 when absent),
+   ``n_t`` the loss tokens of trajectory t, ``N_tok = sum_t n_t`` and ``N_seq`` the number of
+   trajectories with ``n_t >= 1``:
+
+   - ``token-mean``:          ``scale_i = w_i / N_tok``
+   - ``seq-mean-token-mean``: ``scale_i = w_i / (n_t(i) * N_seq)``
+   - ``seq-mean-token-sum``:  ``scale_i = w_i / N_seq``
+
+3. :func:`objective_loss` returns ``sum_i scale_i * per_token_loss_i`` over the targets it is
+   given.  The loss is linear in the per-target terms, so its value and gradient summed over
+   any partition of the step's targets equal those of the global-batch loss.
+
+The driver must therefore *sum* the microbatch losses (and gradients) over microbatches and
+data-parallel ranks, never average them: megatron-core's DDP divides gradients by the
+data-parallel size by default, which the driver has to undo or turn off.
+
+Per-token losses (``logp`` = current log-prob of the target token, ``old`` = behaviour log-prob
+from the data, ``A`` = advantage from the data, scalar per trajectory broadcast or per token):
+
+- ``sft``: ``-logp``; advantages and old log-probs are ignored.
+- ``ppo``: ``ratio = exp(logp - old)``,
+  ``-min(ratio * A, clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high) * A)``.  GRPO-style
+  group-normalised advantages are the data's business; this module reads them as given.
+- either kind, ``kl_coef > 0``: ``+ kl_coef * k3`` with the "k3" estimator
+  ``k3 = exp(old - logp) - (old - logp) - 1`` (Schulman's low-variance KL estimator: always
+  >= 0, zero iff ``logp == old``; with tokens sampled from the current policy its mean is
+  ``KL(pi_theta || pi_old)``; the rollouts come from ``pi_old``, so it is that exactly on-policy
+  and a low-variance approximation otherwise).
+- either kind, ``entropy_coef != 0``: ``- entropy_coef * H`` with ``H`` the entropy of the
+  distribution of the row that predicts the target (an entropy bonus).
+
+:func:`objective_loss_reference` computes the same global-batch loss trajectory by trajectory
+from expanded per-position arrays with padded [batch, length] masks; tests use it as the oracle.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..layout import CompactLayout
+from ..tree_data.forest import Forest
+from ..tree_data.trajectory import Trajectory
+
+__all__ = [
+    "OBJECTIVE_KINDS", "LOSS_AGG_MODES", "ObjectiveConfig", "ObjectiveDataError", "BatchNormalizer",
+    "batch_normalizer", "forest_normalizer", "target_scale", "layout_target_scale", "validate_targets",
+    "objective_loss", "objective_loss_reference",
+]
+
+OBJECTIVE_KINDS = ("sft", "ppo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+# ObjectiveConfig field -> the training driver's command-line flag
+_FLAGS = {
+    "kind": "--rl-objective",
+    "clip_ratio_low": "--clip-ratio-low",
+    "clip_ratio_high": "--clip-ratio-high",
+    "kl_coef": "--kl-coef",
+    "entropy_coef": "--entropy-coef",
+    "loss_agg_mode": "--loss-agg-mode",
+}
+# ObjectiveConfig field -> argparse destination of its flag
+_ARG_DEST = {name: flag[2:].replace("-", "_") for name, flag in _FLAGS.items()}
+
+
+# ---------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{_FLAGS[name]} must be a number, got {value!r} (ObjectiveConfig.{name})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{_FLAGS[name]} must be finite, got {value} (ObjectiveConfig.{name})")
+    return value
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """What the loss is (module docstring); every field is validated on construction.
+
+    ``kind``: "sft" or "ppo".  ``clip_ratio_low`` in [0, 1) and ``clip_ratio_high`` >= 0 clip
+    the PPO ratio to ``[1 - low, 1 + high]`` (asymmetric like DAPO's 0.2 / 0.28).  ``kl_coef``
+    >= 0 weighs the k3 KL to the old log-probs; ``entropy_coef`` >= 0 weighs the entropy bonus.
+    ``loss_agg_mode``: one of :data:`LOSS_AGG_MODES`.  Errors name the driver's flag for the
+    field (:meth:`flag`) and the field.
+    """
+    kind: str = "ppo"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    loss_agg_mode: str = "token-mean"
+
+    def __post_init__(self):
+        if self.kind not in OBJECTIVE_KINDS:
+            raise ValueError(f"--rl-objective must be one of {', '.join(OBJECTIVE_KINDS)}, got {self.kind!r} "
+                             f"(ObjectiveConfig.kind)")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"--loss-agg-mode must be one of {', '.join(LOSS_AGG_MODES)}, got "
+                             f"{self.loss_agg_mode!r} (ObjectiveConfig.loss_agg_mode)")
+        low = _number("clip_ratio_low", self.clip_ratio_low)
+        if not 0.0 <= low < 1.0:
+            raise ValueError(f"--clip-ratio-low must be in [0, 1), got {low} (ObjectiveConfig.clip_ratio_low)")
+        for name in ("clip_ratio_high", "kl_coef", "entropy_coef"):
+            v = _number(name, getattr(self, name))
+            if v < 0.0:
+                raise ValueError(f"{_FLAGS[name]} must be >= 0, got {v} (ObjectiveConfig.{name})")
+            object.__setattr__(self, name, v)
+        object.__setattr__(self, "clip_ratio_low", low)
+
+    @staticmethod
+    def flag(name: str) -> str:
+        """The training driver's flag for field ``name`` (e.g. "kind" -> "--rl-objective")."""
+        try:
+            return _FLAGS[name]
+        except KeyError:
+            raise ValueError(f"ObjectiveConfig has no field {name!r}") from None
+
+    @classmethod
+    def from_args(cls, args) -> "ObjectiveConfig":
+        """From parsed driver arguments (``args.rl_objective``, ``args.clip_ratio_low``, ...);
+        missing attributes keep their defaults."""
+        kw = {name: getattr(args, dest) for name, dest in _ARG_DEST.items() if getattr(args, dest, None) is not None}
+        return cls(**kw)
+
+
+class ObjectiveDataError(ValueError):
+    """Targets lack data the objective needs.
+
+    ``field`` is the data field ("advantage" or "old_logprobs"), ``count`` the number of targets
+    lacking it, ``target_index`` the index of the first of them in the targets given, so that
+    the caller can name its trajectory.
+    """
+
+    def __init__(self, message: str, field: str, count: int, target_index: int):
+        super().__init__(message)
+        self.field = field
+        self.count = count
+        self.target_index = target_index
+
+
+# ---------------------------------------------------------------------------
+# global-batch normalisation
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BatchNormalizer:
+    """Loss-token statistics of a step's whole global batch (every microbatch, every rank).
+
+    ``traj_tokens[t]``: loss tokens (targets) of trajectory t, t indexing the step's forest
+    trajectories; ``num_tokens = traj_tokens.sum()``; ``num_sequences``: trajectories with at
+    least one loss token.  Weights do not enter the counts.
+    """
+    traj_tokens: torch.Tensor   # int64 [N]
+    num_tokens: int
+    num_sequences: int
+
+    @property
+    def num_trajectories(self) -> int:
+        return int(self.traj_tokens.shape[0])
+
+    def to(self, device) -> "BatchNormalizer":
+        return BatchNormalizer(self.traj_tokens.to(device), self.num_tokens, self.num_sequences)
+
+
+def _from_counts(counts: np.ndarray) -> BatchNormalizer:
+    counts = np.asarray(counts, dtype=np.int64)
+    return BatchNormalizer(torch.from_numpy(counts.copy()), int(counts.sum()), int((counts > 0).sum()))
+
+
+def batch_normalizer(target_traj, num_trajectories: int) -> BatchNormalizer:
+    """Statistics from the trajectory index of every target of the whole step.
+
+    ``target_traj`` must list each of the step's targets exactly once (e.g. the concatenation of
+    ``layout.traj_forest[layout.target_traj]`` over all microbatches and ranks).
+    """
+    tt = target_traj.detach().cpu().numpy() if isinstance(target_traj, torch.Tensor) else np.asarray(target_traj)
+    tt = tt.reshape(-1)
+    if tt.size and tt.dtype.kind not in "iu":
+        raise ValueError(f"target_traj must hold integer trajectory indices, got dtype {tt.dtype}")
+    if tt.size and (tt.min() < 0 or tt.max() >= num_trajectories):
+        bad = int(tt[(tt < 0) | (tt >= num_trajectories)][0])
+        raise ValueError(f"target_traj: trajectory {bad} out of range [0, {num_trajectories})")
+    return _from_counts(np.bincount(tt.astype(np.int64), minlength=num_trajectories))
+
+
+def forest_normalizer(forest: Forest) -> BatchNormalizer:
+    """Statistics of a step whose global batch is all of ``forest``'s trajectories.
+
+    Reads the loss masks the forest stores (rows plus per-trajectory exceptions): trajectory t's
+    count is the number of its positions ``j >= 1`` with ``loss_mask[j] == 1``, exactly what the
+    layouts of all its microbatches hold as targets.  Linear in rows and segments, plus the path
+    length of each trajectory with loss-mask exceptions.
+    """
+    if not isinstance(forest, Forest):
+        raise ValueError(f"forest must be a Forest, got {type(forest).__name__}")
+    N = forest.num_trajectories
+    row_seg = np.repeat(np.arange(forest.num_segments, dtype=np.int64), forest.seg_length)
+    row_pos = forest.seg_start[row_seg] + np.arange(forest.num_rows, dtype=np.int64) - forest.seg_row[row_seg]
+    is_target = (forest.row_loss_mask == 1) & (row_pos >= 1)
+    seg_count = np.bincount(row_seg, weights=is_target, minlength=forest.num_segments).astype(np.int64)
+    # a trajectory holds every row of every segment on its path; those through s are [lo, hi)
+    diff = np.zeros(N + 1, dtype=np.int64)
+    np.add.at(diff, forest.seg_traj_lo, seg_count)
+    np.add.at(diff, forest.seg_traj_hi, -seg_count)
+    counts = np.cumsum(diff)[:N]
+    exc = forest.exc_loss_mask
+    for t in np.unique(exc.traj).tolist():
+        a, b = np.searchsorted(exc.traj, [t, t + 1])
+        pos, val = exc.pos[a:b], exc.value[a:b]
+        row_val = forest.row_loss_mask[forest.trajectory_rows(t)[pos]]
+        counts[t] += int(((val == 1) & (pos >= 1)).sum()) - int(((row_val == 1) & (pos >= 1)).sum())
+    return _from_counts(counts)
+
+
+def target_scale(normalizer: BatchNormalizer, target_traj: torch.Tensor, target_weight: torch.Tensor,
+                 loss_agg_mode: str) -> torch.Tensor:
+    """Per-target coefficient (float64) such that the global-batch loss is
+    ``sum_i scale_i * per_token_loss_i`` over all the step's targets (formulas in the module
+    docstring).
+
+    ``target_traj`` indexes the normalizer's trajectories (the step's forest, not a layout's
+    local trajectories: see :func:`layout_target_scale`).  A target of a trajectory that the
+    normalizer counts no token for means the normalizer came from another batch: ValueError.
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"--loss-agg-mode must be one of {', '.join(LOSS_AGG_MODES)}, got {loss_agg_mode!r}")
+    if target_traj.dim() != 1 or target_weight.shape != target_traj.shape:
+        raise ValueError(f"target_traj and target_weight must be 1-D of equal length, got "
+                         f"{tuple(target_traj.shape)} and {tuple(target_weight.shape)}")
+    w = target_weight.to(torch.float64)
+    if target_traj.numel() == 0:
+        return w.clone()
+    tt = target_traj.to(torch.int64)
+    n = normalizer.num_trajectories
+    if int(tt.min()) < 0 or int(tt.max()) >= n:
+        bad = int(tt[(tt < 0) | (tt >= n)][0])
+        raise ValueError(f"target_traj: trajectory {bad} out of range [0, {n}) of the batch normalizer")
+    counts = normalizer.traj_tokens.to(tt.device)[tt]
+    if bool((counts == 0).any()):
+        bad = int(tt[counts == 0][0])
+        raise ValueError(f"target_traj: trajectory {bad} has targets here but no loss tokens in the batch "
+                         f"normalizer (built from another step's data?)")
+    if not bool(torch.isfinite(w).all()):
+        i = int(torch.nonzero(~torch.isfinite(w))[0])
+        raise ValueError(f"target_weight: target {i} has weight {float(w[i])}, weights must be finite")
+    if loss_agg_mode == "token-mean":
+        return w / normalizer.num_tokens
+    if loss_agg_mode == "seq-mean-token-mean":
+        return w / (counts.to(torch.float64) * normalizer.num_sequences)
+    return w / normalizer.num_sequences
+
+
+def layout_target_scale(normalizer: BatchNormalizer, layout: CompactLayout, loss_agg_mode: str) -> torch.Tensor:
+    """:func:`target_scale` of a microbatch layout's targets (maps its trajectories to the forest's)."""
+    traj_forest = torch.from_numpy(np.asarray(layout.traj_forest, dtype=np.int64)).to(layout.target_traj.device)
+    return target_scale(normalizer, traj_forest[layout.target_traj], layout.target_weight, loss_agg_mode)
+
+
+# ---------------------------------------------------------------------------
+# the loss
+# ---------------------------------------------------------------------------
+
+def _first_missing(values: torch.Tensor, field: str, why: str) -> None:
+    missing = torch.isnan(values)
+    count = int(missing.sum())
+    if count:
+        i = int(torch.nonzero(missing)[0])
+        raise ObjectiveDataError(
+            f"{count} of {values.shape[0]} targets have no {field} (NaN, first: target {i}), but {why}: the "
+            f"data lacks `{field}` for their trajectories", field, count, i)
+
+
+def validate_targets(config: ObjectiveConfig, old_logprobs: torch.Tensor, advantage: torch.Tensor,
+                     entropy: Optional[torch.Tensor] = None) -> None:
+    """Raise unless the targets carry what ``config`` needs.
+
+    ``ppo`` needs an advantage and an old log-prob per target, ``kl_coef > 0`` old log-probs,
+    ``entropy_coef != 0`` per-target entropies.  Missing data raises :class:`ObjectiveDataError`
+    with the index of the first offending target.
+    """
+    if config.kind == "ppo":
+        _first_missing(advantage, "advantage", "--rl-objective ppo needs one per target")
+        _first_missing(old_logprobs, "old_logprobs", "--rl-objective ppo needs one per target")
+    if config.kl_coef > 0:
+        _first_missing(old_logprobs, "old_logprobs", f"--kl-coef {config.kl_coef} needs one per target")
+    if config.entropy_coef != 0 and entropy is None:
+        raise ValueError(f"--entropy-coef {config.entropy_coef} needs per-target entropies (entropy=...)")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def objective_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage: torch.Tensor,
+                   scale: torch.Tensor, config: ObjectiveConfig,
+                   entropy: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``(loss, terms)`` of one microbatch's targets: ``loss = sum_i scale_i * per_token_loss_i``.
+
+    ``logprobs`` [T]: differentiable current log-probs of the targets; ``old_logprobs`` and
+    ``advantage`` [T]: from the layout (``target_old_logprob``, ``target_advantage``; NaN =
+    absent); ``scale`` [T]: from :func:`target_scale`; ``entropy`` [T] (differentiable or not):
+    entropy of each target's row distribution, required when ``entropy_coef != 0``.
+
+    Invariant: with ``scale`` from the whole step's normalizer, the sum of ``loss`` (and of its
+    gradient) over any partition of the step's targets into microbatches equals the expanded
+    global-batch loss (:func:`objective_loss_reference`), and so does the sum of every term.
+
+    ``terms`` (detached scalars, scaled like the loss, so they sum over microbatches and ranks):
+    "sft_loss" (sft) or "pg_loss" and "clip_fraction" (ppo: weight of targets whose clipped
+    branch is the active one), "kl" (kl_coef > 0, before ``kl_coef``), "entropy" (when given,
+    before ``entropy_coef``).  Computed in float64 for float64 log-probs, float32 otherwise.
+    """
+    if not isinstance(config, ObjectiveConfig):
+        raise ValueError(f"config must be an ObjectiveConfig, got {type(config).__name__}")
+    if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 1 or not logprobs.is_floating_point():
+        raise ValueError("logprobs must be a 1-D floating tensor (one log-prob per target)")
+    T = logprobs.shape[0]
+    named = {"old_logprobs": old_logprobs, "advantage": advantage, "scale": scale}
+    if entropy is not None:
+        named["entropy"] = entropy
+    for name, v in named.items():
+        if not isinstance(v, torch.Tensor) or v.shape != (T,):
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"{name} must be a tensor of shape ({T},) like logprobs, got {shape}")
+    validate_targets(config, old_logprobs, advantage, entropy)
+
+    dt = _compute_dtype(logprobs.dtype)
+    logp = logprobs.to(dt)
+    c = scale.to(device=logp.device, dtype=dt)
+    terms: Dict[str, torch.Tensor] = {}
+    if config.kind == "sft":
+        per_token = -logp
+        terms["sft_loss"] = (c * per_token).sum()
+    else:
+        old = old_logprobs.to(device=logp.device, dtype=dt)
+        adv = advantage.to(device=logp.device, dtype=dt)
+        ratio = torch.exp(logp - old)
+        unclipped = -ratio * adv
+        clipped = -torch.clamp(ratio, 1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high) * adv
+        per_token = torch.maximum(unclipped, clipped)
+        terms["pg_loss"] = (c * per_token).sum()
+        terms["clip_fraction"] = (c * (clipped > unclipped).to(dt)).sum()
+    if config.kl_coef > 0:
+        d = old_logprobs.to(device=logp.device, dtype=dt) - logp
+        kl = torch.exp(d) - d - 1.0
+        per_token = per_token + config.kl_coef * kl
+        terms["kl"] = (c * kl).sum()
+    if entropy is not None:
+        ent = entropy.to(device=logp.device, dtype=dt)
+        if config.entropy_coef != 0:
+            per_token = per_token - config.entropy_coef * ent
+        terms["entropy"] = (c * ent).sum()
+    loss = (c * per_token).sum()
+    return loss, {k: v.detach() for k, v in terms.items()}
+
+
+# ---------------------------------------------------------------------------
+# expanded reference
+# ---------------------------------------------------------------------------
+
+def _padded(rows: Sequence[torch.Tensor], length: int, dtype, device) -> torch.Tensor:
+    """[B, length] with row b = rows[b] followed by zeros (differentiable)."""
+    out = []
+    for r in rows:
+        r = r.to(device=device, dtype=dtype)
+        out.append(torch.cat([r, torch.zeros(length - r.shape[0], dtype=dtype, device=device)]))
+    return torch.stack(out)
+
+
+def objective_loss_reference(trajectories_logprobs: Sequence[torch.Tensor], trajectories: Sequence[Trajectory],
+                             config: ObjectiveConfig,
+                             trajectories_entropy: Optional[Sequence[torch.Tensor]] = None
+                             ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The expanded global-batch loss, trajectory by trajectory (plain reference of
+    :func:`objective_loss` summed over the step's microbatches).
+
+    ``trajectories``: every trajectory of the step, as given (e.g. ``Forest.expand``);
+    ``trajectories_logprobs[b][j]``: current log-prob of token j of trajectory b (values at
+    non-target positions are ignored, NaN allowed); ``trajectories_entropy[b][j]``: entropy of
+    the distribution that predicts token j (ignored likewise).  Builds padded [batch, length]
+    arrays and a loss mask (``loss_mask[j] == 1``, ``j >= 1``) and aggregates like
+    ``loss_agg_mode`` says, weighting each trajectory by its ``weight`` (1.0 when absent).
+    Returns ``(loss, terms)`` with the keys of :func:`objective_loss`.
+    """
+    B = len(trajectories)
+    if len(trajectories_logprobs) != B or (trajectories_entropy is not None and len(trajectories_entropy) != B):
+        raise ValueError("one log-prob (and entropy) array per trajectory is needed")
+    if B == 0:
+        raise ValueError("no trajectories")
+    dt = _compute_dtype(trajectories_logprobs[0].dtype)
+    dev = trajectories_logprobs[0].device
+    L = max(len(tr) for tr in trajectories)
+    mask_rows, old_rows, adv_rows, weights = [], [], [], []
+    for tr in trajectories:
+        n = len(tr)
+        m = torch.as_tensor(tr.loss_mask == 1, dtype=torch.bool)
+        m[0] = False
+        mask_rows.append(m)
+        old = torch.full((n,), math.nan, dtype=torch.float64) if tr.old_logprobs is None \
+            else torch.as_tensor(tr.old_logprobs, dtype=torch.float64)
+        if isinstance(tr.advantage, np.ndarray):
+            adv = torch.as_tensor(tr.advantage, dtype=torch.float64)
+        else:
+            adv = torch.full((n,), math.nan if tr.advantage is None else float(tr.advantage), dtype=torch.float64)
+        needs = []
+        if config.kind == "ppo":
+            needs += [("advantage", adv), ("old_logprobs", old)]
+        if config.kl_coef > 0:
+            needs.append(("old_logprobs", old))
+        for field, v in needs:
+            if bool(torch.isnan(v[m]).any()):
+                raise ValueError(f"trajectory {tr.id!r}: the data lacks `{field}` at a target")
+        old_rows.append(torch.where(m, old, torch.zeros_like(old)))
+        adv_rows.append(torch.where(m, adv, torch.zeros_like(adv)))
+        weights.append(1.0 if tr.weight is None else float(tr.weight))
+    mask = torch.stack([torch.cat([m, torch.zeros(L - m.shape[0], dtype=torch.bool)]) for m in mask_rows]).to(dev)
+    # non-target positions are replaced (not multiplied) by 0, so NaN there never reaches a gradient
+    logp = _padded([torch.where(m.to(dev), lp.to(dt), torch.zeros((), dtype=dt, device=dev))
+                    for m, lp in zip(mask_rows, trajectories_logprobs)], L, dt, dev)
+    old = _padded(old_rows, L, dt, dev)
+    adv = _padded(adv_rows, L, dt, dev)
+    fmask = mask.to(dt)
+    weight = torch.tensor(weights, dtype=dt, device=dev)
+
+    def aggregate(values: torch.Tensor) -> torch.Tensor:
+        tokens = fmask.sum(dim=1)
+        has = tokens > 0
+        if config.loss_agg_mode == "token-mean":
+            return (weight[:, None] * values * fmask).sum() / fmask.sum()
+        per_seq = (values * fmask).sum(dim=1)
+        if config.loss_agg_mode == "seq-mean-token-mean":
+            per_seq = torch.where(has, per_seq / torch.where(has, tokens, torch.ones_like(tokens)),
+                                  torch.zeros_like(per_seq))
+        return (weight * per_seq)[has].sum() / has.sum()
+
+    terms: Dict[str, torch.Tensor] = {}
+    if config.kind == "sft":
+        loss_tok = -logp
+        terms["sft_loss"] = aggregate(loss_tok)
+    else:
+        ratio = torch.exp(logp - old)
+        lo, hi = 1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high
+        bounded = torch.where(ratio < lo, torch.full_like(ratio, lo), torch.where(ratio > hi, torch.full_like(ratio, hi),
+                                                                                  ratio))
+        loss_tok = -torch.minimum(ratio * adv, bounded * adv)
+        terms["pg_loss"] = aggregate(loss_tok)
+        terms["clip_fraction"] = aggregate((bounded * adv < ratio * adv).to(dt))
+    if config.kl_coef > 0:
+        log_r = old - logp
+        kl = torch.exp(log_r) - log_r - 1.0
+        loss_tok = loss_tok + config.kl_coef * kl
+        terms["kl"] = aggregate(kl)
+    if trajectories_entropy is not None:
+        ent = _padded([torch.where(m.to(dev), e.to(dt), torch.zeros((), dtype=dt, device=dev))
+                       for m, e in zip(mask_rows, trajectories_entropy)], L, dt, dev)
+        loss_tok = loss_tok - config.entropy_coef * ent
+        terms["entropy"] = aggregate(ent)
+    elif config.entropy_coef != 0:
+        raise ValueError(f"--entropy-coef {config.entropy_coef} needs per-position entropies")
+    return aggregate(loss_tok), {k: v.detach() for k, v in terms.items()}
