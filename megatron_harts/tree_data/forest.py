@@ -187,30 +187,83 @@ class Forest:
 
     # ---- per-tree views -------------------------------------------------------
     def tree(self, i: int) -> "Forest":
-        """Tree ``i`` as a forest of its own (tree-local indices)."""
-        if not 0 <= i < self.num_trees:
-            raise IndexError(f"tree {i} out of range [0, {self.num_trees})")
-        s0, s1 = int(self.tree_offsets[i]), int(self.tree_offsets[i + 1])
-        r0 = int(self.seg_row[s0])
-        r1 = int(self.seg_row[s1 - 1] + self.seg_length[s1 - 1])
-        t0, t1 = int(self.seg_traj_lo[s0]), int(self.seg_traj_hi[s0])
-        parent = self.seg_parent[s0:s1].copy()
-        parent[parent >= 0] -= s0
+        """Tree ``i`` as a forest of its own (tree-local indices; arrays are views)."""
+        return self.select([i])
+
+    def select(self, trees: Sequence[int]) -> "Forest":
+        """The listed trees, in the given order, as one forest with re-based indices.
+
+        Tree ``k`` of the result is tree ``trees[k]`` of ``self``: its segments, rows,
+        trajectories and exception entries are copied in order and every index into them
+        (``seg_parent``, ``seg_row``, ``seg_traj_lo/hi``, ``traj_leaf``, ``tree_offsets``, the
+        exceptions' trajectory column) is re-based.  Trajectory ids, groups and parent links
+        are kept as they are.  Work is vectorized and linear in the selected rows, segments,
+        trajectories and exception entries (on a memory-mapped forest only their bytes are
+        read).  A single tree comes back as views (``tree(i)``); several as copies.
+
+        Raises ``IndexError`` for a tree out of range and ``ValueError`` for a tree listed
+        twice (its trajectory ids would repeat).
+        """
+        idx = np.asarray(trees)
+        if idx.size == 0:
+            idx = np.zeros(0, dtype=np.int64)
+        if idx.ndim != 1 or idx.dtype.kind not in "iu":
+            raise TypeError(f"trees must be a sequence of integers, got {trees!r}")
+        idx = idx.astype(np.int64, copy=False)
+        n = self.num_trees
+        bad = np.flatnonzero((idx < 0) | (idx >= n))
+        if bad.size:
+            raise IndexError(f"tree {int(idx[bad[0]])} out of range [0, {n})")
+        if idx.size > 1:
+            srt = np.sort(idx)
+            dup = np.flatnonzero(srt[1:] == srt[:-1])
+            if dup.size:
+                raise ValueError(f"tree {int(srt[dup[0]])} listed twice")
+        off = self.tree_offsets.astype(np.int64, copy=False)
+        s0, s1 = off[idx], off[idx + 1]
+        last = s1 - 1
+        seg_row = self.seg_row.astype(np.int64, copy=False)
+        r0 = seg_row[s0]
+        r1 = seg_row[last] + self.seg_length[last].astype(np.int64) if idx.size else r0
+        t0 = self.seg_traj_lo[s0].astype(np.int64)
+        t1 = self.seg_traj_hi[s0].astype(np.int64)
+        seg_sel, ns, new_s0 = _ranges(s0, s1)
+        row_sel, _, new_r0 = _ranges(r0, r1)
+        traj_sel, nt, new_t0 = _ranges(t0, t1)
+        seg_shift = np.repeat(new_s0 - s0, ns)      # old segment -> new segment, per segment
+        traj_seg_shift = np.repeat(new_s0 - s0, nt)
+        row_shift = np.repeat(new_r0 - r0, ns)
+        traj_shift_seg = np.repeat(new_t0 - t0, ns)
+
+        def rebase(arr, sel, shift):
+            v = arr[sel]
+            return (v + shift).astype(v.dtype, copy=False)
+
+        parent = self.seg_parent[seg_sel]
+        parent = np.where(parent >= 0, parent + seg_shift, parent).astype(parent.dtype, copy=False)
+        tree_offsets = np.zeros(idx.size + 1, dtype=np.int64)
+        np.cumsum(ns, out=tree_offsets[1:])
+        if isinstance(traj_sel, slice):
+            pick = lambda lst: lst[traj_sel]  # noqa: E731
+        else:
+            order = traj_sel.tolist()
+            pick = lambda lst: [lst[t] for t in order]  # noqa: E731
         return Forest(
-            tokens=self.tokens[r0:r1], row_loss_mask=self.row_loss_mask[r0:r1],
-            row_old_logprobs=self.row_old_logprobs[r0:r1], row_advantage=self.row_advantage[r0:r1],
-            seg_parent=parent, seg_start=self.seg_start[s0:s1], seg_length=self.seg_length[s0:s1],
-            seg_row=self.seg_row[s0:s1] - r0, seg_traj_lo=self.seg_traj_lo[s0:s1] - t0,
-            seg_traj_hi=self.seg_traj_hi[s0:s1] - t0,
-            tree_offsets=np.array([0, s1 - s0], dtype=np.int64),
-            traj_ids=self.traj_ids[t0:t1], traj_leaf=self.traj_leaf[t0:t1] - s0,
-            traj_length=self.traj_length[t0:t1], traj_has_old_logprobs=self.traj_has_old_logprobs[t0:t1],
-            traj_adv_kind=self.traj_adv_kind[t0:t1], traj_advantage=self.traj_advantage[t0:t1],
-            traj_reward=self.traj_reward[t0:t1], traj_weight=self.traj_weight[t0:t1],
-            traj_group=self.traj_group[t0:t1], traj_parent=self.traj_parent[t0:t1],
-            exc_loss_mask=self.exc_loss_mask.slice_traj(t0, t1),
-            exc_old_logprobs=self.exc_old_logprobs.slice_traj(t0, t1),
-            exc_advantage=self.exc_advantage.slice_traj(t0, t1),
+            tokens=self.tokens[row_sel], row_loss_mask=self.row_loss_mask[row_sel],
+            row_old_logprobs=self.row_old_logprobs[row_sel], row_advantage=self.row_advantage[row_sel],
+            seg_parent=parent, seg_start=self.seg_start[seg_sel], seg_length=self.seg_length[seg_sel],
+            seg_row=rebase(self.seg_row, seg_sel, row_shift),
+            seg_traj_lo=rebase(self.seg_traj_lo, seg_sel, traj_shift_seg),
+            seg_traj_hi=rebase(self.seg_traj_hi, seg_sel, traj_shift_seg),
+            tree_offsets=tree_offsets,
+            traj_ids=pick(self.traj_ids), traj_leaf=rebase(self.traj_leaf, traj_sel, traj_seg_shift),
+            traj_length=self.traj_length[traj_sel], traj_has_old_logprobs=self.traj_has_old_logprobs[traj_sel],
+            traj_adv_kind=self.traj_adv_kind[traj_sel], traj_advantage=self.traj_advantage[traj_sel],
+            traj_reward=self.traj_reward[traj_sel], traj_weight=self.traj_weight[traj_sel],
+            traj_group=pick(self.traj_group), traj_parent=pick(self.traj_parent),
+            exc_loss_mask=_select_exceptions(self.exc_loss_mask, t0, t1, new_t0),
+            exc_old_logprobs=_select_exceptions(self.exc_old_logprobs, t0, t1, new_t0),
+            exc_advantage=_select_exceptions(self.exc_advantage, t0, t1, new_t0),
         )
 
     # ---- statistics -----------------------------------------------------------
@@ -228,6 +281,33 @@ class Forest:
             "max_depth": int(self.seg_depth.max()) if self.num_segments else 0,
             "max_trajectory_tokens": int(self.traj_length.max()) if self.num_trajectories else 0,
         }
+
+
+def _ranges(lo: np.ndarray, hi: np.ndarray):
+    """Concatenation of the index ranges ``[lo[k], hi[k])``.
+
+    Returns (selector, lengths, new starts): the selector is a slice for a single range (so
+    indexing gives views) and an int64 index array otherwise.
+    """
+    lengths = (hi - lo).astype(np.int64, copy=False)
+    starts = np.zeros(lengths.shape[0], dtype=np.int64)
+    if lengths.shape[0] > 1:
+        np.cumsum(lengths[:-1], out=starts[1:])
+    if lengths.shape[0] == 1:
+        return slice(int(lo[0]), int(hi[0])), lengths, starts
+    total = int(lengths.sum())
+    sel = np.arange(total, dtype=np.int64) + np.repeat(lo.astype(np.int64) - starts, lengths)
+    return sel, lengths, starts
+
+
+def _select_exceptions(exc: Exceptions, t0: np.ndarray, t1: np.ndarray, new_t0: np.ndarray) -> Exceptions:
+    """Entries of trajectory ranges ``[t0[k], t1[k])``, in that order, re-based to ``new_t0[k]``."""
+    a = np.searchsorted(exc.traj, t0)
+    b = np.searchsorted(exc.traj, t1)
+    sel, counts, _ = _ranges(a, b)
+    traj = exc.traj[sel]
+    traj = (traj + np.repeat(new_t0 - t0, counts)).astype(traj.dtype, copy=False)
+    return Exceptions(traj, exc.pos[sel], exc.value[sel])
 
 
 # ---------------------------------------------------------------------------
