@@ -1,0 +1,1550 @@
+"""Command-line arguments of ``pretrain_tree_gpt.py`` (Megatron-LM's flag names, plus tree sharing).
+
+``pretrain_tree_gpt.py`` replaces Megatron-LM's ``pretrain_gpt.py`` for hybrid KDA/MLA MoE
+models trained on rollout trees, on megatron-core alone.  Launch scripts keep their flags:
+wherever Megatron-LM has a flag we accept it under the same name, type and meaning.  Every
+command-line word ends up in exactly one of four places:
+
+- a flag we support: parsed as Megatron-LM parses it (a few defaults differ, listed below);
+- a Megatron-LM flag we do not support (``MEGATRON_LM_FLAGS``, the option names of Megatron-LM
+  core_v0.16.1 and of its main branch, extracted from ``megatron/training/arguments.py``):
+  ``harts-pretrain: --X is a Megatron-LM flag that megatron_harts does not support (reason)``;
+  some of those are accepted with their default or a harmless value only
+  (``--context-parallel-size 1``, ``--micro-batch-size 1``, ``--tokenizer-type NullTokenizer``,
+  ``--ckpt-format torch_dist``, ``--transformer-impl local``, ``--eval-iters 0``, ...);
+- anything else: ``harts-pretrain: unrecognized arguments: --foo --bar`` (all of them);
+- ``--help``: the flags by group, then exit 0.
+
+Every refusal is an ``ArgumentsError`` (a ValueError) raised by ``parse_args``;
+``parse_args_or_exit`` prints it as one ``error:`` line and exits with status 2.
+
+Defaults that differ from Megatron-LM's (its default has no path here, or contradicts the model):
+``--normalization RMSNorm``; ``--position-embedding-type none`` (Kimi-Linear's MLA is NoPE;
+``rope`` applies plain RoPE to the ``--qk-pos-emb-head-dim`` dims); ``--attention-dropout 0``
+and ``--hidden-dropout 0`` (tree sharing needs no dropout: a shared row and its per-trajectory
+copies would draw different masks); ``--micro-batch-size 1``; ``--linear-attention-freq 4``
+(Kimi-Linear's 3 KDA : 1 MLA; Megatron-LM only reads it with an experimental attention
+variant); linear-attention head count defaults to ``--num-attention-heads`` (Megatron-LM's 16
+key / 32 value heads are unequal, which KDA cannot do).  ``--vocab-size`` is the model's
+vocabulary: unlike Megatron-LM's NullTokenizer no EOD id is added (trajectories are token ids);
+``padded_vocab_size`` pads it to a multiple of ``--make-vocab-size-divisible-by`` x TP as
+Megatron-LM does.  ``--sequence-parallel`` at ``--tensor-model-parallel-size 1`` is turned off
+with a warning, as Megatron-LM does.  ``--global-batch-size`` counts trajectories.  ``--data-path``
+takes one dataset prefix or trajectory file (weighted blends are refused); ``--split`` is accepted
+for train-only splits (``100,0,0``) since there is no evaluation.  ``--save`` needs
+``--save-interval`` and the reverse.  Fusion switch-offs (``--no-masked-softmax-fusion``, ...)
+and ``--use-mcore-models`` are accepted without effect: nothing is fused, models are megatron-core.
+
+Hybrid pattern: ``--linear-attention-freq N`` makes every N-th layer (1-based) full attention
+(MLA) and the others linear attention (KDA), as in Megatron-LM; a list pattern such as
+``"([1]*3+[0]*1)*6"`` gives one entry per layer, 1 = KDA, 0 = MLA.  ``--moe-layer-freq N``:
+layer i (0-based) is MoE iff ``i % N == 0``; a list pattern, 1 = MoE, 0 = dense
+(``"([0]+[1]*23)"``: a dense first layer).  Full-attention layers are always MLA
+(``--multi-latent-attention`` is implied and may be given).  KDA has one head count and one
+head dim for keys and values: ``--linear-num-key-heads``/``--linear-num-value-heads`` (and the
+head-dim pair) must agree; when one of a pair is given the other follows it.
+
+Tree sharing (our flags): ``--tree-sharing {off,within,windows}`` (default within).  ``off`` is
+expanded training: whole trajectories packed first-fit-decreasing (planner ``ffd``, the only one
+allowed).  ``within`` shares prefixes inside a microbatch: planner ``l1`` (default) or ``ortools``
+(the OR-Tools + FFD baseline over trees; needs the ``ortools`` package when planning).
+``windows`` adds cross-microbatch sharing windows: planner ``l1l2`` (default and only choice),
+pipeline size 1 for now.  ``--tree-microbatch-tokens`` is the row budget of a microbatch
+(default ``--seq-length``, Megatron-LM's tokens per microbatch at micro-batch size 1).
+``--tree-kda-backend`` / ``--tree-attention-backend`` default to ``auto``: fla / flex on CUDA
+(not with ``--fp64``), reference / sdpa otherwise; ``fla`` and ``flex`` need CUDA, checked when
+the model config is built (``hybrid_config``), not at parse time.
+
+Namespace attributes the driver reads besides Megatron-LM's names: ``params_dtype`` (torch
+dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linear_num_heads``,
+``linear_head_dim``, ``data_path`` (one string, or None), ``tree_sharing``, ``tree_mode``
+(sharing != off), ``tree_planner`` (resolved), ``tree_microbatch_tokens`` (resolved),
+``tree_chunk_size``, ``no_tree_replay`` / ``tree_replay`` (its negation), ``tree_kda_backend``, ``tree_attention_backend`` (maybe
+``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``, ``tree_cost_calibration``,
+``tree_dataset_shuffle``, ``rl_objective``, ``clip_ratio_low``, ``clip_ratio_high``,
+``kl_coef``, ``entropy_coef``, ``loss_agg_mode`` (``objective_kwargs`` gathers the last six).
+Resolved like Megatron-LM does: ``ffn_hidden_size``, ``moe_ffn_hidden_size``,
+``expert_tensor_parallel_size``, ``lr_decay_iters``, ``start_weight_decay``/``end_weight_decay``,
+``max_position_embeddings``, ``num_experts`` (0 -> None), single-entry
+``moe_router_load_balancing_type`` / ``moe_aux_loss_coeff`` lists -> scalars.
+
+Builders: ``hybrid_config`` (HybridConfig, validated by ``models.model.validate_config``),
+``optimizer_config``, ``ddp_config``, ``scheduler_kwargs`` (OptimizerParamScheduler's arguments;
+its steps count iterations: step it by 1 per iteration), ``data_parallel_size``,
+``cost_model``, ``objective_kwargs``.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import math
+import os
+import re
+import signal
+import sys
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..cli import CliError
+
+__all__ = [
+    "ArgumentsError", "ArgumentsWarning", "MEGATRON_LM_FLAGS", "OWN_FLAGS", "TREE_SHARING_MODES",
+    "TREE_PLANNERS", "PLANNERS_BY_SHARING", "build_parser", "parse_args", "parse_args_or_exit",
+    "hybrid_config", "optimizer_config", "ddp_config", "scheduler_kwargs", "data_parallel_size",
+    "padded_vocab_size", "cost_model", "objective_kwargs", "resolved_backends", "supported_flags",
+    "unsupported_reason", "GROUP_TITLES",
+]
+
+PROG = "harts-pretrain"
+
+
+class ArgumentsError(CliError, ValueError):
+    """A refused command line; the message names the flag(s).  ``megatron_harts.cli.run`` and
+    ``parse_args_or_exit`` print it as one ``error:`` line (exit status 2)."""
+
+
+class ArgumentsWarning(UserWarning):
+    """A flag changed or overridden the way Megatron-LM does it (e.g. --sequence-parallel at TP 1)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-LM's option names (interface facts, extracted at development time by building the
+# parser of megatron/training/arguments.py (add_megatron_arguments) at NVIDIA/Megatron-LM tags
+# core_v0.16.1 (the megatron-core release we run on) and main @ d98e8a64 (2026-08-22), union of
+# both, "--" stripped).
+# ---------------------------------------------------------------------------------------------
+MEGATRON_LM_SOURCES = ("NVIDIA/Megatron-LM core_v0.16.1", "NVIDIA/Megatron-LM main@d98e8a64ddf3")
+
+_MEGATRON_LM_FLAG_NAMES = """
+account-for-embedding-in-pipeline-split account-for-loss-in-pipeline-split
+accumulate-allreduce-grads-in-fp32 activation-func-clamp-value activation-offload-fraction
+adam-beta1 adam-beta2 adam-eps add-qkv-bias adlr-autoresume adlr-autoresume-interval
+allow-ambiguous-pad-tokens app-tag-run-name app-tag-run-version apply-layernorm-1p
+apply-query-key-layer-scaling apply-residual-connection-post-layernorm apply-wd-to-qk-layernorm
+async-ckpt-cpu-priority async-ckpt-io-priority async-ckpt-use-cpu-shm async-save async-strategy
+attention-backend attention-dropout attention-output-gate attention-softmax-in-fp32
+auto-detect-ckpt-format batch-invariant-backend batch-invariant-mode batch-size bert-embedder-type
+bert-load bert-no-binary-head bf16 biencoder-projection-dim biencoder-shared-query-context-model
+block-data-path cache-mla-latents calc-ft-timeouts calculate-per-token-loss chat-template
+check-for-large-grads check-for-spiky-loss check-weight-hash-across-dp-replicas-interval
+checkpoint-activations ckpt-assume-constant-structure ckpt-convert-format ckpt-convert-save
+ckpt-convert-update-legacy-dist-opt-format ckpt-drop-redundant-extra-state ckpt-format
+ckpt-fully-parallel-load ckpt-fully-parallel-load-exchange-algo
+ckpt-fully-parallel-load-per-rank-objects ckpt-fully-parallel-load-process-group
+ckpt-fully-parallel-save ckpt-fully-parallel-save-process-group ckpt-pg-tensors-cache-create
+ckpt-pg-tensors-cache-path ckpt-step classes-fraction clip-grad config-logger-dir
+context-parallel-size cp-comm-type cpu-offloading-num-layers
+cpu-offloading-retain-pinned-cpu-buffers create-all-gather-group cross-entropy-fusion-impl
+cross-entropy-loss-fusion cuda-graph-impl cuda-graph-modules cuda-graph-scope
+cuda-graph-warmup-steps data-args-path data-cache-path data-parallel-random-init
+data-parallel-sharding-strategy data-path data-per-class-fraction dataloader-defer-npy-index-mmap
+dataloader-fast-cache-load dataloader-inter-document-masking dataloader-type
+ddp-average-in-collective ddp-bucket-size ddp-num-buckets ddp-pad-buckets-for-high-nccl-busbw
+ddp-param-name-patterns-for-fp32-local-accumulation ddp-reduce-scatter-with-fp32-accumulation
+decode-only-cuda-graphs decoder-first-pipeline-num-layers decoder-last-pipeline-num-layers
+decoder-num-layers decoder-seq-length decoupled-lr decoupled-min-lr decrease-batch-size-if-needed
+defer-embedding-wgrad-compute delay-offload-until-cuda-graph delay-wgrad-compute
+delta-offload-bytes-across-pp-ranks deterministic-mode dino-bottleneck-size dino-freeze-last-layer
+dino-head-hidden-size dino-local-crops-number dino-local-img-size dino-norm-last-layer
+dino-teacher-temp dino-warmup-teacher-temp dino-warmup-teacher-temp-epochs disable-align-grad-reduce
+disable-async-tensor-model-parallel-allreduce disable-bf16-reduced-precision-matmul
+disable-bias-linear disable-chunked-prefill disable-ckpt-fully-parallel-save
+disable-ckpt-load-validate-sharding-integrity disable-clone-scatter-output-in-embedding
+disable-dsa-indexer-rotate-activation disable-dsa-indexer-scoring-relu
+disable-flight-recorder-dump-on-timeout disable-flight-recorder-extra-dump-on-exec
+disable-flight-recorder-include-only-active disable-fp8-wgrad disable-gloo-process-groups
+disable-jit-fuser disable-log-loss-scale-to-tensorboard disable-mamba-mem-eff-path
+disable-manual-gc-eval disable-msc disable-pad-vocab-size disable-save-tokenizer-assets
+disable-straggler-on-startup disable-strict-fsdp-dtensor-load disable-symmetric-registration
+disable-tokenizer-sentencepiece-ignore-extra-whitespaces disable-tp-comm-bulk-dgrad
+disable-tp-comm-bulk-wgrad disable-tp-comm-overlap-ag disable-tp-comm-overlap-rs
+disable-tp-comm-split-ag disable-tp-comm-split-rs disable-use-tokenizer-model-from-checkpoint-args
+dist-ckpt-format dist-ckpt-optim-fully-reshardable dist-ckpt-save-pre-mcore-014 dist-ckpt-strictness
+dist-ckpt-workers distrib-optim-fully-reshardable-mem-efficient distribute-saved-activations
+distributed-backend distributed-timeout-minutes distributed-timeout-seconds-after-init
+dsa-indexer-head-dim dsa-indexer-k-norm-epsilon dsa-indexer-k-norm-fp32 dsa-indexer-loss-coeff
+dsa-indexer-n-heads dsa-indexer-rope-interleaved dsa-indexer-skip-topk-offset dsa-indexer-topk
+dsa-indexer-topk-freq dsa-indexer-use-sparse-loss dsa-kernel-backend dump-param-to-param-group-map
+embedding-init-method-std embedding-path empty-unused-memory-level enable-chunked-prefill
+enable-cuda-graph enable-experimental enable-ft-package enable-full-sharding-in-hsdp
+enable-mhc-connections enable-msc encoder-num-layers encoder-seq-length end-weight-decay
+eod-mask-loss ep-overlap-early-attn-memory-release error-injection-rate error-injection-type
+eval-global-batch-size eval-interval eval-iters eval-micro-batch-size evidence-data-path
+exit-duration-in-mins exit-interval exit-on-missing-checkpoint exit-signal exit-signal-handler
+exit-signal-handler-for-dataloader exit-signal-handler-for-training exp-avg-dtype exp-avg-sq-dtype
+experimental-attention-variant expert-model-parallel-size expert-tensor-parallel-num-weight-shards
+expert-tensor-parallel-size external-cuda-graph fake-process-group
+fault-injector-delay-start-iteration fault-injector-fault-delay fault-injector-fault-probabilities
+fault-injector-fault-types fault-injector-mtti-seconds fault-injector-num-ranks
+fault-injector-offset-seconds fault-injector-ranks fault-injector-seed ffn-hidden-size fim-data
+fim-eod-token fim-fragment-rate fim-middle-token fim-no-prefix fim-pad-token fim-prefix-token
+fim-rate fim-split-sample fim-spm-rate fim-suffix-token fine-grained-activation-offloading
+fine-grained-offloading-max-inflight-offloads finetune first-last-layers-bf16
+flash-attention-version flash-decode flight-recorder-dump-path flight-recorder-include-stack-trace
+flight-recorder-trace-buffer-size fp16 fp16-lm-cross-entropy fp32-residual-connection fp4-format
+fp4-param-gather fp4-quantizer-factory fp4-recipe fp8-amax-compute-algo fp8-amax-history-len
+fp8-format fp8-interval fp8-margin fp8-output-proj fp8-param-gather fp8-quantizer-factory fp8-recipe
+freeze-all-layers fsdp-db-use-persist-buf-on-alloc-fail fsdp-double-buffer fsdp-manual-registration
+ft-num-warmup-iters full-validation fused-residual-rmsnorm gdp-cutedsl-kernel
+gdp-num-chunk-states-to-recompute gdp-num-householder global-batch-size glu-linear-offset
+gpu-sniff-test-interval grad-reduce-in-bf16 group-query-attention grpo-clamp-eps-lower
+grpo-clamp-eps-upper grpo-entropy-term-weight grpo-filter-groups-with-same-reward grpo-group-size
+grpo-iterations grpo-kl-beta grpo-prompts-per-step gtp-expert-remat-nccl-ub gtp-remat-nccl-ub
+gtp-remat-opt-in-modules gtp-remat-reduce-scatter-with-fp32-accumulation head-lr-mult
+heterogeneous-layers-config-encoded-json heterogeneous-layers-config-path hidden-dropout hidden-size
+hierarchical-context-parallel-sizes high-priority-a2a-comm-stream high-priority-stream-groups
+hybrid-attention-ratio hybrid-context-parallel hybrid-layer-pattern hybrid-mlp-ratio
+hybrid-override-pattern hysteresis ict-head-size ict-load img-h img-w indexer-batch-size
+indexer-log-interval inference-batch-times-seqlen-threshold inference-coordinator-port
+inference-cuda-graph-all-prefills inference-cuda-graph-max-tokens inference-cuda-graph-scope
+inference-disable-ep-consensus inference-disable-triton-nvls-kernels inference-dynamic-batching
+inference-dynamic-batching-async-sched-mode inference-dynamic-batching-block-size
+inference-dynamic-batching-buffer-size-gb inference-dynamic-batching-cuda-graph-max-tokens
+inference-dynamic-batching-cuda-graph-mixed-prefill-count
+inference-dynamic-batching-cuda-graph-sizing-distribution inference-dynamic-batching-logprobs-mode
+inference-dynamic-batching-mamba-memory-ratio inference-dynamic-batching-max-requests
+inference-dynamic-batching-max-tokens inference-dynamic-batching-num-cuda-graphs
+inference-dynamic-batching-paused-buffer-size-gb inference-dynamic-batching-prefix-caching
+inference-dynamic-batching-prefix-caching-coordinator-policy
+inference-dynamic-batching-prefix-caching-eviction-policy
+inference-dynamic-batching-prefix-caching-mamba-gb
+inference-dynamic-batching-prefix-caching-routing-alpha inference-dynamic-batching-sampling-backend
+inference-dynamic-batching-track-generated-token-events
+inference-dynamic-batching-track-paused-request-events
+inference-dynamic-batching-unified-memory-level inference-fuse-tp-communication
+inference-grouped-gemm-backend inference-logging-step-interval inference-max-batch-size
+inference-max-requests inference-max-seq-length inference-moe-disable-fused-quant-kernels
+inference-moe-token-dispatcher-type inference-rng-tracker inference-shards
+inference-text-gen-server-logging inference-use-synchronous-zmq-collectives inference-wandb-logging
+init-method-std init-method-xavier-uniform init-model-with-meta-device initial-loss-scale
+inprocess-active-world-size inprocess-barrier-timeout inprocess-completion-timeout
+inprocess-empty-cuda-cache inprocess-granularity inprocess-hard-timeout inprocess-heartbeat-interval
+inprocess-heartbeat-timeout inprocess-last-call-wait inprocess-max-iterations
+inprocess-monitor-process-interval inprocess-monitor-thread-interval
+inprocess-progress-watchdog-interval inprocess-restart inprocess-soft-timeout
+inprocess-termination-grace-time is-hybrid-model iter-per-epoch iterations-to-skip
+keep-fp8-transpose-cache kitchen-attention-backend kv-channels kv-lora-rank langrl-env-config
+langrl-external-server langrl-inference-server-conversation-template langrl-inference-server-type
+lazy-mpu-init legacy-tokenizer linear-attention-freq linear-conv-kernel-dim linear-key-head-dim
+linear-num-key-heads linear-num-value-heads linear-value-head-dim lion-beta1 lion-beta2 load
+load-main-params-from-ckpt local-rank log-device-memory-used log-energy log-interval
+log-max-attention-logit log-memory-interval log-memory-to-tensorboard log-num-zeros-in-grad
+log-params-norm log-progress log-straggler log-throughput log-timers-to-tensorboard
+log-validation-ppl-to-tensorboard log-world-size-to-tensorboard logging-level
+logits-load-decode-threads logits-load-dir logits-load-ignore-errors logits-load-kd-loss-alpha
+logits-load-msc-prefetch-depth logits-load-prefetch-factor logits-save-dir logits-save-dtype
+logits-save-top-k logits-save-top-p logits-save-top-p-min-k loss-scale loss-scale-window lr
+lr-decay-iters lr-decay-samples lr-decay-style lr-warmup-fraction lr-warmup-init lr-warmup-iters
+lr-warmup-samples lr-wsd-decay-iters lr-wsd-decay-samples lr-wsd-decay-style main-grads-dtype
+main-params-dtype make-vocab-size-divisible-by mamba-head-dim mamba-inference-conv-states-dtype
+mamba-inference-ssm-states-dtype mamba-num-groups mamba-num-heads mamba-state-dim
+mamba-training-ssm-states-dtype manual-gc manual-gc-interval mask-factor mask-prob mask-type
+max-position-embeddings max-seqlen-per-dp-cp-rank max-tokens-to-oom
+megatron-fsdp-enable-fine-grained-param-gather megatron-fsdp-grad-comm-dtype
+megatron-fsdp-main-grads-dtype megatron-fsdp-main-params-dtype megatron-fsdp-max-pool-double-buffer
+megatron-fsdp-version memory-snapshot-path merge-file mhc-init-gating-factor
+mhc-num-residual-streams mhc-recompute-layer-num mhc-sinkhorn-iterations micro-batch-size
+microbatch-group-size-per-virtual-pipeline-stage mid-level-dataset-surplus min-loss-scale min-lr
+min-offloaded-tensor-size mla-down-proj-fusion mlp-chunks-for-prefill mlp-chunks-for-training
+mock-data model-parallel-size moe-apply-probs-on-input moe-aux-loss-coeff moe-combine-bwd-dtype
+moe-deepep-num-sms moe-dispatch-fwd-dtype moe-enable-deepep moe-enable-routing-replay
+moe-expert-capacity-factor moe-expert-rank-capacity-factor moe-extended-tp moe-ffn-hidden-size
+moe-flex-dispatcher-backend moe-flex-dispatcher-num-sms moe-grouped-gemm
+moe-hybridep-num-blocks-permute moe-hybridep-num-blocks-unpermute moe-hybridep-num-sms
+moe-hybridep-num-sms-preprocessing moe-hybridep-pad-uneven-dispatch-inputs moe-input-jitter-eps
+moe-latent-size moe-layer-freq moe-layer-recompute moe-mlp-glu-interleave-size moe-ncclep-zero-copy
+moe-pad-expert-input-to-capacity moe-pad-experts-for-cuda-graph-inference moe-paged-stash
+moe-paged-stash-buffer-size-factor-cpu moe-paged-stash-buffer-size-factor-cuda
+moe-paged-stash-page-size moe-per-layer-logging moe-permute-fusion moe-permute-fusion-into-hybridep
+moe-router-bias-update-rate moe-router-dtype moe-router-enable-expert-bias moe-router-force-biased
+moe-router-force-load-balancing moe-router-fusion moe-router-group-topk
+moe-router-load-balancing-type moe-router-num-groups moe-router-padding-for-fp8
+moe-router-padding-for-quantization moe-router-pre-softmax moe-router-quantile-balancing-ema
+moe-router-score-function moe-router-topk moe-router-topk-scaling-factor
+moe-routing-trace-capture-hidden-states moe-routing-trace-capture-logits
+moe-routing-trace-dump-weights moe-routing-trace-max-training-iters moe-routing-trace-path
+moe-shared-expert-gate moe-shared-expert-glu-interleave-size moe-shared-expert-intermediate-size
+moe-shared-expert-overlap moe-single-grouped-bias moe-single-grouped-weight
+moe-token-dispatcher-type moe-token-drop-policy moe-upcycling-granularity moe-use-grouped-tensor
+moe-use-legacy-grouped-gemm moe-use-upcycling moe-z-loss-coeff mrope-section mscale mscale-all-dim
+mtp-detach-heads mtp-hsm mtp-hybrid-override-pattern mtp-loss-scaling-factor mtp-num-layers
+mtp-standalone mtp-use-repeated-layer multi-latent-attention multiple-validation-sets
+muon-coefficient-type muon-extra-scale-factor muon-fp32-matmul-prec muon-momentum muon-nesterov
+muon-no-split-qkv muon-num-ns-steps muon-scalar-optimizer muon-scale-mode muon-tp-mode
+muon-use-nesterov muon-use-syrk mup-attn-scale-power mup-base-head-dim mup-base-hidden-size
+mup-embedding-mult mup-output-mult mup-width-mult nccl-all-reduce-for-prefill
+nccl-communicator-config-path no-align-grad-reduce no-align-param-gather
+no-async-tensor-model-parallel-allreduce no-barrier-with-level-1-timing no-bias-dropout-fusion
+no-bias-gelu-fusion no-bias-swiglu-fusion no-check-for-nan-in-loss-and-grad
+no-ckpt-fully-parallel-save no-ckpt-load-validate-sharding-integrity
+no-clone-scatter-output-in-embedding no-create-attention-mask-in-dataloader no-data-sharding
+no-dsa-indexer-rotate-activation no-dsa-indexer-scoring-relu no-flight-recorder-dump-on-timeout
+no-flight-recorder-extra-dump-on-exec no-flight-recorder-include-only-active no-fp8-wgrad
+no-gradient-accumulation-fusion no-gradient-reduce-div-fusion no-inference-disable-ep-consensus
+no-inference-dynamic-batching-prefix-caching no-inference-text-gen-server-logging
+no-inference-use-synchronous-zmq-collectives no-inference-wandb-logging no-initialization
+no-langrl-external-server no-load-optim no-load-rng no-log-loss-scale-to-tensorboard
+no-manual-gc-eval no-masked-softmax-fusion no-mmap-bin-files no-one-logger
+no-overlap-p2p-communication no-pad-vocab-size no-persist-layer-norm no-pin-cpu-grads
+no-pin-cpu-params no-position-embedding no-rl-inference-logprobs-is-correction
+no-rl-offload-inference-model-weights-when-idle no-rl-offload-kv-cache-during-training
+no-rl-partial-rollouts no-rl-persist-cuda-graphs no-rl-remove-kv-cache-during-training
+no-rl-reset-cuda-graphs no-rl-skip-bos-token no-rl-training-cuda-graphs no-rl-use-sequence-packing
+no-rl-verify-model-weights-swap no-rope-freq no-rope-fusion no-save-optim no-save-rng
+no-save-tokenizer-assets no-scatter-gather-tensors-in-pipeline no-strict-fsdp-dtensor-load
+no-tokenizer-sentencepiece-ignore-extra-whitespaces no-tp-comm-bulk-dgrad no-tp-comm-bulk-wgrad
+no-tp-comm-overlap-ag no-tp-comm-overlap-rs no-tp-comm-split-ag no-tp-comm-split-rs
+no-use-layer-wise-param-layout no-use-tokenizer-model-from-checkpoint-args no-weight-decay-cond-type
+no-yarn-correction-range-round-to-int non-persistent-ckpt-type non-persistent-global-ckpt-dir
+non-persistent-local-ckpt-algo non-persistent-local-ckpt-dir non-persistent-save-interval
+norm-epsilon normalization null-tokenizer-eod-id null-tokenizer-pad-id num-attention-heads
+num-channels num-classes num-dataset-builder-threads num-distributed-optimizer-instances num-experts
+num-layers num-layers-at-end-in-bf16 num-layers-at-start-in-bf16
+num-layers-per-virtual-pipeline-stage num-query-groups num-speculative-tokens
+num-virtual-stages-per-pipeline-rank num-workers nvtx-ranges object-storage-cache-path
+offload-modules one-logger-async one-logger-project one-logger-run-name onnx-safe openai-gelu
+optimizer optimizer-cpu-offload optimizer-cuda-graph optimizer-offload-fraction otel-enabled
+otel-service-name otel-span-groups outer-dp-sharding-strategy output-bert-embeddings
+output-logit-dtype overlap-cpu-optimizer-d2h-h2d overlap-dispatch-backward-with-experts-wgrad
+overlap-grad-reduce overlap-moe-expert-parallel-comm overlap-p2p-communication-warmup-flush
+overlap-param-gather overlap-param-gather-with-optimizer-step override-ckpt-iteration
+override-opt-param-scheduler override-opt_param-scheduler padded-vocab-size patch-dim
+per-dataset-sequences-path per-split-data-args-path perform-rl-step persistent-save-interval
+phase-transition-iterations pipeline-model-parallel-comm-backend pipeline-model-parallel-layout
+pipeline-model-parallel-size position-embedding-type pretrained-checkpoint profile profile-ranks
+profile-step-end profile-step-start pytorch-profiler-collect-callstack
+pytorch-profiler-collect-chakra pytorch-profiler-collect-shapes q-lora-rank qk-clip qk-clip-alpha
+qk-clip-threshold qk-head-dim qk-l2-norm qk-layernorm qk-pos-emb-head-dim query-in-block-prob
+quick-geglu rampup-batch-size recompute-activations recompute-granularity recompute-method
+recompute-modules recompute-num-layers record-memory-history record-shapes refit-method
+relative-attention-max-distance relative-attention-num-buckets replication replication-factor
+replication-jump rerun-mode reset-attention-mask reset-position-ids result-rejected-tracker-filename
+retriever-report-topk-accuracies retriever-score-scaling reuse-grad-buf-for-mxfp8-param-ag
+rl-consumption-granularity rl-default-temperature rl-default-top-k rl-default-top-p
+rl-durable-rollout-bank rl-generation-lag rl-importance-sampling-truncation-coef
+rl-inference-expert-model-parallel-size rl-inference-expert-tensor-model-parallel-size
+rl-inference-logprobs-is-correction rl-inference-model-unified-memory-level rl-inference-parsers
+rl-inference-pipeline-model-parallel-size rl-inference-tensor-model-parallel-size
+rl-kv-cache-management-mode rl-max-inflight-requests rl-offload-inference-model-weights-when-idle
+rl-offload-kv-cache-during-training rl-offload-optimizer-during-inference
+rl-parallel-generation-tasks rl-partial-rollouts rl-persist-cuda-graphs rl-profile rl-profile-dir
+rl-prompts-per-eval rl-remove-kv-cache-during-training rl-reset-cuda-graphs rl-rollout-bank-dir
+rl-rollout-bank-max-bytes rl-sequence-packing-algo rl-sequence-packing-max-sequences-per-bin
+rl-skip-bos-token rl-submission-granularity rl-training-cuda-graphs rl-use-sequence-packing
+rl-verify-model-weights-swap rope-scaling-factor rope-type rotary-base rotary-interleaved
+rotary-percent rotary-scaling-factor rotary-seq-len-interpolation-factor
+run-workload-inspector-server sample-rate save save-activations-interval save-dgrads-interval
+save-interval save-params-interval save-retain-interval save-tokens-per-expert-interval
+save-wgrads-interval seed seq-length sequence-parallel sft sft-tokenizer-prompt-format sgd-momentum
+sharp-enabled-group short-seq-prob skip-train softmax-type spec split squared-relu
+start-eval-at-iter start-weight-decay step-batch-size-schedule straggler-ctrlr-port
+straggler-minmax-count suggested-communication-unit-size swiglu swin-backbone-type symmetric-ar-type
+te-precision-config-file te-rng-tracker tensor-model-parallel-size tensor-parallel-num-weight-shards
+tensorboard-dir tensorboard-log-interval tensorboard-queue-size test-data-path test-mode
+tiktoken-num-special-tokens tiktoken-pattern tiktoken-special-tokens timing-log-level
+timing-log-option titles-data-path tokenizer-hf-include-special-tokens
+tokenizer-hf-no-include-special-tokens tokenizer-hf-no-use-fast tokenizer-hf-use-fast
+tokenizer-metadata tokenizer-model tokenizer-sentencepiece-legacy tokenizer-special-tokens
+tokenizer-type torch-fsdp2-no-reshard-after-forward tp-comm-bootstrap-backend tp-comm-overlap
+tp-comm-overlap-cfg tp-comm-overlap-rs-dgrad train-data-path train-iters train-samples
+train-sync-interval transformer-impl trust-remote-code untie-embeddings-and-output-weights
+use-checkpoint-args use-checkpoint-opt-param-scheduler use-checkpoint-opt_param-scheduler
+use-cpu-initialization use-dist-ckpt use-distributed-optimizer use-flash-attn
+use-fused-weighted-squared-relu use-gigatoken use-grouped-gemm-for-dense-mlp
+use-grouped-gemm-for-shared-expert use-kitchen-attention use-legacy-models use-legacy-static-engine
+use-mcore-models use-megatron-fsdp use-mp-args-from-checkpoint-args use-mup use-nccl-ub
+use-one-sent-docs use-persistent-ckpt-worker use-precision-aware-optimizer use-pytorch-profiler
+use-ring-exchange-p2p use-rope-scaling use-rotary-position-embeddings
+use-same-sampling-seed-across-dp-ranks use-sharp use-te-activation-func use-torch-fsdp2
+use-torch-optimizer-for-cpu-offload use-tp-pp-dp-mapping use-transformer-engine-op-fuser v-head-dim
+valid-data-path validation-set-names verify-integrity vision-backbone-type vision-pretraining
+vision-pretraining-type vocab-extra-ids vocab-file vocab-size wandb-entity wandb-exp-name
+wandb-project wandb-save-dir warmup weight-decay weight-decay-incr-style wgrad-deferral-limit
+window-attn-skip-freq window-size yaml-cfg yarn-beta-fast yarn-beta-slow
+yarn-correction-range-round-to-int yarn-original-max-position-embeddings
+"""
+
+MEGATRON_LM_FLAGS = frozenset("--" + name for name in _MEGATRON_LM_FLAG_NAMES.split())
+
+# ---------------------------------------------------------------------------------------------
+# choices of our own flags
+# ---------------------------------------------------------------------------------------------
+TREE_SHARING_MODES = ("off", "within", "windows")
+TREE_PLANNERS = ("l1", "l1l2", "ffd", "ortools")
+#: planners allowed per sharing mode; the first is the default
+PLANNERS_BY_SHARING = {"off": ("ffd",), "within": ("l1", "ortools"), "windows": ("l1l2",)}
+KDA_BACKEND_CHOICES = ("auto", "reference", "fla")
+ATTENTION_BACKEND_CHOICES = ("auto", "reference", "sdpa", "flex")
+RL_OBJECTIVES = ("sft", "ppo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+#: the flags megatron_harts adds (none of them is a Megatron-LM flag)
+OWN_FLAGS = frozenset({
+    "--fp64", "--tree-sharing", "--tree-microbatch-tokens", "--tree-planner", "--tree-chunk-size",
+    "--no-tree-replay", "--tree-kda-backend", "--tree-attention-backend", "--tree-plan-report",
+    "--tree-cost-calibration", "--tree-dataset-shuffle", "--no-tree-dataset-shuffle",
+    "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
+    "--loss-agg-mode",
+})
+
+# ---------------------------------------------------------------------------------------------
+# why Megatron-LM flags are refused (where we know more than "not supported")
+# ---------------------------------------------------------------------------------------------
+_TE = "needs Transformer Engine, which megatron_harts does not use"
+_ONLINE_RL = ("Megatron-LM's online RL loop (generation + GRPO) is not part of megatron_harts, "
+              "which trains on recorded rollouts from --data-path")
+_NO_EVAL = "megatron_harts has no evaluation loop"
+_SAMPLES = ("sample-based schedules are not supported: use --train-iters and the --lr-*-iters "
+            "flags (--global-batch-size counts trajectories)")
+_ROPE = ("MLA applies plain RoPE to the --qk-pos-emb-head-dim dims (--position-embedding-type "
+         "rope) or none: no scaled, partial or interleaved variants")
+_TREE_EXACT = ("it draws random numbers per token, so the copies of a shared row would route "
+               "differently and tree sharing could not equal expanded training")
+_DATA = "give one dataset prefix or trajectory file with --data-path"
+_NO_TOKENIZER = "trajectories arrive as token ids: no tokenizer is loaded (give --vocab-size)"
+_LAYER_SPLIT = "pipeline stages get equal numbers of layers"
+
+_UNSUPPORTED_REASONS: Dict[str, str] = {
+    "--fp16": "fp16 training (loss scaling) is not supported: use --bf16",
+    "--fp8-format": "fp8 " + _TE,
+    "--fp4-format": "fp4 " + _TE,
+    "--num-layers-per-virtual-pipeline-stage": "interleaved (virtual) pipeline schedules are not supported",
+    "--num-virtual-stages-per-pipeline-rank": "interleaved (virtual) pipeline schedules are not supported",
+    "--decoder-first-pipeline-num-layers": _LAYER_SPLIT,
+    "--decoder-last-pipeline-num-layers": _LAYER_SPLIT,
+    "--pipeline-model-parallel-layout": _LAYER_SPLIT,
+    "--account-for-embedding-in-pipeline-split": _LAYER_SPLIT,
+    "--account-for-loss-in-pipeline-split": _LAYER_SPLIT,
+    "--moe-grouped-gemm": "the hybrid spec runs experts as SequentialMLP (grouped GEMM " + _TE + ")",
+    "--moe-use-legacy-grouped-gemm": "the hybrid spec runs experts as SequentialMLP (no grouped GEMM)",
+    "--moe-router-fusion": "the fused router " + _TE,
+    "--moe-permute-fusion": "fused token permutation " + _TE,
+    "--moe-enable-deepep": "the flex dispatcher (DeepEP) is not installed; use --moe-token-dispatcher-type "
+                           "allgather or alltoall",
+    "--moe-flex-dispatcher-backend": "the flex dispatcher is not supported; use --moe-token-dispatcher-type "
+                                     "allgather or alltoall",
+    "--moe-input-jitter-eps": "input jitter: " + _TREE_EXACT,
+    "--moe-router-force-load-balancing": "forced load balancing: " + _TREE_EXACT,
+    "--experimental-attention-variant": "the linear-attention layers are always KDA; place them with "
+                                        "--linear-attention-freq",
+    "--hybrid-override-pattern": "Mamba hybrids are not supported; the hybrid pattern is KDA/MLA "
+                                 "(--linear-attention-freq)",
+    "--hybrid-attention-ratio": "Mamba hybrids are not supported; use --linear-attention-freq",
+    "--hybrid-mlp-ratio": "Mamba hybrids are not supported; use --moe-layer-freq",
+    "--group-query-attention": "full-attention layers are MLA (latent keys/values): no query groups",
+    "--num-query-groups": "full-attention layers are MLA (latent keys/values): no query groups",
+    "--use-rotary-position-embeddings": "use --position-embedding-type rope",
+    "--rotary-scaling-factor": _ROPE,
+    "--rotary-percent": _ROPE,
+    "--rotary-interleaved": _ROPE,
+    "--rotary-seq-len-interpolation-factor": _ROPE,
+    "--mscale": _ROPE,
+    "--mscale-all-dim": _ROPE,
+    "--window-size": "sliding-window attention has no path in the KDA/MLA model",
+    "--softmax-type": "attention sinks have no path in the KDA/MLA model",
+    "--qk-layernorm": "QK layer norm has no path in the KDA/MLA model",
+    "--qk-clip": "QK clipping has no path in the KDA/MLA model",
+    "--attention-output-gate": "the attention output gate has no path in the KDA/MLA model",
+    "--add-qkv-bias": "QKV biases have no path in the KDA/MLA model",
+    "--mtp-num-layers": "multi-token prediction is not supported",
+    "--use-flash-attn": "full attention runs through --tree-attention-backend (FlexAttention on GPU)",
+    "--train-samples": _SAMPLES,
+    "--lr-decay-samples": _SAMPLES,
+    "--lr-warmup-samples": _SAMPLES,
+    "--lr-wsd-decay-samples": _SAMPLES,
+    "--rampup-batch-size": "batch-size ramp-up is not supported",
+    "--eval-interval": _NO_EVAL,
+    "--skip-train": _NO_EVAL,
+    "--mock-data": "there is no mock dataset: synthesize rollouts with tools/synthesize_rollouts.py",
+    "--train-data-path": _DATA,
+    "--valid-data-path": _DATA + " (" + _NO_EVAL + ")",
+    "--test-data-path": _DATA + " (" + _NO_EVAL + ")",
+    "--data-args-path": _DATA,
+    "--per-split-data-args-path": _DATA,
+    "--tokenizer-model": _NO_TOKENIZER,
+    "--vocab-file": _NO_TOKENIZER,
+    "--merge-file": _NO_TOKENIZER,
+    "--use-legacy-models": "megatron_harts builds megatron-core models only",
+    "--use-torch-fsdp2": "FSDP is not supported: use --use-distributed-optimizer",
+    "--use-megatron-fsdp": "FSDP is not supported: use --use-distributed-optimizer",
+    "--tp-comm-overlap": "TP communication overlap " + _TE,
+    "--cross-entropy-loss-fusion": "log-probabilities come from megatron_harts' multi-target output layer",
+    "--cross-entropy-fusion-impl": "log-probabilities come from megatron_harts' multi-target output layer",
+    "--calculate-per-token-loss": "the loss normalization is --loss-agg-mode (always over the global batch)",
+    "--perform-rl-step": _ONLINE_RL + "; choose the loss with --rl-objective",
+    "--grpo-clamp-eps-lower": _ONLINE_RL + "; use --clip-ratio-low",
+    "--grpo-clamp-eps-upper": _ONLINE_RL + "; use --clip-ratio-high",
+    "--grpo-kl-beta": _ONLINE_RL + "; use --kl-coef",
+    "--grpo-entropy-term-weight": _ONLINE_RL + "; use --entropy-coef",
+    "--grad-reduce-in-bf16": "gradients are reduced in fp32 with --bf16 (as Megatron-LM's default)",
+}
+
+_UNSUPPORTED_PREFIX_REASONS: Tuple[Tuple[str, str], ...] = (
+    ("--fp8-", "fp8 " + _TE),
+    ("--fp4-", "fp4 " + _TE),
+    ("--tp-comm-", "TP communication overlap " + _TE),
+    ("--no-tp-comm-", "TP communication overlap " + _TE),
+    ("--disable-tp-comm-", "TP communication overlap " + _TE),
+    ("--grpo-", _ONLINE_RL),
+    ("--rl-", _ONLINE_RL),
+    ("--no-rl-", _ONLINE_RL),
+    ("--langrl-", _ONLINE_RL),
+    ("--no-langrl-", _ONLINE_RL),
+    ("--inference-", "megatron_harts has no inference engine"),
+    ("--mamba-", "Mamba layers are not supported; the hybrid is KDA/MLA"),
+    ("--wandb-", "metrics go to TensorBoard (--tensorboard-dir) only"),
+    ("--cuda-graph", "CUDA graphs are not supported (microbatch shapes change every step)"),
+    ("--enable-cuda-graph", "CUDA graphs are not supported (microbatch shapes change every step)"),
+    ("--external-cuda-graph", "CUDA graphs are not supported (microbatch shapes change every step)"),
+)
+
+
+def unsupported_reason(flag: str) -> Optional[str]:
+    """Why a Megatron-LM flag is refused, or None when we have nothing more specific to say."""
+    if flag in _UNSUPPORTED_REASONS:
+        return _UNSUPPORTED_REASONS[flag]
+    for prefix, reason in _UNSUPPORTED_PREFIX_REASONS:
+        if flag.startswith(prefix):
+            return reason
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-LM flags accepted with some values only: (dest, flag, accepted values, reason)
+# ---------------------------------------------------------------------------------------------
+_ACCEPTED_VALUES: Tuple[Tuple[str, str, tuple, str], ...] = (
+    ("context_parallel_size", "--context-parallel-size", (1,),
+     "the tree KDA/MLA modules have no context-parallel path"),
+    ("micro_batch_size", "--micro-batch-size", (1,),
+     "microbatches are token-budgeted by --tree-microbatch-tokens, not counted in sequences"),
+    ("tokenizer_type", "--tokenizer-type", (None, "NullTokenizer"), _NO_TOKENIZER),
+    ("ckpt_format", "--ckpt-format", ("torch_dist",), "checkpoints are megatron-core distributed checkpoints"),
+    ("normalization", "--normalization", ("RMSNorm",), "the hybrid model uses RMSNorm"),
+    ("position_embedding_type", "--position-embedding-type", ("none", "rope"),
+     "MLA is NoPE (none, Kimi-Linear) or applies RoPE to its --qk-pos-emb-head-dim dims (rope); "
+     "KDA layers use no position embedding"),
+    ("rope_type", "--rope-type", (None, "rope"), _ROPE),
+    ("optimizer", "--optimizer", ("adam", "sgd"), "megatron_harts builds Adam(W) or SGD"),
+    ("moe_token_dispatcher_type", "--moe-token-dispatcher-type", ("allgather", "alltoall"),
+     "the flex dispatcher needs DeepEP/HybridEP, which are not installed"),
+    ("transformer_impl", "--transformer-impl", ("local",),
+     "the hybrid layers are megatron-core local modules and megatron_harts' own (no Transformer Engine)"),
+    ("attention_backend", "--attention-backend", ("auto",),
+     "full attention runs through --tree-attention-backend"),
+    ("eval_iters", "--eval-iters", (0,), _NO_EVAL),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# value parsers (argparse types)
+# ---------------------------------------------------------------------------------------------
+_PATTERN_LIMIT = 1 << 16
+
+
+def _eval_pattern(text: str):
+    """A per-layer 0/1 pattern written as a Python list expression: list literals of integers,
+    ``+`` and ``*`` and parentheses, e.g. ``([1]*3+[0])*6``.  Evaluated on the syntax tree
+    (no ``eval``); results longer than 65536 entries are refused."""
+    if not re.fullmatch(r"[\d\s\[\],()+*]+", text):
+        raise ValueError("only integers, [ ], commas, parentheses, + and * are allowed")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError("not a list expression") from None
+
+    def ev(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [ev(e) for e in node.elts]
+            if any(not isinstance(i, int) for i in items):
+                raise ValueError("list entries must be integers")
+            return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Add):
+                if isinstance(a, list) != isinstance(b, list):
+                    raise ValueError("cannot add a list and an integer")
+                out = a + b
+            else:
+                if isinstance(a, list) and isinstance(b, list):
+                    raise ValueError("cannot multiply two lists")
+                n = a if isinstance(b, list) else b
+                if isinstance(a, list) or isinstance(b, list):
+                    seq = b if isinstance(b, list) else a
+                    if n < 0 or len(seq) * n > _PATTERN_LIMIT:
+                        raise ValueError(f"the pattern would have more than {_PATTERN_LIMIT} entries")
+                elif abs(a) > _PATTERN_LIMIT or abs(b) > _PATTERN_LIMIT:
+                    raise ValueError("integer too large")
+                out = a * b
+            if isinstance(out, list) and len(out) > _PATTERN_LIMIT:
+                raise ValueError(f"the pattern would have more than {_PATTERN_LIMIT} entries")
+            return out
+        raise ValueError("not a list expression")
+
+    value = ev(tree.body)
+    if not isinstance(value, list):
+        raise ValueError("the expression must give a list")
+    return value
+
+
+def _layer_pattern(text: str):
+    """``N`` (an integer >= 1) or a 0/1 list expression (see ``_eval_pattern``)."""
+    s = str(text).strip()
+    if re.fullmatch(r"[+]?\d+", s):
+        n = int(s)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be an integer >= 1 or a list pattern, got {text!r}")
+        return n
+    try:
+        value = _eval_pattern(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid pattern {text!r}: {e}") from None
+    if not value or any(v not in (0, 1) for v in value):
+        raise argparse.ArgumentTypeError(f"invalid pattern {text!r}: entries must be 0 or 1")
+    return value
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}")
+        return v
+    parse.__name__ = f"int>={lo}"
+    return parse
+
+
+def _finite_float(lo: Optional[float] = None):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if lo is not None and v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo:g}, got {text!r}")
+        return v
+    parse.__name__ = "float"
+    return parse
+
+
+def _signal_name(text: str) -> signal.Signals:
+    name = str(text).strip().upper()
+    if not name.startswith("SIG"):
+        name = "SIG" + name
+    try:
+        return signal.Signals[name]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"unknown signal {text!r} (e.g. SIGTERM, SIGUSR1)") from None
+
+
+_POSINT = _int_at_least(1)
+_NONNEG_INT = _int_at_least(0)
+_FLOAT = _finite_float()
+_NONNEG_FLOAT = _finite_float(0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the parser
+# ---------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ArgumentsError instead of printing and exiting (``--help`` still
+    prints and exits 0)."""
+
+    def error(self, message: str):
+        raise ArgumentsError(f"{self.prog}: {message}")
+
+
+GROUP_TITLES = ("model shape", "MLA / KDA hybrid layers", "MoE", "parallelism", "training",
+                "optimizer and learning-rate schedule", "checkpointing", "logging", "data",
+                "tree sharing", "RL objective", "Megatron-LM compatibility")
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The argparse parser of the flags we accept (``parse_args`` adds the refusals and checks)."""
+    p = _Parser(prog=prog, allow_abbrev=False, usage="%(prog)s [flags]  (Megatron-LM's flag names; see --help)",
+                description="Train a hybrid KDA/MLA MoE model on rollout trees (drop-in for Megatron-LM's "
+                            "pretrain_gpt.py flags; Megatron-LM flags without a path here are refused by name).")
+    g = {t: p.add_argument_group(t) for t in GROUP_TITLES}
+
+    m = g["model shape"]
+    m.add_argument("--num-layers", type=_POSINT, default=None, help="number of transformer layers (required)")
+    m.add_argument("--hidden-size", type=_POSINT, default=None, help="hidden size (required)")
+    m.add_argument("--ffn-hidden-size", type=_POSINT, default=None,
+                   help="dense MLP hidden size (default: 4 x hidden, or with --swiglu int(8 x hidden / 3 / 64) x 64)")
+    m.add_argument("--num-attention-heads", type=_POSINT, default=None,
+                   help="attention heads of the MLA layers (required; also the KDA head count unless "
+                        "--linear-num-key-heads is given)")
+    m.add_argument("--kv-channels", type=_POSINT, default=None,
+                   help="per-head projection size of standard attention (default hidden / heads); MLA sizes "
+                        "its heads with --qk-head-dim / --v-head-dim instead")
+    m.add_argument("--max-position-embeddings", type=_POSINT, default=None,
+                   help="longest position the RoPE tables cover (default --seq-length)")
+    m.add_argument("--vocab-size", type=_POSINT, default=None,
+                   help="vocabulary size of the token ids (required; no EOD id is added)")
+    m.add_argument("--make-vocab-size-divisible-by", type=_POSINT, default=128,
+                   help="pad the vocabulary to a multiple of this times the TP size (default 128)")
+    m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="RMSNorm",
+                   help="RMSNorm only (the default here)")
+    m.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=_NONNEG_FLOAT, default=1e-5,
+                   help="epsilon of the RMSNorm layers (default 1e-5)")
+    m.add_argument("--swiglu", action="store_true", help="gated SiLU MLPs (SwiGLU); GELU MLPs otherwise")
+    m.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no biases in the linear layers")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output-layer weights (tied to the input embedding otherwise)")
+    m.add_argument("--init-method-std", type=_NONNEG_FLOAT, default=0.02,
+                   help="std of the normal weight initialization (default 0.02)")
+    m.add_argument("--attention-dropout", type=_NONNEG_FLOAT, default=0.0,
+                   help="attention dropout (default 0; must be 0 with tree sharing)")
+    m.add_argument("--hidden-dropout", type=_NONNEG_FLOAT, default=0.0,
+                   help="hidden-state dropout (default 0; must be 0 with tree sharing)")
+    m.add_argument("--position-embedding-type",
+                   choices=("learned_absolute", "rope", "yarn", "mrope", "relative", "none"), default="none",
+                   help="none (default: NoPE MLA, as Kimi-Linear) or rope (RoPE on the MLA rope dims)")
+    m.add_argument("--rotary-base", type=_POSINT, default=10000, help="RoPE base (default 10000)")
+    m.add_argument("--rope-type", choices=("rope", "yarn"), default=None, help="rope only (plain RoPE)")
+
+    h = g["MLA / KDA hybrid layers"]
+    h.add_argument("--multi-latent-attention", action="store_true",
+                   help="full-attention layers are MLA (always true here; accepted for compatibility)")
+    h.add_argument("--q-lora-rank", type=_POSINT, default=None,
+                   help="rank of the MLA query down-projection (default: none, full-rank queries)")
+    h.add_argument("--kv-lora-rank", type=_POSINT, default=32, help="rank of the MLA key/value latent (default 32)")
+    h.add_argument("--qk-head-dim", type=_POSINT, default=128,
+                   help="MLA query/key head dim without the rope part (default 128)")
+    h.add_argument("--qk-pos-emb-head-dim", type=_POSINT, default=64,
+                   help="MLA query/key head dim of the rope part (default 64)")
+    h.add_argument("--v-head-dim", type=_POSINT, default=128, help="MLA value head dim (default 128)")
+    h.add_argument("--linear-attention-freq", type=_layer_pattern, default=4,
+                   help="N: every N-th layer is MLA, the others KDA (default 4 = 3 KDA : 1 MLA); or a "
+                        "list pattern, one entry per layer, 1 = KDA, 0 = MLA, e.g. \"([1]*3+[0]*1)*6\"")
+    h.add_argument("--linear-num-key-heads", type=_POSINT, default=None,
+                   help="KDA heads (default --num-attention-heads); KDA has as many value heads")
+    h.add_argument("--linear-num-value-heads", type=_POSINT, default=None,
+                   help="KDA value heads: must equal --linear-num-key-heads")
+    h.add_argument("--linear-key-head-dim", type=_POSINT, default=None, help="KDA head dim (default 128)")
+    h.add_argument("--linear-value-head-dim", type=_POSINT, default=None,
+                   help="KDA value head dim: must equal --linear-key-head-dim")
+    h.add_argument("--linear-conv-kernel-dim", type=_POSINT, default=4,
+                   help="kernel size of KDA's causal short convolution (default 4)")
+
+    e = g["MoE"]
+    e.add_argument("--num-experts", type=_NONNEG_INT, default=None, help="routed experts per MoE layer (none: dense)")
+    e.add_argument("--moe-ffn-hidden-size", type=_POSINT, default=None,
+                   help="hidden size of one expert (default --ffn-hidden-size)")
+    e.add_argument("--moe-layer-freq", type=_layer_pattern, default=None,
+                   help="N: layer i is MoE iff i %% N == 0 (default 1: all); or a list pattern, 1 = MoE, "
+                        "0 = dense, e.g. \"([0]+[1]*23)\"")
+    e.add_argument("--moe-router-topk", type=_POSINT, default=2, help="experts per token (default 2)")
+    e.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax",
+                   help="router score function (default softmax; Kimi-Linear: sigmoid)")
+    e.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free load balancing with a per-expert routing bias")
+    e.add_argument("--moe-router-bias-update-rate", type=_NONNEG_FLOAT, default=1e-3,
+                   help="update rate of the expert bias (default 1e-3)")
+    e.add_argument("--moe-router-topk-scaling-factor", type=_FLOAT, default=None,
+                   help="scale of the top-k routing weights (Kimi-Linear's routed_scaling_factor)")
+    e.add_argument("--moe-router-num-groups", type=_POSINT, default=None, help="expert groups of group-limited routing")
+    e.add_argument("--moe-router-group-topk", type=_POSINT, default=None, help="groups selected per token")
+    e.add_argument("--moe-aux-loss-coeff", type=_NONNEG_FLOAT, nargs="+", default=0.0,
+                   help="aux loss coefficient(s), one per --moe-router-load-balancing-type (default 0)")
+    e.add_argument("--moe-z-loss-coeff", type=_NONNEG_FLOAT, default=None, help="router z-loss coefficient")
+    e.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss", metavar="TYPE",
+                   choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+                   help="load-balancing loss(es): aux_loss (default), seq_aux_loss, global_aux_loss, sinkhorn or "
+                        "none (tree sharing: aux_loss or none)")
+    e.add_argument("--moe-shared-expert-intermediate-size", type=_POSINT, default=None,
+                   help="hidden size of the shared expert (none: no shared expert)")
+    e.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="allgather",
+                   help="allgather (default) or alltoall")
+    e.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                   help="router compute dtype (default: fp64 with --fp64, else the model dtype)")
+    e.add_argument("--moe-expert-capacity-factor", type=_FLOAT, default=None,
+                   help="expert capacity (token dropping): refused with tree sharing, which must equal "
+                        "expanded training")
+    e.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="pad expert inputs to the capacity (token dropping; refused with tree sharing)")
+    e.add_argument("--moe-token-drop-policy", choices=("probs", "position"), default="probs",
+                   help="which tokens capacity dropping drops (default probs)")
+
+    par = g["parallelism"]
+    par.add_argument("--tensor-model-parallel-size", type=_POSINT, default=1, help="TP size (default 1)")
+    par.add_argument("--pipeline-model-parallel-size", type=_POSINT, default=1, help="PP size (default 1)")
+    par.add_argument("--expert-model-parallel-size", type=_POSINT, default=1, help="EP size (default 1)")
+    par.add_argument("--expert-tensor-parallel-size", type=_POSINT, default=None,
+                     help="TP size of the experts (default --tensor-model-parallel-size)")
+    par.add_argument("--context-parallel-size", type=_POSINT, default=1, help="1 only")
+    par.add_argument("--sequence-parallel", action="store_true",
+                     help="sequence parallelism (needs TP > 1; at TP 1 it is turned off with a warning, as in "
+                          "Megatron-LM; required for MoE with TP > 1)")
+    par.add_argument("--use-distributed-optimizer", action="store_true",
+                     help="shard optimizer state over data-parallel ranks")
+    par.add_argument("--overlap-grad-reduce", action="store_true", help="overlap the gradient reduce with backward")
+    par.add_argument("--overlap-param-gather", action="store_true",
+                     help="overlap the parameter all-gather with forward (needs --use-distributed-optimizer "
+                          "and --overlap-grad-reduce)")
+    par.add_argument("--distributed-backend", choices=("nccl", "gloo"), default="nccl",
+                     help="torch.distributed backend (default nccl)")
+    par.add_argument("--distributed-timeout-minutes", type=_POSINT, default=10,
+                     help="collective timeout in minutes (default 10)")
+
+    t = g["training"]
+    t.add_argument("--train-iters", type=_POSINT, default=None, help="training iterations (required)")
+    t.add_argument("--global-batch-size", type=_POSINT, default=None,
+                   help="trajectories per iteration, over all data-parallel ranks (required)")
+    t.add_argument("--micro-batch-size", type=_POSINT, default=1,
+                   help="1 only: microbatches hold up to --tree-microbatch-tokens rows")
+    t.add_argument("--seed", type=int, default=1234, help="random seed (default 1234)")
+    t.add_argument("--bf16", action="store_true", help="bfloat16 parameters and compute (fp32 gradient reduction)")
+    t.add_argument("--fp64", action="store_true",
+                   help="float64 parameters and compute (exactness checks on CPU); excludes --bf16")
+    t.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="reduce gradients in fp32 (always on with --bf16)")
+    t.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="do not check the loss and gradients for NaN")
+    t.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialize weights on the CPU (always on without CUDA)")
+    t.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="activation recomputation: full layers or selected modules")
+    t.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="full recomputation: uniform (groups of --recompute-num-layers) or block (the first "
+                        "--recompute-num-layers layers of each stage)")
+    t.add_argument("--recompute-num-layers", type=_POSINT, default=None, help="layers per recomputation unit")
+    t.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
+                   help="selective recomputation: megatron-core module names (default core_attn)")
+    t.add_argument("--exit-interval", type=_POSINT, default=None, help="exit after an iteration divisible by this")
+    t.add_argument("--exit-duration-in-mins", type=_POSINT, default=None, help="exit after this many minutes")
+    t.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal, save a checkpoint and exit at the end of the iteration")
+    t.add_argument("--exit-signal", type=_signal_name, default=signal.SIGTERM,
+                   help="signal --exit-signal-handler catches (default SIGTERM)")
+
+    o = g["optimizer and learning-rate schedule"]
+    o.add_argument("--optimizer", choices=("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+                   default="adam", help="adam (AdamW, default) or sgd")
+    o.add_argument("--lr", type=_NONNEG_FLOAT, default=None, help="peak learning rate (required)")
+    o.add_argument("--min-lr", type=_NONNEG_FLOAT, default=0.0, help="learning rate at the end of decay (default 0)")
+    o.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+                   default="linear", help="decay after warmup (default linear)")
+    o.add_argument("--lr-decay-iters", type=_POSINT, default=None,
+                   help="decay length in iterations (default --train-iters)")
+    o.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine", "minus_sqrt"),
+                   default="exponential", help="annealing shape of WSD (default exponential)")
+    o.add_argument("--lr-wsd-decay-iters", type=_POSINT, default=None,
+                   help="WSD: annealing iterations at the end of the decay (required with WSD)")
+    o.add_argument("--lr-warmup-iters", type=_NONNEG_INT, default=0, help="linear warmup iterations (default 0)")
+    o.add_argument("--lr-warmup-fraction", type=_NONNEG_FLOAT, default=None,
+                   help="warmup as a fraction of the decay iterations (excludes --lr-warmup-iters)")
+    o.add_argument("--lr-warmup-init", type=_NONNEG_FLOAT, default=0.0,
+                   help="learning rate at warmup start (default 0)")
+    o.add_argument("--weight-decay", type=_NONNEG_FLOAT, default=0.01, help="weight decay (default 0.01)")
+    o.add_argument("--start-weight-decay", type=_NONNEG_FLOAT, default=None,
+                   help="weight decay at the start (non-constant --weight-decay-incr-style)")
+    o.add_argument("--end-weight-decay", type=_NONNEG_FLOAT, default=None,
+                   help="weight decay at the end (non-constant --weight-decay-incr-style)")
+    o.add_argument("--weight-decay-incr-style", choices=("constant", "linear", "cosine"), default="constant",
+                   help="weight-decay schedule over --train-iters (default constant)")
+    o.add_argument("--adam-beta1", type=_FLOAT, default=0.9, help="Adam beta1 (default 0.9)")
+    o.add_argument("--adam-beta2", type=_FLOAT, default=0.999, help="Adam beta2 (default 0.999)")
+    o.add_argument("--adam-eps", type=_NONNEG_FLOAT, default=1e-8, help="Adam epsilon (default 1e-8)")
+    o.add_argument("--sgd-momentum", type=_NONNEG_FLOAT, default=0.9, help="SGD momentum (default 0.9)")
+    o.add_argument("--clip-grad", type=_NONNEG_FLOAT, default=1.0, help="global gradient-norm clip (default 1; 0: off)")
+    o.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="take the schedule from these flags, not from the checkpoint")
+    o.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="take the schedule from the checkpoint")
+
+    c = g["checkpointing"]
+    c.add_argument("--save", default=None, help="checkpoint directory to save to")
+    c.add_argument("--load", default=None, help="checkpoint directory to load from")
+    c.add_argument("--save-interval", "--persistent-save-interval", dest="save_interval", type=_POSINT, default=None,
+                   help="save every this many iterations (needs --save)")
+    c.add_argument("--no-save-optim", action="store_true", default=None, help="do not save the optimizer state")
+    c.add_argument("--no-save-rng", action="store_true", default=None, help="do not save the RNG state")
+    c.add_argument("--no-load-optim", action="store_true", default=None, help="do not load the optimizer state")
+    c.add_argument("--no-load-rng", action="store_true", default=None, help="do not load the RNG state")
+    c.add_argument("--finetune", action="store_true",
+                   help="load the weights only and start at iteration 0 (no optimizer or RNG state)")
+    c.add_argument("--ckpt-format", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"),
+                   default="torch_dist", help="torch_dist only")
+    c.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="exit when --load holds no checkpoint (instead of starting from scratch)")
+
+    lg = g["logging"]
+    lg.add_argument("--log-interval", type=_POSINT, default=100,
+                    help="print metrics every this many iterations (default 100)")
+    lg.add_argument("--tensorboard-dir", default=None, help="write TensorBoard events here")
+    lg.add_argument("--tensorboard-log-interval", type=_POSINT, default=1,
+                    help="write TensorBoard scalars every this many iterations (default 1)")
+    lg.add_argument("--log-throughput", action="store_true", help="log tokens/s and rows/s")
+
+    d = g["data"]
+    d.add_argument("--data-path", nargs="*", default=None,
+                   help="one dataset prefix or trajectory file (required unless trajectories are fed in memory)")
+    d.add_argument("--seq-length", type=_POSINT, default=None,
+                   help="longest trajectory in tokens (optional; default budget of --tree-microbatch-tokens)")
+    d.add_argument("--tokenizer-type", default=None, metavar="NAME",
+                   choices=("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
+                            "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
+                            "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer", "SFTTokenizer"),
+                   help="NullTokenizer only (token ids in, no tokenizer)")
+    d.add_argument("--split", default=None, help="train-only splits only (e.g. 100,0,0): there is no evaluation")
+    d.add_argument("--eval-iters", type=_NONNEG_INT, default=0, help="0 only: there is no evaluation loop")
+    d.add_argument("--tree-dataset-shuffle", action=argparse.BooleanOptionalAction, default=True,
+                   help="draw each iteration's trees in a --seed shuffled order (default on)")
+
+    ts = g["tree sharing"]
+    ts.add_argument("--tree-sharing", choices=TREE_SHARING_MODES, default="within",
+                    help="off: expanded training (trajectories packed FFD); within (default): shared prefixes "
+                         "computed once per microbatch; windows: also across microbatches (producer/consumer "
+                         "windows; pipeline size 1 for now)")
+    ts.add_argument("--tree-microbatch-tokens", type=_POSINT, default=None,
+                    help="row budget of one microbatch (default --seq-length)")
+    ts.add_argument("--tree-planner", choices=TREE_PLANNERS, default=None,
+                    help="microbatch planner: off -> ffd; within -> l1 (default) or ortools (OR-Tools + FFD "
+                         "baseline); windows -> l1l2")
+    ts.add_argument("--tree-chunk-size", type=_POSINT, default=64,
+                    help="KDA chunk size B (default 64, fla's; chunks start at multiples of B on every path)")
+    ts.add_argument("--no-tree-replay", action="store_true",
+                    help="ablation: start KDA sequences at fork points without replaying to a chunk boundary "
+                         "(tree == expanded to rounding only)")
+    ts.add_argument("--tree-kda-backend", choices=KDA_BACKEND_CHOICES, default="auto",
+                    help="KDA kernels: auto (default: fla on CUDA, reference otherwise or with --fp64), "
+                         "reference (plain torch) or fla (needs CUDA)")
+    ts.add_argument("--tree-attention-backend", choices=ATTENTION_BACKEND_CHOICES, default="auto",
+                    help="MLA tree attention: auto (default: flex on CUDA, sdpa otherwise or with --fp64), "
+                         "sdpa, reference or flex (needs CUDA)")
+    ts.add_argument("--tree-plan-report", default=None, metavar="PATH",
+                    help="append each step's plan metrics to this file (one JSON object per line)")
+    ts.add_argument("--tree-cost-calibration", default=None, metavar="PATH",
+                    help="microbatch cost-model calibration (JSON, tools' save_calibration) the planner uses; "
+                         "its chunk_size must equal --tree-chunk-size")
+
+    rl = g["RL objective"]
+    rl.add_argument("--rl-objective", choices=RL_OBJECTIVES, default="ppo",
+                    help="ppo (default: clipped importance-ratio policy gradient with the trajectories' "
+                         "advantages and old log-probs) or sft (log-likelihood of the trainable tokens)")
+    rl.add_argument("--clip-ratio-low", type=_NONNEG_FLOAT, default=None,
+                    help="ppo: lower clip, ratio >= 1 - this (default 0.2)")
+    rl.add_argument("--clip-ratio-high", type=_NONNEG_FLOAT, default=None,
+                    help="ppo: upper clip, ratio <= 1 + this (default 0.2)")
+    rl.add_argument("--kl-coef", type=_NONNEG_FLOAT, default=0.0,
+                    help="weight of the KL penalty to the reference log-probs (default 0)")
+    rl.add_argument("--entropy-coef", type=_FLOAT, default=0.0, help="weight of the entropy bonus (default 0)")
+    rl.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean",
+                    help="loss aggregation over the global batch (default token-mean)")
+
+    cm = g["Megatron-LM compatibility"]
+    cm.add_argument("--use-mcore-models", dest="deprecated_use_mcore_models", action="store_true",
+                    help="accepted, no effect (models are always megatron-core)")
+    for flag, dest in (("--no-masked-softmax-fusion", "masked_softmax_fusion"),
+                       ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
+                       ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
+                       ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
+                       ("--no-rope-fusion", "apply_rope_fusion"),
+                       ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
+                       ("--no-persist-layer-norm", "no_persist_layer_norm"),
+                       ("--no-create-attention-mask-in-dataloader", "create_attention_mask_in_dataloader")):
+        if dest == "no_persist_layer_norm":
+            cm.add_argument(flag, dest=dest, action="store_true", help="accepted, no effect (nothing is fused)")
+        else:
+            cm.add_argument(flag, dest=dest, action="store_false", help="accepted, no effect (nothing is fused)"
+                            if "fusion" in flag else "accepted, no effect (no masks are built in the loader)")
+    cm.add_argument("--transformer-impl", choices=("local", "transformer_engine", "inference_optimized"),
+                    default="local", help="local only (no Transformer Engine)")
+    cm.add_argument("--attention-backend", choices=("flash", "fused", "unfused", "local", "auto"), default="auto",
+                    help="auto only: full attention runs through --tree-attention-backend")
+    _set_metavars(p)
+    return p
+
+
+_PATH_DESTS = {"save", "load", "tensorboard_dir", "data_path", "tree_plan_report", "tree_cost_calibration"}
+
+
+def _set_metavars(parser: argparse.ArgumentParser) -> None:
+    """Short placeholders in --help (N, X, PATH, ...) instead of the upper-cased destinations."""
+    ints = {_POSINT, _NONNEG_INT, int}
+    floats = {_FLOAT, _NONNEG_FLOAT}
+    for a in parser._actions:
+        if not a.option_strings or a.nargs == 0 or a.choices is not None or a.metavar is not None:
+            continue
+        if a.type in ints:
+            a.metavar = "N"
+        elif a.type in floats:
+            a.metavar = "X"
+        elif a.type is _layer_pattern:
+            a.metavar = "PATTERN"
+        elif a.type is _signal_name:
+            a.metavar = "SIGNAL"
+        elif a.dest in _PATH_DESTS:
+            a.metavar = "PATH"
+        elif a.type is None:
+            a.metavar = "VALUE"
+
+
+def supported_flags(parser: Optional[argparse.ArgumentParser] = None) -> frozenset:
+    """Every option string the parser accepts (Megatron-LM's and ours)."""
+    parser = parser or build_parser()
+    return frozenset(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
+
+
+def _dest_flags(parser: argparse.ArgumentParser) -> Dict[str, str]:
+    return {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+
+
+# ---------------------------------------------------------------------------------------------
+# parsing
+# ---------------------------------------------------------------------------------------------
+_NUMBER = re.compile(r"^-\d+(\.\d*)?([eE][-+]?\d+)?$|^-\.\d+([eE][-+]?\d+)?$")
+
+
+def _refuse_leftovers(extras: Sequence[str], parser: argparse.ArgumentParser) -> None:
+    """Classify what argparse did not consume: Megatron-LM flags we refuse, unknown words."""
+    unsupported: List[str] = []
+    unknown: List[str] = []
+    after_flag = False
+    for word in extras:
+        if word.startswith("-") and word != "-" and not _NUMBER.match(word):
+            name = word.split("=", 1)[0]
+            (unsupported if name in MEGATRON_LM_FLAGS else unknown).append(name)
+            after_flag = "=" not in word
+        elif not after_flag:
+            unknown.append(word)     # a stray value: nothing before it takes it
+    msgs = []
+    if unsupported:
+        unsupported = list(dict.fromkeys(unsupported))
+        parts = []
+        for f in unsupported:
+            r = unsupported_reason(f)
+            parts.append(f"{f} ({r})" if r else f)
+        if len(unsupported) == 1:
+            msgs.append(f"{parts[0]} is a Megatron-LM flag that megatron_harts does not support")
+        else:
+            msgs.append(f"{', '.join(parts)} are Megatron-LM flags that megatron_harts does not support")
+    if unknown:
+        unknown = list(dict.fromkeys(unknown))
+        known = sorted(supported_flags(parser))
+        hints = []
+        for u in unknown:
+            close = difflib.get_close_matches(u, known, n=1, cutoff=0.85) if u.startswith("--") else []
+            if close:
+                hints.append(f"{u} -> {close[0]}?")
+        hint = f" (did you mean: {'; '.join(hints)})" if hints else ""
+        msgs.append(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if msgs:
+        raise ArgumentsError(f"{PROG}: " + "; ".join(msgs))
+
+
+def _fail(message: str):
+    raise ArgumentsError(f"{PROG}: {message}")
+
+
+def _check_accepted_values(args: argparse.Namespace) -> None:
+    for dest, flag, accepted, reason in _ACCEPTED_VALUES:
+        value = getattr(args, dest)
+        if value not in accepted:
+            shown = " or ".join("(unset)" if a is None else str(a) for a in accepted)
+            _fail(f"{flag} {value} is a Megatron-LM setting that megatron_harts does not support: {reason} "
+                  f"(accepted: {shown})")
+    if args.split is not None:
+        try:
+            weights = [float(x) for x in re.split(r"[,/]", args.split) if x.strip()]
+        except ValueError:
+            weights = []
+        if not weights or weights[0] <= 0 or any(w != 0 for w in weights[1:]):
+            _fail(f"--split {args.split} is a Megatron-LM setting that megatron_harts does not support: "
+                  f"{_NO_EVAL}, all data trains (accepted: a train-only split such as 100,0,0)")
+
+
+def _check_data_path(args: argparse.Namespace, require_data: bool) -> None:
+    paths = args.data_path
+    if paths is None or len(paths) == 0:
+        if paths is not None:
+            _fail("--data-path needs a value: one dataset prefix or trajectory file")
+        if require_data:
+            _fail("--data-path is required: one dataset prefix or trajectory file")
+        args.data_path = None
+        return
+    if len(paths) > 1:
+        def is_number(s):
+            try:
+                float(s)
+                return True
+            except ValueError:
+                return False
+        if len(paths) % 2 == 0 and all(is_number(w) for w in paths[0::2]):
+            _fail(f"--data-path {' '.join(paths)}: weighted dataset blends are not supported: give one dataset "
+                  "prefix or trajectory file")
+        _fail(f"--data-path got {len(paths)} paths: give one dataset prefix or trajectory file")
+    args.data_path = paths[0]
+
+
+def _required(args: argparse.Namespace, *pairs: Tuple[str, str]) -> None:
+    missing = [flag for dest, flag in pairs if getattr(args, dest) is None]
+    if missing:
+        _fail(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+
+
+def _layer_types(args: argparse.Namespace) -> List[str]:
+    freq = args.linear_attention_freq
+    n = args.num_layers
+    if isinstance(freq, int):
+        return ["mla" if (i + 1) % freq == 0 else "kda" for i in range(n)]
+    if len(freq) != n:
+        _fail(f"--linear-attention-freq pattern has {len(freq)} entries but --num-layers is {n}")
+    return ["kda" if v == 1 else "mla" for v in freq]
+
+
+def _mlp_types(args: argparse.Namespace) -> List[str]:
+    n = args.num_layers
+    freq = args.moe_layer_freq
+    if not args.num_experts:
+        if freq is not None:
+            _fail("--moe-layer-freq needs --num-experts")
+        return ["dense"] * n
+    freq = 1 if freq is None else freq
+    if isinstance(freq, int):
+        return ["moe" if i % freq == 0 else "dense" for i in range(n)]
+    if len(freq) != n:
+        _fail(f"--moe-layer-freq pattern has {len(freq)} entries but --num-layers is {n}")
+    return ["moe" if v == 1 else "dense" for v in freq]
+
+
+def _pair(args: argparse.Namespace, a: str, b: str, flag_a: str, flag_b: str, default: int, what: str) -> int:
+    va, vb = getattr(args, a), getattr(args, b)
+    if va is None and vb is None:
+        return default
+    if va is None or vb is None:
+        return va if vb is None else vb
+    if va != vb:
+        _fail(f"{flag_a} {va} != {flag_b} {vb}: KDA uses one {what} for keys and values")
+    return va
+
+
+def padded_vocab_size(args: argparse.Namespace) -> int:
+    """``--vocab-size`` rounded up to a multiple of ``--make-vocab-size-divisible-by`` x TP
+    (Megatron-LM's padding; no EOD id is added)."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-args.vocab_size // multiple) * multiple
+
+
+def _resolve(args: argparse.Namespace, require_data: bool) -> None:
+    """Megatron-LM's derived values and our cross-flag checks (in place)."""
+    _required(args, ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+              ("num_attention_heads", "--num-attention-heads"), ("vocab_size", "--vocab-size"),
+              ("train_iters", "--train-iters"), ("global_batch_size", "--global-batch-size"), ("lr", "--lr"))
+    _check_data_path(args, require_data)
+
+    # precision
+    if args.bf16 and args.fp64:
+        _fail("--bf16 and --fp64 exclude each other")
+    if args.fp64 and args.accumulate_allreduce_grads_in_fp32:
+        _fail("--accumulate-allreduce-grads-in-fp32 with --fp64 would reduce float64 gradients in float32")
+    args.params_dtype = torch.bfloat16 if args.bf16 else (torch.float64 if args.fp64 else torch.float32)
+    if args.fp64 and args.moe_router_dtype is None:
+        args.moe_router_dtype = "fp64"
+
+    # model shape (Megatron-LM's defaults)
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size)
+        if args.ffn_hidden_size < 1:
+            _fail(f"--ffn-hidden-size: the default for --hidden-size {args.hidden_size} with --swiglu is 0; give it")
+    if args.num_experts == 0:
+        args.num_experts = None
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    elif args.seq_length is not None and args.max_position_embeddings < args.seq_length:
+        _fail(f"--max-position-embeddings {args.max_position_embeddings} < --seq-length {args.seq_length}")
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        v = getattr(args, name)
+        if isinstance(v, list) and len(v) == 1:
+            setattr(args, name, v[0])
+    args.padded_vocab_size = padded_vocab_size(args)
+
+    # hybrid pattern
+    args.layer_types = _layer_types(args)
+    args.mlp_types = _mlp_types(args)
+    args.linear_num_heads = _pair(args, "linear_num_key_heads", "linear_num_value_heads", "--linear-num-key-heads",
+                                  "--linear-num-value-heads", args.num_attention_heads, "head count")
+    args.linear_head_dim = _pair(args, "linear_key_head_dim", "linear_value_head_dim", "--linear-key-head-dim",
+                                 "--linear-value-head-dim", 128, "head dim")
+
+    # parallelism
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    if args.sequence_parallel and tp == 1:
+        warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off "
+                      "(as Megatron-LM does)", ArgumentsWarning, stacklevel=3)
+        args.sequence_parallel = False
+    if args.num_experts and tp > 1 and not args.sequence_parallel:
+        _fail(f"MoE (--num-experts) with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+              "(a megatron-core requirement)")
+    if args.expert_model_parallel_size > 1:
+        if not args.num_experts:
+            _fail("--expert-model-parallel-size > 1 needs --num-experts")
+        if args.num_experts % args.expert_model_parallel_size:
+            _fail(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
+                  f"{args.expert_model_parallel_size}")
+    if "kda" in args.layer_types and args.linear_num_heads % tp:
+        _fail(f"the KDA head count {args.linear_num_heads} (--linear-num-key-heads, default --num-attention-heads) "
+              f"is not divisible by --tensor-model-parallel-size {tp}")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        _fail("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
+
+    # schedule
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        _fail("give one of --lr-warmup-fraction and --lr-warmup-iters")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_fraction >= 1:
+        _fail(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be < 1")
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr {args.min_lr} > --lr {args.lr}")
+    if args.lr_warmup_init > args.lr:
+        _fail(f"--lr-warmup-init {args.lr_warmup_init} > --lr {args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    warmup = _warmup_steps(args)
+    if warmup >= args.lr_decay_iters:
+        _fail(f"the warmup ({warmup:g} iterations: --lr-warmup-iters / --lr-warmup-fraction) must be shorter than "
+              f"the decay (--lr-decay-iters, default --train-iters: {args.lr_decay_iters})")
+    if args.lr_decay_style == "WSD":
+        if args.lr_wsd_decay_iters is None:
+            _fail("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+        if args.lr_wsd_decay_iters > args.lr_decay_iters:
+            _fail(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} > --lr-decay-iters {args.lr_decay_iters}")
+    elif args.lr_wsd_decay_iters is not None:
+        _fail("--lr-wsd-decay-iters needs --lr-decay-style WSD")
+    if args.weight_decay_incr_style == "constant":
+        if args.start_weight_decay is not None or args.end_weight_decay is not None:
+            _fail("--start-weight-decay / --end-weight-decay need a non-constant --weight-decay-incr-style "
+                  "(constant uses --weight-decay)")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    else:
+        if args.start_weight_decay is None or args.end_weight_decay is None:
+            _fail(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+                  "--end-weight-decay")
+        if args.end_weight_decay < args.start_weight_decay:
+            _fail(f"--end-weight-decay {args.end_weight_decay} < --start-weight-decay {args.start_weight_decay}")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other")
+
+    # checkpoints
+    if args.save_interval is not None and args.save is None:
+        _fail("--save-interval needs --save")
+    if args.save is not None and args.save_interval is None:
+        _fail("--save needs --save-interval (as in Megatron-LM)")
+
+    # tree sharing
+    args.tree_mode = args.tree_sharing != "off"
+    args.tree_replay = not args.no_tree_replay
+    allowed = PLANNERS_BY_SHARING[args.tree_sharing]
+    if args.tree_planner is None:
+        args.tree_planner = allowed[0]
+    elif args.tree_planner not in allowed:
+        why = {"ffd": "ffd packs whole trajectories without sharing: use --tree-sharing off",
+               "l1l2": "L2 plans cross-microbatch sharing windows: use --tree-sharing windows",
+               "l1": "L1 plans sharing within microbatches: use --tree-sharing within",
+               "ortools": "the OR-Tools baseline plans sharing within microbatches: use --tree-sharing within"}
+        _fail(f"--tree-planner {args.tree_planner} does not go with --tree-sharing {args.tree_sharing} "
+              f"({why[args.tree_planner]}; allowed: {', '.join(allowed)})")
+    if not args.tree_mode and args.no_tree_replay:
+        _fail("--no-tree-replay needs tree sharing: with --tree-sharing off there is no replay")
+    if args.tree_sharing == "windows" and pp > 1:
+        _fail(f"--tree-sharing windows with --pipeline-model-parallel-size {pp}: the consumer 1F1B schedule is "
+              "not yet available (use --tree-sharing within, or pipeline size 1)")
+    if args.tree_microbatch_tokens is None:
+        if args.seq_length is None:
+            _fail("--tree-microbatch-tokens (or --seq-length, its default) is required")
+        args.tree_microbatch_tokens = args.seq_length
+    elif args.seq_length is not None and args.tree_microbatch_tokens < args.seq_length:
+        _fail(f"--tree-microbatch-tokens {args.tree_microbatch_tokens} < --seq-length {args.seq_length}: a "
+              "trajectory must fit one microbatch")
+    if args.tree_plan_report is not None:
+        parent = os.path.dirname(os.path.abspath(args.tree_plan_report))
+        if not os.path.isdir(parent):
+            _fail(f"--tree-plan-report {args.tree_plan_report}: directory {parent} does not exist")
+    if args.tree_cost_calibration is not None:
+        cost_model(args)    # read and check now, before any process group starts
+
+    # RL objective
+    if args.rl_objective == "ppo":
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            if getattr(args, name) is None:
+                setattr(args, name, 0.2)
+        if args.clip_ratio_low >= 1:
+            _fail(f"--clip-ratio-low {args.clip_ratio_low} must be < 1 (the ratio is clipped at 1 - it)")
+    else:
+        given = [f for f, v in (("--clip-ratio-low", args.clip_ratio_low), ("--clip-ratio-high", args.clip_ratio_high))
+                 if v is not None]
+        if given:
+            _fail(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to --rl-objective ppo")
+        args.clip_ratio_low = args.clip_ratio_high = 0.2     # unused by sft; keeps the objective config complete
+
+
+def _warmup_steps(args: argparse.Namespace) -> float:
+    if args.lr_warmup_fraction is not None:
+        return args.lr_warmup_fraction * args.lr_decay_iters
+    return args.lr_warmup_iters
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, *, require_data: bool = True) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``) into a checked namespace (module docstring).
+
+    ``require_data=False``: ``--data-path`` is optional (trajectories fed in memory).  Raises
+    ``ArgumentsError``; ``--help`` prints the flags and raises ``SystemExit(0)``.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    _refuse_leftovers(extras, parser)
+    _check_accepted_values(args)
+    _resolve(args, require_data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # megatron-core's import and config notices: shown at build time
+        _build_config(args, kda_backend=None, attention_backend=None, use_cpu_initialization=True)
+    return args
+
+
+def parse_args_or_exit(argv: Optional[Sequence[str]] = None, *, require_data: bool = True) -> argparse.Namespace:
+    """``parse_args`` for a ``main``: a refusal prints one ``error:`` line on stderr and exits 2;
+    our warnings print as one ``warning:`` line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ArgumentsWarning)
+        try:
+            args = parse_args(argv, require_data=require_data)
+        except ArgumentsError as e:
+            args = e
+    for w in caught:
+        if issubclass(w.category, ArgumentsWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if isinstance(args, ArgumentsError):
+        print(f"error: {args}", file=sys.stderr)
+        sys.exit(2)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# builders
+# ---------------------------------------------------------------------------------------------
+def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
+    """The data-parallel size of ``world_size`` ranks; refuses sizes the parallel layout cannot use."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if not isinstance(world_size, int) or world_size < 1:
+        _fail(f"world size must be a positive integer, got {world_size!r}")
+    if world_size % (tp * pp * cp):
+        _fail(f"the world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+              f"--pipeline-model-parallel-size {pp}")
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    if args.num_experts and world_size % (ep * etp * pp):
+        _fail(f"the world size {world_size} is not divisible by --expert-model-parallel-size {ep} x "
+              f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size {pp}")
+    return world_size // (tp * pp * cp)
+
+
+def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) -> Tuple[str, str]:
+    """(KDA backend, tree-attention backend) for this machine; ``auto`` picks fla / flex on CUDA
+    (reference / sdpa with --fp64 or without CUDA).  Refuses fla / flex where they cannot run."""
+    import importlib.util
+
+    from ..ops.tree_kda import KDA_BACKENDS
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    kda, attn = args.tree_kda_backend, args.tree_attention_backend
+    fast = cuda and not args.fp64
+    # fla registers itself in KDA_BACKENDS when fla-core is installed (found, not imported: no Triton on CPUs)
+    fla_installed = "fla" in KDA_BACKENDS or importlib.util.find_spec("fla") is not None
+    if kda == "auto":
+        kda = "fla" if fast and fla_installed else "reference"
+    if attn == "auto":
+        attn = "flex" if fast else "sdpa"
+    if kda == "fla":
+        if not cuda:
+            _fail("--tree-kda-backend fla needs CUDA (use reference on the CPU)")
+        if not fla_installed:
+            _fail("--tree-kda-backend fla: fla-core is not installed here (pip install fla-core==0.6.0)")
+        if args.tree_chunk_size != 64:
+            _fail(f"--tree-kda-backend fla runs chunks of 64: --tree-chunk-size {args.tree_chunk_size} needs the "
+                  "reference backend")
+    if attn == "flex" and not cuda:
+        _fail("--tree-attention-backend flex needs CUDA (use sdpa or reference on the CPU)")
+    return kda, attn
+
+
+def _config_error(err: BaseException, parser: argparse.ArgumentParser) -> ArgumentsError:
+    """megatron-core's message, with the flags of the config fields it names."""
+    msg = str(err).strip() or type(err).__name__
+    if msg.startswith("--") or " --" in msg:
+        return ArgumentsError(f"{PROG}: {msg}")
+    flags = _dest_flags(parser)
+    aliases = {"num_moe_experts": "--num-experts", "qk_nope_head_dim": "--qk-head-dim",
+               "qk_rope_head_dim": "--qk-pos-emb-head-dim", "layernorm_epsilon": "--norm-epsilon",
+               "gated_linear_unit": "--swiglu", "linear_num_heads": "--linear-num-key-heads",
+               "linear_head_dim": "--linear-key-head-dim", "kda_chunk_size": "--tree-chunk-size"}
+    named = []
+    for field in sorted(set(re.findall(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+", msg))):
+        flag = aliases.get(field) or flags.get(field)
+        if flag:
+            named.append(f"{field} = {flag}")
+    suffix = f" [{'; '.join(named)}]" if named else ""
+    return ArgumentsError(f"{PROG}: megatron-core refused the configuration: {msg}{suffix}")
+
+
+def _build_config(args: argparse.Namespace, *, kda_backend: Optional[str], attention_backend: Optional[str],
+                  use_cpu_initialization: bool):
+    import torch.nn.functional as F
+
+    from ..models.config import HybridConfig
+    from ..models.model import validate_config
+
+    kw = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
+        normalization=args.normalization, layernorm_epsilon=args.layernorm_epsilon,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        params_dtype=args.params_dtype, pipeline_dtype=args.params_dtype, bf16=args.bf16, fp16=False,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk, moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_router_dtype=args.moe_router_dtype,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy, moe_grouped_gemm=False,
+        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_head_dim,
+        qk_rope_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        mla_rope=args.position_embedding_type == "rope", mla_rotary_base=float(args.rotary_base),
+        linear_num_heads=args.linear_num_heads, linear_head_dim=args.linear_head_dim,
+        linear_conv_kernel_dim=args.linear_conv_kernel_dim, kda_chunk_size=args.tree_chunk_size,
+        kda_backend=kda_backend or "reference", tree_attention_backend=attention_backend or "sdpa",
+        layer_types=list(args.layer_types), mlp_types=list(args.mlp_types), tree_mode=args.tree_mode,
+        calculate_per_token_loss=True, use_cpu_initialization=use_cpu_initialization,
+        gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
+    )
+    if args.recompute_modules is not None:
+        kw["recompute_modules"] = list(args.recompute_modules)
+    try:
+        config = HybridConfig(**kw)
+        validate_config(config)
+    except (ValueError, AssertionError, TypeError) as e:
+        raise _config_error(e, build_parser()) from None
+    return config
+
+
+def hybrid_config(args: argparse.Namespace, *, world_size: Optional[int] = None, device: Optional[str] = None,
+                  use_cpu_initialization: Optional[bool] = None):
+    """The model's ``HybridConfig`` from parsed flags, checked by ``models.model.validate_config``.
+
+    ``world_size``: checked against the parallel sizes when given.  ``device``: the device type
+    the model runs on ("cuda" or "cpu"; default: "cuda" when available).  Backends ``auto`` are
+    resolved for it (``resolved_backends``); ``use_cpu_initialization`` defaults to
+    ``--use-cpu-initialization`` or "not on CUDA".  Raises ``ArgumentsError`` naming the flags.
+    """
+    if world_size is not None:
+        data_parallel_size(args, world_size)
+    if device is not None and device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    kda, attn = resolved_backends(args, cuda=cuda)
+    if use_cpu_initialization is None:
+        use_cpu_initialization = bool(args.use_cpu_initialization) or not cuda
+    return _build_config(args, kda_backend=kda, attention_backend=attn, use_cpu_initialization=use_cpu_initialization)
+
+
+def optimizer_config(args: argparse.Namespace):
+    """megatron-core's optimizer config (``AdamOptimizerConfig`` / ``SGDOptimizerConfig``, both
+    ``OptimizerConfig``) as Megatron-LM builds it from the same flags (Adam is AdamW)."""
+    from megatron.core.optimizer import AdamOptimizerConfig, SGDOptimizerConfig
+
+    common = dict(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, bf16=args.bf16, fp16=False,
+                  params_dtype=args.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
+                  overlap_param_gather=args.overlap_param_gather, clip_grad=args.clip_grad)
+    if args.optimizer == "adam":
+        return AdamOptimizerConfig(adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                                   **common)
+    return SGDOptimizerConfig(sgd_momentum=args.sgd_momentum, **common)
+
+
+def ddp_config(args: argparse.Namespace, *, data_parallel_size: int = 1):
+    """megatron-core's ``DistributedDataParallelConfig``: gradients reduced in fp32 with --bf16 (or
+    --accumulate-allreduce-grads-in-fp32), in the parameter dtype otherwise; buckets as Megatron-LM
+    sizes them when overlapping the reduce (one bucket otherwise)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    bucket = max(40_000_000, 1_000_000 * data_parallel_size) if args.overlap_grad_reduce else None
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bool(args.bf16 or args.accumulate_allreduce_grads_in_fp32),
+        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, bucket_size=bucket)
+
+
+def scheduler_kwargs(args: argparse.Namespace) -> dict:
+    """Keyword arguments of megatron-core's ``OptimizerParamScheduler(optimizer, **kwargs)``.
+
+    Megatron-LM's iteration-based schedule, in iterations: warmup ``--lr-warmup-iters`` (or
+    ``--lr-warmup-fraction`` x decay), decay ``--lr-decay-iters`` (default ``--train-iters``),
+    weight-decay ramp over ``--train-iters``.  Steps count iterations, not samples: call
+    ``scheduler.step(1)`` once per iteration.  (Megatron-LM counts samples, steps of
+    global-batch-size; every ratio, hence every learning rate, is the same.)
+    """
+    return dict(
+        init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=_warmup_steps(args), lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters, wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=args.lr_wsd_decay_iters if args.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style if args.lr_decay_style == "WSD" else None,
+    )
+
+
+def cost_model(args: argparse.Namespace):
+    """The planner's ``CostModel``: ``--tree-cost-calibration`` (when given) at ``--tree-chunk-size``."""
+    from ..planner.cost_model import CalibrationError, CostModel, load_calibration
+
+    if args.tree_cost_calibration is None:
+        return CostModel(chunk_size=args.tree_chunk_size)
+    try:
+        model = load_calibration(args.tree_cost_calibration)
+    except CalibrationError as e:
+        _fail(f"--tree-cost-calibration {e}")
+    if model.chunk_size != args.tree_chunk_size:
+        _fail(f"--tree-cost-calibration {args.tree_cost_calibration} was fitted at chunk size {model.chunk_size}, "
+              f"but --tree-chunk-size is {args.tree_chunk_size}: calibrate at the training chunk size")
+    return model
+
+
+def objective_kwargs(args: argparse.Namespace) -> dict:
+    """Keyword arguments of ``rl.objectives.ObjectiveConfig``."""
+    return dict(kind=args.rl_objective, clip_ratio_low=args.clip_ratio_low, clip_ratio_high=args.clip_ratio_high,
+                kl_coef=args.kl_coef, entropy_coef=args.entropy_coef, loss_agg_mode=args.loss_agg_mode)
