@@ -1,0 +1,35 @@
+"""``harts-pretrain`` / ``pretrain_tree_gpt.py``: Megatron-style training on rollout trees.
+
+Launch it as Megatron-LM's pretrain_gpt.py is launched (``torchrun --nproc-per-node N
+pretrain_tree_gpt.py <Megatron-LM flags> --data-path PREFIX --tree-sharing windows``).  Every
+failure a user can cause (flags, data, checkpoints, a non-finite loss) ends the process with
+one ``error:`` line and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..cli import CliError, run
+
+__all__ = ["main", "console_main"]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ..planner.microbatch import PlanningError
+    from ..rl.objectives import ObjectiveDataError
+    from .arguments import parse_args
+    from .checkpointing import CheckpointError
+    from .data import LoaderError
+    from .trainer import Trainer, TrainingError
+    args = parse_args(argv)
+    try:
+        with Trainer(args) as trainer:
+            trainer.train()
+    except (TrainingError, LoaderError, CheckpointError, ObjectiveDataError, PlanningError) as e:
+        raise CliError(str(e)) from None
+    return 0
+
+
+def console_main() -> None:
+    """Entry point of the ``harts-pretrain`` console script."""
+    run(main)

@@ -1,0 +1,233 @@
+"""One training step: a planned global batch -> this replica's microbatches -> schedule -> update.
+
+The flow, top to bottom (``train_step``):
+
+1. the step's forest and plan are the same on every rank (the loader plans identically
+   everywhere); replica ``dp_rank`` takes its microbatches (:func:`replica_microbatches`);
+2. the objective's normalizer is computed once from the whole step's forest, so the loss of
+   a microbatch is its owned targets' share of the *global-batch* loss;
+3. the sharing-window schedule runs the microbatches (windows, recomputed prefixes or
+   expanded trajectories: one schedule), every backward inside DDP's ``no_sync``;
+4. ``finalize_model_grads`` reduces gradients over replicas, then the optimizer and the LR
+   scheduler step.
+
+Invariants:
+
+- Over all microbatches of all replicas every target is computed exactly once, so the sum of
+  the microbatch losses is the global-batch loss and the summed gradients are its gradients:
+  the model config has ``calculate_per_token_loss`` (DDP scales by 1, i.e. sums over
+  replicas) and ``finalize_model_grads`` gets no token count.
+- tree mode (``within`` / ``windows``) and expanded mode (``off``) give the same loss and
+  gradients for the same step (shared/DESIGN.md invariant 1), up to the MoE micro-batch aux
+  losses, which megatron defines per microbatch and so depend on how a step is packed; their
+  gradient scale is ``1 / (microbatches of the step over all replicas)``, megatron's mean.
+- A non-finite global loss stops the step before the optimizer touches the weights
+  (:class:`NonFiniteLoss`, naming the iteration).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..planner.l1 import plan_l1
+from ..planner.l2 import plan_harts
+from ..planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ffd
+from ..planner.metrics import plan_metrics
+from ..rl.objectives import (BatchNormalizer, ObjectiveConfig, ObjectiveDataError, forest_normalizer, objective_loss,
+                             target_scale)
+from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forward_backward_windows,
+                                 windowed_microbatches)
+
+__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "replica_microbatches", "train_step", "StepResult"]
+
+SHARING_MODES = ("off", "within", "windows")
+PLANNERS = ("l1", "l1l2", "ffd", "ortools")
+
+
+class NonFiniteLoss(RuntimeError):
+    """The step's loss is NaN or infinite; the weights were not updated."""
+
+
+@dataclass(frozen=True)
+class SharingSettings:
+    """How a step is cut into microbatches (the ``--tree-*`` flags)."""
+    sharing: str = "within"            # off | within | windows
+    microbatch_tokens: int = 8192      # row budget per microbatch
+    planner: str = "l1l2"              # l1 | l1l2 | ffd | ortools (tree modes); off packs trajectories FFD
+    replay: bool = True
+    cost_model: Any = None             # planner.cost_model.CostModel or None (defaults)
+
+    def __post_init__(self):
+        if self.sharing not in SHARING_MODES:
+            raise ValueError(f"--tree-sharing must be one of {SHARING_MODES}, got {self.sharing!r}")
+        if self.planner not in PLANNERS:
+            raise ValueError(f"--tree-planner must be one of {PLANNERS}, got {self.planner!r}")
+
+
+def plan_step(forest, settings: SharingSettings, dp: int):
+    """The plan of one step on ``dp`` replicas (deterministic: every rank computes the same)."""
+    M, cm = settings.microbatch_tokens, settings.cost_model
+    if settings.sharing == "off":
+        return plan_ffd(forest, dp, M, cost_model=cm)
+    if settings.planner == "l1":
+        return plan_l1(forest, dp, M, cost_model=cm)
+    if settings.planner == "l1l2":
+        return plan_harts(forest, dp, M, cost_model=cm)[1]
+    if settings.planner == "ffd":
+        return plan_tree_ffd(forest, dp, M, cost_model=cm)
+    return plan_ortools_ffd(forest, dp, M, cost_model=cm)
+
+
+def replica_microbatches(forest, plan, replica: int, settings: SharingSettings) -> List[WindowedMicrobatch]:
+    """Replica ``replica``'s microbatches of a planned step, in execution order."""
+    if settings.sharing == "off":
+        return expanded_microbatches(forest, plan, replica)
+    return windowed_microbatches(forest, plan, replica, replay=settings.replay,
+                                 windows=settings.sharing == "windows")
+
+
+@dataclass
+class StepResult:
+    """What one step measured, already reduced over data-parallel replicas."""
+    loss: float
+    terms: Dict[str, float]
+    grad_norm: Optional[float]
+    lr: float
+    trajectories: int
+    trajectory_tokens: int           # expanded tokens of the step
+    target_tokens: int               # targets (trainable tokens) of the step
+    computed_tokens: int             # rows computed over all microbatches (incl. recomputed prefixes)
+    replay_tokens: int
+    kda_calls: int                   # KDA calls per KDA layer, summed over the step's microbatches
+    microbatches: int
+    plan_seconds: float
+    step_seconds: float
+    tokens_per_expert: Optional[torch.Tensor] = None   # [moe layers, experts], q-weighted, whole step
+    window_stats: Dict[str, Any] = field(default_factory=dict)
+    plan_metrics: Dict[str, float] = field(default_factory=dict)
+
+
+def _moe_routers(model) -> list:
+    module = model
+    while hasattr(module, "module"):
+        module = module.module
+    decoder = getattr(module, "decoder", None)
+    if decoder is None:
+        return []
+    return [l.mlp.router for l in decoder.layers if getattr(l, "is_moe_layer", False)]
+
+
+def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *,
+                      aux_loss_scale: float, counters: Dict[str, Any]) -> Callable:
+    """``forward_step_func(data_iterator, model)`` of the schedule for the driver's objective.
+
+    The loss of a microbatch: the objective over the targets it owns, each scaled by its
+    global-batch normalization (``normalizer``).  ``counters`` accumulates the step's
+    objective terms, KDA calls and q-weighted tokens per expert.
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    need_entropy = objective.entropy_coef != 0.0
+
+    def forward_step(data_iterator, model):
+        mb, psp = next(data_iterator)
+        batch = mb.layout
+        dev = batch.tokens.device
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(aux_loss_scale, dtype=torch.float32, device=dev))
+        out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp,
+                    pair_row=batch.pair_row, pair_token=batch.pair_token, return_entropy=need_entropy)
+        lp_pairs, entropy_rows = out if need_entropy else (out, None)
+        lp = lp_pairs[batch.target_pair]
+        entropy = entropy_rows[batch.target_row] if need_entropy else None
+        traj = torch.as_tensor(batch.traj_forest, device=dev)[batch.target_traj]
+        scale = target_scale(normalizer, traj, batch.target_weight.to(dev), objective.loss_agg_mode)
+        if mb.owned is not None:
+            scale = scale * mb.owned.to(dev, scale.dtype)
+        if psp.kda_schedule is not None:
+            counters["kda_calls"] += len(psp.kda_schedule.calls)
+        with torch.no_grad():
+            tpe = [r.last_tokens_per_expert for r in _moe_routers(model)]
+            if tpe and all(t is not None for t in tpe):
+                stacked = torch.stack([t.double() for t in tpe])
+                counters["tokens_per_expert"] = stacked if counters["tokens_per_expert"] is None \
+                    else counters["tokens_per_expert"] + stacked
+
+        def loss_func(lp):
+            try:
+                loss, terms = objective_loss(lp, batch.target_old_logprob.to(dev), batch.target_advantage.to(dev),
+                                             scale, objective, entropy=entropy)
+            except ObjectiveDataError as e:
+                t = batch.traj_ids[int(batch.target_traj[e.target_index])]
+                raise ObjectiveDataError(f"trajectory {t!r}: {e}", e.field, e.count, e.target_index) from None
+            for k, v in terms.items():
+                counters["terms"][k] = counters["terms"].get(k, 0.0) + float(v)
+            counters["loss"] += float(loss.detach())
+            return loss, {}
+        return lp, loss_func
+    return forward_step
+
+
+def _all_reduce_sum(values: List[float], device) -> List[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        from megatron.core import parallel_state
+        dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return t.tolist()
+
+
+def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: SharingSettings,
+               objective: ObjectiveConfig, iteration: int, device, plan_seconds: float = 0.0) -> StepResult:
+    """Run one optimizer step of the global batch ``forest`` planned as ``plan`` (module docstring)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    t0 = time.perf_counter()
+    if len(model) != 1:
+        raise ValueError("train_step: one model chunk expected (virtual pipeline stages are not supported)")
+    ddp = model[0]
+    replica = parallel_state.get_data_parallel_rank()
+    items = replica_microbatches(forest, plan, replica, settings)
+    items = [WindowedMicrobatch(mb.layout.to(device), mb.owned, mb.producer, mb.replay, mb.counted) for mb in items]
+    normalizer = forest_normalizer(forest).to(device)
+    total_mbs = len(plan.microbatches)
+    counters: Dict[str, Any] = {"loss": 0.0, "terms": {}, "kda_calls": 0, "tokens_per_expert": None}
+    step_fn = make_forward_step(objective, normalizer, aux_loss_scale=1.0 / max(total_mbs, 1), counters=counters)
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    window_stats: Dict[str, Any] = {}
+    with ddp.no_sync():
+        forward_backward_windows(forward_step_func=step_fn, data_iterator=iter(items), model=ddp,
+                                 num_microbatches=len(items), window_stats=window_stats)
+    term_names = sorted(counters["terms"])
+    rows = sum(int(mb.layout.num_rows) for mb in items)
+    local = [counters["loss"], float(counters["kda_calls"]), float(rows)] + [counters["terms"][k] for k in term_names]
+    reduced = _all_reduce_sum(local, device)
+    loss, kda_calls, computed_rows = reduced[0], int(reduced[1]), int(reduced[2])
+    terms = dict(zip(term_names, reduced[3:]))
+    if not np.isfinite(loss):
+        raise NonFiniteLoss(f"iteration {iteration}: the loss is {loss} (not finite); the weights were not "
+                            "updated from this step")
+    finalize_model_grads(model)
+    update_ok, grad_norm, _ = optimizer.step()
+    if update_ok:
+        scheduler.step(increment=1)
+    tpe = counters["tokens_per_expert"]
+    if tpe is not None and dist.is_initialized():
+        tpe = tpe.to(device)
+        dist.all_reduce(tpe, group=parallel_state.get_data_parallel_group())
+    pm = plan_metrics(plan)
+    return StepResult(
+        loss=loss, terms=terms, grad_norm=None if grad_norm is None else float(grad_norm),
+        lr=float(optimizer.param_groups[0]["lr"]), trajectories=int(forest.num_trajectories),
+        trajectory_tokens=int(plan.expanded_tokens), target_tokens=int(normalizer.num_tokens),
+        computed_tokens=computed_rows,
+        replay_tokens=int(sum(m.features.replay_tokens for m in plan.microbatches)), kda_calls=kda_calls,
+        microbatches=total_mbs, plan_seconds=plan_seconds, step_seconds=time.perf_counter() - t0,
+        tokens_per_expert=None if tpe is None else tpe.cpu(), window_stats=window_stats, plan_metrics=pm)

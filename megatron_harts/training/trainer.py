@@ -1,0 +1,369 @@
+"""The trainer: everything one training run holds, built once from the parsed arguments.
+
+``Trainer(args)`` (``args`` from ``training.arguments.parse_args``) sets up, in this order:
+
+1. the process world and megatron's parallel state (torchrun's environment, or a world of
+   one; NCCL on GPU, gloo on CPU, where megatron-core runs through
+   ``models.cpu_runtime.megatron_cpu_runtime``) and ``megatron_harts.patches``;
+2. the hybrid model (``build_hybrid_model``), megatron-core's DDP, optimizer and
+   ``OptimizerParamScheduler``;
+3. the checkpoint to resume from (``--load``), which also restores the data position.
+
+Then ``train()`` runs the loop of ``pretrain_tree_gpt.py`` (a loader of planned global batches,
+``training.step.train_step`` per iteration, logging, checkpoints, exit conditions), and
+``step(trajectories)`` runs one step on in-memory trajectories for RL loops that own their data.
+``export_hf(path)`` writes the weights in transformers' Kimi-Linear format for rollout engines.
+
+Invariants:
+
+- Every rank of the world makes the same decisions (same plans, same iteration count, same
+  exit step): exit conditions are agreed through one all-reduce per iteration.
+- A non-finite loss stops the run before the weights change, names the iteration, and never
+  saves; the last good checkpoint stays the latest (``latest_checkpointed_iteration.txt``).
+- ``--exit-signal-handler``: SIGTERM (``--exit-signal``) makes the run save a checkpoint after the
+  current iteration and stop with exit code 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .step import NonFiniteLoss, SharingSettings, StepResult, plan_step, train_step
+
+__all__ = ["Trainer", "TrainingError"]
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (non-finite loss, bad data at run time); the message says where."""
+
+
+def _device_and_backend(args):
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), args.distributed_backend
+    if args.distributed_backend != "gloo":
+        raise TrainingError(f"--distributed-backend {args.distributed_backend}: no CUDA device here; use "
+                            "--distributed-backend gloo to train on the CPU")
+    return torch.device("cpu"), "gloo"
+
+
+def _init_world(backend: str, timeout_minutes: int) -> bool:
+    """Join torchrun's world (or make a world of one); returns whether this call created it."""
+    if dist.is_initialized():
+        return False
+    from datetime import timedelta
+    if "RANK" not in os.environ:
+        from ..models.cpu_runtime import free_port
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    return True
+
+
+class _ExitSignal:
+    """Records ``--exit-signal`` (SIGTERM by default) under ``--exit-signal-handler``; the previous
+    handler is restored on ``close``."""
+
+    def __init__(self, sig=signal.SIGTERM):
+        self.received = False
+        self._saved = {sig: signal.signal(sig, self._handle)}
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def close(self):
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved = {}
+
+
+class Trainer:
+    """One training run (module docstring).  Use as a context manager, or call ``close()``."""
+
+    def __init__(self, args):
+        from .. import patches
+        from ..models.model import build_hybrid_model
+        from ..rl.objectives import ObjectiveConfig
+        from .arguments import (cost_model, data_parallel_size, ddp_config, hybrid_config, optimizer_config,
+                                padded_vocab_size, scheduler_kwargs)
+
+        self.args = args
+        self._stack = contextlib.ExitStack()
+        self.iteration = 0
+        self.loader = None
+        self.last_saved: Optional[int] = None
+        self._tb = None
+        self._signal = None
+        try:
+            self.device, backend = _device_and_backend(args)
+            created = _init_world(backend, args.distributed_timeout_minutes)
+            if created:
+                self._stack.callback(dist.destroy_process_group)
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            self._enter_parallel_state()
+            patches.apply()
+            self._stack.callback(patches.undo)
+
+            self.config = hybrid_config(args, world_size=self.world, device=self.device.type)
+            self.vocab_size = padded_vocab_size(args)
+            model = build_hybrid_model(self.config, self.vocab_size,
+                                       share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+            model.to(self.device)
+            from megatron.core.distributed import DistributedDataParallel
+            from megatron.core.optimizer import get_megatron_optimizer
+            from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+            self.model = [DistributedDataParallel(
+                self.config, ddp_config(args, data_parallel_size=data_parallel_size(args, self.world)), model)]
+            self.optimizer = get_megatron_optimizer(optimizer_config(args), self.model)
+            self.scheduler = OptimizerParamScheduler(self.optimizer, **scheduler_kwargs(args))
+            self.objective = ObjectiveConfig.from_args(args)
+            self.settings = SharingSettings(sharing=args.tree_sharing, microbatch_tokens=args.tree_microbatch_tokens,
+                                            planner=args.tree_planner, replay=not args.no_tree_replay,
+                                            cost_model=cost_model(args))
+            from megatron.core import parallel_state
+            self.dp = parallel_state.get_data_parallel_world_size()
+            self.data_state: Optional[dict] = None
+            if args.load:
+                self._load()
+            if args.exit_signal_handler:
+                self._signal = _ExitSignal(args.exit_signal)
+                self._stack.callback(self._signal.close)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    # ---- setup ---------------------------------------------------------------------------
+    def _enter_parallel_state(self) -> None:
+        a = self.args
+        tp, pp, ep = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.expert_model_parallel_size
+        if self.device.type == "cpu":
+            from ..models.cpu_runtime import megatron_cpu_runtime
+            self._stack.enter_context(megatron_cpu_runtime(tp=tp, ep=ep, pp=pp, seed=a.seed, init_world=False))
+            return
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        torch.cuda.set_device(self.device)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=a.expert_tensor_parallel_size)
+        self._stack.callback(parallel_state.destroy_model_parallel)
+        model_parallel_cuda_manual_seed(a.seed)
+        torch.manual_seed(a.seed)
+
+    def _load(self) -> None:
+        from .checkpointing import load_checkpoint
+        a = self.args
+        got = load_checkpoint(a.load, self.model, self.optimizer, self.scheduler, load_optim=not a.no_load_optim,
+                              load_rng=not a.no_load_rng, finetune=a.finetune)
+        if got is None:
+            if a.exit_on_missing_checkpoint:
+                raise TrainingError(f"--load {a.load}: no checkpoint there (--exit-on-missing-checkpoint)")
+            self._log(f"--load {a.load}: no checkpoint yet, starting from scratch")
+            return
+        self.iteration, extra = got
+        self.data_state = extra.get("data") if extra else None
+        self._log(f"loaded checkpoint of iteration {self.iteration} from {a.load}")
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _plan(self, forest):
+        return plan_step(forest, self.settings, self.dp)
+
+    def open_loader(self):
+        """The loader of ``--data-path`` at the resumed position (every rank builds the same)."""
+        from .data import TreeBatchLoader
+        a = self.args
+        if not a.data_path:
+            raise TrainingError("--data-path is required to train from a dataset")
+        self.loader = TreeBatchLoader(a.data_path, global_batch_size=a.global_batch_size, seed=a.seed,
+                                      plan_fn=self._plan, prefetch=1, start=self.data_state,
+                                      vocab_size=a.vocab_size)
+        self._stack.callback(self.loader.close)
+        return self.loader
+
+    def train(self) -> Dict[str, Any]:
+        """Train until ``--train-iters`` (or an exit condition); returns the last step's metrics."""
+        a = self.args
+        loader = self.loader or self.open_loader()
+        self._open_tensorboard()
+        started = time.time()
+        last: Dict[str, Any] = {}
+        while self.iteration < a.train_iters:
+            batch = next(loader)
+            result = self._run_step(batch.forest, batch.plan, batch.plan_seconds)
+            self.iteration += 1
+            self.data_state = loader.state_dict()
+            last = self.metrics(result)
+            self._report(last)
+            saved = False
+            if a.save and a.save_interval and self.iteration % a.save_interval == 0:
+                self.save()
+                saved = True
+            reason = self._exit_reason(started)
+            if reason:
+                if a.save and not saved:
+                    self.save()
+                self._log(f"exiting at iteration {self.iteration}: {reason}")
+                return last
+        if a.save and self.last_saved != self.iteration:
+            self.save()
+        return last
+
+    def _exit_reason(self, started: float) -> Optional[str]:
+        a = self.args
+        flags = [0.0, 0.0, 0.0]
+        if self._signal is not None and self._signal.received:
+            flags[0] = 1.0
+        if a.exit_interval and self.iteration % a.exit_interval == 0:
+            flags[1] = 1.0
+        if a.exit_duration_in_mins and (time.time() - started) / 60.0 > a.exit_duration_in_mins:
+            flags[2] = 1.0
+        t = torch.tensor(flags, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        names = ["exit signal received", f"--exit-interval {a.exit_interval}",
+                 f"--exit-duration-in-mins {a.exit_duration_in_mins}"]
+        hit = [n for n, f in zip(names, t.tolist()) if f]
+        return hit[0] if hit else None
+
+    def _run_step(self, forest, plan, plan_seconds: float) -> StepResult:
+        try:
+            return train_step(self.model, self.optimizer, self.scheduler, forest, plan, settings=self.settings,
+                              objective=self.objective, iteration=self.iteration + 1, device=self.device,
+                              plan_seconds=plan_seconds)
+        except NonFiniteLoss as e:
+            where = f"; the last good checkpoint is iteration {self.last_saved} in {self.args.save}" \
+                if self.last_saved is not None else ""
+            raise TrainingError(f"{e}: stopping{where}") from None
+
+    def step(self, trajectories) -> Dict[str, Any]:
+        """One optimizer step on in-memory trajectories (the RL-loop entry).
+
+        ``trajectories``: a ``Forest``, or a sequence of ``Trajectory`` objects or records
+        (dicts in the JSONL format of docs/data_format.md).  Every rank must pass the same
+        trajectories (the whole global batch); each runs its replica's share.
+        """
+        from ..tree_data import Forest, build_forest, make_trajectory
+        if isinstance(trajectories, Forest):
+            forest = trajectories
+        else:
+            trajs = [t if not isinstance(t, dict) else make_trajectory(t, line=i + 1)
+                     for i, t in enumerate(trajectories)]
+            if not trajs:
+                raise ValueError("step(): no trajectories")
+            forest = build_forest(trajs)
+        t0 = time.perf_counter()
+        plan = self._plan(forest)
+        result = self._run_step(forest, plan, time.perf_counter() - t0)
+        self.iteration += 1
+        return self.metrics(result)
+
+    # ---- metrics and logging ------------------------------------------------------------------
+    def metrics(self, r: StepResult) -> Dict[str, Any]:
+        """The logged figures of one step (one flat dict of numbers)."""
+        secs = max(r.step_seconds, 1e-9)
+        m: Dict[str, Any] = {
+            "iteration": self.iteration, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+            "trajectories": r.trajectories, "trajectory_tokens": r.trajectory_tokens,
+            "target_tokens": r.target_tokens, "computed_tokens": r.computed_tokens,
+            "replay_tokens": r.replay_tokens, "compression": r.trajectory_tokens / max(r.computed_tokens, 1),
+            "trajectory_tokens_per_s": r.trajectory_tokens / secs, "computed_tokens_per_s": r.computed_tokens / secs,
+            "kda_calls": r.kda_calls, "microbatches": r.microbatches, "plan_seconds": r.plan_seconds,
+            "step_seconds": r.step_seconds, "peak_memory_gib": self._peak_memory_gib(),
+            "peak_export_bytes": r.window_stats.get("peak_export_bytes", 0),
+        }
+        for k, v in r.terms.items():
+            m[f"objective/{k}"] = v
+        if r.tokens_per_expert is not None and r.tokens_per_expert.numel():
+            tpe = r.tokens_per_expert.double()
+            ratio = tpe.max(dim=1).values / tpe.mean(dim=1).clamp_min(1e-12)
+            m["moe_load_max_over_mean"] = float(ratio.max())
+        return m
+
+    def _peak_memory_gib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # KiB on Linux
+
+    def _log(self, text: str) -> None:
+        if self.rank == 0:
+            print(f"[harts] {text}", flush=True)
+
+    def _open_tensorboard(self) -> None:
+        a = self.args
+        if not a.tensorboard_dir or self.rank != 0 or self._tb is not None:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise TrainingError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)") from None
+        self._tb = SummaryWriter(log_dir=a.tensorboard_dir, max_queue=getattr(a, 'tensorboard_queue_size', 10) or 10)
+        self._stack.callback(self._tb.close)
+
+    def _report(self, m: Dict[str, Any]) -> None:
+        a = self.args
+        if self.rank != 0:
+            return
+        if a.tree_plan_report:
+            with open(a.tree_plan_report, "a") as f:
+                f.write(json.dumps({k: v for k, v in m.items()}, sort_keys=True) + "\n")
+        if self._tb is not None and self.iteration % (a.tensorboard_log_interval or 1) == 0:
+            for k, v in m.items():
+                if isinstance(v, (int, float)) and k != "iteration" and v is not None:
+                    self._tb.add_scalar(k, v, self.iteration)
+            self._tb.flush()
+        if a.log_interval and self.iteration % a.log_interval == 0:
+            terms = " | ".join(f"{k.split('/', 1)[1]} {v:.4E}" for k, v in m.items() if k.startswith("objective/"))
+            gn = "-" if m["grad_norm"] is None else f"{m['grad_norm']:.3E}"
+            moe = f" | MoE load max/mean {m['moe_load_max_over_mean']:.2f}" if "moe_load_max_over_mean" in m else ""
+            print(f" iteration {self.iteration:8d}/{a.train_iters:8d} | loss {m['loss']:.6E}"
+                  f"{' | ' + terms if terms else ''} | lr {m['lr']:.3E} | grad norm {gn}"
+                  f" | trajectories {m['trajectories']} | traj tok/s {m['trajectory_tokens_per_s']:.1f}"
+                  f" | computed tok/s {m['computed_tokens_per_s']:.1f} | compression {m['compression']:.2f}x"
+                  f" | KDA calls {m['kda_calls']} | plan {m['plan_seconds']:.3f}s | step {m['step_seconds']:.3f}s"
+                  f" | peak mem {m['peak_memory_gib']:.2f} GiB{moe}", flush=True)
+
+    # ---- checkpoints and export -----------------------------------------------------------------
+    def save(self) -> str:
+        """Save model, optimizer, scheduler, RNG and data position at the current iteration."""
+        from .checkpointing import save_checkpoint
+        a = self.args
+        if not a.save:
+            raise TrainingError("save(): --save is not set")
+        extra = {"data": self.data_state, "iteration": self.iteration}
+        path = save_checkpoint(a.save, self.iteration, self.model, self.optimizer, self.scheduler,
+                               extra_state=extra, save_optim=not a.no_save_optim, save_rng=not a.no_save_rng)
+        self.last_saved = self.iteration
+        self._log(f"saved checkpoint of iteration {self.iteration} to {path}")
+        return path
+
+    def export_hf(self, path: str) -> None:
+        """Write the weights as a transformers Kimi-Linear checkpoint directory (collective).
+
+        Tensor- and expert-parallel shards are gathered to rank 0, which writes ``path``.
+        """
+        from .export import export_hf_checkpoint
+        export_hf_checkpoint(self.model[0].module, self.config, self.vocab_size, path)
+
+    # ---- teardown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @classmethod
+    def from_args(cls, argv: Optional[Sequence[str]] = None, *, require_data: bool = False) -> "Trainer":
+        """A trainer from a Megatron-style command line (``--data-path`` optional: ``step()`` feeds data)."""
+        from .arguments import parse_args
+        return cls(parse_args(list(argv) if argv is not None else sys.argv[1:], require_data=require_data))
