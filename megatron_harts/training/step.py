@@ -148,8 +148,8 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
         scale = target_scale(normalizer, traj, batch.target_weight.to(dev), objective.loss_agg_mode)
         if mb.owned is not None:
             scale = scale * mb.owned.to(dev, scale.dtype)
-        if psp.kda_schedule is not None:
-            counters["kda_calls"] += len(psp.kda_schedule.calls)
+        # KDA calls per KDA layer: the tree schedule's, or one varlen call for packed trajectories
+        counters["kda_calls"] += len(psp.kda_schedule.calls) if psp.kda_schedule is not None else 1
         with torch.no_grad():
             tpe = [r.last_tokens_per_expert for r in _moe_routers(model)]
             if tpe and all(t is not None for t in tpe):

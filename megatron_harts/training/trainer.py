@@ -188,20 +188,25 @@ class Trainer:
         self._stack.callback(self.loader.close)
         return self.loader
 
+    def train_iteration(self) -> Dict[str, Any]:
+        """One iteration from the loader: next planned global batch, one optimizer step; its metrics."""
+        loader = self.loader or self.open_loader()
+        batch = next(loader)
+        result = self._run_step(batch.forest, batch.plan, batch.plan_seconds)
+        self.iteration += 1
+        self.data_state = loader.state_dict()
+        metrics = self.metrics(result)
+        self._report(metrics)
+        return metrics
+
     def train(self) -> Dict[str, Any]:
         """Train until ``--train-iters`` (or an exit condition); returns the last step's metrics."""
         a = self.args
-        loader = self.loader or self.open_loader()
         self._open_tensorboard()
         started = time.time()
         last: Dict[str, Any] = {}
         while self.iteration < a.train_iters:
-            batch = next(loader)
-            result = self._run_step(batch.forest, batch.plan, batch.plan_seconds)
-            self.iteration += 1
-            self.data_state = loader.state_dict()
-            last = self.metrics(result)
-            self._report(last)
+            last = self.train_iteration()
             saved = False
             if a.save and a.save_interval and self.iteration % a.save_interval == 0:
                 self.save()
@@ -277,6 +282,7 @@ class Trainer:
             "kda_calls": r.kda_calls, "microbatches": r.microbatches, "plan_seconds": r.plan_seconds,
             "step_seconds": r.step_seconds, "peak_memory_gib": self._peak_memory_gib(),
             "peak_export_bytes": r.window_stats.get("peak_export_bytes", 0),
+            "windows": r.window_stats.get("windows", 0),
         }
         for k, v in r.terms.items():
             m[f"objective/{k}"] = v

@@ -1,0 +1,210 @@
+"""The training driver end to end on CPU (issue 9): DP=2 gloo runs of a tiny hybrid MoE model, fp64.
+
+- tree mode (``--tree-sharing within`` and ``windows``) and expanded mode (``off``) give the same
+  losses and the same parameters after every step (PPO with KL and entropy terms);
+- a run resumed from a checkpoint reproduces the uninterrupted run's losses and parameters;
+- ``--exit-signal-handler``: SIGTERM saves a checkpoint after the current iteration and stops;
+- a non-finite loss stops the run naming the iteration, before the weights change, and the last
+  good checkpoint stays the latest.
+"""
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from multiproc import run_ranks
+
+from megatron_harts.tree_data import build_forest, make_trajectory, write_dataset
+
+MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 2 --ffn-hidden-size 48 --swiglu "
+         "--disable-bias-linear --multi-latent-attention --kv-lora-rank 16 --qk-head-dim 8 "
+         "--qk-pos-emb-head-dim 4 --v-head-dim 8 --linear-attention-freq 2 --linear-key-head-dim 8 "
+         "--linear-value-head-dim 8 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 16 "
+         "--moe-layer-freq ([0]+[1]*3) --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+         "--moe-aux-loss-coeff 0 --vocab-size 64 --make-vocab-size-divisible-by 1 "
+         "--untie-embeddings-and-output-weights --fp64 --distributed-backend gloo --tree-chunk-size 8").split()
+
+
+def rollouts(seed=0):
+    """Three trees with long shared prompts (so 48-row microbatches must split them), PPO metadata."""
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for task in range(3):
+        prompt = rng.integers(0, 64, int(rng.integers(18, 26))).tolist()
+        for b in range(int(rng.integers(3, 6))):
+            turn = prompt + rng.integers(0, 64, int(rng.integers(4, 9))).tolist()
+            for s in range(2):
+                toks = turn + rng.integers(0, 64, int(rng.integers(2, 8))).tolist()
+                n = len(toks)
+                mask = [0] * len(prompt) + [1] * (n - len(prompt))
+                trajs.append(make_trajectory({
+                    "id": f"t{task}/b{b}/s{s}", "tokens": toks, "loss_mask": mask,
+                    "old_logprobs": (-np.abs(rng.normal(2.0, 0.5, n))).tolist(),
+                    "advantage": float(rng.normal()), "weight": float(rng.uniform(0.5, 1.5))}))
+    return trajs
+
+
+def write_rollouts(path):
+    forest = build_forest(rollouts())
+    write_dataset(forest, str(path))
+    return forest
+
+
+def argv(data, sharing, *extra):
+    planner = {"off": "ffd", "within": "l1", "windows": "l1l2"}[sharing]
+    return MODEL + ["--data-path", str(data), "--global-batch-size", "16", "--train-iters", "3",
+                    "--seq-length", "48", "--tree-microbatch-tokens", "48", "--tree-sharing", sharing,
+                    "--tree-planner", planner, "--lr", "3e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+                    "--seed", "7", "--log-interval", "1", "--rl-objective", "ppo", "--clip-ratio-low", "0.2",
+                    "--clip-ratio-high", "0.28", "--kl-coef", "0.05", "--entropy-coef", "0.01",
+                    "--loss-agg-mode", "seq-mean-token-mean", *extra]
+
+
+def _world(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _params(trainer):
+    from megatron_harts.training.export import full_state_dict
+    return {k: v.clone() for k, v in full_state_dict(trainer.model[0].module, trainer.config).items()}
+
+
+def _equality_worker(rank, world, port, data, out):
+    from megatron_harts.training.trainer import Trainer
+    _world(rank, world, port)
+    runs = {}
+    for sharing in ("off", "within", "windows"):
+        with Trainer.from_args(argv(data, sharing), require_data=True) as t:
+            steps = []
+            for _ in range(3):
+                m = t.train_iteration()
+                steps.append((m, _params(t)))
+            runs[sharing] = steps
+    if rank == 0:
+        torch.save(runs, out)
+
+
+def test_dp2_tree_modes_equal_expanded(tmp_path):
+    from megatron_cpu import free_port
+    data = tmp_path / "rollouts"
+    write_rollouts(data)
+    out = tmp_path / "runs.pt"
+    run_ranks(_equality_worker, 2, (free_port(), str(data), str(out)), timeout=300)
+    runs = torch.load(out, weights_only=False)
+    ref = runs["off"]
+    for sharing in ("within", "windows"):
+        for i, ((m, params), (m_ref, params_ref)) in enumerate(zip(runs[sharing], ref)):
+            what = f"{sharing} vs off, step {i + 1}"
+            assert m["trajectories"] == m_ref["trajectories"] and m["target_tokens"] == m_ref["target_tokens"], what
+            assert abs(m["loss"] - m_ref["loss"]) <= 1e-10 * abs(m_ref["loss"]), what
+            for k in ("objective/pg_loss", "objective/kl", "objective/entropy"):
+                assert abs(m[k] - m_ref[k]) <= 1e-10 * max(abs(m_ref[k]), 1e-12), f"{what}: {k}"
+            for name, p in params_ref.items():
+                torch.testing.assert_close(params[name], p, rtol=1e-10, atol=1e-12, msg=f"{what}: {name}")
+    # the comparison is not vacuous: the weights moved, tree modes shared rows, windows ran
+    first, last = ref[0][1], ref[-1][1]
+    assert any(not torch.equal(first[k], last[k]) for k in first)
+    assert all(m["compression"] > 1.0 for m, _ in runs["within"])
+    assert all(m["compression"] <= 1.0 for m, _ in runs["off"])
+    assert sum(m["windows"] for m, _ in runs["windows"]) > 0
+    computed = {k: sum(m["computed_tokens"] for m, _ in runs[k]) for k in runs}
+    assert computed["windows"] < computed["within"] < computed["off"], computed
+
+
+def _resume_worker(rank, world, port, data, ckpt, out):
+    from megatron_harts.training.trainer import Trainer
+    _world(rank, world, port)
+    results = {}
+    base = argv(data, "windows")
+    with Trainer.from_args(base, require_data=True) as t:
+        results["straight"] = [(t.train_iteration(), _params(t)) for _ in range(3)]
+    with Trainer.from_args(base + ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"],
+                           require_data=True) as t:
+        t.train()
+    with Trainer.from_args(base + ["--load", ckpt], require_data=True) as t:
+        assert t.iteration == 2
+        results["resumed"] = [(t.train_iteration(), _params(t))]
+    if rank == 0:
+        torch.save(results, out)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    from megatron_cpu import free_port
+    data = tmp_path / "rollouts"
+    write_rollouts(data)
+    out = tmp_path / "resume.pt"
+    run_ranks(_resume_worker, 2, (free_port(), str(data), str(tmp_path / "ckpt"), str(out)), timeout=300)
+    r = torch.load(out, weights_only=False)
+    (m, params), (m_ref, params_ref) = r["resumed"][0], r["straight"][2]
+    assert m["iteration"] == 3 and m["loss"] == m_ref["loss"]
+    for name in params_ref:
+        assert torch.equal(params[name], params_ref[name]), name
+
+
+def _signal_worker(rank, world, port, data, ckpt, out):
+    from megatron_harts.training.trainer import Trainer
+    _world(rank, world, port)
+    with Trainer.from_args(argv(data, "within", "--save", ckpt, "--save-interval", "100", "--train-iters", "3",
+                                "--exit-signal-handler"), require_data=True) as t:
+        if rank == 1:                       # one rank receives the signal: every rank stops together
+            signal.raise_signal(signal.SIGTERM)
+        t.train()
+        if rank == 0:
+            torch.save({"iteration": t.iteration, "saved": t.last_saved}, out)
+
+
+def test_sigterm_saves_and_stops(tmp_path):
+    from megatron_cpu import free_port
+    from megatron_harts.training.checkpointing import latest_iteration
+    data = tmp_path / "rollouts"
+    write_rollouts(data)
+    out = tmp_path / "signal.pt"
+    run_ranks(_signal_worker, 2, (free_port(), str(data), str(tmp_path / "ckpt"), str(out)), timeout=300)
+    r = torch.load(out, weights_only=False)
+    assert r == {"iteration": 1, "saved": 1}
+    assert latest_iteration(str(tmp_path / "ckpt")) == 1
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, capsys):
+    from megatron_harts.training.checkpointing import latest_iteration
+    from megatron_harts.training.trainer import Trainer, TrainingError
+    data = tmp_path / "rollouts"
+    write_rollouts(data)
+    ckpt = str(tmp_path / "ckpt")
+    with Trainer.from_args(argv(data, "within", "--save", ckpt, "--save-interval", "1"), require_data=True) as t:
+        t.train_iteration()
+        t.save()
+        with torch.no_grad():
+            t.model[0].module.embedding.word_embeddings.weight[:] = float("nan")
+        before = {k: v.clone() for k, v in t.model[0].module.named_parameters()}
+        with pytest.raises(TrainingError, match=r"iteration 2: the loss is nan .*last good checkpoint is iteration 1"):
+            t.train_iteration()
+        after = dict(t.model[0].module.named_parameters())
+        for k, v in before.items():
+            assert torch.equal(v, after[k]) or (torch.isnan(v).all() and torch.isnan(after[k]).all()), k
+    assert latest_iteration(ckpt) == 1
+
+
+def test_pretrain_cli_one_error_line(tmp_path, capsys):
+    """Bad flags and bad data end in one error line and exit status 2 (no traceback)."""
+    from megatron_harts.training.pretrain import console_main
+    import sys
+    data = tmp_path / "rollouts"
+    write_rollouts(data)
+    cases = [(argv(data, "within", "--no-such-flag"), "unrecognized arguments: --no-such-flag"),
+             (argv(tmp_path / "missing", "within"), "missing"),
+             (argv(data, "within", "--global-batch-size", "2"), "--global-batch-size")]
+    for args, needle in cases:
+        old = sys.argv
+        sys.argv = ["pretrain_tree_gpt.py", *args]
+        try:
+            with pytest.raises(SystemExit) as e:
+                console_main()
+        finally:
+            sys.argv = old
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
