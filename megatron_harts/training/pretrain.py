@@ -7,6 +7,7 @@ one ``error:`` line and exit status 2, never a traceback.
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Optional, Sequence
 
@@ -18,6 +19,7 @@ __all__ = ["main", "console_main"]
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # megatron-core's own notices (no Transformer Engine / Apex, deprecated defaults) are not the user's
     warnings.filterwarnings("ignore", module=r"megatron\.core")
+    logging.getLogger("megatron.core").setLevel(logging.ERROR)
     from ..planner.microbatch import PlanningError
     from ..rl.objectives import ObjectiveDataError
     from .arguments import parse_args

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One H200: a Kimi-Linear-shaped hybrid MoE (12 layers, KDA:MLA 3:1, 32 experts top-8, bf16) on a
+# synthetic SWE-like rollout set, trained in tree mode and then in expanded mode with the same flags
+# (only --tree-sharing differs).  Prints both summaries and the speedup.
+# Usage: bash examples/gpu_single_kimi.sh   (PYTHON, OUT, ITERS, SCHEME override the defaults)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-out/gpu_single}
+ITERS=${ITERS:-6}
+SCHEME=${SCHEME:-tree-step}
+mkdir -p "$OUT"
+if [ ! -f "$OUT/rollouts.idx" ]; then
+  "$PY" tools/synthesize_rollouts.py --output "$OUT/rollouts.jsonl" --scheme "$SCHEME" --num-tasks 16 \
+      --samples-per-task 2 --max-tokens 8192 --vocab-size 32000 --seed 0 > /dev/null
+  "$PY" tools/convert_trajectories.py --input "$OUT/rollouts.jsonl" --output "$OUT/rollouts" --vocab-size 32000
+fi
+MODEL="--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 4096 --swiglu
+  --disable-bias-linear --multi-latent-attention --kv-lora-rank 256 --qk-head-dim 64 --qk-pos-emb-head-dim 32
+  --v-head-dim 64 --linear-attention-freq 4 --linear-key-head-dim 64 --linear-value-head-dim 64
+  --num-experts 32 --moe-router-topk 8 --moe-ffn-hidden-size 512 --moe-shared-expert-intermediate-size 512
+  --moe-layer-freq ([0]+[1]*11) --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+  --moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 1 --moe-aux-loss-coeff 0.001
+  --vocab-size 32000 --untie-embeddings-and-output-weights --bf16"
+TRAIN="--seq-length 8192 --tree-microbatch-tokens 16384 --global-batch-size 64 --train-iters $ITERS --lr 1e-4
+  --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 1 --clip-grad 1.0 --seed 1234 --log-interval 1
+  --rl-objective sft --data-path $OUT/rollouts"
+for MODE in within off; do
+  rm -f "$OUT/$MODE.jsonl"
+  # shellcheck disable=SC2086
+  "$PY" -m torch.distributed.run --nproc-per-node 1 pretrain_tree_gpt.py $MODEL $TRAIN \
+      --tree-sharing "$MODE" --tree-plan-report "$OUT/$MODE.jsonl" "$@"
+done
+"$PY" examples/summarize_run.py "$OUT/within.jsonl" "$OUT/off.jsonl"
