@@ -22,6 +22,7 @@ MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 2 --ffn-hidden-s
          "--disable-bias-linear --multi-latent-attention --kv-lora-rank 16 --qk-head-dim 8 "
          "--qk-pos-emb-head-dim 4 --v-head-dim 8 --linear-attention-freq 2 --linear-key-head-dim 8 "
          "--linear-value-head-dim 8 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 16 "
+         "--moe-shared-expert-intermediate-size 16 "
          "--moe-layer-freq ([0]+[1]*3) --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
          "--moe-aux-loss-coeff 0 --vocab-size 64 --make-vocab-size-divisible-by 1 "
          "--untie-embeddings-and-output-weights --fp64 --distributed-backend gloo --tree-chunk-size 8").split()
@@ -208,3 +209,42 @@ def test_pretrain_cli_one_error_line(tmp_path, capsys):
             sys.argv = old
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+
+
+def test_library_step_tensorboard_and_hf_export(tmp_path):
+    """The RL-loop entry: step() on in-memory trajectories, TensorBoard scalars, transformers export."""
+    pytest.importorskip("transformers")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from megatron_harts.models.hf_convert import hf_to_megatron, load_hf_checkpoint
+    from megatron_harts.training.export import full_state_dict
+    from megatron_harts.training.trainer import Trainer
+    args = [a for a in argv("unused", "within", "--tensorboard-dir", str(tmp_path / "tb"), "--tree-plan-report",
+                            str(tmp_path / "plan.jsonl"))]
+    i = args.index("--data-path")
+    del args[i:i + 2]
+    records = [{"id": t.id, "tokens": t.tokens.tolist(), "loss_mask": t.loss_mask.tolist(),
+                "old_logprobs": t.old_logprobs.tolist(), "advantage": t.advantage, "weight": t.weight}
+               for t in rollouts()[:10]]
+    with Trainer.from_args(args) as t:
+        before = full_state_dict(t.model[0].module, t.config)
+        m1 = t.step(records)
+        m2 = t.step(records)
+        assert m1["iteration"] == 1 and m2["iteration"] == 2 and m1["trajectories"] == 10
+        assert m1["compression"] > 1.0 and np.isfinite(m2["loss"]) and m1["loss"] != m2["loss"]
+        t.export_hf(str(tmp_path / "hf"))
+        after = full_state_dict(t.model[0].module, t.config)
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+        _, hf_state = load_hf_checkpoint(str(tmp_path / "hf"))
+        back = hf_to_megatron(hf_state, t.config)
+        assert set(back) <= set(after) and len(back) > 0
+        for k, v in back.items():
+            # transformers keeps dt_bias, the router weight and its bias in fp32 whatever the model dtype
+            fp32 = any(k.endswith(n) for n in ("dt_bias", "router.weight", "router.expert_bias"))
+            want = after[k].float().to(v.dtype) if fp32 else after[k]
+            assert torch.equal(v, want), k
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    assert {"loss", "lr", "compression", "objective/pg_loss"} <= set(tb.Tags()["scalars"])
+    assert [e.step for e in tb.Scalars("loss")] == [1, 2]
+    lines = (tmp_path / "plan.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and '"kda_calls"' in lines[0]

@@ -34,7 +34,7 @@ def _gather(t: torch.Tensor, group) -> List[torch.Tensor]:
 
 
 def full_state_dict(model, config) -> Dict[str, torch.Tensor]:
-    """The full (TP = EP = 1) state of a HybridModel from its shards (collective; every rank gets it)."""
+    """The full (TP = EP = 1) state of a HybridModel from its shards (collective; every rank gets a CPU copy)."""
     from megatron.core import parallel_state as ps
     from ..models.hf_convert import merge_tp_shards
     if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -81,12 +81,15 @@ def full_state_dict(model, config) -> Dict[str, torch.Tensor]:
         full.update(merge_tp_shards(expert, info_expert, config))
     if "output_layer.weight" not in full:          # tied embeddings: transformers stores lm_head anyway
         full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
-    return {k: v.cpu() for k, v in full.items()}
+    return {k: v.detach().to("cpu", copy=True) for k, v in full.items()}
 
 
 def export_hf_checkpoint(model, config, vocab_size: int, path: str) -> None:
     """Write ``model`` (a HybridModel, unwrapped) as a transformers Kimi-Linear directory at ``path``."""
     from ..models.hf_convert import kimi_linear_hf_config, megatron_to_hf, save_hf_checkpoint
+    if config.num_moe_experts and not config.moe_shared_expert_intermediate_size:
+        raise ValueError("export to transformers: Kimi-Linear's MoE layers have a shared expert; this model has none "
+                         "(--moe-shared-expert-intermediate-size)")
     full = full_state_dict(model, config)
     if dist.get_rank() == 0:
         hf_state = megatron_to_hf(full, config)

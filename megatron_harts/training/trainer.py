@@ -202,7 +202,6 @@ class Trainer:
     def train(self) -> Dict[str, Any]:
         """Train until ``--train-iters`` (or an exit condition); returns the last step's metrics."""
         a = self.args
-        self._open_tensorboard()
         started = time.time()
         last: Dict[str, Any] = {}
         while self.iteration < a.train_iters:
@@ -267,7 +266,9 @@ class Trainer:
         plan = self._plan(forest)
         result = self._run_step(forest, plan, time.perf_counter() - t0)
         self.iteration += 1
-        return self.metrics(result)
+        metrics = self.metrics(result)
+        self._report(metrics)
+        return metrics
 
     # ---- metrics and logging ------------------------------------------------------------------
     def metrics(self, r: StepResult) -> Dict[str, Any]:
@@ -317,6 +318,7 @@ class Trainer:
         a = self.args
         if self.rank != 0:
             return
+        self._open_tensorboard()
         if a.tree_plan_report:
             with open(a.tree_plan_report, "a") as f:
                 f.write(json.dumps({k: v for k, v in m.items()}, sort_keys=True) + "\n")
