@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Update throughput: tree mode vs expanded (trajectory-by-trajectory) training, one run, one GPU.
+
+For each rollout scheme (SWE-like synthetic Tree-Step and Step-wise rollouts), the same global
+batch of trajectories is trained by the same Kimi-Linear-shaped model (bf16, KDA:MLA 3:1, MoE)
+through the training driver (``training.trainer.Trainer``, i.e. exactly what
+``pretrain_tree_gpt.py`` runs): forward + backward + optimizer step per iteration, the same
+flags except ``--tree-sharing`` (``within`` or ``windows`` for tree mode, ``off`` for expanded;
+same ``--tree-microbatch-tokens`` budget).  Both runs start from the same initial weights (same
+seed).  Reported per scheme and mode: step time (median of the timed iterations after
+warm-up), update throughput (trajectory tokens per second), rows computed, within-microbatch
+compression (trajectory tokens / rows computed), KDA calls (summed over microbatches),
+peak memory, MFU (executed dense FLOPs / (time x peak)), and the speedup; plus, for tree mode,
+KDA calls per layer of the HARTS call plan vs per-depth bucketing (``planner.baselines``) over
+the step's whole forest, and the logit cosine between tree and expanded mode on one tree at
+the initial weights (``models.fidelity``).
+
+Targets (issue 6): speedup >= 0.8 x compression; Step-wise >= 7x and Tree-Step >= 3.9x at the
+paper's compression levels; logit cosine >= 0.9997; tree-mode peak memory <= expanded.
+
+Writes ``--out`` (JSON: machine, versions, every figure).  Needs CUDA (``--device cpu`` with a
+tiny ``--preset`` is a smoke run only).
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+PRESETS = {
+    # Kimi-Linear-shaped, fits one H200 with bf16 and the driver's default (non-distributed) optimizer
+    "h200": dict(layers=12, hidden=1024, heads=16, ffn=4096, experts=32, topk=8, moe_ffn=512, vocab=32000,
+                 kv_lora=256, qk=64, rope=32, v=64, lin_head=64),
+    "tiny": dict(layers=4, hidden=64, heads=2, ffn=128, experts=4, topk=2, moe_ffn=32, vocab=512,
+                 kv_lora=16, qk=16, rope=8, v=16, lin_head=16),
+}
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}
+
+
+def model_flags(p, dtype_flag):
+    return (f"--num-layers {p['layers']} --hidden-size {p['hidden']} --num-attention-heads {p['heads']} "
+            f"--ffn-hidden-size {p['ffn']} --swiglu --disable-bias-linear --multi-latent-attention "
+            f"--kv-lora-rank {p['kv_lora']} --qk-head-dim {p['qk']} --qk-pos-emb-head-dim {p['rope']} "
+            f"--v-head-dim {p['v']} --linear-attention-freq 4 --linear-key-head-dim {p['lin_head']} "
+            f"--linear-value-head-dim {p['lin_head']} --num-experts {p['experts']} --moe-router-topk {p['topk']} "
+            f"--moe-ffn-hidden-size {p['moe_ffn']} --moe-shared-expert-intermediate-size {p['moe_ffn']} "
+            f"--moe-layer-freq ([0]+[1]*{p['layers'] - 1}) --moe-router-score-function sigmoid "
+            f"--moe-router-enable-expert-bias --moe-router-topk-scaling-factor 2.5 --moe-aux-loss-coeff 0.001 "
+            f"--vocab-size {p['vocab']} --untie-embeddings-and-output-weights {dtype_flag}").split()
+
+
+def synthesize(scheme, num_tasks, max_tokens, vocab, seed):
+    from megatron_harts.tree_data import build_forest
+    from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
+    cfg = SweConfig(scheme=scheme, num_tasks=num_tasks, samples_per_task=2, max_tokens=max_tokens,
+                    vocab_size=vocab, seed=seed)
+    return build_forest(synthesize_swe(cfg))
+
+
+def active_params_per_token(p):
+    """Parameters a token passes through (embedding lookup excluded, output layer included)."""
+    h, L = p["hidden"], p["layers"]
+    n_mla = L // 4
+    n_kda = L - n_mla
+    kda = 3 * h * p["heads"] * p["lin_head"] + 2 * (h * p["lin_head"] + p["lin_head"] * p["heads"] * p["lin_head"]) \
+        + h * p["heads"] + p["heads"] * p["lin_head"] * h
+    mla = h * p["heads"] * (p["qk"] + p["rope"]) + h * (p["kv_lora"] + p["rope"]) \
+        + p["kv_lora"] * p["heads"] * (p["qk"] + p["v"]) + p["heads"] * p["v"] * h
+    dense = 3 * h * p["ffn"]
+    moe = (p["topk"] + 1) * 3 * h * p["moe_ffn"] + h * p["experts"]
+    return n_kda * kda + n_mla * mla + dense + (L - 1) * moe + h * p["vocab"]
+
+
+def step_flops(p, rows, pairs):
+    """Executed dense FLOPs of forward + backward: 6 per parameter per row, plus MLA's attention."""
+    attn = 2 * pairs * p["heads"] * (p["qk"] + p["rope"] + p["v"]) * (p["layers"] // 4)
+    return 6 * active_params_per_token(p) * rows + 3 * attn
+
+
+def visible_pairs(plan):
+    """Attention pairs of the step's microbatches as planned (tree: ancestor-or-self; expanded: causal)."""
+    return float(sum(m.features.attention_pairs for m in plan.microbatches))
+
+
+def run_mode(argv, forest, iters, warmup, device):
+    from megatron_harts.training.trainer import Trainer
+    with Trainer.from_args(argv) as t:
+        times, metrics = [], []
+        for i in range(warmup + iters):
+            if device == "cuda":
+                torch.cuda.synchronize()
+                if i == warmup:
+                    torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            m = t.step(forest)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+                metrics.append(m)
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
+        plan = t._plan(forest)
+        return times, metrics, peak, plan
+
+
+def logit_cosine(argv, forest, device):
+    """Tree vs expanded logits of the smallest tree at the initial weights."""
+    from megatron_harts.layout import build_layout
+    from megatron_harts.models.fidelity import logit_cosine as cosine, run_expanded, run_tree
+    from megatron_harts.training.trainer import Trainer
+    sizes = np.diff(forest.tree_offsets)
+    tree = int(np.argmin(sizes))
+    one = forest.select([tree])
+    with Trainer.from_args(argv) as t:
+        model = t.model[0].module
+        lay = build_layout(one)
+        a = run_tree(model, lay, t.config, device=device)
+        b = run_expanded(model, one, lay, t.config, device=device)
+        return cosine(a.logits, b.logits)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default="h200", choices=sorted(PRESETS))
+    ap.add_argument("--schemes", nargs="+", default=["tree-step", "step-wise"], choices=["tree-step", "step-wise"])
+    ap.add_argument("--tree-sharing", default="within", choices=["within", "windows"])
+    ap.add_argument("--num-tasks", type=int, default=4, help="rollout tasks per scheme (trees)")
+    ap.add_argument("--max-tokens", type=int, default=16384, help="trajectory length cap")
+    ap.add_argument("--microbatch-tokens", type=int, default=32768)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--kda-backend", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--no-cosine", action="store_true")
+    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/throughput-<time>.json)")
+    ap.add_argument("--json", action="store_true", help="print the results JSON")
+    a = ap.parse_args(argv)
+    p = PRESETS[a.preset]
+    dtype_flag = "--bf16" if a.device == "cuda" else ""
+    results = {"machine": {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor(),
+                           "python": platform.python_version(), "torch": torch.__version__},
+               "preset": a.preset, "model": p, "args": vars(a), "schemes": {}}
+    try:
+        import megatron.core
+        results["machine"]["megatron_core"] = megatron.core.__version__
+        import fla
+        results["machine"]["fla"] = fla.__version__
+    except Exception:
+        pass
+    for scheme in a.schemes:
+        forest = synthesize(scheme, a.num_tasks, a.max_tokens, p["vocab"], seed=0)
+        G = forest.num_trajectories
+        common = model_flags(p, dtype_flag) + [
+            "--seq-length", str(int(forest.traj_length.max())), "--tree-microbatch-tokens", str(a.microbatch_tokens),
+            "--global-batch-size", str(G), "--train-iters", "1000", "--lr", "1e-5", "--seed", "1234",
+            "--log-interval", "1000000", "--rl-objective", "sft", "--distributed-backend",
+            "nccl" if a.device == "cuda" else "gloo", "--tree-kda-backend", a.kda_backend,
+            "--tree-attention-backend", a.attention_backend]
+        row = {"forest": forest.stats()}
+        for sharing in (a.tree_sharing, "off"):
+            argv_mode = common + ["--tree-sharing", sharing]
+            times, metrics, peak, plan = run_mode(argv_mode, forest, a.iters, a.warmup, a.device)
+            t = statistics.median(times)
+            m = metrics[-1]
+            flops = step_flops(p, m["computed_tokens"], visible_pairs(plan))
+            peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in results["machine"]["device"]), None)
+            row["tree" if sharing != "off" else "expanded"] = {
+                "sharing": sharing, "step_seconds": t, "step_seconds_all": times,
+                "trajectory_tokens_per_s": m["trajectory_tokens"] / t, "rows_computed": m["computed_tokens"],
+                "compression": m["compression"], "kda_calls": m["kda_calls"], "microbatches": m["microbatches"],
+                "peak_memory_gib": peak, "loss": m["loss"],
+                "mfu": flops / (t * peak_flops) if peak_flops else None}
+        tree, exp = row["tree"], row["expanded"]
+        row["speedup"] = exp["step_seconds"] / tree["step_seconds"]
+        row["speedup_over_compression"] = row["speedup"] / tree["compression"]
+        from megatron_harts.planner.baselines import harts, per_depth_bucketing
+        harts_calls = harts(forest.seg_parent, forest.seg_start, forest.seg_length, 64)
+        bucket = per_depth_bucketing(forest.seg_parent, forest.seg_start, forest.seg_length, 64)
+        row["kda_calls_per_layer_whole_forest"] = {"harts": harts_calls, "per_depth_bucketing": bucket}
+        if not a.no_cosine:
+            row["logit_cosine"] = logit_cosine(common + ["--tree-sharing", a.tree_sharing], forest, a.device)
+        results["schemes"][scheme] = row
+        print(f"{scheme}: compression {tree['compression']:.2f}x | tree {tree['step_seconds']:.2f}s "
+              f"({tree['trajectory_tokens_per_s']:.0f} tok/s, peak {tree['peak_memory_gib']}) | expanded "
+              f"{exp['step_seconds']:.2f}s ({exp['trajectory_tokens_per_s']:.0f} tok/s, peak {exp['peak_memory_gib']})"
+              f" | speedup {row['speedup']:.2f}x ({row['speedup_over_compression']:.2f} of compression)"
+              f" | cosine {row.get('logit_cosine')}", flush=True)
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                time.strftime("throughput-%Y%m%d-%H%M%S.json"))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=2, default=float)
+    if a.json:
+        print(json.dumps(results, indent=2, default=float))
+    return results
+
+
+if __name__ == "__main__":
+    main()
