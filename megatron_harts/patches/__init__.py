@@ -21,10 +21,12 @@ import hashlib
 import inspect
 from typing import List
 
-from . import checkpoint_without_output, router_gating
+from . import (checkpoint_without_output, distrib_optimizer_fresh_state_dict, distrib_optimizer_step_restore,
+               router_gating)
 
 SUPPORTED_MEGATRON = "0.16."
-PATCHES = [router_gating, checkpoint_without_output]
+PATCHES = [router_gating, checkpoint_without_output, distrib_optimizer_fresh_state_dict,
+           distrib_optimizer_step_restore]
 
 
 def megatron_version() -> str:
