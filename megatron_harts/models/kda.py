@@ -55,7 +55,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, ma
                                              sharded_state_dict_default)
 
 from ..ops.path_conv import path_conv
-from ..ops.tree_kda import KDA_BACKENDS, KdaExternal, tree_kda
+from ..ops.tree_kda import KdaExternal, get_kda_backend, tree_kda
 from .common import (check_divisible, local_column_linear, rows_linear, sequences_unview, sequences_view, tp_input,
                      tp_replicated, tp_size)
 from .norm import rms_normalize
@@ -100,8 +100,10 @@ class KimiDeltaAttention(MegatronModule):
         hid = config.hidden_size
         C = self.num_heads_local * D
         dt = config.params_dtype
-        if config.kda_backend not in KDA_BACKENDS:
-            raise ValueError(f"kda_backend {config.kda_backend!r}: expected one of {sorted(KDA_BACKENDS)}")
+        try:
+            get_kda_backend(config.kda_backend)
+        except ValueError as e:
+            raise ValueError(f"kda_backend {config.kda_backend!r}: {e}") from None
         dev = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
 
         self.linear_q = local_column_linear(hid, H * D, config, self.tp_group)
@@ -228,8 +230,11 @@ class KimiDeltaAttention(MegatronModule):
         else:
             parts = [sequences_view(t, s, b, packed_seq_params) for t in (q, k, v, g, beta)]
             flat = parts[0][1]
-            run = KDA_BACKENDS[self.config.kda_backend]
-            o, _ = run(*(p for p, _ in parts), chunk_size=self.config.kda_chunk_size)
+            run = get_kda_backend(self.config.kda_backend)
+            extra = {}
+            if packed_seq_params is not None and getattr(run, "accepts_lengths", False):
+                extra["lengths"] = torch.diff(packed_seq_params.cu_seqlens_q)
+            o, _ = run(*(p for p, _ in parts), chunk_size=self.config.kda_chunk_size, **extra)
             o = sequences_unview(o, flat)
         ga = F.linear(rows, tp_replicated(self.linear_g_a.weight, g_tp))
         gate = rows_linear(self.linear_g_b, ga).view(-1, H, D)

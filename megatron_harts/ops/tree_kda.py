@@ -37,7 +37,9 @@ that row is semantic (at an aligned position this is a chunk-boundary state).
 
 Backends share this interface: ``reference`` (ops/kda.py ``kda_chunked``, any
 device).  A GPU backend plugs in through ``KDA_BACKENDS``: a function with the
-signature of ``kda_chunked``.
+signature of ``kda_chunked`` (one that sets ``accepts_lengths`` also gets the valid
+length of every padded sequence as ``lengths``).  ``fla`` (ops/kda_fla.py, fla-core's
+GPU kernels) registers itself on first use (``get_kda_backend``).
 """
 from __future__ import annotations
 
@@ -50,6 +52,30 @@ import torch
 from .kda import kda_chunked
 
 KDA_BACKENDS: Dict[str, Callable] = {"reference": kda_chunked}
+
+
+def get_kda_backend(name: str) -> Callable:
+    """The KDA backend ``name`` from ``KDA_BACKENDS``; ``"fla"`` registers itself on first use."""
+    if name == "fla" and name not in KDA_BACKENDS:
+        from .kda_fla import register_fla_backend
+        try:
+            register_fla_backend()
+        except RuntimeError as e:
+            raise ValueError(f"backend 'fla': {e}") from None
+    if name not in KDA_BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(KDA_BACKENDS)}, got {name!r}")
+    return KDA_BACKENDS[name]
+
+
+def _register_installed_backends() -> None:
+    """``"fla"`` is listed when fla-core is installed (found, not imported: CPU machines have no Triton)."""
+    import importlib.util
+    if importlib.util.find_spec("fla") is not None:
+        from .kda_fla import register_fla_backend
+        register_fla_backend()
+
+
+_register_installed_backends()
 
 
 @dataclass
@@ -358,12 +384,11 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
     [len(schedule.export_rows), H, K, V] (compute dtype) the states after
     ``schedule.export_rows``, in the autograd graph.
     """
-    if backend not in KDA_BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(KDA_BACKENDS)}, got {backend!r}")
+    run = get_kda_backend(backend)
     R, H, K = q.shape
     if R != schedule.num_rows:
         raise ValueError(f"inputs have {R} rows, the schedule {schedule.num_rows}")
-    run = KDA_BACKENDS[backend]
+    takes_lengths = getattr(run, "accepts_lengths", False)
     V = v.shape[-1]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     needs_external = schedule.num_external_rows > 0 or schedule.num_external_states > 0
@@ -397,9 +422,10 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
             zero = q.new_zeros(H, K, V, dtype=cdt)
             init = torch.stack([slots[s] if s >= 0 else (ext_states[e] if e >= 0 else zero)
                                 for s, e in zip(call.init_slot.tolist(), call.init_external.tolist())])
+        extra = {"lengths": call.valid.sum(1)} if takes_lengths else {}
         o, states = run(gather(q), gather(k), gather(v), gather(g), gather(beta), chunk_size=schedule.chunk_size,
                         scale=scale, initial_state=init, state_index=call.export_seq,
-                        state_offset=call.export_offset)
+                        state_offset=call.export_offset, **extra)
         for p, s in enumerate(call.export_slot.tolist()):
             slots[s] = states[p]
         out = out.index_copy(0, call.out_rows, o.reshape(N * T, H, V)[call.out_index])
