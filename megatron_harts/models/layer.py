@@ -19,13 +19,13 @@ from typing import List
 from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from .experts import GroupedSequentialMLP
 from .kda import KDASubmodules, KimiDeltaAttention
 from .mla import MLASubmodules, TreeMLA
 from .norm import RMSNorm
@@ -91,9 +91,9 @@ def _mlp_submodules() -> MLPSubmodules:
 
 
 def moe_spec() -> ModuleSpec:
-    """HybridMoELayer with SequentialMLP experts, a shared expert and the HybridRouter."""
+    """HybridMoELayer with GroupedSequentialMLP experts, a shared expert and the HybridRouter."""
     return ModuleSpec(module=HybridMoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=SequentialMLP, submodules=_mlp_submodules()),
+        experts=ModuleSpec(module=GroupedSequentialMLP, submodules=_mlp_submodules()),
         shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_mlp_submodules()),
         router=HybridRouter))
 

@@ -1,0 +1,227 @@
+"""MoE experts: megatron-core's ``SequentialMLP`` computed with two grouped GEMMs.
+
+``GroupedSequentialMLP`` *is* a ``SequentialMLP``: same ``local_experts.{i}``
+MLPs (``linear_fc1`` a ColumnParallelLinear, ``linear_fc2`` a RowParallelLinear,
+``is_expert=True`` on the expert-TP group), same parameters, names, shapes,
+partition attributes, ``sharded_state_dict`` and checkpoint format.  Only the
+forward differs: instead of one small GEMM pair per local expert (a Python
+loop, a split and a cat), all local experts run in
+
+    fc1:  h = grouped_mm(x, stack_e(W1_e)^T, offs)       # [M, F1], one launch
+    act:  a = MLP's activation of h, times the probs     # row-wise, as MLP does it
+    fc2:  y = grouped_mm(a, stack_e(W2_e)^T, offs)       # [M, H], one launch
+
+with ``offs = cumsum(tokens_per_expert)`` (``torch._grouped_mm``).  The stacked
+weights are built per call from the experts' own parameters (a copy, cheap
+compared with the GEMMs) inside :class:`_GroupedLinear`, an autograd function
+whose inputs are the individual weight parameters: their gradients come back
+through ordinary autograd (``AccumulateGrad`` into ``.grad``, where megatron
+DDP's post-hooks fold them into ``.main_grad``), exactly like the per-expert
+linears' gradients without ``gradient_accumulation_fusion``.  The backward
+re-stacks the weights instead of saving the stacked copy, so activation memory
+does not grow by a copy of every expert's weights per MoE layer.
+
+What the per-expert linears do and the grouped path reproduces (megatron-core
+0.16.1): with ``is_expert=True`` and expert TP or EP > 1 the linears set
+``explicit_expert_comm`` and perform no communication at all (no input copy,
+no dgrad all-reduce, no sequence-parallel gather, no output reduction: the
+token dispatcher does the expert-TP reduction); with both sizes 1 their
+``copy_to``/``reduce_from`` regions act on a group of one, i.e. are identities.
+So each rank computes plain local matmuls on its shards, and so does the
+grouped path, with the local shard shapes.  The activation mirrors
+``MLP.forward`` without bias: ``bias_activation_fusion`` uses the same
+weighted SwiGLU / quick-GEGLU fused functions on the same rows; otherwise
+GLU (clamp, ``glu_linear_offset``) or the plain activation, then
+``(act * probs.unsqueeze(-1)).to(act.dtype)`` (the probs' dtype, usually fp32,
+takes part in the product and the result is cast back), as MLP does.  All of
+these are row-wise, so per row they are the same operations as per expert.
+
+The reference is ``SequentialMLP.forward`` itself (:meth:`reference_forward`);
+:meth:`fallback_reason` decides, per call, whether the grouped path applies.
+It falls back (the reason is a plain string; ``None`` means grouped) for:
+torch without ``_grouped_mm``; ``use_grouped_mm = False``; fewer than 2 local
+experts (one GEMM pair already); fp8/fp4 (quantization padding);
+``moe_apply_probs_on_input``; ``gradient_accumulation_fusion`` (the linears'
+fused wgrad accumulates into ``main_grad`` in fp32, which plain autograd would
+not reproduce); TE activations or CPU offloading; expert modules other than
+exactly MLP / ColumnParallelLinear / RowParallelLinear, or with biases
+(``add_bias_linear``); fused bias-activation cases MLP itself would refuse;
+autocast; input dtypes other than bf16/fp16/fp32 (fp64 keeps the reference,
+bitwise) or weights of another dtype or device; feature sizes (hidden, fc1
+out, fc2 in, fc2 out) not multiples of 16 bytes (``_grouped_mm``'s stride
+alignment; padding them would copy the weights again, so it falls back);
+zero tokens in total; and token counts (when on the CPU) that do not add up to
+the rows (the reference then raises the same error as before).  Experts with
+zero tokens are fine: their outputs are empty and their weight gradients are
+set to exactly zero (a zero-size group's wgrad is not trusted from the kernel).
+
+On CUDA, ``_grouped_mm`` runs its CUTLASS grouped kernel for bf16 on sm90/sm100;
+fp16/fp32 (or other GPUs) take torch's own fallback, a C++ loop of per-group GEMMs
+after one device-to-host copy of the offsets (the reference's ``tolist`` syncs too).
+On CPU it is that same loop (the tests see the grouped path equal the reference
+bitwise there), so only the GPU kernel's summation order can differ from the reference.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_quick_geglu_impl
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+_GROUPED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_HAVE_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with exact row-major strides and a 16-byte aligned start (what ``_grouped_mm`` accepts)."""
+    expected = (t.shape[1], 1) if t.dim() == 2 else None
+    if t.stride() == expected and t.data_ptr() % 16 == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ W_e^T`` for all experts e in one ``_grouped_mm``.
+
+    Inputs: ``x`` [M, K] (rows grouped by expert), ``offs`` [G] int32 (cumulative row
+    counts, ``offs[-1] == M``), ``empty`` [G] bool (experts with no rows), then the G
+    weights [N, K].  Gradients: ``dx = grouped_mm(dy, W)``, ``dW = grouped_mm(dy^T, x)``
+    (2d x 2d over the row groups), empty experts' ``dW`` exactly zero.
+    """
+
+    @staticmethod
+    def forward(ctx, x, offs, empty, *weights):
+        w = torch.stack(weights)                                   # [G, N, K]
+        ctx.save_for_backward(x, offs, empty, *weights)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # [M, N]
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offs, empty, *weights = ctx.saved_tensors
+        dy = _dense(dy)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch._grouped_mm(dy, torch.stack(weights), offs=offs)      # [M, K]
+        dws = [None] * len(weights)
+        if any(ctx.needs_input_grad[3:]):
+            dw = torch._grouped_mm(dy.t(), x, offs=offs)                      # [G, N, K]
+            dw.masked_fill_(empty.view(-1, 1, 1), 0)
+            dws = [g if need else None for g, need in zip(dw.unbind(0), ctx.needs_input_grad[3:])]
+        return (dx, None, None, *dws)
+
+
+class GroupedSequentialMLP(SequentialMLP):
+    """SequentialMLP (same parameters and checkpoints) whose forward uses two grouped GEMMs.
+
+    See the module docstring for the computation, the equivalence argument and the
+    fallback rules.  Set ``use_grouped_mm = False`` on an instance to force the reference.
+    """
+
+    use_grouped_mm: bool = True
+
+    # ------------------------------------------------------------------ dispatch
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        if self.fallback_reason(permuted_local_hidden_states, tokens_per_expert, permuted_probs) is None:
+            return self.grouped_forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        return self.reference_forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+
+    def reference_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        """megatron-core's SequentialMLP.forward: one MLP call per local expert."""
+        return SequentialMLP.forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+
+    def fallback_reason(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                        probs: torch.Tensor) -> Optional[str]:
+        """Why this call must take the reference path, or None when the grouped path applies."""
+        cfg = self.config
+        if not _HAVE_GROUPED_MM:
+            return "torch has no _grouped_mm"
+        if not self.use_grouped_mm:
+            return "use_grouped_mm is off"
+        if self.num_local_experts < 2:
+            return "a single local expert is one GEMM pair already"
+        if cfg.fp8 or cfg.fp4:
+            return "fp8/fp4 quantization"
+        if cfg.moe_apply_probs_on_input:
+            return "moe_apply_probs_on_input"
+        if cfg.gradient_accumulation_fusion:
+            return "gradient_accumulation_fusion (fused fp32 wgrad into main_grad)"
+        if cfg.use_te_activation_func or getattr(cfg, "cpu_offloading", False):
+            return "TE activation or CPU offloading"
+        for e in self.local_experts:
+            if type(e) is not MLP or type(e.linear_fc1) is not ColumnParallelLinear \
+                    or type(e.linear_fc2) is not RowParallelLinear:
+                return "expert modules are not exactly MLP(ColumnParallelLinear, RowParallelLinear)"
+            if e.linear_fc1.bias is not None or e.linear_fc2.bias is not None:
+                return "biases in the expert linears (add_bias_linear)"
+            if e.linear_fc1.weight is None or e.linear_fc1.gather_output or not e.linear_fc2.input_is_parallel:
+                return "expert linears not in their MLP configuration"
+        expert = self.local_experts[0]
+        if cfg.bias_activation_fusion and not (
+                cfg.gated_linear_unit and expert.activation_func in (F.silu, quick_gelu)):
+            return "bias_activation_fusion with an activation MLP refuses for weighted experts"
+        if torch.is_autocast_enabled(x.device.type):
+            return "autocast"
+        if x.dtype not in _GROUPED_DTYPES:
+            return f"dtype {x.dtype} (grouped GEMM takes bf16/fp16/fp32)"
+        if x.dim() != 2:
+            return "input is not [tokens, hidden]"
+        if x.shape[0] == 0:
+            return "no tokens"
+        weights = [p for e in self.local_experts for p in (e.linear_fc1.weight, e.linear_fc2.weight)]
+        if any(w.dtype != x.dtype or w.device != x.device for w in weights):
+            return "weights of another dtype or device than the input"
+        f1, k = expert.linear_fc1.weight.shape
+        h_out, f2 = expert.linear_fc2.weight.shape
+        align = 16 // x.element_size()
+        if any(d % align for d in (k, f1, f2, h_out)):
+            return f"feature sizes {(k, f1, f2, h_out)} are not multiples of {align} elements (16 bytes)"
+        if tokens_per_expert.device.type == "cpu" and (
+                tokens_per_expert.numel() != self.num_local_experts
+                or int(tokens_per_expert.sum()) != x.shape[0]):
+            return "token counts do not match the rows"
+        return None
+
+    # ------------------------------------------------------------------ fast path
+    def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """MLP.forward's activation-with-probs branch, bias-free (row-wise, so per row identical)."""
+        cfg = self.config
+        expert = self.local_experts[0]
+        if cfg.bias_activation_fusion:
+            if expert.activation_func == F.silu and cfg.gated_linear_unit:
+                return weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1), cfg.activation_func_fp8_input_store)
+            return weighted_bias_quick_geglu_impl(h, None, probs.unsqueeze(-1), cfg.activation_func_fp8_input_store,
+                                                  cfg.glu_linear_offset, cfg.activation_func_clamp_value)
+        if cfg.gated_linear_unit:
+            x_glu, x_linear = torch.chunk(h, 2, dim=-1)
+            if (val := cfg.activation_func_clamp_value) is not None:
+                x_glu = x_glu.clamp(min=None, max=val)
+                x_linear = x_linear.clamp(min=-val, max=val)
+            a = cfg.activation_func(x_glu) * (x_linear + cfg.glu_linear_offset)
+        else:
+            a = expert.activation_func(h)
+        original_dtype = a.dtype
+        a = a * probs.unsqueeze(-1)
+        return a.to(original_dtype)
+
+    def grouped_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        """All local experts in two grouped GEMMs (call only when ``fallback_reason`` is None)."""
+        x = _dense(permuted_local_hidden_states)
+        # computed where the counts live (the dispatchers hand them over on the CPU), then moved:
+        # fresh pageable tensors, so the non-blocking copies neither stall the stream nor race
+        offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).to(x.device, non_blocking=True)
+        empty = (tokens_per_expert == 0).to(x.device, non_blocking=True)
+        fc1: List[torch.Tensor] = [e.linear_fc1.weight for e in self.local_experts]
+        fc2: List[torch.Tensor] = [e.linear_fc2.weight for e in self.local_experts]
+        h = _GroupedLinear.apply(x, offs, empty, *fc1)
+        a = _dense(self._activation(h, permuted_probs))
+        y = _GroupedLinear.apply(a, offs, empty, *fc2)
+        return y, None
