@@ -155,6 +155,9 @@ def main(argv=None):
         results["machine"]["fla"] = fla.__version__
     except Exception:
         pass
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                time.strftime("throughput-%Y%m%d-%H%M%S.json"))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     for scheme in a.schemes:
         forest = synthesize(scheme, a.num_tasks, a.max_tokens, p["vocab"], seed=0)
         G = forest.num_trajectories
@@ -193,11 +196,8 @@ def main(argv=None):
               f"{exp['step_seconds']:.2f}s ({exp['trajectory_tokens_per_s']:.0f} tok/s, peak {exp['peak_memory_gib']})"
               f" | speedup {row['speedup']:.2f}x ({row['speedup_over_compression']:.2f} of compression)"
               f" | cosine {row.get('logit_cosine')}", flush=True)
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                time.strftime("throughput-%Y%m%d-%H%M%S.json"))
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2, default=float)
+        with open(out, "w") as f:          # after every scheme: a cut-short run keeps what it measured
+            json.dump(results, f, indent=2, default=float)
     if a.json:
         print(json.dumps(results, indent=2, default=float))
     return results
