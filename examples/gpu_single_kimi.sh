@@ -2,18 +2,20 @@
 # One H200: a Kimi-Linear-shaped hybrid MoE (12 layers, KDA:MLA 3:1, 32 experts top-8, bf16) on a
 # synthetic SWE-like rollout set, trained in tree mode and then in expanded mode with the same flags
 # (only --tree-sharing differs).  Prints both summaries and the speedup.
-# Usage: bash examples/gpu_single_kimi.sh   (PYTHON, OUT, ITERS, GBS, SCHEME override the defaults)
+# Usage: bash examples/gpu_single_kimi.sh   (PYTHON, OUT, ITERS, GBS, MAXTOK, SCHEME override
+# the defaults; MAXTOK caps trajectory length, microbatches hold 2 x MAXTOK rows)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-out/gpu_single}
 ITERS=${ITERS:-6}
 GBS=${GBS:-48}
+MAXTOK=${MAXTOK:-8192}
 SCHEME=${SCHEME:-tree-step}
 mkdir -p "$OUT"
 if [ ! -f "$OUT/rollouts.idx" ]; then
   "$PY" tools/synthesize_rollouts.py --output "$OUT/rollouts.jsonl" --scheme "$SCHEME" --num-tasks 16 \
-      --samples-per-task 2 --max-tokens 8192 --vocab-size 32000 --seed 0 > /dev/null
+      --samples-per-task 2 --max-tokens "$MAXTOK" --vocab-size 32000 --seed 0 > /dev/null
   "$PY" tools/convert_trajectories.py --input "$OUT/rollouts.jsonl" --output "$OUT/rollouts" --vocab-size 32000
 fi
 MODEL="--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 4096 --swiglu
@@ -23,7 +25,7 @@ MODEL="--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-
   --moe-layer-freq ([0]+[1]*11) --moe-router-score-function sigmoid --moe-router-enable-expert-bias
   --moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 1 --moe-aux-loss-coeff 0.001
   --vocab-size 32000 --untie-embeddings-and-output-weights --bf16"
-TRAIN="--seq-length 8192 --tree-microbatch-tokens 16384 --global-batch-size $GBS --train-iters $ITERS --lr 1e-4
+TRAIN="--seq-length $MAXTOK --tree-microbatch-tokens $((2 * MAXTOK)) --global-batch-size $GBS --train-iters $ITERS --lr 1e-4
   --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 1 --clip-grad 1.0 --seed 1234 --log-interval 1
   --rl-objective sft --data-path $OUT/rollouts"
 for MODE in within off; do
