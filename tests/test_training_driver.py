@@ -248,3 +248,38 @@ def test_library_step_tensorboard_and_hf_export(tmp_path):
     assert [e.step for e in tb.Scalars("loss")] == [1, 2]
     lines = (tmp_path / "plan.jsonl").read_text().splitlines()
     assert len(lines) == 2 and '"kda_calls"' in lines[0]
+
+
+def _parallel_worker(rank, world, port, data, out):
+    from megatron_harts.training.trainer import Trainer
+    _world(rank, world, port)
+    runs = {}
+    layouts = {"tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"]}
+    for name, par in layouts.items():
+        for sharing in ("off", "within" if name == "tp2" else "windows"):
+            with Trainer.from_args(argv(data, sharing, "--train-iters", "2", *par), require_data=True) as t:
+                steps = []
+                for _ in range(2):
+                    m = t.train_iteration()
+                    steps.append((m, _params(t)))
+                runs[(name, sharing)] = steps
+    if rank == 0:
+        torch.save(runs, out)
+
+
+def test_tensor_and_sequence_parallel_tree_equals_expanded(tmp_path):
+    """TP=2 with sequence parallelism (microbatch rows padded to a multiple of 2): tree mode gives
+    expanded mode's losses and full (gathered) parameters, step by step."""
+    from megatron_cpu import free_port
+    data = tmp_path / "rollouts"
+    write_rollouts(data)
+    out = tmp_path / "parallel.pt"
+    run_ranks(_parallel_worker, 2, (free_port(), str(data), str(out)), timeout=300)
+    runs = torch.load(out, weights_only=False)
+    for name, tree in (("tp2", "within"),):
+        for i, ((m, params), (m_ref, params_ref)) in enumerate(zip(runs[(name, tree)], runs[(name, "off")])):
+            what = f"{name}: {tree} vs off, step {i + 1}"
+            assert abs(m["loss"] - m_ref["loss"]) <= 1e-10 * abs(m_ref["loss"]), what
+            for k, p in params_ref.items():
+                torch.testing.assert_close(params[k], p, rtol=1e-10, atol=1e-12, msg=f"{what}: {k}")
+    assert runs[("tp2", "within")][0][0]["compression"] > 1.0

@@ -183,6 +183,9 @@ class KimiDeltaAttention(MegatronModule):
                 raise ValueError(f"tree mode needs the rows as [R, 1, h], got b={b}")
             taps = packed_seq_params.conv_taps
             ci = packed_seq_params.consumer_index
+            if packed_seq_params.pad_rows:
+                R = packed_seq_params.layout.num_rows
+                q, k, v = q[:R], k[:R], v[:R]
             pre = {"conv_q": q, "conv_k": k, "conv_v": v}
             if ci is None:
                 prev = packed_seq_params.layout.prev
@@ -211,6 +214,9 @@ class KimiDeltaAttention(MegatronModule):
         beta = torch.sigmoid(rows_linear(self.linear_beta, rows))
         if tree:
             psp = packed_seq_params
+            R = psp.layout.num_rows            # rows after R are padding: zero core output
+            if psp.pad_rows:
+                q, k, v, g, beta = (t[:R] for t in (q, k, v, g, beta))
             external = None
             if psp.consumer_index is not None:
                 ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
@@ -227,6 +233,8 @@ class KimiDeltaAttention(MegatronModule):
                 psp.record_export(self.layer_number, rec)
             else:
                 o = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=self.config.kda_backend, external=external)
+            if psp.pad_rows:
+                o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])
         else:
             parts = [sequences_view(t, s, b, packed_seq_params) for t in (q, k, v, g, beta)]
             flat = parts[0][1]

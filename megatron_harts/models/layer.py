@@ -69,9 +69,16 @@ class HybridTransformerLayer(TransformerLayer):
     def forward(self, *args, **kwargs):
         packed = kwargs.get("packed_seq_params")
         router = getattr(self.mlp, "router", None) if self.is_moe_layer else None
-        if router is None or packed is None or getattr(packed, "mode", None) != "tree":
+        if router is None or packed is None or getattr(packed, "token_weight", None) is None:
+            # expanded mode without padding: megatron's own statistics
             return super().forward(*args, **kwargs)
         w = packed.token_weight
+        if packed.mode != "tree":
+            lb = self.config.moe_router_load_balancing_type
+            bad = [t for t in (lb if isinstance(lb, (list, tuple)) else [lb]) if t not in ("aux_loss", "none")]
+            if bad:
+                raise ValueError(f"--moe-router-load-balancing-type {bad[0]!r}: padded expanded microbatches "
+                                 "(--sequence-parallel) support 'aux_loss' or 'none'")
         group = router.tp_cp_group
         n = group.size()
         total = float(w.sum()) / n

@@ -137,8 +137,11 @@ class TreeMLA(MegatronModule):
             if psp.export_spec is not None:      # producer: record what the window's consumers read
                 exp_rows = psp.export_spec.rows.to(k.device)
                 psp.record_export(self.layer_number, {"k": k[exp_rows], "v": v[exp_rows]})
-            o = tree_attention(q, k, v, psp.layout, self.scale, backend=cfg.tree_attention_backend,
+            R = psp.layout.num_rows              # rows after R are padding: zero attention output
+            o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale, backend=cfg.tree_attention_backend,
                                block_mask=psp.block_mask, context_kv=context_kv)
+            if psp.pad_rows:
+                o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])
         else:
             (qp, flat), (kp, _), (vp, _) = (sequences_view(t, s, b, packed_seq_params) for t in (q, k, v))
             op = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),

@@ -20,7 +20,8 @@ One model, two modes, same weights (``packed_seq_params`` selects):
 per row; with ``return_entropy`` also each row's softmax entropy); rows are numbered batch-major (``b * s + position``; for [R, 1] or
 packed inputs simply the token index).  Without pairs it returns the logits
 [s, b, V/tp].  Under sequence parallelism the token count must be divisible by
-the TP size (megatron scatters the embeddings along the sequence).
+the TP size (megatron scatters the embeddings along the sequence): with packed-sequence
+params (one row of tokens) the model pads the rows itself (``TreePackedSeqParams.padded``).
 """
 from __future__ import annotations
 
@@ -95,9 +96,18 @@ class HybridModel(GPTModel):
                 pair_token: Optional[torch.Tensor] = None, return_hidden: bool = False,
                 return_entropy: bool = False, **kwargs):
         tp = self.pg_collection.tp.size()
+        real = None
         if self.config.sequence_parallel and tp > 1 and input_ids is not None and input_ids.shape[1] % tp:
-            raise ValueError(f"--sequence-parallel: {input_ids.shape[1]} tokens/rows are not divisible by "
-                             f"--tensor-model-parallel-size {tp}; pad the microbatch")
+            if input_ids.shape[0] != 1 or packed_seq_params is None:
+                raise ValueError(f"--sequence-parallel: {input_ids.shape[1]} tokens/rows are not divisible by "
+                                 f"--tensor-model-parallel-size {tp}; pad the batch")
+            # pad the rows to a multiple of the TP size: the pad rows are read by nothing (models/packed.py)
+            real = input_ids.shape[1]
+            pad = (-real) % tp
+            packed_seq_params = packed_seq_params.padded(pad)
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(1, pad)], dim=1)
+            if position_ids is not None:
+                position_ids = torch.cat([position_ids, position_ids.new_zeros(1, pad)], dim=1)
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
@@ -108,7 +118,7 @@ class HybridModel(GPTModel):
             else self.output_layer.weight
         if pair_row is None:
             logits, _ = self.output_layer(hidden, weight=weight if self.share_embeddings_and_output_weights else None)
-            return logits
+            return logits if real is None else logits[:real]
         tp_group = self.pg_collection.tp
         reduce_hidden = True
         if self.config.sequence_parallel and tp > 1:

@@ -17,6 +17,12 @@ Two modes, one model, same weights:
 Without any packed-sequence params the model runs the batched [s, b] form
 (each batch column one causal sequence), which is expanded mode too.
 
+Padding (sequence parallelism needs the token count divisible by the TP size):
+:meth:`TreePackedSeqParams.padded` appends ``pad_rows`` rows that nothing reads.  Tree mode:
+the rows after the layout's get zero outputs from the KDA and MLA cores and occurrence 0 (no
+MoE statistic counts them).  Expanded mode: the pad rows form one more sequence, and
+``token_weight`` (1 per real token, 0 per pad token) keeps them out of the MoE statistics.
+
 Sharing windows (cross-microbatch): a *producer* layout built with
 ``for_tree(producer, export=ExportSpec.for_consumers(producer, consumers, ...))``
 records, during its forward, per-layer exports in ``packed.exports`` (a
@@ -193,6 +199,7 @@ class TreePackedSeqParams(PackedSeqParams):
     export_spec: Optional[ExportSpec] = None  # producer: what to record (tree mode)
     exports: Optional[WindowExports] = None   # producer: filled by the forward; consumer: what to read
     consumer_index: Optional[ConsumerIndex] = None  # consumer: where its reads sit in ``exports``
+    pad_rows: int = 0                        # rows appended after the real ones (padding, see module docstring)
 
     def record_export(self, layer_number: int, tensors: Dict[str, torch.Tensor]) -> None:
         """Producer: keep one layer's exports (called by the layers during the forward)."""
@@ -216,8 +223,9 @@ class TreePackedSeqParams(PackedSeqParams):
 
     @property
     def num_tokens(self) -> int:
+        """Rows the model receives, padding included."""
         if self.is_tree:
-            return int(self.layout.num_rows)
+            return int(self.layout.num_rows) + self.pad_rows
         return int(self.cu_seqlens_q[-1])
 
     @classmethod
@@ -311,6 +319,29 @@ class TreePackedSeqParams(PackedSeqParams):
                    mode="tree", layout=layout, kda_schedule=schedule, conv_taps=taps, block_mask=block_mask,
                    token_weight=layout.occurrence.to(torch.float64), position_ids=layout.position_ids,
                    export_spec=export, exports=exports, consumer_index=consumer_index)
+
+    def padded(self, pad: int) -> "TreePackedSeqParams":
+        """These params for the same rows followed by ``pad`` padding rows (module docstring)."""
+        import dataclasses
+        if pad < 0:
+            raise ValueError(f"padded: pad must be >= 0, got {pad}")
+        if pad == 0:
+            return self
+        if self.pad_rows:
+            raise ValueError("padded: these params are padded already")
+        if self.is_tree:
+            w = self.token_weight
+            return dataclasses.replace(self, pad_rows=int(pad),
+                                       token_weight=torch.cat([w, w.new_zeros(pad)]),
+                                       position_ids=torch.cat([self.position_ids,
+                                                               self.position_ids.new_zeros(pad)]))
+        cu = self.cu_seqlens_q
+        lengths = (cu[1:] - cu[:-1]).tolist() + [int(pad)]
+        out = TreePackedSeqParams.for_sequences(lengths, device=cu.device)
+        n = int(cu[-1])
+        weight = torch.ones(n + pad, dtype=torch.float64, device=cu.device)
+        weight[n:] = 0
+        return dataclasses.replace(out, pad_rows=int(pad), token_weight=weight)
 
     @classmethod
     def for_sequences(cls, lengths, *, device=None) -> "TreePackedSeqParams":
