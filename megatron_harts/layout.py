@@ -147,8 +147,28 @@ class Visibility:
 # the layout
 # ---------------------------------------------------------------------------
 
+class _RowsAndTargets:
+    """What every microbatch batch form shares: row and target counts, moving to a device."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.target_row.shape[0])
+
+    def to(self, device):
+        """A copy with every torch tensor on ``device`` (numpy tables and lists are shared)."""
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
+        return type(self)(**kw)
+
+
 @dataclass
-class CompactLayout:
+class CompactLayout(_RowsAndTargets):
     """One microbatch's rows, see the module docstring for the invariants.
 
     Torch tensors (moved by :meth:`to`) are what the ops read on the device; numpy arrays are
@@ -209,14 +229,6 @@ class CompactLayout:
 
     # ---- sizes -------------------------------------------------------------
     @property
-    def num_rows(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def num_targets(self) -> int:
-        return int(self.target_row.shape[0])
-
-    @property
     def num_pairs(self) -> int:
         return int(self.pair_row.shape[0])
 
@@ -261,13 +273,6 @@ class CompactLayout:
         """Rows of trajectory t's positions ``traj_start[t] ...`` (its expanded -> compact map)."""
         return self.traj_rows[int(self.traj_row_offsets[t]): int(self.traj_row_offsets[t + 1])]
 
-    def to(self, device) -> "CompactLayout":
-        """A copy with every torch tensor on ``device`` (numpy tables are shared)."""
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
-        return CompactLayout(**kw)
 
 
 # ---------------------------------------------------------------------------
@@ -725,7 +730,7 @@ def scatter_targets_to_expanded(layout: CompactLayout, values, fill=float("nan")
 # ---------------------------------------------------------------------------
 
 @dataclass
-class ExpandedBatch:
+class ExpandedBatch(_RowsAndTargets):
     """Trajectories packed back to back with no sharing: the expanded-mode microbatch.
 
     It carries the same target fields as a :class:`CompactLayout` (``target_*``,
@@ -749,14 +754,6 @@ class ExpandedBatch:
     target_advantage: torch.Tensor
 
     @property
-    def num_rows(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def num_targets(self) -> int:
-        return int(self.target_row.shape[0])
-
-    @property
     def num_trajectories(self) -> int:
         return len(self.lengths)
 
@@ -771,13 +768,6 @@ class ExpandedBatch:
     @property
     def target_pair(self) -> torch.Tensor:
         return torch.arange(self.num_targets, device=self.target_row.device)
-
-    def to(self, device) -> "ExpandedBatch":
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
-        return ExpandedBatch(**kw)
 
 
 def build_expanded_batch(forest: Forest, trajectories: Sequence[int]) -> ExpandedBatch:
