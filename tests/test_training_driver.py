@@ -69,6 +69,28 @@ def _world(rank, world, port):
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def spawn(worker, tmp_path, *extra):
+    """Run ``worker(rank, 2, port, data, *extra, out)`` on 2 gloo processes; what rank 0 saved to out."""
+    from megatron_cpu import free_port
+    data = tmp_path / "rollouts"
+    write_rollouts(data)
+    out = tmp_path / "out.pt"
+    run_ranks(worker, 2, (free_port(), str(data), *(str(e) for e in extra), str(out)), timeout=300)
+    return torch.load(out, weights_only=False)
+
+
+def assert_same_steps(steps, ref, what, terms=()):
+    """Two runs' (metrics, parameters) per step: equal losses (and ``terms``) and parameters to 1e-10."""
+    assert len(steps) == len(ref) > 0, what
+    for i, ((m, params), (m_ref, params_ref)) in enumerate(zip(steps, ref)):
+        at = f"{what}, step {i + 1}"
+        assert m["trajectories"] == m_ref["trajectories"] and m["target_tokens"] == m_ref["target_tokens"], at
+        for k in ("loss", *terms):
+            assert abs(m[k] - m_ref[k]) <= 1e-10 * max(abs(m_ref[k]), 1e-12), f"{at}: {k}"
+        for name, p in params_ref.items():
+            torch.testing.assert_close(params[name], p, rtol=1e-10, atol=1e-12, msg=f"{at}: {name}")
+
+
 def _params(trainer):
     from megatron_harts.training.export import full_state_dict
     return {k: v.clone() for k, v in full_state_dict(trainer.model[0].module, trainer.config).items()}
@@ -90,22 +112,11 @@ def _equality_worker(rank, world, port, data, out):
 
 
 def test_dp2_tree_modes_equal_expanded(tmp_path):
-    from megatron_cpu import free_port
-    data = tmp_path / "rollouts"
-    write_rollouts(data)
-    out = tmp_path / "runs.pt"
-    run_ranks(_equality_worker, 2, (free_port(), str(data), str(out)), timeout=300)
-    runs = torch.load(out, weights_only=False)
+    runs = spawn(_equality_worker, tmp_path)
     ref = runs["off"]
     for sharing in ("within", "windows"):
-        for i, ((m, params), (m_ref, params_ref)) in enumerate(zip(runs[sharing], ref)):
-            what = f"{sharing} vs off, step {i + 1}"
-            assert m["trajectories"] == m_ref["trajectories"] and m["target_tokens"] == m_ref["target_tokens"], what
-            assert abs(m["loss"] - m_ref["loss"]) <= 1e-10 * abs(m_ref["loss"]), what
-            for k in ("objective/pg_loss", "objective/kl", "objective/entropy"):
-                assert abs(m[k] - m_ref[k]) <= 1e-10 * max(abs(m_ref[k]), 1e-12), f"{what}: {k}"
-            for name, p in params_ref.items():
-                torch.testing.assert_close(params[name], p, rtol=1e-10, atol=1e-12, msg=f"{what}: {name}")
+        assert_same_steps(runs[sharing], ref, f"{sharing} vs off",
+                          terms=("objective/pg_loss", "objective/kl", "objective/entropy"))
     # the comparison is not vacuous: the weights moved, tree modes shared rows, windows ran
     first, last = ref[0][1], ref[-1][1]
     assert any(not torch.equal(first[k], last[k]) for k in first)
@@ -134,12 +145,7 @@ def _resume_worker(rank, world, port, data, ckpt, out):
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    from megatron_cpu import free_port
-    data = tmp_path / "rollouts"
-    write_rollouts(data)
-    out = tmp_path / "resume.pt"
-    run_ranks(_resume_worker, 2, (free_port(), str(data), str(tmp_path / "ckpt"), str(out)), timeout=300)
-    r = torch.load(out, weights_only=False)
+    r = spawn(_resume_worker, tmp_path, tmp_path / "ckpt")
     (m, params), (m_ref, params_ref) = r["resumed"][0], r["straight"][2]
     assert m["iteration"] == 3 and m["loss"] == m_ref["loss"]
     for name in params_ref:
@@ -159,13 +165,8 @@ def _signal_worker(rank, world, port, data, ckpt, out):
 
 
 def test_sigterm_saves_and_stops(tmp_path):
-    from megatron_cpu import free_port
     from megatron_harts.training.checkpointing import latest_iteration
-    data = tmp_path / "rollouts"
-    write_rollouts(data)
-    out = tmp_path / "signal.pt"
-    run_ranks(_signal_worker, 2, (free_port(), str(data), str(tmp_path / "ckpt"), str(out)), timeout=300)
-    r = torch.load(out, weights_only=False)
+    r = spawn(_signal_worker, tmp_path, tmp_path / "ckpt")
     assert r == {"iteration": 1, "saved": 1}
     assert latest_iteration(str(tmp_path / "ckpt")) == 1
 
@@ -270,16 +271,6 @@ def _parallel_worker(rank, world, port, data, out):
 def test_tensor_and_sequence_parallel_tree_equals_expanded(tmp_path):
     """TP=2 with sequence parallelism (microbatch rows padded to a multiple of 2): tree mode gives
     expanded mode's losses and full (gathered) parameters, step by step."""
-    from megatron_cpu import free_port
-    data = tmp_path / "rollouts"
-    write_rollouts(data)
-    out = tmp_path / "parallel.pt"
-    run_ranks(_parallel_worker, 2, (free_port(), str(data), str(out)), timeout=300)
-    runs = torch.load(out, weights_only=False)
-    for name, tree in (("tp2", "within"),):
-        for i, ((m, params), (m_ref, params_ref)) in enumerate(zip(runs[(name, tree)], runs[(name, "off")])):
-            what = f"{name}: {tree} vs off, step {i + 1}"
-            assert abs(m["loss"] - m_ref["loss"]) <= 1e-10 * abs(m_ref["loss"]), what
-            for k, p in params_ref.items():
-                torch.testing.assert_close(params[k], p, rtol=1e-10, atol=1e-12, msg=f"{what}: {k}")
+    runs = spawn(_parallel_worker, tmp_path)
+    assert_same_steps(runs[("tp2", "within")], runs[("tp2", "off")], "tp2: within vs off")
     assert runs[("tp2", "within")][0][0]["compression"] > 1.0
