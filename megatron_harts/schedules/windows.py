@@ -31,6 +31,13 @@ yielding ``(microbatch, packed_seq_params)`` and returns ``(output, loss_func)``
 megatron.  Peak retained export memory (bytes of live exports, maximum over the step) is
 reported in ``window_stats`` when a dict is passed.
 
+Activation recomputation (``recompute_granularity="full"``): producers run their forward without
+it (:func:`producer_forward`: megatron's checkpointed forward runs under ``no_grad``, which would
+cut the exports' autograd link; a producer's graph is kept until window close anyway), consumers
+and plain microbatches recompute.  The pieces (:func:`check_windows`, :func:`producer_params`,
+:func:`microbatch_params`, :func:`producer_forward`) are shared with the pipeline schedules of
+``schedules/pipeline.py``.
+
 Limits (refused with ValueError): pipeline size > 1 (consumer 1F1B is a separate schedule),
 model chunks (virtual pipeline), a consumer before its producer, a producer that is itself a
 consumer (nested producers).  Gradient reduction across data-parallel replicas stays the
@@ -38,6 +45,7 @@ caller's (``finalize_model_grads``), as with megatron's schedules.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -46,7 +54,8 @@ import torch
 
 from ..models.packed import ExportSpec, TreePackedSeqParams
 
-__all__ = ["WindowedMicrobatch", "expanded_microbatches", "forward_backward_windows", "windowed_microbatches"]
+__all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
+           "microbatch_params", "producer_forward", "producer_params", "windowed_microbatches"]
 
 
 @dataclass
@@ -157,6 +166,67 @@ def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True
     return items
 
 
+def check_windows(mbs: List[WindowedMicrobatch]) -> Dict[int, List[int]]:
+    """Validate a step's microbatches (module docstring's limits); ``{producer: [its consumers]}``."""
+    from ..layout import ExpandedBatch
+    consumers_of: Dict[int, List[int]] = {}
+    for i, mb in enumerate(mbs):
+        if not isinstance(mb, WindowedMicrobatch):
+            raise ValueError(f"microbatch {i}: expected a WindowedMicrobatch, got {type(mb).__name__}")
+        if isinstance(mb.layout, ExpandedBatch) and mb.producer is not None:
+            raise ValueError(f"microbatch {i}: an expanded microbatch cannot read a producer")
+        if mb.producer is not None:
+            p = int(mb.producer)
+            if not 0 <= p < i:
+                raise ValueError(f"microbatch {i}: its producer {p} must run before it in the step")
+            if isinstance(mbs[p].layout, ExpandedBatch):
+                raise ValueError(f"microbatch {i}: its producer {p} is an expanded microbatch (no exports)")
+            if mbs[p].producer is not None:
+                raise ValueError(f"microbatch {i}: its producer {p} is itself a consumer (nested producers are "
+                                 "not supported)")
+            consumers_of.setdefault(p, []).append(i)
+    return consumers_of
+
+
+def producer_params(mb: WindowedMicrobatch, consumers: List[WindowedMicrobatch], cfg) -> TreePackedSeqParams:
+    """A producer's packed params: its forward records what ``consumers`` read (rows counted per ``mb``)."""
+    spec = ExportSpec.for_consumers(mb.layout, [c.layout for c in consumers], config=cfg, replay=mb.replay)
+    psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, export=spec, replay=mb.replay)
+    _count_rows(mb, psp)
+    return psp
+
+
+def microbatch_params(mb: WindowedMicrobatch, cfg, leaves=None) -> TreePackedSeqParams:
+    """A non-producer's packed params: expanded, plain tree, or a consumer reading ``leaves``
+    (its window's ``WindowExports.detached()``)."""
+    from ..layout import ExpandedBatch
+    if isinstance(mb.layout, ExpandedBatch):    # expanded: trajectories packed, no sharing
+        psp = TreePackedSeqParams.for_sequences(mb.layout.lengths, device=mb.layout.tokens.device)
+    elif mb.producer is not None:               # consumer: reads the window's shared leaves
+        psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, exports=leaves, replay=mb.replay)
+    else:
+        psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, replay=mb.replay)
+    _count_rows(mb, psp)
+    return psp
+
+
+@contextlib.contextmanager
+def producer_forward(cfg):
+    """A producer's forward runs without full activation recomputation: megatron's checkpointed
+    forward runs under ``no_grad``, so the recorded exports would lose their autograd link to the
+    producer (its graph is kept until window close anyway).  Consumers and plain microbatches
+    recompute as configured."""
+    saved = getattr(cfg, "recompute_granularity", None)
+    if saved != "full":
+        yield
+        return
+    cfg.recompute_granularity = None
+    try:
+        yield
+    finally:
+        cfg.recompute_granularity = saved
+
+
 def _count_rows(mb: WindowedMicrobatch, psp) -> None:
     """Zero the MoE token weight (occurrence count) of the rows ``mb.counted`` leaves out."""
     if mb.counted is None:
@@ -214,24 +284,8 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     if pp != 1:
         raise ValueError(f"forward_backward_windows runs pipeline size 1, got {pp}")
     cfg = _model_config(model)
-    from ..layout import ExpandedBatch
     mbs: List[WindowedMicrobatch] = [next(data_iterator) for _ in range(int(num_microbatches))]
-    consumers_of: Dict[int, List[int]] = {}
-    for i, mb in enumerate(mbs):
-        if not isinstance(mb, WindowedMicrobatch):
-            raise ValueError(f"microbatch {i}: expected a WindowedMicrobatch, got {type(mb).__name__}")
-        if isinstance(mb.layout, ExpandedBatch) and mb.producer is not None:
-            raise ValueError(f"microbatch {i}: an expanded microbatch cannot read a producer")
-        if mb.producer is not None:
-            p = int(mb.producer)
-            if not 0 <= p < i:
-                raise ValueError(f"microbatch {i}: its producer {p} must run before it in the step")
-            if isinstance(mbs[p].layout, ExpandedBatch):
-                raise ValueError(f"microbatch {i}: its producer {p} is an expanded microbatch (no exports)")
-            if mbs[p].producer is not None:
-                raise ValueError(f"microbatch {i}: its producer {p} is itself a consumer (nested producers are "
-                                 "not supported)")
-            consumers_of.setdefault(p, []).append(i)
+    consumers_of = check_windows(mbs)
     last_consumer = {p: cs[-1] for p, cs in consumers_of.items()}
 
     open_windows: Dict[int, dict] = {}
@@ -246,25 +300,16 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
 
     for i, mb in enumerate(mbs):
         if i in consumers_of:                       # producer: forward, exports kept, backward deferred
-            spec = ExportSpec.for_consumers(mb.layout, [mbs[c].layout for c in consumers_of[i]], config=cfg,
-                                            replay=mb.replay)
-            psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, export=spec, replay=mb.replay)
-            _count_rows(mb, psp)
-            loss = run(i, mb, psp)
+            psp = producer_params(mb, [mbs[c] for c in consumers_of[i]], cfg)
+            with producer_forward(cfg):
+                loss = run(i, mb, psp)
             leaves = psp.exports.detached()
             nbytes = psp.exports.nbytes()
             open_windows[i] = {"loss": loss, "exports": psp.exports, "leaves": leaves, "bytes": nbytes}
             live_bytes += nbytes
             peak_bytes = max(peak_bytes, live_bytes)
             continue
-        if isinstance(mb.layout, ExpandedBatch):    # expanded: trajectories packed, no sharing
-            psp = TreePackedSeqParams.for_sequences(mb.layout.lengths, device=mb.layout.tokens.device)
-        elif mb.producer is not None:               # consumer: reads the window's shared leaves
-            w = open_windows[int(mb.producer)]
-            psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, exports=w["leaves"], replay=mb.replay)
-        else:
-            psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, replay=mb.replay)
-        _count_rows(mb, psp)
+        psp = microbatch_params(mb, cfg, None if mb.producer is None else open_windows[int(mb.producer)]["leaves"])
         loss = run(i, mb, psp)
         if not forward_only:
             loss.backward()

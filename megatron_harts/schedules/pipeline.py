@@ -1,0 +1,462 @@
+"""Sharing windows with pipeline parallelism: consumer 1F1B and the two schedules it is compared with.
+
+:func:`forward_backward_pipelining_windows` has megatron-core's schedule signature and runs one
+step of :class:`~megatron_harts.schedules.windows.WindowedMicrobatch` items (the same items, in
+the same order, as ``forward_backward_windows`` on pipeline size 1) on pipeline size >= 2
+(non-interleaved; virtual stages are refused).  Vocabulary (shared/DESIGN.md): a microbatch is a
+*producer* when a later one names it, a *consumer* when it names one, *plain* otherwise.  Per
+stage the operations are:
+
+- ``F(i)``: the forward of microbatch i on this stage's layers (``PF`` for a producer: the
+  stage's layers record their exports in a ``WindowExports`` keyed by layer number; the exports
+  are retained on this stage from PF completion until the window's PB on this stage);
+- ``B(i)``: the backward of a consumer or plain microbatch; a consumer's backward accumulates
+  the gradients of this stage's export leaves (consumers read the producer's exports of the
+  same stage);
+- ``B(p)`` for a producer p is its *PB*: one backward through the producer on this stage from
+  the accumulated export gradients and the output gradient of the producer's activation
+  received from the next stage (on the last stage: the producer's own loss, 0 when it owns no
+  targets); it always directly follows ``B`` of the window's last consumer.
+
+Every stage builds the same microbatch layouts and ``TreePackedSeqParams`` itself (planning is
+deterministic, so no tree metadata is broadcast); the activation [rows, 1, hidden] and its
+gradient go between neighbouring stages through megatron-core's ``P2PCommunicator``, the shape
+known from the layout on every stage.  Receives block; sends are posted without waiting and
+completed at the end of the step, so any per-stage order that has a valid execution
+(:func:`check_stage_orders`) runs without deadlock.  Every stage runs the forwards in the same
+order and the backwards in the same order, so messages match in FIFO order.
+
+Schedules (``schedule=``), orders built by :func:`stage_orders` (pure Python, testable):
+
+- ``"consumer-1f1b"`` (default): 1F1B over the consumers and plain microbatches (stage s warms
+  up with ``S - s - 1`` forwards, then alternates one forward, one backward), each PF inserted
+  just before its first consumer's forward, each PB right after its last consumer's backward.
+  Windows overlap; at most ``S - s`` consumers are in flight on stage s.
+- ``"overlap"``: overlapping windows, backward-first: a unit-cost event simulation (forward 1,
+  backward 2) where an idle stage runs its next backward when it is ready, otherwise its next
+  forward (no in-flight bound: more windows are alive at once).
+- ``"non-overlap"``: the same greedy simulation with each window (its producer and consumers;
+  plain microbatches are windows of one) drained on every stage before the next window starts.
+  Microbatches run window by window (a window's consumers are moved up to follow their
+  producer), which changes only the order in which gradients are summed.
+
+The parameter gradients are those of ``forward_backward_windows`` on the same items (and so of
+expanded training): tests/test_pipeline_schedules.py pins all three schedules on pipeline
+sizes 2 and 4 against both.  ``forward_step_func(data_iterator, model)`` is called once per
+microbatch per stage with an iterator yielding ``(microbatch, packed_seq_params)``; on stages
+other than the last it returns the model's output (hidden states) and its ``loss_func`` is not
+called.  The per-microbatch ``stats`` of ``loss_func`` are returned on the last stage (``[]``
+elsewhere), as megatron's ``forward_data_store``.  ``window_stats`` (when a dict is passed)
+gets, per stage (lists indexed by pipeline rank, gathered over the pipeline group):
+``peak_export_bytes`` (retained export bytes, maximum over the step) and ``peak_windows_alive``;
+and ``windows`` (number of windows of the step), ``schedule``.  Activation recomputation: as in
+``forward_backward_windows``, producers' forwards do not recompute (``producer_forward``).
+Gradient reduction across data-parallel replicas stays the caller's (``finalize_model_grads``).
+
+:func:`build_stage_model` builds this stage's model chunk (the hybrid block spec sliced to the
+stage's layers, embedding on the first stage, output layer on the last).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .windows import (WindowedMicrobatch, _loss_of, _model_config, check_windows, microbatch_params,
+                      producer_forward, producer_params)
+
+__all__ = ["SCHEDULES", "stage_orders", "check_stage_orders", "forward_backward_pipelining_windows",
+           "build_stage_model"]
+
+SCHEDULES = ("consumer-1f1b", "overlap", "non-overlap")
+
+Op = Tuple[str, int]
+
+
+# ---------------------------------------------------------------------------------------------
+# per-stage operation orders
+# ---------------------------------------------------------------------------------------------
+def _structure(producer_of: Sequence[Optional[int]]):
+    n = len(producer_of)
+    consumers: Dict[int, List[int]] = {}
+    for i, p in enumerate(producer_of):
+        if p is not None:
+            if not 0 <= int(p) < i:
+                raise ValueError(f"microbatch {i}: its producer {p} must run before it")
+            if producer_of[int(p)] is not None:
+                raise ValueError(f"microbatch {i}: its producer {p} is itself a consumer (nested producers)")
+            consumers.setdefault(int(p), []).append(i)
+    units = [i for i in range(n) if i not in consumers]
+    return consumers, units
+
+
+def _backward_sequence(units: List[int], consumers: Dict[int, List[int]]) -> List[int]:
+    closes: Dict[int, List[int]] = {}
+    for p, cs in consumers.items():
+        closes.setdefault(max(cs), []).append(p)
+    seq: List[int] = []
+    for u in units:
+        seq.append(u)
+        seq += sorted(closes.get(u, []))
+    return seq
+
+
+def _one_f_one_b(fseq: List[int], units_set: set, bseq: List[int], S: int, s: int) -> List[Op]:
+    out: List[Op] = []
+    fi, bi = 0, 0
+    m = len(units_set)
+
+    def forward():
+        nonlocal fi
+        while fi < len(fseq):          # producers up to and including the next consumer/plain one
+            i = fseq[fi]
+            fi += 1
+            out.append(("F", i))
+            if i in units_set:
+                return
+
+    def backward():
+        nonlocal bi
+        out.append(("B", bseq[bi]))    # a consumer/plain backward, then the PBs it closes
+        bi += 1
+        while bi < len(bseq) and bseq[bi] not in units_set:
+            out.append(("B", bseq[bi]))
+            bi += 1
+
+    warm = min(S - s - 1, m)
+    for _ in range(warm):
+        forward()
+    for _ in range(m - warm):
+        forward()
+        backward()
+    for _ in range(warm):
+        backward()
+    while fi < len(fseq):
+        out.append(("F", fseq[fi]))
+        fi += 1
+    return out
+
+
+def _greedy(fseq: List[int], bseq: List[int], S: int, group: Optional[Dict[int, int]]) -> List[List[Op]]:
+    """Unit-cost event simulation (forward 1, backward 2), backward-first; ``group``: drain barrier."""
+    cost = {"F": 1, "B": 2}
+    done: Dict[Tuple[str, int, int], int] = {}
+    orders: List[List[Op]] = [[] for _ in range(S)]
+    fi, bi, free = [0] * S, [0] * S, [0] * S
+    total = S * (len(fseq) + len(bseq))
+    remaining_in_group: Dict[int, int] = {}
+    group_end: Dict[int, int] = {}
+    if group is not None:
+        for i in fseq:
+            remaining_in_group[group[i]] = remaining_in_group.get(group[i], 0) + 2 * S
+    t = 0
+
+    def finished(key, now):
+        return key in done and done[key] <= now
+
+    def barrier_ok(i, now):
+        if group is None:
+            return True
+        g = group[i]
+        return all(end is not None and end <= now for h, end in ((h, group_end.get(h)) for h in remaining_in_group)
+                   if h < g)
+
+    while len(done) < total:
+        for s in range(S):
+            if free[s] > t:
+                continue
+            op = None
+            if bi[s] < len(bseq):
+                i = bseq[bi[s]]
+                ready = finished(("B", i, s + 1), t) if s + 1 < S else finished(("F", i, s), t)
+                if ready and finished(("F", i, s), t) and barrier_ok(i, t):
+                    op = ("B", i)
+                    bi[s] += 1
+            if op is None and fi[s] < len(fseq):
+                i = fseq[fi[s]]
+                if (s == 0 or finished(("F", i, s - 1), t)) and barrier_ok(i, t):
+                    op = ("F", i)
+                    fi[s] += 1
+            if op is None:
+                continue
+            end = t + cost[op[0]]
+            done[(op[0], op[1], s)] = end
+            free[s] = end
+            orders[s].append(op)
+            if group is not None:
+                g = group[op[1]]
+                remaining_in_group[g] -= 1
+                if remaining_in_group[g] == 0:
+                    group_end[g] = end
+        t += 1
+        if t > 10 * total * 2 + 10:
+            raise RuntimeError("stage_orders: the simulation made no progress (a bug)")
+    return orders
+
+
+def stage_orders(producer_of: Sequence[Optional[int]], num_stages: int, schedule: str = "consumer-1f1b",
+                 forward_only: bool = False) -> List[List[Op]]:
+    """Per-stage operation orders ``[("F"|"B", microbatch), ...]`` for a step (module docstring).
+
+    ``producer_of[i]``: the position of microbatch i's producer (None: not a consumer).  The
+    backward of a producer is its PB.  ``forward_only``: forwards only, in step order.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    S = int(num_stages)
+    if S < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    consumers, units = _structure(producer_of)
+    n = len(producer_of)
+    if forward_only:
+        return [[("F", i) for i in range(n)] for _ in range(S)]
+    if schedule == "consumer-1f1b":
+        fseq = list(range(n))
+        bseq = _backward_sequence(units, consumers)
+        orders = [_one_f_one_b(fseq, set(units), bseq, S, s) for s in range(S)]
+    else:
+        group = {}
+        for i in range(n):
+            group[i] = int(producer_of[i]) if producer_of[i] is not None else i
+        if schedule == "non-overlap":
+            fseq = sorted(range(n), key=lambda i: (group[i], i))     # window by window
+            units = [i for i in fseq if i not in consumers]
+        else:
+            fseq = list(range(n))
+        bseq = _backward_sequence(units, consumers)
+        orders = _greedy(fseq, bseq, S, group if schedule == "non-overlap" else None)
+    check_stage_orders(orders, producer_of)
+    return orders
+
+
+def check_stage_orders(orders: List[List[Op]], producer_of: Sequence[Optional[int]]) -> None:
+    """Assert that per-stage orders run: every stage has every forward and backward once, the same
+    forward order and backward order on every stage, PF before its consumers' forwards, PB after its
+    consumers' backwards, and some execution exists (receives wait for the neighbour's op)."""
+    consumers, _ = _structure(producer_of)
+    n = len(producer_of)
+    S = len(orders)
+    fw = [[i for k, i in o if k == "F"] for o in orders]
+    bw = [[i for k, i in o if k == "B"] for o in orders]
+    for s in range(S):
+        if sorted(fw[s]) != list(range(n)) or (bw[s] and sorted(bw[s]) != list(range(n))):
+            raise AssertionError(f"stage {s}: not every microbatch runs once")
+        if fw[s] != fw[0] or bw[s] != bw[0]:
+            raise AssertionError(f"stage {s}: forward/backward order differs from stage 0 (P2P messages would "
+                                 "not match)")
+        pos = {op: k for k, op in enumerate(orders[s])}
+        for p, cs in consumers.items():
+            if any(pos[("F", p)] > pos[("F", c)] for c in cs):
+                raise AssertionError(f"stage {s}: producer {p} runs after one of its consumers")
+            if bw[s] and any(pos[("B", p)] < pos[("B", c)] for c in cs):
+                raise AssertionError(f"stage {s}: producer {p}'s backward runs before one of its consumers'")
+        for k, i in orders[s]:
+            if k == "B" and pos[("F", i)] > pos[("B", i)]:
+                raise AssertionError(f"stage {s}: backward of {i} before its forward")
+    ptr = [0] * S
+    done = set()
+    progress = True
+    while progress:
+        progress = False
+        for s in range(S):
+            while ptr[s] < len(orders[s]):
+                k, i = orders[s][ptr[s]]
+                dep = (("F", i, s - 1) if s > 0 else None) if k == "F" else \
+                    (("B", i, s + 1) if s + 1 < S else None)
+                if dep is not None and dep not in done:
+                    break
+                done.add((k, i, s))
+                ptr[s] += 1
+                progress = True
+    if any(ptr[s] < len(orders[s]) for s in range(S)):
+        stuck = {s: orders[s][ptr[s]] for s in range(S) if ptr[s] < len(orders[s])}
+        raise AssertionError(f"the stage orders deadlock (next operations {stuck})")
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage's model chunk
+# ---------------------------------------------------------------------------------------------
+def build_stage_model(config, vocab_size: int, *, pp_rank: Optional[int] = None, pp_size: Optional[int] = None,
+                      **kwargs):
+    """This pipeline stage's hybrid model chunk: the stage's layers of the hybrid block spec (global
+    layer numbers), the embedding on the first stage (``pre_process``), the final norm, output layer
+    and log-probs on the last (``post_process``).  ``kwargs`` go to the model (e.g.
+    ``share_embeddings_and_output_weights``)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from ..models.layer import hybrid_block_spec
+    from ..models.model import HybridModel, validate_config
+
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if pp_size is None:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if getattr(config, "virtual_pipeline_model_parallel_size", None):
+        raise ValueError("build_stage_model: virtual pipeline stages (interleaved schedules) are not supported")
+    validate_config(config)
+    spec = hybrid_block_spec(config)
+    if pp_size > 1:
+        off = get_transformer_layer_offset(config, pp_rank=pp_rank)
+        n = get_num_layers_to_build(config, pp_rank=pp_rank)
+        spec = TransformerBlockSubmodules(layer_specs=spec.layer_specs[off:off + n], layer_norm=spec.layer_norm)
+    share = kwargs.pop("share_embeddings_and_output_weights", False)
+    return HybridModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+                       max_sequence_length=kwargs.pop("max_sequence_length", 1 << 20),
+                       pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
+                       share_embeddings_and_output_weights=share, position_embedding_type="none", **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# the schedule
+# ---------------------------------------------------------------------------------------------
+def _rows(mb: WindowedMicrobatch, psp, cfg, tp: int) -> int:
+    rows = int(psp.num_tokens) if psp.is_tree else int(mb.layout.tokens.numel())
+    if getattr(cfg, "sequence_parallel", False) and tp > 1:
+        rows = -(-rows // tp)
+    return rows
+
+
+def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                                        seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                                        decoder_seq_length: Optional[int] = None, forward_only: bool = False,
+                                        collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None,
+                                        adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
+                                        force_all_reduce: Optional[bool] = False,
+                                        window_stats: Optional[Dict[str, Any]] = None,
+                                        schedule: str = "consumer-1f1b") -> List[Any]:
+    """Run ``num_microbatches`` windowed microbatches on this pipeline stage (module docstring).
+
+    ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``, ``first_val_step``,
+    ``adjust_tensor_shapes_fn``, ``force_all_reduce`` are accepted for signature compatibility
+    and unused (shapes come from the layouts).  ``p2p_communicator``: its pipeline group is used.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.utils import get_attr_wrapped_model
+
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError("forward_backward_pipelining_windows: model chunks (virtual pipeline stages, "
+                             "interleaved schedules) are not supported")
+        model = model[0]
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != 1:
+            raise ValueError("forward_backward_pipelining_windows: one data iterator expected")
+        data_iterator = data_iterator[0]
+    if collect_non_loss_data:
+        raise ValueError("forward_backward_pipelining_windows: collect_non_loss_data is not supported")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    cfg = _model_config(model)
+    if getattr(cfg, "virtual_pipeline_model_parallel_size", None):
+        raise ValueError("forward_backward_pipelining_windows: virtual pipeline stages (interleaved schedules) "
+                         "are not supported")
+    if p2p_communicator is not None:
+        pp_group = p2p_communicator.pp_group
+    elif pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        pp_group = pg_collection.pp
+    else:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+    S, s = pp_group.size(), pp_group.rank()
+    if S < 2:
+        raise ValueError("forward_backward_pipelining_windows runs pipeline size >= 2; use "
+                         "forward_backward_windows for pipeline size 1")
+    first, last = s == 0, s == S - 1
+    tp = pg_collection.tp.size() if pg_collection is not None and getattr(pg_collection, "tp", None) is not None \
+        else parallel_state.get_tensor_model_parallel_world_size()
+    # sends are posted without waiting (completed at the end of the step): plain isend/irecv
+    p2p_cfg = copy.copy(cfg)
+    p2p_cfg.batch_p2p_comm = False
+    p2p_cfg.use_ring_exchange_p2p = False
+    p2p_cfg.variable_seq_lengths = False
+    if p2p_cfg.pipeline_dtype is None:
+        p2p_cfg.pipeline_dtype = cfg.params_dtype
+    p2p = P2PCommunicator(pp_group, p2p_cfg)
+    set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+
+    mbs: List[WindowedMicrobatch] = [next(data_iterator) for _ in range(int(num_microbatches))]
+    consumers_of = check_windows(mbs)
+    orders = stage_orders([mb.producer for mb in mbs], S, schedule, forward_only)[s]
+
+    hidden = cfg.hidden_size
+    state: Dict[int, dict] = {}
+    windows: Dict[int, dict] = {}
+    store: List[Any] = []
+    pending: List[Any] = []
+    live, peak, alive, peak_alive = 0, 0, 0, 0
+
+    def send(tensor, to_next: bool):
+        t = tensor.detach().contiguous()
+        _, _, reqs = p2p._communicate(tensor_send_next=t if to_next else None,
+                                      tensor_send_prev=None if to_next else t, recv_prev=False, recv_next=False,
+                                      tensor_shape=None, wait_on_reqs=False)
+        pending.append((t, reqs))
+
+    for kind, i in orders:
+        mb = mbs[i]
+        if kind == "F":
+            if i in consumers_of:
+                psp = producer_params(mb, [mbs[c] for c in consumers_of[i]], cfg)
+            else:
+                leaves = None if mb.producer is None else windows[int(mb.producer)]["leaves"]
+                psp = microbatch_params(mb, cfg, leaves)
+            shape = (_rows(mb, psp, cfg, tp), 1, hidden)
+            x = None if first else p2p.recv_forward(shape, is_first_stage=False)
+            set_input_tensor(x)
+            if i in consumers_of:
+                with producer_forward(cfg):
+                    output, loss_func = forward_step_func(iter([(mb, psp)]), model)
+            else:
+                output, loss_func = forward_step_func(iter([(mb, psp)]), model)
+            st = {"x": x, "shape": shape}
+            if last:
+                loss, stats = _loss_of(loss_func, output)
+                store.append(stats)
+                st["loss"] = loss
+            else:
+                send(output, to_next=True)
+                st["out"] = output
+            if not forward_only:
+                state[i] = st
+            if i in consumers_of:
+                nbytes = psp.exports.nbytes()
+                windows[i] = {"exports": psp.exports, "leaves": psp.exports.detached(), "bytes": nbytes}
+                live += nbytes
+                alive += 1
+                peak, peak_alive = max(peak, live), max(peak_alive, alive)
+            continue
+        st = state.pop(i)
+        g = None if last else p2p.recv_backward(st["shape"], is_last_stage=False)
+        if i in consumers_of:                                  # PB: window close on this stage
+            w = windows.pop(i)
+            root = st["loss"] if last else (st["out"] * g).sum()
+            w["exports"].close(w["leaves"], loss=root)
+            live -= w["bytes"]
+            alive -= 1
+        elif last:
+            st["loss"].backward()
+        else:
+            torch.autograd.backward(st["out"], grad_tensors=g)
+        if not first:
+            gx = st["x"].grad
+            send(gx if gx is not None else torch.zeros_like(st["x"]), to_next=False)
+    if forward_only:
+        for w in windows.values():
+            live -= w["bytes"]
+        windows.clear()
+    for _, reqs in pending:
+        for r in (reqs.values() if isinstance(reqs, dict) else reqs):
+            r.wait()
+    if window_stats is not None:
+        dev = next(iter(model.parameters())).device
+        t = torch.tensor([float(peak), float(peak_alive)], dtype=torch.float64, device=dev)
+        gathered = [torch.zeros_like(t) for _ in range(S)]
+        dist.all_gather(gathered, t, group=pp_group)
+        window_stats["peak_export_bytes"] = [int(v[0]) for v in gathered]
+        window_stats["peak_windows_alive"] = [int(v[1]) for v in gathered]
+        window_stats["windows"] = len(consumers_of)
+        window_stats["schedule"] = schedule
+    return store
