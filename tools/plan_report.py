@@ -10,10 +10,8 @@ one bar per slot (height = modelled cost; orange = producer, blue = consumer, gr
 """
 import argparse
 import os
-import struct
 import sys
 import time
-import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,6 +24,7 @@ from megatron_harts.planner.l2 import plan_l2  # noqa: E402
 from megatron_harts.planner.metrics import plan_metrics  # noqa: E402
 from megatron_harts.planner.microbatch import PlanningError  # noqa: E402
 from megatron_harts.planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ffd  # noqa: E402
+from megatron_harts.plotting import blank, fill_rect, write_png  # noqa: E402
 from megatron_harts.tree_data import load_forest  # noqa: E402
 
 PLANNERS = ("harts_l1", "harts_l1l2", "ffd", "tree_ffd", "ortools_ffd")
@@ -36,22 +35,6 @@ CONSUMER = (52, 120, 198)
 PLAIN = (150, 150, 150)
 
 
-def write_png(path: str, image: np.ndarray) -> None:
-    """Write an RGB uint8 image [H, W, 3] as a PNG file (no dependency: zlib + struct)."""
-    h, w, _ = image.shape
-    raw = np.concatenate([np.zeros((h, 1), np.uint8), image.reshape(h, w * 3)], axis=1).tobytes()
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(png)
-    os.replace(tmp, path)
-
-
 def draw_plan(plan, strip: int = 60, gap: int = 6) -> np.ndarray:
     """Slots per replica as bars: one strip per replica, bar height proportional to cost."""
     R, S = plan.num_replicas, max(plan.num_slots, 1)
@@ -59,11 +42,11 @@ def draw_plan(plan, strip: int = 60, gap: int = 6) -> np.ndarray:
     margin = 8
     W = 2 * margin + S * bw
     H = 2 * margin + R * strip + (R - 1) * gap
-    img = np.full((H, W, 3), 255, dtype=np.uint8)
+    img = blank(H, W)
     cmax = max((m.cost for m in plan.microbatches), default=0.0) or 1.0
     for r in range(R):
         base = margin + r * (strip + gap) + strip  # bottom line of the strip
-        img[base, margin:W - margin] = 0
+        fill_rect(img, margin, base, W - margin, base + 1, (0, 0, 0))
         for k in range(plan.num_slots):
             m = plan.at(r, k)
             if m is None:
@@ -72,7 +55,7 @@ def draw_plan(plan, strip: int = 60, gap: int = 6) -> np.ndarray:
             color = PRODUCER if m.consumers else (CONSUMER if m.external else PLAIN)
             x0 = margin + k * bw
             x1 = x0 + max(1, bw - 1)
-            img[base - hgt:base, x0:x1] = color
+            fill_rect(img, x0, base - hgt, x1, base, color)
     return img
 
 

@@ -1,0 +1,704 @@
+"""Event-level simulator of the pipeline schedules of a windowed step (pure Python + numpy).
+
+A *step* is a list of :class:`StepMicrobatch` entries in execution order (the order of a
+replica's slots): each has a forward and a backward cost (seconds of the whole model, all
+layers), a role and, for a producer, the bytes of its exports (all layers).  Roles
+(shared/DESIGN.md: producer / consumer / sharing window):
+
+- *consumer of p*: ``producer = p`` (an earlier entry) — it reads p's exports;
+- *producer*: an entry some consumer names; it runs as PF (forward, exports kept) and PB (one
+  backward, after every consumer's backward has accumulated the export gradients);
+- *plain*: neither — an ordinary microbatch (forward F, backward B).
+
+A producer is never itself a consumer (no nested producers), exactly as in
+:mod:`megatron_harts.schedules.windows`.  :func:`step_from_plan` builds the step a replica runs
+from a planner's ``MicrobatchPlan`` (the same roles and rows as ``windowed_microbatches``);
+tests and benchmarks may also build steps by hand.
+
+**Pipeline model.**  ``num_stages`` stages hold equal shares of the layers: every op costs
+``1 / num_stages`` of its microbatch's forward (F, PF) or backward (B, PB), and a stage retains
+``1 / num_stages`` of a producer's export bytes.  Each stage runs one op at a time, in its
+order ``ops_per_stage[s]``, a list of ``(kind, microbatch)`` pairs with ``kind`` in
+``"F", "B", "PF", "PB"`` and ``microbatch`` the entry's position in the step.  An op starts
+when its stage is free and its prerequisites have ended (a prerequisite on another stage ends
+``p2p_latency`` earlier than needed: the transfer):
+
+- F of m on stage s: F of m on s-1; if m is a consumer of p, PF of p on s (the exports of
+  stage s's layers);
+- PF of p on s: PF of p on s-1;
+- B of m on s: B of m on s+1 (on the last stage: F of m on s), and F of m on s;
+- PB of p on s: PB of p on s+1 (on the last stage: PF of p on s), PF of p on s, and B of every
+  consumer of p on s (their export gradients on stage s's layers).
+
+**The three schedules** (:data:`SCHEDULES`).  :func:`schedule_ops` builds the per-stage orders
+from the roles alone (never from costs), so a real pipeline schedule can execute exactly these
+lists; :func:`simulate` times them with the step's costs (or times orders built elsewhere:
+``orders=``).  On every stage the forwards (F, PF) come in the same relative order and so do
+the backwards (B, PB), so point-to-point messages between neighbouring stages match in FIFO
+order.  "1F1B over a list" means: ``num_stages - 1 - s`` warm-up forwards on stage s, then one
+forward and one backward in turn, then the remaining backwards, both in list order.
+
+- ``"non-overlap"``: windows run one after another, each drained before the next starts.  The
+  step is cut into blocks: a window (its producer and all its consumers) with the plain
+  microbatches that follow its producer in the step until the next producer; plain
+  microbatches before the first producer form a block of their own.  A window block is PF,
+  1F1B over its other members (step order), PB; a plain block is 1F1B.  Blocks run in the order
+  of their first entry, every op of a block before any op of the next on every stage, so the
+  pipeline empties between windows (a block's PB on stage 0 is its last op anywhere).
+- ``"overlap"`` (overlapping windows, backward-first): forwards in step order (a producer's PF
+  at its own position), backwards in step order with each PB right after its window's last
+  consumer's B.  The interleaving comes from a unit-cost run (forward ops 1, backward ops 2, no
+  latency): an idle stage starts its next backward if its prerequisites have ended, else its
+  next forward if they have, else it waits.  There is no in-flight bound: a stage runs ahead
+  with forwards whenever no backward is ready.
+- ``"consumer-1f1b"``: 1F1B over the consumers and plain microbatches (step order); a producer
+  is not a member of the stream: its PF runs immediately before its first consumer's F and its
+  PB immediately after its last consumer's B, on every stage (inside that consumer's backward
+  turn).  Exports live only from the first consumer's forward to the last consumer's
+  backward, and at most ``num_stages - s`` consumers or plain microbatches are in flight on
+  stage s.
+
+What the comparisons guarantee (measured on many thousands of random steps; the tests pin each
+point, with hypothesis where it holds and with a counterexample where it does not):
+
+- equal costs (every microbatch the same forward f and backward b): consumer 1F1B <= overlap
+  <= non-overlap in makespan;
+- any costs: on every stage consumer 1F1B retains no more export bytes and holds no more
+  microbatches in flight than overlap (overlap buys its makespan with run-ahead);
+- uneven costs: no makespan order holds in general.  Overlap's unbounded run-ahead absorbs cost
+  variance and can beat consumer 1F1B (by up to ~30% on very uneven random steps, ~8% on a
+  planned SWE step: tools/simulate_schedule.py), and its order, decided by the unit-cost run,
+  can lose to plain 1F1B when costs are far from 1:2 (e.g. a few plain microbatches on many
+  stages); non-overlap beats consumer 1F1B rarely (about 0.2% of random steps, by up to ~10%).
+
+**Invariants** (tests/test_schedule_simulator.py pins them): on every stage each op of the step
+appears exactly once in ``ops_per_stage[s]`` (F and B of every plain microbatch and consumer,
+PF and PB of every producer); every op starts no earlier than its prerequisites end (plus
+``p2p_latency`` across stages) and than the previous op of its stage ends; a producer's exports
+are alive on stage s from its PF's end to its PB's end there (half-open intervals), and every
+accounting figure (peak export bytes, peak windows alive, peak microbatches in flight) is the
+maximum over time of those intervals.  Bubble fraction: idle time over ``num_stages x
+makespan``.
+
+``draw_timeline`` writes the timelines of several results as one PNG (a panel per schedule,
+a row per stage, time on x, one box per op; see :func:`timeline_image`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..plotting import blank, draw_text, fill_rect, text_width, write_png
+
+__all__ = ["SCHEDULES", "OP_KINDS", "StepMicrobatch", "Event", "ScheduleResult", "step_windows",
+           "schedule_ops", "simulate", "step_from_plan", "op_color", "timeline_image", "draw_timeline"]
+
+SCHEDULES = ("non-overlap", "overlap", "consumer-1f1b")
+OP_KINDS = ("F", "B", "PF", "PB")
+Op = Tuple[str, int]
+
+
+@dataclass(frozen=True)
+class StepMicrobatch:
+    """One microbatch of a step.
+
+    ``forward``/``backward``: seconds of the whole model (all layers), >= 0; ``producer``: the
+    position in the step of the producer whose exports it reads (None: not a consumer);
+    ``export_bytes``: bytes a producer retains for its consumers, all layers (0 unless some
+    consumer names this entry); ``tokens``: tokens it trains (for throughput, e.g. expanded
+    tokens); ``rows``: rows it computes and ``plan_index``: its microbatch in the plan (both
+    informative).
+    """
+    forward: float
+    backward: float
+    producer: Optional[int] = None
+    export_bytes: float = 0.0
+    tokens: int = 0
+    rows: int = 0
+    plan_index: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One op run on a stage: ``kind`` in :data:`OP_KINDS`, ``microbatch`` its position in the step."""
+    kind: str
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class ScheduleResult:
+    """A simulated step.
+
+    ``ops_per_stage[s]``: the order stage s runs (:func:`schedule_ops`); ``events[s]``: the same
+    ops, timed; ``makespan``: the last op's end; ``busy[s]``: the time stage s computes;
+    ``bubble_fraction``: ``1 - sum(busy) / (num_stages * makespan)``; per stage,
+    ``peak_export_bytes`` (retained exports), ``peak_windows_alive`` (windows whose exports are
+    alive at once) and ``peak_in_flight`` (microbatches forwarded but not yet backwarded,
+    producers included: what bounds activation memory); ``windows``: each producer's consumers;
+    ``tokens``: tokens of the step.
+    """
+    schedule: str
+    num_stages: int
+    ops_per_stage: List[List[Op]]
+    events: List[List[Event]]
+    makespan: float
+    busy: List[float]
+    bubble_fraction: float
+    peak_export_bytes: List[float]
+    peak_windows_alive: List[int]
+    peak_in_flight: List[int]
+    windows: Dict[int, Tuple[int, ...]]
+    tokens: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        """``tokens / makespan`` (0 for an empty makespan)."""
+        return self.tokens / self.makespan if self.makespan > 0 else 0.0
+
+    def export_intervals(self, stage: int) -> Dict[int, Tuple[float, float]]:
+        """``{producer: (PF end, PB end)}`` on ``stage``: when its exports there are alive."""
+        pf = {e.microbatch: e.end for e in self.events[stage] if e.kind == "PF"}
+        return {e.microbatch: (pf[e.microbatch], e.end) for e in self.events[stage] if e.kind == "PB"}
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks
+# ---------------------------------------------------------------------------------------------
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _number(x, what: str, positive: bool = False) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) or not math.isfinite(x) \
+            or x < 0 or (positive and x == 0):
+        raise ValueError(f"{what} must be a finite number {'> 0' if positive else '>= 0'}, got {x!r}")
+    return float(x)
+
+
+def _check_producers(producers: Sequence[Optional[int]]) -> Dict[int, List[int]]:
+    """``{producer: [consumers in step order]}``; ValueError on a consumer before its producer,
+    a producer out of range or a nested producer (a producer that is itself a consumer)."""
+    windows: Dict[int, List[int]] = {}
+    for i, p in enumerate(producers):
+        if p is None:
+            continue
+        if not _is_int(p):
+            raise ValueError(f"microbatch {i}: producer must be a step position (int) or None, got {p!r}")
+        p = int(p)
+        if not 0 <= p < len(producers):
+            raise ValueError(f"microbatch {i}: producer {p} is not a microbatch of the step "
+                             f"(positions 0..{len(producers) - 1})")
+        if p >= i:
+            raise ValueError(f"microbatch {i}: its producer {p} must come before it in the step (a consumer "
+                             "cannot run before its producer)")
+        if producers[p] is not None:
+            raise ValueError(f"microbatch {i}: its producer {p} is itself a consumer of {producers[p]} "
+                             "(nested producers are not supported)")
+        windows.setdefault(p, []).append(i)
+    return windows
+
+
+def _check_stages(num_stages) -> int:
+    if not _is_int(num_stages) or num_stages < 1:
+        raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
+    return int(num_stages)
+
+
+def _check_schedule(schedule) -> str:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    return schedule
+
+
+def step_windows(step: Sequence[StepMicrobatch]) -> Dict[int, List[int]]:
+    """Validate ``step``; return ``{producer: [its consumers in step order]}``.
+
+    ValueError (naming the microbatch and the field) on: an entry that is not a
+    :class:`StepMicrobatch`, a cost or export size that is not a finite number >= 0, a consumer
+    before its producer, a nested producer, export bytes on an entry no consumer names.
+    """
+    if isinstance(step, (str, bytes)) or not isinstance(step, Sequence):
+        raise ValueError(f"a step is a list of StepMicrobatch entries, got {type(step).__name__}")
+    for i, m in enumerate(step):
+        if not isinstance(m, StepMicrobatch):
+            raise ValueError(f"microbatch {i}: expected a StepMicrobatch, got {type(m).__name__}")
+        _number(m.forward, f"microbatch {i}: forward")
+        _number(m.backward, f"microbatch {i}: backward")
+        _number(m.export_bytes, f"microbatch {i}: export_bytes")
+        if not _is_int(m.tokens) or m.tokens < 0:
+            raise ValueError(f"microbatch {i}: tokens must be an integer >= 0, got {m.tokens!r}")
+    windows = _check_producers([m.producer for m in step])
+    for i, m in enumerate(step):
+        if m.export_bytes > 0 and i not in windows:
+            raise ValueError(f"microbatch {i}: export_bytes {m.export_bytes} but no consumer reads it "
+                             "(only producers retain exports)")
+    return windows
+
+
+# ---------------------------------------------------------------------------------------------
+# per-stage orders
+# ---------------------------------------------------------------------------------------------
+
+def _one_f_one_b(items: Sequence[int], warmup: int, fwd_ops: Mapping[int, List[Op]],
+                 bwd_ops: Mapping[int, List[Op]]) -> List[Op]:
+    """1F1B over ``items`` (forwards and backwards both in that order): ``min(warmup, n)``
+    forwards, then one forward and one backward in turn, then the remaining backwards.  Each
+    item contributes the ops ``fwd_ops[i]`` and ``bwd_ops[i]``."""
+    n = len(items)
+    w = min(warmup, n)
+    order: List[Op] = []
+    for i in items[:w]:
+        order.extend(fwd_ops[i])
+    for k in range(n):
+        if k + w < n:
+            order.extend(fwd_ops[items[k + w]])
+        order.extend(bwd_ops[items[k]])
+    return order
+
+
+def _blocks(producers: Sequence[Optional[int]], windows: Mapping[int, List[int]]) -> List[Tuple[Optional[int], List[int]]]:
+    """Non-overlap blocks: (producer or None, members in step order)."""
+    blocks: List[Tuple[Optional[int], List[int]]] = []
+    of_producer: Dict[int, List[int]] = {}
+    for i, p in enumerate(producers):
+        if i in windows:
+            of_producer[i] = []
+            blocks.append((i, of_producer[i]))
+        elif p is not None:
+            of_producer[int(p)].append(i)
+        elif blocks:
+            blocks[-1][1].append(i)
+        else:
+            blocks.append((None, [i]))
+    return blocks
+
+
+def schedule_ops(producers: Sequence[Optional[int]], num_stages: int, schedule: str) -> List[List[Op]]:
+    """The order of ops on every stage: ``ops[s] = [("PF", 0), ("F", 1), ...]``.
+
+    ``producers[i]`` is the step position of microbatch i's producer (None: not a consumer), as
+    in :attr:`StepMicrobatch.producer`; the orders depend on the roles only (never on costs), so
+    a real pipeline schedule can run them as they are.  See the module docstring for the three
+    schedules.  Every op appears exactly once per stage; every stage runs its forwards (F and PF)
+    in the same relative order and its backwards (B and PB) in the same relative order; and the
+    orders never wait on each other in a cycle (1F1B-based: a stage never runs more forwards
+    before a given backward than the stage before it; overlap: the orders are those of an
+    actual run).
+    """
+    windows = _check_producers(list(producers))
+    producers = [None if p is None else int(p) for p in producers]
+    S = _check_stages(num_stages)
+    schedule = _check_schedule(schedule)
+    if schedule == "overlap":
+        return _backward_first(producers, windows, S)
+    n = len(producers)
+    first = {p: cs[0] for p, cs in windows.items()}
+    last = {cs[-1]: p for p, cs in windows.items()}      # last consumer -> producer
+    plain_f = {i: [("F", i)] for i in range(n)}
+    plain_b = {i: [("B", i)] for i in range(n)}
+    out: List[List[Op]] = []
+    for s in range(S):
+        warmup = S - 1 - s
+        if schedule == "consumer-1f1b":
+            items = [i for i in range(n) if i not in windows]
+            fwd = {i: ([("PF", producers[i])] if producers[i] is not None and first[producers[i]] == i else [])
+                   + [("F", i)] for i in items}
+            bwd = {i: [("B", i)] + ([("PB", last[i])] if i in last else []) for i in items}
+            out.append(_one_f_one_b(items, warmup, fwd, bwd))
+        else:
+            order: List[Op] = []
+            for p, members in _blocks(producers, windows):
+                if p is not None:
+                    order.append(("PF", p))
+                order.extend(_one_f_one_b(members, warmup, plain_f, plain_b))
+                if p is not None:
+                    order.append(("PB", p))
+            out.append(order)
+    return out
+
+
+def _backward_first(producers: Sequence[Optional[int]], windows: Mapping[int, List[int]], S: int) -> List[List[Op]]:
+    """Overlap orders: a unit-cost run (forward ops 1, backward ops 2, no latency) in which an idle
+    stage starts its next backward when its prerequisites have ended, else its next forward."""
+    n = len(producers)
+    last = {cs[-1]: p for p, cs in windows.items()}
+    forwards = [("PF" if i in windows else "F", i) for i in range(n)]
+    backwards: List[Op] = []
+    for i in range(n):
+        if i not in windows:
+            backwards.append(("B", i))
+            if i in last:
+                backwards.append(("PB", last[i]))
+    end: Dict[Tuple[int, str, int], int] = {}
+    orders: List[List[Op]] = [[] for _ in range(S)]
+    fi, bi, free = [0] * S, [0] * S, [0] * S
+    t, left = 0, 2 * n * S
+    while left:
+        for s in range(S):
+            if free[s] > t:
+                continue
+            for seq, k, cost in ((backwards, bi, 2), (forwards, fi, 1)):
+                if k[s] == len(seq):
+                    continue
+                kind, m = seq[k[s]]
+                if all(end.get(d, t + 1) <= t for d in _prerequisites(kind, m, s, S, producers, windows)):
+                    end[(s, kind, m)] = free[s] = t + cost
+                    orders[s].append((kind, m))
+                    k[s] += 1
+                    left -= 1
+                    break
+        busy = [f for f in free if f > t]
+        if left and not busy:     # nothing runs and nothing can start
+            raise AssertionError(f"overlap: the unit-cost run stalls at time {t}")
+        t = min(busy, default=t)
+    return orders
+
+
+# ---------------------------------------------------------------------------------------------
+# timing and accounting
+# ---------------------------------------------------------------------------------------------
+
+def _prerequisites(kind: str, m: int, s: int, S: int, producers: Sequence[Optional[int]],
+                   windows: Mapping[int, List[int]]) -> List[Tuple[int, str, int]]:
+    """(stage, kind, microbatch) of the ops that must end before ``kind`` of ``m`` on stage ``s``."""
+    if kind == "F":
+        deps = [(s - 1, "F", m)] if s > 0 else []
+        if producers[m] is not None:
+            deps.append((s, "PF", int(producers[m])))
+        return deps
+    if kind == "PF":
+        return [(s - 1, "PF", m)] if s > 0 else []
+    if kind == "B":
+        return [(s, "F", m)] + ([(s + 1, "B", m)] if s < S - 1 else [])
+    return ([(s, "PF", m)] + ([(s + 1, "PB", m)] if s < S - 1 else [])
+            + [(s, "B", c) for c in windows[m]])
+
+
+def _peak(intervals: Sequence[Tuple[float, float, float]]) -> float:
+    """Maximum over time of the summed weights of half-open intervals ``[start, end)``."""
+    points = []
+    for a, b, w in intervals:
+        if b > a:
+            points.append((a, 1, w))
+            points.append((b, 0, -w))      # at equal times, releases before acquisitions
+    level = best = 0.0
+    for _, _, w in sorted(points):
+        level += w
+        best = max(best, level)
+    return best
+
+
+def _given_orders(orders, producers: Sequence[Optional[int]], windows: Mapping[int, List[int]],
+                  S: int) -> List[List[Op]]:
+    """Check per-stage orders built elsewhere; ``("F", p)``/``("B", p)`` of a producer read as PF/PB."""
+    if isinstance(orders, (str, bytes)) or not isinstance(orders, Sequence) or len(orders) != S:
+        raise ValueError(f"orders must be a list of {S} per-stage op lists")
+    want = sorted([("PF" if i in windows else "F", i) for i in range(len(producers))]
+                  + [("PB" if i in windows else "B", i) for i in range(len(producers))])
+    out: List[List[Op]] = []
+    for s, ops in enumerate(orders):
+        got: List[Op] = []
+        for op in ops:
+            if not isinstance(op, (tuple, list)) or len(op) != 2 or op[0] not in OP_KINDS or not _is_int(op[1]):
+                raise ValueError(f"orders[{s}]: {op!r} is not a (kind, microbatch) pair with kind in {OP_KINDS}")
+            kind, m = op[0], int(op[1])
+            if m in windows and kind in ("F", "B"):
+                kind = "P" + kind
+            got.append((kind, m))
+        if sorted(got) != want:
+            raise ValueError(f"orders[{s}] must hold every op of the step exactly once (F/B of plain microbatches "
+                             "and consumers, PF/PB of producers)")
+        out.append(got)
+    return out
+
+
+def simulate(step: Sequence[StepMicrobatch], num_stages: int, schedule: str, *,
+             p2p_latency: float = 0.0, orders: Optional[Sequence[Sequence[Op]]] = None) -> ScheduleResult:
+    """Run ``step`` on ``num_stages`` pipeline stages under ``schedule`` (one of
+    :data:`SCHEDULES`); see the module docstring for the model and the invariants.
+
+    ``orders``: time these per-stage orders instead (e.g. a real schedule's); ``schedule`` is
+    then only the result's name.  ValueError on a bad step (:func:`step_windows`), an empty
+    step, an unknown schedule, a stage count < 1, a negative latency, orders that miss or repeat
+    an op or that deadlock.
+    """
+    windows = step_windows(step)
+    S = _check_stages(num_stages)
+    if orders is None:
+        schedule = _check_schedule(schedule)
+    elif not isinstance(schedule, str) or not schedule:
+        raise ValueError(f"schedule must name the orders (a non-empty string), got {schedule!r}")
+    lat = _number(p2p_latency, "p2p_latency")
+    if not step:
+        raise ValueError("the step has no microbatches")
+    producers = [m.producer for m in step]
+    ops = schedule_ops(producers, S, schedule) if orders is None else _given_orders(orders, producers, windows, S)
+
+    def duration(kind: str, m: int) -> float:
+        return (step[m].forward if kind in ("F", "PF") else step[m].backward) / S
+
+    end: Dict[Tuple[int, str, int], float] = {}
+    events: List[List[Event]] = [[] for _ in range(S)]
+    free = [0.0] * S
+    nxt = [0] * S
+    left = sum(len(o) for o in ops)
+    while left:
+        progressed = False
+        for s in range(S):
+            while nxt[s] < len(ops[s]):
+                kind, m = ops[s][nxt[s]]
+                ready = free[s]
+                for d in _prerequisites(kind, m, s, S, producers, windows):
+                    if d not in end:
+                        break
+                    ready = max(ready, end[d] + (lat if d[0] != s else 0.0))
+                else:
+                    t1 = ready + duration(kind, m)
+                    end[(s, kind, m)] = t1
+                    events[s].append(Event(kind, m, ready, t1))
+                    free[s] = t1
+                    nxt[s] += 1
+                    left -= 1
+                    progressed = True
+                    continue
+                break
+        if not progressed:   # the orders wait on each other in a cycle
+            stuck = {s: ops[s][nxt[s]] for s in range(S) if nxt[s] < len(ops[s])}
+            raise (ValueError if orders is not None else AssertionError)(
+                f"{schedule}: the stage orders deadlock (next op per stage: {stuck})")
+    makespan = max(free)
+    busy = [sum(e.end - e.start for e in ev) for ev in events]
+    bubble = 1.0 - sum(busy) / (S * makespan) if makespan > 0 else 0.0
+    peak_bytes, peak_windows, peak_flight = [], [], []
+    for s in range(S):
+        fwd_end = {(e.microbatch): e.end for e in events[s] if e.kind in ("F", "PF")}
+        bwd_end = {(e.microbatch): e.end for e in events[s] if e.kind in ("B", "PB")}
+        alive = [(fwd_end[p], bwd_end[p]) for p in windows]
+        peak_bytes.append(_peak([(a, b, step[p].export_bytes / S) for (a, b), p in zip(alive, windows)]))
+        peak_windows.append(int(round(_peak([(a, b, 1.0) for a, b in alive]))))
+        peak_flight.append(int(round(_peak([(fwd_end[i], bwd_end[i], 1.0) for i in range(len(step))]))))
+    return ScheduleResult(schedule=schedule, num_stages=S, ops_per_stage=ops, events=events, makespan=makespan,
+                          busy=busy, bubble_fraction=bubble, peak_export_bytes=peak_bytes,
+                          peak_windows_alive=peak_windows, peak_in_flight=peak_flight,
+                          windows={p: tuple(cs) for p, cs in windows.items()},
+                          tokens=int(sum(m.tokens for m in step)))
+
+
+# ---------------------------------------------------------------------------------------------
+# steps from plans
+# ---------------------------------------------------------------------------------------------
+
+def step_from_plan(plan, replica: int, *, forest=None, index=None, backward_ratio: float = 2.0,
+                   export_bytes_per_row: float = 0.0) -> List[StepMicrobatch]:
+    """The step replica ``replica`` of ``plan`` (a ``MicrobatchPlan``) runs, slot by slot (idle
+    slots skipped).
+
+    Forward cost: the microbatch's modelled ``cost`` (the plan's cost model); backward:
+    ``backward_ratio * cost``.  Tree-mode plans need their ``forest`` (``index``: its
+    ``ForestIndex``, optional, to reuse one): the roles are those of
+    ``schedules.windows.windowed_microbatches`` — a microbatch consumes a window when all its
+    external segments are rows of one earlier microbatch of this replica that is not itself a
+    consumer and no computed segment lies above an external one; otherwise its external context
+    is recomputed, and its cost is the cost model's for those extra rows.  A producer's
+    ``export_bytes`` is ``export_bytes_per_row`` times the rows its consumers in this step read.
+    ``tokens``: the expanded tokens the microbatch trains (owned segments' rows times the
+    trajectories through them; the packed trajectories' tokens in an expanded-mode plan), so
+    over all replicas they sum to ``plan.expanded_tokens``.
+    """
+    mode = getattr(plan, "mode", None)
+    if mode not in ("tree", "expanded"):
+        raise ValueError(f"step_from_plan: a MicrobatchPlan is expected, got {type(plan).__name__}")
+    if not _is_int(replica) or not 0 <= replica < plan.num_replicas:
+        raise ValueError(f"step_from_plan: replica must be an integer in [0, {plan.num_replicas}), got {replica!r}")
+    ratio = _number(backward_ratio, "backward_ratio", positive=True)
+    per_row = _number(export_bytes_per_row, "export_bytes_per_row")
+    mbs = [m for m in plan.schedule(int(replica)) if m is not None]
+    if mode == "expanded":
+        return [StepMicrobatch(m.cost, ratio * m.cost, tokens=int(m.features.rows), rows=int(m.features.rows),
+                               plan_index=m.index) for m in mbs]
+    if forest is None:
+        raise ValueError("step_from_plan: a tree-mode plan needs its forest (forest=...) to decide the windows")
+    if forest.num_segments != sum(len(m.owned) for m in plan.microbatches):
+        raise ValueError("step_from_plan: the plan does not own every segment of this forest exactly once "
+                         "(was it planned for another forest?)")
+    if index is None:
+        from ..planner.cost_model import ForestIndex
+        index = ForestIndex(forest)
+    elif index.num_segments != forest.num_segments:
+        raise ValueError("step_from_plan: index is the ForestIndex of another forest")
+    parent = forest.seg_parent
+    length = np.asarray(forest.seg_length, dtype=np.int64)
+    through = np.asarray(forest.seg_traj_hi, dtype=np.int64) - np.asarray(forest.seg_traj_lo, dtype=np.int64)
+    model = plan.cost_model
+    position: Dict[int, int] = {}
+    computed_of: Dict[int, set] = {}
+    roles: List[Optional[int]] = []
+    costs: List[float] = []
+    rows: List[int] = []
+    exported: Dict[int, set] = {}
+    for m in mbs:
+        comp = set(m.computed.tolist())
+        ext = sorted(int(s) for e in m.external for s in e.segments.tolist())
+        producer = None
+        if ext:
+            above = False
+            for s in ext:
+                a = int(parent[s])
+                while a >= 0 and not above:
+                    above = a in comp
+                    a = int(parent[a])
+            if not above:
+                for p in m.producers:
+                    i = position.get(int(p))
+                    if i is not None and roles[i] is None and set(ext) <= computed_of[int(p)]:
+                        producer = i
+                        break
+        cost, nrows = float(m.cost), int(m.rows)
+        if ext and producer is None:      # context recomputed here
+            comp |= set(ext)
+            feats = model.features(index, np.array(sorted(comp), dtype=np.int64), m.owned)
+            cost, nrows = float(model.cost(feats)), int(feats.rows)
+        if producer is not None:
+            exported.setdefault(producer, set()).update(ext)
+        position[m.index] = len(roles)
+        computed_of[m.index] = comp
+        roles.append(producer)
+        costs.append(cost)
+        rows.append(nrows)
+    out = []
+    for i, m in enumerate(mbs):
+        segs = np.array(sorted(exported.get(i, ())), dtype=np.int64)
+        out.append(StepMicrobatch(costs[i], ratio * costs[i], producer=roles[i],
+                                  export_bytes=per_row * float(length[segs].sum()),
+                                  tokens=int((length[m.owned] * through[m.owned]).sum()), rows=rows[i],
+                                  plan_index=m.index))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# drawing
+# ---------------------------------------------------------------------------------------------
+
+BASE_COLORS = {"F": (52, 120, 198), "B": (39, 150, 80), "PF": (230, 126, 34), "PB": (192, 57, 43)}
+PLAIN_COLORS = {"F": (160, 185, 215), "B": (160, 205, 170)}
+IDLE = (232, 232, 232)
+SHADES = 4
+
+
+def op_color(kind: str, window: Optional[int]) -> Tuple[int, int, int]:
+    """Box color: the hue says the kind (F blue, B green, PF orange, PB red), the shade the
+    window (``window % SHADES``: a producer's PF/PB and its consumers' F/B share it); plain
+    microbatches (``window`` None) are pale."""
+    if window is None:
+        return PLAIN_COLORS[kind]
+    c = np.array(BASE_COLORS[kind], dtype=np.float64)
+    j = window % SHADES
+    if j == 1:
+        c = c * 0.55                      # dark
+    elif j == 2:
+        c = c + (255 - c) * 0.4           # light
+    elif j == 3:
+        c = c * 0.78                      # medium
+    return tuple(int(round(v)) for v in np.clip(c, 0, 255))
+
+
+def _nice_step(span: float, target: int = 8) -> float:
+    raw = span / target
+    if raw <= 0:
+        return 1.0
+    mag = 10.0 ** math.floor(math.log10(raw))
+    for k in (1, 2, 5, 10):
+        if k * mag >= raw:
+            return k * mag
+    return 10 * mag
+
+
+def _fmt(t: float) -> str:
+    return f"{t:.3g}" if abs(t) < 1000 else f"{t:,.0f}"
+
+
+def timeline_image(results: Mapping[str, ScheduleResult], *, width: int = 1200) -> np.ndarray:
+    """The picture :func:`draw_timeline` writes: one panel per result (in mapping order), titled
+    with its name, makespan, bubble fraction and peak windows alive; a row per stage (light grey
+    = idle, up to the panel's makespan); one box per op from its start to its end on a time axis shared by all panels,
+    colored by :func:`op_color` and numbered with its microbatch where it fits; a legend below."""
+    if not results:
+        raise ValueError("draw_timeline: no results to draw")
+    for name, r in results.items():
+        if not isinstance(r, ScheduleResult):
+            raise ValueError(f"draw_timeline: {name!r} is not a ScheduleResult")
+    width = max(int(width), 400)
+    left, right, top = 34, 12, 10
+    plot_w = width - left - right
+    tmax = max(r.makespan for r in results.values()) or 1.0
+    step = _nice_step(tmax)
+    rows_max = max(r.num_stages for r in results.values())
+    rh = max(3, min(26, 320 // rows_max))
+    gap = 1 if rh < 8 else 2
+    title_h, axis_h, panel_gap = 22, 14, 12
+
+    def panel_height(r: ScheduleResult) -> int:
+        return title_h + r.num_stages * (rh + gap) + axis_h
+
+    legend_h = 26
+    height = top + sum(panel_height(r) + panel_gap for r in results.values()) + legend_h
+    img = blank(height, width)
+
+    def x_of(t: float) -> int:
+        return left + int(round(t / tmax * plot_w))
+
+    y = top
+    for name, r in results.items():
+        shade = {p: k for k, p in enumerate(sorted(r.windows))}
+        window_of = {c: shade[p] for p, cs in r.windows.items() for c in cs}
+        window_of.update(shade)
+        title = (f"{name}   makespan {_fmt(r.makespan)}   bubble {100 * r.bubble_fraction:.1f}%   "
+                 f"peak windows {max(r.peak_windows_alive, default=0)}")
+        draw_text(img, left, y + 2, title, (0, 0, 0), scale=2)
+        y += title_h
+        for s in range(r.num_stages):
+            y0, y1 = y + s * (rh + gap), y + s * (rh + gap) + rh
+            fill_rect(img, left, y0, x_of(r.makespan), y1, IDLE)    # idle up to this step's end
+            if rh >= 7:
+                draw_text(img, 4, y0 + (rh - 7) // 2, f"S{s}", (60, 60, 60))
+            for e in r.events[s]:
+                x0, x1 = x_of(e.start), max(x_of(e.end), x_of(e.start) + (1 if e.end > e.start else 0))
+                color = op_color(e.kind, window_of.get(e.microbatch))
+                fill_rect(img, x0, y0, x1, y1, color)
+                if x1 - x0 >= 4:      # a dark edge marks where the op ends
+                    fill_rect(img, x1 - 1, y0, x1, y1, tuple(int(v * 0.55) for v in color))
+                label = str(e.microbatch)
+                if rh >= 9 and x1 - x0 - 3 >= text_width(label):   # the microbatch, where it fits
+                    ink = (255, 255, 255) if sum(color) < 400 else (0, 0, 0)
+                    draw_text(img, (x0 + x1 - 1 - text_width(label)) // 2, y0 + (rh - 7) // 2, label, ink)
+        y += r.num_stages * (rh + gap)
+        fill_rect(img, left, y, x_of(tmax) + 1, y + 1, (0, 0, 0))
+        t = 0.0
+        while t <= tmax * (1 + 1e-9):
+            x = x_of(t)
+            fill_rect(img, x, y, x + 1, y + 4, (0, 0, 0))
+            label = _fmt(t)
+            lx = min(max(left, x - text_width(label) // 2), width - right - text_width(label))
+            draw_text(img, lx, y + 5, label, (60, 60, 60))
+            t += step
+        y += axis_h + panel_gap
+    x = left
+    legend = [("F", op_color("F", 0)), ("B", op_color("B", 0)), ("PF", op_color("PF", 0)),
+              ("PB", op_color("PB", 0)), ("plain F", PLAIN_COLORS["F"]), ("plain B", PLAIN_COLORS["B"]),
+              ("idle", IDLE)]
+    for label, color in legend:
+        fill_rect(img, x, y + 4, x + 14, y + 14, color)
+        x = draw_text(img, x + 18, y + 5, label, (0, 0, 0)) + 14
+    draw_text(img, x + 10, y + 5, "shades: windows   time in seconds", (90, 90, 90))
+    return img
+
+
+def draw_timeline(results: Mapping[str, ScheduleResult], path: str, *, width: int = 1200) -> None:
+    """Write :func:`timeline_image` of ``results`` (``{name: ScheduleResult}``) as a PNG file."""
+    write_png(path, timeline_image(results, width=width))
