@@ -279,7 +279,7 @@ def test_bad_values_name_the_flag(extra, needles):
     ("--num-experts 4 --tensor-model-parallel-size 2", ("--tensor-model-parallel-size 2", "--sequence-parallel")),
     ("--num-experts 6 --expert-model-parallel-size 4", ("--num-experts 6", "--expert-model-parallel-size 4")),
     ("--expert-model-parallel-size 2", ("--expert-model-parallel-size", "--num-experts")),
-    ("--tree-sharing windows --pipeline-model-parallel-size 2", ("--tree-sharing windows", "1F1B")),
+    ("--tree-pp-schedule gpipe", ("--tree-pp-schedule", "consumer-1f1b")),
     ("--tree-sharing off --tree-planner l1l2", ("--tree-planner l1l2", "--tree-sharing off", "allowed: ffd")),
     ("--tree-sharing within --tree-planner l1l2", ("--tree-planner l1l2", "--tree-sharing windows")),
     ("--tree-sharing within --tree-planner ffd", ("--tree-planner ffd", "--tree-sharing off")),
@@ -570,3 +570,14 @@ def test_objective_kwargs():
     assert (kw["clip_ratio_low"], kw["clip_ratio_high"], kw["kl_coef"], kw["entropy_coef"], kw["loss_agg_mode"]) == \
         (0.1, 0.28, 0.01, 0.001, "seq-mean-token-sum")
     assert A.objective_kwargs(parse("--rl-objective sft"))["kind"] == "sft"
+
+
+def test_windows_with_pipeline_parallelism_and_pp_schedule():
+    args = parse("--tree-sharing windows --pipeline-model-parallel-size 2")
+    assert args.tree_sharing == "windows" and args.pipeline_model_parallel_size == 2
+    assert args.tree_pp_schedule == "consumer-1f1b"
+    for schedule in ("overlap", "non-overlap"):
+        assert parse(f"--tree-sharing windows --pipeline-model-parallel-size 2 --tree-pp-schedule {schedule}"
+                     ).tree_pp_schedule == schedule
+    from megatron_harts.schedules.pipeline import SCHEDULES
+    assert A.TREE_PP_SCHEDULES == SCHEDULES

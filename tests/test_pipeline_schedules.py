@@ -275,3 +275,49 @@ def test_pipeline_size_2_every_schedule(reference):
 def test_pipeline_size_4_and_dp2_pp2(reference):
     from megatron_cpu import free_port
     run_ranks(worker, 4, (free_port(), reference), timeout=300)
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver (--tree-sharing windows --pipeline-model-parallel-size 2 --tree-pp-schedule ...)
+# ---------------------------------------------------------------------------------------------
+def _driver_worker(rank, world, port, data, out):
+    import torch.distributed as dist
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron_harts.training.trainer import Trainer
+    from test_training_driver import _world, argv
+    _world(rank, world, port)
+    runs, init = {}, None
+    for name, extra in (("pp1", []), ("pp2", ["--pipeline-model-parallel-size", "2"])):
+        with Trainer.from_args(argv(data, "windows", "--train-iters", "2", *extra), require_data=True) as t:
+            offset = get_transformer_layer_offset(t.config)
+            named = dict(t.model[0].module.named_parameters())
+            if init is None:     # PP=1's initial weights, copied into the stages (inits differ per layout)
+                init = {stage_name(n, offset): p.detach().clone() for n, p in named.items()}
+            else:
+                with torch.no_grad():
+                    for n, p in named.items():
+                        p.copy_(init[stage_name(n, offset)])
+            steps = []
+            for _ in range(2):
+                m = t.train_iteration()
+                mine = {stage_name(n, offset): p.detach().clone() for n, p in t.model[0].module.named_parameters()}
+                parts = [None] * world
+                dist.all_gather_object(parts, mine)
+                steps.append((m, {k: v for part in parts for k, v in part.items()}))
+            runs[name] = steps
+    if rank == 0:
+        torch.save(runs, out)
+
+
+def test_driver_pp2_equals_pp1(tmp_path):
+    from test_training_driver import assert_same_steps, spawn
+    runs = spawn(_driver_worker, tmp_path)
+    terms = ("objective/pg_loss", "objective/kl", "objective/entropy")
+    # losses and terms of both steps; parameters after step 1.  OPEN (issue 10): the grad norm differs
+    # by ~5e-8 relative at step 1 and step 2's embedding beyond 1e-10: not yet explained
+    assert_same_steps(runs["pp2"][:1], runs["pp1"][:1], "PP=2 consumer-1f1b vs PP=1", terms=terms)
+    for i in range(2):
+        for k in ("loss",) + terms:
+            a, b = runs["pp2"][i][0][k], runs["pp1"][i][0][k]
+            assert abs(a - b) <= 1e-10 * abs(b), (i, k, a, b)
+    assert all(m["windows"] > 0 for m, _ in runs["pp2"])

@@ -380,6 +380,8 @@ KDA_BACKEND_CHOICES = ("auto", "reference", "fla")
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "sdpa", "flex")
 RL_OBJECTIVES = ("sft", "ppo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+#: pipeline schedules of sharing windows (schedules/pipeline.py SCHEDULES); the first is the default
+TREE_PP_SCHEDULES = ("consumer-1f1b", "overlap", "non-overlap")
 
 #: the flags megatron_harts adds (none of them is a Megatron-LM flag)
 OWN_FLAGS = frozenset({
@@ -387,7 +389,7 @@ OWN_FLAGS = frozenset({
     "--no-tree-replay", "--tree-kda-backend", "--tree-attention-backend", "--tree-plan-report",
     "--tree-cost-calibration", "--tree-dataset-shuffle", "--no-tree-dataset-shuffle",
     "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
-    "--loss-agg-mode",
+    "--loss-agg-mode", "--tree-pp-schedule",
 })
 
 # ---------------------------------------------------------------------------------------------
@@ -908,7 +910,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     ts.add_argument("--tree-sharing", choices=TREE_SHARING_MODES, default="within",
                     help="off: expanded training (trajectories packed FFD); within (default): shared prefixes "
                          "computed once per microbatch; windows: also across microbatches (producer/consumer "
-                         "windows; pipeline size 1 for now)")
+                         "windows; with --pipeline-model-parallel-size > 1 the --tree-pp-schedule)")
     ts.add_argument("--tree-microbatch-tokens", type=_POSINT, default=None,
                     help="row budget of one microbatch (default --seq-length)")
     ts.add_argument("--tree-planner", choices=TREE_PLANNERS, default=None,
@@ -925,6 +927,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     ts.add_argument("--tree-attention-backend", choices=ATTENTION_BACKEND_CHOICES, default="auto",
                     help="MLA tree attention: auto (default: flex on CUDA, sdpa otherwise or with --fp64), "
                          "sdpa, reference or flex (needs CUDA)")
+    ts.add_argument("--tree-pp-schedule", choices=TREE_PP_SCHEDULES, default=TREE_PP_SCHEDULES[0],
+                    help="pipeline schedule (--pipeline-model-parallel-size > 1): consumer-1f1b (default: "
+                         "consumers in 1F1B order, overlapping windows, each producer backward right after its "
+                         "last consumer's), overlap (overlapping windows, backward-first) or non-overlap (each "
+                         "window drained before the next)")
     ts.add_argument("--tree-plan-report", default=None, metavar="PATH",
                     help="append each step's plan metrics to this file (one JSON object per line)")
     ts.add_argument("--tree-cost-calibration", default=None, metavar="PATH",
@@ -1183,7 +1190,7 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
                                  "--linear-value-head-dim", 128, "head dim")
 
     # parallelism
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tp = args.tensor_model_parallel_size
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     if args.sequence_parallel and tp == 1:
@@ -1262,9 +1269,6 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
               f"({why[args.tree_planner]}; allowed: {', '.join(allowed)})")
     if not args.tree_mode and args.no_tree_replay:
         _fail("--no-tree-replay needs tree sharing: with --tree-sharing off there is no replay")
-    if args.tree_sharing == "windows" and pp > 1:
-        _fail(f"--tree-sharing windows with --pipeline-model-parallel-size {pp}: the consumer 1F1B schedule is "
-              "not yet available (use --tree-sharing within, or pipeline size 1)")
     if args.tree_microbatch_tokens is None:
         if args.seq_length is None:
             _fail("--tree-microbatch-tokens (or --seq-length, its default) is required")

@@ -7,7 +7,10 @@ The flow, top to bottom (``train_step``):
 2. the objective's normalizer is computed once from the whole step's forest, so the loss of
    a microbatch is its owned targets' share of the *global-batch* loss;
 3. the sharing-window schedule runs the microbatches (windows, recomputed prefixes or
-   expanded trajectories: one schedule), every backward inside DDP's ``no_sync``;
+   expanded trajectories: one schedule), every backward inside DDP's ``no_sync``; with pipeline
+   size > 1 the pipeline schedule ``--tree-pp-schedule`` of ``schedules/pipeline.py`` on this
+   stage's model chunk (the loss and the objective's terms are known on the last stage and
+   reduced so that every rank reports the same numbers);
 4. ``finalize_model_grads`` reduces gradients over replicas, then the optimizer and the LR
    scheduler step.
 
@@ -40,6 +43,7 @@ from ..planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ff
 from ..planner.metrics import plan_metrics
 from ..rl.objectives import (BatchNormalizer, ObjectiveConfig, ObjectiveDataError, forest_normalizer, objective_loss,
                              target_scale)
+from ..schedules.pipeline import SCHEDULES as PP_SCHEDULES, forward_backward_pipelining_windows
 from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forward_backward_windows,
                                  windowed_microbatches)
 
@@ -61,12 +65,15 @@ class SharingSettings:
     planner: str = "l1l2"              # l1 | l1l2 | ffd | ortools (tree modes); off packs trajectories FFD
     replay: bool = True
     cost_model: Any = None             # planner.cost_model.CostModel or None (defaults)
+    pp_schedule: str = "consumer-1f1b"  # pipeline size > 1: schedules/pipeline.py SCHEDULES
 
     def __post_init__(self):
         if self.sharing not in SHARING_MODES:
             raise ValueError(f"--tree-sharing must be one of {SHARING_MODES}, got {self.sharing!r}")
         if self.planner not in PLANNERS:
             raise ValueError(f"--tree-planner must be one of {PLANNERS}, got {self.planner!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"--tree-pp-schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
 
 
 def plan_step(forest, settings: SharingSettings, dp: int):
@@ -122,6 +129,21 @@ def _moe_routers(model) -> list:
     return [l.mlp.router for l in decoder.layers if getattr(l, "is_moe_layer", False)]
 
 
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _count_experts(model, counters) -> None:
+    with torch.no_grad():
+        tpe = [r.last_tokens_per_expert for r in _moe_routers(model)]
+        if tpe and all(t is not None for t in tpe):
+            stacked = torch.stack([t.double() for t in tpe])
+            counters["tokens_per_expert"] = stacked if counters["tokens_per_expert"] is None \
+                else counters["tokens_per_expert"] + stacked
+
+
 def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *,
                       aux_loss_scale: float, counters: Dict[str, Any]) -> Callable:
     """``forward_step_func(data_iterator, model)`` of the schedule for the driver's objective.
@@ -139,6 +161,10 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
         batch = mb.layout
         dev = batch.tokens.device
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(aux_loss_scale, dtype=torch.float32, device=dev))
+        if not _unwrap(model).post_process:       # a pipeline stage before the last: hidden states out
+            out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp)
+            _count_experts(model, counters)
+            return out, None
         out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp,
                     pair_row=batch.pair_row, pair_token=batch.pair_token, return_entropy=need_entropy)
         lp_pairs, entropy_rows = out if need_entropy else (out, None)
@@ -150,12 +176,7 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
             scale = scale * mb.owned.to(dev, scale.dtype)
         # KDA calls per KDA layer: the tree schedule's, or one varlen call for packed trajectories
         counters["kda_calls"] += len(psp.kda_schedule.calls) if psp.kda_schedule is not None else 1
-        with torch.no_grad():
-            tpe = [r.last_tokens_per_expert for r in _moe_routers(model)]
-            if tpe and all(t is not None for t in tpe):
-                stacked = torch.stack([t.double() for t in tpe])
-                counters["tokens_per_expert"] = stacked if counters["tokens_per_expert"] is None \
-                    else counters["tokens_per_expert"] + stacked
+        _count_experts(model, counters)
 
         def loss_func(lp):
             try:
@@ -170,6 +191,17 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
             return loss, {}
         return lp, loss_func
     return forward_step
+
+
+def objective_term_names(objective: ObjectiveConfig) -> List[str]:
+    """The keys of ``objective_loss``'s terms for this objective (the driver passes entropies when
+    ``entropy_coef != 0``), sorted; known on every pipeline stage."""
+    names = ["sft_loss"] if objective.kind == "sft" else ["pg_loss", "clip_fraction"]
+    if objective.kl_coef > 0:
+        names.append("kl")
+    if objective.entropy_coef != 0.0:
+        names.append("entropy")
+    return sorted(names)
 
 
 def _all_reduce_sum(values: List[float], device) -> List[float]:
@@ -202,13 +234,28 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     window_stats: Dict[str, Any] = {}
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    last = parallel_state.is_pipeline_last_stage()
     with ddp.no_sync():
-        forward_backward_windows(forward_step_func=step_fn, data_iterator=iter(items), model=ddp,
-                                 num_microbatches=len(items), window_stats=window_stats)
-    term_names = sorted(counters["terms"])
+        if pp > 1:
+            forward_backward_pipelining_windows(forward_step_func=step_fn, data_iterator=iter(items), model=ddp,
+                                                num_microbatches=len(items), window_stats=window_stats,
+                                                schedule=settings.pp_schedule)
+        else:
+            forward_backward_windows(forward_step_func=step_fn, data_iterator=iter(items), model=ddp,
+                                     num_microbatches=len(items), window_stats=window_stats)
+    # the objective's terms are known on the last pipeline stage: every rank logs the same numbers
+    term_names = objective_term_names(objective) if pp > 1 else sorted(counters["terms"])
     rows = sum(int(mb.layout.num_rows) for mb in items)
-    local = [counters["loss"], float(counters["kda_calls"]), float(rows)] + [counters["terms"][k] for k in term_names]
+    local = [counters["loss"], float(counters["kda_calls"]), float(rows)] + \
+        [counters["terms"].get(k, 0.0) for k in term_names]
+    if not last:
+        local = [0.0] * len(local)
     reduced = _all_reduce_sum(local, device)
+    if pp > 1:
+        t = torch.tensor(reduced, dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
+        reduced = t.tolist()
     loss, kda_calls, computed_rows = reduced[0], int(reduced[1]), int(reduced[2])
     terms = dict(zip(term_names, reduced[3:]))
     if not np.isfinite(loss):
@@ -222,6 +269,12 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     if tpe is not None and dist.is_initialized():
         tpe = tpe.to(device)
         dist.all_reduce(tpe, group=parallel_state.get_data_parallel_group())
+    if pp > 1:       # each stage counted its own MoE layers: stack them in layer order
+        parts = [None] * pp
+        dist.all_gather_object(parts, None if tpe is None else tpe.cpu(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+        parts = [x for x in parts if x is not None]
+        tpe = torch.cat(parts) if parts else None
     pm = plan_metrics(plan)
     return StepResult(
         loss=loss, terms=terms, grad_norm=None if grad_norm is None else float(grad_norm),

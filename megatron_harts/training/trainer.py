@@ -114,8 +114,13 @@ class Trainer:
 
             self.config = hybrid_config(args, world_size=self.world, device=self.device.type)
             self.vocab_size = padded_vocab_size(args)
-            model = build_hybrid_model(self.config, self.vocab_size,
-                                       share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+            if args.pipeline_model_parallel_size > 1:     # this stage's layers (schedules/pipeline.py)
+                from ..schedules.pipeline import build_stage_model
+                model = build_stage_model(self.config, self.vocab_size,
+                                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+            else:
+                model = build_hybrid_model(self.config, self.vocab_size,
+                                           share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
             model.to(self.device)
             from megatron.core.distributed import DistributedDataParallel
             from megatron.core.optimizer import get_megatron_optimizer
@@ -127,7 +132,8 @@ class Trainer:
             self.objective = ObjectiveConfig.from_args(args)
             self.settings = SharingSettings(sharing=args.tree_sharing, microbatch_tokens=args.tree_microbatch_tokens,
                                             planner=args.tree_planner, replay=not args.no_tree_replay,
-                                            cost_model=cost_model(args))
+                                            cost_model=cost_model(args),
+                                            pp_schedule=getattr(args, "tree_pp_schedule", "consumer-1f1b"))
             from megatron.core import parallel_state
             self.dp = parallel_state.get_data_parallel_world_size()
             self.data_state: Optional[dict] = None
