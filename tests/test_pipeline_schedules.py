@@ -288,7 +288,10 @@ def _driver_worker(rank, world, port, data, out):
     _world(rank, world, port)
     runs, init = {}, None
     for name, extra in (("pp1", []), ("pp2", ["--pipeline-model-parallel-size", "2"])):
-        with Trainer.from_args(argv(data, "windows", "--train-iters", "2", *extra), require_data=True) as t:
+        # --clip-grad 0: megatron computes the clipping norm in fp32, summed per stage under PP, so the
+        # clip coefficient (not the gradients) differs between the layouts at ~1e-8
+        with Trainer.from_args(argv(data, "windows", "--train-iters", "2", "--clip-grad", "0", *extra),
+                               require_data=True) as t:
             offset = get_transformer_layer_offset(t.config)
             named = dict(t.model[0].module.named_parameters())
             if init is None:     # PP=1's initial weights, copied into the stages (inits differ per layout)
@@ -313,11 +316,5 @@ def test_driver_pp2_equals_pp1(tmp_path):
     from test_training_driver import assert_same_steps, spawn
     runs = spawn(_driver_worker, tmp_path)
     terms = ("objective/pg_loss", "objective/kl", "objective/entropy")
-    # losses and terms of both steps; parameters after step 1.  OPEN (issue 10): the grad norm differs
-    # by ~5e-8 relative at step 1 and step 2's embedding beyond 1e-10: not yet explained
-    assert_same_steps(runs["pp2"][:1], runs["pp1"][:1], "PP=2 consumer-1f1b vs PP=1", terms=terms)
-    for i in range(2):
-        for k in ("loss",) + terms:
-            a, b = runs["pp2"][i][0][k], runs["pp1"][i][0][k]
-            assert abs(a - b) <= 1e-10 * abs(b), (i, k, a, b)
+    assert_same_steps(runs["pp2"], runs["pp1"], "PP=2 consumer-1f1b vs PP=1", terms=terms)
     assert all(m["windows"] > 0 for m, _ in runs["pp2"])
