@@ -111,9 +111,12 @@ def run_mode(argv, forest, iters, warmup, device):
 
 
 def logit_cosine(argv, forest, device):
-    """Tree vs expanded logits of the smallest tree at the initial weights."""
+    """Logit cosines on the smallest tree at the initial weights (``models.fidelity.run_bf16``):
+    tree vs expanded in the run's dtype (``logit_cosine``), and each of them against the fp32
+    oracle, expanded mode on an fp32 copy of the same weights (``logit_cosine_tree_vs_fp32``,
+    ``logit_cosine_expanded_vs_fp32``): bf16 rounding's own size, which tree mode should match."""
     from megatron_harts.layout import build_layout
-    from megatron_harts.models.fidelity import logit_cosine as cosine, run_expanded, run_tree
+    from megatron_harts.models.fidelity import logit_cosine as cosine, run_bf16
     from megatron_harts.training.trainer import Trainer
     sizes = np.diff(forest.tree_offsets)
     tree = int(np.argmin(sizes))
@@ -121,9 +124,10 @@ def logit_cosine(argv, forest, device):
     with Trainer.from_args(argv) as t:
         model = t.model[0].module
         lay = build_layout(one)
-        a = run_tree(model, lay, t.config, device=device)
-        b = run_expanded(model, one, lay, t.config, device=device)
-        return cosine(a.logits, b.logits)
+        a, b, oracle = run_bf16(model, one, lay, t.config, device=device)
+        return {"logit_cosine": cosine(a.logits, b.logits),
+                "logit_cosine_tree_vs_fp32": cosine(a.logits, oracle.logits),
+                "logit_cosine_expanded_vs_fp32": cosine(b.logits, oracle.logits)}
 
 
 def main(argv=None):
@@ -189,7 +193,7 @@ def main(argv=None):
         bucket = per_depth_bucketing(forest.seg_parent, forest.seg_start, forest.seg_length, 64)
         row["kda_calls_per_layer_whole_forest"] = {"harts": harts_calls, "per_depth_bucketing": bucket}
         if not a.no_cosine:
-            row["logit_cosine"] = logit_cosine(common + ["--tree-sharing", a.tree_sharing], forest, a.device)
+            row.update(logit_cosine(common + ["--tree-sharing", a.tree_sharing], forest, a.device))
         results["schemes"][scheme] = row
         print(f"{scheme}: compression {tree['compression']:.2f}x | tree {tree['step_seconds']:.2f}s "
               f"({tree['trajectory_tokens_per_s']:.0f} tok/s, peak {tree['peak_memory_gib']}) | expanded "

@@ -4,12 +4,16 @@ import json
 import pytest
 import torch
 
-from megatron_harts.models.fidelity import ModeRun, fidelity_report, pg_loss
+from megatron_harts.models import fidelity
+from megatron_harts.models.fidelity import ModeRun, bf16_verdict, fidelity_report, pg_loss
 
 from tool_runner import assert_one_error, load_tool, run_tool
 
 KEYS = {"max_logprob_abs_diff", "max_grad_rel_diff", "loss_abs_diff", "aux_loss_abs_diff", "tokens_per_expert_equal",
         "logit_cosine", "oracle_max_logprob_abs_diff"}
+BF16_KEYS = {f"{m}_{who}_vs_fp32" for m in ("logit_cosine", "max_logprob_abs_diff", "mean_logprob_abs_diff",
+                                            "loss_abs_diff", "max_grad_rel_diff") for who in ("tree", "expanded")} | \
+    {"loss_fp32", "bf16_min_logit_cosine", "bf16_max_mean_logprob_abs_diff"}
 
 
 TOOL = load_tool("verify_fidelity")
@@ -85,12 +89,84 @@ def test_report_verdicts_on_perturbed_runs():
     # oracle
     report = fidelity_report(_copy(ref), ref, "float32", oracle_logprobs=ref.logprobs + 1e-3)
     assert report["failed"] == ["oracle_max_logprob_rel_diff"] and report["oracle_max_logprob_abs_diff"] > 9e-4
-    # bf16: the tree's logit cosine against expanded's run-to-run cosine
-    noisy = _copy(ref, logits=ref.logits + 1e-3 * torch.randn(ref.logits.shape, generator=torch.Generator().manual_seed(1),
-                                                               dtype=torch.float64))
-    assert fidelity_report(_copy(ref), ref, "bfloat16", expanded_rerun=noisy)["pass"]
-    report = fidelity_report(noisy, ref, "bfloat16", expanded_rerun=_copy(ref))
-    assert report["failed"] == ["logit_cosine"] and report["logit_cosine"] < report["expanded_self_cosine"] == 1.0
+    # bf16 needs the fp32 oracle run
+    with pytest.raises(ValueError, match="fp32 oracle"):
+        fidelity_report(_copy(ref), ref, "bfloat16")
+
+
+def _noisy(run, logits=0.0, logprobs=0.0, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64)  # noqa: E731
+    return _copy(run, logits=run.logits + logits * r(run.logits), logprobs=run.logprobs + logprobs * r(run.logprobs))
+
+
+def test_bf16_verdict_against_the_fp32_oracle():
+    """bf16: tree's deviation from the fp32 oracle against expanded's own, with the stated slack."""
+    oracle = _run()
+    expanded = _noisy(oracle, logits=1e-2, logprobs=1e-2, seed=1)
+    e = 1 - fidelity.logit_cosine(expanded.logits, oracle.logits)
+    e_lp = float((expanded.logprobs - oracle.logprobs).abs().mean())
+    assert e > 1e-6 and e_lp > 1e-4
+    # a tree run with rounding of the same size (other draws) passes, also when it is exactly the oracle
+    for tree in (_noisy(oracle, logits=1e-2, logprobs=1e-2, seed=2), _copy(oracle)):
+        report = fidelity_report(tree, expanded, "bfloat16", fp32_oracle=oracle)
+        assert report["pass"] and BF16_KEYS <= set(report), report["failed"]
+    report = fidelity_report(_copy(oracle), expanded, "bfloat16", fp32_oracle=oracle)
+    assert report["logit_cosine_tree_vs_fp32"] == 1.0 and report["mean_logprob_abs_diff_tree_vs_fp32"] == 0.0
+    assert abs(report["logit_cosine_expanded_vs_fp32"] - (1 - e)) < 1e-12
+    assert abs(report["bf16_min_logit_cosine"] - (1 - (fidelity.BF16_COSINE_FACTOR * e + fidelity.BF16_COSINE_FLOOR))) \
+        < 1e-12
+    # twice expanded's logit error: the cosine deficit is ~4x expanded's -> fails, log-probs still pass
+    report = fidelity_report(_noisy(oracle, logits=2e-2, seed=3), expanded, "bfloat16", fp32_oracle=oracle)
+    assert report["failed"] == ["logit_cosine_tree_vs_fp32"]
+    assert report["logit_cosine_tree_vs_fp32"] < report["bf16_min_logit_cosine"] < report["logit_cosine_expanded_vs_fp32"]
+    # log-prob error 3x expanded's -> fails on log-probs only
+    verdict = bf16_verdict(_noisy(oracle, logprobs=3e-2, seed=4), expanded, oracle)
+    assert verdict["failed"] == ["mean_logprob_abs_diff_tree_vs_fp32"]
+    assert verdict["mean_logprob_abs_diff_tree_vs_fp32"] > verdict["bf16_max_mean_logprob_abs_diff"]
+    # an exact expanded run leaves only the floors: below them passes (1 - cos ~5e-9), above fails (~5e-5)
+    verdict = bf16_verdict(_noisy(oracle, logits=1e-4, logprobs=1e-6, seed=5), _copy(oracle), oracle)
+    assert verdict["failed"] == [] and verdict["bf16_min_logit_cosine"] == 1 - fidelity.BF16_COSINE_FLOOR
+    verdict = bf16_verdict(_noisy(oracle, logits=1e-2, logprobs=1e-4, seed=5), _copy(oracle), oracle)
+    assert verdict["failed"] == ["logit_cosine_tree_vs_fp32", "mean_logprob_abs_diff_tree_vs_fp32"]
+
+
+def test_bf16_tree_matches_expanded_within_bf16_rounding(capsys):
+    """--dtype bfloat16 on the CPU (tiny preset, megatron init): both bf16 runs against the fp32 oracle."""
+    code, out, err = verify(capsys, "--synthetic", "--dtype", "bfloat16", "--json")
+    report = json.loads(out)
+    assert code == 0, (report, err)
+    assert KEYS <= set(report) and BF16_KEYS <= set(report) and report["pass"] is True and report["failed"] == []
+    assert report["init"] == "megatron" and report["dtype"] == "bfloat16"
+    # real bf16 rounding (not a bitwise rerun), of the size measured for this preset (1 - cosine ~5e-5)
+    for who in ("tree", "expanded"):
+        assert 1e-6 < 1 - report[f"logit_cosine_{who}_vs_fp32"] < 1e-3
+        assert 1e-5 < report[f"mean_logprob_abs_diff_{who}_vs_fp32"] < 1e-2
+        assert report[f"max_logprob_abs_diff_{who}_vs_fp32"] >= report[f"mean_logprob_abs_diff_{who}_vs_fp32"]
+    assert report["logit_cosine_tree_vs_fp32"] >= report["bf16_min_logit_cosine"]
+    assert abs(report["loss_fp32"] - report["loss_expanded"]) == report["loss_abs_diff_expanded_vs_fp32"] < 1e-3
+    assert 0.999 < report["logit_cosine"] < 1.0
+
+
+def test_bf16_perturbed_tree_fails(capsys, monkeypatch):
+    """A tree run with errors well above bf16 rounding (noise on its logits and log-probs): exit 1."""
+    real = fidelity.run_tree
+
+    def noisy_tree(*args, **kwargs):
+        run = real(*args, **kwargs)
+        g = torch.Generator().manual_seed(0)
+        noise = lambda t, s: s * torch.randn(t.shape, generator=g).to(t.dtype)  # noqa: E731
+        logits = run.logits.float()
+        return _copy(run, logits=(logits + noise(logits, 0.05 * float(logits.std()))).to(run.logits.dtype),
+                     logprobs=run.logprobs + noise(run.logprobs, 0.01))
+
+    monkeypatch.setattr(fidelity, "run_tree", noisy_tree)
+    code, out, err = verify(capsys, "--synthetic", "--dtype", "bfloat16", "--json")
+    report = json.loads(out)
+    assert code == 1, (report, err)
+    assert report["pass"] is False
+    assert report["failed"] == ["logit_cosine_tree_vs_fp32", "mean_logprob_abs_diff_tree_vs_fp32"]
+    assert report["logit_cosine_tree_vs_fp32"] < report["bf16_min_logit_cosine"]
 
 
 def test_pg_loss_plain_and_ppo_clip():
@@ -111,6 +187,9 @@ def test_bad_input_exit_2(tmp_path, capsys):
     assert_one_error(*verify(capsys, "--synthetic", "--preset", "huge")[::2], "--preset", "huge")
     assert_one_error(*verify(capsys, "--synthetic", "--dtype", "float16")[::2], "--dtype", "float16")
     assert_one_error(*verify(capsys, "--synthetic", "--oracle", "vllm")[::2], "--oracle")
+    assert_one_error(*verify(capsys, "--synthetic", "--init", "xavier")[::2], "--init", "xavier")
+    assert_one_error(*verify(capsys, "--synthetic", "--init", "random", "--hf-checkpoint", tmp_path)[::2], "--init",
+                     "--hf-checkpoint")
     assert_one_error(*verify(capsys, "--synthetic", "--hf-checkpoint", tmp_path)[::2], "config.json")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "tokens": [1, 2, 3]}\n{"id": "b", "tokens": [1, 99]}\n')     # tiny vocab is 32
