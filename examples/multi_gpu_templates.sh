@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch templates for one node of 8 GPUs (edit sizes to your model; every flag is Megatron-LM's
 # except the --tree-* and RL ones).  Pick one with: bash examples/multi_gpu_templates.sh {dp,tp,ep} DATA
-# dp: 8 data-parallel replicas; tp: TP 2 (sequence parallel) x DP 4; ep: EP 8 (experts spread) x DP 8.
+# dp: 8 data-parallel replicas; tp: TP 2 (sequence parallel) x DP 4; ep: EP 8 (experts spread) x DP 8
+# (expert parallelism runs the replicas in lockstep: all-to-all dispatcher, sharing within microbatches).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIND=${1:?usage: multi_gpu_templates.sh {dp,tp,ep} DATA_PREFIX}
@@ -22,7 +23,7 @@ TRAIN="--seq-length 32768 --tree-microbatch-tokens 32768 --global-batch-size 256
 case "$KIND" in
   dp) PAR="" ;;
   tp) PAR="--tensor-model-parallel-size 2 --sequence-parallel" ;;
-  ep) PAR="--expert-model-parallel-size 8 --moe-token-dispatcher-type alltoall" ;;
+  ep) PAR="--expert-model-parallel-size 8 --moe-token-dispatcher-type alltoall --tree-sharing within" ;;
   *) echo "error: unknown template $KIND (dp, tp, ep)" >&2; exit 2 ;;
 esac
 # shellcheck disable=SC2086

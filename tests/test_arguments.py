@@ -39,7 +39,7 @@ KIMI_LINE = """
     --log-interval 10 --tensorboard-dir /tmp/tb --log-throughput
     --data-path /data/rollouts --tokenizer-type NullTokenizer --split 100,0,0
     --use-mcore-models --no-masked-softmax-fusion --no-gradient-accumulation-fusion --transformer-impl local
-    --tree-sharing windows --tree-microbatch-tokens 16384
+    --tree-sharing within --tree-microbatch-tokens 16384
 """
 
 # the smallest complete command line
@@ -79,7 +79,7 @@ def test_kimi_launch_line_namespace():
     assert args.padded_vocab_size == 163840
     assert args.linear_num_heads == 16 and args.linear_head_dim == 128
     assert args.data_path == "/data/rollouts"
-    assert args.tree_sharing == "windows" and args.tree_mode and args.tree_planner == "l1l2"
+    assert args.tree_sharing == "within" and args.tree_mode and args.tree_planner == "l1"
     assert args.tree_microbatch_tokens == 16384 and args.tree_chunk_size == 64 and args.tree_replay
     assert args.tree_kda_backend == "auto" and args.tree_attention_backend == "auto"
     assert args.expert_tensor_parallel_size == 2          # Megatron-LM: defaults to TP
@@ -279,6 +279,10 @@ def test_bad_values_name_the_flag(extra, needles):
     ("--num-experts 4 --tensor-model-parallel-size 2", ("--tensor-model-parallel-size 2", "--sequence-parallel")),
     ("--num-experts 6 --expert-model-parallel-size 4", ("--num-experts 6", "--expert-model-parallel-size 4")),
     ("--expert-model-parallel-size 2", ("--expert-model-parallel-size", "--num-experts")),
+    ("--num-experts 4 --expert-model-parallel-size 2", ("--expert-model-parallel-size 2",
+                                                        "--moe-token-dispatcher-type alltoall")),
+    ("--num-experts 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --tree-sharing windows",
+     ("--tree-sharing windows", "--expert-model-parallel-size 2", "--tree-sharing within")),
     ("--tree-pp-schedule gpipe", ("--tree-pp-schedule", "consumer-1f1b")),
     ("--tree-sharing off --tree-planner l1l2", ("--tree-planner l1l2", "--tree-sharing off", "allowed: ffd")),
     ("--tree-sharing within --tree-planner l1l2", ("--tree-planner l1l2", "--tree-sharing windows")),

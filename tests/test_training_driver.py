@@ -199,7 +199,8 @@ def test_pretrain_cli_one_error_line(tmp_path, capsys):
     write_rollouts(data)
     cases = [(argv(data, "within", "--no-such-flag"), "unrecognized arguments: --no-such-flag"),
              (argv(tmp_path / "missing", "within"), "missing"),
-             (argv(data, "within", "--global-batch-size", "2"), "--global-batch-size")]
+             (argv(data, "within", "--global-batch-size", "2"), "--global-batch-size"),
+             (argv(data, "within", "--use-distributed-optimizer"), "--use-distributed-optimizer needs CUDA")]
     for args, needle in cases:
         old = sys.argv
         sys.argv = ["pretrain_tree_gpt.py", *args]
@@ -255,9 +256,12 @@ def _parallel_worker(rank, world, port, data, out):
     from megatron_harts.training.trainer import Trainer
     _world(rank, world, port)
     runs = {}
-    layouts = {"tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"]}
+    layouts = {"tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+               # 20 trajectories a step: the within plan of step 1 leaves one replica an idle slot
+               "ep2": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                       "--global-batch-size", "20"]}
     for name, par in layouts.items():
-        for sharing in ("off", "within" if name == "tp2" else "windows"):
+        for sharing in ("off", "within"):
             with Trainer.from_args(argv(data, sharing, "--train-iters", "2", *par), require_data=True) as t:
                 steps = []
                 for _ in range(2):
@@ -268,9 +272,11 @@ def _parallel_worker(rank, world, port, data, out):
         torch.save(runs, out)
 
 
-def test_tensor_and_sequence_parallel_tree_equals_expanded(tmp_path):
-    """TP=2 with sequence parallelism (microbatch rows padded to a multiple of 2): tree mode gives
-    expanded mode's losses and full (gathered) parameters, step by step."""
+def test_tensor_sequence_and_expert_parallel_tree_equals_expanded(tmp_path):
+    """TP=2 with sequence parallelism (microbatch rows padded to a multiple of 2) and EP=2 x DP=2
+    (all-to-all dispatcher; idle slots run a placeholder so both replicas exchange tokens in lockstep):
+    tree mode gives expanded mode's losses and full (gathered) parameters, step by step."""
     runs = spawn(_parallel_worker, tmp_path)
     assert_same_steps(runs[("tp2", "within")], runs[("tp2", "off")], "tp2: within vs off")
+    assert_same_steps(runs[("ep2", "within")], runs[("ep2", "off")], "ep2: within vs off")
     assert runs[("tp2", "within")][0][0]["compression"] > 1.0

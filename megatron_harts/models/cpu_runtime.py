@@ -12,14 +12,16 @@ Invariants:
   test fixture ``tests/megatron_cpu.py`` is this same context manager).
 - Inside the block: a gloo world (of 1 unless the caller made its own), megatron's
   model-parallel groups, ``torch.cuda.current_device() == "cpu"``, ``torch.cuda.synchronize``
-  a no-op, every megatron module's ``get_cuda_rng_tracker`` returning a CPU tracker seeded
+  a no-op, CUDA streams one no-op CPU stream (``torch.cuda.Stream``, ``current_stream``,
+  ``stream``: megatron's all-to-all token dispatcher makes a side stream), every megatron module's ``get_cuda_rng_tracker`` returning a CPU tracker seeded
   from ``seed`` (so parameter initialization is reproducible), and the CPU generator seeded.
 - megatron's optimizer modules (``CUDA_LITERAL_MODULES``) create small tensors with a
   literal ``device='cuda'`` (loss scale, found-inf flag, grad-norm buffers, the local multi-tensor L2 norm): inside the block
   their module-level ``torch`` name is a proxy whose tensor factories read a CUDA device as
   the CPU; everything else is the real torch.  Their gradient clipping asserts CUDA float
   gradients: ``clip_grad_by_total_norm_fp32`` is, inside the block, :func:`clip_grads_cpu`
-  (same coefficient ``max_norm / (total_norm + 1e-6)``, applied when below 1).
+  (same coefficient ``max_norm / (total_norm + 1e-6)``, applied when below 1).  The all-to-all
+  token dispatcher's split sizes come to the host as numpy arrays, as its GPU path gives them.
 - On exit, also on error: model-parallel groups destroyed, the world destroyed if this block
   created it, and every redirected attribute restored to the object it was before.
 
@@ -112,6 +114,47 @@ class _CpuDeviceTorch:
         return factory
 
 
+class _CpuEvent:
+    """A recorded point on the CPU "stream": always reached."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """The one "stream" of the CPU: waits and records are no-ops (megatron's all-to-all token
+    dispatcher and shared-expert overlap create side streams)."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU: the all-to-all split
+    sizes must still come back as numpy arrays (what its device-to-host copy gives on GPUs)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad: bool = False) -> None:
     """megatron's ``clip_grad_by_total_norm_fp32`` for gradients of any dtype and device."""
     coeff = max_norm / (total_norm + 1.0e-6)
@@ -144,6 +187,7 @@ def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234
     from megatron.core.tensor_parallel import random as mrandom
 
     saved = {"current_device": torch.cuda.current_device, "synchronize": torch.cuda.synchronize,
+             "Stream": torch.cuda.Stream, "current_stream": torch.cuda.current_stream, "stream": torch.cuda.stream,
              "get_cuda_rng_tracker": mrandom.get_cuda_rng_tracker, "get_state": mrandom._get_cuda_rng_state,
              "set_state": mrandom._set_cuda_rng_state}
     tracker = CpuRngTracker()
@@ -157,6 +201,9 @@ def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234
     try:
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *a, **k: None
+        torch.cuda.Stream = lambda *a, **k: _CPU_STREAM
+        torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
+        torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
         # activation recomputation saves/restores the "CUDA" RNG state: use the CPU generator's
         mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
         mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
@@ -175,6 +222,9 @@ def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234
         from megatron.core.optimizer import optimizer as moptimizer
         saved["clip"] = moptimizer.clip_grad_by_total_norm_fp32
         moptimizer.clip_grad_by_total_norm_fp32 = clip_grads_cpu
+        from megatron.core.transformer.moe import token_dispatcher
+        saved["to_cpu"] = token_dispatcher.maybe_move_tensor_to_cpu
+        token_dispatcher.maybe_move_tensor_to_cpu = _to_host
         if init_world:
             created_world = _start_world("gloo")
         parallel_state.initialize_model_parallel(
@@ -194,8 +244,13 @@ def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234
         if "clip" in saved:
             from megatron.core.optimizer import optimizer as moptimizer
             moptimizer.clip_grad_by_total_norm_fp32 = saved["clip"]
+        if "to_cpu" in saved:
+            from megatron.core.transformer.moe import token_dispatcher
+            token_dispatcher.maybe_move_tensor_to_cpu = saved["to_cpu"]
         torch.cuda.current_device = saved["current_device"]
         torch.cuda.synchronize = saved["synchronize"]
+        torch.cuda.Stream, torch.cuda.current_stream = saved["Stream"], saved["current_stream"]
+        torch.cuda.stream = saved["stream"]
         mrandom._get_cuda_rng_state = saved["get_state"]
         mrandom._set_cuda_rng_state = saved["set_state"]
 

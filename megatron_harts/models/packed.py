@@ -194,7 +194,8 @@ class TreePackedSeqParams(PackedSeqParams):
     kda_schedule: Any = None                 # ops.tree_kda.KdaSchedule (tree mode)
     conv_taps: Optional[torch.Tensor] = None  # [R, K-1] from ops.path_conv.build_conv_taps
     block_mask: Any = None                   # FlexAttention BlockMask (tree mode, flex backend)
-    token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode)
+    token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode); expanded: None (megatron's
+                                                 # statistics) or 1 per counted token, 0 per uncounted/pad token
     position_ids: Optional[torch.Tensor] = None  # [tokens] path depth (tree) / position in sequence
     export_spec: Optional[ExportSpec] = None  # producer: what to record (tree mode)
     exports: Optional[WindowExports] = None   # producer: filled by the forward; consumer: what to read
@@ -339,9 +340,9 @@ class TreePackedSeqParams(PackedSeqParams):
         lengths = (cu[1:] - cu[:-1]).tolist() + [int(pad)]
         out = TreePackedSeqParams.for_sequences(lengths, device=cu.device)
         n = int(cu[-1])
-        weight = torch.ones(n + pad, dtype=torch.float64, device=cu.device)
-        weight[n:] = 0
-        return dataclasses.replace(out, pad_rows=int(pad), token_weight=weight)
+        weight = self.token_weight if self.token_weight is not None else \
+            torch.ones(n, dtype=torch.float64, device=cu.device)
+        return dataclasses.replace(out, pad_rows=int(pad), token_weight=torch.cat([weight, weight.new_zeros(pad)]))
 
     @classmethod
     def for_sequences(cls, lengths, *, device=None) -> "TreePackedSeqParams":

@@ -124,7 +124,9 @@ class HybridRouter(TopKRouter):
             raise ValueError(f"HybridRouter: {w.shape[0]} occurrence counts for {logits.shape[0]} routed rows")
         w = w.to(logits.device)
         local = self._token_weight_total
-        if cfg.moe_z_loss_coeff is not None and self.training and torch.is_grad_enabled():
+        # rows that count for nothing (an idle slot's placeholder): no loss term to normalize
+        counts_any = local is None or local > 0
+        if cfg.moe_z_loss_coeff is not None and self.training and torch.is_grad_enabled() and counts_any:
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
             coeff = cfg.moe_z_loss_coeff / self.tp_cp_group.size()
             z = q_z_loss(logits, w, coeff, local_num_tokens=local)
@@ -132,7 +134,7 @@ class HybridRouter(TopKRouter):
             save_to_aux_losses_tracker("z_loss", z / coeff, self.layer_number,
                                        cfg.num_layers + (cfg.mtp_num_layers or 0))
         probs, rmap = self._topk(logits)
-        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled() and counts_any:
             coeff = self.get_aux_loss_coeff("aux_loss")
             rmap_aux, scores_aux = compute_routing_scores_for_aux_loss(logits, self.topk, self.score_function,
                                                                        fused=False)

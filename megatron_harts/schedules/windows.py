@@ -228,14 +228,18 @@ def producer_forward(cfg):
 
 
 def _count_rows(mb: WindowedMicrobatch, psp) -> None:
-    """Zero the MoE token weight (occurrence count) of the rows ``mb.counted`` leaves out."""
+    """Zero the MoE token weight (occurrence count; 1 per token of an expanded microbatch) of the rows
+    ``mb.counted`` leaves out."""
     if mb.counted is None:
         return
     c = torch.as_tensor(mb.counted)
     if c.dtype != torch.bool or c.shape != (mb.layout.num_rows,):
         raise ValueError(f"WindowedMicrobatch.counted must be a bool tensor of {mb.layout.num_rows} rows, "
                          f"got {c.dtype} {tuple(c.shape)}")
-    psp.token_weight = psp.token_weight * c.to(psp.token_weight.device, psp.token_weight.dtype)
+    w = psp.token_weight
+    if w is None:                  # expanded: every token weighs 1 (megatron's statistics), uncounted 0
+        w = torch.ones(mb.layout.num_rows, dtype=torch.float64, device=mb.layout.tokens.device)
+    psp.token_weight = w * c.to(w.device, w.dtype)
 
 
 def _loss_of(loss_func: Callable, output):

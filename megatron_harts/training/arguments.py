@@ -1269,6 +1269,18 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
               f"({why[args.tree_planner]}; allowed: {', '.join(allowed)})")
     if not args.tree_mode and args.no_tree_replay:
         _fail("--no-tree-replay needs tree sharing: with --tree-sharing off there is no replay")
+    if args.expert_model_parallel_size > 1 and args.num_experts:
+        # the replicas of an expert-parallel group exchange tokens in every MoE layer of every microbatch:
+        # microbatches of different sizes need the all-to-all dispatcher, and every replica runs the same
+        # number of microbatches (idle slots run a placeholder) in lockstep, which sharing windows break
+        if args.moe_token_dispatcher_type != "alltoall":
+            _fail(f"--expert-model-parallel-size {args.expert_model_parallel_size} needs "
+                  f"--moe-token-dispatcher-type alltoall (microbatches differ in size across the replicas "
+                  f"that exchange tokens; {args.moe_token_dispatcher_type} needs equal sizes)")
+        if args.tree_sharing == "windows":
+            _fail(f"--tree-sharing windows with --expert-model-parallel-size {args.expert_model_parallel_size}: "
+                  "window closes are not aligned across the replicas of an expert-parallel group yet; use "
+                  "--tree-sharing within")
     if args.tree_microbatch_tokens is None:
         if args.seq_length is None:
             _fail("--tree-microbatch-tokens (or --seq-length, its default) is required")

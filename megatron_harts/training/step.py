@@ -90,12 +90,37 @@ def plan_step(forest, settings: SharingSettings, dp: int):
     return plan_ortools_ffd(forest, dp, M, cost_model=cm)
 
 
-def replica_microbatches(forest, plan, replica: int, settings: SharingSettings) -> List[WindowedMicrobatch]:
-    """Replica ``replica``'s microbatches of a planned step, in execution order."""
+def placeholder_microbatch() -> WindowedMicrobatch:
+    """What a replica runs in an idle slot when it must take part in expert-parallel collectives:
+    one token, one target it does not own (loss weight 0, so the backward runs through every layer
+    and contributes exact zeros) and MoE weight 0 (no statistic counts it)."""
+    from ..layout import ExpandedBatch
+    i0, f0 = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.float64)
+    batch = ExpandedBatch(tokens=i0, position_ids=i0, lengths=[1], traj_ids=["<idle slot>"],
+                          traj_forest=np.zeros(1, dtype=np.int64), target_row=i0, target_traj=i0, target_token=i0,
+                          target_position=i0 + 1, target_weight=f0, target_old_logprob=f0, target_advantage=f0)
+    return WindowedMicrobatch(batch, owned=torch.zeros(1, dtype=torch.bool), counted=torch.zeros(1, dtype=torch.bool))
+
+
+def replica_microbatches(forest, plan, replica: int, settings: SharingSettings, *,
+                         aligned: bool = False) -> List[WindowedMicrobatch]:
+    """Replica ``replica``'s microbatches of a planned step, in execution order.
+
+    ``aligned`` (expert parallelism: the replicas of an expert-parallel group exchange tokens in every
+    MoE layer of every microbatch): every replica runs ``plan.num_slots`` microbatches, idle slots
+    filled by :func:`placeholder_microbatch` at the end.
+    """
     if settings.sharing == "off":
-        return expanded_microbatches(forest, plan, replica)
-    return windowed_microbatches(forest, plan, replica, replay=settings.replay,
-                                 windows=settings.sharing == "windows")
+        items = expanded_microbatches(forest, plan, replica)
+    else:
+        items = windowed_microbatches(forest, plan, replica, replay=settings.replay,
+                                      windows=settings.sharing == "windows")
+    if aligned:
+        if any(mb.producer is not None for mb in items):
+            raise ValueError("expert parallelism runs replicas in lockstep: sharing windows are not supported "
+                             "with --expert-model-parallel-size > 1 (use --tree-sharing within)")
+        items += [placeholder_microbatch() for _ in range(plan.num_slots - len(items))]
+    return items
 
 
 @dataclass
@@ -171,9 +196,14 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
         lp = lp_pairs[batch.target_pair]
         entropy = entropy_rows[batch.target_row] if need_entropy else None
         traj = torch.as_tensor(batch.traj_forest, device=dev)[batch.target_traj]
-        scale = target_scale(normalizer, traj, batch.target_weight.to(dev), objective.loss_agg_mode)
-        if mb.owned is not None:
-            scale = scale * mb.owned.to(dev, scale.dtype)
+        if mb.owned is None:
+            scale = target_scale(normalizer, traj, batch.target_weight.to(dev), objective.loss_agg_mode)
+        else:       # targets another microbatch owns weigh 0 (and need not belong to this step's normalizer)
+            owned = mb.owned.to(dev)
+            scale = torch.zeros(batch.num_targets, dtype=torch.float64, device=dev)
+            if bool(owned.any()):
+                scale[owned] = target_scale(normalizer, traj[owned], batch.target_weight.to(dev)[owned],
+                                            objective.loss_agg_mode)
         # KDA calls per KDA layer: the tree schedule's, or one varlen call for packed trajectories
         counters["kda_calls"] += len(psp.kda_schedule.calls) if psp.kda_schedule is not None else 1
         _count_experts(model, counters)
@@ -223,7 +253,8 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
         raise ValueError("train_step: one model chunk expected (virtual pipeline stages are not supported)")
     ddp = model[0]
     replica = parallel_state.get_data_parallel_rank()
-    items = replica_microbatches(forest, plan, replica, settings)
+    items = replica_microbatches(forest, plan, replica, settings,
+                                 aligned=parallel_state.get_expert_model_parallel_world_size() > 1)
     items = [WindowedMicrobatch(mb.layout.to(device), mb.owned, mb.producer, mb.replay, mb.counted) for mb in items]
     normalizer = forest_normalizer(forest).to(device)
     total_mbs = len(plan.microbatches)

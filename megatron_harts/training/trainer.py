@@ -104,6 +104,9 @@ class Trainer:
         self._signal = None
         try:
             self.device, backend = _device_and_backend(args)
+            if self.device.type == "cpu" and args.use_distributed_optimizer:
+                raise TrainingError("--use-distributed-optimizer needs CUDA (megatron-core's distributed optimizer "
+                                    "takes CUDA parameters only); drop it to train on the CPU")
             created = _init_world(backend, args.distributed_timeout_minutes)
             if created:
                 self._stack.callback(dist.destroy_process_group)
