@@ -32,6 +32,7 @@ from .cost_model import CostFeatures, CostModel, ForestIndex
 __all__ = [
     "PlanningError", "ExternalContext", "Microbatch", "SharingWindow", "MicrobatchPlan",
     "check_budget", "check_dp", "assemble_plan", "assemble_expanded_plan", "place_sorted",
+    "ReplicaMicrobatch", "replica_windows",
 ]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -277,6 +278,68 @@ class MicrobatchPlan:
 # ---------------------------------------------------------------------------------------------
 # building plans
 # ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReplicaMicrobatch:
+    """One microbatch of a replica's step as the pipeline-size-1 window schedule runs it.
+
+    ``producer``: position (in :func:`replica_windows`' list) of the producer whose exports it
+    reads, None when it reads none; ``computed``: the segments it computes (sorted), i.e. the
+    plan's plus the external ones it recomputes when it reads no producer; ``external``: the
+    plan's external segments (sorted).
+    """
+    microbatch: Microbatch
+    producer: Optional[int]
+    computed: np.ndarray
+    external: np.ndarray
+
+
+def replica_windows(forest, plan: MicrobatchPlan, replica: int, *, windows: bool = True) -> List[ReplicaMicrobatch]:
+    """Replica ``replica``'s microbatches of a tree-mode plan in slot order (idle slots skipped), each
+    with the sharing window it runs in.
+
+    External context runs as a window when the schedule can express it: all of the microbatch's
+    external segments are rows of one earlier microbatch of this replica that is not itself a
+    consumer (nested producers are not supported), and no computed segment lies above an external
+    one.  That producer is the first of ``m.producers`` whose computed set holds every external
+    segment (a producer's recomputed rows serve too).  Otherwise (context from several producers,
+    from another replica's microbatch or from a consumer; or ``windows=False``) the external
+    segments are recomputed: the log-probs and gradients are the same, only the sharing is lost.
+    """
+    if forest.num_segments != sum(len(m.owned) for m in plan.microbatches):
+        raise ValueError("the plan does not own every segment of this forest exactly once (was it planned for "
+                         "another forest?)")
+    parent = forest.seg_parent
+    out: List[ReplicaMicrobatch] = []
+    position: Dict[int, int] = {}
+    computed_of: Dict[int, set] = {}
+    for m in plan.schedule(replica):
+        if m is None:
+            continue
+        comp = set(m.computed.tolist())
+        ext = sorted(int(s) for e in m.external for s in e.segments.tolist())
+        producer = None
+        if ext and windows:
+            above = False
+            for s in ext:
+                a = int(parent[s])
+                while a >= 0 and not above:
+                    above = a in comp
+                    a = int(parent[a])
+            if not above:
+                for p in m.producers:
+                    i = position.get(int(p))
+                    if i is not None and out[i].producer is None and set(ext) <= computed_of[int(p)]:
+                        producer = i
+                        break
+        if producer is None:
+            comp |= set(ext)
+        position[m.index] = len(out)
+        computed_of[m.index] = comp
+        out.append(ReplicaMicrobatch(m, producer, np.array(sorted(comp), dtype=np.int64),
+                                     np.array(ext, dtype=np.int64)))
+    return out
+
 
 def place_sorted(costs: Sequence[float], dp: int) -> List[Tuple[int, int]]:
     """(replica, slot) of each bin: bins sorted by decreasing cost fill slot after slot, so a

@@ -532,43 +532,23 @@ def step_from_plan(plan, replica: int, *, forest=None, index=None, backward_rati
         index = ForestIndex(forest)
     elif index.num_segments != forest.num_segments:
         raise ValueError("step_from_plan: index is the ForestIndex of another forest")
-    parent = forest.seg_parent
+    from ..planner.microbatch import replica_windows
     length = np.asarray(forest.seg_length, dtype=np.int64)
     through = np.asarray(forest.seg_traj_hi, dtype=np.int64) - np.asarray(forest.seg_traj_lo, dtype=np.int64)
     model = plan.cost_model
-    position: Dict[int, int] = {}
-    computed_of: Dict[int, set] = {}
-    roles: List[Optional[int]] = []
+    entries = replica_windows(forest, plan, int(replica))
+    roles: List[Optional[int]] = [e.producer for e in entries]
     costs: List[float] = []
     rows: List[int] = []
     exported: Dict[int, set] = {}
-    for m in mbs:
-        comp = set(m.computed.tolist())
-        ext = sorted(int(s) for e in m.external for s in e.segments.tolist())
-        producer = None
-        if ext:
-            above = False
-            for s in ext:
-                a = int(parent[s])
-                while a >= 0 and not above:
-                    above = a in comp
-                    a = int(parent[a])
-            if not above:
-                for p in m.producers:
-                    i = position.get(int(p))
-                    if i is not None and roles[i] is None and set(ext) <= computed_of[int(p)]:
-                        producer = i
-                        break
+    for e in entries:
+        m = e.microbatch
         cost, nrows = float(m.cost), int(m.rows)
-        if ext and producer is None:      # context recomputed here
-            comp |= set(ext)
-            feats = model.features(index, np.array(sorted(comp), dtype=np.int64), m.owned)
+        if e.external.size and e.producer is None:      # context recomputed here
+            feats = model.features(index, e.computed, m.owned)
             cost, nrows = float(model.cost(feats)), int(feats.rows)
-        if producer is not None:
-            exported.setdefault(producer, set()).update(ext)
-        position[m.index] = len(roles)
-        computed_of[m.index] = comp
-        roles.append(producer)
+        if e.producer is not None:
+            exported.setdefault(e.producer, set()).update(e.external.tolist())
         costs.append(cost)
         rows.append(nrows)
     out = []

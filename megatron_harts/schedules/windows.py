@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from ..models.packed import ExportSpec, TreePackedSeqParams
+from ..planner.microbatch import replica_windows
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
            "microbatch_params", "producer_forward", "producer_params", "windowed_microbatches"]
@@ -108,16 +109,10 @@ def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True
     ``build_layout(forest, segments=m.computed, owned=m.owned)``: its targets are exactly the
     owned segments' targets, so over the plan every target is computed once (``owned`` is None).
 
-    External context runs as a sharing window when this schedule can express it: all of the
-    microbatch's external segments are rows of one earlier microbatch of this replica that is
-    not itself a consumer (nested producers are not supported), and no computed segment lies
-    above an external one.  That producer is chosen among ``m.producers`` (the first whose
-    computed set holds every external segment: a producer's recomputed rows serve too).
-    Otherwise, e.g. context from several producers, from another replica's microbatch or from
-    a consumer, the external segments are recomputed here instead (the item has no producer and
-    more rows than the plan's): the step's log-probs and gradients are the same either way,
-    only the sharing is lost (an item whose microbatch has ``external`` context but whose
-    ``producer`` is None recomputed it).  ``counted`` marks the rows of owned segments: every
+    Which external context runs as a sharing window and which is recomputed is
+    ``planner.microbatch.replica_windows``' rule (an item whose microbatch has ``external``
+    context but whose ``producer`` is None recomputed it: more rows than the plan's, same
+    log-probs and gradients).  ``counted`` marks the rows of owned segments: every
     row of the forest is counted once over the plan (all replicas), so the step's MoE
     tokens-per-expert are expanded training's.
     """
@@ -128,39 +123,17 @@ def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True
     if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < plan.num_replicas:
         raise ValueError(f"windowed_microbatches: replica must be an integer in [0, {plan.num_replicas}), "
                          f"got {replica!r}")
-    if forest.num_segments != sum(len(m.owned) for m in plan.microbatches):
-        raise ValueError("windowed_microbatches: the plan does not own every segment of this forest exactly "
-                         "once (was it planned for another forest?)")
-    parent = forest.seg_parent
+    try:
+        entries = replica_windows(forest, plan, replica, windows=windows)
+    except ValueError as e:
+        raise ValueError(f"windowed_microbatches: {e}") from None
     items: List[WindowedMicrobatch] = []
-    position: Dict[int, int] = {}
-    computed_of: Dict[int, set] = {}
-    for m in plan.schedule(replica):
-        if m is None:
-            continue
-        comp = set(m.computed.tolist())
-        ext = sorted(int(s) for e in m.external for s in e.segments.tolist())
-        producer = None
-        if ext and windows:
-            above = False
-            for s in ext:
-                a = int(parent[s])
-                while a >= 0 and not above:
-                    above = a in comp
-                    a = int(parent[a])
-            if not above:
-                for p in m.producers:
-                    i = position.get(int(p))
-                    if i is not None and items[i].producer is None and set(ext) <= computed_of[int(p)]:
-                        producer = i
-                        break
+    for e in entries:
+        m, producer = e.microbatch, e.producer
         if producer is not None:
-            lay = build_layout(forest, segments=sorted(comp), owned=m.owned, context=items[producer].layout)
+            lay = build_layout(forest, segments=e.computed, owned=m.owned, context=items[producer].layout)
         else:
-            comp |= set(ext)
-            lay = build_layout(forest, segments=sorted(comp), owned=m.owned)
-        position[m.index] = len(items)
-        computed_of[m.index] = comp
+            lay = build_layout(forest, segments=e.computed, owned=m.owned)
         counted = torch.as_tensor(np.isin(lay.seg_forest, m.owned)[lay.row_segment.numpy()])
         items.append(WindowedMicrobatch(lay, None, producer, replay, counted))
     return items
