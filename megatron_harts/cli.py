@@ -80,3 +80,18 @@ class Progress:
     def close(self) -> None:
         self._draw("\r" if self.tty else "")
         print(file=sys.stderr)
+
+
+def cost_model_from_flags(calibration: Optional[str], chunk_size: Optional[int]):
+    """The planner's cost model of the tools' ``--calibration FILE`` and ``--chunk-size B`` flags:
+    the calibrated coefficients (defaults without a file) at ``chunk_size`` when given."""
+    from .planner.cost_model import CalibrationError, CostModel, load_calibration
+    model = CostModel()
+    if calibration:
+        try:
+            model = load_calibration(calibration)
+        except CalibrationError as e:
+            raise CliError(str(e)) from None
+    if chunk_size is not None:
+        model = CostModel(model.coefficients, chunk_size=chunk_size, source=model.source)
+    return model

@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from megatron_harts.cli import CliError, print_json, print_table, run  # noqa: E402
-from megatron_harts.planner.cost_model import CalibrationError, CostModel, ForestIndex, load_calibration  # noqa: E402
+from megatron_harts.cli import CliError, cost_model_from_flags, print_json, print_table, run  # noqa: E402
+from megatron_harts.planner.cost_model import ForestIndex  # noqa: E402
 from megatron_harts.planner.l1 import plan_l1  # noqa: E402
 from megatron_harts.planner.l2 import plan_l2  # noqa: E402
 from megatron_harts.planner.metrics import plan_metrics  # noqa: E402
@@ -83,14 +83,7 @@ def main(argv=None) -> int:
         raise CliError(f"--ortools-time-limit must be > 0, got {args.ortools_time_limit}")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise CliError(f"--plot must name a .png file, got {args.plot!r}")
-    model = CostModel()
-    if args.calibration:
-        try:
-            model = load_calibration(args.calibration)
-        except CalibrationError as e:
-            raise CliError(str(e)) from None
-    if args.chunk_size is not None:
-        model = CostModel(model.coefficients, chunk_size=args.chunk_size, source=model.source)
+    model = cost_model_from_flags(args.calibration, args.chunk_size)
     forest = load_forest(args.input)
     t0 = time.perf_counter()
     ix = ForestIndex(forest)

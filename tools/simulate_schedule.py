@@ -20,8 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.cli import CliError, print_json, print_table, run  # noqa: E402
-from megatron_harts.planner.cost_model import CalibrationError, CostModel, ForestIndex, load_calibration  # noqa: E402
+from megatron_harts.cli import CliError, cost_model_from_flags, print_json, print_table, run  # noqa: E402
+from megatron_harts.planner.cost_model import ForestIndex  # noqa: E402
 from megatron_harts.planner.l2 import plan_harts  # noqa: E402
 from megatron_harts.planner.microbatch import PlanningError  # noqa: E402
 from megatron_harts.schedules.simulator import SCHEDULES, draw_timeline, simulate, step_from_plan, step_windows  # noqa: E402
@@ -82,14 +82,7 @@ def main(argv=None) -> int:
         raise CliError(f"--plot must name a .png file, got {args.plot!r}")
     if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
         raise CliError(f"--plot: directory {os.path.dirname(os.path.abspath(args.plot))} does not exist")
-    model = CostModel()
-    if args.calibration:
-        try:
-            model = load_calibration(args.calibration)
-        except CalibrationError as e:
-            raise CliError(str(e)) from None
-    if args.chunk_size is not None:
-        model = CostModel(model.coefficients, chunk_size=args.chunk_size, source=model.source)
+    model = cost_model_from_flags(args.calibration, args.chunk_size)
     forest = load_forest(args.input)
     ix = ForestIndex(forest)
     try:
