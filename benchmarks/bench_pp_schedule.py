@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Pipeline schedules of sharing windows, simulated side by side on SWE-like plans (issue 10, item 6).
+
+For each rollout scheme (synthetic Tree-Step and Step-wise global batches) and each pipeline depth,
+one HARTS L1+L2 plan per batch (replica 0's step, the windows ``schedules/windows.py`` runs) is
+simulated under the three schedules of ``megatron_harts.schedules.simulator`` (non-overlap,
+overlap backward-first, consumer 1F1B): tokens per second, bubble fraction, peak windows alive
+and peak retained export bytes per stage.  Reported against the targets: consumer 1F1B >= 1.2x
+non-overlap and above overlap, with peak retained memory no higher than overlap's.
+The real multi-GPU run belongs to the multi-GPU validation issue.
+
+    .venv/bin/python benchmarks/bench_pp_schedule.py                 # table
+    .venv/bin/python benchmarks/bench_pp_schedule.py --json --plot-dir out/pp   # + one PNG per case
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_harts.planner.cost_model import ForestIndex  # noqa: E402
+from megatron_harts.planner.l2 import plan_harts  # noqa: E402
+from megatron_harts.schedules.simulator import SCHEDULES, draw_timeline, simulate, step_from_plan  # noqa: E402
+from megatron_harts.tree_data import build_forest  # noqa: E402
+from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schemes", nargs="+", default=["tree-step", "step-wise"])
+    ap.add_argument("--num-tasks", type=int, default=8, help="tasks (trees) per batch (default 8)")
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8])
+    ap.add_argument("--microbatch-tokens", type=int, default=32768)
+    ap.add_argument("--export-bytes-per-row", type=float, default=8192.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot-dir", default=None, help="write one timeline PNG per scheme and depth here")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    out = {"args": vars(a), "cases": []}
+    if a.plot_dir:
+        os.makedirs(a.plot_dir, exist_ok=True)
+    print(f"{'scheme':10s} {'S':>2s} {'mbs':>4s} {'win':>4s} | " + " | ".join(
+        f"{n:>13s} tok/s bubble" for n in SCHEDULES) + " | 1f1b/non  1f1b/ovl  mem 1f1b/ovl")
+    for scheme in a.schemes:
+        forest = build_forest(synthesize_swe(SweConfig(scheme=scheme, num_tasks=a.num_tasks, seed=a.seed)))
+        ix = ForestIndex(forest)
+        plan = plan_harts(forest, 1, a.microbatch_tokens, index=ix)[1]
+        step = step_from_plan(plan, 0, forest=forest, index=ix, export_bytes_per_row=a.export_bytes_per_row)
+        windows = len({m.producer for m in step if m.producer is not None})
+        for S in a.stages:
+            res = {name: simulate(step, S, name) for name in SCHEDULES}
+            tps = {n: r.tokens_per_second for n, r in res.items()}
+            mem = {n: max(r.peak_export_bytes) for n, r in res.items()}
+            case = {"scheme": scheme, "stages": S, "microbatches": len(step), "windows": windows,
+                    "trajectories": forest.num_trajectories,
+                    "schedules": {n: {"tokens_per_second": r.tokens_per_second, "bubble_fraction": r.bubble_fraction,
+                                      "makespan": r.makespan, "peak_export_bytes": r.peak_export_bytes,
+                                      "peak_windows_alive": r.peak_windows_alive} for n, r in res.items()},
+                    "consumer_1f1b_over_non_overlap": tps["consumer-1f1b"] / tps["non-overlap"],
+                    "consumer_1f1b_over_overlap": tps["consumer-1f1b"] / tps["overlap"],
+                    "peak_memory_1f1b_over_overlap": mem["consumer-1f1b"] / mem["overlap"] if mem["overlap"] else None}
+            out["cases"].append(case)
+            if a.plot_dir:
+                draw_timeline(res, os.path.join(a.plot_dir, f"pp_{scheme}_s{S}.png"))
+            print(f"{scheme:10s} {S:2d} {len(step):4d} {windows:4d} | " + " | ".join(
+                f"{tps[n]:13,.0f} {100 * res[n].bubble_fraction:5.1f}%" for n in SCHEDULES)
+                + f" | {case['consumer_1f1b_over_non_overlap']:7.2f}x {case['consumer_1f1b_over_overlap']:7.3f}x"
+                f" {case['peak_memory_1f1b_over_overlap'] or 0:9.2f}", flush=True)
+    if a.json:
+        print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
