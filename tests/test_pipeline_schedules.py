@@ -1,16 +1,18 @@
 """Sharing windows with pipeline parallelism (issue 10): consumer 1F1B, overlapping windows
 (backward-first) and non-overlapping windows.
 
-- ``stage_orders`` (pure Python): every schedule's per-stage orders run without deadlock, keep the
-  same forward/backward order on every stage, PF before its consumers and PB right after its last
-  consumer (consumer 1F1B), in-flight bounds (1F1B: at most S - s consumers on stage s), windows
-  alive at once (non-overlap: one; overlap and 1F1B: several).
+- ``stage_orders`` (pure Python): the orders run are ``simulator.schedule_ops``'s (the one
+  generator), and on random steps they pass ``check_stage_orders`` (no deadlock under the blocking
+  receives / deferred sends, the same forward/backward order on every stage, PF before its
+  consumers, PB after them); consumer 1F1B: PF right before its first consumer, PB right after its
+  last, in-flight bounds (at most S - s consumers on stage s); windows alive at once (non-overlap:
+  one; overlap and 1F1B: several); without windows, non-overlap is plain 1F1B.
 - gloo worlds of 2 and 4 processes (fp64, tiny hybrid model, MoE aux loss 0): pipeline sizes 2 and
   4, every schedule, gives the parameter gradients (1e-10 relative) and log-probs of expanded
-  training and of the pipeline-size-1 windowed step on the same microbatches; windows alive across
-  stages at once; consumers spread over slots with plain microbatches between them; activation
-  recomputation (full, uniform) on; DP=2 x PP=2 with windows on both replicas (gradients summed over
-  replicas == expanded).
+  training and of the pipeline-size-1 windowed step on the same microbatches; the windows alive at
+  once per stage are those of the orders (overlap: both windows); consumers spread over slots
+  with plain microbatches between them; activation recomputation (full, uniform) on; DP=2 x PP=2
+  with windows on both replicas (gradients summed over replicas == expanded).
 """
 import os
 
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_harts.schedules import simulator
 from megatron_harts.schedules.pipeline import SCHEDULES, check_stage_orders, stage_orders
 
 from multiproc import run_ranks
@@ -57,17 +60,27 @@ def windows_alive(order, producer_of):
     return peak
 
 
+def as_pipeline(ops):
+    """The simulator's per-stage ops as the pipeline writes them: a producer's PF/PB is its F/B."""
+    return [[({"PF": "F", "PB": "B"}.get(kind, kind), i) for kind, i in o] for o in ops]
+
+
 def test_stage_orders():
+    assert set(SCHEDULES) == set(simulator.SCHEDULES)
     rng = np.random.default_rng(0)
     for trial in range(60):
         po = random_structure(rng, int(rng.integers(1, 14)))
         for S in (2, 3, 4):
             for sch in SCHEDULES:
                 orders = stage_orders(po, S, sch)
+                assert orders == as_pipeline(simulator.schedule_ops(po, S, sch)), (po, S, sch)
                 check_stage_orders(orders, po)
                 if sch == "consumer-1f1b":
                     for s, o in enumerate(orders):
                         assert consumers_in_flight(o, po) <= S - s
+                        for k, (kind, i) in enumerate(o):     # PF directly before its first consumer's F
+                            if kind == "F" and i in po:
+                                assert o[k + 1] == ("F", po.index(i))
                         for k, (kind, i) in enumerate(o):     # PB directly after its last consumer's B
                             if kind == "B" and i in po:
                                 last = max(c for c, p in enumerate(po) if p == i)
@@ -82,6 +95,10 @@ def test_stage_orders():
     for sch in ("consumer-1f1b", "overlap"):
         assert max(windows_alive(o, po) for o in stage_orders(po, 2, sch)) == 2
     assert stage_orders(po, 3, "consumer-1f1b", forward_only=True)[2] == [("F", i) for i in range(8)]
+    # no windows: non-overlap is plain 1F1B (no microbatch drained on its own)
+    plain = [None] * 6
+    assert stage_orders(plain, 4, "non-overlap") == stage_orders(plain, 4, "consumer-1f1b")
+    assert stage_orders(plain, 4, "non-overlap")[3][:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
     with pytest.raises(ValueError, match="schedule must be"):
         stage_orders(po, 2, "gpipe")
     with pytest.raises(ValueError, match="nested"):
@@ -237,9 +254,12 @@ def worker(rank, world, port, ref_path):
                     assert_stage_same(lp, grads, exp, what + " vs expanded", last)
                     assert len(stats["peak_export_bytes"]) == pp and min(stats["peak_export_bytes"]) > 0
                     assert stats["windows"] == (2 if name == "overlap" else 1)
+                    po = [mb.producer for mb in mbs]      # the windows alive at once are the orders'
+                    orders = stage_orders(po, pp, schedule)
+                    assert stats["peak_windows_alive"] == [windows_alive(o, po) for o in orders], stats
                     if schedule == "non-overlap":         # drained window by window
                         assert stats["peak_windows_alive"] == [1] * pp, stats
-                    elif name == "overlap":               # two producers before any consumer: both alive
+                    elif schedule == "overlap" and name == "overlap":   # two producers before any consumer
                         assert stats["peak_windows_alive"] == [2] * pp, (schedule, stats)
             if pp == 2:                                   # activation recomputation (full, uniform)
                 cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1

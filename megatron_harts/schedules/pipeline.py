@@ -16,7 +16,8 @@ stage the operations are:
 - ``B(p)`` for a producer p is its *PB*: one backward through the producer on this stage from
   the accumulated export gradients and the output gradient of the producer's activation
   received from the next stage (on the last stage: the producer's own loss, 0 when it owns no
-  targets); it always directly follows ``B`` of the window's last consumer.
+  targets); it runs after ``B`` of every consumer of the window (right after the last one's
+  under "consumer-1f1b").
 
 Every stage builds the same microbatch layouts and ``TreePackedSeqParams`` itself (planning is
 deterministic, so no tree metadata is broadcast); the activation [rows, 1, hidden] and its
@@ -26,19 +27,25 @@ completed at the end of the step, so any per-stage order that has a valid execut
 (:func:`check_stage_orders`) runs without deadlock.  Every stage runs the forwards in the same
 order and the backwards in the same order, so messages match in FIFO order.
 
-Schedules (``schedule=``), orders built by :func:`stage_orders` (pure Python, testable):
+Schedules (``schedule=``): the per-stage orders are those of
+:func:`megatron_harts.schedules.simulator.schedule_ops` (its module docstring defines them; the
+event simulator, tools/simulate_schedule.py and benchmarks/bench_pp_schedule.py time the very
+orders run here), read by :func:`stage_orders` and validated by :func:`check_stage_orders`
+before the step runs.  In short:
 
 - ``"consumer-1f1b"`` (default): 1F1B over the consumers and plain microbatches (stage s warms
-  up with ``S - s - 1`` forwards, then alternates one forward, one backward), each PF inserted
-  just before its first consumer's forward, each PB right after its last consumer's backward.
-  Windows overlap; at most ``S - s`` consumers are in flight on stage s.
+  up with ``S - s - 1`` forwards, then alternates one forward, one backward), each PF just
+  before its first consumer's forward, each PB right after its last consumer's backward.
+  Windows overlap; at most ``S - s`` consumers or plain microbatches are in flight on stage s.
 - ``"overlap"``: overlapping windows, backward-first: a unit-cost event simulation (forward 1,
   backward 2) where an idle stage runs its next backward when it is ready, otherwise its next
   forward (no in-flight bound: more windows are alive at once).
-- ``"non-overlap"``: the same greedy simulation with each window (its producer and consumers;
-  plain microbatches are windows of one) drained on every stage before the next window starts.
-  Microbatches run window by window (a window's consumers are moved up to follow their
-  producer), which changes only the order in which gradients are summed.
+- ``"non-overlap"``: one window at a time, each drained on every stage before the next starts:
+  a block is a window (PF, 1F1B over its consumers and the plain microbatches that follow the
+  producer in the step up to the next producer, PB); plain microbatches before the first
+  producer are a 1F1B block of their own.  Every consumer of a window runs in its block, even
+  one that follows a later producer in the step, which changes only the order in which
+  gradients are summed.
 
 The parameter gradients are those of ``forward_backward_windows`` on the same items (and so of
 expanded training): tests/test_pipeline_schedules.py pins all three schedules on pipeline
@@ -64,6 +71,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .simulator import _check_producers, _check_stages, schedule_ops
 from .windows import (WindowedMicrobatch, _loss_of, _model_config, check_windows, microbatch_params,
                       producer_forward, producer_params)
 
@@ -78,122 +86,8 @@ Op = Tuple[str, int]
 # ---------------------------------------------------------------------------------------------
 # per-stage operation orders
 # ---------------------------------------------------------------------------------------------
-def _structure(producer_of: Sequence[Optional[int]]):
-    n = len(producer_of)
-    consumers: Dict[int, List[int]] = {}
-    for i, p in enumerate(producer_of):
-        if p is not None:
-            if not 0 <= int(p) < i:
-                raise ValueError(f"microbatch {i}: its producer {p} must run before it")
-            if producer_of[int(p)] is not None:
-                raise ValueError(f"microbatch {i}: its producer {p} is itself a consumer (nested producers)")
-            consumers.setdefault(int(p), []).append(i)
-    units = [i for i in range(n) if i not in consumers]
-    return consumers, units
-
-
-def _backward_sequence(units: List[int], consumers: Dict[int, List[int]]) -> List[int]:
-    closes: Dict[int, List[int]] = {}
-    for p, cs in consumers.items():
-        closes.setdefault(max(cs), []).append(p)
-    seq: List[int] = []
-    for u in units:
-        seq.append(u)
-        seq += sorted(closes.get(u, []))
-    return seq
-
-
-def _one_f_one_b(fseq: List[int], units_set: set, bseq: List[int], S: int, s: int) -> List[Op]:
-    out: List[Op] = []
-    fi, bi = 0, 0
-    m = len(units_set)
-
-    def forward():
-        nonlocal fi
-        while fi < len(fseq):          # producers up to and including the next consumer/plain one
-            i = fseq[fi]
-            fi += 1
-            out.append(("F", i))
-            if i in units_set:
-                return
-
-    def backward():
-        nonlocal bi
-        out.append(("B", bseq[bi]))    # a consumer/plain backward, then the PBs it closes
-        bi += 1
-        while bi < len(bseq) and bseq[bi] not in units_set:
-            out.append(("B", bseq[bi]))
-            bi += 1
-
-    warm = min(S - s - 1, m)
-    for _ in range(warm):
-        forward()
-    for _ in range(m - warm):
-        forward()
-        backward()
-    for _ in range(warm):
-        backward()
-    while fi < len(fseq):
-        out.append(("F", fseq[fi]))
-        fi += 1
-    return out
-
-
-def _greedy(fseq: List[int], bseq: List[int], S: int, group: Optional[Dict[int, int]]) -> List[List[Op]]:
-    """Unit-cost event simulation (forward 1, backward 2), backward-first; ``group``: drain barrier."""
-    cost = {"F": 1, "B": 2}
-    done: Dict[Tuple[str, int, int], int] = {}
-    orders: List[List[Op]] = [[] for _ in range(S)]
-    fi, bi, free = [0] * S, [0] * S, [0] * S
-    total = S * (len(fseq) + len(bseq))
-    remaining_in_group: Dict[int, int] = {}
-    group_end: Dict[int, int] = {}
-    if group is not None:
-        for i in fseq:
-            remaining_in_group[group[i]] = remaining_in_group.get(group[i], 0) + 2 * S
-    t = 0
-
-    def finished(key, now):
-        return key in done and done[key] <= now
-
-    def barrier_ok(i, now):
-        if group is None:
-            return True
-        g = group[i]
-        return all(end is not None and end <= now for h, end in ((h, group_end.get(h)) for h in remaining_in_group)
-                   if h < g)
-
-    while len(done) < total:
-        for s in range(S):
-            if free[s] > t:
-                continue
-            op = None
-            if bi[s] < len(bseq):
-                i = bseq[bi[s]]
-                ready = finished(("B", i, s + 1), t) if s + 1 < S else finished(("F", i, s), t)
-                if ready and finished(("F", i, s), t) and barrier_ok(i, t):
-                    op = ("B", i)
-                    bi[s] += 1
-            if op is None and fi[s] < len(fseq):
-                i = fseq[fi[s]]
-                if (s == 0 or finished(("F", i, s - 1), t)) and barrier_ok(i, t):
-                    op = ("F", i)
-                    fi[s] += 1
-            if op is None:
-                continue
-            end = t + cost[op[0]]
-            done[(op[0], op[1], s)] = end
-            free[s] = end
-            orders[s].append(op)
-            if group is not None:
-                g = group[op[1]]
-                remaining_in_group[g] -= 1
-                if remaining_in_group[g] == 0:
-                    group_end[g] = end
-        t += 1
-        if t > 10 * total * 2 + 10:
-            raise RuntimeError("stage_orders: the simulation made no progress (a bug)")
-    return orders
+#: a simulator op kind as this schedule writes it: a producer's PF/PB is its F/B (its role says which)
+_KIND = {"F": "F", "PF": "F", "B": "B", "PB": "B"}
 
 
 def stage_orders(producer_of: Sequence[Optional[int]], num_stages: int, schedule: str = "consumer-1f1b",
@@ -201,32 +95,18 @@ def stage_orders(producer_of: Sequence[Optional[int]], num_stages: int, schedule
     """Per-stage operation orders ``[("F"|"B", microbatch), ...]`` for a step (module docstring).
 
     ``producer_of[i]``: the position of microbatch i's producer (None: not a consumer).  The
-    backward of a producer is its PB.  ``forward_only``: forwards only, in step order.
+    orders are :func:`~megatron_harts.schedules.simulator.schedule_ops`'s (the one generator of
+    the schedules, also timed by the event simulator), with a producer's PF/PB written as its
+    F/B, and pass :func:`check_stage_orders` before they are returned.  ``forward_only``:
+    forwards only, in step order.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    S = int(num_stages)
-    if S < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    consumers, units = _structure(producer_of)
-    n = len(producer_of)
     if forward_only:
-        return [[("F", i) for i in range(n)] for _ in range(S)]
-    if schedule == "consumer-1f1b":
-        fseq = list(range(n))
-        bseq = _backward_sequence(units, consumers)
-        orders = [_one_f_one_b(fseq, set(units), bseq, S, s) for s in range(S)]
+        S = _check_stages(num_stages)
+        orders = [[("F", i) for i in range(len(producer_of))] for _ in range(S)]
     else:
-        group = {}
-        for i in range(n):
-            group[i] = int(producer_of[i]) if producer_of[i] is not None else i
-        if schedule == "non-overlap":
-            fseq = sorted(range(n), key=lambda i: (group[i], i))     # window by window
-            units = [i for i in fseq if i not in consumers]
-        else:
-            fseq = list(range(n))
-        bseq = _backward_sequence(units, consumers)
-        orders = _greedy(fseq, bseq, S, group if schedule == "non-overlap" else None)
+        orders = [[(_KIND[kind], i) for kind, i in ops] for ops in schedule_ops(producer_of, num_stages, schedule)]
     check_stage_orders(orders, producer_of)
     return orders
 
@@ -235,7 +115,7 @@ def check_stage_orders(orders: List[List[Op]], producer_of: Sequence[Optional[in
     """Assert that per-stage orders run: every stage has every forward and backward once, the same
     forward order and backward order on every stage, PF before its consumers' forwards, PB after its
     consumers' backwards, and some execution exists (receives wait for the neighbour's op)."""
-    consumers, _ = _structure(producer_of)
+    consumers = _check_producers(list(producer_of))
     n = len(producer_of)
     S = len(orders)
     fw = [[i for k, i in o if k == "F"] for o in orders]

@@ -32,7 +32,9 @@ when its stage is free and its prerequisites have ended (a prerequisite on anoth
 
 **The three schedules** (:data:`SCHEDULES`).  :func:`schedule_ops` builds the per-stage orders
 from the roles alone (never from costs), so a real pipeline schedule can execute exactly these
-lists; :func:`simulate` times them with the step's costs (or times orders built elsewhere:
+lists, and one does: ``forward_backward_pipelining_windows`` (schedules/pipeline.py) runs them
+after its ``check_stage_orders`` (deadlock freedom under its blocking receives and deferred
+sends); :func:`simulate` times them with the step's costs (or times orders built elsewhere:
 ``orders=``).  On every stage the forwards (F, PF) come in the same relative order and so do
 the backwards (B, PB), so point-to-point messages between neighbouring stages match in FIFO
 order.  "1F1B over a list" means: ``num_stages - 1 - s`` warm-up forwards on stage s, then one
@@ -284,12 +286,12 @@ def schedule_ops(producers: Sequence[Optional[int]], num_stages: int, schedule: 
 
     ``producers[i]`` is the step position of microbatch i's producer (None: not a consumer), as
     in :attr:`StepMicrobatch.producer`; the orders depend on the roles only (never on costs), so
-    a real pipeline schedule can run them as they are.  See the module docstring for the three
-    schedules.  Every op appears exactly once per stage; every stage runs its forwards (F and PF)
-    in the same relative order and its backwards (B and PB) in the same relative order; and the
-    orders never wait on each other in a cycle (1F1B-based: a stage never runs more forwards
-    before a given backward than the stage before it; overlap: the orders are those of an
-    actual run).
+    a real pipeline schedule can run them as they are (schedules/pipeline.py does).  See the
+    module docstring for the three schedules.  Every op appears exactly once per stage; every
+    stage runs its forwards (F and PF) in the same relative order and its backwards (B and PB) in
+    the same relative order; and the orders never wait on each other in a cycle (1F1B-based: a
+    stage never runs more forwards before a given backward than the stage before it; overlap:
+    the orders are those of an actual run).
     """
     windows = _check_producers(list(producers))
     producers = [None if p is None else int(p) for p in producers]
