@@ -23,7 +23,7 @@ What a checkpoint holds (keys of the state dict given to ``dist_checkpointing.sa
 - ``content_metadata`` (common): the sharded-state-dict metadata the checkpoint was written with;
   loading uses the checkpoint's own.
 
-Atomicity: every rank writes into ``SAVE/iter_0000010.tmp-XXXX``; only after all ranks report a
+Atomicity: every rank writes into ``SAVE/iter_0000010.tmp-<hex>``; only after all ranks report a
 complete write does rank 0 rename it to ``iter_0000010`` and then replace the tracker file
 (temporary file + ``os.replace``), so the tracker always names a complete checkpoint.  A save
 that fails on any rank (an exception) is agreed on by all ranks, rank 0 removes the temporary
@@ -33,7 +33,7 @@ in a collective until the process-group timeout) leaves at most a ``*.tmp-*`` di
 loading ignores and the next save removes.  Saving refuses parameters that hold NaN/Inf
 (``check_finite``).  With data parallelism the ranks share the writing of replicated tensors
 (Megatron-LM's fully parallel save).  Re-saving an existing iteration moves the old
-directory aside (``iter_0000010.old-XXXX``) until the new one is in place.
+directory aside (``iter_0000010.old-<hex>``) until the new one is in place.
 
 RNG and world-size changes: RNG states are per global rank, so they are restored only when the
 parallel layout (world size, TP, PP, CP, EP, DP) equals the saved one; otherwise loading warns
@@ -280,7 +280,8 @@ def _encode_extra(extra_state) -> str:
 # ---------------------------------------------------------------------------------------------
 # file-system steps (rank 0)
 
-def _fsync_dir(path: str) -> None:
+def _fsync_path(path: str) -> None:
+    """Flush one file or directory to disk (best effort: a no-op where unsupported)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -297,17 +298,8 @@ def _fsync_tree(root: str) -> None:
     """Flush every file of a finished checkpoint directory (best effort: a no-op where unsupported)."""
     for dirpath, _, files in os.walk(root):
         for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        _fsync_dir(dirpath)
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
 
 
 def _tidy(save_dir: str) -> None:
@@ -368,7 +360,7 @@ def _write_tracker(save_dir: str, value: str) -> None:
         except OSError:
             pass
         raise
-    _fsync_dir(save_dir)
+    _fsync_path(save_dir)
 
 
 def _commit(save_dir: str, tmp_dir: str, iteration: int) -> None:
@@ -385,7 +377,7 @@ def _commit(save_dir: str, tmp_dir: str, iteration: int) -> None:
     try:
         os.rename(tmp_dir, final)
         try:
-            _fsync_dir(save_dir)
+            _fsync_path(save_dir)
             _write_tracker(save_dir, str(iteration))
         except BaseException:
             os.rename(final, tmp_dir)
