@@ -147,6 +147,14 @@ class _CpuStream:
 _CPU_STREAM = _CpuStream()
 
 
+class _CpuStreamFactory(_CpuStream):
+    """Stands in for the ``torch.cuda.Stream`` class (a class: libraries use it in annotations such
+    as ``torch.cuda.Stream | None``); every instance is the one CPU stream."""
+
+    def __new__(cls, *args, **kwargs):
+        return _CPU_STREAM
+
+
 def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
     """megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU: the all-to-all split
     sizes must still come back as numpy arrays (what its device-to-host copy gives on GPUs)."""
@@ -201,7 +209,7 @@ def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234
     try:
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *a, **k: None
-        torch.cuda.Stream = lambda *a, **k: _CPU_STREAM
+        torch.cuda.Stream = _CpuStreamFactory
         torch.cuda.current_stream = lambda *a, **k: _CPU_STREAM
         torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
         # activation recomputation saves/restores the "CUDA" RNG state: use the CPU generator's

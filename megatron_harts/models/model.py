@@ -97,17 +97,21 @@ class HybridModel(GPTModel):
                 return_entropy: bool = False, **kwargs):
         tp = self.pg_collection.tp.size()
         real = None
-        if self.config.sequence_parallel and tp > 1 and input_ids is not None and input_ids.shape[1] % tp:
-            if input_ids.shape[0] != 1 or packed_seq_params is None:
+        if self.config.sequence_parallel and tp > 1:
+            if packed_seq_params is not None and not packed_seq_params.pad_rows \
+                    and packed_seq_params.num_tokens % tp:
+                # pad the rows to a multiple of the TP size: the pad rows are read by nothing
+                # (models/packed.py); every pipeline stage pads its params the same way
+                real = packed_seq_params.num_tokens
+                pad = (-real) % tp
+                packed_seq_params = packed_seq_params.padded(pad)
+                if input_ids is not None:
+                    input_ids = torch.cat([input_ids, input_ids.new_zeros(1, pad)], dim=1)
+                if position_ids is not None:
+                    position_ids = torch.cat([position_ids, position_ids.new_zeros(1, pad)], dim=1)
+            elif input_ids is not None and input_ids.shape[1] % tp:
                 raise ValueError(f"--sequence-parallel: {input_ids.shape[1]} tokens/rows are not divisible by "
                                  f"--tensor-model-parallel-size {tp}; pad the batch")
-            # pad the rows to a multiple of the TP size: the pad rows are read by nothing (models/packed.py)
-            real = input_ids.shape[1]
-            pad = (-real) % tp
-            packed_seq_params = packed_seq_params.padded(pad)
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(1, pad)], dim=1)
-            if position_ids is not None:
-                position_ids = torch.cat([position_ids, position_ids.new_zeros(1, pad)], dim=1)
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
