@@ -184,15 +184,20 @@ def test_layout_of_some_trees(trajs, data):
     assert lay.num_context_rows == 0
 
 
-def non_nested_roots(f, data, max_size=4):
-    """A drawn set of segments none of which lies in another's subtree (consumer subtree roots)."""
+def outermost(f, candidates):
+    """The candidate segments that lie in no other candidate's subtree, in preorder."""
     size = f.seg_subtree_size
-    cand = data.draw(st.lists(st.integers(0, f.num_segments - 1), min_size=1, max_size=max_size, unique=True))
     roots = []
-    for s in sorted(cand):
+    for s in sorted(int(c) for c in candidates):
         if not roots or s >= roots[-1] + size[roots[-1]]:
             roots.append(s)
     return roots
+
+
+def non_nested_roots(f, data, max_size=4):
+    """A drawn set of segments none of which lies in another's subtree (consumer subtree roots)."""
+    cand = data.draw(st.lists(st.integers(0, f.num_segments - 1), min_size=1, max_size=max_size, unique=True))
+    return outermost(f, cand)
 
 
 @settings(max_examples=60, deadline=None)

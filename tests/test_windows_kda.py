@@ -18,6 +18,8 @@ from megatron_harts.ops.tree_kda import (KdaExternal, build_kda_schedule, consum
 from megatron_harts.planner.calls import plan_calls
 from megatron_harts.tree_data import build_forest, make_trajectory
 
+from test_layout import outermost
+
 H, K, V = 2, 3, 2
 
 
@@ -33,15 +35,7 @@ def windows(draw):
         trajs.append(make_trajectory({"id": i, "tokens": base[:cut] + tail, "group": draw(st.sampled_from("ab"))}))
     forest = build_forest(trajs)
     pick = draw(st.lists(st.booleans(), min_size=forest.num_segments, max_size=forest.num_segments))
-    roots = []
-    for s in range(forest.num_segments):
-        if not pick[s]:
-            continue
-        a = int(forest.seg_parent[s])
-        while a >= 0 and a not in roots:
-            a = int(forest.seg_parent[a])
-        if a < 0:
-            roots.append(s)
+    roots = outermost(forest, [s for s in range(forest.num_segments) if pick[s]])
     if not roots:
         roots = [forest.num_segments - 1]
     return forest, roots, draw(st.sampled_from([2, 4, 8]))

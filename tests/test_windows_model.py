@@ -16,6 +16,7 @@ from megatron_harts.models.model import build_hybrid_model
 from megatron_harts.models.packed import ExportSpec, TreePackedSeqParams
 
 from hybrid_tiny import VOCAB, random_forest, randomize_, tiny_config, tiny_forest
+from test_layout import outermost
 
 
 def _config(**kw):
@@ -95,16 +96,8 @@ def _coef(seed):
 
 def _roots(forest, depth_min):
     """Non-nested, non-root segments starting at >= depth_min (their ancestors stay in the producer)."""
-    roots = []
-    for s in range(forest.num_segments):
-        if forest.seg_parent[s] < 0 or forest.seg_start[s] < depth_min:
-            continue
-        a = int(forest.seg_parent[s])
-        while a >= 0 and a not in roots:
-            a = int(forest.seg_parent[a])
-        if a < 0:
-            roots.append(s)
-    return roots
+    return outermost(forest, [s for s in range(forest.num_segments)
+                              if forest.seg_parent[s] >= 0 and forest.seg_start[s] >= depth_min])
 
 
 @pytest.mark.parametrize("seed,depth,split,replay", [(0, 1, False, True), (1, 5, True, True),
