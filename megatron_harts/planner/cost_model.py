@@ -50,7 +50,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -121,12 +121,10 @@ class ForestIndex:
         self.tree_offsets = f.tree_offsets.astype(np.int64)
         self.num_trees = f.num_trees
         self.seg_tree = f.seg_tree
-        self.sub_size = f.seg_subtree_size
         st, ln = self.start, self.length
         self.seg_pairs = ln * st + ln * (ln + 1) // 2
         mask = f.row_loss_mask
-        seg_mask = (np.add.reduceat(mask, self.row, dtype=np.int64) if S
-                    else np.zeros(0, dtype=np.int64))
+        seg_mask = _segment_counts(mask, self.row)
         first = mask[self.row].astype(np.int64)
         interior = seg_mask - first
         last = np.zeros(S, dtype=np.int64)
@@ -134,24 +132,26 @@ class ForestIndex:
         kids = np.flatnonzero(has_parent)
         np.maximum.at(last, self.parent_arr[kids], first[kids])
         self.seg_logits = interior + last
-        self.children = [[] for _ in range(S)]
-        sub_rows = ln.copy()
+        # subtree sums and path sums by plain loops over lists (parents precede children)
         par = self.parent
+        children: List[List[int]] = [[] for _ in range(S)]
+        sub_rows = ln.tolist()
+        sub_size = [1] * S
         for s in range(S - 1, -1, -1):
             p = par[s]
             if p >= 0:
                 sub_rows[p] += sub_rows[s]
-        for s in range(S):
-            p = par[s]
-            if p >= 0:
-                self.children[p].append(s)
-        self.sub_rows = sub_rows
+                sub_size[p] += sub_size[s]
+        for s in kids.tolist():
+            children[par[s]].append(s)
+        self.children = children
+        self.sub_rows = np.array(sub_rows, dtype=np.int64)
+        self.sub_size = np.array(sub_size, dtype=np.int64)
         # per trajectory: targets (positions j >= 1 with loss mask) for expanded packing
-        path_mask = seg_mask.copy()
-        for s in range(S):
-            p = par[s]
-            if p >= 0:
-                path_mask[s] += path_mask[p]
+        path_mask = seg_mask.tolist()
+        for s in kids.tolist():
+            path_mask[s] += path_mask[par[s]]
+        path_mask = np.array(path_mask, dtype=np.int64)
         roots = self.tree_offsets[:-1]
         root_first = np.zeros(S, dtype=np.int64)
         root_first[roots] = first[roots]
@@ -165,6 +165,18 @@ class ForestIndex:
         self.tree_max_path = np.array([self.traj_length[a:b].max() for a, b in zip(lo, hi)], dtype=np.int64)
         self.tree_longest_traj = [int(a + np.argmax(self.traj_length[a:b])) for a, b in zip(lo, hi)]
         self.tree_rows = np.add.reduceat(ln, roots) if S else np.zeros(0, np.int64)
+
+
+def _segment_counts(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Nonzero entries of a 0/1 row mask per segment (segments are the contiguous row ranges
+    from ``starts``, sorted).  Long segments: one ``count_nonzero`` each (a widening
+    ``reduceat`` over millions of rows costs ten times more); many short ones: ``reduceat``."""
+    if starts.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if mask.size > 64 * starts.size:
+        ends = starts[1:].tolist() + [mask.size]
+        return np.array([np.count_nonzero(mask[a:b]) for a, b in zip(starts.tolist(), ends)], dtype=np.int64)
+    return np.add.reduceat(mask, starts, dtype=np.int64)
 
 
 def _kda_backend():

@@ -23,6 +23,12 @@ L1 microbatches).  L2
    slot target (the remaining cost spread over the remaining slots).  Then, per slot, atoms
    move from the costliest microbatch to the cheapest while that lowers the slot maximum.
    The number of slots tried starts at the row lower bound; the best-balanced fill is kept.
+4. *few slots* (at most ``FEW_SLOTS`` slots of work per replica, e.g. a batch of 5 microbatches
+   of work on 8 replicas): the last slot takes whole subtrees, coarse against a slot, so the
+   best slot count is filled again with other slot targets (``FILL_VARIANTS``) and each fill
+   is refined by single-atom moves between adjacent slots (``_shift``: a chain's cut between
+   its producer part and its consumer part moves up or down); the best estimated step
+   efficiency (per-microbatch overheads included) wins.
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: otherwise (tiny trees where
@@ -42,6 +48,12 @@ import numpy as np
 from .cost_model import CostModel, ForestIndex
 from .l1 import plan_l1
 from .microbatch import MicrobatchPlan, assemble_plan
+
+#: (tolerance, reserve) slot targets of the fill: the first is the default; batches with at
+#: most ``FEW_SLOTS`` slots of work per replica (and dp > 1) try the others at the best slot
+#: count, with cross-slot moves (``_shift``)
+FILL_VARIANTS = ((0.01, 0.85), (0.005, 1.0), (0.02, 1.0), (0.02, 1.2), (0.04, 0.85))
+FEW_SLOTS = 2
 
 __all__ = ["plan_l2", "plan_harts", "Atoms", "build_atoms"]
 
@@ -79,15 +91,31 @@ class Atoms:
         return kids
 
 
-def _atom_cost(ix: ForestIndex, model: CostModel, segs, rec, has_parent: bool) -> Tuple[int, float]:
-    c = model.coefficients
-    own = np.asarray(segs, dtype=np.int64)
-    comp = own if not rec else np.concatenate([own, np.asarray(rec, dtype=np.int64)])
-    rows = int(ix.length[comp].sum())
-    replay = int(ix.start[own[0]]) % model.chunk_size if has_parent else 0
-    cost = (c.row * rows + c.attention_pair * float(ix.seg_pairs[comp].sum())
-            + c.logits_row * float(ix.seg_logits[own].sum()) + c.kda_replay_token * replay)
-    return rows, cost
+class _SegCosts:
+    """Per-segment terms of an atom's cost as plain lists (atoms are small: list sums beat
+    numpy calls): ``body`` = rows + attention pairs, ``own`` = body + logits rows."""
+
+    def __init__(self, ix: ForestIndex, model: CostModel):
+        c = model.coefficients
+        body = c.row * ix.length + c.attention_pair * ix.seg_pairs
+        self.body = body.tolist()
+        self.own = (body + c.logits_row * ix.seg_logits).tolist()
+        self.length = ix.length.tolist()
+        self.start = ix.start.tolist()
+        self.replay = c.kda_replay_token
+        self.B = model.chunk_size
+
+    def atom(self, segs, rec, has_parent: bool) -> Tuple[int, float]:
+        """(rows, cost) of an atom owning ``segs`` (first = root) and recomputing ``rec``."""
+        length, own, body = self.length, self.own, self.body
+        rows = sum([length[s] for s in segs])
+        cost = sum([own[s] for s in segs])
+        if rec:
+            rows += sum([length[s] for s in rec])
+            cost += sum([body[s] for s in rec])
+        if has_parent:
+            cost += self.replay * (self.start[segs[0]] % self.B)
+        return rows, cost
 
 
 def build_atoms(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
@@ -154,45 +182,58 @@ def build_atoms(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
     return atoms, produce
 
 
-def _cut(ix: ForestIndex, model: CostModel, atoms: Atoms, threshold: float) -> Atoms:
+def _cut(ix: ForestIndex, sc: _SegCosts, atoms: Atoms, threshold: float) -> Atoms:
     """Step 2's granularity cuts: an atom (without recomputed segments) costing more than
     ``threshold`` and holding more than one segment becomes its root segment plus one atom
-    per child subtree inside it, recursively.  Owned segments are unchanged."""
+    per child subtree inside it, recursively.  Owned segments are unchanged.  Needs the
+    atoms' ``rows`` and ``cost``."""
     out = Atoms()
     new_id: Dict[int, int] = {}
-    order = list(range(len(atoms)))  # parents come before children (built in preorder)
-    for a in order:
+    par = ix.parent
+    length, own = sc.length, sc.own
+    for a in range(len(atoms)):  # parents come before children (built in preorder)
         p = atoms.parent[a]
         parent = new_id[p] if p >= 0 else -1
         segs, rec = atoms.segs[a], atoms.rec[a]
-        rows, cost = _atom_cost(ix, model, segs, rec, p >= 0)
-        if rec or cost <= threshold or len(segs) == 1:
+        if rec or atoms.cost[a] <= threshold or len(segs) == 1:
             x = out.add(segs, rec, parent, atoms.tree[a])
-            out.rows[x], out.cost[x] = rows, cost
+            out.rows[x], out.cost[x] = atoms.rows[a], atoms.cost[a]
             new_id[a] = x
             continue
-        # cut: stack of (sorted segment list, parent atom id); the first segment is the root
-        # and the last atom of the original atom's root must be what its children point at
-        stack = [(segs, parent, True)]
+        # within-atom subtree sums (segments sorted in preorder: children after parents)
+        inset = set(segs)
+        sub_c = {s: own[s] for s in segs}
+        sub_r = {s: length[s] for s in segs}
+        kids: Dict[int, List[int]] = {}
+        for s in reversed(segs):
+            q = par[s]
+            if q in inset:
+                sub_c[q] += sub_c[s]
+                sub_r[q] += sub_r[s]
+                kids.setdefault(q, []).append(s)
+        tree = atoms.tree[a]
+        # stack of (root segment, parent atom id, is the original atom's root)
+        stack = [(segs[0], parent, True)]
         while stack:
-            ss, pa, is_top = stack.pop()
-            rows, cost = _atom_cost(ix, model, ss, [], pa >= 0)
-            if cost <= threshold or len(ss) == 1:
-                x = out.add(ss, [], pa, atoms.tree[a])
-                out.rows[x], out.cost[x] = rows, cost
-                if is_top:
-                    new_id[a] = x
-                continue
-            r = ss[0]
-            x = out.add([r], [], pa, atoms.tree[a])
-            out.rows[x], out.cost[x] = _atom_cost(ix, model, [r], [], pa >= 0)
+            r, pa, is_top = stack.pop()
+            rep = sc.replay * (sc.start[r] % sc.B) if pa >= 0 else 0.0
+            ch = kids.get(r, ())
+            if sub_c[r] + rep <= threshold or not ch:
+                if ch:
+                    lo = bisect_left(segs, r)
+                    hi = bisect_left(segs, r + int(ix.sub_size[r]))
+                    ss = segs[lo:hi]
+                else:
+                    ss = [r]
+                x = out.add(ss, [], pa, tree)
+                out.rows[x], out.cost[x] = sub_r[r], sub_c[r] + rep
+            else:
+                x = out.add([r], [], pa, tree)
+                out.rows[x], out.cost[x] = length[r], own[r] + rep
+                for c in reversed(ch):
+                    stack.append((c, x, False))
             if is_top:
                 new_id[a] = x
-            for c in ix.children[r]:
-                lo = bisect_left(ss, c)
-                if lo < len(ss) and ss[lo] == c:
-                    hi = bisect_left(ss, c + int(ix.sub_size[c]))
-                    stack.append((ss[lo:hi], x, False))
     # children of a cut atom must hang below the piece holding their parent segment
     seg_atom: Dict[int, int] = {}
     for x in range(len(out)):
@@ -200,8 +241,7 @@ def _cut(ix: ForestIndex, model: CostModel, atoms: Atoms, threshold: float) -> A
             seg_atom[s] = x
     for x in range(len(out)):
         if out.parent[x] >= 0 and not out.rec[x]:
-            p = ix.parent[out.segs[x][0]]
-            out.parent[x] = seg_atom[p]
+            out.parent[x] = seg_atom[par[out.segs[x][0]]]
     return out
 
 
@@ -491,12 +531,110 @@ def _compact(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, mem
         members_all.pop()
 
 
-def _score(loads_all) -> Tuple[float, float]:
-    """(step efficiency, mean slot balance) of a fill, by estimated loads."""
-    means = sum(sum(l) / len(l) for l in loads_all)
-    maxes = sum(max(l) for l in loads_all)
-    bal = [sum(l) / len(l) / max(l) for l in loads_all if max(l) > 0]
-    return (means / maxes if maxes > 0 else 1.0, float(np.mean(bal)) if bal else 1.0)
+def _shift(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, members_all,
+           M: int, extra, sweeps: int = 8) -> bool:
+    """Move single atoms between adjacent slots (and between microbatches of one slot) while
+    the sum of squared microbatch loads drops: every move takes work from a microbatch to one
+    lighter by more than the atom's cost, so loads even out across slots and replicas.
+    Returns whether anything moved.
+
+    *Down*: an atom of slot ``k`` with no child in slot ``k`` goes to slot ``k + 1``, into the
+    microbatch holding its children there (all in one) or, when it has none there, into any
+    one; its parent stays earlier.  *Up*: an atom of slot ``k`` whose parent sits in an earlier
+    slot goes to slot ``k - 1``: into its parent's microbatch when the parent is in slot
+    ``k - 1``, else into any one; its children in slot ``k`` then read it from there.
+    *Across*: an atom without children in its slot whose parent is in an earlier slot goes to
+    another microbatch of the same slot.  Children stay later or local, the row
+    budget is kept, and atoms whose placement recomputes ancestors (``extra``) stay.  This is
+    what balances batches with few slots, where the last slot's whole subtrees are too coarse
+    for the fill alone.  Idle entries (load 0) take no work: a slot keeps its microbatches.
+    """
+    cost, rows, parent = atoms.cost, atoms.rows, atoms.parent
+    S = len(loads_all)
+    if not S or len(loads_all[0]) < 2:
+        return False
+    pinned = {a for a, segs in extra.items() if segs}
+    rws = [[sum(rows[a] for a in mem) for mem in members] for members in members_all]
+    moved = False
+    for _ in range(sweeps):
+        changed = False
+        cands = sorted(((loads_all[k][b], k, b) for k in range(S) for b in range(len(loads_all[k]))),
+                       reverse=True)
+        for _, k, src in cands:
+            for a in sorted(members_all[k][src], key=lambda x: -cost[x]):
+                if a in pinned:
+                    continue
+                ca, ra = cost[a], rows[a]
+                lsrc = loads_all[k][src]
+                local = False
+                dst_down = -1
+                down_ok = k + 1 < S
+                for c in kids[a]:
+                    if slot_of[c] == k:
+                        local = True
+                        break
+                    if slot_of[c] == k + 1:
+                        if dst_down >= 0 and mb_of[c] != dst_down:
+                            down_ok = False
+                        dst_down = mb_of[c]
+                p = parent[a]
+                ps = slot_of[p] if p >= 0 else -1
+                best, best_gain = None, 1e-12 * max(1.0, lsrc)
+                for j in (k + 1, k - 1, k):
+                    if j < 0 or j >= S:
+                        continue
+                    if j > k:
+                        if not down_ok or local:
+                            continue
+                        only = dst_down
+                    elif j < k:  # local children then read it from slot j
+                        if ps >= k:
+                            continue
+                        only = mb_of[p] if ps == j else -1
+                    else:
+                        if ps >= k or local:
+                            continue  # same slot: only a leaf of the slot whose parent is earlier
+                        only = -1
+                    lj = loads_all[j]
+                    for b in ((only,) if only >= 0 else range(len(lj))):
+                        if (j == k and b == src) or lj[b] <= 0 or rws[j][b] + ra > M:
+                            continue
+                        gain = lsrc - lj[b] - ca  # half the drop of the sum of squares
+                        if gain > best_gain:
+                            best, best_gain = (j, b), gain
+                if best is None:
+                    continue
+                j, dst = best
+                members_all[k][src].remove(a)
+                members_all[j][dst].append(a)
+                loads_all[k][src] -= ca
+                loads_all[j][dst] += ca
+                rws[k][src] -= ra
+                rws[j][dst] += ra
+                slot_of[a], mb_of[a] = j, dst
+                extra.pop(a, None)  # its parent now runs in an earlier slot or next to it
+                moved = changed = True
+                if loads_all[k][src] <= 0:
+                    break
+        if not changed:
+            break
+    return moved
+
+
+def _score(loads_all, overhead: float = 0.0) -> Tuple[float, float]:
+    """(step efficiency, mean slot balance) of a fill, by estimated loads; every microbatch
+    with work also pays ``overhead`` (the per-microbatch terms the atom costs leave out)."""
+    means = maxes = 0.0
+    bal = []
+    for l in loads_all:
+        l = [x + overhead if x > 0 else 0.0 for x in l]
+        mx = max(l)
+        mean = sum(l) / len(l)
+        means += mean
+        maxes += mx
+        if mx > 0:
+            bal.append(mean / mx)
+    return (means / maxes if maxes > 0 else 1.0, sum(bal) / len(bal) if bal else 1.0)
 
 
 def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = None,
@@ -518,12 +656,13 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     dp, M = l1.num_replicas, l1.row_budget
     mpr = model.chunk_size if min_producer_rows is None else int(min_producer_rows)
     base, _ = build_atoms(ix, l1, model, mpr)
+    sc = _SegCosts(ix, model)
     for a in range(len(base)):
-        base.rows[a], base.cost[a] = _atom_cost(ix, model, base.segs[a], base.rec[a], base.parent[a] >= 0)
+        base.rows[a], base.cost[a] = sc.atom(base.segs[a], base.rec[a], base.parent[a] >= 0)
     total_rows = sum(base.rows)
     S0 = max(1, math.ceil(math.ceil(total_rows / M) / dp))
     tau0 = sum(base.cost) / (dp * S0)
-    atoms = _cut(ix, model, base, granularity * tau0)
+    atoms = _cut(ix, sc, base, granularity * tau0)
     kids = atoms.children()
     tree_cost = np.zeros(ix.num_trees)
     np.add.at(tree_cost, np.asarray(atoms.tree, dtype=np.int64), np.asarray(atoms.cost))
@@ -548,17 +687,42 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         return segs, r, cost
 
     best = None
-    for S in range(S0, S0 + 1 + max(0, extra_slots)):
-        slot_of, mb_of, loads_all, members_all, extra = _fill(atoms, kids, dp, M, S, tree_rank, recompute)
+    # few microbatches of work per replica (at most FEW_SLOTS slots): the last slot's whole
+    # subtrees are coarse against a slot, so the fill is tried with several slot targets
+    # (tolerance, reserve) and cross-slot moves; the best estimated step efficiency wins
+    few = dp > 1 and S0 <= FEW_SLOTS
+    overhead = c.microbatch + c.kda_call
+
+    def attempt(S, eps, reserve):
+        nonlocal best
+        slot_of, mb_of, loads_all, members_all, extra = _fill(atoms, kids, dp, M, S, tree_rank, recompute,
+                                                              eps=eps, reserve=reserve)
         _compact(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra)
         _rebalance(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra)
-        score = _score(loads_all)
+        score = _score(loads_all, overhead)
+        if few:  # cross-slot moves, kept only when they improve the fill's score
+            trial = (list(slot_of), list(mb_of), [list(x) for x in loads_all],
+                     [[list(m) for m in x] for x in members_all], dict(extra))
+            if _shift(atoms, kids, *trial[:4], M, trial[4]):
+                _rebalance(atoms, kids, *trial[:4], M, trial[4])
+                if _score(trial[2], overhead) > score:
+                    slot_of, mb_of, loads_all, members_all, extra = trial
+                    score = _score(loads_all, overhead)
         key = (score[0], -len(loads_all))
         if best is None or key > best[0]:
-            best = (key, slot_of, mb_of, members_all, extra)
-        if len(loads_all) <= S:
+            best = (key, slot_of, mb_of, members_all, extra, S)
+        return len(loads_all)
+
+    for S in range(S0, S0 + 1 + max(0, extra_slots)):
+        if attempt(S, *FILL_VARIANTS[0]) <= S:
             break  # more slots would only spread the same work thinner
-    _, slot_of, mb_of, members_all, extra = best
+    if few:
+        # few microbatches of work per replica: the last slot's whole subtrees are coarse
+        # against a slot, so the best slot count is filled again with other slot targets
+        S_best = best[5]
+        for eps, reserve in FILL_VARIANTS[1:]:
+            attempt(S_best, eps, reserve)
+    _, slot_of, mb_of, members_all, extra, _ = best
     groups, placement = [], []
     for k, members in enumerate(members_all):
         for b, mem in enumerate(members):
