@@ -5,9 +5,10 @@ For each rollout scheme (SWE-like synthetic Tree-Step and Step-wise rollouts), t
 batch of trajectories is trained by the same Kimi-Linear-shaped model (bf16, KDA:MLA 3:1, MoE)
 through the training driver (``training.trainer.Trainer``, i.e. exactly what
 ``pretrain_tree_gpt.py`` runs): forward + backward + optimizer step per iteration, the same
-flags except ``--tree-sharing`` (``within`` or ``windows`` for tree mode, ``off`` for expanded;
-same ``--tree-microbatch-tokens`` budget).  Both runs start from the same initial weights (same
-seed).  Reported per scheme and mode: step time (median of the timed iterations after
+flags except ``--tree-sharing`` (``off`` for expanded; for tree mode each of ``--tree-sharing``'s
+modes: ``within``, L1 plans with sharing inside microbatches, and/or ``windows``, L1+L2 plans
+with producer/consumer windows across microbatches; same ``--tree-microbatch-tokens`` budget).
+All runs start from the same initial weights (same seed).  Reported per scheme and mode: step time (median of the timed iterations after
 warm-up), update throughput (trajectory tokens per second), rows computed, within-microbatch
 compression (trajectory tokens / rows computed), KDA calls (summed over microbatches),
 peak memory, MFU (executed dense FLOPs / (time x peak)), and the speedup; plus, for tree mode,
@@ -135,7 +136,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="h200", choices=sorted(PRESETS))
     ap.add_argument("--schemes", nargs="+", default=["tree-step", "step-wise"], choices=["tree-step", "step-wise"])
-    ap.add_argument("--tree-sharing", default="within", choices=["within", "windows"])
+    ap.add_argument("--tree-sharing", nargs="+", default=["within"], choices=["within", "windows"],
+                    help="tree modes to run beside expanded, same run (within: L1 plans, sharing inside "
+                         "microbatches; windows: L1+L2 plans with producer/consumer windows)")
     ap.add_argument("--num-tasks", type=int, default=4, help="rollout tasks per scheme (trees)")
     ap.add_argument("--max-tokens", type=int, default=16384, help="trajectory length cap")
     ap.add_argument("--microbatch-tokens", type=int, default=32768)
@@ -172,34 +175,39 @@ def main(argv=None):
             "nccl" if a.device == "cuda" else "gloo", "--tree-kda-backend", a.kda_backend,
             "--tree-attention-backend", a.attention_backend]
         row = {"forest": forest.stats()}
-        for sharing in (a.tree_sharing, "off"):
+        for sharing in [*a.tree_sharing, "off"]:
             argv_mode = common + ["--tree-sharing", sharing]
             times, metrics, peak, plan = run_mode(argv_mode, forest, a.iters, a.warmup, a.device)
             t = statistics.median(times)
             m = metrics[-1]
             flops = step_flops(p, m["computed_tokens"], visible_pairs(plan))
             peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in results["machine"]["device"]), None)
-            row["tree" if sharing != "off" else "expanded"] = {
-                "sharing": sharing, "step_seconds": t, "step_seconds_all": times,
+            row[f"tree_{sharing}" if sharing != "off" else "expanded"] = {
+                "sharing": sharing, "planner": plan.planner, "step_seconds": t, "step_seconds_all": times,
                 "trajectory_tokens_per_s": m["trajectory_tokens"] / t, "rows_computed": m["computed_tokens"],
                 "compression": m["compression"], "kda_calls": m["kda_calls"], "microbatches": m["microbatches"],
+                "windows": m["windows"], "peak_export_bytes": m["peak_export_bytes"],
                 "peak_memory_gib": peak, "loss": m["loss"],
                 "mfu": flops / (t * peak_flops) if peak_flops else None}
-        tree, exp = row["tree"], row["expanded"]
-        row["speedup"] = exp["step_seconds"] / tree["step_seconds"]
-        row["speedup_over_compression"] = row["speedup"] / tree["compression"]
+        exp = row["expanded"]
+        for sharing in a.tree_sharing:
+            tree = row[f"tree_{sharing}"]
+            tree["speedup"] = exp["step_seconds"] / tree["step_seconds"]
+            tree["speedup_over_compression"] = tree["speedup"] / tree["compression"]
         from megatron_harts.planner.baselines import harts, per_depth_bucketing
         harts_calls = harts(forest.seg_parent, forest.seg_start, forest.seg_length, 64)
         bucket = per_depth_bucketing(forest.seg_parent, forest.seg_start, forest.seg_length, 64)
         row["kda_calls_per_layer_whole_forest"] = {"harts": harts_calls, "per_depth_bucketing": bucket}
         if not a.no_cosine:
-            row.update(logit_cosine(common + ["--tree-sharing", a.tree_sharing], forest, a.device))
+            row.update(logit_cosine(common + ["--tree-sharing", a.tree_sharing[0]], forest, a.device))
         results["schemes"][scheme] = row
-        print(f"{scheme}: compression {tree['compression']:.2f}x | tree {tree['step_seconds']:.2f}s "
-              f"({tree['trajectory_tokens_per_s']:.0f} tok/s, peak {tree['peak_memory_gib']}) | expanded "
-              f"{exp['step_seconds']:.2f}s ({exp['trajectory_tokens_per_s']:.0f} tok/s, peak {exp['peak_memory_gib']})"
-              f" | speedup {row['speedup']:.2f}x ({row['speedup_over_compression']:.2f} of compression)"
-              f" | cosine {row.get('logit_cosine')}", flush=True)
+        modes = " | ".join(
+            f"{s} ({row[f'tree_{s}']['planner']}): compression {row[f'tree_{s}']['compression']:.2f}x, "
+            f"{row[f'tree_{s}']['step_seconds']:.2f}s ({row[f'tree_{s}']['trajectory_tokens_per_s']:.0f} tok/s, "
+            f"peak {row[f'tree_{s}']['peak_memory_gib']}), speedup {row[f'tree_{s}']['speedup']:.2f}x "
+            f"({row[f'tree_{s}']['speedup_over_compression']:.2f} of compression)" for s in a.tree_sharing)
+        print(f"{scheme}: {modes} | expanded {exp['step_seconds']:.2f}s ({exp['trajectory_tokens_per_s']:.0f} "
+              f"tok/s, peak {exp['peak_memory_gib']}) | cosine {row.get('logit_cosine')}", flush=True)
         with open(out, "w") as f:          # after every scheme: a cut-short run keeps what it measured
             json.dump(results, f, indent=2, default=float)
     if a.json:

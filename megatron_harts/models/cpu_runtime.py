@@ -33,6 +33,7 @@ import contextlib
 import os
 import socket
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -185,11 +186,13 @@ def _start_world(backend: str) -> bool:
 
 
 @contextlib.contextmanager
-def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234, init_world: bool = True):
+def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234, init_world: bool = True,
+                         etp: Optional[int] = None):
     """megatron-core on CPU for the block (module docstring); yields the CPU RNG tracker.
 
     With ``init_world`` a gloo world of one process is created when none exists (and destroyed
     on exit); multi-process callers create their world themselves and pass ``init_world=False``.
+    ``etp``: expert tensor-parallel size (megatron's default: ``tp``).
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
@@ -236,7 +239,8 @@ def megatron_cpu_runtime(tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234
         if init_world:
             created_world = _start_world("gloo")
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp)
         groups = True
         torch.manual_seed(seed)
         yield tracker

@@ -60,7 +60,7 @@ dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linea
 ``linear_head_dim``, ``data_path`` (one string, or None), ``tree_sharing``, ``tree_mode``
 (sharing != off), ``tree_planner`` (resolved), ``tree_microbatch_tokens`` (resolved),
 ``tree_chunk_size``, ``no_tree_replay`` / ``tree_replay`` (its negation), ``tree_kda_backend``, ``tree_attention_backend`` (maybe
-``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``, ``tree_cost_calibration``,
+``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``, ``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``,
 ``tree_dataset_shuffle``, ``rl_objective``, ``clip_ratio_low``, ``clip_ratio_high``,
 ``kl_coef``, ``entropy_coef``, ``loss_agg_mode`` (``objective_kwargs`` gathers the last six).
 Resolved like Megatron-LM does: ``ffn_hidden_size``, ``moe_ffn_hidden_size``,
@@ -389,7 +389,7 @@ OWN_FLAGS = frozenset({
     "--no-tree-replay", "--tree-kda-backend", "--tree-attention-backend", "--tree-plan-report",
     "--tree-cost-calibration", "--tree-dataset-shuffle", "--no-tree-dataset-shuffle",
     "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
-    "--loss-agg-mode", "--tree-pp-schedule",
+    "--loss-agg-mode", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
 })
 
 # ---------------------------------------------------------------------------------------------
@@ -934,6 +934,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "window drained before the next)")
     ts.add_argument("--tree-plan-report", default=None, metavar="PATH",
                     help="append each step's plan metrics to this file (one JSON object per line)")
+    ts.add_argument("--tree-logit-probe", default=None, metavar="DIR",
+                    help="write the logits of a fixed sample of the first global batch's target tokens before "
+                         "the first step and after the last (DIR/iter_N/rank_R.pt), for comparing runs with "
+                         "tools/compare_runs.py (fidelity across modes and parallel layouts)")
+    ts.add_argument("--tree-logit-probe-tokens", type=_POSINT, default=1024,
+                    help="about how many target tokens the logit probe samples (default 1024)")
     ts.add_argument("--tree-cost-calibration", default=None, metavar="PATH",
                     help="microbatch cost-model calibration (JSON, tools' save_calibration) the planner uses; "
                          "its chunk_size must equal --tree-chunk-size")
@@ -976,7 +982,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return p
 
 
-_PATH_DESTS = {"save", "load", "tensorboard_dir", "data_path", "tree_plan_report", "tree_cost_calibration"}
+_PATH_DESTS = {"save", "load", "tensorboard_dir", "data_path", "tree_plan_report", "tree_cost_calibration",
+               "tree_logit_probe"}
 
 
 def _set_metavars(parser: argparse.ArgumentParser) -> None:
@@ -1292,6 +1299,12 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
         parent = os.path.dirname(os.path.abspath(args.tree_plan_report))
         if not os.path.isdir(parent):
             _fail(f"--tree-plan-report {args.tree_plan_report}: directory {parent} does not exist")
+    if args.tree_logit_probe is not None:
+        parent = os.path.dirname(os.path.abspath(args.tree_logit_probe))
+        if not os.path.isdir(parent):
+            _fail(f"--tree-logit-probe {args.tree_logit_probe}: directory {parent} does not exist")
+        if os.path.exists(args.tree_logit_probe) and not os.path.isdir(args.tree_logit_probe):
+            _fail(f"--tree-logit-probe {args.tree_logit_probe}: exists and is not a directory")
     if args.tree_cost_calibration is not None:
         cost_model(args)    # read and check now, before any process group starts
 

@@ -47,7 +47,8 @@ from ..schedules.pipeline import SCHEDULES as PP_SCHEDULES, forward_backward_pip
 from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forward_backward_windows,
                                  windowed_microbatches)
 
-__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "replica_microbatches", "train_step", "StepResult"]
+__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "replica_microbatches", "run_schedule", "train_step",
+           "StepResult"]
 
 SHARING_MODES = ("off", "within", "windows")
 PLANNERS = ("l1", "l1l2", "ffd", "ortools")
@@ -242,6 +243,21 @@ def _all_reduce_sum(values: List[float], device) -> List[float]:
     return t.tolist()
 
 
+def run_schedule(model, items: List[WindowedMicrobatch], forward_step_func: Callable, settings: SharingSettings, *,
+                 forward_only: bool = False, window_stats: Optional[Dict[str, Any]] = None) -> List[Any]:
+    """Run this replica's microbatches ``items`` on this rank's model chunk through the schedule of the
+    run: the sharing-window schedule, or with pipeline size > 1 ``settings.pp_schedule``."""
+    from megatron.core import parallel_state
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        return forward_backward_pipelining_windows(forward_step_func=forward_step_func, data_iterator=iter(items),
+                                                   model=model, num_microbatches=len(items),
+                                                   forward_only=forward_only, window_stats=window_stats,
+                                                   schedule=settings.pp_schedule)
+    return forward_backward_windows(forward_step_func=forward_step_func, data_iterator=iter(items), model=model,
+                                    num_microbatches=len(items), forward_only=forward_only,
+                                    window_stats=window_stats)
+
+
 def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: SharingSettings,
                objective: ObjectiveConfig, iteration: int, device, plan_seconds: float = 0.0) -> StepResult:
     """Run one optimizer step of the global batch ``forest`` planned as ``plan`` (module docstring)."""
@@ -268,13 +284,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     last = parallel_state.is_pipeline_last_stage()
     with ddp.no_sync():
-        if pp > 1:
-            forward_backward_pipelining_windows(forward_step_func=step_fn, data_iterator=iter(items), model=ddp,
-                                                num_microbatches=len(items), window_stats=window_stats,
-                                                schedule=settings.pp_schedule)
-        else:
-            forward_backward_windows(forward_step_func=step_fn, data_iterator=iter(items), model=ddp,
-                                     num_microbatches=len(items), window_stats=window_stats)
+        run_schedule(ddp, items, step_fn, settings, window_stats=window_stats)
     # the objective's terms are known on the last pipeline stage: every rank logs the same numbers
     term_names = objective_term_names(objective) if pp > 1 else sorted(counters["terms"])
     rows = sum(int(mb.layout.num_rows) for mb in items)

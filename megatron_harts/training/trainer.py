@@ -102,6 +102,8 @@ class Trainer:
         self.last_saved: Optional[int] = None
         self._tb = None
         self._signal = None
+        self._probe_batch = None
+        self._probed_at: Optional[int] = None
         try:
             self.device, backend = _device_and_backend(args)
             if self.device.type == "cpu" and args.use_distributed_optimizer:
@@ -155,7 +157,8 @@ class Trainer:
         tp, pp, ep = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.expert_model_parallel_size
         if self.device.type == "cpu":
             from ..models.cpu_runtime import megatron_cpu_runtime
-            self._stack.enter_context(megatron_cpu_runtime(tp=tp, ep=ep, pp=pp, seed=a.seed, init_world=False))
+            self._stack.enter_context(megatron_cpu_runtime(tp=tp, ep=ep, pp=pp, seed=a.seed, init_world=False,
+                                                                 etp=a.expert_tensor_parallel_size))
             return
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -201,6 +204,9 @@ class Trainer:
         """One iteration from the loader: next planned global batch, one optimizer step; its metrics."""
         loader = self.loader or self.open_loader()
         batch = next(loader)
+        if self.args.tree_logit_probe and self._probe_batch is None:
+            self._probe_batch = batch
+            self.probe()
         result = self._run_step(batch.forest, batch.plan, batch.plan_seconds)
         self.iteration += 1
         self.data_state = loader.state_dict()
@@ -221,13 +227,31 @@ class Trainer:
                 saved = True
             reason = self._exit_reason(started)
             if reason:
+                self._final_probe()
                 if a.save and not saved:
                     self.save()
                 self._log(f"exiting at iteration {self.iteration}: {reason}")
                 return last
+        self._final_probe()
         if a.save and self.last_saved != self.iteration:
             self.save()
         return last
+
+    def probe(self) -> None:
+        """Write the logit probe of the first global batch at the current iteration (``--tree-logit-probe``;
+        collective; training/probe.py says what it holds)."""
+        from .probe import probe_logits, write_probe
+        b = self._probe_batch
+        captured = probe_logits(self.model, b.forest, b.plan, self.settings, device=self.device,
+                                max_tokens=self.args.tree_logit_probe_tokens)
+        write_probe(self.args.tree_logit_probe, self.iteration, captured)
+        dist.barrier()
+        self._probed_at = self.iteration
+        self._log(f"logit probe of iteration {self.iteration}: {self.args.tree_logit_probe}")
+
+    def _final_probe(self) -> None:
+        if self._probe_batch is not None and self._probed_at != self.iteration:
+            self.probe()
 
     def _exit_reason(self, started: float) -> Optional[str]:
         a = self.args

@@ -1,0 +1,372 @@
+#!/usr/bin/env python3
+"""Fidelity and throughput of tree mode under each parallel configuration (issue 11).
+
+For every configuration (``--configs``), with the training driver (pretrain_tree_gpt.py through
+torch.distributed.run, ``--nproc`` processes) on the same SWE-like data and initial weights:
+
+- ``expanded``: expanded training (``--tree-sharing off``), and ``expanded_rerun``: the same run
+  again (the self-rerun baseline: what a run differs from itself);
+- ``tree``: tree mode (``windows``; ``within`` where expert parallelism refuses windows), and
+  ``tree_recompute``: the same with full activation recomputation;
+- pipeline configurations also run tree mode under the other two window schedules
+  (``--tree-pp-schedule overlap`` and ``non-overlap``) and compare their tokens/s with the
+  schedule simulator's prediction for the same plans (schedules/simulator.py, the planner's
+  default cost model).
+
+Each run logs per-iteration metrics (``--tree-plan-report``) and a logit probe of the first
+global batch before the first step and after the last (``--tree-logit-probe``).  Against
+``expanded``: mean token-wise logit cosine at both probes, absolute loss difference per
+iteration, and each run's median step throughput.  Targets: tree cosine no more than 1e-5 below
+the rerun's, |loss difference| < 2e-4.  MoE auxiliary losses are off (load balancing through the
+router's expert bias): megatron defines them per microbatch, so they differ with the packing and
+no two packings of one batch give the same loss (shared/DESIGN.md invariant 1).
+
+Results: one JSON per configuration, ``OUT/multi_gpu_<preset>_<config>.json``, and a table.
+
+    python benchmarks/validate_parallel.py --preset cpu-tiny --nproc 2 --out out/validate      # CPU, gloo, fp64
+    python benchmarks/validate_parallel.py --preset h200 --nproc 2 --configs dp tp-sp --out benchmarks/results/x
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_harts.cli import CliError, run  # noqa: E402
+from megatron_harts.training.compare import ProbeError, compare_runs, read_report, throughput  # noqa: E402
+
+COSINE_SLACK, LOSS_TOLERANCE = 1e-5, 2e-4
+
+PRESETS = {
+    # the examples/cpu_tiny.sh model in fp64 on gloo
+    "cpu-tiny": dict(
+        model="--num-layers 4 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --swiglu "
+              "--disable-bias-linear --multi-latent-attention --kv-lora-rank 32 --qk-head-dim 16 "
+              "--qk-pos-emb-head-dim 8 --v-head-dim 16 --linear-attention-freq 2 --linear-key-head-dim 16 "
+              "--linear-value-head-dim 16 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+              "--moe-shared-expert-intermediate-size 32 --moe-layer-freq ([0]+[1]*3) "
+              "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+              "--moe-router-topk-scaling-factor 2.5 --vocab-size 512 --untie-embeddings-and-output-weights "
+              "--fp64 --distributed-backend gloo --tree-chunk-size 16",
+        train="--seq-length 600 --tree-microbatch-tokens 1024 --global-batch-size 16 --lr 3e-3 --min-lr 3e-4 "
+              "--lr-decay-style cosine --lr-warmup-iters 1",
+        iters=3, probe_tokens=512,
+        data=dict(scheme="tree-step", num_tasks=12, samples_per_task=2, prompt_median=120, min_turns=2,
+                  max_turns=4, action_median=12, observation_median=24, max_leaves=6, max_tokens=600,
+                  vocab_size=512)),
+    # Kimi-Linear-shaped MoE (examples/gpu_single_kimi.sh's model), bf16, NCCL
+    "h200": dict(
+        model="--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 4096 --swiglu "
+              "--disable-bias-linear --multi-latent-attention --kv-lora-rank 256 --qk-head-dim 64 "
+              "--qk-pos-emb-head-dim 32 --v-head-dim 64 --linear-attention-freq 4 --linear-key-head-dim 64 "
+              "--linear-value-head-dim 64 --num-experts 32 --moe-router-topk 8 --moe-ffn-hidden-size 512 "
+              "--moe-shared-expert-intermediate-size 512 --moe-layer-freq ([0]+[1]*11) "
+              "--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+              "--moe-router-topk-scaling-factor 2.5 --vocab-size 32000 --untie-embeddings-and-output-weights "
+              "--bf16",
+        train="--seq-length 2048 --tree-microbatch-tokens 8192 --global-batch-size 24 --lr 1e-4 --min-lr 1e-5 "
+              "--lr-decay-style cosine --lr-warmup-iters 1",
+        iters=4, probe_tokens=512,
+        data=dict(scheme="tree-step", num_tasks=16, samples_per_task=2, max_tokens=2048, vocab_size=32000)),
+}
+COMMON = ("--clip-grad 1.0 --seed 1234 --log-interval 1 --rl-objective sft --moe-router-load-balancing-type none "
+          "--hidden-dropout 0 --attention-dropout 0")
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+CONFIGS = ("dp", "tp-sp", "ep", "tp-sp-ep", "pp")
+SCHEDULE_RUNS = {"tree_overlap": "overlap", "tree_non_overlap": "non-overlap"}
+
+
+def config_flags(name: str, nproc: int):
+    """(parallel flags, tree sharing mode) of a configuration on ``nproc`` processes, or None if it does not fit."""
+    ep = f"--expert-model-parallel-size {nproc} --moe-token-dispatcher-type alltoall"
+    table = {
+        "dp": ("", "windows", 1),
+        "tp-sp": ("--tensor-model-parallel-size 2 --sequence-parallel", "windows", 2),
+        "ep": (ep, "within", 2),
+        "tp-sp-ep": (f"--tensor-model-parallel-size 2 --sequence-parallel {ep} --expert-tensor-parallel-size 1",
+                     "within", 2),
+        "pp": ("--pipeline-model-parallel-size 2", "windows", 2),
+    }
+    flags, mode, need = table[name]
+    if nproc < need or nproc % need:
+        return None
+    return flags, mode
+
+
+def make_data(preset: dict, directory: str, py: str) -> str:
+    """Synthesize and convert the preset's rollout set once; returns the dataset prefix."""
+    prefix = os.path.join(directory, "rollouts")
+    if os.path.exists(prefix + ".idx"):
+        return prefix
+    os.makedirs(directory, exist_ok=True)
+    d = dict(preset["data"])
+    args = [py, os.path.join(ROOT, "tools", "synthesize_rollouts.py"), "--output", prefix + ".jsonl", "--seed", "0"]
+    for k, v in d.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([py, os.path.join(ROOT, "tools", "convert_trajectories.py"), "--input", prefix + ".jsonl",
+                    "--output", prefix, "--vocab-size", str(d["vocab_size"])], check=True, stdout=subprocess.DEVNULL)
+    return prefix
+
+
+def launch_config(py: str, nproc: int, port: int, runs: dict, work: str, timeout: float, backend: str) -> dict:
+    """Run one configuration's runs ``{name: flags}`` in order inside one torch.distributed.run launch
+    (:func:`worker`: one process group, one CUDA context and kernel cache for all of them), each into
+    ``work/<name>`` (report.jsonl, probe/, status.json); the launch's log is ``work/log.txt``.
+    Returns {name: {"ok", "seconds", "report", "probe", "error"?}}."""
+    if os.path.exists(work):
+        shutil.rmtree(work)
+    os.makedirs(work)
+    spec = {"backend": backend, "runs": []}
+    for name, flags in runs.items():
+        d = os.path.join(work, name)
+        spec["runs"].append({"name": name, "dir": d, "argv": flags.split() + [
+            "--tree-plan-report", os.path.join(d, "report.jsonl"), "--tree-logit-probe", os.path.join(d, "probe")]})
+    spec_path, log = os.path.join(work, "spec.json"), os.path.join(work, "log.txt")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f, indent=1)
+    cmd = [py, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+           os.path.abspath(__file__), "--worker", spec_path]
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timeout after {timeout:.0f} s"
+    with open(log) as f:
+        lines = [ln.rstrip() for ln in f if ln.strip()]
+    out = {}
+    for r in spec["runs"]:
+        d = r["dir"]
+        res = {"report": os.path.join(d, "report.jsonl"), "probe": os.path.join(d, "probe")}
+        try:
+            with open(os.path.join(d, "status.json")) as f:
+                res.update(json.load(f))
+        except (OSError, ValueError):
+            errs = [ln for ln in lines if ln.startswith("error") or "Error:" in ln]
+            res.update(ok=False, error=(errs[-3:] or lines[-5:]) + [f"launch exit {rc}; log: {log}"])
+        out[r["name"]] = res
+    return out
+
+
+def worker(spec_path: str) -> int:
+    """Inside torch.distributed.run: the spec's runs one after another, each ``Trainer(args).train()``
+    exactly as pretrain_tree_gpt.py runs it, in one process group; rank 0 writes each run's status."""
+    import logging
+    import warnings
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    warnings.filterwarnings("ignore", module=r"megatron\.core")
+    logging.getLogger("megatron.core").setLevel(logging.ERROR)
+    from megatron_harts.training.arguments import parse_args
+    from megatron_harts.training.trainer import Trainer
+    with open(spec_path) as f:
+        spec = json.load(f)
+    if spec["backend"] == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(spec["backend"], timeout=timedelta(minutes=5))
+    try:
+        for r in spec["runs"]:
+            os.makedirs(r["dir"], exist_ok=True)
+            t0 = time.time()
+            status = {"ok": True}
+            try:
+                with Trainer(parse_args(r["argv"])) as t:
+                    t.train()
+            except Exception as e:          # every rank fails alike (flags, data, plans): go on with the next run
+                status = {"ok": False, "error": [f"{type(e).__name__}: {e}"]}
+                print(f"[worker] run {r['name']} failed: {type(e).__name__}: {e}", flush=True)
+            status["seconds"] = round(time.time() - t0, 1)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                with open(os.path.join(r["dir"], "status.json"), "w") as f:
+                    json.dump(status, f)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def simulated_schedules(data_prefix: str, preset: dict, dp: int, iters: int, microbatch_tokens: int) -> dict:
+    """The simulator's tokens/s of the three window schedules on the run's plans (replica 0, 2 stages)."""
+    from megatron_harts.schedules.simulator import SCHEDULES, simulate, step_from_plan
+    from megatron_harts.training.data import TreeBatchLoader
+    from megatron_harts.training.step import SharingSettings, plan_step
+    settings = SharingSettings(sharing="windows", microbatch_tokens=microbatch_tokens, planner="l1l2")
+    gbs = int(preset["train"].split("--global-batch-size ")[1].split()[0])
+    loader = TreeBatchLoader(data_prefix, global_batch_size=gbs, seed=1234,
+                             plan_fn=lambda f: plan_step(f, settings, dp), prefetch=0)
+    total = {n: 0.0 for n in SCHEDULES}
+    try:
+        for _ in range(iters):
+            b = next(loader)
+            step = step_from_plan(b.plan, 0, forest=b.forest)
+            for n in SCHEDULES:
+                total[n] += simulate(step, 2, n).makespan
+    finally:
+        loader.close()
+    return {n: {"makespan": t, "relative_tokens_per_s": total["non-overlap"] / t} for n, t in total.items()}
+
+
+def fidelity(runs: dict) -> dict:
+    """Each run against ``expanded``: probes, loss differences, throughput; the verdicts."""
+    base = runs["expanded"]
+    out = {}
+    for name, r in runs.items():
+        if name == "expanded" or not r["ok"] or not base["ok"]:
+            continue
+        try:
+            c = compare_runs(base, r)
+        except ProbeError as e:
+            out[name] = {"error": str(e)}
+            continue
+        its = sorted(c["probes"])
+        out[name] = {"logit_cosine_start": c["probes"][its[0]]["logit_cosine_mean"],
+                     "logit_cosine_end": c["probes"][its[-1]]["logit_cosine_mean"],
+                     "logit_cosine_end_min": c["probes"][its[-1]]["logit_cosine_min"],
+                     "probe_tokens": c["probes"][its[0]]["tokens"],
+                     "loss_abs_diff_max": c["losses"]["loss_abs_diff_max"],
+                     "loss_abs_diff": c["losses"]["loss_abs_diff"]}
+    rerun = out.get("expanded_rerun", {})
+    for name, f in out.items():
+        if name == "expanded_rerun" or "error" in f or "logit_cosine_end" not in rerun:
+            continue
+        f["cosine_below_rerun"] = max(rerun["logit_cosine_start"] - f["logit_cosine_start"],
+                                      rerun["logit_cosine_end"] - f["logit_cosine_end"])
+        f["meets_cosine_target"] = f["cosine_below_rerun"] <= COSINE_SLACK
+        f["meets_loss_target"] = f["loss_abs_diff_max"] < LOSS_TOLERANCE
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), required=True, help="model, data and dtype")
+    ap.add_argument("--nproc", type=int, required=True, help="processes (GPUs) per run")
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    ap.add_argument("--out", required=True, metavar="DIR", help="results (JSON per configuration) and run folders")
+    ap.add_argument("--work", metavar="DIR", help="run folders and data (default OUT/runs)")
+    ap.add_argument("--iters", type=int, default=None, help="iterations per run (default: the preset's)")
+    ap.add_argument("--no-recompute", action="store_true", help="skip the tree run with activation recomputation")
+    ap.add_argument("--config-timeout", type=float, default=1800.0, metavar="S",
+                    help="limit per configuration, all its runs (default 1800 s)")
+    ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=29650)
+    ap.add_argument("--json", action="store_true", help="print all results as one JSON object")
+    if argv is None and "--worker" in sys.argv:       # a process of launch_config's torch.distributed.run
+        return worker(sys.argv[sys.argv.index("--worker") + 1])
+    a = ap.parse_args(argv)
+    if a.nproc < 1:
+        raise CliError(f"--nproc must be >= 1, got {a.nproc}")
+    preset = PRESETS[a.preset]
+    iters = a.iters or preset["iters"]
+    if iters < 1:
+        raise CliError(f"--iters must be >= 1, got {iters}")
+    py = sys.executable
+    backend = "nccl" if "gloo" not in preset["model"] else "gloo"
+    work = a.work or os.path.join(a.out, "runs")
+    os.makedirs(a.out, exist_ok=True)
+    data = make_data(preset, os.path.join(work, "data"), py)
+    mbt = int(preset["train"].split("--tree-microbatch-tokens ")[1].split()[0])
+    base = f"{preset['model']} {preset['train']} {COMMON} --train-iters {iters} " \
+           f"--tree-logit-probe-tokens {preset['probe_tokens']} --data-path {data}"
+    env = {"versions": _versions(), "machine": platform.node(), "preset": a.preset, "nproc": a.nproc,
+           "iters": iters}
+    results, port = {}, a.port
+    for cfg in a.configs:
+        got = config_flags(cfg, a.nproc)
+        if got is None:
+            results[cfg] = {"config": cfg, "skipped": f"does not fit {a.nproc} processes"}
+            continue
+        par, tree_mode = got
+        plan = {"expanded": "--tree-sharing off", "expanded_rerun": "--tree-sharing off",
+                "tree": f"--tree-sharing {tree_mode}"}
+        if not a.no_recompute:
+            plan["tree_recompute"] = f"--tree-sharing {tree_mode} {RECOMPUTE}"
+        if cfg == "pp":
+            plan.update({k: f"--tree-sharing windows --tree-pp-schedule {v}" for k, v in SCHEDULE_RUNS.items()})
+        port += 1
+        runs = launch_config(py, a.nproc, port, {n: f"{base} {par} {m}" for n, m in plan.items()},
+                             os.path.join(work, cfg), a.config_timeout, backend)
+        for name, r in runs.items():
+            if r["ok"]:
+                r["throughput"] = throughput(read_report(r["report"]))
+            status = "ok" if r["ok"] else "FAILED: " + " | ".join(r["error"])
+            print(f"[{cfg}] {name}: {status} ({r.get('seconds', '-')} s)", file=sys.stderr, flush=True)
+        res = {"config": cfg, "parallel_flags": par, "tree_sharing": tree_mode, **env,
+               "runs": {k: {kk: vv for kk, vv in v.items() if kk not in ("report", "probe")} for k, v in runs.items()},
+               "fidelity": fidelity(runs)}
+        if cfg == "pp" and all(runs[k]["ok"] for k in ("tree", *SCHEDULE_RUNS)):
+            dp = a.nproc // 2
+            sim = simulated_schedules(data, preset, dp, iters, mbt)
+            measured = {"consumer-1f1b": runs["tree"], "overlap": runs["tree_overlap"],
+                        "non-overlap": runs["tree_non_overlap"]}
+            ref = measured["non-overlap"]["throughput"]["trajectory_tokens_per_s"]
+            res["pp_schedules"] = {n: {"tokens_per_s": m["throughput"]["trajectory_tokens_per_s"],
+                                       "relative_to_non_overlap": m["throughput"]["trajectory_tokens_per_s"] / ref,
+                                       "simulated_relative_to_non_overlap": sim[n]["relative_tokens_per_s"]}
+                                   for n, m in measured.items()}
+        results[cfg] = res
+        with open(os.path.join(a.out, f"multi_gpu_{a.preset}_{cfg}.json"), "w") as f:
+            json.dump(res, f, indent=2, sort_keys=True)
+    if a.json:
+        print(json.dumps(results, indent=2, sort_keys=True))
+    else:
+        print_summary(results)
+    return 0
+
+
+def print_summary(results: dict) -> None:
+    print(f"{'config':9s} {'run':16s} {'1-cos start':>12s} {'1-cos end':>12s} {'below rerun':>11s} "
+          f"{'max |dloss|':>11s} {'traj tok/s':>10s} {'targets':>8s}")
+    for cfg, res in results.items():
+        if "skipped" in res:
+            print(f"{cfg:9s} skipped: {res['skipped']}")
+            continue
+        for name, r in res["runs"].items():
+            f = res["fidelity"].get(name, {})
+            tps = f"{r['throughput']['trajectory_tokens_per_s']:.0f}" if r.get("ok") else "failed"
+            if "logit_cosine_start" in f:
+                verdict = "-" if "meets_cosine_target" not in f else \
+                    ("met" if f["meets_cosine_target"] and f["meets_loss_target"] else "MISSED")
+                print(f"{cfg:9s} {name:16s} {1 - f['logit_cosine_start']:12.3e} {1 - f['logit_cosine_end']:12.3e} "
+                      f"{f.get('cosine_below_rerun', float('nan')):11.2e} {f['loss_abs_diff_max']:11.3e} "
+                      f"{tps:>10s} {verdict:>8s}")
+            else:
+                print(f"{cfg:9s} {name:16s} {'':12s} {'':12s} {'':11s} {'':11s} {tps:>10s} "
+                      f"{f.get('error', '') if f else ''}")
+        for n, s in res.get("pp_schedules", {}).items():
+            print(f"{cfg:9s} schedule {n:13s}: {s['tokens_per_s']:.0f} tok/s, {s['relative_to_non_overlap']:.3f}x "
+                  f"non-overlap (simulated {s['simulated_relative_to_non_overlap']:.3f}x)")
+
+
+def _versions() -> dict:
+    import torch
+    v = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import megatron.core
+        v["megatron_core"] = megatron.core.__version__
+    except Exception:
+        pass
+    try:
+        import fla
+        v["fla"] = getattr(fla, "__version__", "?")
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        v["gpu"] = torch.cuda.get_device_name(0)
+        v["gpus"] = torch.cuda.device_count()
+    return v
+
+
+if __name__ == "__main__":
+    run(main)
