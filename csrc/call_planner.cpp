@@ -303,13 +303,106 @@ py::dict plan_calls(I64Array parent, I64Array start, I64Array length, i64 chunk_
     return d;
 }
 
+// Calls, replay tokens and external rows of one microbatch: the segments ``computed`` (sorted
+// forest ids) of a forest given by parent/start/length.  Mirrors CostModel.kda / features in
+// megatron_harts/planner/cost_model.py: a computed segment whose parent is not computed starts
+// at path position p from a producer's boundary state at a = floor(p/B)*B; it is planned as a
+// root with a virtual parent of p - a tokens (replay), and positions below it are shifted by a
+// (a multiple of B: every chunk boundary is kept).  External rows: the rows of the distinct
+// ancestors of computed segments that are not computed themselves.
+py::tuple microbatch_kda(I64Array parent, I64Array start, I64Array length, I64Array computed,
+                         i64 chunk_size) {
+    if (chunk_size < 1) {
+        throw py::value_error("chunk_size must be >= 1, got " + std::to_string(chunk_size));
+    }
+    const i64 n = parent.shape(0);
+    if (parent.ndim() != 1 || start.ndim() != 1 || length.ndim() != 1 || computed.ndim() != 1 ||
+        start.shape(0) != n || length.shape(0) != n) {
+        throw py::value_error("parent, start and length must be 1-D arrays of one size, computed 1-D");
+    }
+    const i64 m = computed.shape(0);
+    const i64* gp = parent.data();
+    const i64* gs = start.data();
+    const i64* gl = length.data();
+    const i64* cs = computed.data();
+    for (i64 j = 0; j < m; ++j) {
+        if (cs[j] < 0 || cs[j] >= n || (j && cs[j] <= cs[j - 1])) {
+            throw py::value_error("computed must hold sorted, distinct segment ids in [0, " +
+                                  std::to_string(n) + ")");
+        }
+    }
+    i64 calls = 0, replay = 0, external = 0;
+    {
+        py::gil_scoped_release release;
+        const i64 B = chunk_size;
+        std::vector<i64> par, st, ln, where(m), shift(m);
+        par.reserve(2 * m);
+        st.reserve(2 * m);
+        ln.reserve(2 * m);
+        i64 extra = 0;
+        auto local = [&](i64 seg) -> i64 {  // index in computed, or -1
+            const i64* it = std::lower_bound(cs, cs + m, seg);
+            return (it != cs + m && *it == seg) ? static_cast<i64>(it - cs) : -1;
+        };
+        std::vector<i64> seen;  // external ancestors already counted (sorted on demand)
+        for (i64 j = 0; j < m; ++j) {
+            const i64 s = cs[j];
+            const i64 p = gp[s];
+            const i64 jp = p >= 0 ? local(p) : -1;
+            i64 a;
+            if (jp >= 0) {
+                a = shift[jp];
+                par.push_back(where[jp]);
+                st.push_back(gs[s] - a);
+            } else {
+                const i64 p0 = gs[s];
+                a = align_down(p0, B);
+                if (p0 > a) {
+                    par.push_back(-1);
+                    st.push_back(0);
+                    ln.push_back(p0 - a);
+                    extra += p0 - a;
+                    par.push_back(static_cast<i64>(par.size()) - 1);
+                    st.push_back(p0 - a);
+                } else {
+                    par.push_back(-1);
+                    st.push_back(0);
+                }
+                for (i64 x = p; x >= 0; x = gp[x]) {  // external ancestors, each once
+                    if (local(x) >= 0) break;
+                    auto it = std::lower_bound(seen.begin(), seen.end(), x);
+                    if (it != seen.end() && *it == x) break;
+                    seen.insert(it, x);
+                    external += gl[x];
+                }
+            }
+            shift[j] = a;
+            ln.push_back(gl[s]);
+            where[j] = static_cast<i64>(par.size()) - 1;
+        }
+        const i64 k = static_cast<i64>(par.size());
+        check_parent_and_length(par.data(), ln.data(), k);
+        Core core = solve(par.data(), st.data(), ln.data(), k, B, true);
+        calls = core.K;
+        for (i64 i = 0; i < k; ++i) {
+            if (core.down[i].head) replay += st[i] - align_down(st[i], B);
+        }
+        replay += extra;
+    }
+    return py::make_tuple(calls, replay, external);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "megatron_harts C++ core: the KDA call planner";
+    m.doc() = "megatron_harts C++ core: the KDA call planner and the microbatch KDA cost features";
     m.def("plan_calls", &plan_calls, py::arg("parent"), py::arg("start"), py::arg("length"),
           py::arg("chunk_size"), py::arg("replay") = true,
           "Optimal KDA call plan of a forest (see megatron_harts.planner.calls.plan_calls). "
           "Returns a dict of int64 CSR arrays plus num_calls and replay_tokens; raises "
           "ValueError naming the segment and field on bad input.");
+    m.def("microbatch_kda", &microbatch_kda, py::arg("parent"), py::arg("start"), py::arg("length"),
+          py::arg("computed"), py::arg("chunk_size"),
+          "(calls, replay tokens, external rows) of the microbatch computing the sorted segment ids "
+          "`computed` of a forest (see megatron_harts.planner.cost_model.CostModel.kda).");
 }

@@ -190,6 +190,17 @@ def _kda_backend():
 _KDA = _kda_backend()
 
 
+def _microbatch_backend():
+    try:
+        from megatron_harts import _C  # compiled microbatch features, optional
+        return _C.microbatch_kda
+    except (ImportError, AttributeError):
+        return None
+
+
+_MB_KDA = _microbatch_backend()
+
+
 def _plan_calls_count(parent, start, length, B) -> Tuple[int, int]:
     """(calls, replay) of the call planner on arrays the caller built valid."""
     global _KDA
@@ -232,15 +243,32 @@ class CostModel:
         producer's boundary state at ``a = floor(p/B)*B``: it is planned as a root with a
         virtual parent of ``p - a`` tokens (the replay), which keeps every chunk boundary.
         """
+        return self._kda_external(ix, np.asarray(computed, dtype=np.int64))[:2]
+
+    def _kda_external(self, ix: ForestIndex, computed: np.ndarray) -> Tuple[int, int, int]:
+        """(calls, replay tokens, external rows) of the computed segments (sorted ids): the
+        compiled ``_C.microbatch_kda`` when built, else :meth:`_kda_python` (same numbers)."""
         if len(computed) == 0:
-            return 0, 0
+            return 0, 0, 0
+        global _MB_KDA
+        if _MB_KDA is not None:
+            try:
+                calls, replay, ext = _MB_KDA(ix.parent_arr, ix.start, ix.length, computed, self.chunk_size)
+                return int(calls), int(replay), int(ext)
+            except TypeError:  # a different compiled signature: the Python path
+                _MB_KDA = None
+        return self._kda_python(ix, computed)
+
+    def _kda_python(self, ix: ForestIndex, computed: np.ndarray) -> Tuple[int, int, int]:
+        """Reference of ``_C.microbatch_kda``: (calls, replay tokens, external rows)."""
         B = self.chunk_size
         par_g, st_g, ln_g = ix.parent, ix.start, ix.length
         where: Dict[int, int] = {}
         shift: Dict[int, int] = {}
         par, st, ln = [], [], []
         extra = 0
-        for s in computed.tolist():
+        comp = computed.tolist()
+        for s in comp:
             p = par_g[s]
             if p in where:
                 a = shift[p]
@@ -263,23 +291,23 @@ class CostModel:
             ln.append(int(ln_g[s]))
             where[s] = len(par) - 1
         calls, replay = _plan_calls_count(par, st, ln, B)
-        return calls, replay + extra
+        ext_rows = 0
+        seen = set()
+        for s in comp:
+            a = par_g[s]
+            while a >= 0 and a not in where and a not in seen:
+                seen.add(a)
+                ext_rows += int(ln_g[a])
+                a = par_g[a]
+        return calls, replay + extra, ext_rows
 
     def features(self, ix: ForestIndex, computed: np.ndarray, owned: np.ndarray) -> CostFeatures:
-        """Features of a tree-mode microbatch computing ``computed`` and owning ``owned``."""
+        """Features of a tree-mode microbatch computing ``computed`` (sorted, distinct) and
+        owning ``owned``."""
         computed = np.asarray(computed, dtype=np.int64)
         if computed.size == 0:
             return CostFeatures()
-        calls, replay = self.kda(ix, computed)
-        comp = set(computed.tolist())
-        ext_rows = 0
-        seen = set()
-        for s in computed.tolist():
-            a = ix.parent[s]
-            while a >= 0 and a not in comp and a not in seen:
-                seen.add(a)
-                ext_rows += int(ix.length[a])
-                a = ix.parent[a]
+        calls, replay, ext_rows = self._kda_external(ix, computed)
         return CostFeatures(rows=int(ix.length[computed].sum()),
                             attention_pairs=int(ix.seg_pairs[computed].sum()),
                             kda_calls=calls, replay_tokens=replay,

@@ -192,15 +192,19 @@ def _piece_cost(ix: ForestIndex, model: CostModel, piece: Piece) -> float:
 
 def balance_pieces(ix: ForestIndex, model: CostModel, pieces: List[Piece], dp: int,
                    M: int, factor: Optional[float] = None,
-                   costs: Optional[List[float]] = None) -> Tuple[List[Piece], List[float], int]:
+                   costs: Optional[List[float]] = None,
+                   memo: Optional[dict] = None) -> Tuple[List[Piece], List[float], int]:
     """Split the costliest pieces until there are at least ``K`` (a multiple of ``dp``) pieces
     and, when ``dp > 1`` and ``factor`` is given, none costs more than ``factor`` times the
     mean microbatch cost ``total / K``.
 
     A split recomputes the shared ancestors of the parts (``split_piece`` at about half the
     piece's rows), so it costs compression: it happens only where balance needs it.  Returns
-    the pieces, their costs and ``K``.
+    the pieces, their costs and ``K``.  ``memo`` (a dict shared by calls on the same forest
+    and model) keeps each split and its parts' costs: the variants of ``plan_l1`` split the
+    same pieces.
     """
+    memo = {} if memo is None else memo
     costs = list(costs) if costs is not None else [_piece_cost(ix, model, p) for p in pieces]
     K = dp * max(1, -(-_ffd_count([p[2] for p in pieces], M) // dp))
     stuck = [False] * len(pieces)
@@ -215,13 +219,18 @@ def balance_pieces(ix: ForestIndex, model: CostModel, pieces: List[Piece], dp: i
         if len(pieces) >= K and (dp == 1 or factor is None or costs[cand] <= factor * tau):
             break
         p = pieces[cand]
-        m = max(piece_depth(ix, p), -(-p[2] // 2))
-        parts = split_piece(ix, p[0], p[1], m) if m < p[2] else [p]
+        key = (tuple(p[0]), tuple(p[1]))
+        got = memo.get(key)
+        if got is None:
+            m = max(piece_depth(ix, p), -(-p[2] // 2))
+            parts = split_piece(ix, p[0], p[1], m) if m < p[2] else [p]
+            got = memo[key] = (parts, [_piece_cost(ix, model, q) for q in parts] if len(parts) >= 2 else [])
+        parts, part_costs = got
         if len(parts) < 2:
             stuck[cand] = True
             continue
         pieces[cand:cand + 1] = parts
-        costs[cand:cand + 1] = [_piece_cost(ix, model, q) for q in parts]
+        costs[cand:cand + 1] = part_costs
         stuck[cand:cand + 1] = [False] * len(parts)
     return pieces, costs, K
 
@@ -242,8 +251,9 @@ def plan_l1(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel]
         base.extend(split_tree(ix, t, M))
     base_costs = [_piece_cost(ix, model, p) for p in base]
     best = None
+    memo: dict = {}
     for factor in (SPLIT_FACTORS if dp > 1 else (None,)):
-        pieces, costs, K = balance_pieces(ix, model, list(base), dp, M, factor, base_costs)
+        pieces, costs, K = balance_pieces(ix, model, list(base), dp, M, factor, base_costs, memo)
         rows = [p[2] for p in pieces]
         bins = pack_pieces(rows, costs, dp, M, min_bins=K)
         loads = [sum(costs[i] for i in b) + (model.coefficients.microbatch if b else 0.0) for b in bins]

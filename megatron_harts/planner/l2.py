@@ -22,13 +22,15 @@ L1 microbatches).  L2
    least-loaded of the slot's ``dp`` microbatches with room for its rows and cost under the
    slot target (the remaining cost spread over the remaining slots).  Then, per slot, atoms
    move from the costliest microbatch to the cheapest while that lowers the slot maximum.
-   The number of slots tried starts at the row lower bound; the best-balanced fill is kept.
-4. *few slots* (at most ``FEW_SLOTS`` slots of work per replica, e.g. a batch of 5 microbatches
-   of work on 8 replicas): the last slot takes whole subtrees, coarse against a slot, so the
-   best slot count is filled again with other slot targets (``FILL_VARIANTS``) and each fill
-   is refined by single-atom moves between adjacent slots (``_shift``: a chain's cut between
-   its producer part and its consumer part moves up or down); the best estimated step
-   efficiency (per-microbatch overheads included) wins.
+   The number of slots tried starts at the row lower bound (at least two when trees have
+   producers and ``dp > 1``: one slot leaves a producer no consumer slot); the fill with
+   the best estimated step efficiency is kept.
+4. *few slots* (at most ``FEW_SLOTS`` slots of work per replica and ``dp > 1``, e.g. a batch of
+   5 microbatches of work on 8 replicas): the last slot takes whole subtrees, coarse against
+   a slot, and how well they pack depends on where the earlier slots cut the trees; the best
+   slot count is filled again with other slot targets (``FILL_VARIANTS``: tolerance and
+   reserve) until the estimated step efficiency (per-microbatch overheads included) reaches
+   ``GOOD_ENOUGH``; the best fill wins.
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: otherwise (tiny trees where
@@ -51,9 +53,11 @@ from .microbatch import MicrobatchPlan, assemble_plan
 
 #: (tolerance, reserve) slot targets of the fill: the first is the default; batches with at
 #: most ``FEW_SLOTS`` slots of work per replica (and dp > 1) try the others at the best slot
-#: count, with cross-slot moves (``_shift``)
+#: count (step 4 of the module docstring)
 FILL_VARIANTS = ((0.01, 0.85), (0.005, 1.0), (0.02, 1.0), (0.02, 1.2), (0.04, 0.85))
 FEW_SLOTS = 2
+#: estimated step efficiency at which the other fill targets are not tried
+GOOD_ENOUGH = 0.985
 
 __all__ = ["plan_l2", "plan_harts", "Atoms", "build_atoms"]
 
@@ -404,9 +408,18 @@ def _rebalance(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, m
     in the target microbatch; the row budget is kept."""
     cost, rows, parent = atoms.cost, atoms.rows, atoms.parent
 
+    cache: Dict[Tuple[int, int], list] = {}
+
     def groups(k, b):
+        """Local groups of microbatch ``b`` of slot ``k`` (cached until it changes)."""
+        got = cache.get((k, b))
+        if got is None:
+            got = cache[(k, b)] = _groups(k, b)
+        return got
+
+    def _groups(k, b):
         out = []
-        if any(a in extra for a in members_all[k][b]):
+        if extra and any(a in extra for a in members_all[k][b]):
             return out  # what the recomputed ancestors stop at must stay
         for a in members_all[k][b]:
             p = parent[a]
@@ -457,6 +470,8 @@ def _rebalance(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, m
                     break
             if best is None:
                 break
+            cache.pop((k, bmax), None)
+            cache.pop((k, bmin), None)
             for g, src, dst in ((best[0], bmax, bmin), (best[1], bmin, bmax)):
                 if g is None:
                     continue
@@ -531,96 +546,6 @@ def _compact(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, mem
         members_all.pop()
 
 
-def _shift(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, members_all,
-           M: int, extra, sweeps: int = 8) -> bool:
-    """Move single atoms between adjacent slots (and between microbatches of one slot) while
-    the sum of squared microbatch loads drops: every move takes work from a microbatch to one
-    lighter by more than the atom's cost, so loads even out across slots and replicas.
-    Returns whether anything moved.
-
-    *Down*: an atom of slot ``k`` with no child in slot ``k`` goes to slot ``k + 1``, into the
-    microbatch holding its children there (all in one) or, when it has none there, into any
-    one; its parent stays earlier.  *Up*: an atom of slot ``k`` whose parent sits in an earlier
-    slot goes to slot ``k - 1``: into its parent's microbatch when the parent is in slot
-    ``k - 1``, else into any one; its children in slot ``k`` then read it from there.
-    *Across*: an atom without children in its slot whose parent is in an earlier slot goes to
-    another microbatch of the same slot.  Children stay later or local, the row
-    budget is kept, and atoms whose placement recomputes ancestors (``extra``) stay.  This is
-    what balances batches with few slots, where the last slot's whole subtrees are too coarse
-    for the fill alone.  Idle entries (load 0) take no work: a slot keeps its microbatches.
-    """
-    cost, rows, parent = atoms.cost, atoms.rows, atoms.parent
-    S = len(loads_all)
-    if not S or len(loads_all[0]) < 2:
-        return False
-    pinned = {a for a, segs in extra.items() if segs}
-    rws = [[sum(rows[a] for a in mem) for mem in members] for members in members_all]
-    moved = False
-    for _ in range(sweeps):
-        changed = False
-        cands = sorted(((loads_all[k][b], k, b) for k in range(S) for b in range(len(loads_all[k]))),
-                       reverse=True)
-        for _, k, src in cands:
-            for a in sorted(members_all[k][src], key=lambda x: -cost[x]):
-                if a in pinned:
-                    continue
-                ca, ra = cost[a], rows[a]
-                lsrc = loads_all[k][src]
-                local = False
-                dst_down = -1
-                down_ok = k + 1 < S
-                for c in kids[a]:
-                    if slot_of[c] == k:
-                        local = True
-                        break
-                    if slot_of[c] == k + 1:
-                        if dst_down >= 0 and mb_of[c] != dst_down:
-                            down_ok = False
-                        dst_down = mb_of[c]
-                p = parent[a]
-                ps = slot_of[p] if p >= 0 else -1
-                best, best_gain = None, 1e-12 * max(1.0, lsrc)
-                for j in (k + 1, k - 1, k):
-                    if j < 0 or j >= S:
-                        continue
-                    if j > k:
-                        if not down_ok or local:
-                            continue
-                        only = dst_down
-                    elif j < k:  # local children then read it from slot j
-                        if ps >= k:
-                            continue
-                        only = mb_of[p] if ps == j else -1
-                    else:
-                        if ps >= k or local:
-                            continue  # same slot: only a leaf of the slot whose parent is earlier
-                        only = -1
-                    lj = loads_all[j]
-                    for b in ((only,) if only >= 0 else range(len(lj))):
-                        if (j == k and b == src) or lj[b] <= 0 or rws[j][b] + ra > M:
-                            continue
-                        gain = lsrc - lj[b] - ca  # half the drop of the sum of squares
-                        if gain > best_gain:
-                            best, best_gain = (j, b), gain
-                if best is None:
-                    continue
-                j, dst = best
-                members_all[k][src].remove(a)
-                members_all[j][dst].append(a)
-                loads_all[k][src] -= ca
-                loads_all[j][dst] += ca
-                rws[k][src] -= ra
-                rws[j][dst] += ra
-                slot_of[a], mb_of[a] = j, dst
-                extra.pop(a, None)  # its parent now runs in an earlier slot or next to it
-                moved = changed = True
-                if loads_all[k][src] <= 0:
-                    break
-        if not changed:
-            break
-    return moved
-
-
 def _score(loads_all, overhead: float = 0.0) -> Tuple[float, float]:
     """(step efficiency, mean slot balance) of a fill, by estimated loads; every microbatch
     with work also pays ``overhead`` (the per-microbatch terms the atom costs leave out)."""
@@ -655,7 +580,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         raise ValueError(f"granularity must be > 0, got {granularity}")
     dp, M = l1.num_replicas, l1.row_budget
     mpr = model.chunk_size if min_producer_rows is None else int(min_producer_rows)
-    base, _ = build_atoms(ix, l1, model, mpr)
+    base, produce = build_atoms(ix, l1, model, mpr)
     sc = _SegCosts(ix, model)
     for a in range(len(base)):
         base.rows[a], base.cost[a] = sc.atom(base.segs[a], base.rec[a], base.parent[a] >= 0)
@@ -700,20 +625,15 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         _compact(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra)
         _rebalance(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra)
         score = _score(loads_all, overhead)
-        if few:  # cross-slot moves, kept only when they improve the fill's score
-            trial = (list(slot_of), list(mb_of), [list(x) for x in loads_all],
-                     [[list(m) for m in x] for x in members_all], dict(extra))
-            if _shift(atoms, kids, *trial[:4], M, trial[4]):
-                _rebalance(atoms, kids, *trial[:4], M, trial[4])
-                if _score(trial[2], overhead) > score:
-                    slot_of, mb_of, loads_all, members_all, extra = trial
-                    score = _score(loads_all, overhead)
         key = (score[0], -len(loads_all))
         if best is None or key > best[0]:
             best = (key, slot_of, mb_of, members_all, extra, S)
         return len(loads_all)
 
-    for S in range(S0, S0 + 1 + max(0, extra_slots)):
+    # one slot leaves producers no consumer slot: with producers and replicas to spread over,
+    # start at two (a plan without producers is L1's, which the guard below keeps if better)
+    S_first = max(S0, 2) if dp > 1 and produce.any() else S0
+    for S in range(S_first, S0 + 1 + max(0, extra_slots)):
         if attempt(S, *FILL_VARIANTS[0]) <= S:
             break  # more slots would only spread the same work thinner
     if few:
@@ -721,6 +641,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         # against a slot, so the best slot count is filled again with other slot targets
         S_best = best[5]
         for eps, reserve in FILL_VARIANTS[1:]:
+            if best[0][0] >= GOOD_ENOUGH:
+                break
             attempt(S_best, eps, reserve)
     _, slot_of, mb_of, members_all, extra, _ = best
     groups, placement = [], []
