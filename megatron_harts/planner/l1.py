@@ -186,7 +186,7 @@ def pack_pieces(rows: Sequence[int], costs: Sequence[float], dp: int, M: int,
 def _piece_cost(ix: ForestIndex, model: CostModel, piece: Piece) -> float:
     """Cost of a piece without the per-microbatch overhead (additive across pieces)."""
     own = np.asarray(piece[0], dtype=np.int64)
-    comp = np.union1d(own, np.asarray(piece[1], dtype=np.int64))
+    comp = np.sort(np.concatenate((own, np.asarray(piece[1], dtype=np.int64))) if piece[1] else own)  # disjoint
     return model.cost(model.features(ix, comp, own)) - model.coefficients.microbatch
 
 

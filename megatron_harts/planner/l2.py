@@ -108,6 +108,16 @@ class _SegCosts:
         self.start = ix.start.tolist()
         self.replay = c.kda_replay_token
         self.B = model.chunk_size
+        self.sub_size = ix.sub_size.tolist()
+        self.sub_rows = ix.sub_rows.tolist()
+        # cost of every segment's whole subtree (owned): children have larger ids
+        sub_own = list(self.own)
+        par = ix.parent
+        for x in range(len(sub_own) - 1, -1, -1):
+            q = par[x]
+            if q >= 0:
+                sub_own[q] += sub_own[x]
+        self.sub_own = sub_own
 
     def atom(self, segs, rec, has_parent: bool) -> Tuple[int, float]:
         """(rows, cost) of an atom owning ``segs`` (first = root) and recomputing ``rec``."""
@@ -190,62 +200,77 @@ def _cut(ix: ForestIndex, sc: _SegCosts, atoms: Atoms, threshold: float) -> Atom
     """Step 2's granularity cuts: an atom (without recomputed segments) costing more than
     ``threshold`` and holding more than one segment becomes its root segment plus one atom
     per child subtree inside it, recursively.  Owned segments are unchanged.  Needs the
-    atoms' ``rows`` and ``cost``."""
+    atoms' ``rows`` and ``cost``; atoms come parents first, and so do the cut ones."""
     out = Atoms()
     new_id: Dict[int, int] = {}
+    piece_of: Dict[int, int] = {}  # segment of a cut atom -> the piece that owns it
+    cut = set()
     par = ix.parent
-    length, own = sc.length, sc.own
-    for a in range(len(atoms)):  # parents come before children (built in preorder)
+    length, own, start = sc.length, sc.own, sc.start
+    sub_size, sub_rows, sub_own = sc.sub_size, sc.sub_rows, sc.sub_own
+    replay, B = sc.replay, sc.B
+    for a in range(len(atoms)):
         p = atoms.parent[a]
-        parent = new_id[p] if p >= 0 else -1
         segs, rec = atoms.segs[a], atoms.rec[a]
+        if p < 0:
+            parent = -1
+        elif p in cut:  # hang below the piece holding the root's parent segment
+            parent = piece_of[par[segs[0]]]
+        else:
+            parent = new_id[p]
         if rec or atoms.cost[a] <= threshold or len(segs) == 1:
             x = out.add(segs, rec, parent, atoms.tree[a])
             out.rows[x], out.cost[x] = atoms.rows[a], atoms.cost[a]
             new_id[a] = x
             continue
-        # within-atom subtree sums (segments sorted in preorder: children after parents)
-        inset = set(segs)
-        sub_c = {s: own[s] for s in segs}
-        sub_r = {s: length[s] for s in segs}
-        kids: Dict[int, List[int]] = {}
-        for s in reversed(segs):
-            q = par[s]
-            if q in inset:
-                sub_c[q] += sub_c[s]
-                sub_r[q] += sub_r[s]
-                kids.setdefault(q, []).append(s)
+        cut.add(a)
         tree = atoms.tree[a]
-        # stack of (root segment, parent atom id, is the original atom's root)
-        stack = [(segs[0], parent, True)]
+        r0 = segs[0]
+        if len(segs) == sub_size[r0]:  # a whole subtree (consumer atoms): forest sums, id ranges
+            sub_c, sub_r = sub_own, sub_rows
+
+            def kids_of(r):
+                return ix.children[r]
+
+            def piece(r):
+                return list(range(r, r + sub_size[r]))
+        else:  # within-atom subtree sums (segments sorted in preorder: children after parents)
+            inset = set(segs)
+            sub_c = {x: own[x] for x in segs}
+            sub_r = {x: length[x] for x in segs}
+            kids: Dict[int, List[int]] = {}
+            for x in reversed(segs):
+                q = par[x]
+                if q in inset:
+                    sub_c[q] += sub_c[x]
+                    sub_r[q] += sub_r[x]
+                    kids.setdefault(q, []).insert(0, x)
+
+            def kids_of(r):
+                return kids.get(r, ())
+
+            def piece(r):
+                return segs[bisect_left(segs, r):bisect_left(segs, r + sub_size[r])]
+        # stack of (root segment, parent atom id); the original atom's root comes first
+        stack = [(r0, parent)]
         while stack:
-            r, pa, is_top = stack.pop()
-            rep = sc.replay * (sc.start[r] % sc.B) if pa >= 0 else 0.0
-            ch = kids.get(r, ())
-            if sub_c[r] + rep <= threshold or not ch:
-                if ch:
-                    lo = bisect_left(segs, r)
-                    hi = bisect_left(segs, r + int(ix.sub_size[r]))
-                    ss = segs[lo:hi]
-                else:
-                    ss = [r]
+            r, pa = stack.pop()
+            rep = replay * (start[r] % B) if pa >= 0 else 0.0
+            ch = kids_of(r)
+            if not ch or sub_c[r] + rep <= threshold:
+                ss = piece(r) if ch else [r]
                 x = out.add(ss, [], pa, tree)
                 out.rows[x], out.cost[x] = sub_r[r], sub_c[r] + rep
             else:
-                x = out.add([r], [], pa, tree)
+                ss = [r]
+                x = out.add(ss, [], pa, tree)
                 out.rows[x], out.cost[x] = length[r], own[r] + rep
-                for c in reversed(ch):
-                    stack.append((c, x, False))
-            if is_top:
+                for c in ch:  # popped last child first
+                    stack.append((c, x))
+            for y in ss:
+                piece_of[y] = x
+            if r == r0:
                 new_id[a] = x
-    # children of a cut atom must hang below the piece holding their parent segment
-    seg_atom: Dict[int, int] = {}
-    for x in range(len(out)):
-        for s in out.segs[x]:
-            seg_atom[s] = x
-    for x in range(len(out)):
-        if out.parent[x] >= 0 and not out.rec[x]:
-            out.parent[x] = seg_atom[par[out.segs[x][0]]]
     return out
 
 

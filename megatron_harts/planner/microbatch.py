@@ -371,9 +371,14 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
     slots = np.full((dp, S), -1, dtype=np.int64)
     owner = np.full(ix.num_segments, -1, dtype=np.int64)
     owned_l, rec_l = [], []
+    mark = np.zeros(ix.num_segments, dtype=bool)  # scratch: the owned segments of one group
     for new, i in enumerate(order):
         own = np.unique(np.asarray(groups[i][0], dtype=np.int64))
-        rec = np.setdiff1d(np.asarray(groups[i][1], dtype=np.int64), own)
+        rec = np.unique(np.asarray(groups[i][1], dtype=np.int64))
+        if rec.size:
+            mark[own] = True
+            rec = rec[~mark[rec]]
+            mark[own] = False
         owned_l.append(own)
         rec_l.append(rec)
         owner[own] = new
@@ -387,7 +392,7 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
     exported: Dict[int, set] = {}
     for new, i in enumerate(order):
         own, rec = owned_l[new], rec_l[new]
-        comp = np.union1d(own, rec)
+        comp = np.sort(np.concatenate((own, rec))) if rec.size else own  # disjoint
         comp_set = set(comp.tolist())
         ext: Dict[int, List[int]] = {}
         seen = set()
