@@ -147,6 +147,11 @@ class ForestIndex:
         self.children = children
         self.sub_rows = np.array(sub_rows, dtype=np.int64)
         self.sub_size = np.array(sub_size, dtype=np.int64)
+        # list twins of per-segment arrays, for the planners' per-segment Python loops
+        self.sub_rows_list = sub_rows
+        self.sub_size_list = sub_size
+        self.start_list = st.tolist()
+        self.length_list = ln.tolist()
         # per trajectory: targets (positions j >= 1 with loss mask) for expanded packing
         path_mask = seg_mask.tolist()
         for s in kids.tolist():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -49,7 +49,13 @@ def split_tree(ix: ForestIndex, tree: int, M: int) -> List[Piece]:
     end = int(ix.tree_offsets[tree + 1])
     if int(ix.sub_rows[r]) <= M:
         return [(list(range(r, end)), [], int(ix.sub_rows[r]))]
-    return split_piece(ix, list(range(r, end)), [], M)
+    # a whole tree: the forest's subtree sums and children, subtrees are id ranges
+    sub_rows, sub_size = ix.sub_rows_list, ix.sub_size_list
+
+    def whole(x):
+        return (list(range(x, x + sub_size[x])), [], sub_rows[x])
+
+    return _split(ix, range(end - 1, r - 1, -1), ix.children, sub_rows, {r}, set(), whole, M)
 
 
 def piece_depth(ix: ForestIndex, piece: Piece) -> int:
@@ -68,9 +74,9 @@ def split_piece(ix: ForestIndex, owned: List[int], rec: List[int], M: int) -> Li
     segs = sorted(owned + rec)
     inset = set(segs)
     recset = set(rec)
-    par, start, length = ix.parent, ix.start, ix.length
-    kids = {s: [] for s in segs}
-    subr = {s: int(length[s]) for s in segs}
+    par, length = ix.parent, ix.length_list
+    kids: Dict[int, List[int]] = {s: [] for s in segs}
+    subr = {s: length[s] for s in segs}
     for s in reversed(segs):
         p = par[s]
         if p in inset:
@@ -79,9 +85,6 @@ def split_piece(ix: ForestIndex, owned: List[int], rec: List[int], M: int) -> Li
         p = par[s]
         if p in inset:
             kids[p].append(s)
-
-    def fits(s):
-        return int(start[s]) + subr[s] <= M
 
     def whole(s):
         out, stack = [], [s]
@@ -92,19 +95,27 @@ def split_piece(ix: ForestIndex, owned: List[int], rec: List[int], M: int) -> Li
         own = [x for x in out if x not in recset]
         return (own, [x for x in out if x in recset], subr[s])
 
-    roots = [s for s in segs if par[s] not in inset]
+    roots = {s for s in segs if par[s] not in inset}
+    return _split(ix, reversed(segs), kids, subr, roots, recset, whole, M)
+
+
+def _split(ix: ForestIndex, desc, kids, subr, roots, recset, whole, M: int) -> List[Piece]:
+    """The bottom-up cut of ``split_piece`` over segments ``desc`` (decreasing ids: children
+    first) with their in-set children ``kids[s]``, in-set subtree rows ``subr[s]``, the set's
+    ``roots``, its recomputed segments and ``whole(s)`` (the piece of a subtree that fits)."""
+    start, length = ix.start_list, ix.length_list
     result: List[Piece] = []
     groups = {}
-    for s in reversed(segs):
-        if fits(s):
+    for s in desc:
+        if start[s] + subr[s] <= M:
             if s in roots:
                 result.append(whole(s))
             continue
         items = []
         for c in kids[s]:
-            items.extend([whole(c)] if fits(c) else groups.pop(c))
-        ls = int(length[s])
-        cap = M - int(start[s]) - ls
+            items.extend([whole(c)] if start[c] + subr[c] <= M else groups.pop(c))
+        ls = length[s]
+        cap = M - start[s] - ls
         items.sort(key=lambda g: -g[2])
         bins: List[list] = []
         loads: List[int] = []
@@ -120,7 +131,7 @@ def split_piece(ix: ForestIndex, owned: List[int], rec: List[int], M: int) -> Li
                 bins.append([it])
                 loads.append(it[2])
         if not bins:
-            raise AssertionError(f"segment {s}: {int(start[s]) + ls} rows on its path exceed the budget {M}")
+            raise AssertionError(f"segment {s}: {start[s] + ls} rows on its path exceed the budget {M}")
         out = []
         for j, b in enumerate(bins):
             own = [x for it in b for x in it[0]]

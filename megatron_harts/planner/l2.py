@@ -274,8 +274,32 @@ def _cut(ix: ForestIndex, sc: _SegCosts, atoms: Atoms, threshold: float) -> Atom
     return out
 
 
+def _subtree_stats(atoms: Atoms, kids: List[List[int]]):
+    """Per atom: (atoms on the longest chain below it, cost and rows of it with all its
+    descendants)."""
+    n = len(atoms)
+    cost, rows, parent = atoms.cost, atoms.rows, atoms.parent
+    height = [0] * n
+    order = []
+    stack = [a for a in range(n) if parent[a] < 0]
+    while stack:
+        a = stack.pop()
+        order.append(a)
+        stack.extend(kids[a])
+    below = list(cost)
+    rows_below = list(rows)
+    for a in reversed(order):
+        ks = kids[a]
+        if ks:
+            height[a] = 1 + max([height[c] for c in ks])
+            below[a] += sum([below[c] for c in ks])
+            rows_below[a] += sum([rows_below[c] for c in ks])
+    return height, below, rows_below
+
+
 def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
-          tree_rank: np.ndarray, recompute=None, eps: float = 0.01, reserve: float = 0.85):
+          tree_rank: np.ndarray, recompute=None, eps: float = 0.01, reserve: float = 0.85,
+          stats=None):
     """Slot-by-slot fill (step 3).  Returns per atom its slot and microbatch, the estimated
     loads and members per slot, and the ancestors recomputed for atoms placed by recomputation.
 
@@ -283,24 +307,14 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
     a microbatch computing ``have``: when a slot (not the last) still has a microbatch under
     its target after the ready atoms, an atom whose parent runs in the same slot elsewhere may
     go there with its ancestors recomputed (overhead at most the cost of its subtree, which
-    follows it into that microbatch as far as it fits).
+    follows it into that microbatch as far as it fits).  ``stats``: ``_subtree_stats`` of the
+    atoms (computed when not given).
     """
     n = len(atoms)
     cost, rows, parent, tree = atoms.cost, atoms.rows, atoms.parent, atoms.tree
     slot_of = [-1] * n
     mb_of = [-1] * n
-    height = [0] * n  # atoms on the longest chain below an atom
-    order = []
-    stack = [a for a in range(n) if parent[a] < 0]
-    while stack:
-        a = stack.pop()
-        order.append(a)
-        stack.extend(kids[a])
-    below = list(cost)  # cost of an atom and all its descendants
-    for a in reversed(order):
-        if kids[a]:
-            height[a] = 1 + max(height[c] for c in kids[a])
-            below[a] += sum(below[c] for c in kids[a])
+    height, below, rows_below = stats if stats is not None else _subtree_stats(atoms, kids)
     remaining = float(sum(cost))
     extra: Dict[int, List[int]] = {}
     pending = [a for a in range(n) if parent[a] < 0]
@@ -333,6 +347,7 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
         have: List[set] = [set() for _ in range(dp)]
         nxt: List[int] = []
         full = 0
+        track = recompute is not None and dp > 1 and left > 1  # ``have`` serves recomputation
 
         def run_queue(queue):
             """Place atoms (``(atom, only_mb)``, LIFO); a placed atom's children follow into its
@@ -342,14 +357,8 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
                 a, only = queue.pop()
                 # in the last planned slot an atom goes with all its descendants (a bundle), so
                 # that nothing spills past the plan; past it, atoms go one by one
-                bundle = [a]
-                if left == 1 and kids[a]:
-                    i = 0
-                    while i < len(bundle):
-                        bundle.extend(kids[bundle[i]])
-                        i += 1
-                bc = sum(cost[x] for x in bundle)
-                br = sum(rows[x] for x in bundle)
+                whole = left == 1 and kids[a]
+                bc, br = (below[a], rows_below[a]) if whole else (cost[a], rows[a])
                 best = -1
                 cands = (only,) if only >= 0 else range(dp)
                 for b in cands:
@@ -363,11 +372,18 @@ def _fill(atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
                     nxt.append(a)  # an atom whose parent is in this slot is ready in the next
                     continue
                 was_full = loads[best] >= lo
+                bundle = [a]
+                if whole:
+                    i = 0
+                    while i < len(bundle):
+                        bundle.extend(kids[bundle[i]])
+                        i += 1
                 for x in bundle:
                     members[best].append(x)
                     slot_of[x] = k
                     mb_of[x] = best
-                    have[best].update(atoms.segs[x])
+                    if track:
+                        have[best].update(atoms.segs[x])
                 loads[best] += bc
                 rws[best] += br
                 if not was_full and loads[best] >= lo:
@@ -637,16 +653,16 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         return segs, r, cost
 
     best = None
-    # few microbatches of work per replica (at most FEW_SLOTS slots): the last slot's whole
-    # subtrees are coarse against a slot, so the fill is tried with several slot targets
-    # (tolerance, reserve) and cross-slot moves; the best estimated step efficiency wins
+    stats = _subtree_stats(atoms, kids)
+    # few microbatches of work per replica (at most FEW_SLOTS slots, step 4 of the module
+    # docstring): other slot targets are tried at the best slot count
     few = dp > 1 and S0 <= FEW_SLOTS
     overhead = c.microbatch + c.kda_call
 
     def attempt(S, eps, reserve):
         nonlocal best
         slot_of, mb_of, loads_all, members_all, extra = _fill(atoms, kids, dp, M, S, tree_rank, recompute,
-                                                              eps=eps, reserve=reserve)
+                                                              eps=eps, reserve=reserve, stats=stats)
         _compact(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra)
         _rebalance(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra)
         score = _score(loads_all, overhead)
