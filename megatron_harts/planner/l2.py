@@ -659,6 +659,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     few = dp > 1 and S0 <= FEW_SLOTS
     overhead = c.microbatch + c.kda_call
 
+    fills = []  # few-slot batches: every fill, judged by its assembled plan below
+
     def attempt(S, eps, reserve):
         nonlocal best
         slot_of, mb_of, loads_all, members_all, extra = _fill(atoms, kids, dp, M, S, tree_rank, recompute,
@@ -668,8 +670,22 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         score = _score(loads_all, overhead)
         key = (score[0], -len(loads_all))
         if best is None or key > best[0]:
-            best = (key, slot_of, mb_of, members_all, extra, S)
+            best = (key, members_all, extra, S)
+        if few:
+            fills.append((members_all, extra))
         return len(loads_all)
+
+    def assemble(members_all, extra):
+        groups, placement = [], []
+        for k, members in enumerate(members_all):
+            for b, mem in enumerate(members):
+                if not mem:
+                    continue
+                owned = [s for a in mem for s in atoms.segs[a]]
+                rec = [s for a in mem for s in atoms.rec[a]] + [s for a in mem for s in extra.get(a, ())]
+                groups.append((np.asarray(owned, dtype=np.int64), np.asarray(rec, dtype=np.int64)))
+                placement.append((b, k))
+        return assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
 
     # one slot leaves producers no consumer slot: with producers and replicas to spread over,
     # start at two (a plan without producers is L1's, which the guard below keeps if better)
@@ -679,23 +695,18 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             break  # more slots would only spread the same work thinner
     if few:
         # few microbatches of work per replica: the last slot's whole subtrees are coarse
-        # against a slot, so the best slot count is filled again with other slot targets
-        S_best = best[5]
+        # against a slot, so the best slot count is filled again with other slot targets; the
+        # estimate misses per-microbatch KDA calls and replay, so every fill is assembled and
+        # the shortest modelled step wins among those computing no more tokens than L1 (then
+        # the fewest tokens, then the earliest fill)
+        S_best = best[3]
         for eps, reserve in FILL_VARIANTS[1:]:
             if best[0][0] >= GOOD_ENOUGH:
                 break
             attempt(S_best, eps, reserve)
-    _, slot_of, mb_of, members_all, extra, _ = best
-    groups, placement = [], []
-    for k, members in enumerate(members_all):
-        for b, mem in enumerate(members):
-            if not mem:
-                continue
-            owned = [s for a in mem for s in atoms.segs[a]]
-            rec = [s for a in mem for s in atoms.rec[a]] + [s for a in mem for s in extra.get(a, ())]
-            groups.append((np.asarray(owned, dtype=np.int64), np.asarray(rec, dtype=np.int64)))
-            placement.append((b, k))
-    plan = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+        plans = [assemble(*f) for f in fills]
+    else:
+        plans = [assemble(best[1], best[2])]
     if model != l1.cost_model:  # judge L1's microbatches with this cost model
         groups = [(m.owned, m.recomputed) for m in l1.microbatches]
         placement = [(m.replica, m.slot) for m in l1.microbatches]
@@ -703,8 +714,10 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     else:
         keep = dataclasses.replace(l1, planner="harts_l1l2", windows=list(l1.windows),
                                    microbatches=list(l1.microbatches), slots=l1.slots.copy())
-    if plan.tokens_computed > keep.tokens_computed or \
-            (step_cost(keep), -keep.tokens_computed) < (step_cost(plan), -plan.tokens_computed):
+    # never more tokens than L1, never a longer modelled step: else L1's plan
+    plans = [q for q in plans if q.tokens_computed <= keep.tokens_computed]
+    plan = min(plans, key=lambda q: (step_cost(q), q.tokens_computed), default=keep)
+    if (step_cost(keep), -keep.tokens_computed) < (step_cost(plan), -plan.tokens_computed):
         plan = keep
     plan.plan_seconds = time.perf_counter() - t0
     return plan

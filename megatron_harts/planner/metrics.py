@@ -18,6 +18,12 @@
   ``producers``, ``windows``, ``max_retention`` and ``mean_retention`` (slots between a
   producer and its last consumer), ``step_cost`` (sum over slots of the slot maximum: the
   modelled step time in seconds).
+- retention memory, in rows: ``export_rows`` (rows exported by all producers: every window's
+  rows) and ``peak_export_rows`` (the most rows one replica keeps exported at once: a window's
+  rows stay on its producer's replica from the producer's slot through its last consumer's
+  slot).  Times a model's exported bytes per row (MLA keys/values or latents of every MLA
+  layer, KDA replay inputs and conv context) this is the memory retention costs; KDA boundary
+  states are per window, not per row, and are not counted.
 """
 from __future__ import annotations
 
@@ -48,6 +54,9 @@ def plan_metrics(plan: MicrobatchPlan) -> Dict[str, float]:
     mx = c.max(axis=0) if c.size else np.zeros(0)
     means = c.mean(axis=0) if c.size else np.zeros(0)
     ret = [w.retention for w in plan.windows]
+    alive = np.zeros(plan.slots.shape, dtype=np.int64)  # exported rows kept per (replica, slot)
+    for w in plan.windows:
+        alive[plan.microbatches[w.producer].replica, w.producer_slot:w.last_slot + 1] += w.rows
     return {
         "compression": plan.expanded_tokens / computed if computed else 0.0,
         "balance_mean": float(bal.mean()) if bal.size else 1.0,
@@ -67,5 +76,7 @@ def plan_metrics(plan: MicrobatchPlan) -> Dict[str, float]:
         "max_retention": max(ret, default=0),
         "mean_retention": float(np.mean(ret)) if ret else 0.0,
         "step_cost": float(mx.sum()),
+        "export_rows": int(sum(w.rows for w in plan.windows)),
+        "peak_export_rows": int(alive.max()) if alive.size else 0,
     }
 
