@@ -386,6 +386,7 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
         assert slots[r, s] == -1, f"two microbatches at replica {r}, slot {s}"
         slots[r, s] = new
     parent = ix.parent
+    parent_arr = ix.parent_arr
     length = ix.length
     mbs: List[Microbatch] = []
     consumers: Dict[int, set] = {}
@@ -393,15 +394,20 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
     for new, i in enumerate(order):
         own, rec = owned_l[new], rec_l[new]
         comp = np.sort(np.concatenate((own, rec))) if rec.size else own  # disjoint
-        comp_set = set(comp.tolist())
+        # external ancestors: walk up from the parents of computed segments that are not
+        # computed here (the scratch mask holds this microbatch's computed segments)
+        mark[comp] = True
+        up = parent_arr[comp]
+        up = up[up >= 0]
+        up = up[~mark[up]]
         ext: Dict[int, List[int]] = {}
         seen = set()
-        for s in comp.tolist():
-            a = parent[s]
-            while a >= 0 and a not in comp_set and a not in seen:
+        for a in up.tolist():
+            while a >= 0 and not mark[a] and a not in seen:
                 seen.add(a)
                 ext.setdefault(int(owner[a]), []).append(a)
                 a = parent[a]
+        mark[comp] = False
         r, k = placement[i][0], slot_map[placement[i][1]]
         external = []
         for p in sorted(ext):
