@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -75,6 +76,7 @@ PRESETS = {
         iters=4, probe_tokens=512,
         data=dict(scheme="tree-step", num_tasks=16, samples_per_task=2, max_tokens=2048, vocab_size=32000)),
 }
+PRESETS["h200-fp32"] = dict(PRESETS["h200"], model=PRESETS["h200"]["model"].replace(" --bf16", ""))
 COMMON = ("--clip-grad 1.0 --seed 1234 --log-interval 1 --rl-objective sft --moe-router-load-balancing-type none "
           "--hidden-dropout 0 --attention-dropout 0")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
@@ -136,9 +138,12 @@ def launch_config(py: str, nproc: int, port: int, runs: dict, work: str, timeout
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
-        except subprocess.TimeoutExpired:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:       # the launcher and every worker it started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = f"timeout after {timeout:.0f} s"
     with open(log) as f:
         lines = [ln.rstrip() for ln in f if ln.strip()]
@@ -179,6 +184,8 @@ def worker(spec_path: str) -> int:
             os.makedirs(r["dir"], exist_ok=True)
             t0 = time.time()
             status = {"ok": True}
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
             try:
                 with Trainer(parse_args(r["argv"])) as t:
                     t.train()
@@ -257,8 +264,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", metavar="DIR", help="run folders and data (default OUT/runs)")
     ap.add_argument("--iters", type=int, default=None, help="iterations per run (default: the preset's)")
     ap.add_argument("--no-recompute", action="store_true", help="skip the tree run with activation recomputation")
-    ap.add_argument("--config-timeout", type=float, default=1800.0, metavar="S",
-                    help="limit per configuration, all its runs (default 1800 s)")
+    ap.add_argument("--config-timeout", type=float, nargs="+", default=[1800.0], metavar="S",
+                    help="limit per configuration, all its runs, in --configs order (the last repeats; "
+                         "default 1800 s; the first configuration of a cold machine compiles the kernels)")
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29650)
     ap.add_argument("--json", action="store_true", help="print all results as one JSON object")
@@ -282,7 +290,7 @@ def main(argv=None) -> int:
     env = {"versions": _versions(), "machine": platform.node(), "preset": a.preset, "nproc": a.nproc,
            "iters": iters}
     results, port = {}, a.port
-    for cfg in a.configs:
+    for k, cfg in enumerate(a.configs):
         got = config_flags(cfg, a.nproc)
         if got is None:
             results[cfg] = {"config": cfg, "skipped": f"does not fit {a.nproc} processes"}
@@ -296,7 +304,7 @@ def main(argv=None) -> int:
             plan.update({k: f"--tree-sharing windows --tree-pp-schedule {v}" for k, v in SCHEDULE_RUNS.items()})
         port += 1
         runs = launch_config(py, a.nproc, port, {n: f"{base} {par} {m}" for n, m in plan.items()},
-                             os.path.join(work, cfg), a.config_timeout, backend)
+                             os.path.join(work, cfg), a.config_timeout[min(k, len(a.config_timeout) - 1)], backend)
         for name, r in runs.items():
             if r["ok"]:
                 r["throughput"] = throughput(read_report(r["report"]))
