@@ -5,13 +5,15 @@
   generator), and on random steps they pass ``check_stage_orders`` (no deadlock under the blocking
   receives / deferred sends, the same forward/backward order on every stage, PF before its
   consumers, PB after them); consumer 1F1B: PF right before its first consumer, PB right after its
-  last, in-flight bounds (at most S - s consumers on stage s); windows alive at once (non-overlap:
+  last, in-flight bounds (at most S - s + min(2, S - 1 - s) consumers on stage s), also with
+  uneven costs (the cost-aware orders); windows alive at once (non-overlap:
   one; overlap and 1F1B: several); without windows, non-overlap is plain 1F1B.
 - gloo worlds of 2 and 4 processes (fp64, tiny hybrid model, MoE aux loss 0): pipeline sizes 2 and
   4, every schedule, gives the parameter gradients (1e-10 relative) and log-probs of expanded
   training and of the pipeline-size-1 windowed step on the same microbatches; the windows alive at
   once per stage are those of the orders (overlap: both windows); consumers spread over slots
-  with plain microbatches between them; activation recomputation (full, uniform) on; DP=2 x PP=2
+  with plain microbatches between them; consumer 1F1B with uneven ``microbatch_costs`` (the
+  items reordered: same gradients); activation recomputation (full, uniform) on; DP=2 x PP=2
   with windows on both replicas (gradients summed over replicas == expanded).
 """
 import os
@@ -76,18 +78,23 @@ def test_stage_orders():
                 assert orders == as_pipeline(simulator.schedule_ops(po, S, sch)), (po, S, sch)
                 check_stage_orders(orders, po)
                 if sch == "consumer-1f1b":
-                    for s, o in enumerate(orders):
-                        assert consumers_in_flight(o, po) <= S - s
-                        for k, (kind, i) in enumerate(o):     # PF directly before its first consumer's F
-                            if kind == "F" and i in po:
-                                assert o[k + 1] == ("F", po.index(i))
-                        for k, (kind, i) in enumerate(o):     # PB directly after its last consumer's B
-                            if kind == "B" and i in po:
-                                last = max(c for c, p in enumerate(po) if p == i)
-                                j = k - 1
-                                while o[j][1] in po:
-                                    j -= 1
-                                assert o[j] == ("B", last)
+                    costs = [(float(rng.uniform(0.1, 3)), float(rng.uniform(0.1, 6))) for _ in po]
+                    timed = stage_orders(po, S, sch, costs=costs)
+                    assert timed == as_pipeline(simulator.schedule_ops(po, S, sch, costs=costs)), (po, S, costs)
+                    check_stage_orders(timed, po)
+                    for o in orders + timed:
+                        s = (orders + timed).index(o) % S
+                        assert consumers_in_flight(o, po) <= S - s + min(max(simulator.C1F1B_DEPTHS), S - 1 - s)
+                        fwd = [i for kind, i in o if kind == "F" and i not in po]
+                        bwd = [i for kind, i in o if kind == "B" and i not in po]
+                        for k, (kind, i) in enumerate(o):
+                            if i not in po:
+                                continue
+                            mine = [c for c, p in enumerate(po) if p == i]
+                            if kind == "F":     # PF directly before its first consumer's F
+                                assert o[k + 1] == ("F", min(mine, key=fwd.index))
+                            else:               # PB directly after its last consumer's B
+                                assert o[k - 1] == ("B", max(mine, key=bwd.index))
                 if sch == "non-overlap":
                     assert all(windows_alive(o, po) <= 1 for o in orders)
     # two windows whose consumers interleave: overlapping schedules keep both alive
@@ -176,18 +183,31 @@ def reference(cpu_world, tmp_path_factory):
     return path
 
 
-def stage_step(model, mbs, schedule, stats=None):
+def stage_step(model, mbs, schedule, stats=None, costs=None):
     from megatron_harts.schedules.pipeline import forward_backward_pipelining_windows
     model.zero_grad(set_to_none=True)
     store = forward_backward_pipelining_windows(forward_step_func=pp_forward_step, data_iterator=iter(mbs),
                                                 model=[model], num_microbatches=len(mbs), seq_length=0,
-                                                micro_batch_size=1, window_stats=stats, schedule=schedule)
+                                                micro_batch_size=1, window_stats=stats, schedule=schedule,
+                                                microbatch_costs=costs)
     lp = {}
     for s in store:
         for k, v in s["lp"].items():
             assert k not in lp
             lp[k] = v
     return lp
+
+
+def reordering_costs(po, pp):
+    """Uneven (forward, backward) costs under which consumer 1F1B runs the items in another order
+    than with unit costs (None if no trial pattern does)."""
+    plain = stage_orders(po, pp, "consumer-1f1b")
+    for k in range(1, 8):
+        costs = [(1.0 + (i * k) % 5, 1.0 + (3 * i + k) % 7) for i in range(len(po))]
+        if [m for kind, m in stage_orders(po, pp, "consumer-1f1b", costs=costs)[0] if kind == "F"] != \
+                [m for kind, m in plain[0] if kind == "F"]:
+            return costs
+    return None
 
 
 def stage_grads(model, offset):
@@ -261,6 +281,13 @@ def worker(rank, world, port, ref_path):
                         assert stats["peak_windows_alive"] == [1] * pp, stats
                     elif schedule == "overlap" and name == "overlap":   # two producers before any consumer
                         assert stats["peak_windows_alive"] == [2] * pp, (schedule, stats)
+            for name, mbs in sets.items():                # cost-aware consumer 1F1B: other orders, same numbers
+                po = [mb.producer for mb in mbs]
+                costs = reordering_costs(po, pp)
+                if costs is None:
+                    continue
+                lp = stage_step(model, mbs, "consumer-1f1b", costs=costs)
+                assert_stage_same(lp, stage_grads(model, offset), exp, f"PP={pp} cost-aware 1F1B ({name})", last)
             if pp == 2:                                   # activation recomputation (full, uniform)
                 cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
                 lp = stage_step(model, sets["spread"], "consumer-1f1b")

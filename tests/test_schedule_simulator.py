@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_harts.plotting import blank, draw_text, fill_rect, text_width, write_png
-from megatron_harts.schedules.simulator import (SCHEDULES, ScheduleResult, StepMicrobatch, draw_timeline,
+from megatron_harts.schedules.simulator import (C1F1B_DEPTHS, SCHEDULES, ScheduleResult, StepMicrobatch,
+                                                _classic_1f1b, draw_timeline,
                                                 schedule_ops, simulate, step_from_plan, step_windows,
                                                 timeline_image)
 from megatron_harts.tree_data import build_forest, write_jsonl
@@ -236,14 +237,65 @@ def test_consumer_1f1b_never_retains_more_than_overlap(step, S, lat):
     for s in range(S):
         assert c.peak_export_bytes[s] <= o.peak_export_bytes[s] * (1 + 1e-12)
         assert c.peak_windows_alive[s] <= o.peak_windows_alive[s]
-        assert c.peak_in_flight[s] <= o.peak_in_flight[s]
+
+
+def items_in_flight(order, windows):
+    live, peak = 0, 0
+    for kind, m in order:
+        if m not in windows:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+    return peak
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step=steps(max_n=16), S=st.integers(1, 6), lat=st.sampled_from([0.0, 0.3]))
+def test_consumer_1f1b_is_a_bounded_1f1b_never_slower_than_the_classic_order(step, S, lat):
+    """Whatever order the costs choose: PF right before its first consumer and PB right after its
+    last one on every stage, the same item order forward and backward, at most
+    S - s + min(max depth, S - 1 - s) items in flight on stage s, and a makespan no larger than
+    the classic order's (1F1B over the items in step order)."""
+    c = simulate(step, S, "consumer-1f1b", p2p_latency=lat)
+    windows = step_windows(step)
+    classic = simulate(step, S, "classic", p2p_latency=lat, orders=_classic_1f1b([m.producer for m in step],
+                                                                                 windows, S))
+    assert c.makespan <= classic.makespan * (1 + 1e-9)
+    depth = max(C1F1B_DEPTHS)
+    for s, order in enumerate(c.ops_per_stage):
+        pos = {op: k for k, op in enumerate(order)}
+        for p, cs in windows.items():
+            firsts = [m for k, m in order if k == "F" and m in cs]
+            lasts = [m for k, m in order if k == "B" and m in cs]
+            assert pos[("PF", p)] + 1 == pos[("F", firsts[0])]
+            assert pos[("PB", p)] == pos[("B", lasts[-1])] + 1
+        assert [m for k, m in order if k == "F"] == [m for k, m in order if k == "B"]
+        assert items_in_flight(order, windows) <= S - s + min(depth, S - 1 - s)
+
+
+def test_consumer_1f1b_uses_the_costs():
+    """Unit costs give the classic order; uneven costs may reorder the items (a cheap microbatch
+    first shortens the fill) and deepen the warm-up, within the bounds."""
+    prods = [None, 0, 0, None, None]
+    assert schedule_ops(prods, 2, "consumer-1f1b") == _classic_1f1b(prods, step_windows(
+        [mb(1, 2, producer=p, export=(1.0 if i == 0 else 0.0)) for i, p in enumerate(prods)]), 2)
+    ahead = [mb(8, 8), mb(6, 3), mb(6, 3)]
+    ops = schedule_ops([None] * 3, 2, "consumer-1f1b", costs=[(8, 8), (6, 3), (6, 3)])
+    assert ops == simulate(ahead, 2, "consumer-1f1b").ops_per_stage
+    assert [m for k, m in ops[0] if k == "F"] == [1, 0, 2]
+    with pytest.raises(ValueError, match="costs"):
+        schedule_ops([None] * 3, 2, "consumer-1f1b", costs=[(1, 2)])
+    with pytest.raises(ValueError, match="costs\\[1\\] backward"):
+        schedule_ops([None] * 2, 2, "consumer-1f1b", costs=[(1, 2), (1, -2)])
+    with pytest.raises(ValueError, match="export_bytes"):
+        schedule_ops([None] * 2, 2, "consumer-1f1b", export_bytes=[1.0])
 
 
 def test_uneven_costs_break_the_makespan_order():
     """The documented limits: no makespan order holds for uneven costs (smallest cases found)."""
     ahead = [mb(8, 8), mb(6, 3), mb(6, 3)]        # overlap's run-ahead hides the long first backward
     r = {name: simulate(ahead, 2, name).makespan for name in SCHEDULES}
-    assert r["overlap"] == pytest.approx(22.5) and r["consumer-1f1b"] == pytest.approx(25.0)
+    assert r["overlap"] == pytest.approx(22.5) and r["non-overlap"] == pytest.approx(25.0)
+    assert r["consumer-1f1b"] == pytest.approx(21.5)     # the costs order the cheap microbatch first
     skewed = [mb(1, 6), mb(2, 12), mb(8, 6)]      # the unit-cost order misjudges 1:6 backward ratios
     r = {name: simulate(skewed, 3, name).makespan for name in SCHEDULES}
     assert r["overlap"] > r["non-overlap"] == r["consumer-1f1b"]

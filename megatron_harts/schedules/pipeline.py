@@ -33,10 +33,13 @@ event simulator, tools/simulate_schedule.py and benchmarks/bench_pp_schedule.py 
 orders run here), read by :func:`stage_orders` and validated by :func:`check_stage_orders`
 before the step runs.  In short:
 
-- ``"consumer-1f1b"`` (default): 1F1B over the consumers and plain microbatches (stage s warms
-  up with ``S - s - 1`` forwards, then alternates one forward, one backward), each PF just
-  before its first consumer's forward, each PB right after its last consumer's backward.
-  Windows overlap; at most ``S - s`` consumers or plain microbatches are in flight on stage s.
+- ``"consumer-1f1b"`` (default): a 1F1B-family order over the consumers and plain
+  microbatches, each PF just before its first consumer's forward, each PB right after its last
+  consumer's backward; windows overlap.  It is chosen with per-microbatch costs
+  (``microbatch_costs``: (forward, backward) per item, the same on every rank; default forward 1,
+  backward 2 each): the classic 1F1B order (stage s warms up with ``S - s - 1`` forwards) or a
+  cost-aware one (warm-up up to 2 deeper, consumers grouped by window and reordered), at most
+  ``S - s + min(2, S - 1 - s)`` consumers or plain microbatches in flight on stage s.
 - ``"overlap"``: overlapping windows, backward-first: a unit-cost event simulation (forward 1,
   backward 2) where an idle stage runs its next backward when it is ready, otherwise its next
   forward (no in-flight bound: more windows are alive at once).
@@ -91,14 +94,15 @@ _KIND = {"F": "F", "PF": "F", "B": "B", "PB": "B"}
 
 
 def stage_orders(producer_of: Sequence[Optional[int]], num_stages: int, schedule: str = "consumer-1f1b",
-                 forward_only: bool = False) -> List[List[Op]]:
+                 forward_only: bool = False, costs: Optional[Sequence[Tuple[float, float]]] = None) -> List[List[Op]]:
     """Per-stage operation orders ``[("F"|"B", microbatch), ...]`` for a step (module docstring).
 
     ``producer_of[i]``: the position of microbatch i's producer (None: not a consumer).  The
     orders are :func:`~megatron_harts.schedules.simulator.schedule_ops`'s (the one generator of
     the schedules, also timed by the event simulator), with a producer's PF/PB written as its
     F/B, and pass :func:`check_stage_orders` before they are returned.  ``forward_only``:
-    forwards only, in step order.
+    forwards only, in step order.  ``costs``: (forward, backward) per microbatch, what consumer
+    1F1B chooses its order with (``schedule_ops``'s ``costs``).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -106,7 +110,8 @@ def stage_orders(producer_of: Sequence[Optional[int]], num_stages: int, schedule
         S = _check_stages(num_stages)
         orders = [[("F", i) for i in range(len(producer_of))] for _ in range(S)]
     else:
-        orders = [[(_KIND[kind], i) for kind, i in ops] for ops in schedule_ops(producer_of, num_stages, schedule)]
+        orders = [[(_KIND[kind], i) for kind, i in ops]
+                  for ops in schedule_ops(producer_of, num_stages, schedule, costs=costs)]
     check_stage_orders(orders, producer_of)
     return orders
 
@@ -206,12 +211,15 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
                                         adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
                                         force_all_reduce: Optional[bool] = False,
                                         window_stats: Optional[Dict[str, Any]] = None,
-                                        schedule: str = "consumer-1f1b") -> List[Any]:
+                                        schedule: str = "consumer-1f1b",
+                                        microbatch_costs: Optional[Sequence[Tuple[float, float]]] = None) -> List[Any]:
     """Run ``num_microbatches`` windowed microbatches on this pipeline stage (module docstring).
 
     ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``, ``first_val_step``,
     ``adjust_tensor_shapes_fn``, ``force_all_reduce`` are accepted for signature compatibility
     and unused (shapes come from the layouts).  ``p2p_communicator``: its pipeline group is used.
+    ``microbatch_costs``: (forward, backward) per microbatch for consumer 1F1B's order (module
+    docstring); every rank must pass the same.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -259,7 +267,7 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
 
     mbs: List[WindowedMicrobatch] = [next(data_iterator) for _ in range(int(num_microbatches))]
     consumers_of = check_windows(mbs)
-    orders = stage_orders([mb.producer for mb in mbs], S, schedule, forward_only)[s]
+    orders = stage_orders([mb.producer for mb in mbs], S, schedule, forward_only, costs=microbatch_costs)[s]
 
     hidden = cfg.hidden_size
     state: Dict[int, dict] = {}

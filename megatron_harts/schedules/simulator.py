@@ -30,15 +30,18 @@ when its stage is free and its prerequisites have ended (a prerequisite on anoth
 - PB of p on s: PB of p on s+1 (on the last stage: PF of p on s), PF of p on s, and B of every
   consumer of p on s (their export gradients on stage s's layers).
 
-**The three schedules** (:data:`SCHEDULES`).  :func:`schedule_ops` builds the per-stage orders
-from the roles alone (never from costs), so a real pipeline schedule can execute exactly these
-lists, and one does: ``forward_backward_pipelining_windows`` (schedules/pipeline.py) runs them
-after its ``check_stage_orders`` (deadlock freedom under its blocking receives and deferred
-sends); :func:`simulate` times them with the step's costs (or times orders built elsewhere:
-``orders=``).  On every stage the forwards (F, PF) come in the same relative order and so do
-the backwards (B, PB), so point-to-point messages between neighbouring stages match in FIFO
-order.  "1F1B over a list" means: ``num_stages - 1 - s`` warm-up forwards on stage s, then one
-forward and one backward in turn, then the remaining backwards, both in list order.
+**The three schedules** (:data:`SCHEDULES`).  :func:`schedule_ops` builds the per-stage orders;
+the baselines from the roles alone, consumer 1F1B also from per-microbatch costs (``costs=``,
+default forward 1 and backward 2 for every microbatch), export sizes and the transfer latency.
+The orders are deterministic, so every pipeline rank builds the same ones from the same
+inputs, and a real pipeline schedule executes exactly these lists:
+``forward_backward_pipelining_windows`` (schedules/pipeline.py) runs them after its
+``check_stage_orders`` (deadlock freedom under its blocking receives and deferred sends);
+:func:`simulate` passes the step's costs and times the orders (or times orders built elsewhere:
+``orders=``).  On every stage the forwards (F, PF) come in the same relative order and so do the
+backwards (B, PB), so point-to-point messages between neighbouring stages match in FIFO order.
+"1F1B over a list" means: ``num_stages - 1 - s`` warm-up forwards on stage s, then one forward
+and one backward in turn, then the remaining backwards, both in list order.
 
 - ``"non-overlap"``: windows run one after another, each drained before the next starts.  The
   step is cut into blocks: a window (its producer and all its consumers) with the plain
@@ -53,12 +56,32 @@ forward and one backward in turn, then the remaining backwards, both in list ord
   latency): an idle stage starts its next backward if its prerequisites have ended, else its
   next forward if they have, else it waits.  There is no in-flight bound: a stage runs ahead
   with forwards whenever no backward is ready.
-- ``"consumer-1f1b"``: 1F1B over the consumers and plain microbatches (step order); a producer
-  is not a member of the stream: its PF runs immediately before its first consumer's F and its
-  PB immediately after its last consumer's B, on every stage (inside that consumer's backward
-  turn).  Exports live only from the first consumer's forward to the last consumer's
-  backward, and at most ``num_stages - s`` consumers or plain microbatches are in flight on
-  stage s.
+- ``"consumer-1f1b"``: a 1F1B-family schedule over the consumers and plain microbatches (the
+  *items*); a producer is not a member of the stream: on every stage its PF runs immediately
+  before its first consumer's F and its PB immediately after its last consumer's B (inside that
+  consumer's backward turn), so exports live from the first consumer's forward to the last
+  consumer's backward.  The forward order and the backward order of the items are the same
+  list.  The orders are the best of timed candidates (the step's costs, export sizes and
+  latency; all deterministic):
+
+  * the *classic* order: 1F1B over the items in step order (at most ``num_stages - s`` items
+    in flight on stage s);
+  * timed runs (:data:`C1F1B_DEPTHS`, :data:`C1F1B_RULES`): a warm-up ``depth`` deeper on the
+    stages before the last (at most ``S - s + min(depth, S - 1 - s)`` items in flight on stage
+    s: the run-ahead that fills the bubbles of uneven costs, bounded); an idle stage starts
+    its next forward or its next backward, whichever is ready, the rule's preference first
+    (forward-first or backward-first), a producer's PF and PB glued to their consumers' ops;
+  * over *units* in a cost-aware order: a unit is a plain microbatch or a window's consumers
+    together (the consumer with the costliest backward last, so that the PB behind it waits
+    least for the next stage's PB); the unit orders tried are the step order, the cheap-ends
+    order (the unit with the cheapest first forward first, the one with the cheapest closing
+    backward last: they set the pipeline's fill and drain) and the best order found so far,
+    each improved by a local search of :data:`C1F1B_SEARCH_MOVES` seeded moves (move or swap
+    two units, kept when the makespan drops).
+
+  The choice is the smallest makespan among the candidates whose retained export bytes and
+  windows alive are, on every stage, no more than the overlap schedule's on the same step (the
+  issue's memory budget); the classic order is always a candidate.
 
 What the comparisons guarantee (measured on many thousands of random steps; the tests pin each
 point, with hypothesis where it holds and with a counterexample where it does not):
@@ -87,7 +110,9 @@ a row per stage, time on x, one box per op; see :func:`timeline_image`).
 """
 from __future__ import annotations
 
+import heapq
 import math
+import random
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -281,7 +306,9 @@ def _blocks(producers: Sequence[Optional[int]], windows: Mapping[int, List[int]]
     return blocks
 
 
-def schedule_ops(producers: Sequence[Optional[int]], num_stages: int, schedule: str) -> List[List[Op]]:
+def schedule_ops(producers: Sequence[Optional[int]], num_stages: int, schedule: str, *,
+                 costs: Optional[Sequence[Tuple[float, float]]] = None,
+                 export_bytes: Optional[Sequence[float]] = None, p2p_latency: float = 0.0) -> List[List[Op]]:
     """The order of ops on every stage: ``ops[s] = [("PF", 0), ("F", 1), ...]``.
 
     ``producers[i]`` is the step position of microbatch i's producer (None: not a consumer), as
@@ -300,28 +327,28 @@ def schedule_ops(producers: Sequence[Optional[int]], num_stages: int, schedule: 
     if schedule == "overlap":
         return _backward_first(producers, windows, S)
     n = len(producers)
-    first = {p: cs[0] for p, cs in windows.items()}
-    last = {cs[-1]: p for p, cs in windows.items()}      # last consumer -> producer
+    fwd, bwd = _check_costs(costs, n)
+    if export_bytes is None:
+        export = [1.0 if i in windows else 0.0 for i in range(n)]
+    else:
+        if isinstance(export_bytes, (str, bytes)) or not isinstance(export_bytes, Sequence) or len(export_bytes) != n:
+            raise ValueError(f"export_bytes must be a list of {n} numbers, one per microbatch")
+        export = [_number(e, f"export_bytes[{i}]") for i, e in enumerate(export_bytes)]
+    lat = _number(p2p_latency, "p2p_latency")
+    if schedule == "consumer-1f1b":
+        return _consumer_1f1b(producers, windows, S, fwd, bwd, export, lat)
     plain_f = {i: [("F", i)] for i in range(n)}
     plain_b = {i: [("B", i)] for i in range(n)}
     out: List[List[Op]] = []
     for s in range(S):
-        warmup = S - 1 - s
-        if schedule == "consumer-1f1b":
-            items = [i for i in range(n) if i not in windows]
-            fwd = {i: ([("PF", producers[i])] if producers[i] is not None and first[producers[i]] == i else [])
-                   + [("F", i)] for i in items}
-            bwd = {i: [("B", i)] + ([("PB", last[i])] if i in last else []) for i in items}
-            out.append(_one_f_one_b(items, warmup, fwd, bwd))
-        else:
-            order: List[Op] = []
-            for p, members in _blocks(producers, windows):
-                if p is not None:
-                    order.append(("PF", p))
-                order.extend(_one_f_one_b(members, warmup, plain_f, plain_b))
-                if p is not None:
-                    order.append(("PB", p))
-            out.append(order)
+        order: List[Op] = []
+        for p, members in _blocks(producers, windows):
+            if p is not None:
+                order.append(("PF", p))
+            order.extend(_one_f_one_b(members, S - 1 - s, plain_f, plain_b))
+            if p is not None:
+                order.append(("PB", p))
+        out.append(order)
     return out
 
 
@@ -360,6 +387,283 @@ def _backward_first(producers: Sequence[Optional[int]], windows: Mapping[int, Li
             raise AssertionError(f"overlap: the unit-cost run stalls at time {t}")
         t = min(busy, default=t)
     return orders
+
+
+# ---------------------------------------------------------------------------------------------
+# consumer 1F1B: cost-aware orders
+# ---------------------------------------------------------------------------------------------
+
+#: extra warm-up forwards (beyond 1F1B's ``S - 1 - s``) the consumer-1F1B candidates may take
+C1F1B_DEPTHS = (0, 1, 2)
+#: what an idle stage prefers when both its next forward and its next backward can start
+C1F1B_RULES = ("forward-first", "backward-first")
+#: unit-order moves tried per (depth, rule) by the local search
+C1F1B_SEARCH_MOVES = 64
+#: the search's pseudo-random moves (deterministic: every pipeline rank builds the same orders)
+_SEARCH_SEED = 20261129
+
+
+def _check_costs(costs, n: int) -> Tuple[List[float], List[float]]:
+    if costs is None:
+        return [1.0] * n, [2.0] * n
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence) or len(costs) != n:
+        raise ValueError(f"costs must be a list of {n} (forward, backward) pairs, one per microbatch")
+    fwd, bwd = [], []
+    for i, c in enumerate(costs):
+        if isinstance(c, (str, bytes)) or not isinstance(c, Sequence) or len(c) != 2:
+            raise ValueError(f"costs[{i}] must be a (forward, backward) pair, got {c!r}")
+        fwd.append(_number(c[0], f"costs[{i}] forward"))
+        bwd.append(_number(c[1], f"costs[{i}] backward"))
+    return fwd, bwd
+
+
+class _Timing:
+    """Times per-stage orders (the simulator's model) and measures what consumer 1F1B's choice
+    needs: makespan and, per stage, peak export bytes, windows alive and microbatches in flight."""
+
+    def __init__(self, producers, windows, S: int, fwd, bwd, export, lat: float):
+        self.producers, self.windows, self.S, self.lat = producers, windows, S, lat
+        self.fwd = [f / S for f in fwd]
+        self.bwd = [b / S for b in bwd]
+        self.export = [e / S for e in export]
+        self.deps: Dict[Tuple[int, str, int], List[Tuple[int, str, int]]] = {}
+
+    def prerequisites(self, s: int, kind: str, m: int) -> List[Tuple[int, str, int]]:
+        key = (s, kind, m)
+        d = self.deps.get(key)
+        if d is None:
+            d = self.deps[key] = _prerequisites(kind, m, s, self.S, self.producers, self.windows)
+        return d
+
+    def ready_time(self, s: int, kind: str, m: int, end) -> Optional[float]:
+        """When ``kind`` of ``m`` may start on ``s`` (None: a prerequisite has not run)."""
+        t = 0.0
+        for d in self.prerequisites(s, kind, m):
+            e = end.get(d)
+            if e is None:
+                return None
+            if d[0] != s:
+                e += self.lat
+            if e > t:
+                t = e
+        return t
+
+    def duration(self, kind: str, m: int) -> float:
+        return self.fwd[m] if kind in ("F", "PF") else self.bwd[m]
+
+    def measure(self, ops: List[List[Op]], end) -> Tuple[float, List[float], List[int], List[int]]:
+        makespan = max((end[(s, k, m)] for s in range(self.S) for k, m in ops[s]), default=0.0)
+        peak_bytes, peak_windows, peak_flight = [], [], []
+        n = len(self.producers)
+        for s in range(self.S):
+            fe = {m: end[(s, k, m)] for k, m in ops[s] if k in ("F", "PF")}
+            be = {m: end[(s, k, m)] for k, m in ops[s] if k in ("B", "PB")}
+            peak_bytes.append(_peak([(fe[p], be[p], self.export[p]) for p in self.windows]))
+            peak_windows.append(int(round(_peak([(fe[p], be[p], 1.0) for p in self.windows]))))
+            peak_flight.append(int(round(_peak([(fe[i], be[i], 1.0) for i in range(n)]))))
+        return makespan, peak_bytes, peak_windows, peak_flight
+
+    def time(self, ops: List[List[Op]]):
+        """Each stage runs its order as early as its prerequisites allow (None on a deadlock)."""
+        end: Dict[Tuple[int, str, int], float] = {}
+        free = [0.0] * self.S
+        nxt = [0] * self.S
+        left = sum(len(o) for o in ops)
+        while left:
+            progressed = False
+            for s in range(self.S):
+                while nxt[s] < len(ops[s]):
+                    kind, m = ops[s][nxt[s]]
+                    r = self.ready_time(s, kind, m, end)
+                    if r is None:
+                        break
+                    t0 = max(r, free[s])
+                    end[(s, kind, m)] = free[s] = t0 + self.duration(kind, m)
+                    nxt[s] += 1
+                    left -= 1
+                    progressed = True
+            if not progressed:
+                return None
+        return self.measure(ops, end)
+
+    def greedy(self, items: Sequence[int], depth: int, rule: str):
+        """The orders of a timed run over ``items`` (consumers and plain microbatches, the forward
+        and the backward order): on stage s, a forward may start while fewer than ``S - s +
+        depth`` items are in flight there; a producer's PF is glued in front of its first
+        consumer's F and its PB behind its last consumer's B (the stage runs the pair back to
+        back, waiting if the second op is not ready).  An idle stage starts the next forward or
+        backward that is ready, the one ``rule`` names first.  None if the run stalls."""
+        S, producers = self.S, self.producers
+        last_of: Dict[int, int] = {}
+        for i in items:
+            if producers[i] is not None:
+                last_of[producers[i]] = i
+        closes = {c: p for p, c in last_of.items()}
+        seen: set = set()
+        fgroups: List[List[Op]] = []
+        bgroups: List[List[Op]] = []
+        for i in items:
+            p = producers[i]
+            fgroups.append(([("PF", p)] if p is not None and p not in seen else []) + [("F", i)])
+            if p is not None:
+                seen.add(p)
+            bgroups.append([("B", i)] + ([("PB", closes[i])] if i in closes else []))
+        end: Dict[Tuple[int, str, int], float] = {}
+        ops: List[List[Op]] = [[] for _ in range(S)]
+        fi, bi, flight = [0] * S, [0] * S, [0] * S
+        free = [0.0] * S
+        glued: List[Optional[Op]] = [None] * S
+        limits = [S - s + min(depth, S - 1 - s) for s in range(S)]
+        backward_first = rule == "backward-first"
+        times = [0.0]
+        left = 2 * len(producers) * S
+        while left:
+            if not times:
+                return None
+            t = heapq.heappop(times)
+            while times and times[0] <= t:
+                heapq.heappop(times)
+            for s in range(S):
+                if free[s] > t:
+                    continue
+                while True:     # the stage may run a glued pair's second op right away
+                    if glued[s] is not None:
+                        kind, m = glued[s]
+                        r = self.ready_time(s, kind, m, end)
+                        if r is None or r > t:
+                            break
+                        choice = glued[s]
+                        glued[s] = None
+                    else:
+                        cand = []
+                        if bi[s] < len(bgroups):
+                            cand.append((False, bgroups[bi[s]]))
+                        if fi[s] < len(fgroups) and flight[s] < limits[s]:
+                            cand.append((True, fgroups[fi[s]]))
+                        if not backward_first:
+                            cand.reverse()
+                        choice = None
+                        for is_fwd, group in cand:
+                            r = self.ready_time(s, group[0][0], group[0][1], end)
+                            if r is not None and r <= t:
+                                choice = group[0]
+                                if is_fwd:
+                                    fi[s] += 1
+                                    flight[s] += 1
+                                else:
+                                    bi[s] += 1
+                                    flight[s] -= 1
+                                glued[s] = group[1] if len(group) > 1 else None
+                                break
+                        if choice is None:
+                            break
+                    kind, m = choice
+                    t1 = t + self.duration(kind, m)
+                    end[(s, kind, m)] = free[s] = t1
+                    ops[s].append(choice)
+                    left -= 1
+                    heapq.heappush(times, t1)
+                    if self.lat:
+                        heapq.heappush(times, t1 + self.lat)
+                    if t1 > t:
+                        break
+        return ops, self.measure(ops, end)
+
+
+def _classic_1f1b(producers: Sequence[Optional[int]], windows: Mapping[int, List[int]], S: int) -> List[List[Op]]:
+    """1F1B over the consumers and plain microbatches in step order, each PF right before its
+    first consumer's F, each PB right after its last consumer's B (consumer 1F1B's classic order)."""
+    first = {p: cs[0] for p, cs in windows.items()}
+    last = {cs[-1]: p for p, cs in windows.items()}
+    items = [i for i in range(len(producers)) if i not in windows]
+    fops = {i: ([("PF", producers[i])] if producers[i] is not None and first[producers[i]] == i else [])
+            + [("F", i)] for i in items}
+    bops = {i: [("B", i)] + ([("PB", last[i])] if i in last else []) for i in items}
+    return [_one_f_one_b(items, S - 1 - s, fops, bops) for s in range(S)]
+
+
+def _consumer_1f1b(producers: Sequence[Optional[int]], windows: Mapping[int, List[int]], S: int,
+                   fwd: Sequence[float], bwd: Sequence[float], export: Sequence[float],
+                   lat: float) -> List[List[Op]]:
+    """Consumer-1F1B orders: the best timed candidate (module docstring)."""
+    n = len(producers)
+    first = {p: cs[0] for p, cs in windows.items()}
+    items = [i for i in range(n) if i not in windows]
+    classic = _classic_1f1b(producers, windows, S)
+    if S == 1 or not items:
+        return classic
+    timing = _Timing(producers, windows, S, fwd, bwd, export, lat)
+    measured = timing.time(classic)
+    if measured is None:     # cannot happen for 1F1B over a list; keep the documented order
+        return classic
+    overlap = timing.time(_backward_first(producers, windows, S))
+    budget = None if overlap is None else overlap[1:]
+
+    def within(m) -> bool:
+        if budget is None:
+            return True
+        return all(m[1][s] <= budget[0][s] * (1 + 1e-12) and m[2][s] <= budget[1][s] for s in range(S))
+
+    best_ops, best = classic, measured
+    # units: a plain microbatch, or a window's consumers (its costliest backward last, so that the
+    # PB glued behind it finds the next stage's PB done)
+    units: List[List[int]] = []
+    for i in items:
+        p = producers[i]
+        if p is None:
+            units.append([i])
+        elif first[p] == i:
+            cs = list(windows[p])
+            k = max(range(len(cs)), key=lambda j: (bwd[cs[j]], j))
+            units.append(cs[:k] + cs[k + 1:] + [cs[k]])
+
+    def head(u: List[int]) -> float:
+        p = producers[u[0]]
+        return fwd[p] if p is not None else fwd[u[0]]
+
+    def tail(u: List[int]) -> float:
+        p = producers[u[0]]
+        return bwd[p] if p is not None else bwd[u[-1]]
+
+    step_order = list(range(len(units)))
+    ends = list(step_order)
+    if len(ends) >= 2:
+        a = min(ends, key=lambda k: (head(units[k]), k))
+        ends.remove(a)
+        z = min(ends, key=lambda k: (tail(units[k]), k))
+        ends.remove(z)
+        ends = [a] + ends + [z]
+    rng = random.Random(_SEARCH_SEED)
+    best_order = step_order
+
+    def run(order, depth, rule):
+        got = timing.greedy([i for k in order for i in units[k]], depth, rule)
+        if got is None or not within(got[1]):
+            return None
+        return got
+
+    for depth in C1F1B_DEPTHS:
+        for rule in C1F1B_RULES:
+            cur = None
+            for order in (step_order, ends, best_order):
+                got = run(order, depth, rule)
+                if got is not None and (cur is None or got[1][0] < cur[2][0]):
+                    cur = (list(order), got[0], got[1])
+            if cur is None:
+                continue
+            for _ in range(C1F1B_SEARCH_MOVES if len(units) > 1 else 0):
+                order = list(cur[0])
+                a, b = rng.sample(range(len(order)), 2)
+                if rng.random() < 0.5:
+                    order.insert(b, order.pop(a))
+                else:
+                    order[a], order[b] = order[b], order[a]
+                got = run(order, depth, rule)
+                if got is not None and got[1][0] < cur[2][0] * (1 - 1e-12):
+                    cur = (order, got[0], got[1])
+            if cur[2][0] < best[0] * (1 - 1e-12):
+                best_order, best_ops, best = cur[0], cur[1], cur[2]
+    return best_ops
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,7 +744,11 @@ def simulate(step: Sequence[StepMicrobatch], num_stages: int, schedule: str, *,
     if not step:
         raise ValueError("the step has no microbatches")
     producers = [m.producer for m in step]
-    ops = schedule_ops(producers, S, schedule) if orders is None else _given_orders(orders, producers, windows, S)
+    if orders is None:
+        ops = schedule_ops(producers, S, schedule, costs=[(m.forward, m.backward) for m in step],
+                           export_bytes=[m.export_bytes for m in step], p2p_latency=lat)
+    else:
+        ops = _given_orders(orders, producers, windows, S)
 
     def duration(kind: str, m: int) -> float:
         return (step[m].forward if kind in ("F", "PF") else step[m].backward) / S
