@@ -5,17 +5,26 @@ and Step-wise, 256 to 2048 trajectories; whole tasks, the last one cut to the si
 on DP 1, 2, 4 and 8 replicas with a row budget per microbatch (default 32768).  Every planner's
 metrics come from megatron_harts.planner.metrics.plan_metrics; planning times include building
 the forest index (shared, counted for every planner), after one warm-up run (imports), and are
-the fastest of ``--repeat`` runs (3; OR-Tools runs once: its time is mostly its search limit)
-because this benchmark shares its CPUs.  The target checks of issue 7 are printed
+the fastest of ``--repeat`` runs (3) because this benchmark shares its CPUs.  OR-Tools runs
+once when that run takes more than a second (its time is then mostly its search limit), else
+``--repeat`` times like the others (small batches, where CP-SAT proves FFD's packing optimal
+in milliseconds and one run's time is mostly noise).  The target checks of issue 7 are printed
 at the end, with the numbers:
 
-- L1+L2 compression >= 1.3x L1's on Tree-Step batches, and above OR-Tools+FFD everywhere;
+- L1+L2 compression >= 1.3x L1's on Tree-Step batches, and above OR-Tools+FFD everywhere (the
+  line also prints the ceiling of that ratio: no plan computes fewer tokens than the forest's
+  unique rows, so L1+L2 / L1 <= forest compression / L1 compression);
 - at DP 8, L1+L2 balance_mean >= 98% and balance_p5 >= 95%;
 - L1+L2 planning <= 0.5 s per step at 1024 trajectories and >= 5x faster than OR-Tools+FFD.
 
     python benchmarks/bench_planner.py                       # every size, every DP
     python benchmarks/bench_planner.py --sizes 256 --dps 8   # one column
     python benchmarks/bench_planner.py --json out.json       # also write every number
+
+Columns: compression, balance (mean over slots of mean/max microbatch cost), its 5th
+percentile, step_min (least / most loaded replica over the step), microbatches, peak_rows,
+retention (max slots a producer's exports stay alive), export_peak (most exported rows one
+replica retains at once), plan_s (seconds, forest index included).
 
 OR-Tools is the "bench" extra of setup.py; without it the ortools_ffd rows say so.
 """
@@ -55,8 +64,8 @@ def swe_batch(scheme: str, n: int, seed: int):
 
 
 def plan_all(forest, dp: int, M: int, model: CostModel, ortools_limit: float, repeat: int = 3):
-    """Every planner on one batch; times are the minimum of ``repeat`` runs (one for OR-Tools,
-    whose time is its search limit or less), each including the forest index."""
+    """Every planner on one batch; times are the minimum of ``repeat`` runs (one for OR-Tools
+    when it takes over a second: its search limit or close), each including the forest index."""
     t_index = []
     for _ in range(max(1, repeat)):
         t0 = time.perf_counter()
@@ -78,8 +87,13 @@ def plan_all(forest, dp: int, M: int, model: CostModel, ortools_limit: float, re
              "ffd": best_of(lambda: plan_ffd(forest, dp, M, cost_model=model, index=ix)),
              "tree_ffd": best_of(lambda: plan_tree_ffd(forest, dp, M, cost_model=model, index=ix))}
     if ortools_available():
-        plans["ortools_ffd"] = plan_ortools_ffd(forest, dp, M, cost_model=model, index=ix,
-                                                time_limit_s=ortools_limit)
+        def ortools():
+            return plan_ortools_ffd(forest, dp, M, cost_model=model, index=ix, time_limit_s=ortools_limit)
+
+        runs = [ortools()]
+        if runs[0].plan_seconds < 1.0:
+            runs += [ortools() for _ in range(max(1, repeat) - 1)]
+        plans["ortools_ffd"] = min(runs, key=_seconds)
     out = {}
     for name in PLANNERS:
         if name not in plans:
@@ -125,7 +139,7 @@ def main(argv=None) -> int:
     plan_all(swe_batch("tree-step", 8, args.seed), 2, args.budget, model, 1.0)  # warm-up: imports, caches
     results = []
     header = ("scheme", "traj", "dp", "planner", "compression", "balance", "balance_p5", "step_min",
-              "microbatches", "peak_rows", "retention", "plan_s")
+              "microbatches", "peak_rows", "retention", "export_peak", "plan_s")
     print("  ".join(header))
     for scheme in args.schemes:
         for n in args.sizes:
@@ -141,7 +155,8 @@ def main(argv=None) -> int:
                     print("  ".join([scheme, str(n), str(dp), name, fmt(m, "compression"),
                                      fmt(m, "balance_mean", True), fmt(m, "balance_p5", True),
                                      fmt(m, "step_min_balance", True), fmt(m, "microbatches"),
-                                     fmt(m, "peak_rows"), fmt(m, "max_retention"), fmt(m, "plan_seconds")]),
+                                     fmt(m, "peak_rows"), fmt(m, "max_retention"), fmt(m, "peak_export_rows"),
+                                     fmt(m, "plan_seconds")]),
                           flush=True)
                 results.append({"scheme": scheme, "trajectories": n, "dp": dp, "budget": args.budget,
                                 "forest_compression": st["compression"], "planners": res})
@@ -159,7 +174,11 @@ def main(argv=None) -> int:
         l1, l2, ort = p["harts_l1"], p["harts_l1l2"], p["ortools_ffd"]
         ratio = l2["compression"] / l1["compression"]
         if r["scheme"] == "tree-step":
-            check(ratio >= 1.3, f"{tag}: L1+L2/L1 compression {ratio:.3f}x (>= 1.3x)")
+            ceiling = r["forest_compression"] / l1["compression"]
+            check(ratio >= 1.3, f"{tag}: L1+L2/L1 compression {ratio:.3f}x (>= 1.3x; ceiling forest/L1 "
+                                f"{r['forest_compression']:.3f}/{l1['compression']:.3f} = {ceiling:.3f}x, "
+                                f"L1 at {100 / ceiling:.1f}% and L1+L2 at "
+                                f"{100 * l2['compression'] / r['forest_compression']:.1f}% of the forest's)")
         if ort is not None:
             check(l2["compression"] > ort["compression"],
                   f"{tag}: L1+L2 {l2['compression']:.3f}x vs OR-Tools+FFD {ort['compression']:.3f}x")

@@ -54,7 +54,7 @@ from .microbatch import MicrobatchPlan, assemble_plan
 #: (tolerance, reserve) slot targets of the fill: the first is the default; batches with at
 #: most ``FEW_SLOTS`` slots of work per replica (and dp > 1) try the others at the best slot
 #: count (step 4 of the module docstring)
-FILL_VARIANTS = ((0.01, 0.85), (0.005, 1.0), (0.02, 1.0), (0.02, 1.2), (0.04, 0.85))
+FILL_VARIANTS = ((0.01, 0.85), (0.005, 1.0), (0.02, 1.2))
 FEW_SLOTS = 2
 #: estimated step efficiency at which the other fill targets are not tried
 GOOD_ENOUGH = 0.985
