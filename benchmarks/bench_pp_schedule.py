@@ -9,8 +9,12 @@ and peak retained export bytes per stage.  Reported against the targets: consume
 non-overlap and above overlap, with peak retained memory no higher than overlap's.
 The real multi-GPU run belongs to the multi-GPU validation issue.
 
+Consumer 1F1B chooses its order with the step's costs (simulator module docstring); its peak
+microbatches in flight per stage are in the JSON beside overlap's.
+
     .venv/bin/python benchmarks/bench_pp_schedule.py                 # table
     .venv/bin/python benchmarks/bench_pp_schedule.py --json --plot-dir out/pp   # + one PNG per case
+    .venv/bin/python benchmarks/bench_pp_schedule.py --plot-dir out/pp --out out/pp/results.json
 """
 import argparse
 import json
@@ -35,7 +39,8 @@ def main(argv=None):
     ap.add_argument("--export-bytes-per-row", type=float, default=8192.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-dir", default=None, help="write one timeline PNG per scheme and depth here")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON after the table")
+    ap.add_argument("--out", default=None, help="write the results as JSON to this file")
     a = ap.parse_args(argv)
     out = {"args": vars(a), "cases": []}
     if a.plot_dir:
@@ -56,7 +61,8 @@ def main(argv=None):
                     "trajectories": forest.num_trajectories,
                     "schedules": {n: {"tokens_per_second": r.tokens_per_second, "bubble_fraction": r.bubble_fraction,
                                       "makespan": r.makespan, "peak_export_bytes": r.peak_export_bytes,
-                                      "peak_windows_alive": r.peak_windows_alive} for n, r in res.items()},
+                                      "peak_windows_alive": r.peak_windows_alive,
+                                      "peak_in_flight": r.peak_in_flight} for n, r in res.items()},
                     "consumer_1f1b_over_non_overlap": tps["consumer-1f1b"] / tps["non-overlap"],
                     "consumer_1f1b_over_overlap": tps["consumer-1f1b"] / tps["overlap"],
                     "peak_memory_1f1b_over_overlap": mem["consumer-1f1b"] / mem["overlap"] if mem["overlap"] else None}
@@ -65,8 +71,16 @@ def main(argv=None):
                 draw_timeline(res, os.path.join(a.plot_dir, f"pp_{scheme}_s{S}.png"))
             print(f"{scheme:10s} {S:2d} {len(step):4d} {windows:4d} | " + " | ".join(
                 f"{tps[n]:13,.0f} {100 * res[n].bubble_fraction:5.1f}%" for n in SCHEDULES)
-                + f" | {case['consumer_1f1b_over_non_overlap']:7.2f}x {case['consumer_1f1b_over_overlap']:7.3f}x"
+                + f" | {case['consumer_1f1b_over_non_overlap']:7.4f}x {case['consumer_1f1b_over_overlap']:7.4f}x"
                 f" {case['peak_memory_1f1b_over_overlap'] or 0:9.2f}", flush=True)
+    met = [c["consumer_1f1b_over_non_overlap"] >= 1.2 and c["consumer_1f1b_over_overlap"] > 1.0
+           and (c["peak_memory_1f1b_over_overlap"] or 0.0) <= 1.0 for c in out["cases"]]
+    out["targets_met"] = met
+    print(f"targets (>= 1.2x non-overlap, > overlap, memory <= overlap) met in {sum(met)} of {len(met)} cases")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=2)
     if a.json:
         print(json.dumps(out, indent=2))
     return out

@@ -88,13 +88,15 @@ point, with hypothesis where it holds and with a counterexample where it does no
 
 - equal costs (every microbatch the same forward f and backward b): consumer 1F1B <= overlap
   <= non-overlap in makespan;
-- any costs: on every stage consumer 1F1B retains no more export bytes and holds no more
-  microbatches in flight than overlap (overlap buys its makespan with run-ahead);
+- any costs: consumer 1F1B's makespan is no larger than its classic order's, and on every stage
+  it retains no more export bytes and keeps no more windows alive than overlap (by choice);
+  its microbatches in flight are bounded (``S - s + min(2, S - 1 - s)`` items on stage s, plus
+  its windows), overlap's are not;
 - uneven costs: no makespan order holds in general.  Overlap's unbounded run-ahead absorbs cost
-  variance and can beat consumer 1F1B (by up to ~30% on very uneven random steps, ~8% on a
-  planned SWE step: tools/simulate_schedule.py), and its order, decided by the unit-cost run,
-  can lose to plain 1F1B when costs are far from 1:2 (e.g. a few plain microbatches on many
-  stages); non-overlap beats consumer 1F1B rarely (about 0.2% of random steps, by up to ~10%).
+  variance and can beat consumer 1F1B (on 6% of 300 very uneven random steps, by up to ~8%);
+  on the planned SWE steps of benchmarks/bench_pp_schedule.py consumer 1F1B is ahead (by 0.1%
+  to 13%).  Overlap's order, decided by the unit-cost run, can lose to plain 1F1B when costs
+  are far from 1:2 (e.g. a few plain microbatches on many stages).
 
 **Invariants** (tests/test_schedule_simulator.py pins them): on every stage each op of the step
 appears exactly once in ``ops_per_stage[s]`` (F and B of every plain microbatch and consumer,
