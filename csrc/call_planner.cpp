@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "planner_l2.h"
+
 namespace py = pybind11;
 
 namespace {
@@ -303,93 +305,174 @@ py::dict plan_calls(I64Array parent, I64Array start, I64Array length, i64 chunk_
     return d;
 }
 
-// Calls, replay tokens and external rows of one microbatch: the segments ``computed`` (sorted
-// forest ids) of a forest given by parent/start/length.  Mirrors CostModel.kda / features in
+// Calls, replay tokens and external rows of one microbatch: the segments ``cs[0..m)`` (sorted
+// forest ids) of a forest given by parent/start/length.  Mirrors CostModel._kda_python in
 // megatron_harts/planner/cost_model.py: a computed segment whose parent is not computed starts
 // at path position p from a producer's boundary state at a = floor(p/B)*B; it is planned as a
 // root with a virtual parent of p - a tokens (replay), and positions below it are shifted by a
 // (a multiple of B: every chunk boundary is kept).  External rows: the rows of the distinct
-// ancestors of computed segments that are not computed themselves.
-py::tuple microbatch_kda(I64Array parent, I64Array start, I64Array length, I64Array computed,
-                         i64 chunk_size) {
+// ancestors of computed segments that are not computed themselves.  Runs without the GIL.
+struct KdaCounts {
+    i64 calls = 0, replay = 0, external = 0;
+};
+
+KdaCounts kda_counts(const i64* gp, const i64* gs, const i64* gl, const i64* cs, i64 m, i64 B) {
+    KdaCounts out;
+    if (m == 0) return out;
+    std::vector<i64> par, st, ln, where(m), shift(m);
+    par.reserve(2 * m);
+    st.reserve(2 * m);
+    ln.reserve(2 * m);
+    i64 extra = 0;
+    auto local = [&](i64 seg) -> i64 {  // index in computed, or -1
+        const i64* it = std::lower_bound(cs, cs + m, seg);
+        return (it != cs + m && *it == seg) ? static_cast<i64>(it - cs) : -1;
+    };
+    std::vector<i64> seen;  // external ancestors already counted (kept sorted)
+    for (i64 j = 0; j < m; ++j) {
+        const i64 s = cs[j];
+        const i64 p = gp[s];
+        const i64 jp = p >= 0 ? local(p) : -1;
+        i64 a;
+        if (jp >= 0) {
+            a = shift[jp];
+            par.push_back(where[jp]);
+            st.push_back(gs[s] - a);
+        } else {
+            const i64 p0 = gs[s];
+            a = align_down(p0, B);
+            if (p0 > a) {
+                par.push_back(-1);
+                st.push_back(0);
+                ln.push_back(p0 - a);
+                extra += p0 - a;
+                par.push_back(static_cast<i64>(par.size()) - 1);
+                st.push_back(p0 - a);
+            } else {
+                par.push_back(-1);
+                st.push_back(0);
+            }
+            for (i64 x = p; x >= 0; x = gp[x]) {  // external ancestors, each once
+                if (local(x) >= 0) break;
+                auto it = std::lower_bound(seen.begin(), seen.end(), x);
+                if (it != seen.end() && *it == x) break;
+                seen.insert(it, x);
+                out.external += gl[x];
+            }
+        }
+        shift[j] = a;
+        ln.push_back(gl[s]);
+        where[j] = static_cast<i64>(par.size()) - 1;
+    }
+    const i64 k = static_cast<i64>(par.size());
+    check_parent_and_length(par.data(), ln.data(), k);
+    Core core = solve(par.data(), st.data(), ln.data(), k, B, true);
+    out.calls = core.K;
+    for (i64 i = 0; i < k; ++i) {
+        if (core.down[i].head) out.replay += st[i] - align_down(st[i], B);
+    }
+    out.replay += extra;
+    return out;
+}
+
+void check_forest_arrays(const I64Array& parent, const I64Array& start, const I64Array& length) {
+    const i64 n = parent.shape(0);
+    if (parent.ndim() != 1 || start.ndim() != 1 || length.ndim() != 1 || start.shape(0) != n ||
+        length.shape(0) != n) {
+        throw py::value_error("parent, start and length must be 1-D arrays of one size");
+    }
+}
+
+void check_chunk(i64 chunk_size) {
     if (chunk_size < 1) {
         throw py::value_error("chunk_size must be >= 1, got " + std::to_string(chunk_size));
     }
-    const i64 n = parent.shape(0);
-    if (parent.ndim() != 1 || start.ndim() != 1 || length.ndim() != 1 || computed.ndim() != 1 ||
-        start.shape(0) != n || length.shape(0) != n) {
-        throw py::value_error("parent, start and length must be 1-D arrays of one size, computed 1-D");
-    }
-    const i64 m = computed.shape(0);
-    const i64* gp = parent.data();
-    const i64* gs = start.data();
-    const i64* gl = length.data();
-    const i64* cs = computed.data();
+}
+
+// Sorted, distinct ids in [0, n) (``what`` names the list in the error).
+void check_sorted_ids(const i64* cs, i64 m, i64 n, const std::string& what) {
     for (i64 j = 0; j < m; ++j) {
         if (cs[j] < 0 || cs[j] >= n || (j && cs[j] <= cs[j - 1])) {
-            throw py::value_error("computed must hold sorted, distinct segment ids in [0, " +
+            throw py::value_error(what + " must hold sorted, distinct segment ids in [0, " +
                                   std::to_string(n) + ")");
         }
     }
-    i64 calls = 0, replay = 0, external = 0;
+}
+
+py::tuple microbatch_kda(I64Array parent, I64Array start, I64Array length, I64Array computed,
+                         i64 chunk_size) {
+    check_chunk(chunk_size);
+    check_forest_arrays(parent, start, length);
+    if (computed.ndim() != 1) throw py::value_error("computed must be 1-D");
+    const i64 n = parent.shape(0);
+    const i64 m = computed.shape(0);
+    check_sorted_ids(computed.data(), m, n, "computed");
+    KdaCounts c;
     {
         py::gil_scoped_release release;
-        const i64 B = chunk_size;
-        std::vector<i64> par, st, ln, where(m), shift(m);
-        par.reserve(2 * m);
-        st.reserve(2 * m);
-        ln.reserve(2 * m);
-        i64 extra = 0;
-        auto local = [&](i64 seg) -> i64 {  // index in computed, or -1
-            const i64* it = std::lower_bound(cs, cs + m, seg);
-            return (it != cs + m && *it == seg) ? static_cast<i64>(it - cs) : -1;
-        };
-        std::vector<i64> seen;  // external ancestors already counted (sorted on demand)
-        for (i64 j = 0; j < m; ++j) {
-            const i64 s = cs[j];
-            const i64 p = gp[s];
-            const i64 jp = p >= 0 ? local(p) : -1;
-            i64 a;
-            if (jp >= 0) {
-                a = shift[jp];
-                par.push_back(where[jp]);
-                st.push_back(gs[s] - a);
-            } else {
-                const i64 p0 = gs[s];
-                a = align_down(p0, B);
-                if (p0 > a) {
-                    par.push_back(-1);
-                    st.push_back(0);
-                    ln.push_back(p0 - a);
-                    extra += p0 - a;
-                    par.push_back(static_cast<i64>(par.size()) - 1);
-                    st.push_back(p0 - a);
-                } else {
-                    par.push_back(-1);
-                    st.push_back(0);
-                }
-                for (i64 x = p; x >= 0; x = gp[x]) {  // external ancestors, each once
-                    if (local(x) >= 0) break;
-                    auto it = std::lower_bound(seen.begin(), seen.end(), x);
-                    if (it != seen.end() && *it == x) break;
-                    seen.insert(it, x);
-                    external += gl[x];
-                }
-            }
-            shift[j] = a;
-            ln.push_back(gl[s]);
-            where[j] = static_cast<i64>(par.size()) - 1;
-        }
-        const i64 k = static_cast<i64>(par.size());
-        check_parent_and_length(par.data(), ln.data(), k);
-        Core core = solve(par.data(), st.data(), ln.data(), k, B, true);
-        calls = core.K;
-        for (i64 i = 0; i < k; ++i) {
-            if (core.down[i].head) replay += st[i] - align_down(st[i], B);
-        }
-        replay += extra;
+        c = kda_counts(parent.data(), start.data(), length.data(), computed.data(), m, chunk_size);
     }
-    return py::make_tuple(calls, replay, external);
+    return py::make_tuple(c.calls, c.replay, c.external);
+}
+
+// The cost features of many microbatches in one call (CostModel.features_many; reference:
+// CostModel.features per microbatch).  Microbatch j computes comp[comp_off[j]:comp_off[j+1]]
+// (sorted, distinct) and owns own[own_off[j]:own_off[j+1]].  Returns int64[k, 6]: rows,
+// attention pairs, KDA calls, replay tokens, logits rows, external rows (all 0 when nothing
+// is computed).
+py::array_t<i64> microbatch_features(I64Array parent, I64Array start, I64Array length, I64Array pairs,
+                                     I64Array logits, I64Array comp_off, I64Array comp, I64Array own_off,
+                                     I64Array own, i64 chunk_size) {
+    check_chunk(chunk_size);
+    check_forest_arrays(parent, start, length);
+    const i64 n = parent.shape(0);
+    if (pairs.ndim() != 1 || logits.ndim() != 1 || pairs.shape(0) != n || logits.shape(0) != n) {
+        throw py::value_error("pairs and logits must be 1-D arrays of the segment count");
+    }
+    const i64 k = comp_off.shape(0) - 1;
+    if (comp_off.ndim() != 1 || own_off.ndim() != 1 || k < 0 || own_off.shape(0) != k + 1) {
+        throw py::value_error("comp_off and own_off must be offsets (1-D, one more than microbatches)");
+    }
+    const i64* co = comp_off.data();
+    const i64* oo = own_off.data();
+    const i64* cs = comp.data();
+    const i64* os = own.data();
+    const i64 nc = comp.shape(0), no = own.shape(0);
+    for (i64 j = 0; j < k; ++j) {
+        if (co[j] < 0 || co[j] > co[j + 1] || co[j + 1] > nc || oo[j] < 0 || oo[j] > oo[j + 1] ||
+            oo[j + 1] > no) {
+            throw py::value_error("offsets must be non-decreasing and within the id arrays");
+        }
+        check_sorted_ids(cs + co[j], co[j + 1] - co[j], n, "computed");
+        for (i64 x = oo[j]; x < oo[j + 1]; ++x) {
+            if (os[x] < 0 || os[x] >= n) throw py::value_error("owned ids must lie in [0, segments)");
+        }
+    }
+    py::array_t<i64> out({k, static_cast<i64>(6)});
+    i64* o = out.mutable_data();
+    {
+        py::gil_scoped_release release;
+        const i64* gl = length.data();
+        const i64* gpairs = pairs.data();
+        const i64* glog = logits.data();
+        for (i64 j = 0; j < k; ++j) {
+            i64* r = o + 6 * j;
+            const i64 m = co[j + 1] - co[j];
+            std::fill(r, r + 6, 0);
+            if (m == 0) continue;
+            const i64* c = cs + co[j];
+            for (i64 x = 0; x < m; ++x) {
+                r[0] += gl[c[x]];
+                r[1] += gpairs[c[x]];
+            }
+            const KdaCounts kc = kda_counts(parent.data(), start.data(), gl, c, m, chunk_size);
+            r[2] = kc.calls;
+            r[3] = kc.replay;
+            for (i64 x = oo[j]; x < oo[j + 1]; ++x) r[4] += glog[os[x]];
+            r[5] = kc.external;
+        }
+    }
+    return out;
 }
 
 }  // namespace
@@ -405,4 +488,11 @@ PYBIND11_MODULE(_C, m) {
           py::arg("computed"), py::arg("chunk_size"),
           "(calls, replay tokens, external rows) of the microbatch computing the sorted segment ids "
           "`computed` of a forest (see megatron_harts.planner.cost_model.CostModel.kda).");
+    m.def("microbatch_features", &microbatch_features, py::arg("parent"), py::arg("start"),
+          py::arg("length"), py::arg("pairs"), py::arg("logits"), py::arg("comp_off"), py::arg("comp"),
+          py::arg("own_off"), py::arg("own"), py::arg("chunk_size"),
+          "int64[k, 6] cost features (rows, attention pairs, KDA calls, replay tokens, logits rows, "
+          "external rows) of k microbatches given as CSR arrays of computed (sorted) and owned "
+          "segment ids (see megatron_harts.planner.cost_model.CostModel.features_many).");
+    register_l2(m);
 }

@@ -206,6 +206,17 @@ def _microbatch_backend():
 _MB_KDA = _microbatch_backend()
 
 
+def _features_backend():
+    try:
+        from megatron_harts import _C  # compiled features of many microbatches, optional
+        return _C.microbatch_features
+    except (ImportError, AttributeError):
+        return None
+
+
+_MB_FEATURES = _features_backend()
+
+
 def _plan_calls_count(parent, start, length, B) -> Tuple[int, int]:
     """(calls, replay) of the call planner on arrays the caller built valid."""
     global _KDA
@@ -318,6 +329,32 @@ class CostModel:
                             kda_calls=calls, replay_tokens=replay,
                             logits_rows=int(ix.seg_logits[np.asarray(owned, dtype=np.int64)].sum()),
                             external_rows=ext_rows)
+
+    def features_many(self, ix: ForestIndex, computed: Sequence[np.ndarray],
+                      owned: Sequence[np.ndarray]) -> List[CostFeatures]:
+        """``features`` of many microbatches (``computed[j]`` sorted and distinct, ``owned[j]``):
+        the compiled ``_C.microbatch_features`` in one call when built, else
+        :meth:`features_many_python` (the reference: the same numbers)."""
+        global _MB_FEATURES
+        if _MB_FEATURES is not None and len(computed):
+            comp_off = np.zeros(len(computed) + 1, dtype=np.int64)
+            own_off = np.zeros(len(owned) + 1, dtype=np.int64)
+            np.cumsum([len(c) for c in computed], out=comp_off[1:])
+            np.cumsum([len(o) for o in owned], out=own_off[1:])
+            try:
+                out = _MB_FEATURES(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits, comp_off,
+                                   np.concatenate(computed).astype(np.int64, copy=False), own_off,
+                                   np.concatenate(owned).astype(np.int64, copy=False), self.chunk_size)
+            except TypeError:  # a different compiled signature: the Python path
+                _MB_FEATURES = None
+            else:
+                return [CostFeatures(*row) for row in out.tolist()]
+        return self.features_many_python(ix, computed, owned)
+
+    def features_many_python(self, ix: ForestIndex, computed: Sequence[np.ndarray],
+                             owned: Sequence[np.ndarray]) -> List[CostFeatures]:
+        """Reference of ``features_many`` (and of ``_C.microbatch_features``)."""
+        return [self.features(ix, c, o) for c, o in zip(computed, owned)]
 
     def expanded_features(self, ix: ForestIndex, trajectories: np.ndarray) -> CostFeatures:
         """Features of trajectories packed without sharing (one KDA call: all start at 0)."""

@@ -49,7 +49,7 @@ import numpy as np
 
 from .cost_model import CostModel, ForestIndex
 from .l1 import plan_l1
-from .microbatch import MicrobatchPlan, assemble_plan
+from .microbatch import MicrobatchPlan, PlanningError, assemble_plan
 
 #: (tolerance, reserve) slot targets of the fill: the first is the default; batches with at
 #: most ``FEW_SLOTS`` slots of work per replica (and dp > 1) try the others at the best slot
@@ -59,7 +59,7 @@ FEW_SLOTS = 2
 #: estimated step efficiency at which the other fill targets are not tried
 GOOD_ENOUGH = 0.985
 
-__all__ = ["plan_l2", "plan_harts", "Atoms", "build_atoms"]
+__all__ = ["plan_l2", "plan_harts", "Atoms", "build_atoms", "fill_slots", "FillInputs"]
 
 
 class Atoms:
@@ -470,7 +470,10 @@ def _rebalance(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, m
             while i < len(g):
                 g.extend(x for x in kids[g[i]] if slot_of[x] == k and mb_of[x] == b)
                 i += 1
-            out.append((g, sum(cost[x] for x in g), sum(rows[x] for x in g), p))
+            gc = 0.0  # sequential sum, as the compiled core adds (sum() compensates on Python >= 3.12)
+            for x in g:
+                gc += cost[x]
+            out.append((g, gc, sum(rows[x] for x in g), p))
         return out
 
     def movable(p, k, b):
@@ -587,6 +590,88 @@ def _compact(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, mem
         members_all.pop()
 
 
+def _l2_backend():
+    try:
+        from megatron_harts import _C  # compiled fill / compact / rebalance, optional
+        return _C.l2_fill
+    except (ImportError, AttributeError):
+        return None
+
+
+_L2_FILL = _l2_backend()
+#: the last slot dissolves into earlier slots' holes within this tolerance (``_compact``)
+COMPACT_TOL = 0.01
+#: moves or swaps per slot in ``_rebalance``
+REBALANCE_ROUNDS = 64
+
+
+def _recompute_fn(ix: ForestIndex, atoms: Atoms, seg_cost: List[float]):
+    """``recompute(a, have)`` of ``_fill``: (segments, rows, cost) of the ancestors of atom ``a``
+    that a microbatch computing the segments ``have`` lacks (nearest first)."""
+    parent_seg, seg_len = ix.parent, ix.length_list
+
+    def recompute(a, have):
+        segs = []
+        r, cost = 0, 0.0
+        x = parent_seg[atoms.segs[a][0]]
+        while x >= 0 and x not in have:
+            segs.append(x)
+            r += seg_len[x]
+            cost += seg_cost[x]
+            x = parent_seg[x]
+        return segs, r, cost
+
+    return recompute
+
+
+class FillInputs:
+    """The atoms, their children and statistics as the arrays ``_C.l2_fill`` reads (built once
+    per L2 plan, shared by every fill)."""
+
+    def __init__(self, ix: ForestIndex, atoms: Atoms, kids: List[List[int]], stats, tree_rank: np.ndarray,
+                 seg_cost: List[float]):
+        height, below, rows_below = stats
+        n = len(atoms)
+        kid_off = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(k) for k in kids], out=kid_off[1:])
+        seg_off = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in atoms.segs], out=seg_off[1:])
+        flat_kids = [c for k in kids for c in k]
+        flat_segs = [x for ss in atoms.segs for x in ss]
+        self.arrays = (np.asarray(atoms.parent, dtype=np.int64), np.asarray(atoms.cost, dtype=np.float64),
+                       np.asarray(atoms.rows, dtype=np.int64), np.asarray(atoms.tree, dtype=np.int64),
+                       kid_off, np.asarray(flat_kids, dtype=np.int64), seg_off,
+                       np.asarray(flat_segs, dtype=np.int64), np.asarray(height, dtype=np.int64),
+                       np.asarray(below, dtype=np.float64), np.asarray(rows_below, dtype=np.int64),
+                       np.asarray(tree_rank, dtype=np.int64), ix.parent_arr, ix.length,
+                       np.asarray(seg_cost, dtype=np.float64))
+        self.remaining = float(sum(atoms.cost))
+
+
+def fill_slots(ix: ForestIndex, atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
+               tree_rank: np.ndarray, seg_cost: List[float], *, eps: float, reserve: float, stats,
+               compiled: bool = True, inputs: Optional[FillInputs] = None):
+    """Step 3 for ``S`` planned slots: ``_fill`` (with recomputation), ``_compact`` and
+    ``_rebalance``.  Returns (slot_of, mb_of, loads per slot, members per slot, extra).  The
+    compiled ``_C.l2_fill`` runs when built and ``compiled``; the Python functions are its
+    reference (same outputs, floats included: a test holds them equal)."""
+    global _L2_FILL
+    if compiled and _L2_FILL is not None:
+        inp = inputs if inputs is not None else FillInputs(ix, atoms, kids, stats, tree_rank, seg_cost)
+        try:
+            slot_of, mb_of, loads_all, members_all, extra = _L2_FILL(
+                *inp.arrays, dp, M, S, eps, reserve, inp.remaining, True, COMPACT_TOL, REBALANCE_ROUNDS)
+        except TypeError:  # a different compiled signature: the Python path
+            _L2_FILL = None
+        else:
+            return slot_of, mb_of, loads_all, members_all, extra
+    slot_of, mb_of, loads_all, members_all, extra = _fill(
+        atoms, kids, dp, M, S, tree_rank, _recompute_fn(ix, atoms, seg_cost), eps=eps, reserve=reserve, stats=stats)
+    _compact(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra, tol=COMPACT_TOL)
+    _rebalance(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra, rounds=REBALANCE_ROUNDS)
+    return slot_of, mb_of, loads_all, members_all, extra
+
+
 def _score(loads_all, overhead: float = 0.0) -> Tuple[float, float]:
     """(step efficiency, mean slot balance) of a fill, by estimated loads; every microbatch
     with work also pays ``overhead`` (the per-microbatch terms the atom costs leave out)."""
@@ -605,12 +690,15 @@ def _score(loads_all, overhead: float = 0.0) -> Tuple[float, float]:
 
 def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = None,
             index: Optional[ForestIndex] = None, granularity: float = 0.1,
-            min_producer_rows: Optional[int] = None, extra_slots: int = 2) -> MicrobatchPlan:
+            min_producer_rows: Optional[int] = None, extra_slots: int = 2,
+            compiled: bool = True) -> MicrobatchPlan:
     """Refine an L1 plan (module docstring).  ``plan_seconds`` counts L2 alone.
 
     ``granularity``: atoms costing more than this fraction of the mean microbatch cost are cut
     (> 0).  ``min_producer_rows``: a tree's shared prefix shorter than this stays recomputed
     (default: the KDA chunk size).  ``extra_slots``: slot counts tried above the row bound.
+    ``compiled``: use the compiled fill (``_C.l2_fill``) when built; False runs the Python
+    reference (the same plan).
     """
     t0 = time.perf_counter()
     if l1.mode != "tree":
@@ -635,22 +723,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     tree_rank = np.empty(ix.num_trees, dtype=np.int64)
     tree_rank[np.argsort(-tree_cost, kind="stable")] = np.arange(ix.num_trees)
     c = model.coefficients
-    parent_seg = ix.parent
-
     seg_cost = (c.row * ix.length + c.attention_pair * ix.seg_pairs).tolist()
-    seg_len = ix.length.tolist()
-
-    def recompute(a, have):
-        """Ancestors of atom ``a`` a microbatch computing ``have`` lacks: (segs, rows, cost)."""
-        segs = []
-        r, cost = 0, 0.0
-        x = parent_seg[atoms.segs[a][0]]
-        while x >= 0 and x not in have:
-            segs.append(x)
-            r += seg_len[x]
-            cost += seg_cost[x]
-            x = parent_seg[x]
-        return segs, r, cost
 
     best = None
     stats = _subtree_stats(atoms, kids)
@@ -660,13 +733,13 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     overhead = c.microbatch + c.kda_call
 
     fills = []  # few-slot batches: every fill, judged by its assembled plan below
+    inputs = FillInputs(ix, atoms, kids, stats, tree_rank, seg_cost) if compiled and _L2_FILL is not None else None
 
     def attempt(S, eps, reserve):
         nonlocal best
-        slot_of, mb_of, loads_all, members_all, extra = _fill(atoms, kids, dp, M, S, tree_rank, recompute,
-                                                              eps=eps, reserve=reserve, stats=stats)
-        _compact(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra)
-        _rebalance(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra)
+        slot_of, mb_of, loads_all, members_all, extra = fill_slots(
+            ix, atoms, kids, dp, M, S, tree_rank, seg_cost, eps=eps, reserve=reserve, stats=stats,
+            compiled=compiled, inputs=inputs)
         score = _score(loads_all, overhead)
         key = (score[0], -len(loads_all))
         if best is None or key > best[0]:
@@ -674,18 +747,6 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         if few:
             fills.append((members_all, extra))
         return len(loads_all)
-
-    def assemble(members_all, extra):
-        groups, placement = [], []
-        for k, members in enumerate(members_all):
-            for b, mem in enumerate(members):
-                if not mem:
-                    continue
-                owned = [s for a in mem for s in atoms.segs[a]]
-                rec = [s for a in mem for s in atoms.rec[a]] + [s for a in mem for s in extra.get(a, ())]
-                groups.append((np.asarray(owned, dtype=np.int64), np.asarray(rec, dtype=np.int64)))
-                placement.append((b, k))
-        return assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
 
     # one slot leaves producers no consumer slot: with producers and replicas to spread over,
     # start at two (a plan without producers is L1's, which the guard below keeps if better)
@@ -696,17 +757,17 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     if few:
         # few microbatches of work per replica: the last slot's whole subtrees are coarse
         # against a slot, so the best slot count is filled again with other slot targets; the
-        # estimate misses per-microbatch KDA calls and replay, so every fill is assembled and
-        # the shortest modelled step wins among those computing no more tokens than L1 (then
-        # the fewest tokens, then the earliest fill)
+        # estimate misses per-microbatch KDA calls and replay, so every fill is judged by its
+        # exact modelled step (``fill_step_tokens``: its plan's numbers without building it)
+        # and the shortest wins among those computing no more tokens than L1 (then the fewest
+        # tokens, then the earliest fill); only the winner is assembled
         S_best = best[3]
         for eps, reserve in FILL_VARIANTS[1:]:
             if best[0][0] >= GOOD_ENOUGH:
                 break
             attempt(S_best, eps, reserve)
-        plans = [assemble(*f) for f in fills]
     else:
-        plans = [assemble(best[1], best[2])]
+        fills = [(best[1], best[2])]
     if model != l1.cost_model:  # judge L1's microbatches with this cost model
         groups = [(m.owned, m.recomputed) for m in l1.microbatches]
         placement = [(m.replica, m.slot) for m in l1.microbatches]
@@ -715,12 +776,69 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         keep = dataclasses.replace(l1, planner="harts_l1l2", windows=list(l1.windows),
                                    microbatches=list(l1.microbatches), slots=l1.slots.copy())
     # never more tokens than L1, never a longer modelled step: else L1's plan
-    plans = [q for q in plans if q.tokens_computed <= keep.tokens_computed]
-    plan = min(plans, key=lambda q: (step_cost(q), q.tokens_computed), default=keep)
-    if (step_cost(keep), -keep.tokens_computed) < (step_cost(plan), -plan.tokens_computed):
+    keep_tokens = keep.tokens_computed
+    keep_key = (step_cost(keep), -keep_tokens)
+    if len(fills) == 1:
+        plan = fill_plan(ix, atoms, *fills[0], dp=dp, M=M, model=model)
+        if plan.tokens_computed > keep_tokens or keep_key < (step_cost(plan), -plan.tokens_computed):
+            plan = keep
+    else:
+        scored = [fill_step_tokens(ix, atoms, *f, dp=dp, M=M, model=model) for f in fills]
+        ok = [i for i in range(len(fills)) if scored[i][1] <= keep_tokens]
         plan = keep
+        if ok:
+            i = min(ok, key=lambda i: scored[i])
+            if not keep_key < (scored[i][0], -scored[i][1]):
+                plan = fill_plan(ix, atoms, *fills[i], dp=dp, M=M, model=model)
     plan.plan_seconds = time.perf_counter() - t0
     return plan
+
+
+def fill_plan(ix: ForestIndex, atoms: Atoms, members_all, extra, *, dp: int, M: int,
+              model: CostModel) -> MicrobatchPlan:
+    """The plan of a fill: every non-empty microbatch of ``members_all[k][b]`` owns its atoms'
+    segments and recomputes their recomputed segments and the ancestors ``extra`` lists."""
+    groups, placement = [], []
+    for k, members in enumerate(members_all):
+        for b, mem in enumerate(members):
+            if not mem:
+                continue
+            owned = [s for a in mem for s in atoms.segs[a]]
+            rec = [s for a in mem for s in atoms.rec[a]] + [s for a in mem for s in extra.get(a, ())]
+            groups.append((np.asarray(owned, dtype=np.int64), np.asarray(rec, dtype=np.int64)))
+            placement.append((b, k))
+    return assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+
+
+def fill_step_tokens(ix: ForestIndex, atoms: Atoms, members_all, extra, *, dp: int, M: int,
+                     model: CostModel) -> Tuple[float, int]:
+    """(``step_cost``, ``tokens_computed``) of ``fill_plan(...)`` without building it: the same
+    microbatches, features, costs and slot compaction, hence the same floats (a test holds
+    them equal).  Raises ``PlanningError`` where ``fill_plan`` would (a microbatch over budget)."""
+    comps, owns, place = [], [], []
+    for k, members in enumerate(members_all):
+        for b, mem in enumerate(members):
+            if not mem:
+                continue
+            owned = sorted([s for a in mem for s in atoms.segs[a]])  # atoms own disjoint segments
+            rec = {s for a in mem for s in atoms.rec[a]}
+            for a in mem:
+                rec.update(extra.get(a, ()))
+            rec.difference_update(owned)
+            comps.append(np.array(sorted(rec.union(owned)), dtype=np.int64))
+            owns.append(np.array(owned, dtype=np.int64))
+            place.append((b, k))
+    feats = model.features_many(ix, comps, owns)
+    slot_ids = {k: j for j, k in enumerate(sorted({k for _, k in place}))}
+    cm = np.zeros((dp, len(slot_ids)), dtype=np.float64)
+    tokens = 0
+    for (b, k), f, comp in zip(place, feats, comps):
+        if f.rows > M:
+            raise PlanningError(f"harts_l1l2: a microbatch of tree {int(ix.seg_tree[comp[0]])} has {f.rows} "
+                                f"rows, over the row budget {M}")
+        cm[b, slot_ids[k]] = model.cost(f)
+        tokens += f.rows + f.replay_tokens
+    return (float(cm.max(axis=0).sum()) if cm.size else 0.0), tokens
 
 
 def step_cost(plan: MicrobatchPlan) -> float:

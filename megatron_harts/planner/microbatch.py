@@ -388,12 +388,13 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
     parent = ix.parent
     parent_arr = ix.parent_arr
     length = ix.length
-    mbs: List[Microbatch] = []
     consumers: Dict[int, set] = {}
     exported: Dict[int, set] = {}
+    comps, externals = [], []
     for new, i in enumerate(order):
         own, rec = owned_l[new], rec_l[new]
         comp = np.sort(np.concatenate((own, rec))) if rec.size else own  # disjoint
+        comps.append(comp)
         # external ancestors: walk up from the parents of computed segments that are not
         # computed here (the scratch mask holds this microbatch's computed segments)
         mark[comp] = True
@@ -408,20 +409,25 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
                 ext.setdefault(int(owner[a]), []).append(a)
                 a = parent[a]
         mark[comp] = False
-        r, k = placement[i][0], slot_map[placement[i][1]]
         external = []
         for p in sorted(ext):
             segs = np.array(sorted(ext[p]), dtype=np.int64)
             external.append(ExternalContext(p, segs, int(length[segs].sum())))
             consumers.setdefault(p, set()).add(new)
             exported.setdefault(p, set()).update(ext[p])
-        feats = cost_model.features(ix, comp, own)
+        externals.append(tuple(external))
+    feats_l = cost_model.features_many(ix, comps, owned_l)
+    mbs: List[Microbatch] = []
+    for new, i in enumerate(order):
+        feats = feats_l[new]
         if feats.rows > row_budget:
-            t = int(ix.seg_tree[comp[0]])
+            t = int(ix.seg_tree[comps[new][0]])
             raise PlanningError(f"{planner}: a microbatch of tree {t} has {feats.rows} rows, over the "
                                 f"row budget {row_budget}")
-        mbs.append(Microbatch(index=new, replica=r, slot=k, owned=own, recomputed=rec,
-                              external=tuple(external), consumers=(), features=feats,
+        rec = rec_l[new]
+        r, k = placement[i][0], slot_map[placement[i][1]]
+        mbs.append(Microbatch(index=new, replica=r, slot=k, owned=owned_l[new], recomputed=rec,
+                              external=externals[new], consumers=(), features=feats,
                               cost=cost_model.cost(feats), recomputed_rows=int(length[rec].sum())))
     windows = []
     for p in sorted(consumers):
