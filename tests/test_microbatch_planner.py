@@ -126,6 +126,30 @@ def test_compiled_microbatch_kda_matches_python():
         cm._MB_KDA(ix.parent_arr, ix.start, ix.length, np.array([3, 1]), 64)
 
 
+def test_compiled_microbatch_features_matches_python():
+    # _C.microbatch_features (features of many microbatches in one call) == CostModel.features
+    # per microbatch, on random segment subsets (owned: a random part of them) and empty ones
+    from megatron_harts.planner import cost_model as cm
+    if cm._MB_FEATURES is None:
+        pytest.skip("the C++ extension is not built")
+    rng = np.random.default_rng(1)
+    cfg = SweConfig(scheme="step-wise", num_tasks=2, samples_per_task=3, prompt_median=300, max_tokens=1500,
+                    action_median=40, observation_median=60, seed=5)
+    f = build_forest(synthesize_swe(cfg))
+    ix = ForestIndex(f)
+    for B in (1, 7, 64):
+        model = CostModel(chunk_size=B)
+        comps, owns = [], []
+        for _ in range(60):
+            comp = np.unique(rng.integers(0, ix.num_segments, int(rng.integers(0, 30))))
+            comps.append(comp)
+            owns.append(comp[rng.random(comp.size) < 0.6])
+        assert model.features_many(ix, comps, owns) == model.features_many_python(ix, comps, owns)
+    with pytest.raises(ValueError, match="sorted"):
+        cm._MB_FEATURES(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits, np.array([0, 2]),
+                        np.array([3, 1]), np.array([0, 0]), np.zeros(0, np.int64), 64)
+
+
 def test_cost_is_linear_in_features():
     c = CostCoefficients(microbatch=1.0, row=2.0, attention_pair=3.0, kda_call=4.0, kda_replay_token=5.0,
                          logits_row=6.0)
@@ -397,6 +421,106 @@ def test_fewer_microbatches_than_replicas_gets_balanced_slots(monkeypatch):
     only = plan_l2(f, l1, index=ix)
     assert plan_metrics(only)["balance_mean"] < m2["balance_mean"]
     assert step_cost(l2) <= step_cost(only)
+
+
+def _plan_key(plan):
+    """Everything a plan holds, as comparable Python values (floats exact)."""
+    return (plan.planner, plan.num_slots, plan.slots.tolist(), plan.tokens_computed,
+            [(m.index, m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist(), m.consumers, m.features, m.cost,
+              [(e.producer, e.segments.tolist(), e.rows) for e in m.external]) for m in plan.microbatches],
+            [(w.producer, w.consumers, w.segments.tolist(), w.rows, w.producer_slot, w.last_slot)
+             for w in plan.windows])
+
+
+def _l2_forests():
+    """Seeded forests for the compiled-vs-reference L2 tests: the Step-wise 256 batch (few
+    slots, recomputation in the fill), a small Tree-Step batch, random rollouts."""
+    out = [(step_wise_256(), 32768, CostModel())]
+    cfg = SweConfig(scheme="tree-step", num_tasks=3, samples_per_task=4, prompt_median=300, max_tokens=3000,
+                    action_median=40, observation_median=60, seed=3)
+    f = build_forest(synthesize_swe(cfg))
+    out.append((f, int(f.traj_length.max()) + 400, CostModel(chunk_size=16)))
+    rng = np.random.default_rng(7)
+    for i in range(6):
+        seqs, groups = [], []
+        for j in range(int(rng.integers(8, 30))):
+            if seqs and rng.random() < 0.8:
+                k = int(rng.integers(len(seqs)))
+                cut = int(rng.integers(1, len(seqs[k]) + 1))
+                seqs.append(seqs[k][:cut] + rng.integers(1, 50, size=int(rng.integers(1, 60))).tolist())
+                groups.append(groups[k])
+            else:
+                seqs.append(rng.integers(1, 50, size=int(rng.integers(1, 120))).tolist())
+                groups.append(f"g{j}")
+        f = forest_of(seqs, groups=groups)
+        out.append((f, int(f.traj_length.max() * (1.0 + 0.5 * (i % 3))), CostModel(chunk_size=(1, 4, 16)[i % 3])))
+    return out
+
+
+def test_compiled_l2_fill_matches_python():
+    # _C.l2_fill (fill + compaction + rebalance) == the Python reference (_fill, _compact,
+    # _rebalance): slots, microbatches, members in order, recomputed ancestors and loads (floats
+    # exact), over slot counts from the row bound to past it and every fill target
+    from megatron_harts.planner import l2 as l2mod
+    if l2mod._L2_FILL is None:
+        pytest.skip("the C++ extension is not built")
+    with_extra = compacted = 0
+    for f, M, model in _l2_forests():
+        ix = ForestIndex(f)
+        for dp in (1, 2, 3, 4, 8):
+            l1 = plan_l1(f, dp, M, cost_model=model, index=ix)
+            prep = l2mod.prepare_atoms(ix, l1, model, 0.1, model.chunk_size)
+            args = (ix, prep.atoms, prep.kids, dp, M)
+            for S in sorted({1, prep.S0, prep.S0 + 1, prep.S0 + 2, 2 * prep.S0 + 3}):
+                for eps, reserve in l2mod.FILL_VARIANTS:
+                    kw = dict(eps=eps, reserve=reserve, stats=prep.stats)
+                    got = l2mod.fill_slots(*args, S, prep.tree_rank, prep.seg_cost, compiled=True, **kw)
+                    ref = l2mod.fill_slots(*args, S, prep.tree_rank, prep.seg_cost, compiled=False, **kw)
+                    assert got == ref, (dp, S, eps, reserve)
+                    with_extra += bool(ref[4])
+                    compacted += len(ref[2]) < S
+    assert with_extra and compacted  # both paths were exercised
+    with pytest.raises(ValueError, match="parent"):
+        arrays = list(l2mod.FillInputs(ix, prep.atoms, prep.kids, prep.stats, prep.tree_rank, prep.seg_cost).arrays)
+        arrays[0] = np.full_like(arrays[0], 10 ** 6)
+        l2mod._L2_FILL(*arrays, 2, M, 2, 0.01, 0.85, 1.0, True, 0.01, 64)
+
+
+def test_plan_l2_compiled_equals_python_reference(monkeypatch):
+    # the whole L2 plan is the same with the compiled cores (fill, features) and without them
+    from megatron_harts.planner import cost_model as cm
+    from megatron_harts.planner import l2 as l2mod
+    for f, M, model in _l2_forests()[:4]:
+        ix = ForestIndex(f)
+        for dp in (1, 2, 4, 8):
+            l1 = plan_l1(f, dp, M, cost_model=model, index=ix)
+            fast = plan_l2(f, l1, cost_model=model, index=ix)
+            with monkeypatch.context() as mp:
+                mp.setattr(cm, "_MB_FEATURES", None)
+                mp.setattr(cm, "_MB_KDA", None)
+                ref = plan_l2(f, l1, cost_model=model, index=ix, compiled=False)
+            assert _plan_key(fast) == _plan_key(ref)
+
+
+def test_fill_step_tokens_matches_assembled_plan():
+    # the few-slot fills are judged without assembling them: the same step cost and tokens
+    from megatron_harts.planner import l2 as l2mod
+    n = 0
+    for f, M, model in _l2_forests():
+        ix = ForestIndex(f)
+        for dp in (2, 8):
+            l1 = plan_l1(f, dp, M, cost_model=model, index=ix)
+            prep = l2mod.prepare_atoms(ix, l1, model, 0.1, model.chunk_size)
+            for S in (max(2, prep.S0), prep.S0 + 1):
+                for eps, reserve in l2mod.FILL_VARIANTS:
+                    fill = l2mod.fill_slots(ix, prep.atoms, prep.kids, dp, M, S, prep.tree_rank, prep.seg_cost,
+                                            eps=eps, reserve=reserve, stats=prep.stats)
+                    kw = dict(dp=dp, M=M, model=model)
+                    plan = l2mod.fill_plan(ix, prep.atoms, fill[3], fill[4], **kw)
+                    assert l2mod.fill_step_tokens(ix, prep.atoms, fill[3], fill[4], **kw) == \
+                        (l2mod.step_cost(plan), plan.tokens_computed)
+                    n += 1
+    assert n
 
 
 def test_l1_pieces_partition_trees(tree_step):

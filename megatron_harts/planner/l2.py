@@ -59,7 +59,8 @@ FEW_SLOTS = 2
 #: estimated step efficiency at which the other fill targets are not tried
 GOOD_ENOUGH = 0.985
 
-__all__ = ["plan_l2", "plan_harts", "Atoms", "build_atoms", "fill_slots", "FillInputs"]
+__all__ = ["plan_l2", "plan_harts", "Atoms", "build_atoms", "fill_slots", "FillInputs", "prepare_atoms",
+           "fill_plan", "fill_step_tokens"]
 
 
 class Atoms:
@@ -688,6 +689,39 @@ def _score(loads_all, overhead: float = 0.0) -> Tuple[float, float]:
     return (means / maxes if maxes > 0 else 1.0, sum(bal) / len(bal) if bal else 1.0)
 
 
+class Prepared:
+    """Steps 1-2 of an L2 plan: ``atoms`` (granularity cuts done), their ``kids`` and
+    ``stats`` (``_subtree_stats``), ``tree_rank`` (trees by decreasing cost), ``seg_cost``
+    (row + attention cost per segment), ``produce`` (per tree) and ``S0`` (the slot lower
+    bound from rows)."""
+
+    def __init__(self, atoms, kids, stats, tree_rank, seg_cost, produce, S0):
+        self.atoms, self.kids, self.stats, self.tree_rank = atoms, kids, stats, tree_rank
+        self.seg_cost, self.produce, self.S0 = seg_cost, produce, S0
+
+
+def prepare_atoms(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, granularity: float,
+                  min_producer_rows: int) -> Prepared:
+    """Producers, atoms and granularity cuts of ``l1`` (steps 1-2 of the module docstring)."""
+    dp, M = l1.num_replicas, l1.row_budget
+    base, produce = build_atoms(ix, l1, model, min_producer_rows)
+    sc = _SegCosts(ix, model)
+    for a in range(len(base)):
+        base.rows[a], base.cost[a] = sc.atom(base.segs[a], base.rec[a], base.parent[a] >= 0)
+    total_rows = sum(base.rows)
+    S0 = max(1, math.ceil(math.ceil(total_rows / M) / dp))
+    tau0 = sum(base.cost) / (dp * S0)
+    atoms = _cut(ix, sc, base, granularity * tau0)
+    kids = atoms.children()
+    tree_cost = np.zeros(ix.num_trees)
+    np.add.at(tree_cost, np.asarray(atoms.tree, dtype=np.int64), np.asarray(atoms.cost))
+    tree_rank = np.empty(ix.num_trees, dtype=np.int64)
+    tree_rank[np.argsort(-tree_cost, kind="stable")] = np.arange(ix.num_trees)
+    c = model.coefficients
+    seg_cost = (c.row * ix.length + c.attention_pair * ix.seg_pairs).tolist()
+    return Prepared(atoms, kids, _subtree_stats(atoms, kids), tree_rank, seg_cost, produce, S0)
+
+
 def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = None,
             index: Optional[ForestIndex] = None, granularity: float = 0.1,
             min_producer_rows: Optional[int] = None, extra_slots: int = 2,
@@ -709,28 +743,14 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         raise ValueError(f"granularity must be > 0, got {granularity}")
     dp, M = l1.num_replicas, l1.row_budget
     mpr = model.chunk_size if min_producer_rows is None else int(min_producer_rows)
-    base, produce = build_atoms(ix, l1, model, mpr)
-    sc = _SegCosts(ix, model)
-    for a in range(len(base)):
-        base.rows[a], base.cost[a] = sc.atom(base.segs[a], base.rec[a], base.parent[a] >= 0)
-    total_rows = sum(base.rows)
-    S0 = max(1, math.ceil(math.ceil(total_rows / M) / dp))
-    tau0 = sum(base.cost) / (dp * S0)
-    atoms = _cut(ix, sc, base, granularity * tau0)
-    kids = atoms.children()
-    tree_cost = np.zeros(ix.num_trees)
-    np.add.at(tree_cost, np.asarray(atoms.tree, dtype=np.int64), np.asarray(atoms.cost))
-    tree_rank = np.empty(ix.num_trees, dtype=np.int64)
-    tree_rank[np.argsort(-tree_cost, kind="stable")] = np.arange(ix.num_trees)
-    c = model.coefficients
-    seg_cost = (c.row * ix.length + c.attention_pair * ix.seg_pairs).tolist()
-
+    prep = prepare_atoms(ix, l1, model, granularity, mpr)
+    atoms, kids, stats, tree_rank, seg_cost, produce, S0 = (
+        prep.atoms, prep.kids, prep.stats, prep.tree_rank, prep.seg_cost, prep.produce, prep.S0)
     best = None
-    stats = _subtree_stats(atoms, kids)
     # few microbatches of work per replica (at most FEW_SLOTS slots, step 4 of the module
     # docstring): other slot targets are tried at the best slot count
     few = dp > 1 and S0 <= FEW_SLOTS
-    overhead = c.microbatch + c.kda_call
+    overhead = model.coefficients.microbatch + model.coefficients.kda_call
 
     fills = []  # few-slot batches: every fill, judged by its assembled plan below
     inputs = FillInputs(ix, atoms, kids, stats, tree_rank, seg_cost) if compiled and _L2_FILL is not None else None
