@@ -246,12 +246,13 @@ def run_expanded(model, forest, layout, config, device="cpu") -> ModeRun:
     return _finish(model, lp, layout.to(device), logits)
 
 
-def upcast_model(model, config, dtype: torch.dtype = torch.float32, **overrides):
+def upcast_model(model, config, dtype: torch.dtype = torch.float32, *, build=None, **overrides):
     """(model, config) in ``dtype`` holding ``model``'s weights upcast: the oracle of a bf16 run.
 
     A second model of the same shape is built from ``config`` with ``params_dtype`` (and
     ``pipeline_dtype``) = ``dtype``, no initialization and ``overrides`` (other config fields), on
-    ``model``'s device, and ``model``'s state dict (parameters and buffers) is loaded into it.
+    ``model``'s device (built by ``build(config)`` when given, e.g. a pipeline stage's builder), and
+    ``model``'s state dict (parameters and buffers) is loaded into it.
     bf16 -> fp32 is exact, and it is checked: every floating-point entry of the copy's state dict
     equals the original's, upcast, bitwise, and every parameter is in ``dtype``.  ``model`` is untouched (an in-place upcast would change what its config,
     optimizer or DDP buffers see).
@@ -262,10 +263,13 @@ def upcast_model(model, config, dtype: torch.dtype = torch.float32, **overrides)
     cfg = dataclasses.replace(config, params_dtype=dtype, pipeline_dtype=dtype, bf16=False, fp16=False,
                               perform_initialization=False, **overrides)
     device = next(model.parameters()).device
-    up = build_hybrid_model(cfg, vocab_size=model.vocab_size, max_sequence_length=model.max_sequence_length,
-                            pre_process=model.pre_process, post_process=model.post_process,
-                            share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
-                            pg_collection=model.pg_collection, vp_stage=getattr(model, "vp_stage", None))
+    if build is not None:       # e.g. a pipeline stage's chunk: the builder of the original
+        up = build(cfg)
+    else:
+        up = build_hybrid_model(cfg, vocab_size=model.vocab_size, max_sequence_length=model.max_sequence_length,
+                                pre_process=model.pre_process, post_process=model.post_process,
+                                share_embeddings_and_output_weights=model.share_embeddings_and_output_weights,
+                                pg_collection=model.pg_collection, vp_stage=getattr(model, "vp_stage", None))
     up = up.to(device)
     state = model.state_dict()
     up.load_state_dict(state, strict=True)

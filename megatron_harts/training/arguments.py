@@ -60,7 +60,7 @@ dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linea
 ``linear_head_dim``, ``data_path`` (one string, or None), ``tree_sharing``, ``tree_mode``
 (sharing != off), ``tree_planner`` (resolved), ``tree_microbatch_tokens`` (resolved),
 ``tree_chunk_size``, ``no_tree_replay`` / ``tree_replay`` (its negation), ``tree_kda_backend``, ``tree_attention_backend`` (maybe
-``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``, ``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``,
+``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``, ``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``, ``tree_logit_probe_oracle``,
 ``tree_dataset_shuffle``, ``rl_objective``, ``clip_ratio_low``, ``clip_ratio_high``,
 ``kl_coef``, ``entropy_coef``, ``loss_agg_mode`` (``objective_kwargs`` gathers the last six).
 Resolved like Megatron-LM does: ``ffn_hidden_size``, ``moe_ffn_hidden_size``,
@@ -390,6 +390,7 @@ OWN_FLAGS = frozenset({
     "--tree-cost-calibration", "--tree-dataset-shuffle", "--no-tree-dataset-shuffle",
     "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
     "--loss-agg-mode", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
+    "--tree-logit-probe-oracle",
 })
 
 # ---------------------------------------------------------------------------------------------
@@ -940,6 +941,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "tools/compare_runs.py (fidelity across modes and parallel layouts)")
     ts.add_argument("--tree-logit-probe-tokens", type=_POSINT, default=1024,
                     help="about how many target tokens the logit probe samples (default 1024)")
+    ts.add_argument("--tree-logit-probe-oracle", action="store_true",
+                    help="with --tree-logit-probe: the first probe also runs an upcast copy of the weights (fp32 "
+                         "for bf16/fp16 models, fp64 for fp32; plain-torch kernels, no TF32) into DIR/oracle/, the "
+                         "reference that bf16 rounding is measured against")
     ts.add_argument("--tree-cost-calibration", default=None, metavar="PATH",
                     help="microbatch cost-model calibration (JSON, tools' save_calibration) the planner uses; "
                          "its chunk_size must equal --tree-chunk-size")
@@ -1299,6 +1304,8 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
         parent = os.path.dirname(os.path.abspath(args.tree_plan_report))
         if not os.path.isdir(parent):
             _fail(f"--tree-plan-report {args.tree_plan_report}: directory {parent} does not exist")
+    if args.tree_logit_probe_oracle and args.tree_logit_probe is None:
+        _fail("--tree-logit-probe-oracle needs --tree-logit-probe DIR")
     if args.tree_logit_probe is not None:
         parent = os.path.dirname(os.path.abspath(args.tree_logit_probe))
         if not os.path.isdir(parent):

@@ -16,7 +16,8 @@ Invariants:
   idle expert-parallel slots record nothing).
 - Files: ``DIR/iter_<iteration, 7 digits>/rank_<global rank, 5 digits>.pt``, each a dict with
   ``keys`` (list of (trajectory id, position)), ``logits`` ([n, vocab / tp], the model's dtype),
-  ``tp_rank``, ``tp_size``; only last-pipeline-stage ranks write.  :func:`load_probe` joins a
+  ``tp_rank``, ``tp_size``; only last-pipeline-stage ranks write.  The oracle's probe (an upcast copy
+  of the initial weights, :func:`oracle_logits`) goes to ``DIR/oracle/iter_<iteration>/``.  :func:`load_probe` joins a
   directory's shards back into full vocabulary rows and :func:`compare_probes` compares two.
 """
 from __future__ import annotations
@@ -29,8 +30,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-__all__ = ["sample_mask", "sample_stride", "probe_logits", "write_probe", "load_probe", "compare_probes",
-           "ProbeError"]
+__all__ = ["sample_mask", "sample_stride", "probe_logits", "oracle_dtype", "oracle_logits", "write_probe",
+           "load_probe", "compare_probes", "ProbeError", "ORACLE_DIR"]
+
+#: where ``--tree-logit-probe-oracle`` writes the upcast oracle's probe, inside the probe directory
+ORACLE_DIR = "oracle"
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -112,6 +116,39 @@ def probe_logits(model: list, forest, plan, settings, *, device, max_tokens: int
     finally:
         chunk.train(was_training)
     return captured
+
+
+def oracle_dtype(params_dtype: torch.dtype) -> torch.dtype:
+    """The oracle's dtype: fp32 for bf16/fp16 models, fp64 for fp32 (and fp64) models."""
+    return torch.float32 if params_dtype in (torch.bfloat16, torch.float16) else torch.float64
+
+
+def oracle_logits(module, config, forest, plan, settings, *, device, max_tokens: int = 1024):
+    """The probe of the same tokens by an upcast copy of ``module``'s weights (``models.fidelity.upcast_model``:
+    exact copy in :func:`oracle_dtype`, plain-torch KDA and SDPA tree attention, no TF32), in the run's own
+    mode and layout: the reference that bf16 rounding is measured against (shared/DESIGN.md invariant 1;
+    ``models/fidelity.py`` states the bf16 rule).  Collective like :func:`probe_logits`."""
+    from megatron.core import parallel_state
+
+    from ..models.fidelity import full_fp32_matmuls, upcast_model
+    dtype = oracle_dtype(config.params_dtype)
+    build = None
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:     # this stage's chunk, as the run built it
+        from ..schedules.pipeline import build_stage_model
+
+        def stage(cfg):
+            return build_stage_model(cfg, module.vocab_size,
+                                     share_embeddings_and_output_weights=module.share_embeddings_and_output_weights)
+        build = stage
+    up, _ = upcast_model(module, config, dtype, build=build, kda_backend="reference", tree_attention_backend="sdpa",
+                         moe_router_dtype="fp64" if dtype == torch.float64 else "fp32")
+    try:
+        with full_fp32_matmuls():
+            return probe_logits([up], forest, plan, settings, device=device, max_tokens=max_tokens)
+    finally:
+        del up
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def write_probe(directory: str, iteration: int, captured: Dict[Tuple[Any, int], torch.Tensor]) -> Optional[str]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -44,11 +44,12 @@ from ..planner.metrics import plan_metrics
 from ..rl.objectives import (BatchNormalizer, ObjectiveConfig, ObjectiveDataError, forest_normalizer, objective_loss,
                              target_scale)
 from ..schedules.pipeline import SCHEDULES as PP_SCHEDULES, forward_backward_pipelining_windows
+from ..schedules.simulator import step_from_plan
 from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forward_backward_windows,
                                  windowed_microbatches)
 
-__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "replica_microbatches", "run_schedule", "train_step",
-           "StepResult"]
+__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "replica_microbatches", "microbatch_costs", "run_schedule",
+           "train_step", "StepResult"]
 
 SHARING_MODES = ("off", "within", "windows")
 PLANNERS = ("l1", "l1l2", "ffd", "ortools")
@@ -243,16 +244,30 @@ def _all_reduce_sum(values: List[float], device) -> List[float]:
     return t.tolist()
 
 
+def microbatch_costs(forest, plan, replica: int, num_items: int) -> List[Tuple[float, float]]:
+    """(forward, backward) modelled cost of each of the replica's ``num_items`` microbatches, in execution
+    order (the simulator's ``step_from_plan``: the plan's cost model, backward twice forward); expert-parallel
+    placeholders at the end cost almost nothing.  The same on every rank of the replica."""
+    costs = [(float(m.forward), float(m.backward)) for m in step_from_plan(plan, replica, forest=forest)]
+    if len(costs) > num_items:
+        raise ValueError(f"microbatch_costs: the plan gives replica {replica} {len(costs)} microbatches, the step "
+                         f"runs {num_items}")
+    tiny = 1e-6 * max((c[0] for c in costs), default=1.0)
+    return costs + [(tiny, 2 * tiny)] * (num_items - len(costs))
+
+
 def run_schedule(model, items: List[WindowedMicrobatch], forward_step_func: Callable, settings: SharingSettings, *,
-                 forward_only: bool = False, window_stats: Optional[Dict[str, Any]] = None) -> List[Any]:
+                 forward_only: bool = False, window_stats: Optional[Dict[str, Any]] = None,
+                 costs: Optional[List[Tuple[float, float]]] = None) -> List[Any]:
     """Run this replica's microbatches ``items`` on this rank's model chunk through the schedule of the
-    run: the sharing-window schedule, or with pipeline size > 1 ``settings.pp_schedule``."""
+    run: the sharing-window schedule, or with pipeline size > 1 ``settings.pp_schedule`` (ordered with
+    ``costs``, :func:`microbatch_costs`, where the schedule uses them)."""
     from megatron.core import parallel_state
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         return forward_backward_pipelining_windows(forward_step_func=forward_step_func, data_iterator=iter(items),
                                                    model=model, num_microbatches=len(items),
                                                    forward_only=forward_only, window_stats=window_stats,
-                                                   schedule=settings.pp_schedule)
+                                                   schedule=settings.pp_schedule, microbatch_costs=costs)
     return forward_backward_windows(forward_step_func=forward_step_func, data_iterator=iter(items), model=model,
                                     num_microbatches=len(items), forward_only=forward_only,
                                     window_stats=window_stats)
@@ -283,8 +298,9 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     window_stats: Dict[str, Any] = {}
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     last = parallel_state.is_pipeline_last_stage()
+    costs = microbatch_costs(forest, plan, replica, len(items)) if pp > 1 else None
     with ddp.no_sync():
-        run_schedule(ddp, items, step_fn, settings, window_stats=window_stats)
+        run_schedule(ddp, items, step_fn, settings, window_stats=window_stats, costs=costs)
     # the objective's terms are known on the last pipeline stage: every rank logs the same numbers
     term_names = objective_term_names(objective) if pp > 1 else sorted(counters["terms"])
     rows = sum(int(mb.layout.num_rows) for mb in items)

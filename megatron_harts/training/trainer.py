@@ -109,6 +109,10 @@ class Trainer:
             if self.device.type == "cpu" and args.use_distributed_optimizer:
                 raise TrainingError("--use-distributed-optimizer needs CUDA (megatron-core's distributed optimizer "
                                     "takes CUDA parameters only); drop it to train on the CPU")
+            if self.device.type == "cpu" and args.bf16:
+                raise TrainingError("--bf16 needs CUDA (megatron-core's mixed-precision "
+                                    "optimizer takes CUDA parameters only); train in fp32 (no dtype flag) or --fp64 "
+                                    "on the CPU, and use tools/verify_fidelity.py --dtype bfloat16 for bf16 numerics")
             created = _init_world(backend, args.distributed_timeout_minutes)
             if created:
                 self._stack.callback(dist.destroy_process_group)
@@ -239,12 +243,18 @@ class Trainer:
 
     def probe(self) -> None:
         """Write the logit probe of the first global batch at the current iteration (``--tree-logit-probe``;
-        collective; training/probe.py says what it holds)."""
-        from .probe import probe_logits, write_probe
+        collective; training/probe.py says what it holds); the first probe of a run also writes the
+        upcast oracle's under ``--tree-logit-probe-oracle``."""
+        from .probe import ORACLE_DIR, oracle_logits, probe_logits, write_probe
         b = self._probe_batch
+        a = self.args
         captured = probe_logits(self.model, b.forest, b.plan, self.settings, device=self.device,
-                                max_tokens=self.args.tree_logit_probe_tokens)
-        write_probe(self.args.tree_logit_probe, self.iteration, captured)
+                                max_tokens=a.tree_logit_probe_tokens)
+        write_probe(a.tree_logit_probe, self.iteration, captured)
+        if a.tree_logit_probe_oracle and self._probed_at is None:
+            oracle = oracle_logits(self.model[0].module, self.config, b.forest, b.plan, self.settings,
+                                   device=self.device, max_tokens=a.tree_logit_probe_tokens)
+            write_probe(os.path.join(a.tree_logit_probe, ORACLE_DIR), self.iteration, oracle)
         dist.barrier()
         self._probed_at = self.iteration
         self._log(f"logit probe of iteration {self.iteration}: {self.args.tree_logit_probe}")
