@@ -456,26 +456,31 @@ py::array_t<i64> microbatch_features(I64Array parent, I64Array start, I64Array l
         const i64* gpairs = pairs.data();
         const i64* glog = logits.data();
         for (i64 j = 0; j < k; ++j) {
-            i64* r = o + 6 * j;
-            const i64 m = co[j + 1] - co[j];
-            std::fill(r, r + 6, 0);
-            if (m == 0) continue;
-            const i64* c = cs + co[j];
-            for (i64 x = 0; x < m; ++x) {
-                r[0] += gl[c[x]];
-                r[1] += gpairs[c[x]];
-            }
-            const KdaCounts kc = kda_counts(parent.data(), start.data(), gl, c, m, chunk_size);
-            r[2] = kc.calls;
-            r[3] = kc.replay;
-            for (i64 x = oo[j]; x < oo[j + 1]; ++x) r[4] += glog[os[x]];
-            r[5] = kc.external;
+            microbatch_feature_row(parent.data(), start.data(), gl, gpairs, glog, cs + co[j], co[j + 1] - co[j],
+                                   os + oo[j], oo[j + 1] - oo[j], chunk_size, o + 6 * j);
         }
     }
     return out;
 }
 
 }  // namespace
+
+void microbatch_feature_row(const std::int64_t* parent, const std::int64_t* start, const std::int64_t* length,
+                            const std::int64_t* pairs, const std::int64_t* logits, const std::int64_t* comp,
+                            std::int64_t m, const std::int64_t* own, std::int64_t mo, std::int64_t chunk_size,
+                            std::int64_t* out) {
+    std::fill(out, out + 6, 0);
+    if (m == 0) return;
+    for (i64 x = 0; x < m; ++x) {
+        out[0] += length[comp[x]];
+        out[1] += pairs[comp[x]];
+    }
+    const KdaCounts kc = kda_counts(parent, start, length, comp, m, chunk_size);
+    out[2] = kc.calls;
+    out[3] = kc.replay;
+    for (i64 x = 0; x < mo; ++x) out[4] += logits[own[x]];
+    out[5] = kc.external;
+}
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "megatron_harts C++ core: the KDA call planner and the microbatch KDA cost features";

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -422,6 +423,40 @@ void rebalance(const Atoms& at, i64 M, i64 rounds, Result& res) {
     }
 }
 
+// The features of every microbatch of the fill (fill_step_tokens' numbers): microbatch (k, b)
+// owns its atoms' segments and computes them with their recomputed segments and the ancestors
+// recomputed for them.  Returns int64[slots, dp, 6] (zeros for an empty microbatch).
+py::array_t<i64> fill_features(const Atoms& at, const i64* rec_off, const i64* rec, const i64* start,
+                               const i64* pairs, const i64* logits, i64 dp, i64 chunk_size, const Result& res) {
+    const i64 S = static_cast<i64>(res.members.size());
+    py::array_t<i64> out({S, dp, static_cast<i64>(6)});
+    i64* o = out.mutable_data();
+    std::vector<const std::vector<i64>*> extra_of(at.n, nullptr);
+    for (const auto& e : res.extra) extra_of[e.first] = &e.second;
+    std::vector<i64> own, rc, comp;
+    for (i64 k = 0; k < S; ++k) {
+        for (i64 b = 0; b < dp; ++b) {
+            own.clear();
+            rc.clear();
+            for (i64 a : res.members[k][b]) {
+                own.insert(own.end(), at.seg + at.seg_off[a], at.seg + at.seg_off[a + 1]);
+                rc.insert(rc.end(), rec + rec_off[a], rec + rec_off[a + 1]);
+                if (extra_of[a]) rc.insert(rc.end(), extra_of[a]->begin(), extra_of[a]->end());
+            }
+            std::sort(own.begin(), own.end());
+            std::sort(rc.begin(), rc.end());
+            rc.erase(std::unique(rc.begin(), rc.end()), rc.end());
+            comp.clear();
+            std::set_union(own.begin(), own.end(), rc.begin(), rc.end(), std::back_inserter(comp));
+            comp.erase(std::unique(comp.begin(), comp.end()), comp.end());
+            microbatch_feature_row(at.seg_parent, start, at.seg_len, pairs, logits, comp.data(),
+                                   static_cast<i64>(comp.size()), own.data(), static_cast<i64>(own.size()),
+                                   chunk_size, o + 6 * (k * dp + b));
+        }
+    }
+    return out;
+}
+
 template <typename T>
 const T* checked(const py::array_t<T, py::array::c_style | py::array::forcecast>& a, i64 size, const char* name) {
     if (a.ndim() != 1 || a.shape(0) != size) {
@@ -435,7 +470,8 @@ py::tuple l2_fill(I64Array parent, F64Array cost, I64Array rows, I64Array tree, 
                   I64Array seg_off, I64Array seg, I64Array height, F64Array below, I64Array rows_below,
                   I64Array tree_rank, I64Array seg_parent, I64Array seg_len, F64Array seg_cost, i64 dp, i64 M,
                   i64 S, double eps, double reserve, double remaining, bool recompute, double compact_tol,
-                  i64 rounds) {
+                  i64 rounds, I64Array rec_off, I64Array rec, I64Array seg_start, I64Array seg_pairs,
+                  I64Array seg_logits, i64 chunk_size) {
     Atoms at;
     at.n = parent.shape(0);
     at.num_trees = tree_rank.shape(0);
@@ -476,14 +512,28 @@ py::tuple l2_fill(I64Array parent, F64Array cost, I64Array rows, I64Array tree, 
     for (i64 s = 0; s < at.num_segments; ++s) {
         if (at.seg_parent[s] < -1 || at.seg_parent[s] >= s) throw py::value_error("seg_parent must precede");
     }
+    const i64* r_off = checked(rec_off, n + 1, "rec_off");
+    const i64* r_ids = checked(rec, rec.shape(0), "rec");
+    const i64* g_start = checked(seg_start, at.num_segments, "seg_start");
+    const i64* g_pairs = checked(seg_pairs, at.num_segments, "seg_pairs");
+    const i64* g_logits = checked(seg_logits, at.num_segments, "seg_logits");
+    if (chunk_size < 1) throw py::value_error("chunk_size must be >= 1");
+    if (r_off[0] != 0 || r_off[n] != rec.shape(0)) throw py::value_error("rec_off must be offsets into rec");
+    for (i64 a = 0; a < n; ++a) {
+        if (r_off[a] > r_off[a + 1]) throw py::value_error("rec_off must be non-decreasing");
+    }
+    for (i64 j = 0; j < rec.shape(0); ++j) {
+        if (r_ids[j] < 0 || r_ids[j] >= at.num_segments) throw py::value_error("rec ids must be segments");
+    }
     Result res;
     fill(at, dp, M, S, eps, reserve, remaining, recompute, res);
     compact(at, M, compact_tol, res);
     rebalance(at, M, rounds, res);
     py::dict extra;
     for (const auto& e : res.extra) extra[py::int_(e.first)] = py::cast(e.second);
+    py::array_t<i64> feats = fill_features(at, r_off, r_ids, g_start, g_pairs, g_logits, dp, chunk_size, res);
     return py::make_tuple(py::cast(res.slot_of), py::cast(res.mb_of), py::cast(res.loads), py::cast(res.members),
-                          extra);
+                          extra, feats);
 }
 
 }  // namespace
@@ -494,7 +544,9 @@ void register_l2(pybind11::module_& m) {
           py::arg("below"), py::arg("rows_below"), py::arg("tree_rank"), py::arg("seg_parent"),
           py::arg("seg_len"), py::arg("seg_cost"), py::arg("dp"), py::arg("M"), py::arg("S"), py::arg("eps"),
           py::arg("reserve"), py::arg("remaining"), py::arg("recompute"), py::arg("compact_tol"),
-          py::arg("rounds"),
+          py::arg("rounds"), py::arg("rec_off"), py::arg("rec"), py::arg("seg_start"), py::arg("seg_pairs"),
+          py::arg("seg_logits"), py::arg("chunk_size"),
           "L2's slot fill, last-slot compaction and rebalance (megatron_harts.planner.l2: _fill, _compact, "
-          "_rebalance, same outputs): (slot_of, mb_of, loads per slot, members per slot, extra).");
+          "_rebalance, same outputs): (slot_of, mb_of, loads per slot, members per slot, extra, features): "
+          "features int64[slots, dp, 6] of every microbatch of the fill (CostModel.features order).");
 }

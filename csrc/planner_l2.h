@@ -3,4 +3,14 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+
 void register_l2(pybind11::module_& m);
+
+// Cost features of one microbatch computing comp[0..m) (sorted, distinct) and owning own[0..mo):
+// out = rows, attention pairs, KDA calls, replay tokens, logits rows, external rows
+// (CostModel.features; defined in call_planner.cpp).
+void microbatch_feature_row(const std::int64_t* parent, const std::int64_t* start, const std::int64_t* length,
+                            const std::int64_t* pairs, const std::int64_t* logits, const std::int64_t* comp,
+                            std::int64_t m, const std::int64_t* own, std::int64_t mo, std::int64_t chunk_size,
+                            std::int64_t* out);

@@ -47,7 +47,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .cost_model import CostModel, ForestIndex
+from .cost_model import CostFeatures, CostModel, ForestIndex
 from .l1 import plan_l1
 from .microbatch import MicrobatchPlan, PlanningError, assemble_plan
 
@@ -60,7 +60,7 @@ FEW_SLOTS = 2
 GOOD_ENOUGH = 0.985
 
 __all__ = ["plan_l2", "plan_harts", "Atoms", "build_atoms", "fill_slots", "FillInputs", "prepare_atoms",
-           "fill_plan", "fill_step_tokens"]
+           "fill_plan", "fill_step_tokens", "step_tokens_of_features"]
 
 
 class Atoms:
@@ -637,8 +637,11 @@ class FillInputs:
         np.cumsum([len(k) for k in kids], out=kid_off[1:])
         seg_off = np.zeros(n + 1, dtype=np.int64)
         np.cumsum([len(x) for x in atoms.segs], out=seg_off[1:])
+        rec_off = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in atoms.rec], out=rec_off[1:])
         flat_kids = [c for k in kids for c in k]
         flat_segs = [x for ss in atoms.segs for x in ss]
+        flat_rec = [x for ss in atoms.rec for x in ss]
         self.arrays = (np.asarray(atoms.parent, dtype=np.int64), np.asarray(atoms.cost, dtype=np.float64),
                        np.asarray(atoms.rows, dtype=np.int64), np.asarray(atoms.tree, dtype=np.int64),
                        kid_off, np.asarray(flat_kids, dtype=np.int64), seg_off,
@@ -646,31 +649,52 @@ class FillInputs:
                        np.asarray(below, dtype=np.float64), np.asarray(rows_below, dtype=np.int64),
                        np.asarray(tree_rank, dtype=np.int64), ix.parent_arr, ix.length,
                        np.asarray(seg_cost, dtype=np.float64))
+        self.feature_arrays = (rec_off, np.asarray(flat_rec, dtype=np.int64), ix.start, ix.seg_pairs, ix.seg_logits)
         self.remaining = float(sum(atoms.cost))
 
 
 def fill_slots(ix: ForestIndex, atoms: Atoms, kids: List[List[int]], dp: int, M: int, S: int,
                tree_rank: np.ndarray, seg_cost: List[float], *, eps: float, reserve: float, stats,
-               compiled: bool = True, inputs: Optional[FillInputs] = None):
+               chunk_size: int = 64, compiled: bool = True, inputs: Optional[FillInputs] = None):
     """Step 3 for ``S`` planned slots: ``_fill`` (with recomputation), ``_compact`` and
-    ``_rebalance``.  Returns (slot_of, mb_of, loads per slot, members per slot, extra).  The
-    compiled ``_C.l2_fill`` runs when built and ``compiled``; the Python functions are its
-    reference (same outputs, floats included: a test holds them equal)."""
+    ``_rebalance``.  Returns (slot_of, mb_of, loads per slot, members per slot, extra, features).
+    The compiled ``_C.l2_fill`` runs when built and ``compiled``; the Python functions are its
+    reference (same outputs, floats included: a test holds them equal).  ``features``: the
+    compiled path's int64[slots, dp, 6] cost features of every microbatch of the fill (KDA
+    chunk ``chunk_size``; ``fill_step_tokens`` computes the same numbers), None otherwise."""
     global _L2_FILL
     if compiled and _L2_FILL is not None:
         inp = inputs if inputs is not None else FillInputs(ix, atoms, kids, stats, tree_rank, seg_cost)
         try:
-            slot_of, mb_of, loads_all, members_all, extra = _L2_FILL(
-                *inp.arrays, dp, M, S, eps, reserve, inp.remaining, True, COMPACT_TOL, REBALANCE_ROUNDS)
+            return tuple(_L2_FILL(*inp.arrays, dp, M, S, eps, reserve, inp.remaining, True, COMPACT_TOL,
+                                  REBALANCE_ROUNDS, *inp.feature_arrays, chunk_size))
         except TypeError:  # a different compiled signature: the Python path
             _L2_FILL = None
-        else:
-            return slot_of, mb_of, loads_all, members_all, extra
     slot_of, mb_of, loads_all, members_all, extra = _fill(
         atoms, kids, dp, M, S, tree_rank, _recompute_fn(ix, atoms, seg_cost), eps=eps, reserve=reserve, stats=stats)
     _compact(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra, tol=COMPACT_TOL)
     _rebalance(atoms, kids, slot_of, mb_of, loads_all, members_all, M, extra, rounds=REBALANCE_ROUNDS)
-    return slot_of, mb_of, loads_all, members_all, extra
+    return slot_of, mb_of, loads_all, members_all, extra, None
+
+
+def step_tokens_of_features(feats: np.ndarray, model: CostModel, M: int) -> Tuple[float, int]:
+    """``fill_step_tokens`` from the compiled fill's features (int64[slots, dp, 6]; an empty
+    microbatch is all zeros): the same costs, slot compaction and sums, hence the same floats."""
+    S, dp = feats.shape[0], feats.shape[1]
+    rows = feats[:, :, 0]
+    used = [k for k in range(S) if rows[k].any()]
+    cm = np.zeros((dp, len(used)), dtype=np.float64)
+    tokens = 0
+    for j, k in enumerate(used):
+        for b, row in enumerate(feats[k].tolist()):
+            if row[0] == 0:
+                continue
+            f = CostFeatures(*row)
+            if f.rows > M:
+                raise PlanningError(f"harts_l1l2: a microbatch has {f.rows} rows, over the row budget {M}")
+            cm[b, j] = model.cost(f)
+            tokens += f.rows + f.replay_tokens
+    return (float(cm.max(axis=0).sum()) if cm.size else 0.0), tokens
 
 
 def _score(loads_all, overhead: float = 0.0) -> Tuple[float, float]:
@@ -757,15 +781,15 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
 
     def attempt(S, eps, reserve):
         nonlocal best
-        slot_of, mb_of, loads_all, members_all, extra = fill_slots(
+        slot_of, mb_of, loads_all, members_all, extra, feats = fill_slots(
             ix, atoms, kids, dp, M, S, tree_rank, seg_cost, eps=eps, reserve=reserve, stats=stats,
-            compiled=compiled, inputs=inputs)
+            chunk_size=model.chunk_size, compiled=compiled, inputs=inputs)
         score = _score(loads_all, overhead)
         key = (score[0], -len(loads_all))
         if best is None or key > best[0]:
-            best = (key, members_all, extra, S)
+            best = (key, members_all, extra, S, feats)
         if few:
-            fills.append((members_all, extra))
+            fills.append((members_all, extra, feats))
         return len(loads_all)
 
     # one slot leaves producers no consumer slot: with producers and replicas to spread over,
@@ -787,7 +811,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 break
             attempt(S_best, eps, reserve)
     else:
-        fills = [(best[1], best[2])]
+        fills = [(best[1], best[2], best[4])]
     if model != l1.cost_model:  # judge L1's microbatches with this cost model
         groups = [(m.owned, m.recomputed) for m in l1.microbatches]
         placement = [(m.replica, m.slot) for m in l1.microbatches]
@@ -799,17 +823,18 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     keep_tokens = keep.tokens_computed
     keep_key = (step_cost(keep), -keep_tokens)
     if len(fills) == 1:
-        plan = fill_plan(ix, atoms, *fills[0], dp=dp, M=M, model=model)
+        plan = fill_plan(ix, atoms, *fills[0][:2], dp=dp, M=M, model=model)
         if plan.tokens_computed > keep_tokens or keep_key < (step_cost(plan), -plan.tokens_computed):
             plan = keep
     else:
-        scored = [fill_step_tokens(ix, atoms, *f, dp=dp, M=M, model=model) for f in fills]
+        scored = [fill_step_tokens(ix, atoms, f[0], f[1], dp=dp, M=M, model=model) if f[2] is None
+                  else step_tokens_of_features(f[2], model, M) for f in fills]
         ok = [i for i in range(len(fills)) if scored[i][1] <= keep_tokens]
         plan = keep
         if ok:
             i = min(ok, key=lambda i: scored[i])
             if not keep_key < (scored[i][0], -scored[i][1]):
-                plan = fill_plan(ix, atoms, *fills[i], dp=dp, M=M, model=model)
+                plan = fill_plan(ix, atoms, *fills[i][:2], dp=dp, M=M, model=model)
     plan.plan_seconds = time.perf_counter() - t0
     return plan
 
