@@ -277,24 +277,35 @@ def _cut(ix: ForestIndex, sc: _SegCosts, atoms: Atoms, threshold: float) -> Atom
 
 def _subtree_stats(atoms: Atoms, kids: List[List[int]]):
     """Per atom: (atoms on the longest chain below it, cost and rows of it with all its
-    descendants)."""
+    descendants).  Children's sums are added in child order, one by one (the float sums do not
+    depend on the Python version)."""
     n = len(atoms)
     cost, rows, parent = atoms.cost, atoms.rows, atoms.parent
     height = [0] * n
-    order = []
-    stack = [a for a in range(n) if parent[a] < 0]
-    while stack:
-        a = stack.pop()
-        order.append(a)
-        stack.extend(kids[a])
+    if all(parent[a] < a for a in range(n)):  # parents first (every atom list L2 builds): by index
+        order = range(n)
+    else:
+        order = []
+        stack = [a for a in range(n) if parent[a] < 0]
+        while stack:
+            a = stack.pop()
+            order.append(a)
+            stack.extend(kids[a])
     below = list(cost)
     rows_below = list(rows)
     for a in reversed(order):
         ks = kids[a]
         if ks:
-            height[a] = 1 + max([height[c] for c in ks])
-            below[a] += sum([below[c] for c in ks])
-            rows_below[a] += sum([rows_below[c] for c in ks])
+            h = t = 0
+            tc = 0.0
+            for c in ks:
+                if height[c] > h:
+                    h = height[c]
+                tc += below[c]
+                t += rows_below[c]
+            height[a] = 1 + h
+            below[a] += tc
+            rows_below[a] += t
     return height, below, rows_below
 
 

@@ -369,52 +369,50 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
     order = sorted(keep, key=lambda i: (slot_map[placement[i][1]], placement[i][0]))
     S = len(used_slots)
     slots = np.full((dp, S), -1, dtype=np.int64)
-    owner = np.full(ix.num_segments, -1, dtype=np.int64)
-    owned_l, rec_l = [], []
-    mark = np.zeros(ix.num_segments, dtype=bool)  # scratch: the owned segments of one group
+    # plain Python sets and lists per microbatch: microbatches hold few segments, and numpy
+    # calls on tiny arrays cost more than the work
+    owner: Dict[int, int] = {}
+    own_ls, rec_ls = [], []
     for new, i in enumerate(order):
-        own = np.unique(np.asarray(groups[i][0], dtype=np.int64))
-        rec = np.unique(np.asarray(groups[i][1], dtype=np.int64))
-        if rec.size:
-            mark[own] = True
-            rec = rec[~mark[rec]]
-            mark[own] = False
-        owned_l.append(own)
-        rec_l.append(rec)
-        owner[own] = new
+        own = sorted(set(np.asarray(groups[i][0]).tolist()))
+        rec_set = set(np.asarray(groups[i][1]).tolist())
+        if rec_set:
+            rec_set.difference_update(own)
+        own_ls.append(own)
+        rec_ls.append(sorted(rec_set))
+        for x in own:
+            owner[x] = new
         r, s = placement[i][0], slot_map[placement[i][1]]
         assert slots[r, s] == -1, f"two microbatches at replica {r}, slot {s}"
         slots[r, s] = new
     parent = ix.parent
-    parent_arr = ix.parent_arr
-    length = ix.length
+    length = ix.length_list
     consumers: Dict[int, set] = {}
     exported: Dict[int, set] = {}
-    comps, externals = [], []
+    comps, externals, owned_l, rec_l = [], [], [], []
     for new, i in enumerate(order):
-        own, rec = owned_l[new], rec_l[new]
-        comp = np.sort(np.concatenate((own, rec))) if rec.size else own  # disjoint
-        comps.append(comp)
+        own, rec = own_ls[new], rec_ls[new]
+        comp_l = sorted(own + rec) if rec else own  # disjoint
+        comp_set = set(comp_l)
+        comps.append(np.array(comp_l, dtype=np.int64))
+        owned_l.append(np.array(own, dtype=np.int64))
+        rec_l.append(np.array(rec, dtype=np.int64))
         # external ancestors: walk up from the parents of computed segments that are not
-        # computed here (the scratch mask holds this microbatch's computed segments)
-        mark[comp] = True
-        up = parent_arr[comp]
-        up = up[up >= 0]
-        up = up[~mark[up]]
+        # computed here, each ancestor once
         ext: Dict[int, List[int]] = {}
         seen = set()
-        for a in up.tolist():
-            while a >= 0 and not mark[a] and a not in seen:
+        for x in comp_l:
+            a = parent[x]
+            while a >= 0 and a not in comp_set and a not in seen:
                 seen.add(a)
-                ext.setdefault(int(owner[a]), []).append(a)
+                ext.setdefault(owner.get(a, -1), []).append(a)
                 a = parent[a]
-        mark[comp] = False
         external = []
         for p in sorted(ext):
-            segs = np.array(sorted(ext[p]), dtype=np.int64)
-            external.append(ExternalContext(p, segs, int(length[segs].sum())))
+            segs = sorted(ext[p])
+            external.append(ExternalContext(p, np.array(segs, dtype=np.int64), sum([length[x] for x in segs])))
             consumers.setdefault(p, set()).add(new)
-            exported.setdefault(p, set()).update(ext[p])
+            exported.setdefault(p, set()).update(segs)
         externals.append(tuple(external))
     feats_l = cost_model.features_many(ix, comps, owned_l)
     mbs: List[Microbatch] = []
@@ -424,20 +422,20 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
             t = int(ix.seg_tree[comps[new][0]])
             raise PlanningError(f"{planner}: a microbatch of tree {t} has {feats.rows} rows, over the "
                                 f"row budget {row_budget}")
-        rec = rec_l[new]
         r, k = placement[i][0], slot_map[placement[i][1]]
-        mbs.append(Microbatch(index=new, replica=r, slot=k, owned=owned_l[new], recomputed=rec,
-                              external=externals[new], consumers=(), features=feats,
-                              cost=cost_model.cost(feats), recomputed_rows=int(length[rec].sum())))
+        mbs.append(Microbatch(index=new, replica=r, slot=k, owned=owned_l[new], recomputed=rec_l[new],
+                              external=externals[new], consumers=(), features=feats, cost=cost_model.cost(feats),
+                              recomputed_rows=sum([length[x] for x in rec_ls[new]])))
     windows = []
     for p in sorted(consumers):
         cons = tuple(sorted(consumers[p]))
         mbs[p].consumers = cons
-        segs = np.array(sorted(exported[p]), dtype=np.int64)
+        segs = sorted(exported[p])
         last = max(mbs[c].slot for c in cons)
         assert all(mbs[c].slot > mbs[p].slot for c in cons), \
             f"{planner}: a consumer of microbatch {p} runs in its slot or before it"
-        windows.append(SharingWindow(p, cons, segs, int(length[segs].sum()), mbs[p].slot, last))
+        windows.append(SharingWindow(p, cons, np.array(segs, dtype=np.int64), sum([length[x] for x in segs]),
+                                     mbs[p].slot, last))
     return MicrobatchPlan(planner=planner, mode="tree", num_replicas=dp, num_slots=S,
                           row_budget=row_budget, chunk_size=cost_model.chunk_size, microbatches=mbs,
                           slots=slots, windows=windows, expanded_tokens=ix.expanded_tokens,
