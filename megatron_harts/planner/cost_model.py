@@ -45,6 +45,8 @@ measured microbatch times (non-negative least squares) for the GPU benchmark to 
 """
 from __future__ import annotations
 
+import functools
+import gc
 import itertools
 import json
 import math
@@ -56,7 +58,7 @@ import numpy as np
 
 __all__ = [
     "CostCoefficients", "CostFeatures", "CostModel", "ForestIndex", "CalibrationError",
-    "load_calibration", "save_calibration", "fit_calibration", "CALIBRATION_FORMAT",
+    "load_calibration", "save_calibration", "fit_calibration", "CALIBRATION_FORMAT", "gc_paused",
 ]
 
 CALIBRATION_FORMAT = "megatron_harts.cost_calibration"
@@ -100,6 +102,24 @@ class CostFeatures:
                          self.replay_tokens, self.logits_rows], dtype=np.float64)
 
 
+def gc_paused(fn):
+    """Decorator: run ``fn`` with Python's cyclic garbage collector paused (its previous state
+    restored after).  Planning allocates many short-lived, acyclic lists and tuples; a
+    collection they trigger scans every tracked object of the process (a full one costs
+    milliseconds in a trainer holding a large heap), more than planning a small batch.
+    Reference counting frees everything as usual."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return wrapper
+
+
 class ForestIndex:
     """Per-segment arrays the planners and the cost model share (built once per forest).
 
@@ -109,6 +129,7 @@ class ForestIndex:
     ``tree_max_path[t]`` the longest trajectory of tree ``t``.
     """
 
+    @gc_paused
     def __init__(self, forest):
         self.forest = forest
         f = forest

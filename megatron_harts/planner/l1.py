@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .cost_model import CostModel, ForestIndex
-from .microbatch import MicrobatchPlan, assemble_plan, check_budget, check_dp, place_sorted
+from .microbatch import MicrobatchPlan, assemble_plan, check_budget, check_dp, gc_paused, place_sorted
 
 __all__ = ["plan_l1", "split_tree", "pack_pieces", "Piece"]
 
@@ -257,6 +257,7 @@ def balance_pieces(ix: ForestIndex, model: CostModel, pieces: List[Piece], dp: i
     return pieces, costs, K
 
 
+@gc_paused
 def plan_l1(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel] = None,
             index: Optional[ForestIndex] = None) -> MicrobatchPlan:
     """L1 plan of ``forest`` on ``dp`` replicas with at most ``row_budget`` rows per microbatch.

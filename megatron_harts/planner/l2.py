@@ -49,7 +49,7 @@ import numpy as np
 
 from .cost_model import CostFeatures, CostModel, ForestIndex
 from .l1 import plan_l1
-from .microbatch import MicrobatchPlan, PlanningError, assemble_plan
+from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
 
 #: (tolerance, reserve) slot targets of the fill: the first is the default; batches with at
 #: most ``FEW_SLOTS`` slots of work per replica (and dp > 1) try the others at the best slot
@@ -137,45 +137,53 @@ def build_atoms(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
                 min_producer_rows: int) -> Tuple[Atoms, np.ndarray]:
     """Steps 1 and 2 (before granularity cuts).  Returns the atoms and, per tree, whether its
     shared prefix is produced."""
+    # plain lists: per-segment Python loops (numpy scalar indexing costs more than the work)
     S = ix.num_segments
-    count = np.zeros(S, dtype=np.int64)
-    first = np.full(S, len(l1.microbatches), dtype=np.int64)
-    for m in l1.microbatches:
-        comp = m.computed
-        count[comp] += 1
-        first[comp] = np.minimum(first[comp], m.index)
-    shared = count >= 2
+    count = [0] * S
+    first = [len(l1.microbatches)] * S
+    mb_lists = []
+    for m in l1.microbatches:  # index order: the first to compute a segment sets ``first``
+        own, rec = m.owned.tolist(), m.recomputed.tolist()
+        mb_lists.append((own, rec))
+        for x in own + rec:  # disjoint
+            count[x] += 1
+            if first[x] > m.index:
+                first[x] = m.index
+    shared = [c >= 2 for c in count]
     B = model.chunk_size
     par = ix.parent
-    tree_of = ix.seg_tree
-    offs = ix.tree_offsets
+    tree_of = ix.seg_tree.tolist()
+    offs = ix.tree_offsets.tolist()
+    length, start = ix.length_list, ix.start_list
     produce = np.zeros(ix.num_trees, dtype=bool)
     for t in range(ix.num_trees):
-        a, b = int(offs[t]), int(offs[t + 1])
-        sh = shared[a:b]
-        if not sh.any():
+        a, b = offs[t], offs[t + 1]
+        if not any(shared[a:b]):
             continue
-        shared_rows = int(ix.length[a:b][sh].sum())
-        recompute = int((count[a:b] * ix.length[a:b]).sum())
-        produced = int(ix.length[a:b].sum())
+        shared_rows = recompute = produced = 0
         for s in range(a, b):
+            ln = length[s]
+            if shared[s]:
+                shared_rows += ln
+            recompute += count[s] * ln
+            produced += ln
             p = par[s]
             if p >= 0 and shared[p] and (not shared[s] or first[s] != first[p]):
-                produced += int(ix.start[s]) % B
+                produced += start[s] % B
         produce[t] = shared_rows >= min_producer_rows and produced < recompute
+    produce_l = produce.tolist()
     # the L1 pieces of trees that keep recomputation: (owned, recomputed) per microbatch
     kept: Dict[int, List[Tuple[List[int], List[int]]]] = {}
-    for m in l1.microbatches:
-        own_t = tree_of[m.owned]
-        rec_t = tree_of[m.recomputed]
-        for t in np.unique(own_t).tolist():
-            if not produce[t]:
-                kept.setdefault(t, []).append((m.owned[own_t == t].tolist(), m.recomputed[rec_t == t].tolist()))
+    for own, rec in mb_lists:
+        for t in sorted({tree_of[x] for x in own}):
+            if not produce_l[t]:
+                kept.setdefault(t, []).append(([x for x in own if tree_of[x] == t],
+                                               [x for x in rec if tree_of[x] == t]))
     atoms = Atoms()
-    atom_of = np.full(S, -1, dtype=np.int64)
+    atom_of = [-1] * S
     for t in range(ix.num_trees):
-        a, b = int(offs[t]), int(offs[t + 1])
-        if not produce[t]:
+        a, b = offs[t], offs[t + 1]
+        if not produce_l[t]:
             for own, rec in kept.get(t, ()):
                 atoms.add(own, rec, -1, t)
             continue
@@ -183,16 +191,16 @@ def build_atoms(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
             p = par[s]
             if shared[s]:
                 if p >= 0 and first[p] == first[s]:
-                    x = int(atom_of[p])
+                    x = atom_of[p]
                     atoms.segs[x].append(s)
                 else:
-                    x = atoms.add([s], [], int(atom_of[p]) if p >= 0 else -1, t)
+                    x = atoms.add([s], [], atom_of[p] if p >= 0 else -1, t)
             else:
                 if p >= 0 and not shared[p]:
-                    x = int(atom_of[p])
+                    x = atom_of[p]
                     atoms.segs[x].append(s)
                 else:
-                    x = atoms.add([s], [], int(atom_of[p]) if p >= 0 else -1, t)
+                    x = atoms.add([s], [], atom_of[p] if p >= 0 else -1, t)
             atom_of[s] = x
     return atoms, produce
 
@@ -757,6 +765,7 @@ def prepare_atoms(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, granula
     return Prepared(atoms, kids, _subtree_stats(atoms, kids), tree_rank, seg_cost, produce, S0)
 
 
+@gc_paused
 def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = None,
             index: Optional[ForestIndex] = None, granularity: float = 0.1,
             min_producer_rows: Optional[int] = None, extra_slots: int = 2,

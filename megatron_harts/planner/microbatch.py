@@ -27,12 +27,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .cost_model import CostFeatures, CostModel, ForestIndex
+from .cost_model import CostFeatures, CostModel, ForestIndex, gc_paused
 
 __all__ = [
     "PlanningError", "ExternalContext", "Microbatch", "SharingWindow", "MicrobatchPlan",
     "check_budget", "check_dp", "assemble_plan", "assemble_expanded_plan", "place_sorted",
-    "ReplicaMicrobatch", "replica_windows",
+    "ReplicaMicrobatch", "replica_windows", "gc_paused",
 ]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
