@@ -6,6 +6,8 @@ torch.distributed.run, ``--nproc`` processes) on the same SWE-like data and init
 
 - ``expanded``: expanded training (``--tree-sharing off``), and ``expanded_rerun``: the same run
   again (the self-rerun baseline: what a run differs from itself);
+- first, unmeasured warm-up runs of both modes (``--warmup-iters``; their results are dropped: the
+  first run of a process compiles and autotunes the Triton and FlexAttention kernels);
 - ``tree``: tree mode (``windows``; ``within`` where expert parallelism refuses windows), and
   ``tree_recompute``: the same with full activation recomputation;
 - pipeline configurations also run tree mode under the other two window schedules
@@ -66,7 +68,7 @@ PRESETS = {
               "--fp64 --distributed-backend gloo --tree-chunk-size 16",
         train="--seq-length 600 --tree-microbatch-tokens 1024 --global-batch-size 16 --lr 3e-3 --min-lr 3e-4 "
               "--lr-decay-style cosine --lr-warmup-iters 1",
-        iters=3, probe_tokens=512,
+        iters=3, probe_tokens=512, warmup_iters=0,
         data=dict(scheme="tree-step", num_tasks=12, samples_per_task=2, prompt_median=120, min_turns=2,
                   max_turns=4, action_median=12, observation_median=24, max_leaves=6, max_tokens=600,
                   vocab_size=512)),
@@ -82,7 +84,7 @@ PRESETS = {
               "--bf16",
         train="--seq-length 2048 --tree-microbatch-tokens 8192 --global-batch-size 24 --lr 1e-4 --min-lr 1e-5 "
               "--lr-decay-style cosine --lr-warmup-iters 1",
-        iters=4, probe_tokens=512,
+        iters=4, probe_tokens=512, warmup_iters=2,
         data=dict(scheme="tree-step", num_tasks=16, samples_per_task=2, max_tokens=2048, vocab_size=32000)),
 }
 PRESETS["cpu-tiny-fp32"] = dict(PRESETS["cpu-tiny"], model=PRESETS["cpu-tiny"]["model"].replace(" --fp64", ""))
@@ -91,6 +93,7 @@ COMMON = ("--clip-grad 1.0 --seed 1234 --log-interval 1 --rl-objective sft --moe
           "--hidden-dropout 0 --attention-dropout 0")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 CONFIGS = ("dp", "tp-sp", "ep", "tp-sp-ep", "pp")
+WARMUP = "warmup_"
 SCHEDULE_RUNS = {"tree_overlap": "overlap", "tree_non_overlap": "non-overlap"}
 
 
@@ -287,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, metavar="DIR", help="results (JSON per configuration) and run folders")
     ap.add_argument("--work", metavar="DIR", help="run folders and data (default OUT/runs)")
     ap.add_argument("--iters", type=int, default=None, help="iterations per run (default: the preset's)")
+    ap.add_argument("--warmup-iters", type=int, default=None, metavar="N",
+                    help="per configuration, first run each mode for N iterations unmeasured (kernel compilation "
+                         "and autotuning out of the timings; default: the preset's, 2 on GPU, 0 on CPU)")
     ap.add_argument("--no-recompute", action="store_true", help="skip the tree run with activation recomputation")
     ap.add_argument("--config-timeout", type=float, nargs="+", default=[1800.0], metavar="S",
                     help="limit per configuration, all its runs, in --configs order (the last repeats; "
@@ -321,8 +327,13 @@ def main(argv=None) -> int:
             continue
         par, tree_mode = got
         oracle = "" if "--fp64" in preset["model"] else " --tree-logit-probe-oracle"
-        plan = {"expanded": "--tree-sharing off" + oracle, "expanded_rerun": "--tree-sharing off",
-                "tree": f"--tree-sharing {tree_mode}"}
+        warm = a.warmup_iters if a.warmup_iters is not None else preset["warmup_iters"]
+        plan = {}
+        if warm:        # compile the kernels of both modes before any measured run (results dropped)
+            plan.update({f"{WARMUP}expanded": f"--tree-sharing off --train-iters {warm}",
+                         f"{WARMUP}tree": f"--tree-sharing {tree_mode} --train-iters {max(warm, 2)}"})
+        plan.update({"expanded": "--tree-sharing off" + oracle, "expanded_rerun": "--tree-sharing off",
+                "tree": f"--tree-sharing {tree_mode}"})
         if not a.no_recompute:
             plan["tree_recompute"] = f"--tree-sharing {tree_mode} {RECOMPUTE}"
         if cfg == "pp":
@@ -330,14 +341,15 @@ def main(argv=None) -> int:
         port += 1
         runs = launch_config(py, a.nproc, port, {n: f"{base} {par} {m}" for n, m in plan.items()},
                              os.path.join(work, cfg), a.config_timeout[min(k, len(a.config_timeout) - 1)], backend)
-        for name, r in runs.items():
+        warmups = {n: runs.pop(n) for n in list(runs) if n.startswith(WARMUP)}
+        for name, r in [*warmups.items(), *runs.items()]:
             if r["ok"]:
                 r["throughput"] = throughput(read_report(r["report"]))
             status = "ok" if r["ok"] else "FAILED: " + " | ".join(r["error"])
             print(f"[{cfg}] {name}: {status} ({r.get('seconds', '-')} s)", file=sys.stderr, flush=True)
         res = {"config": cfg, "parallel_flags": par, "tree_sharing": tree_mode, **env,
                "runs": {k: {kk: vv for kk, vv in v.items() if kk not in ("report", "probe")} for k, v in runs.items()},
-               "fidelity": fidelity(runs)}
+               "fidelity": fidelity(runs), "warmup_seconds": {k: v.get("seconds") for k, v in warmups.items()}}
         if cfg == "pp" and all(runs[k]["ok"] for k in ("tree", *SCHEDULE_RUNS)):
             dp = a.nproc // 2
             sim = simulated_schedules(data, preset, dp, iters, mbt)

@@ -93,6 +93,8 @@ def assert_same_steps(steps, ref, what, terms=()):
 
 def _params(trainer):
     from megatron_harts.training.export import full_state_dict
+    if trainer.args.pipeline_model_parallel_size > 1:       # this stage's own parameters
+        return {k: v.detach().clone() for k, v in trainer.model[0].module.named_parameters()}
     return {k: v.clone() for k, v in full_state_dict(trainer.model[0].module, trainer.config).items()}
 
 
@@ -127,11 +129,11 @@ def test_dp2_tree_modes_equal_expanded(tmp_path):
     assert computed["windows"] < computed["within"] < computed["off"], computed
 
 
-def _resume_worker(rank, world, port, data, ckpt, out):
+def _resume_worker(rank, world, port, data, ckpt, pp, out):
     from megatron_harts.training.trainer import Trainer
     _world(rank, world, port)
     results = {}
-    base = argv(data, "windows")
+    base = argv(data, "windows", "--pipeline-model-parallel-size", pp)
     with Trainer.from_args(base, require_data=True) as t:
         results["straight"] = [(t.train_iteration(), _params(t)) for _ in range(3)]
     with Trainer.from_args(base + ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"],
@@ -140,12 +142,19 @@ def _resume_worker(rank, world, port, data, ckpt, out):
     with Trainer.from_args(base + ["--load", ckpt], require_data=True) as t:
         assert t.iteration == 2
         results["resumed"] = [(t.train_iteration(), _params(t))]
+    torch.save(results, f"{out}.{rank}")
     if rank == 0:
         torch.save(results, out)
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    r = spawn(_resume_worker, tmp_path, tmp_path / "ckpt")
+@pytest.mark.parametrize("pp", [1, 2])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, pp):
+    """DP 2, and PP 2 (each stage saves and loads its own layers of one checkpoint)."""
+    r = spawn(_resume_worker, tmp_path, tmp_path / "ckpt", pp)
+    other = torch.load(f"{tmp_path / 'out.pt'}.1", weights_only=False)
+    if pp == 2:      # stage 1's own parameters too
+        (_, p1), (_, p1_ref) = other["resumed"][0], other["straight"][2]
+        assert set(p1) and all(torch.equal(p1[k], p1_ref[k]) for k in p1_ref)
     (m, params), (m_ref, params_ref) = r["resumed"][0], r["straight"][2]
     assert m["iteration"] == 3 and m["loss"] == m_ref["loss"]
     for name in params_ref:

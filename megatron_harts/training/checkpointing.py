@@ -59,7 +59,7 @@ import re
 import secrets
 import shutil
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -526,7 +526,8 @@ def _require_optimizer_patches() -> None:
 
 
 def _check_model_matches(ckpt_dir: str, model_state: dict) -> None:
-    """One readable error for the first model tensor the checkpoint lacks or has in another shape."""
+    """One readable error for the first tensor of this rank's model that the checkpoint lacks or has in
+    another shape (tensors of the checkpoint that no rank holds: :func:`_unclaimed_tensors`)."""
     from megatron.core import dist_checkpointing
     saved = dist_checkpointing.load_tensors_metadata(ckpt_dir)
     wanted = {}
@@ -540,11 +541,25 @@ def _check_model_matches(ckpt_dir: str, model_state: dict) -> None:
         if have != shape and not may_differ:
             raise CheckpointError(f"{ckpt_dir}: the checkpoint does not match the model: tensor {key!r} has "
                                   f"shape {have} in the checkpoint, {shape} in the model")
+
+
+def _unclaimed_tensors(ckpt_dir: str, model_state: dict) -> Optional[str]:
+    """The error for model tensors of the checkpoint that no rank's model holds, or None (collective:
+    with pipeline stages each rank holds only its stage's tensors, so the model is the union)."""
+    from megatron.core import dist_checkpointing
+    saved = dist_checkpointing.load_tensors_metadata(ckpt_dir)
+    local = sorted({t.key for t in _sharded_tensors(model_state)})
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+        wanted = set().union(*parts)
+    else:
+        wanted = set(local)
     extra = sorted(k for k in saved if k not in wanted and not _OPTIM_KEY_RE.match(k) and k != RNG_KEY)
-    if extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise CheckpointError(f"{ckpt_dir}: the checkpoint does not match the model: it has tensor "
-                              f"{extra[0]!r}{more}, which the model lacks")
+    if not extra:
+        return None
+    more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+    return f"{ckpt_dir}: the checkpoint does not match the model: it has tensor {extra[0]!r}{more}, which the model lacks"
 
 
 def _resolve(load_dir: str):
@@ -654,6 +669,7 @@ def load_checkpoint(load_dir: str, model, optimizer, scheduler, *, load_optim: b
     except _ERRORS as e:
         error, local_exc = f"{ckpt_dir}: {_describe(e)}", e
     _agree("plan", error, local_exc)
+    _agree("plan", _unclaimed_tensors(ckpt_dir, request))
 
     # 3. read
     error = local_exc = None
