@@ -150,6 +150,34 @@ def test_compiled_microbatch_features_matches_python():
                         np.array([3, 1]), np.array([0, 0]), np.zeros(0, np.int64), 64)
 
 
+def test_compiled_assemble_core_matches_python():
+    # _C.assemble_core (owned / recomputed ids, features, recomputed rows, external context) ==
+    # the Python reference, on random groups: unsorted, duplicated, owned ids also recomputed,
+    # segments owned twice (the last owner wins) or by nobody (producer -1), empty groups
+    from megatron_harts.planner import microbatch as mbmod
+    if mbmod._ASSEMBLE is None:
+        pytest.skip("the C++ extension is not built")
+    rng = np.random.default_rng(2)
+    cfg = SweConfig(scheme="tree-step", num_tasks=2, samples_per_task=3, prompt_median=300, max_tokens=1500,
+                    action_median=40, observation_median=60, seed=5)
+    f = build_forest(synthesize_swe(cfg))
+    ix = ForestIndex(f)
+
+    def plain(core):
+        own, rec, feats, rec_rows, ext = core
+        return ([o.tolist() for o in own], [r.tolist() for r in rec], feats, rec_rows,
+                [[(p, s.tolist(), rows) for p, s, rows in e] for e in ext])
+
+    for B in (1, 16):
+        model = CostModel(chunk_size=B)
+        for _ in range(30):
+            k = int(rng.integers(1, 8))
+            owns = [rng.integers(0, ix.num_segments, int(rng.integers(0, 25))) for _ in range(k)]
+            recs = [rng.integers(0, ix.num_segments, int(rng.integers(0, 10))) for _ in range(k)]
+            assert plain(mbmod._assemble_core(ix, model, owns, recs)) == \
+                plain(mbmod._assemble_core_python(ix, model, owns, recs))
+
+
 def test_cost_is_linear_in_features():
     c = CostCoefficients(microbatch=1.0, row=2.0, attention_pair=3.0, kda_call=4.0, kda_replay_token=5.0,
                          logits_row=6.0)
@@ -492,9 +520,10 @@ def test_compiled_l2_fill_matches_python():
 
 
 def test_plan_l2_compiled_equals_python_reference(monkeypatch):
-    # the whole L2 plan is the same with the compiled cores (fill, features) and without them
+    # the whole L2 plan is the same with the compiled cores (fill, features, assembly) and
+    # without them
     from megatron_harts.planner import cost_model as cm
-    from megatron_harts.planner import l2 as l2mod
+    from megatron_harts.planner import microbatch as mbmod
     for f, M, model in _l2_forests()[:4]:
         ix = ForestIndex(f)
         for dp in (1, 2, 4, 8):
@@ -503,6 +532,7 @@ def test_plan_l2_compiled_equals_python_reference(monkeypatch):
             with monkeypatch.context() as mp:
                 mp.setattr(cm, "_MB_FEATURES", None)
                 mp.setattr(cm, "_MB_KDA", None)
+                mp.setattr(mbmod, "_ASSEMBLE", None)
                 ref = plan_l2(f, l1, cost_model=model, index=ix, compiled=False)
             assert _plan_key(fast) == _plan_key(ref)
 

@@ -85,6 +85,16 @@ class Atoms:
         self.cost.append(0.0)
         return len(self.segs) - 1
 
+    def add_costed(self, segs, rec, parent, tree, rows, cost) -> int:
+        """``add`` with the atom's rows and cost."""
+        self.segs.append(segs)
+        self.rec.append(rec)
+        self.parent.append(parent)
+        self.tree.append(tree)
+        self.rows.append(rows)
+        self.cost.append(cost)
+        return len(self.cost) - 1
+
     def __len__(self):
         return len(self.segs)
 
@@ -228,9 +238,7 @@ def _cut(ix: ForestIndex, sc: _SegCosts, atoms: Atoms, threshold: float) -> Atom
         else:
             parent = new_id[p]
         if rec or atoms.cost[a] <= threshold or len(segs) == 1:
-            x = out.add(segs, rec, parent, atoms.tree[a])
-            out.rows[x], out.cost[x] = atoms.rows[a], atoms.cost[a]
-            new_id[a] = x
+            new_id[a] = out.add_costed(segs, rec, parent, atoms.tree[a], atoms.rows[a], atoms.cost[a])
             continue
         cut.add(a)
         tree = atoms.tree[a]
@@ -268,12 +276,10 @@ def _cut(ix: ForestIndex, sc: _SegCosts, atoms: Atoms, threshold: float) -> Atom
             ch = kids_of(r)
             if not ch or sub_c[r] + rep <= threshold:
                 ss = piece(r) if ch else [r]
-                x = out.add(ss, [], pa, tree)
-                out.rows[x], out.cost[x] = sub_r[r], sub_c[r] + rep
+                x = out.add_costed(ss, [], pa, tree, sub_r[r], sub_c[r] + rep)
             else:
                 ss = [r]
-                x = out.add(ss, [], pa, tree)
-                out.rows[x], out.cost[x] = length[r], own[r] + rep
+                x = out.add_costed(ss, [], pa, tree, length[r], own[r] + rep)
                 for c in ch:  # popped last child first
                     stack.append((c, x))
             for y in ss:

@@ -351,6 +351,85 @@ def place_sorted(costs: Sequence[float], dp: int) -> List[Tuple[int, int]]:
     return place
 
 
+def _assemble_core_python(ix: ForestIndex, model: CostModel, owns: Sequence, recs: Sequence):
+    """Reference of ``_C.assemble_core``: per microbatch (plan order) its owned ids (sorted,
+    distinct), recomputed ids (sorted, distinct, not owned here), cost features, recomputed
+    rows and external context [(producer, sorted segments, rows)]: walking up from the parent
+    of every computed segment through segments neither computed here nor met yet, each read
+    from its owner (the last microbatch owning it; -1: none)."""
+    owner: Dict[int, int] = {}
+    own_ls, rec_ls = [], []
+    for j in range(len(owns)):
+        own = sorted(set(np.asarray(owns[j]).tolist()))
+        rec_set = set(np.asarray(recs[j]).tolist())
+        rec_set.difference_update(own)
+        own_ls.append(own)
+        rec_ls.append(sorted(rec_set))
+        for x in own:
+            owner[x] = j
+    parent = ix.parent
+    length = ix.length_list
+    comps, owned_l, rec_l, rec_rows, ext_l = [], [], [], [], []
+    for j, (own, rec) in enumerate(zip(own_ls, rec_ls)):
+        comp_l = sorted(own + rec)  # disjoint
+        comp_set = set(comp_l)
+        comps.append(np.array(comp_l, dtype=np.int64))
+        owned_l.append(np.array(own, dtype=np.int64))
+        rec_l.append(np.array(rec, dtype=np.int64))
+        rec_rows.append(sum([length[x] for x in rec]))
+        ext: Dict[int, List[int]] = {}
+        seen = set()
+        for x in comp_l:
+            a = parent[x]
+            while a >= 0 and a not in comp_set and a not in seen:
+                seen.add(a)
+                ext.setdefault(owner.get(a, -1), []).append(a)
+                a = parent[a]
+        ext_l.append([(p, np.array(sorted(ext[p]), dtype=np.int64), sum([length[x] for x in ext[p]]))
+                      for p in sorted(ext)])
+    return owned_l, rec_l, model.features_many(ix, comps, owned_l), rec_rows, ext_l
+
+
+def _assemble_backend():
+    try:
+        from megatron_harts import _C  # compiled assembly core, optional
+        return _C.assemble_core
+    except (ImportError, AttributeError):
+        return None
+
+
+_ASSEMBLE = _assemble_backend()
+
+
+def _csr(arrays: Sequence) -> Tuple[np.ndarray, np.ndarray]:
+    off = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([len(a) for a in arrays], out=off[1:])
+    flat = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]) if arrays else np.zeros(0, np.int64)
+    return off, flat.astype(np.int64, copy=False)
+
+
+def _assemble_core(ix: ForestIndex, model: CostModel, owns: Sequence, recs: Sequence):
+    """``_assemble_core_python``'s result from the compiled ``_C.assemble_core`` when built
+    (the same values; arrays are views of its outputs)."""
+    global _ASSEMBLE
+    if _ASSEMBLE is not None and len(owns):
+        own_off, own = _csr(owns)
+        rec_off, rec = _csr(recs)
+        try:
+            out = _ASSEMBLE(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits, own_off, own,
+                            rec_off, rec, model.chunk_size)
+        except TypeError:  # a different compiled signature: the Python path
+            _ASSEMBLE = None
+        else:
+            oo, o, ro, r, feats, rec_rows, eo, ep, eso, es, er = out
+            oo, ro, eo, ep, eso, er = oo.tolist(), ro.tolist(), eo.tolist(), ep.tolist(), eso.tolist(), er.tolist()
+            k = len(owns)
+            ext_l = [[(ep[e], es[eso[e]:eso[e + 1]], er[e]) for e in range(eo[j], eo[j + 1])] for j in range(k)]
+            return ([o[oo[j]:oo[j + 1]] for j in range(k)], [r[ro[j]:ro[j + 1]] for j in range(k)],
+                    [CostFeatures(*row) for row in feats.tolist()], rec_rows.tolist(), ext_l)
+    return _assemble_core_python(ix, model, owns, recs)
+
+
 def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]],
                   placement: Sequence[Tuple[int, int]], *, planner: str, dp: int,
                   row_budget: int, cost_model: CostModel, plan_seconds: float = 0.0) -> MicrobatchPlan:
@@ -369,63 +448,32 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
     order = sorted(keep, key=lambda i: (slot_map[placement[i][1]], placement[i][0]))
     S = len(used_slots)
     slots = np.full((dp, S), -1, dtype=np.int64)
-    # plain Python sets and lists per microbatch: microbatches hold few segments, and numpy
-    # calls on tiny arrays cost more than the work
-    owner: Dict[int, int] = {}
-    own_ls, rec_ls = [], []
     for new, i in enumerate(order):
-        own = sorted(set(np.asarray(groups[i][0]).tolist()))
-        rec_set = set(np.asarray(groups[i][1]).tolist())
-        if rec_set:
-            rec_set.difference_update(own)
-        own_ls.append(own)
-        rec_ls.append(sorted(rec_set))
-        for x in own:
-            owner[x] = new
         r, s = placement[i][0], slot_map[placement[i][1]]
         assert slots[r, s] == -1, f"two microbatches at replica {r}, slot {s}"
         slots[r, s] = new
-    parent = ix.parent
-    length = ix.length_list
+    owned_l, rec_l, feats_l, rec_rows, ext_l = _assemble_core(ix, cost_model, [groups[i][0] for i in order],
+                                                              [groups[i][1] for i in order])
     consumers: Dict[int, set] = {}
     exported: Dict[int, set] = {}
-    comps, externals, owned_l, rec_l = [], [], [], []
-    for new, i in enumerate(order):
-        own, rec = own_ls[new], rec_ls[new]
-        comp_l = sorted(own + rec) if rec else own  # disjoint
-        comp_set = set(comp_l)
-        comps.append(np.array(comp_l, dtype=np.int64))
-        owned_l.append(np.array(own, dtype=np.int64))
-        rec_l.append(np.array(rec, dtype=np.int64))
-        # external ancestors: walk up from the parents of computed segments that are not
-        # computed here, each ancestor once
-        ext: Dict[int, List[int]] = {}
-        seen = set()
-        for x in comp_l:
-            a = parent[x]
-            while a >= 0 and a not in comp_set and a not in seen:
-                seen.add(a)
-                ext.setdefault(owner.get(a, -1), []).append(a)
-                a = parent[a]
-        external = []
-        for p in sorted(ext):
-            segs = sorted(ext[p])
-            external.append(ExternalContext(p, np.array(segs, dtype=np.int64), sum([length[x] for x in segs])))
-            consumers.setdefault(p, set()).add(new)
-            exported.setdefault(p, set()).update(segs)
-        externals.append(tuple(external))
-    feats_l = cost_model.features_many(ix, comps, owned_l)
     mbs: List[Microbatch] = []
+    length = ix.length_list
     for new, i in enumerate(order):
         feats = feats_l[new]
         if feats.rows > row_budget:
-            t = int(ix.seg_tree[comps[new][0]])
+            own = owned_l[new]
+            t = int(ix.seg_tree[min(int(own[0]), int(rec_l[new][0])) if rec_l[new].size else int(own[0])])
             raise PlanningError(f"{planner}: a microbatch of tree {t} has {feats.rows} rows, over the "
                                 f"row budget {row_budget}")
+        external = []
+        for p, segs, rows in ext_l[new]:
+            external.append(ExternalContext(p, segs, rows))
+            consumers.setdefault(p, set()).add(new)
+            exported.setdefault(p, set()).update(segs.tolist())
         r, k = placement[i][0], slot_map[placement[i][1]]
         mbs.append(Microbatch(index=new, replica=r, slot=k, owned=owned_l[new], recomputed=rec_l[new],
-                              external=externals[new], consumers=(), features=feats, cost=cost_model.cost(feats),
-                              recomputed_rows=sum([length[x] for x in rec_ls[new]])))
+                              external=tuple(external), consumers=(), features=feats, cost=cost_model.cost(feats),
+                              recomputed_rows=rec_rows[new]))
     windows = []
     for p in sorted(consumers):
         cons = tuple(sorted(consumers[p]))
