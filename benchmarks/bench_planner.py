@@ -24,7 +24,8 @@ at the end, with the numbers:
 Columns: compression, balance (mean over slots of mean/max microbatch cost), its 5th
 percentile, step_min (least / most loaded replica over the step), microbatches, peak_rows,
 retention (max slots a producer's exports stay alive), export_peak (most exported rows one
-replica retains at once), plan_s (seconds, forest index included).
+replica retains at once), plan_s (seconds, forest index included).  Every JSON row also records
+the machine's 1-minute load average after it ran (the timings of a shared machine vary with it).
 
 OR-Tools is the "bench" extra of setup.py; without it the ortools_ffd rows say so.
 """
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
                                      fmt(m, "plan_seconds")]),
                           flush=True)
                 results.append({"scheme": scheme, "trajectories": n, "dp": dp, "budget": args.budget,
-                                "forest_compression": st["compression"], "planners": res})
+                                "forest_compression": st["compression"], "planners": res,
+                                "load_average_1min": os.getloadavg()[0]})
     print("\n# targets")
     fails = 0
 
