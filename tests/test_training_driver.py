@@ -124,9 +124,11 @@ def test_dp2_tree_modes_equal_expanded(tmp_path):
     assert any(not torch.equal(first[k], last[k]) for k in first)
     assert all(m["compression"] > 1.0 for m, _ in runs["within"])
     assert all(m["compression"] <= 1.0 for m, _ in runs["off"])
-    assert sum(m["windows"] for m, _ in runs["windows"]) > 0
+    # windows: here L2's windows would need recomputed context over the 48-row budget on DP 2, so the
+    # driver keeps L1's plan (training/step.py executed_rows; tests/test_plan_step.py); the PP 2 driver
+    # test (DP 1) runs windows
     computed = {k: sum(m["computed_tokens"] for m, _ in runs[k]) for k in runs}
-    assert computed["windows"] < computed["within"] < computed["off"], computed
+    assert computed["windows"] <= computed["within"] < computed["off"], computed
 
 
 def _resume_worker(rank, world, port, data, ckpt, pp, out):

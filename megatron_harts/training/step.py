@@ -41,6 +41,7 @@ from ..planner.l1 import plan_l1
 from ..planner.l2 import plan_harts
 from ..planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ffd
 from ..planner.metrics import plan_metrics
+from ..planner.microbatch import replica_windows
 from ..rl.objectives import (BatchNormalizer, ObjectiveConfig, ObjectiveDataError, forest_normalizer, objective_loss,
                              target_scale)
 from ..schedules.pipeline import SCHEDULES as PP_SCHEDULES, forward_backward_pipelining_windows
@@ -48,11 +49,13 @@ from ..schedules.simulator import step_from_plan
 from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forward_backward_windows,
                                  windowed_microbatches)
 
-__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "replica_microbatches", "microbatch_costs", "run_schedule",
+__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "executed_rows", "replica_microbatches", "microbatch_costs", "run_schedule",
            "train_step", "StepResult"]
 
 SHARING_MODES = ("off", "within", "windows")
 PLANNERS = ("l1", "l1l2", "ffd", "ortools")
+#: the ``planner`` of the plan ``plan_step`` returns when it keeps L1's plan over L2's (``executed_rows``)
+FALLBACK_PLANNER = "harts_l1l2->l1"
 
 
 class NonFiniteLoss(RuntimeError):
@@ -86,10 +89,36 @@ def plan_step(forest, settings: SharingSettings, dp: int):
     if settings.planner == "l1":
         return plan_l1(forest, dp, M, cost_model=cm)
     if settings.planner == "l1l2":
-        return plan_harts(forest, dp, M, cost_model=cm)[1]
+        l1, l2 = plan_harts(forest, dp, M, cost_model=cm)
+        windows = settings.sharing == "windows"
+        run_l2, peak_l2 = executed_rows(forest, l2, windows=windows)
+        if peak_l2 > M or run_l2 > executed_rows(forest, l1, windows=windows)[0]:
+            # L2's windows would not run as planned: L1's plan, named so that logs show the fallback
+            l1.planner, l1.plan_seconds = FALLBACK_PLANNER, l2.plan_seconds
+            return l1
+        return l2
     if settings.planner == "ffd":
         return plan_tree_ffd(forest, dp, M, cost_model=cm)
     return plan_ortools_ffd(forest, dp, M, cost_model=cm)
+
+
+def executed_rows(forest, plan, *, windows: bool) -> Tuple[int, int]:
+    """(rows computed over all replicas, rows of the largest microbatch) when the step runs ``plan``:
+    the window rule of ``planner.microbatch.replica_windows``, under which external context that no
+    single earlier producer of the same replica holds is recomputed (``windows=False``: all of it).
+
+    The L1+L2 plan's own accounting assumes every external context is read from its producer; where
+    the schedule cannot (several producers, a producer on another replica, a consumer as producer)
+    the step computes more than planned and can exceed the row budget, so ``plan_step`` keeps L1's
+    plan whenever L2's would run more rows than L1's or a microbatch over the budget.
+    """
+    length = np.asarray(forest.seg_length, dtype=np.int64)
+    total, peak = 0, 0
+    for r in range(plan.num_replicas):
+        for e in replica_windows(forest, plan, r, windows=windows):
+            rows = int(length[e.computed].sum())
+            total, peak = total + rows, max(peak, rows)
+    return total, peak
 
 
 def placeholder_microbatch() -> WindowedMicrobatch:
