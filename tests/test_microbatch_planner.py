@@ -178,6 +178,25 @@ def test_compiled_assemble_core_matches_python():
                 plain(mbmod._assemble_core_python(ix, model, owns, recs))
 
 
+def test_planners_restore_the_gc_state():
+    # plan_l1 / plan_l2 / ForestIndex pause the cyclic GC while they run and restore its state
+    import gc
+    f = fork_forest()
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            ix = ForestIndex(f)
+            plan_harts(f, 2, 32, index=ix)
+            assert gc.isenabled() == enabled
+        gc.enable()
+        with pytest.raises(PlanningError):
+            plan_l1(f, 2, 3, index=ix)
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 def test_cost_is_linear_in_features():
     c = CostCoefficients(microbatch=1.0, row=2.0, attention_pair=3.0, kda_call=4.0, kda_replay_token=5.0,
                          logits_row=6.0)
