@@ -56,6 +56,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .compiled import compiled
+
 __all__ = [
     "CostCoefficients", "CostFeatures", "CostModel", "ForestIndex", "CalibrationError",
     "load_calibration", "save_calibration", "fit_calibration", "CALIBRATION_FORMAT", "gc_paused",
@@ -205,37 +207,9 @@ def _segment_counts(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.add.reduceat(mask, starts, dtype=np.int64)
 
 
-def _kda_backend():
-    try:
-        from megatron_harts import _C  # compiled call planner, optional
-        return _C.plan_calls
-    except (ImportError, AttributeError):
-        return None
-
-
-_KDA = _kda_backend()
-
-
-def _microbatch_backend():
-    try:
-        from megatron_harts import _C  # compiled microbatch features, optional
-        return _C.microbatch_kda
-    except (ImportError, AttributeError):
-        return None
-
-
-_MB_KDA = _microbatch_backend()
-
-
-def _features_backend():
-    try:
-        from megatron_harts import _C  # compiled features of many microbatches, optional
-        return _C.microbatch_features
-    except (ImportError, AttributeError):
-        return None
-
-
-_MB_FEATURES = _features_backend()
+_KDA = compiled("plan_calls")                    # the call planner (calls.py: reference)
+_MB_KDA = compiled("microbatch_kda")             # KDA features of one microbatch
+_MB_FEATURES = compiled("microbatch_features")   # features of many microbatches
 
 
 def _plan_calls_count(parent, start, length, B) -> Tuple[int, int]:

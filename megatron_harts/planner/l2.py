@@ -47,6 +47,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .compiled import compiled
 from .cost_model import CostFeatures, CostModel, ForestIndex
 from .l1 import plan_l1
 from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
@@ -616,15 +617,7 @@ def _compact(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, mem
         members_all.pop()
 
 
-def _l2_backend():
-    try:
-        from megatron_harts import _C  # compiled fill / compact / rebalance, optional
-        return _C.l2_fill
-    except (ImportError, AttributeError):
-        return None
-
-
-_L2_FILL = _l2_backend()
+_L2_FILL = compiled("l2_fill")
 #: the last slot dissolves into earlier slots' holes within this tolerance (``_compact``)
 COMPACT_TOL = 0.01
 #: moves or swaps per slot in ``_rebalance``

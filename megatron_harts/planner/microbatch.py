@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .compiled import compiled
 from .cost_model import CostFeatures, CostModel, ForestIndex, gc_paused
 
 __all__ = [
@@ -390,15 +391,7 @@ def _assemble_core_python(ix: ForestIndex, model: CostModel, owns: Sequence, rec
     return owned_l, rec_l, model.features_many(ix, comps, owned_l), rec_rows, ext_l
 
 
-def _assemble_backend():
-    try:
-        from megatron_harts import _C  # compiled assembly core, optional
-        return _C.assemble_core
-    except (ImportError, AttributeError):
-        return None
-
-
-_ASSEMBLE = _assemble_backend()
+_ASSEMBLE = compiled("assemble_core")
 
 
 def _csr(arrays: Sequence) -> Tuple[np.ndarray, np.ndarray]:
