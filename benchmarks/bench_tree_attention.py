@@ -23,7 +23,6 @@ On CPU torch's FlexAttention has no backward: flex methods are timed forward onl
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -32,7 +31,6 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
