@@ -126,6 +126,13 @@ def test_compiled_microbatch_kda_matches_python():
         cm._MB_KDA(ix.parent_arr, ix.start, ix.length, np.array([3, 1]), 64)
 
 
+def _small_index(scheme: str) -> ForestIndex:
+    """The ForestIndex of a small seeded SWE-like forest (2 tasks x 3 samples)."""
+    cfg = SweConfig(scheme=scheme, num_tasks=2, samples_per_task=3, prompt_median=300, max_tokens=1500,
+                    action_median=40, observation_median=60, seed=5)
+    return ForestIndex(build_forest(synthesize_swe(cfg)))
+
+
 def test_compiled_microbatch_features_matches_python():
     # _C.microbatch_features (features of many microbatches in one call) == CostModel.features
     # per microbatch, on random segment subsets (owned: a random part of them) and empty ones
@@ -133,10 +140,7 @@ def test_compiled_microbatch_features_matches_python():
     if cm._MB_FEATURES is None:
         pytest.skip("the C++ extension is not built")
     rng = np.random.default_rng(1)
-    cfg = SweConfig(scheme="step-wise", num_tasks=2, samples_per_task=3, prompt_median=300, max_tokens=1500,
-                    action_median=40, observation_median=60, seed=5)
-    f = build_forest(synthesize_swe(cfg))
-    ix = ForestIndex(f)
+    ix = _small_index("step-wise")
     for B in (1, 7, 64):
         model = CostModel(chunk_size=B)
         comps, owns = [], []
@@ -158,10 +162,7 @@ def test_compiled_assemble_core_matches_python():
     if mbmod._ASSEMBLE is None:
         pytest.skip("the C++ extension is not built")
     rng = np.random.default_rng(2)
-    cfg = SweConfig(scheme="tree-step", num_tasks=2, samples_per_task=3, prompt_median=300, max_tokens=1500,
-                    action_median=40, observation_median=60, seed=5)
-    f = build_forest(synthesize_swe(cfg))
-    ix = ForestIndex(f)
+    ix = _small_index("tree-step")
 
     def plain(core):
         own, rec, feats, rec_rows, ext = core
