@@ -70,7 +70,7 @@ def as_pipeline(ops):
 def test_stage_orders():
     assert set(SCHEDULES) == set(simulator.SCHEDULES)
     rng = np.random.default_rng(0)
-    for trial in range(60):
+    for trial in range(30):
         po = random_structure(rng, int(rng.integers(1, 14)))
         for S in (2, 3, 4):
             for sch in SCHEDULES:
