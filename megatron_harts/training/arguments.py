@@ -59,8 +59,9 @@ Namespace attributes the driver reads besides Megatron-LM's names: ``params_dtyp
 dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linear_num_heads``,
 ``linear_head_dim``, ``data_path`` (one string, or None), ``tree_sharing``, ``tree_mode``
 (sharing != off), ``tree_planner`` (resolved), ``tree_microbatch_tokens`` (resolved),
-``tree_chunk_size``, ``no_tree_replay`` / ``tree_replay`` (its negation), ``tree_kda_backend``, ``tree_attention_backend`` (maybe
-``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``, ``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``, ``tree_logit_probe_oracle``,
+``tree_chunk_size``, ``no_tree_replay`` / ``tree_replay`` (its negation), ``tree_kda_backend``,
+``tree_attention_backend`` (maybe ``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``,
+``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``, ``tree_logit_probe_oracle``,
 ``tree_dataset_shuffle``, ``rl_objective``, ``clip_ratio_low``, ``clip_ratio_high``,
 ``kl_coef``, ``entropy_coef``, ``loss_agg_mode`` (``objective_kwargs`` gathers the last six).
 Resolved like Megatron-LM does: ``ffn_hidden_size``, ``moe_ffn_hidden_size``,

@@ -559,7 +559,8 @@ def _unclaimed_tensors(ckpt_dir: str, model_state: dict) -> Optional[str]:
     if not extra:
         return None
     more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-    return f"{ckpt_dir}: the checkpoint does not match the model: it has tensor {extra[0]!r}{more}, which the model lacks"
+    return (f"{ckpt_dir}: the checkpoint does not match the model: it has tensor {extra[0]!r}{more}, which the "
+            "model lacks")
 
 
 def _resolve(load_dir: str):

@@ -89,7 +89,8 @@ def _probe_step(stride: int, captured: Dict[Tuple[Any, int], torch.Tensor]):
     return forward_step
 
 
-def probe_logits(model: list, forest, plan, settings, *, device, max_tokens: int = 1024) -> Dict[Tuple[Any, int], torch.Tensor]:
+def probe_logits(model: list, forest, plan, settings, *, device,
+                 max_tokens: int = 1024) -> Dict[Tuple[Any, int], torch.Tensor]:
     """This rank's probe of a planned global batch (module docstring): {(trajectory id, position): logits}.
 
     Collective over the model-parallel groups (every rank of the step's world must call it with the

@@ -49,8 +49,8 @@ from ..schedules.simulator import step_from_plan
 from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forward_backward_windows,
                                  windowed_microbatches)
 
-__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "executed_rows", "replica_microbatches", "microbatch_costs", "run_schedule",
-           "train_step", "StepResult"]
+__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "executed_rows", "replica_microbatches",
+           "microbatch_costs", "run_schedule", "train_step", "StepResult"]
 
 SHARING_MODES = ("off", "within", "windows")
 PLANNERS = ("l1", "l1l2", "ffd", "ortools")

@@ -110,9 +110,9 @@ class Trainer:
                 raise TrainingError("--use-distributed-optimizer needs CUDA (megatron-core's distributed optimizer "
                                     "takes CUDA parameters only); drop it to train on the CPU")
             if self.device.type == "cpu" and args.bf16:
-                raise TrainingError("--bf16 needs CUDA (megatron-core's mixed-precision "
-                                    "optimizer takes CUDA parameters only); train in fp32 (no dtype flag) or --fp64 "
-                                    "on the CPU, and use tools/verify_fidelity.py --dtype bfloat16 for bf16 numerics")
+                raise TrainingError("--bf16 needs CUDA (megatron-core's mixed-precision optimizer takes CUDA "
+                                    "parameters only); train in fp32 (no dtype flag) or --fp64 on the CPU, and use "
+                                    "tools/verify_fidelity.py --dtype bfloat16 for bf16 numerics")
             created = _init_world(backend, args.distributed_timeout_minutes)
             if created:
                 self._stack.callback(dist.destroy_process_group)
@@ -161,8 +161,8 @@ class Trainer:
         tp, pp, ep = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.expert_model_parallel_size
         if self.device.type == "cpu":
             from ..models.cpu_runtime import megatron_cpu_runtime
-            self._stack.enter_context(megatron_cpu_runtime(tp=tp, ep=ep, pp=pp, seed=a.seed, init_world=False,
-                                                                 etp=a.expert_tensor_parallel_size))
+            self._stack.enter_context(megatron_cpu_runtime(tp=tp, ep=ep, pp=pp, etp=a.expert_tensor_parallel_size,
+                                                           seed=a.seed, init_world=False))
             return
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
