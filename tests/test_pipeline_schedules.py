@@ -41,25 +41,24 @@ def random_structure(rng, n):
     return producer_of
 
 
-def consumers_in_flight(order, producer_of):
-    producers = {p for p in producer_of if p is not None}
+def _peak_forwarded(order, producer_of, producers: bool):
+    """Most microbatches forwarded and not yet backwarded at once in ``order``: producers (windows alive)
+    or, with ``producers=False``, the others (consumers and plain microbatches in flight)."""
+    roles = {p for p in producer_of if p is not None}
     live, peak = 0, 0
     for k, i in order:
-        if i in producers:
-            continue
-        live += 1 if k == "F" else -1
-        peak = max(peak, live)
-    return peak
-
-
-def windows_alive(order, producer_of):
-    producers = {p for p in producer_of if p is not None}
-    live, peak = 0, 0
-    for k, i in order:
-        if i in producers:
+        if (i in roles) == producers:
             live += 1 if k == "F" else -1
             peak = max(peak, live)
     return peak
+
+
+def consumers_in_flight(order, producer_of):
+    return _peak_forwarded(order, producer_of, producers=False)
+
+
+def windows_alive(order, producer_of):
+    return _peak_forwarded(order, producer_of, producers=True)
 
 
 def as_pipeline(ops):
