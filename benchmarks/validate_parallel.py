@@ -88,17 +88,20 @@ PRESETS = {
         data=dict(scheme="tree-step", num_tasks=16, samples_per_task=2, max_tokens=2048, vocab_size=32000)),
 }
 PRESETS["cpu-tiny-fp32"] = dict(PRESETS["cpu-tiny"], model=PRESETS["cpu-tiny"]["model"].replace(" --fp64", ""))
-PRESETS["h200-fp32"] = dict(PRESETS["h200"], model=PRESETS["h200"]["model"].replace(" --bf16", ""))
+# fp32 end to end: Triton's fp32 dots (the fla KDA kernels) default to tf32, so the preset asks for IEEE fp32
+PRESETS["h200-fp32"] = dict(PRESETS["h200"], model=PRESETS["h200"]["model"].replace(" --bf16", ""),
+                            env={"TRITON_F32_DEFAULT": "ieee"})
 COMMON = ("--clip-grad 1.0 --seed 1234 --log-interval 1 --rl-objective sft --moe-router-load-balancing-type none "
           "--hidden-dropout 0 --attention-dropout 0")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-CONFIGS = ("dp", "tp-sp", "ep", "tp-sp-ep", "pp")
+CONFIGS = ("dp", "tp-sp", "ep", "tp-sp-ep", "pp", "pp4", "tp-sp-pp")
 WARMUP = "warmup_"
 SCHEDULE_RUNS = {"tree_overlap": "overlap", "tree_non_overlap": "non-overlap"}
 
 
 def config_flags(name: str, nproc: int):
-    """(parallel flags, tree sharing mode) of a configuration on ``nproc`` processes, or None if it does not fit."""
+    """(parallel flags, tree sharing mode) of a configuration on ``nproc`` processes, or None if it does not fit.
+    Data parallelism takes the processes the other sizes leave (``nproc`` / (TP x PP))."""
     ep = f"--expert-model-parallel-size {nproc} --moe-token-dispatcher-type alltoall"
     table = {
         "dp": ("", "windows", 1),
@@ -107,11 +110,20 @@ def config_flags(name: str, nproc: int):
         "tp-sp-ep": (f"--tensor-model-parallel-size 2 --sequence-parallel {ep} --expert-tensor-parallel-size 1",
                      "within", 2),
         "pp": ("--pipeline-model-parallel-size 2", "windows", 2),
+        "pp4": ("--pipeline-model-parallel-size 4", "windows", 4),
+        "tp-sp-pp": ("--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2",
+                     "windows", 4),
     }
     flags, mode, need = table[name]
     if nproc < need or nproc % need:
         return None
     return flags, mode
+
+
+def flag_value(flags: str, name: str, default: int = 1) -> int:
+    """The integer value of ``name`` in a flag string (``default`` when absent)."""
+    parts = flags.split()
+    return int(parts[parts.index(name) + 1]) if name in parts else default
 
 
 def make_data(preset: dict, directory: str, py: str) -> str:
@@ -130,10 +142,12 @@ def make_data(preset: dict, directory: str, py: str) -> str:
     return prefix
 
 
-def launch_config(py: str, nproc: int, port: int, runs: dict, work: str, timeout: float, backend: str) -> dict:
+def launch_config(py: str, nproc: int, port: int, runs: dict, work: str, timeout: float, backend: str,
+                  env: dict) -> dict:
     """Run one configuration's runs ``{name: flags}`` in order inside one torch.distributed.run launch
     (:func:`worker`: one process group, one CUDA context and kernel cache for all of them), each into
-    ``work/<name>`` (report.jsonl, probe/, status.json); the launch's log is ``work/log.txt``.
+    ``work/<name>`` (report.jsonl, probe/, status.json), with ``env`` added to the environment; the
+    launch's log is ``work/log.txt``.
     Returns {name: {"ok", "seconds", "report", "probe", "error"?}}."""
     if os.path.exists(work):
         shutil.rmtree(work)
@@ -151,7 +165,8 @@ def launch_config(py: str, nproc: int, port: int, runs: dict, work: str, timeout
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, **env})
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:       # the launcher and every worker it started
@@ -217,8 +232,9 @@ def worker(spec_path: str) -> int:
     return 0
 
 
-def simulated_schedules(data_prefix: str, preset: dict, dp: int, iters: int, microbatch_tokens: int) -> dict:
-    """The simulator's tokens/s of the three window schedules on the run's plans (replica 0, 2 stages)."""
+def simulated_schedules(data_prefix: str, preset: dict, dp: int, stages: int, iters: int,
+                        microbatch_tokens: int) -> dict:
+    """The simulator's tokens/s of the three window schedules on the run's plans (replica 0, ``stages`` stages)."""
     from megatron_harts.schedules.simulator import SCHEDULES, simulate, step_from_plan
     from megatron_harts.training.data import TreeBatchLoader
     from megatron_harts.training.step import SharingSettings, plan_step
@@ -232,7 +248,7 @@ def simulated_schedules(data_prefix: str, preset: dict, dp: int, iters: int, mic
             b = next(loader)
             step = step_from_plan(b.plan, 0, forest=b.forest)
             for n in SCHEDULES:
-                total[n] += simulate(step, 2, n).makespan
+                total[n] += simulate(step, stages, n).makespan
     finally:
         loader.close()
     return {n: {"makespan": t, "relative_tokens_per_s": total["non-overlap"] / t} for n, t in total.items()}
@@ -289,6 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     ap.add_argument("--out", required=True, metavar="DIR", help="results (JSON per configuration) and run folders")
     ap.add_argument("--work", metavar="DIR", help="run folders and data (default OUT/runs)")
+    ap.add_argument("--scheme", choices=("tree-step", "step-wise"), default=None,
+                    help="rollout scheme of the synthetic data (default: the preset's, tree-step)")
     ap.add_argument("--iters", type=int, default=None, help="iterations per run (default: the preset's)")
     ap.add_argument("--warmup-iters", type=int, default=None, metavar="N",
                     help="per configuration, first run each mode for N iterations unmeasured (kernel compilation "
@@ -306,6 +324,9 @@ def main(argv=None) -> int:
     if a.nproc < 1:
         raise CliError(f"--nproc must be >= 1, got {a.nproc}")
     preset = PRESETS[a.preset]
+    if a.scheme:
+        preset = dict(preset, data=dict(preset["data"], scheme=a.scheme))
+    scheme = preset["data"].get("scheme", "tree-step")
     iters = a.iters or preset["iters"]
     if iters < 1:
         raise CliError(f"--iters must be >= 1, got {iters}")
@@ -313,12 +334,12 @@ def main(argv=None) -> int:
     backend = "nccl" if "gloo" not in preset["model"] else "gloo"
     work = a.work or os.path.join(a.out, "runs")
     os.makedirs(a.out, exist_ok=True)
-    data = make_data(preset, os.path.join(work, "data"), py)
+    data = make_data(preset, os.path.join(work, f"data_{scheme}"), py)
     mbt = int(preset["train"].split("--tree-microbatch-tokens ")[1].split()[0])
     base = f"{preset['model']} {preset['train']} {COMMON} --train-iters {iters} " \
            f"--tree-logit-probe-tokens {preset['probe_tokens']} --data-path {data}"
     env = {"versions": _versions(), "machine": platform.node(), "preset": a.preset, "nproc": a.nproc,
-           "iters": iters}
+           "iters": iters, "scheme": scheme, "env": preset.get("env", {})}
     results, port = {}, a.port
     for k, cfg in enumerate(a.configs):
         got = config_flags(cfg, a.nproc)
@@ -336,11 +357,13 @@ def main(argv=None) -> int:
                 "tree": f"--tree-sharing {tree_mode}"})
         if not a.no_recompute:
             plan["tree_recompute"] = f"--tree-sharing {tree_mode} {RECOMPUTE}"
-        if cfg == "pp":
+        stages = flag_value(par, "--pipeline-model-parallel-size")
+        if stages > 1:
             plan.update({k: f"--tree-sharing windows --tree-pp-schedule {v}" for k, v in SCHEDULE_RUNS.items()})
         port += 1
         runs = launch_config(py, a.nproc, port, {n: f"{base} {par} {m}" for n, m in plan.items()},
-                             os.path.join(work, cfg), a.config_timeout[min(k, len(a.config_timeout) - 1)], backend)
+                             os.path.join(work, cfg), a.config_timeout[min(k, len(a.config_timeout) - 1)], backend,
+                             preset.get("env", {}))
         warmups = {n: runs.pop(n) for n in list(runs) if n.startswith(WARMUP)}
         for name, r in [*warmups.items(), *runs.items()]:
             if r["ok"]:
@@ -350,9 +373,9 @@ def main(argv=None) -> int:
         res = {"config": cfg, "parallel_flags": par, "tree_sharing": tree_mode, **env,
                "runs": {k: {kk: vv for kk, vv in v.items() if kk not in ("report", "probe")} for k, v in runs.items()},
                "fidelity": fidelity(runs), "warmup_seconds": {k: v.get("seconds") for k, v in warmups.items()}}
-        if cfg == "pp" and all(runs[k]["ok"] for k in ("tree", *SCHEDULE_RUNS)):
-            dp = a.nproc // 2
-            sim = simulated_schedules(data, preset, dp, iters, mbt)
+        if stages > 1 and all(runs[k]["ok"] for k in ("tree", *SCHEDULE_RUNS)):
+            dp = a.nproc // (stages * flag_value(par, "--tensor-model-parallel-size"))
+            sim = simulated_schedules(data, preset, dp, stages, iters, mbt)
             measured = {"consumer-1f1b": runs["tree"], "overlap": runs["tree_overlap"],
                         "non-overlap": runs["tree_non_overlap"]}
             ref = measured["non-overlap"]["throughput"]["trajectory_tokens_per_s"]
