@@ -21,7 +21,8 @@ at the end, with the numbers:
     python benchmarks/bench_planner.py --sizes 256 --dps 8   # one column
     python benchmarks/bench_planner.py --json out.json       # also write every number
 
-Columns: compression, balance (mean over slots of mean/max microbatch cost), its 5th
+Columns: compression (as planned), executed (compression as the window schedule runs the plan:
+``replica_windows`` recomputes context it cannot read from one earlier producer), balance (mean over slots of mean/max microbatch cost), its 5th
 percentile, step_min (least / most loaded replica over the step), microbatches, peak_rows,
 retention (max slots a producer's exports stay alive), export_peak (most exported rows one
 replica retains at once), plan_s (seconds, forest index included).  Every JSON row also records
@@ -43,6 +44,7 @@ from megatron_harts.planner.cost_model import CostModel, ForestIndex, load_calib
 from megatron_harts.planner.l1 import plan_l1  # noqa: E402
 from megatron_harts.planner.l2 import plan_l2  # noqa: E402
 from megatron_harts.planner.metrics import plan_metrics  # noqa: E402
+from megatron_harts.planner.microbatch import replica_windows  # noqa: E402
 from megatron_harts.planner.packing_baselines import (ortools_available, plan_ffd, plan_ortools_ffd,  # noqa: E402
                                                       plan_tree_ffd)
 from megatron_harts.tree_data import build_forest  # noqa: E402
@@ -103,8 +105,21 @@ def plan_all(forest, dp: int, M: int, model: CostModel, ortools_limit: float, re
         plans[name].validate(forest)
         m = plan_metrics(plans[name])
         m["plan_seconds"] += min(t_index)
+        m["executed_compression"] = executed_compression(forest, plans[name])
         out[name] = m
     return out
+
+
+def executed_compression(forest, plan) -> float:
+    """Compression as the window schedule runs ``plan`` (``replica_windows``: context no single
+    earlier non-consumer producer of the same replica holds is recomputed), replay included."""
+    if plan.mode != "tree":
+        return plan.expanded_tokens / plan.tokens_computed
+    length = forest.seg_length
+    rows = sum(int(length[e.computed].sum()) for r in range(plan.num_replicas)
+               for e in replica_windows(forest, plan, r))
+    replay = sum(m.features.replay_tokens for m in plan.microbatches)
+    return plan.expanded_tokens / (rows + replay)
 
 
 def _seconds(x) -> float:
@@ -139,7 +154,7 @@ def main(argv=None) -> int:
                          {"origin": args.calibration or "megatron_harts.planner.cost_model defaults"})
     plan_all(swe_batch("tree-step", 8, args.seed), 2, args.budget, model, 1.0)  # warm-up: imports, caches
     results = []
-    header = ("scheme", "traj", "dp", "planner", "compression", "balance", "balance_p5", "step_min",
+    header = ("scheme", "traj", "dp", "planner", "compression", "executed", "balance", "balance_p5", "step_min",
               "microbatches", "peak_rows", "retention", "export_peak", "plan_s")
     print("  ".join(header))
     for scheme in args.schemes:
@@ -154,6 +169,7 @@ def main(argv=None) -> int:
                 for name in PLANNERS:
                     m = res[name]
                     print("  ".join([scheme, str(n), str(dp), name, fmt(m, "compression"),
+                                     fmt(m, "executed_compression"),
                                      fmt(m, "balance_mean", True), fmt(m, "balance_p5", True),
                                      fmt(m, "step_min_balance", True), fmt(m, "microbatches"),
                                      fmt(m, "peak_rows"), fmt(m, "max_retention"), fmt(m, "peak_export_rows"),

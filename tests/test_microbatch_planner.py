@@ -421,8 +421,9 @@ def test_swe_plans_valid_and_l2_compresses(tree_step, dp):
 
 
 def test_step_wise_small_batch_on_many_replicas():
-    # few trees, little work per replica: L2 fills idle replicas of the producer slot by
-    # recomputing prompts, or keeps L1's plan when that gives the shorter step
+    # few trees, little work per replica: L2 plans only windows the schedule runs (a window on one
+    # replica), or keeps L1's plan when that gives the shorter step or fewer tokens
+    from test_l2_executed import check_executes_as_planned
     cfg = SweConfig(scheme="step-wise", num_tasks=3, samples_per_task=4, prompt_median=800, max_tokens=4000,
                     action_median=80, observation_median=150, seed=7)
     f = build_forest(synthesize_swe(cfg))
@@ -432,11 +433,10 @@ def test_step_wise_small_batch_on_many_replicas():
     for plan in (l1, l2):
         plan.validate(f)
         check_plan(plan, f)
+        check_executes_as_planned(f, plan)
     assert l2.tokens_computed <= l1.tokens_computed
     from megatron_harts.planner.l2 import step_cost
     assert step_cost(l2) <= step_cost(l1) + 1e-9
-    # this batch exercises the hybrid: producers, and microbatches that recompute a prompt
-    assert l2.windows and any(m.recomputed.size and (m.external or m.consumers) for m in l2.microbatches)
 
 
 def step_wise_256():
@@ -446,10 +446,11 @@ def step_wise_256():
     return build_forest(synthesize_swe(cfg)[:256])
 
 
-def test_fewer_microbatches_than_replicas_gets_balanced_slots(monkeypatch):
-    # less work than one microbatch per replica and slot: L2 fills two slots with producers
-    # and consumers, trying other slot targets; every DP-8 slot is balanced
-    import megatron_harts.planner.l2 as l2mod
+def test_fewer_microbatches_than_replicas_keeps_the_shorter_step():
+    # less work than one microbatch per replica and slot: a window lives on one replica, so L2's
+    # executable plans (windows or the fill's plan as the schedule runs it) are judged against
+    # L1's, and the result never has a longer step or more tokens
+    from test_l2_executed import check_executes_as_planned
     f = step_wise_256()
     ix = ForestIndex(f)
     M, dp = 32768, 8
@@ -458,17 +459,11 @@ def test_fewer_microbatches_than_replicas_gets_balanced_slots(monkeypatch):
     for plan in (l1, l2):
         plan.validate(f)
         check_plan(plan, f)
+        check_executes_as_planned(f, plan)
     m1, m2 = plan_metrics(l1), plan_metrics(l2)
-    assert m2["slots"] >= 2 and m2["microbatches"] == dp * m2["slots"] and l2.windows
-    assert m2["balance_mean"] >= 0.98 and m2["balance_p5"] >= 0.95
     assert m2["compression"] >= m1["compression"]
     from megatron_harts.planner.l2 import step_cost
     assert step_cost(l2) <= step_cost(l1)
-    # the default slot target alone balances this batch worse, and never gives a shorter step
-    monkeypatch.setattr(l2mod, "FILL_VARIANTS", l2mod.FILL_VARIANTS[:1])
-    only = plan_l2(f, l1, index=ix)
-    assert plan_metrics(only)["balance_mean"] < m2["balance_mean"]
-    assert step_cost(l2) <= step_cost(only)
 
 
 def _plan_key(plan):

@@ -32,10 +32,23 @@ L1 microbatches).  L2
    reserve) until the estimated step efficiency (per-microbatch overheads included) reaches
    ``GOOD_ENOUGH``; the best fill wins.
 
+5. *executable windows*: the window schedule (``microbatch.replica_windows``) reads a
+   consumer's context only from one earlier microbatch of the same replica that is not itself
+   a consumer, and recomputes any other.  The fill of steps 3-4 plans chains and producers on
+   other replicas, so its plan is judged as the schedule runs it (``as_executed``).  The
+   window packer (``window_units``, ``pack_windows``) plans only windows that run: per
+   produced tree one core (its shared prefix, or the most shared top of it that fits the
+   budget) owned by one producer that reads nothing; the subtrees below the core are items,
+   each in the producer, in a later microbatch of the producer's replica that reads no other
+   producer, or anywhere else with its root path recomputed.  Its plans for a few slot counts
+   and targets are candidates beside the executed fill.
+
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
-step (sum over slots of the costliest microbatch) than L1's: otherwise (tiny trees where
-replay outweighs the rows saved; batches so small that a producer slot would idle most
-replicas) the L1 microbatches are returned with L1's placement.
+step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
+modelled step (then the fewest tokens) among those computing no more tokens than L1 wins,
+else (tiny trees where replay outweighs the rows saved; batches so small that a producer
+slot would idle most replicas) the L1 microbatches are returned with L1's placement.  Every
+window of the result runs as planned: its compression, costs and balance are the step's.
 """
 from __future__ import annotations
 
@@ -618,6 +631,9 @@ def _compact(atoms: Atoms, kids: List[List[int]], slot_of, mb_of, loads_all, mem
 
 
 _L2_FILL = compiled("l2_fill")
+#: the window packer's slot counts above its row bound, and its microbatch target tolerances
+WINDOW_EXTRA_SLOTS = 2
+WINDOW_TOLERANCES = (0.01, 0.05)
 #: the last slot dissolves into earlier slots' holes within this tolerance (``_compact``)
 COMPACT_TOL = 0.01
 #: moves or swaps per slot in ``_rebalance``
@@ -840,20 +856,30 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                                    microbatches=list(l1.microbatches), slots=l1.slots.copy())
     # never more tokens than L1, never a longer modelled step: else L1's plan
     keep_tokens = keep.tokens_computed
-    keep_key = (step_cost(keep), -keep_tokens)
     if len(fills) == 1:
         plan = fill_plan(ix, atoms, *fills[0][:2], dp=dp, M=M, model=model)
-        if plan.tokens_computed > keep_tokens or keep_key < (step_cost(plan), -plan.tokens_computed):
-            plan = keep
     else:
         scored = [fill_step_tokens(ix, atoms, f[0], f[1], dp=dp, M=M, model=model) if f[2] is None
                   else step_tokens_of_features(f[2], model, M) for f in fills]
         ok = [i for i in range(len(fills)) if scored[i][1] <= keep_tokens]
-        plan = keep
-        if ok:
-            i = min(ok, key=lambda i: scored[i])
-            if not keep_key < (scored[i][0], -scored[i][1]):
-                plan = fill_plan(ix, atoms, *fills[i][:2], dp=dp, M=M, model=model)
+        plan = fill_plan(ix, atoms, *fills[min(ok, key=lambda i: scored[i])][:2], dp=dp, M=M, model=model) \
+            if ok else None
+    # the fill's plan as the window schedule runs it (chains and other replicas' producers
+    # recomputed), and the window packer's plans (every window runs): the shortest modelled
+    # step among those computing no more tokens than L1 wins, else L1's plan
+    candidates = [as_executed(ix, plan)] if plan is not None else []
+    units = window_units(ix, l1, model, mpr)
+    S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in units) / M) / dp))
+    for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1):
+        for eps in WINDOW_TOLERANCES:
+            candidates.append(window_plan(ix, units, dp=dp, M=M, S=S, model=model, eps=eps))
+    plan, plan_key = keep, (step_cost(keep), keep_tokens)
+    for cand in candidates:
+        if cand is None or cand.tokens_computed > keep_tokens:
+            continue
+        key = (step_cost(cand), cand.tokens_computed)
+        if key < plan_key:
+            plan, plan_key = cand, key
     plan.plan_seconds = time.perf_counter() - t0
     return plan
 
@@ -919,3 +945,287 @@ def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostMod
     l2 = plan_l2(forest, l1, cost_model=cost_model, index=ix, **l2_options)
     l2.plan_seconds += l1.plan_seconds
     return l1, l2
+
+
+# ---------------------------------------------------------------------------------------------
+# windows the schedule executes (step 3 of the module docstring)
+# ---------------------------------------------------------------------------------------------
+
+class _Unit:
+    """What the window packer places: a produced tree's ``core`` (its producer rows), an
+    ``item`` (a piece of a subtree hanging below a core: read the core's rows as external
+    context, or recompute ``path`` when placed away from the core's window) or a ``free``
+    piece (an L1 piece of a tree that keeps recomputation: no external context)."""
+    __slots__ = ("kind", "tree", "owned", "rec", "rows", "cost", "replay_cost", "path", "path_rows",
+                 "path_cost")
+
+    def __init__(self, kind, tree, owned, rec, rows, cost, replay_cost=0.0, path=(), path_rows=0,
+                 path_cost=0.0):
+        self.kind, self.tree, self.owned, self.rec = kind, tree, owned, rec
+        self.rows, self.cost, self.replay_cost = rows, cost, replay_cost
+        self.path, self.path_rows, self.path_cost = path, path_rows, path_cost
+
+
+def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
+                 min_producer_rows: int) -> List[_Unit]:
+    """Cores, items and free pieces of ``l1`` (steps 1-2 of the module docstring).
+
+    A tree's shared set ``U`` (segments computed in two or more L1 microbatches) is closed
+    under ancestors.  Its core is ``U`` when it fits the row budget, else the top of ``U`` that
+    fits (most shared segments first).  The subtrees hanging below the core become items (cut
+    into pieces of at most ``M`` rows by L1's split, the core's rows counting as external).  A
+    tree is produced when its core has at least ``min_producer_rows`` rows and its core plus
+    items compute fewer tokens (replay included) than its L1 pieces; else its L1 pieces are
+    free units."""
+    from .l1 import split_piece  # local: l1 imports nothing of l2, the import is cheap
+    M = l1.row_budget
+    S = ix.num_segments
+    count = [0] * S
+    tree_of = ix.seg_tree.tolist()
+    l1_rows: Dict[int, int] = {}
+    pieces: Dict[int, List[Tuple[List[int], List[int]]]] = {}
+    length, start, par = ix.length_list, ix.start_list, ix.parent
+    for m in l1.microbatches:
+        own, rec = m.owned.tolist(), m.recomputed.tolist()
+        per: Dict[int, Tuple[List[int], List[int]]] = {}
+        for x in own:
+            count[x] += 1
+            per.setdefault(tree_of[x], ([], []))[0].append(x)
+        for x in rec:
+            count[x] += 1
+            per.setdefault(tree_of[x], ([], []))[1].append(x)
+        for t, (o, r) in per.items():
+            if o:
+                pieces.setdefault(t, []).append((o, r))
+            l1_rows[t] = l1_rows.get(t, 0) + sum([length[x] for x in o]) + sum([length[x] for x in r])
+    sc = _SegCosts(ix, model)
+    own_c, body_c = sc.own, sc.body
+    B = model.chunk_size
+    rp = model.coefficients.kda_replay_token
+    offs = ix.tree_offsets.tolist()
+    sub_size, sub_rows = ix.sub_size_list, ix.sub_rows_list
+    children = ix.children
+    units: List[_Unit] = []
+    for t in range(ix.num_trees):
+        a, b = offs[t], offs[t + 1]
+        produced = None
+        if any(count[s] >= 2 for s in range(a, b)):
+            core = [s for s in range(a, b) if count[s] >= 2]
+            if sum([length[s] for s in core]) > M:  # the most shared top of U that fits
+                core, rows, inset = [], 0, set()
+                heap = [(-count[a], a)]
+                while heap:
+                    heap.sort()
+                    _, s = heap.pop(0)
+                    if rows + length[s] > M:
+                        continue
+                    core.append(s)
+                    inset.add(s)
+                    rows += length[s]
+                    heap.extend((-count[c], c) for c in children[s] if count[c] >= 2)
+                core.sort()
+            inset = set(core)
+            core_rows = sum([length[s] for s in core])
+            items: List[_Unit] = []
+            tokens = core_rows
+            for s in range(a, b):
+                if s in inset or par[s] not in inset:
+                    continue
+                segs = list(range(s, s + sub_size[s]))
+                parts = [(segs, [])] if sub_rows[s] <= M else \
+                    [(p[0], p[1]) for p in split_piece(ix, segs, [], M + start[s])]
+                path, x = [], par[s]
+                while x >= 0:
+                    path.append(x)
+                    x = par[x]
+                path_cost = sum([body_c[x] for x in path])
+                replay = start[s] % B
+                for own, rec in parts:
+                    rows = sum([length[x] for x in own]) + sum([length[x] for x in rec])
+                    cost = sum([own_c[x] for x in own]) + sum([body_c[x] for x in rec])
+                    items.append(_Unit("item", t, sorted(own), sorted(rec), rows, cost, rp * replay, path,
+                                       start[s], path_cost))
+                    tokens += rows + replay
+            if core_rows >= min_producer_rows and tokens < l1_rows.get(t, 0):
+                produced = [_Unit("core", t, core, [], core_rows, sum([own_c[x] for x in core]))] + items
+        if produced is not None:
+            units.extend(produced)
+            continue
+        for own, rec in pieces.get(t, ()):
+            rows = sum([length[x] for x in own]) + sum([length[x] for x in rec])
+            units.append(_Unit("free", t, own, rec, rows, sum([own_c[x] for x in own]) +
+                               sum([body_c[x] for x in rec])))
+    return units
+
+
+def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01):
+    """Place ``units`` into microbatches, ``S`` planned per replica on each of ``dp`` replicas,
+    so that every window runs as the schedule runs it (``replica_windows``): a core's
+    microbatch (its producer) reads nothing; an item reads its core's rows from a later
+    microbatch of the core's replica that holds no core and reads no other producer, or sits
+    in the producer itself (local rows), or recomputes its root path (placed anywhere else,
+    never beside an item of its tree that reads the core).  Cores go first, the costliest to
+    the replica with the cheapest first microbatch; then items and free pieces, costliest
+    first.  One replica: each where it fits fullest (first-fit by rows).  Several: each where
+    the load after it is lowest, in its window while that stays under the microbatch target
+    (the estimated cost over ``dp * S``, times ``1 + eps``), else wherever it is lowest.  A
+    unit that fits nowhere opens a microbatch (on its core's replica for an item).  Returns
+    (groups, placement) for ``assemble_plan``."""
+    length = ix.length_list
+    total = sum(u.cost + (u.replay_cost if u.kind == "item" else 0.0) for u in units)
+    hi = total / (dp * S) * (1.0 + eps) if dp > 1 else math.inf
+    rep: List[int] = []                                 # per microbatch: its replica
+    load: List[float] = []
+    rows: List[int] = []
+    have: List[set] = []
+    own_l: List[List[int]] = []
+    rec_l: List[List[int]] = []
+    cores_in: List[set] = []   # trees whose core a microbatch owns
+    reads: List[int] = []      # the producer a microbatch reads (-1: none)
+    reads_trees: List[set] = []
+    recomputes: List[set] = []  # trees whose path a microbatch recomputes
+    of_replica: List[List[int]] = [[] for _ in range(dp)]
+
+    def open_bin(r):
+        rep.append(r)
+        load.append(0.0)
+        rows.append(0)
+        for lst in (have, cores_in, reads_trees, recomputes):
+            lst.append(set())
+        own_l.append([])
+        rec_l.append([])
+        reads.append(-1)
+        of_replica[r].append(len(rep) - 1)
+        return len(rep) - 1
+
+    for r in range(dp):
+        for _ in range(S):
+            open_bin(r)
+    core_bin: Dict[int, int] = {}
+
+    def put(b, u, extra_segs, cost):
+        load[b] += cost
+        hb = have[b]
+        add = 0
+        for x in u.owned:
+            if x not in hb:
+                hb.add(x)
+                add += length[x]
+        for seq in (u.rec, extra_segs):
+            for x in seq:
+                if x not in hb:
+                    hb.add(x)
+                    rec_l[b].append(x)
+                    add += length[x]
+        rows[b] += add
+        own_l[b].extend(u.owned)
+
+    def better(after, b, best):
+        if best is None:
+            return True
+        if dp == 1:  # fullest first (rows), then earliest
+            return rows[b] > rows[best[1]]
+        return after < best[0]
+
+    cores = sorted((u for u in units if u.kind == "core"), key=lambda u: -u.cost)
+    for u in cores:
+        best = None
+        for r in range(dp):
+            for b in of_replica[r]:
+                if reads[b] >= 0 or rows[b] + u.rows > M:
+                    continue
+                key = (of_replica[r].index(b), load[b])
+                if best is None or key < best[0]:
+                    best = (key, b)
+                break  # the earliest microbatch of a replica with room: producers come first
+        b = best[1] if best is not None else open_bin(min(range(dp), key=lambda r: len(of_replica[r])))
+        put(b, u, (), u.cost)
+        cores_in[b].add(u.tree)
+        core_bin[u.tree] = b
+    rest = sorted((u for u in units if u.kind != "core"), key=lambda u: -(u.cost + u.replay_cost))
+    for u in rest:
+        win = other = None
+        p = core_bin[u.tree] if u.kind == "item" else -1
+        if p >= 0:
+            for b in of_replica[rep[p]]:
+                if b == p:
+                    c = u.cost
+                elif not cores_in[b] and reads[b] in (-1, p) and u.tree not in recomputes[b]:
+                    c = u.cost + u.replay_cost
+                else:
+                    continue
+                if rows[b] + u.rows > M:
+                    continue
+                if better(load[b] + c, b, win):
+                    win = (load[b] + c, b, c)
+        if win is None or win[0] > hi:
+            for b in range(len(rep)):
+                if p >= 0:
+                    if u.tree in reads_trees[b] or b == p:
+                        continue
+                    extra = sum([length[x] for x in u.path if x not in have[b]])
+                    add, c = u.rows + extra, u.cost + u.path_cost * extra / max(1, u.path_rows)
+                else:
+                    add, c = u.rows - sum([length[x] for x in u.rec if x in have[b]]), u.cost
+                if rows[b] + add > M:
+                    continue
+                if better(load[b] + c, b, other):
+                    other = (load[b] + c, b, c)
+        if win is not None and (win[0] <= hi or other is None or win[0] <= other[0]):
+            _, b, c = win
+            put(b, u, (), c)
+            if b != p:
+                reads[b] = p
+                reads_trees[b].add(u.tree)
+        elif other is not None:
+            _, b, c = other
+            put(b, u, u.path if p >= 0 else (), c)
+            if p >= 0:
+                recomputes[b].add(u.tree)
+        elif p >= 0:  # a new consumer of its window
+            b = open_bin(rep[p])
+            put(b, u, (), u.cost + u.replay_cost)
+            reads[b] = p
+            reads_trees[b].add(u.tree)
+        else:
+            put(open_bin(min(range(dp), key=lambda r: len(of_replica[r]))), u, (), u.cost)
+    groups, placement = [], []
+    for r in range(dp):
+        bins = [b for b in of_replica[r] if own_l[b]]
+        first = [b for b in bins if cores_in[b]]
+        later = sorted((b for b in bins if not cores_in[b]), key=lambda b: -load[b])
+        for k, b in enumerate(first + later):
+            groups.append((np.asarray(sorted(own_l[b]), dtype=np.int64),
+                           np.asarray(sorted(rec_l[b]), dtype=np.int64)))
+            placement.append((r, k))
+    return groups, placement
+
+
+def window_plan(ix: ForestIndex, units: List[_Unit], *, dp: int, M: int, S: int, model: CostModel,
+                eps: float = 0.01) -> Optional[MicrobatchPlan]:
+    """``pack_windows`` assembled (None when it fails or a microbatch exceeds the budget)."""
+    packed = pack_windows(ix, units, dp, M, S, eps)
+    if packed is None:
+        return None
+    try:
+        return assemble_plan(ix, packed[0], packed[1], planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+    except PlanningError:
+        return None
+
+
+def as_executed(ix: ForestIndex, plan: MicrobatchPlan) -> Optional[MicrobatchPlan]:
+    """``plan`` as the window schedule runs it (``replica_windows``): external context that no
+    single earlier non-consumer producer of the same replica holds is recomputed.  The result's
+    windows all run as planned; None when a microbatch then exceeds the row budget."""
+    from .microbatch import replica_windows
+    groups, placement = [], []
+    for r in range(plan.num_replicas):
+        for e in replica_windows(ix.forest, plan, r):
+            m = e.microbatch
+            groups.append((m.owned, np.setdiff1d(e.computed, m.owned)))
+            placement.append((r, m.slot))
+    try:
+        return assemble_plan(ix, groups, placement, planner=plan.planner, dp=plan.num_replicas,
+                             row_budget=plan.row_budget, cost_model=plan.cost_model)
+    except PlanningError:
+        return None
