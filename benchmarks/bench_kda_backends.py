@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 from bench_tree_attention import swe_forest  # noqa: E402
 from megatron_harts.ops.kda_fla import CHUNK, kda_fla  # noqa: E402
+from megatron_harts.ops.triton_tuning import limit_autotuning  # noqa: E402
 from megatron_harts.ops.tree_kda import build_kda_schedule, get_kda_backend, tree_kda  # noqa: E402
 from megatron_harts.planner.calls import plan_calls  # noqa: E402
 
@@ -81,19 +82,6 @@ def timed(fn, warmup, repeats, device):
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-
-
-def limit_autotuning(n: int):
-    """Every Triton autotuner (fla's and ours) tries at most n configs, fewest pipeline stages first."""
-    from triton.runtime.autotuner import Autotuner
-    run = Autotuner.run
-
-    def limited(self, *a, **kw):
-        if len(self.configs) > n:
-            self.configs = sorted(self.configs, key=lambda c: c.num_stages)[:n]
-        return run(self, *a, **kw)
-
-    Autotuner.run = limited
 
 
 def rel(a, b):

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 from megatron_harts.layout import build_layout  # noqa: E402
 from megatron_harts.ops.kda_fla import CHUNK, kda_fla  # noqa: E402
+from megatron_harts.ops.triton_tuning import limit_autotuning  # noqa: E402
 from megatron_harts.ops.tree_kda import (KdaExternal, build_kda_schedule, consumer_kda_sources,  # noqa: E402
                                          get_kda_backend, plan_subtree_calls, tree_kda)
 from megatron_harts.planner.calls import plan_calls  # noqa: E402
@@ -45,23 +46,11 @@ BF16_SHAPE = (16, 128, 128)   # the shape benchmarks/bench_kda_backends.py times
 
 
 def _limit_autotuning():
-    """``KDA_FLA_TEST_MAX_CONFIGS=n``: every Triton autotuner tries at most n configs (fewest pipeline
-    stages first).  Accuracy does not depend on the config; compile time does (fla tunes ~150)."""
+    """``KDA_FLA_TEST_MAX_CONFIGS=n``: every Triton autotuner tries at most n configs
+    (ops/triton_tuning.py).  Accuracy does not depend on the config; compile time does (fla tunes ~150)."""
     n = int(os.environ.get("KDA_FLA_TEST_MAX_CONFIGS", "0"))
-    if n <= 0:
-        return
-    from triton.runtime.autotuner import Autotuner
-    if getattr(Autotuner.run, "_limited", False):
-        return
-    run = Autotuner.run
-
-    def limited(self, *args, **kwargs):
-        if len(self.configs) > n:
-            self.configs = sorted(self.configs, key=lambda c: c.num_stages)[:n]
-        return run(self, *args, **kwargs)
-
-    limited._limited = True
-    Autotuner.run = limited
+    if n > 0:
+        limit_autotuning(n)
 
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,7 @@ dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linea
 ``tree_chunk_size``, ``no_tree_replay`` / ``tree_replay`` (its negation), ``tree_kda_backend``,
 ``tree_attention_backend`` (maybe ``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``,
 ``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``, ``tree_logit_probe_oracle``,
+``tree_triton_max_configs``,
 ``tree_dataset_shuffle``, ``rl_objective``, ``clip_ratio_low``, ``clip_ratio_high``,
 ``kl_coef``, ``entropy_coef``, ``loss_agg_mode`` (``objective_kwargs`` gathers the last six).
 Resolved like Megatron-LM does: ``ffn_hidden_size``, ``moe_ffn_hidden_size``,
@@ -391,7 +392,7 @@ OWN_FLAGS = frozenset({
     "--tree-cost-calibration", "--tree-dataset-shuffle", "--no-tree-dataset-shuffle",
     "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
     "--loss-agg-mode", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
-    "--tree-logit-probe-oracle",
+    "--tree-logit-probe-oracle", "--tree-triton-max-configs",
 })
 
 # ---------------------------------------------------------------------------------------------
@@ -929,6 +930,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     ts.add_argument("--tree-attention-backend", choices=ATTENTION_BACKEND_CHOICES, default="auto",
                     help="MLA tree attention: auto (default: flex on CUDA, sdpa otherwise or with --fp64), "
                          "sdpa, reference or flex (needs CUDA)")
+    ts.add_argument("--tree-triton-max-configs", type=_NONNEG_INT, default=0, metavar="N",
+                    help="with the fla KDA backend: every Triton autotuner tries at most N configurations "
+                         "(default 0: all, ~150 per fla kernel; numerics do not depend on it, the first step's "
+                         "compile time and the kernels' speed do)")
     ts.add_argument("--tree-pp-schedule", choices=TREE_PP_SCHEDULES, default=TREE_PP_SCHEDULES[0],
                     help="pipeline schedule (--pipeline-model-parallel-size > 1): consumer-1f1b (default: "
                          "consumers in 1F1B order, overlapping windows, each producer backward right after its "

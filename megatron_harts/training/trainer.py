@@ -122,6 +122,9 @@ class Trainer:
             self._stack.callback(patches.undo)
 
             self.config = hybrid_config(args, world_size=self.world, device=self.device.type)
+            if args.tree_triton_max_configs and self.config.kda_backend == "fla":
+                from ..ops.triton_tuning import limit_autotuning
+                self._stack.callback(limit_autotuning(args.tree_triton_max_configs))
             self.vocab_size = padded_vocab_size(args)
             if args.pipeline_model_parallel_size > 1:     # this stage's layers (schedules/pipeline.py)
                 from ..schedules.pipeline import build_stage_model
