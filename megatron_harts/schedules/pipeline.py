@@ -25,7 +25,12 @@ gradient go between neighbouring stages through megatron-core's ``P2PCommunicato
 known from the layout on every stage.  Receives block; sends are posted without waiting and
 completed at the end of the step, so any per-stage order that has a valid execution
 (:func:`check_stage_orders`) runs without deadlock.  Every stage runs the forwards in the same
-order and the backwards in the same order, so messages match in FIFO order.
+order and the backwards in the same order, so messages match in FIFO order.  Activations and
+gradients travel on different communicators (:func:`direction_groups`): NCCL runs the
+operations of one communicator in issue order, so with one shared communicator a stage's posted
+send of an activation would wait behind, and block, the neighbour's send of a gradient that the
+stage receives later (megatron-core's size-2 pipelines already route one direction through the
+world group; its batched 1F1B pairs each send with the opposite receive instead).
 
 Schedules (``schedule=``): the per-stage orders are those of
 :func:`megatron_harts.schedules.simulator.schedule_ops` (its module docstring defines them; the
@@ -197,6 +202,32 @@ def build_stage_model(config, vocab_size: int, *, pp_rank: Optional[int] = None,
 # ---------------------------------------------------------------------------------------------
 # the schedule
 # ---------------------------------------------------------------------------------------------
+#: id(pipeline group) -> (that group, its gradient group); the group is kept so that its id stays unique
+_BACKWARD_GROUPS: Dict[int, Tuple[Any, Any]] = {}
+
+
+def direction_groups(pp_group) -> Tuple[Any, Any]:
+    """(group for activations, group for gradients) of a pipeline: ``pp_group`` and, for pipelines
+    of more than 2 stages, a second group of the same ranks (created once per pipeline group,
+    collectively: every rank of the world calls this at the same step, as every rank runs a
+    pipeline schedule).  Size-2 pipelines need no second group: megatron-core's P2P already sends
+    one direction through the world group there."""
+    if pp_group.size() <= 2:
+        return pp_group, pp_group
+    if id(pp_group) not in _BACKWARD_GROUPS:
+        ranks = tuple(dist.get_process_group_ranks(pp_group))
+        gathered: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, ranks)
+        pipelines = sorted(set(gathered))
+        mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in pipelines],
+                                                    backend=dist.get_backend(pp_group))
+        if tuple(dist.get_process_group_ranks(mine)) != ranks:
+            raise RuntimeError(f"pipeline ranks {list(ranks)} are not in increasing stage order; the gradient "
+                               "group would number the stages differently")
+        _BACKWARD_GROUPS[id(pp_group)] = (pp_group, mine)
+    return pp_group, _BACKWARD_GROUPS[id(pp_group)][1]
+
+
 def _rows(mb: WindowedMicrobatch, psp, cfg, tp: int) -> int:
     rows = int(psp.num_tokens) if psp.is_tree else int(mb.layout.tokens.numel())
     if getattr(cfg, "sequence_parallel", False) and tp > 1:
@@ -262,7 +293,9 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
     p2p_cfg.variable_seq_lengths = False
     if p2p_cfg.pipeline_dtype is None:
         p2p_cfg.pipeline_dtype = cfg.params_dtype
-    p2p = P2PCommunicator(pp_group, p2p_cfg)
+    forward_group, backward_group = direction_groups(pp_group)
+    p2p = P2PCommunicator(forward_group, p2p_cfg)                  # activations: stage s -> s + 1
+    p2p_back = p2p if backward_group is forward_group else P2PCommunicator(backward_group, p2p_cfg)
     set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
 
     mbs: List[WindowedMicrobatch] = [next(data_iterator) for _ in range(int(num_microbatches))]
@@ -278,7 +311,7 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
 
     def send(tensor, to_next: bool):
         t = tensor.detach().contiguous()
-        _, _, reqs = p2p._communicate(tensor_send_next=t if to_next else None,
+        _, _, reqs = (p2p if to_next else p2p_back)._communicate(tensor_send_next=t if to_next else None,
                                       tensor_send_prev=None if to_next else t, recv_prev=False, recv_next=False,
                                       tensor_shape=None, wait_on_reqs=False)
         pending.append((t, reqs))
@@ -317,7 +350,7 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
                 peak, peak_alive = max(peak, live), max(peak_alive, alive)
             continue
         st = state.pop(i)
-        g = None if last else p2p.recv_backward(st["shape"], is_last_stage=False)
+        g = None if last else p2p_back.recv_backward(st["shape"], is_last_stage=False)
         if i in consumers_of:                                  # PB: window close on this stage
             w = windows.pop(i)
             root = st["loss"] if last else (st["out"] * g).sum()
