@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -91,6 +92,8 @@ PRESETS["cpu-tiny-fp32"] = dict(PRESETS["cpu-tiny"], model=PRESETS["cpu-tiny"]["
 # fp32 end to end: Triton's fp32 dots (the fla KDA kernels) default to tf32, so the preset asks for IEEE fp32
 PRESETS["h200-fp32"] = dict(PRESETS["h200"], model=PRESETS["h200"]["model"].replace(" --bf16", ""),
                             env={"TRITON_F32_DEFAULT": "ieee"})
+#: the launch in flight (killed with its whole process group when this script is stopped)
+_LAUNCH = {"proc": None}
 COMMON = ("--clip-grad 1.0 --seed 1234 --log-interval 1 --rl-objective sft --moe-router-load-balancing-type none "
           "--hidden-dropout 0 --attention-dropout 0")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
@@ -167,14 +170,16 @@ def launch_config(py: str, nproc: int, port: int, runs: dict, work: str, timeout
         f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                                 env={**os.environ, **env})
+        _LAUNCH["proc"] = proc
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:       # the launcher and every worker it started
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill_launch()
             rc = f"timeout after {timeout:.0f} s"
+        _LAUNCH["proc"] = None
     with open(log) as f:
         lines = [ln.rstrip() for ln in f if ln.strip()]
+    excerpt = log_excerpt(lines)
     out = {}
     for r in spec["runs"]:
         d = r["dir"]
@@ -184,9 +189,39 @@ def launch_config(py: str, nproc: int, port: int, runs: dict, work: str, timeout
                 res.update(json.load(f))
         except (OSError, ValueError):
             errs = [ln for ln in lines if ln.startswith("error") or "Error:" in ln]
-            res.update(ok=False, error=(errs[-3:] or lines[-5:]) + [f"launch exit {rc}; log: {log}"])
+            res.update(ok=False, error=(errs[-3:] or lines[-5:]) + [f"launch exit {rc}; log: {log}"],
+                       log_excerpt=excerpt)
         out[r["name"]] = res
     return out
+
+
+def _kill_launch() -> None:
+    proc = _LAUNCH["proc"]
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    _LAUNCH["proc"] = None
+
+
+def _stopped(signum, frame):
+    """SIGTERM / SIGINT (an outer ``timeout``, Ctrl-C): no launch outlives this script (its workers
+    run in their own session and would keep the GPUs and ports of the next run)."""
+    _kill_launch()
+    raise SystemExit(128 + signum)
+
+
+def log_excerpt(lines: list, limit: int = 40) -> list:
+    """The first error of a launch log: from its first traceback (or first line naming an error,
+    a worker's failure or a signal) on, at most ``limit`` lines, warnings left out."""
+    keys = ("Traceback", "Error", "error:", "[worker] run", "Signal", "SIGSEGV", "core dumped")
+    kept = [ln for ln in lines if "Warning" not in ln and "warnings.warn" not in ln]
+    for i, ln in enumerate(kept):
+        if any(k in ln for k in keys):
+            return kept[i:i + limit]
+    return kept[-limit:]
 
 
 def worker(spec_path: str) -> int:
@@ -201,7 +236,7 @@ def worker(spec_path: str) -> int:
     warnings.filterwarnings("ignore", module=r"megatron\.core")
     logging.getLogger("megatron.core").setLevel(logging.ERROR)
     from megatron_harts.training.arguments import parse_args
-    from megatron_harts.training.trainer import Trainer
+    from megatron_harts.training.trainer import Trainer, TrainingError
     with open(spec_path) as f:
         spec = json.load(f)
     if spec["backend"] == "nccl":
@@ -217,9 +252,15 @@ def worker(spec_path: str) -> int:
             try:
                 with Trainer(parse_args(r["argv"])) as t:
                     t.train()
-            except Exception as e:          # every rank fails alike (flags, data, plans): go on with the next run
+            except (CliError, TrainingError) as e:   # every rank fails alike (flags, data): go on with the next run
                 status = {"ok": False, "error": [f"{type(e).__name__}: {e}"]}
                 print(f"[worker] run {r['name']} failed: {type(e).__name__}: {e}", flush=True)
+            except BaseException:                    # ranks now disagree (collectives, kernels): end the launch
+                print(f"[worker] run {r['name']} failed on rank {dist.get_rank()}:", flush=True)
+                traceback.print_exc()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
             status["seconds"] = round(time.time() - t0, 1)
             dist.barrier()
             if dist.get_rank() == 0:
@@ -315,12 +356,28 @@ def main(argv=None) -> int:
     ap.add_argument("--config-timeout", type=float, nargs="+", default=[1800.0], metavar="S",
                     help="limit per configuration, all its runs, in --configs order (the last repeats; "
                          "default 1800 s; the first configuration of a cold machine compiles the kernels)")
+    ap.add_argument("--deadline", type=float, default=None, metavar="S",
+                    help="finish within S seconds of the start: each configuration's limit is cut to the time "
+                         "left (minus 15 s for the results), and configurations that would start with under "
+                         "60 s left are skipped (for machines lent by the minute)")
+    ap.add_argument("--cache-dir", default=None, metavar="DIR",
+                    help="one Triton and TorchInductor cache for every launch, autotuning results included "
+                         "(TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_AUTOTUNING=1): the kernels "
+                         "compile and tune once per machine, not once per configuration")
+    ap.add_argument("--triton-max-configs", type=int, default=0, metavar="N",
+                    help="pass --tree-triton-max-configs N to every run (cap fla's autotuning: shorter "
+                         "compilation, untuned kernel timings; default 0: full autotuning)")
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="copy each configuration's launch log to OUT/log_<preset>_<config>.txt")
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29650)
     ap.add_argument("--json", action="store_true", help="print all results as one JSON object")
     if argv is None and "--worker" in sys.argv:       # a process of launch_config's torch.distributed.run
         return worker(sys.argv[sys.argv.index("--worker") + 1])
     a = ap.parse_args(argv)
+    start = time.time()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stopped)
     if a.nproc < 1:
         raise CliError(f"--nproc must be >= 1, got {a.nproc}")
     preset = PRESETS[a.preset]
@@ -338,8 +395,16 @@ def main(argv=None) -> int:
     mbt = int(preset["train"].split("--tree-microbatch-tokens ")[1].split()[0])
     base = f"{preset['model']} {preset['train']} {COMMON} --train-iters {iters} " \
            f"--tree-logit-probe-tokens {preset['probe_tokens']} --data-path {data}"
+    if a.triton_max_configs:
+        base += f" --tree-triton-max-configs {a.triton_max_configs}"
+    launch_env = dict(preset.get("env", {}))
+    if a.cache_dir:
+        cache = os.path.abspath(a.cache_dir)
+        launch_env.update(TRITON_CACHE_DIR=os.path.join(cache, "triton"), TRITON_CACHE_AUTOTUNING="1",
+                          TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
     env = {"versions": _versions(), "machine": platform.node(), "preset": a.preset, "nproc": a.nproc,
-           "iters": iters, "scheme": scheme, "env": preset.get("env", {})}
+           "iters": iters, "scheme": scheme, "env": launch_env,
+           "triton_max_configs": a.triton_max_configs}
     results, port = {}, a.port
     for k, cfg in enumerate(a.configs):
         got = config_flags(cfg, a.nproc)
@@ -347,6 +412,13 @@ def main(argv=None) -> int:
             results[cfg] = {"config": cfg, "skipped": f"does not fit {a.nproc} processes"}
             continue
         par, tree_mode = got
+        limit = a.config_timeout[min(k, len(a.config_timeout) - 1)]
+        if a.deadline is not None:
+            left = a.deadline - (time.time() - start) - 15.0
+            if left < 60.0:
+                results[cfg] = {"config": cfg, "skipped": f"--deadline {a.deadline:.0f} s: {max(left, 0):.0f} s left"}
+                continue
+            limit = min(limit, left)
         oracle = "" if "--fp64" in preset["model"] else " --tree-logit-probe-oracle"
         warm = a.warmup_iters if a.warmup_iters is not None else preset["warmup_iters"]
         plan = {}
@@ -362,8 +434,9 @@ def main(argv=None) -> int:
             plan.update({k: f"--tree-sharing windows --tree-pp-schedule {v}" for k, v in SCHEDULE_RUNS.items()})
         port += 1
         runs = launch_config(py, a.nproc, port, {n: f"{base} {par} {m}" for n, m in plan.items()},
-                             os.path.join(work, cfg), a.config_timeout[min(k, len(a.config_timeout) - 1)], backend,
-                             preset.get("env", {}))
+                             os.path.join(work, cfg), limit, backend, launch_env)
+        if a.keep_logs:
+            shutil.copyfile(os.path.join(work, cfg, "log.txt"), os.path.join(a.out, f"log_{a.preset}_{cfg}.txt"))
         warmups = {n: runs.pop(n) for n in list(runs) if n.startswith(WARMUP)}
         for name, r in [*warmups.items(), *runs.items()]:
             if r["ok"]:

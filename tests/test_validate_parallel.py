@@ -1,0 +1,47 @@
+"""benchmarks/validate_parallel.py's pure parts: which configurations fit a process count, flag
+values, and the log excerpt a failed launch reports."""
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def vp():
+    spec = importlib.util.spec_from_file_location("validate_parallel",
+                                                  os.path.join(ROOT, "benchmarks", "validate_parallel.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_configs_fit_process_counts(vp):
+    fits = {n: [c for c in vp.CONFIGS if vp.config_flags(c, n) is not None] for n in (1, 2, 3, 4)}
+    assert fits[1] == ["dp"]
+    assert fits[2] == ["dp", "tp-sp", "ep", "tp-sp-ep", "pp"]
+    assert fits[3] == ["dp"]
+    assert fits[4] == list(vp.CONFIGS)
+    flags, mode = vp.config_flags("tp-sp-pp", 4)
+    assert (vp.flag_value(flags, "--tensor-model-parallel-size"), vp.flag_value(flags, "--pipeline-model-parallel-size"),
+            mode) == (2, 2, "windows")
+    assert vp.flag_value(vp.config_flags("pp4", 4)[0], "--pipeline-model-parallel-size") == 4
+    assert vp.flag_value("", "--pipeline-model-parallel-size") == 1
+    assert vp.config_flags("ep", 4)[1] == "within"          # expert parallelism runs replicas in lockstep
+
+
+def test_log_excerpt_starts_at_first_error(vp):
+    lines = ["launch cmd", "/x/clip_grads.py:29: UserWarning: Apex", "  warnings.warn(", "iteration 1 ok",
+             "Traceback (most recent call last):", '  File "a.py", line 1', "RuntimeError: NCCL boom",
+             "[worker] run tree failed: later"]
+    assert vp.log_excerpt(lines) == lines[4:]
+    assert vp.log_excerpt(lines, limit=2) == lines[4:6]
+    quiet = ["a", "b", "c"]
+    assert vp.log_excerpt(quiet, limit=2) == ["b", "c"]      # no error: the tail
+
+
+def test_presets_fp32_asks_for_ieee_triton_dots(vp):
+    assert "--bf16" not in vp.PRESETS["h200-fp32"]["model"]
+    assert vp.PRESETS["h200-fp32"]["env"] == {"TRITON_F32_DEFAULT": "ieee"}
+    assert "env" not in vp.PRESETS["h200"]
