@@ -368,7 +368,7 @@ def main(argv=None) -> int:
                     help="pass --tree-triton-max-configs N to every run (cap fla's autotuning: shorter "
                          "compilation, untuned kernel timings; default 0: full autotuning)")
     ap.add_argument("--keep-logs", action="store_true",
-                    help="copy each configuration's launch log to OUT/log_<preset>_<config>.txt")
+                    help="copy each configuration's launch log to OUT/logs/<preset>_<config>.txt")
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29650)
     ap.add_argument("--json", action="store_true", help="print all results as one JSON object")
@@ -436,7 +436,8 @@ def main(argv=None) -> int:
         runs = launch_config(py, a.nproc, port, {n: f"{base} {par} {m}" for n, m in plan.items()},
                              os.path.join(work, cfg), limit, backend, launch_env)
         if a.keep_logs:
-            shutil.copyfile(os.path.join(work, cfg, "log.txt"), os.path.join(a.out, f"log_{a.preset}_{cfg}.txt"))
+            os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
+            shutil.copyfile(os.path.join(work, cfg, "log.txt"), os.path.join(a.out, "logs", f"{a.preset}_{cfg}.txt"))
         warmups = {n: runs.pop(n) for n in list(runs) if n.startswith(WARMUP)}
         for name, r in [*warmups.items(), *runs.items()]:
             if r["ok"]:
