@@ -1,4 +1,4 @@
-// L2 planner core (csrc/l2_fill.cpp), registered into megatron_harts._C by call_planner.cpp.
+// Plan assembly core (csrc/assemble_core.cpp), registered into megatron_harts._C by call_planner.cpp.
 #pragma once
 
 #include <pybind11/pybind11.h>

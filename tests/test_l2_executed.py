@@ -30,8 +30,8 @@ def _random_forest(seed):
     return forest_of(seqs, groups=groups)
 
 
-def _swe(scheme, seed):
-    cfg = SweConfig(scheme=scheme, num_tasks=3, samples_per_task=4, prompt_median=300, max_tokens=3000,
+def _swe(scheme, seed, tasks=3):
+    cfg = SweConfig(scheme=scheme, num_tasks=tasks, samples_per_task=4, prompt_median=300, max_tokens=3000,
                     action_median=40, observation_median=60, seed=seed)
     return build_forest(synthesize_swe(cfg))
 
@@ -47,6 +47,9 @@ def _cases():
             f = _swe(scheme, seed)
             for slack in (0, 2000):
                 out.append((f"{scheme}{seed}+{slack}", f, int(f.traj_length.max()) + slack, CostModel(chunk_size=64)))
+    for scheme in ("tree-step", "step-wise"):  # 16 tasks: enough trees for windows on DP 8
+        f = _swe(scheme, 3, tasks=16)
+        out.append((f"{scheme}3x16", f, int(f.traj_length.max()) + 2000, CostModel(chunk_size=64)))
     return out
 
 
@@ -66,7 +69,7 @@ def check_executes_as_planned(forest, plan):
     assert max(rows) <= plan.row_budget
 
 
-@pytest.mark.parametrize("dp", [1, 2, 4])
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
 def test_l2_executes_as_planned(dp):
     windows = 0
     for name, f, M, model in CASES:
@@ -79,6 +82,10 @@ def test_l2_executes_as_planned(dp):
         replay = sum(mb.features.replay_tokens for mb in l2.microbatches)
         assert m["compression"] == pytest.approx(l2.expanded_tokens / (executed_rows(f, l2, windows=True)[0] + replay))
         assert l2.tokens_computed <= l1.tokens_computed, name
+        if dp == 1:  # each producer's consumers run right after it: one window's rows exported at a time
+            spans = sorted((w.producer_slot, w.last_slot) for w in l2.windows)
+            assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), name
+            assert m["peak_export_rows"] <= l2.row_budget
         windows += len(l2.windows)
     assert windows  # windows were planned (and run)
 

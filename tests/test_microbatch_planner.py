@@ -448,8 +448,7 @@ def step_wise_256():
 
 def test_fewer_microbatches_than_replicas_keeps_the_shorter_step():
     # less work than one microbatch per replica and slot: a window lives on one replica, so L2's
-    # executable plans (windows or the fill's plan as the schedule runs it) are judged against
-    # L1's, and the result never has a longer step or more tokens
+    # window plans are judged against L1's, and the result never has a longer step or more tokens
     from test_l2_executed import check_executes_as_planned
     f = step_wise_256()
     ix = ForestIndex(f)
@@ -476,8 +475,8 @@ def _plan_key(plan):
 
 
 def _l2_forests():
-    """Seeded forests for the compiled-vs-reference L2 tests: the Step-wise 256 batch (few
-    slots, recomputation in the fill), a small Tree-Step batch, random rollouts."""
+    """Seeded forests for the compiled-vs-reference L2 test: the Step-wise 256 batch (few
+    microbatches of work per replica), a small Tree-Step batch, random rollouts."""
     out = [(step_wise_256(), 32768, CostModel())]
     cfg = SweConfig(scheme="tree-step", num_tasks=3, samples_per_task=4, prompt_median=300, max_tokens=3000,
                     action_median=40, observation_median=60, seed=3)
@@ -500,43 +499,9 @@ def _l2_forests():
     return out
 
 
-def test_compiled_l2_fill_matches_python():
-    # _C.l2_fill (fill + compaction + rebalance) == the Python reference (_fill, _compact,
-    # _rebalance): slots, microbatches, members in order, recomputed ancestors and loads (floats
-    # exact), over slot counts from the row bound to past it and every fill target
-    from megatron_harts.planner import l2 as l2mod
-    if l2mod._L2_FILL is None:
-        pytest.skip("the C++ extension is not built")
-    with_extra = compacted = 0
-    for f, M, model in _l2_forests():
-        ix = ForestIndex(f)
-        for dp in (1, 2, 3, 4, 8):
-            l1 = plan_l1(f, dp, M, cost_model=model, index=ix)
-            prep = l2mod.prepare_atoms(ix, l1, model, 0.1, model.chunk_size)
-            args = (ix, prep.atoms, prep.kids, dp, M)
-            for S in sorted({1, prep.S0, prep.S0 + 1, prep.S0 + 2, 2 * prep.S0 + 3}):
-                for eps, reserve in l2mod.FILL_VARIANTS:
-                    kw = dict(eps=eps, reserve=reserve, stats=prep.stats)
-                    got = l2mod.fill_slots(*args, S, prep.tree_rank, prep.seg_cost, compiled=True,
-                                           chunk_size=model.chunk_size, **kw)
-                    ref = l2mod.fill_slots(*args, S, prep.tree_rank, prep.seg_cost, compiled=False, **kw)
-                    assert got[:5] == ref[:5] and ref[5] is None, (dp, S, eps, reserve)
-                    # the compiled fill's features give fill_step_tokens' numbers
-                    assert l2mod.step_tokens_of_features(got[5], model, M) == \
-                        l2mod.fill_step_tokens(ix, prep.atoms, ref[3], ref[4], dp=dp, M=M, model=model)
-                    with_extra += bool(ref[4])
-                    compacted += len(ref[2]) < S
-    assert with_extra and compacted  # both paths were exercised
-    with pytest.raises(ValueError, match="parent"):
-        arrays = list(l2mod.FillInputs(ix, prep.atoms, prep.kids, prep.stats, prep.tree_rank, prep.seg_cost).arrays)
-        arrays[0] = np.full_like(arrays[0], 10 ** 6)
-        inp = l2mod.FillInputs(ix, prep.atoms, prep.kids, prep.stats, prep.tree_rank, prep.seg_cost)
-        l2mod._L2_FILL(*arrays, 2, M, 2, 0.01, 0.85, 1.0, True, 0.01, 64, *inp.feature_arrays, 64)
-
-
 def test_plan_l2_compiled_equals_python_reference(monkeypatch):
-    # the whole L2 plan is the same with the compiled cores (fill, features, assembly) and
-    # without them
+    # the whole L2 plan is the same with the compiled cores (features, assembly) and without
+    # them
     from megatron_harts.planner import cost_model as cm
     from megatron_harts.planner import microbatch as mbmod
     for f, M, model in _l2_forests()[:4]:
@@ -548,29 +513,8 @@ def test_plan_l2_compiled_equals_python_reference(monkeypatch):
                 mp.setattr(cm, "_MB_FEATURES", None)
                 mp.setattr(cm, "_MB_KDA", None)
                 mp.setattr(mbmod, "_ASSEMBLE", None)
-                ref = plan_l2(f, l1, cost_model=model, index=ix, compiled=False)
+                ref = plan_l2(f, l1, cost_model=model, index=ix)
             assert _plan_key(fast) == _plan_key(ref)
-
-
-def test_fill_step_tokens_matches_assembled_plan():
-    # the few-slot fills are judged without assembling them: the same step cost and tokens
-    from megatron_harts.planner import l2 as l2mod
-    n = 0
-    for f, M, model in _l2_forests():
-        ix = ForestIndex(f)
-        for dp in (2, 8):
-            l1 = plan_l1(f, dp, M, cost_model=model, index=ix)
-            prep = l2mod.prepare_atoms(ix, l1, model, 0.1, model.chunk_size)
-            for S in (max(2, prep.S0), prep.S0 + 1):
-                for eps, reserve in l2mod.FILL_VARIANTS:
-                    fill = l2mod.fill_slots(ix, prep.atoms, prep.kids, dp, M, S, prep.tree_rank, prep.seg_cost,
-                                            eps=eps, reserve=reserve, stats=prep.stats)
-                    kw = dict(dp=dp, M=M, model=model)
-                    plan = l2mod.fill_plan(ix, prep.atoms, fill[3], fill[4], **kw)
-                    assert l2mod.fill_step_tokens(ix, prep.atoms, fill[3], fill[4], **kw) == \
-                        (l2mod.step_cost(plan), plan.tokens_computed)
-                    n += 1
-    assert n
 
 
 def test_l1_pieces_partition_trees(tree_step):
