@@ -5,7 +5,7 @@
   generator), and on random steps they pass ``check_stage_orders`` (no deadlock under the blocking
   receives / deferred sends, the same forward/backward order on every stage, PF before its
   consumers, PB after them); consumer 1F1B: PF right before its first consumer, PB right after its
-  last, in-flight bounds (at most S - s + min(2, S - 1 - s) consumers on stage s), also with
+  last, in-flight bounds (at most 2 (S - s) - 1 consumers on stage s), also with
   uneven costs (the cost-aware orders); windows alive at once (non-overlap:
   one; overlap and 1F1B: several); without windows, non-overlap is plain 1F1B.
 - gloo worlds of 2 and 4 processes (fp64, tiny hybrid model, MoE aux loss 0): pipeline sizes 2 and
@@ -83,7 +83,7 @@ def test_stage_orders():
                     check_stage_orders(timed, po)
                     for o in orders + timed:
                         s = (orders + timed).index(o) % S
-                        assert consumers_in_flight(o, po) <= S - s + min(max(simulator.C1F1B_DEPTHS), S - 1 - s)
+                        assert consumers_in_flight(o, po) <= S - s + min(max(simulator.c1f1b_depths(S)), S - 1 - s)
                         fwd = [i for kind, i in o if kind == "F" and i not in po]
                         bwd = [i for kind, i in o if kind == "B" and i not in po]
                         for k, (kind, i) in enumerate(o):

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_harts.plotting import blank, draw_text, fill_rect, text_width, write_png
-from megatron_harts.schedules.simulator import (C1F1B_DEPTHS, SCHEDULES, ScheduleResult, StepMicrobatch,
-                                                _classic_1f1b, draw_timeline,
+from megatron_harts.schedules.simulator import (SCHEDULES, ScheduleResult, StepMicrobatch,
+                                                _classic_1f1b, c1f1b_depths, draw_timeline,
                                                 schedule_ops, simulate, step_from_plan, step_windows,
                                                 timeline_image)
 from megatron_harts.tree_data import build_forest, write_jsonl
@@ -260,7 +260,7 @@ def test_consumer_1f1b_is_a_bounded_1f1b_never_slower_than_the_classic_order(ste
     classic = simulate(step, S, "classic", p2p_latency=lat, orders=_classic_1f1b([m.producer for m in step],
                                                                                  windows, S))
     assert c.makespan <= classic.makespan * (1 + 1e-9)
-    depth = max(C1F1B_DEPTHS)
+    depth = max(c1f1b_depths(S))
     for s, order in enumerate(c.ops_per_stage):
         pos = {op: k for k, op in enumerate(order)}
         for p, cs in windows.items():

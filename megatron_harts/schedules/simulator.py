@@ -66,9 +66,10 @@ and one backward in turn, then the remaining backwards, both in list order.
 
   * the *classic* order: 1F1B over the items in step order (at most ``num_stages - s`` items
     in flight on stage s);
-  * timed runs (:data:`C1F1B_DEPTHS`, :data:`C1F1B_RULES`): a warm-up ``depth`` deeper on the
-    stages before the last (at most ``S - s + min(depth, S - 1 - s)`` items in flight on stage
-    s: the run-ahead that fills the bubbles of uneven costs, bounded); an idle stage starts
+  * timed runs (:func:`c1f1b_depths`, :data:`C1F1B_RULES`): a warm-up ``depth`` deeper on the
+    stages before the last, ``depth`` from 0 to ``S - 1`` (at most ``S - s + min(depth, S - 1 - s)``
+    items in flight on stage s: the run-ahead that fills the bubbles of uneven costs, bounded;
+    runs whose export bytes or windows alive exceed overlap's on some stage are not taken); an idle stage starts
     its next forward or its next backward, whichever is ready, the rule's preference first
     (forward-first or backward-first), a producer's PF and PB glued to their consumers' ops;
   * over *units* in a cost-aware order: a unit is a plain microbatch or a window's consumers
@@ -90,12 +91,12 @@ point, with hypothesis where it holds and with a counterexample where it does no
   <= non-overlap in makespan;
 - any costs: consumer 1F1B's makespan is no larger than its classic order's, and on every stage
   it retains no more export bytes and keeps no more windows alive than overlap (by choice);
-  its microbatches in flight are bounded (``S - s + min(2, S - 1 - s)`` items on stage s, plus
-  its windows), overlap's are not;
+  its microbatches in flight are bounded (``2 (S - s) - 1`` items on stage s, plus its
+  windows), overlap's are not;
 - uneven costs: no makespan order holds in general.  Overlap's unbounded run-ahead absorbs cost
   variance and can beat consumer 1F1B (on 6% of 300 very uneven random steps, by up to ~8%);
-  on the planned SWE steps of benchmarks/bench_pp_schedule.py consumer 1F1B is ahead (by 0.1%
-  to 13%).  Overlap's order, decided by the unit-cost run, can lose to plain 1F1B when costs
+  on the planned SWE steps of benchmarks/bench_pp_schedule.py consumer 1F1B is ahead (by 0.03%
+  to 0.7%).  Overlap's order, decided by the unit-cost run, can lose to plain 1F1B when costs
   are far from 1:2 (e.g. a few plain microbatches on many stages).
 
 **Invariants** (tests/test_schedule_simulator.py pins them): on every stage each op of the step
@@ -395,8 +396,12 @@ def _backward_first(producers: Sequence[Optional[int]], windows: Mapping[int, Li
 # consumer 1F1B: cost-aware orders
 # ---------------------------------------------------------------------------------------------
 
-#: extra warm-up forwards (beyond 1F1B's ``S - 1 - s``) the consumer-1F1B candidates may take
-C1F1B_DEPTHS = (0, 1, 2)
+def c1f1b_depths(num_stages: int) -> range:
+    """Extra warm-up forwards (beyond 1F1B's ``S - 1 - s``) the consumer-1F1B candidates take: 0 to
+    ``S - 1`` (deeper is the same order: stage s runs at most ``S - 1 - s`` ahead)."""
+    return range(max(int(num_stages), 1))
+
+
 #: what an idle stage prefers when both its next forward and its next backward can start
 C1F1B_RULES = ("forward-first", "backward-first")
 #: unit-order moves tried per (depth, rule) by the local search
@@ -644,7 +649,7 @@ def _consumer_1f1b(producers: Sequence[Optional[int]], windows: Mapping[int, Lis
             return None
         return got
 
-    for depth in C1F1B_DEPTHS:
+    for depth in c1f1b_depths(S):
         for rule in C1F1B_RULES:
             cur = None
             for order in (step_order, ends, best_order):
