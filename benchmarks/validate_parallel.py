@@ -170,13 +170,12 @@ def launch_config(py: str, nproc: int, port: int, runs: dict, work: str, timeout
         f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                                 env={**os.environ, **env})
-        _LAUNCH["proc"] = proc
+        _LAUNCH.update(proc=proc, spec=spec_path)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:       # the launcher and every worker it started
-            _kill_launch()
             rc = f"timeout after {timeout:.0f} s"
-        _LAUNCH["proc"] = None
+        _kill_launch()                          # also workers left behind by a launcher that exited
     with open(log) as f:
         lines = [ln.rstrip() for ln in f if ln.strip()]
     excerpt = log_excerpt(lines)
@@ -196,14 +195,47 @@ def launch_config(py: str, nproc: int, port: int, runs: dict, work: str, timeout
 
 
 def _kill_launch() -> None:
-    proc = _LAUNCH["proc"]
-    if proc is not None and proc.poll() is None:
+    """End the launch in flight and every worker it started.  torch.distributed.run starts each
+    worker in a session of its own, so killing the launcher's process group leaves the workers
+    running (holding their GPUs and ports): the launcher gets SIGTERM first (it stops its
+    workers), then whatever is left of the launcher's group and every process of this launch's
+    spec gets SIGKILL."""
+    proc, spec = _LAUNCH["proc"], _LAUNCH.get("spec")
+    _LAUNCH["proc"] = None
+    if proc is None:
+        return
+    if proc.poll() is None:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for pid in _processes_with_argument(spec) if spec else []:
+        try:
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait()
-    _LAUNCH["proc"] = None
+
+
+def _processes_with_argument(arg: str) -> list:
+    """Ids of the processes (Linux /proc) whose command line has ``arg`` as one argument."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if arg.encode() in argv:
+            pids.append(int(entry))
+    return pids
 
 
 def _stopped(signum, frame):
