@@ -131,6 +131,28 @@ def test_dp2_tree_modes_equal_expanded(tmp_path):
     assert computed["windows"] <= computed["within"] < computed["off"], computed
 
 
+def _idle_replica_worker(rank, world, port, data, out):
+    from megatron_harts.training.trainer import Trainer
+    _world(rank, world, port)
+    one = rollouts()[:1]                      # one microbatch: replica 1 has none this step
+    flags = [f for f in argv(data, "within") if f != str(data)]
+    flags = flags[:flags.index("--data-path")] + flags[flags.index("--data-path") + 1:]
+    flags[flags.index("--global-batch-size") + 1] = "1"
+    with Trainer.from_args(flags) as t:
+        steps = [t.step(one) for _ in range(2)]
+    if rank == 0:
+        torch.save(steps, out)
+
+
+def test_replica_without_microbatches_takes_part_in_the_step(tmp_path):
+    """DP 2, a global batch of one trajectory: the idle replica joins every reduction (it hung at
+    the MoE load all-reduce when only replicas with microbatches counted experts)."""
+    steps = spawn(_idle_replica_worker, tmp_path)
+    assert [m["trajectories"] for m in steps] == [1, 1]
+    assert all(np.isfinite(m["loss"]) for m in steps)
+    assert steps[0]["loss"] != steps[1]["loss"]          # the update ran
+
+
 def _resume_worker(rank, world, port, data, ckpt, pp, out):
     from megatron_harts.training.trainer import Trainer
     _world(rank, world, port)

@@ -330,8 +330,12 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     costs = microbatch_costs(forest, plan, replica, len(items)) if pp > 1 else None
     with ddp.no_sync():
         run_schedule(ddp, items, step_fn, settings, window_stats=window_stats, costs=costs)
-    # the objective's terms are known on the last pipeline stage: every rank logs the same numbers
-    term_names = objective_term_names(objective) if pp > 1 else sorted(counters["terms"])
+    # every rank reduces the same terms: the objective's, known also where no loss ran (stages
+    # before the last, a replica without microbatches this step)
+    term_names = objective_term_names(objective)
+    unknown = sorted(set(counters["terms"]) - set(term_names))
+    if unknown:
+        raise RuntimeError(f"objective terms {unknown} are missing from objective_term_names")
     rows = sum(int(mb.layout.num_rows) for mb in items)
     local = [counters["loss"], float(counters["kda_calls"]), float(rows)] + \
         [counters["terms"].get(k, 0.0) for k in term_names]
@@ -352,6 +356,9 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     if update_ok:
         scheduler.step(increment=1)
     tpe = counters["tokens_per_expert"]
+    routers = _moe_routers(ddp)
+    if tpe is None and routers:      # a replica without microbatches this step still takes part below
+        tpe = torch.zeros(len(routers), routers[0].config.num_moe_experts, dtype=torch.float64)
     if tpe is not None and dist.is_initialized():
         tpe = tpe.to(device)
         dist.all_reduce(tpe, group=parallel_state.get_data_parallel_group())
