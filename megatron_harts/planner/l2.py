@@ -12,22 +12,30 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    least ``min_producer_rows`` rows and core plus items compute fewer tokens (KDA replay
    included) than its L1 pieces; else its L1 pieces are **free** units (no external context).
 2. *Windows* (``pack_windows``): each produced tree is one window on one replica, the trees
-   assigned to replicas largest first to the least-loaded replica (its window cost: core,
-   items and replay).  The core goes alone into a fresh microbatch (its producer; one core
-   per producer, so a producer's exports are one tree's prefix), its items best-fit into the
-   window's microbatches (the producer itself: local rows; or its consumers, later
-   microbatches of the replica that read nothing else) under the microbatch target, a new
-   consumer opened when none can take one.  Free pieces then go where the load after them
-   is lowest.  An item whose window is full while other replicas run short moves there with
-   its root path recomputed (no window), when that lowers the slot target it overfills.
-3. *Order*: on one replica each producer is followed by its consumers, so a producer's
+   assigned largest first (core, items and replay) to the least-loaded replica.  The core
+   goes alone into a fresh microbatch (its producer; one core per producer, so a producer's
+   exports are one tree's prefix), its items best-fit into the window's microbatches (the
+   producer itself: local rows; or its consumers, later microbatches of the replica that
+   read nothing else) under the microbatch target, a new consumer opened when none can take
+   one.  An item that would push its replica past its share of the step goes to the
+   least-loaded replica with its root path recomputed (no window) when that replica ends
+   lower.  Free pieces last, best fit under the target.  One replica: everything by rows
+   (fullest first), and a free piece that fits nowhere puts its top into the spare rows of a
+   microbatch that reads nothing, the rest reading it from the next microbatch.
+3. *Variants* (several replicas): the packing as it is; its windows leveled (a window's
+   items spread over its microbatches, largest first to the least loaded); its light
+   microbatches (under half the target, producing for nobody) dissolved into others under
+   the target (items of a window into the window, else with their root path recomputed);
+   both.
+4. *Order*: on one replica each producer is followed by its consumers, so a producer's
    exports live only while its own window runs (one core's rows exported at a time).  On
    several, a replica's microbatches run costliest first (the slots line up across replicas),
    each producer moved just before its first consumer.
-4. *Candidates*: slot counts from the row bound to ``WINDOW_EXTRA_SLOTS`` above it and the
-   target tolerances ``WINDOW_TOLERANCES`` give a few packings; each is estimated from its
-   microbatch loads (per-microbatch terms included) and only the best ``ASSEMBLED`` by that
-   estimate are assembled into plans and judged exactly.
+5. *Candidates*: slot counts from the row bound to ``WINDOW_EXTRA_SLOTS`` above it and the
+   target tolerances ``WINDOW_TOLERANCES`` (skipped once no target shapes a packing) give a
+   few packings; each is estimated from its microbatch loads (per-microbatch terms
+   included) and only the best ``ASSEMBLED`` by that estimate are assembled into plans and
+   judged exactly.
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
@@ -45,8 +53,6 @@ from typing import Dict, List, Optional, Tuple
 from .cost_model import CostModel, ForestIndex
 from .l1 import plan_l1
 from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
-
-import numpy as np
 
 __all__ = ["plan_l2", "plan_harts", "window_units", "pack_windows", "window_plan", "step_cost"]
 
@@ -82,16 +88,20 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     keep_tokens = keep.tokens_computed
     plan, plan_key = keep, (step_cost(keep), keep_tokens)
     units = window_units(ix, l1, model, mpr)
-    if any(u.kind == "core" for u in units):
+    if dp == 1 or any(u.kind == "core" for u in units):  # one replica: free pieces may fill spare rows
         S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in units) / M) / dp))
         overhead = model.coefficients.microbatch + model.coefficients.kda_call
         packs = []
+        bound = True
         for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1):
             for eps in WINDOW_TOLERANCES:
-                packed = pack_windows(ix, units, dp, M, S, eps)
-                est = estimate_step(packed, dp, overhead)
-                if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
-                    packs.append((est, len(packs), packed))
+                if not bound:
+                    break  # no target shaped the last packing: the others are the same
+                packings, bound = pack_windows(ix, units, dp, M, S, eps)
+                for packed in packings:
+                    est = estimate_step(packed, dp, overhead)
+                    if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
+                        packs.append((est, len(packs), packed))
         packs.sort(key=lambda p: p[:2])
         for _, _, packed in packs[:ASSEMBLED]:
             cand = window_plan(ix, packed, dp=dp, M=M, model=model)
@@ -133,13 +143,13 @@ class _Unit:
     ``item`` (a piece of a subtree hanging below a core: read the core's rows as external
     context, or recompute ``path`` when placed away from the core's window) or a ``free``
     piece (an L1 piece of a tree that keeps recomputation: no external context)."""
-    __slots__ = ("kind", "tree", "owned", "rec", "rows", "cost", "replay_cost", "path", "path_rows",
+    __slots__ = ("kind", "tree", "owned", "rec", "rows", "own_rows", "cost", "replay_cost", "path", "path_rows",
                  "path_cost")
 
-    def __init__(self, kind, tree, owned, rec, rows, cost, replay_cost=0.0, path=(), path_rows=0,
+    def __init__(self, kind, tree, owned, rec, rows, own_rows, cost, replay_cost=0.0, path=(), path_rows=0,
                  path_cost=0.0):
         self.kind, self.tree, self.owned, self.rec = kind, tree, owned, rec
-        self.rows, self.cost, self.replay_cost = rows, cost, replay_cost
+        self.rows, self.own_rows, self.cost, self.replay_cost = rows, own_rows, cost, replay_cost
         self.path, self.path_rows, self.path_cost = path, path_rows, path_cost
 
 
@@ -217,43 +227,36 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
                 path_cost = sum([body_c[x] for x in path])
                 replay = start[s] % B
                 for own, rec in parts:
-                    rows = sum([length[x] for x in own]) + sum([length[x] for x in rec])
+                    own_rows = sum([length[x] for x in own])
+                    rows = own_rows + sum([length[x] for x in rec])
                     cost = sum([own_c[x] for x in own]) + sum([body_c[x] for x in rec])
-                    items.append(_Unit("item", t, sorted(own), sorted(rec), rows, cost, rp * replay, path,
+                    items.append(_Unit("item", t, sorted(own), sorted(rec), rows, own_rows, cost, rp * replay, path,
                                        start[s], path_cost))
                     tokens += rows + replay
             if core_rows >= min_producer_rows and tokens < l1_rows.get(t, 0):
-                produced = [_Unit("core", t, core, [], core_rows, sum([own_c[x] for x in core]))] + items
+                produced = [_Unit("core", t, core, [], core_rows, core_rows, sum([own_c[x] for x in core]))] + items
         if produced is not None:
             units.extend(produced)
             continue
         for own, rec in pieces.get(t, ()):
-            rows = sum([length[x] for x in own]) + sum([length[x] for x in rec])
-            units.append(_Unit("free", t, own, rec, rows, sum([own_c[x] for x in own]) +
-                               sum([body_c[x] for x in rec])))
+            own_rows = sum([length[x] for x in own])
+            units.append(_Unit("free", t, own, rec, own_rows + sum([length[x] for x in rec]), own_rows,
+                               sum([own_c[x] for x in own]) + sum([body_c[x] for x in rec])))
     return units
 
 
 def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01):
     """Place ``units`` into microbatches on ``dp`` replicas so that every window runs as the
     schedule runs it (``replica_windows``), with a microbatch target of the estimated cost over
-    ``dp * S`` times ``1 + eps`` (none on one replica, where microbatches are filled by rows).
+    ``dp * S`` times ``1 + eps`` (none on one replica, where microbatches are filled by rows):
+    steps 2-4 of the module docstring.
 
-    Windows (a produced tree's core and items) go largest first to the replica with the least
-    load so far.  The core opens the window's producer (one core per producer); its items,
-    costliest first, go best-fit into the window's microbatches under the target (most loaded
-    that takes them; one replica: fullest by rows), a new consumer opened when none can take
-    one.  When the replica would pass its share of the step (``S`` targets) while another
-    replica, after the item's root path is recomputed, would not, the item goes there
-    instead (best fit, else a new microbatch when item and path fit the budget), reading nothing.  Free pieces last: best fit
-    under the target, else a new microbatch on the least-loaded replica (one replica: first
-    fit by rows).  Order: one replica, each producer followed by its consumers (costliest
-    first), then the microbatches of no window; several, costliest first per replica, each
-    producer moved just before its first consumer.
-
-    Returns (groups, placement, loads): ``groups`` (owned, recomputed) and ``placement``
-    (replica, slot) for ``assemble_plan``; ``loads[r]`` the estimated costs of replica ``r``'s
-    microbatches in slot order."""
+    Returns (packings, bound): every packing as (groups, placement, loads), ``groups`` (owned,
+    recomputed) and ``placement`` (replica, slot) for ``assemble_plan``, ``loads[r]`` the
+    estimated costs of replica ``r``'s microbatches in slot order; on several replicas also
+    the packing leveled, with its light microbatches dissolved, and both (``_dissolve``,
+    window leveling).  ``bound``: whether the target shaped a packing (else every target gives
+    the same)."""
     length = ix.length_list
     total = sum(u.cost + u.replay_cost for u in units)
     tau = total / (dp * S)
@@ -266,6 +269,7 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
     own_l: List[List[int]] = []
     rec_l: List[List[int]] = []
     window_of: List[int] = []  # the tree whose window a microbatch belongs to (-1: none)
+    units_of: List[List[_Unit]] = []
     total_r = [0.0] * dp
     blocks: List[List[List[int]]] = [[] for _ in range(dp)]  # per replica: [producer, consumers...]
     loose: List[List[int]] = [[] for _ in range(dp)]         # per replica: microbatches of no window
@@ -278,23 +282,27 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
         own_l.append([])
         rec_l.append([])
         window_of.append(tree)
+        units_of.append([])
         return len(rep) - 1
 
     def put(b, u, extra_segs, cost):
+        """Unit ``u`` into microbatch ``b``, recomputing ``extra_segs`` too.  ``have[b]`` holds the
+        recomputed segments only (a unit's own segments are its alone, so another unit
+        recomputing one of them counts its rows twice: an overestimate the plan's assembly
+        drops)."""
+        units_of[b].append((u, extra_segs, cost))
         load[b] += cost
         total_r[rep[b]] += cost
-        hb = have[b]
-        add = 0
-        for x in u.owned:
-            if x not in hb:
-                hb.add(x)
-                add += length[x]
-        for seq in (u.rec, extra_segs):
-            for x in seq:
-                if x not in hb:
-                    hb.add(x)
-                    rec_l[b].append(x)
-                    add += length[x]
+        add = u.own_rows
+        if u.rec or extra_segs:
+            hb = have[b]
+            rb = rec_l[b]
+            for seq in (u.rec, extra_segs):
+                for x in seq:
+                    if x not in hb:
+                        hb.add(x)
+                        rb.append(x)
+                        add += length[x]
         rows[b] += add
         own_l[b].extend(u.owned)
 
@@ -303,11 +311,17 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
         extra = sum([length[x] for x in u.path if x not in have[b]])
         return extra, u.path_cost * extra / max(1, u.path_rows)
 
+    bound = False  # whether the target turned a placement away (else other targets pack the same)
+
     def best_fit(cands, u, cost_of, add_of):
+        nonlocal bound
         best, best_key = -1, None
         for b in cands:
             c = cost_of(b)
-            if rows[b] + add_of(b) > M or load[b] + c > hi:
+            if rows[b] + add_of(b) > M:
+                continue
+            if load[b] + c > hi:
+                bound = True
                 continue
             key = rows[b] if dp == 1 else load[b]
             if best < 0 or key > best_key:
@@ -354,40 +368,215 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
     for u in sorted(free, key=lambda u: -u.cost):
         b = best_fit(range(len(rep)), u, lambda x: u.cost,
                      lambda x: u.rows - sum([length[y] for y in u.rec if y in have[x]]))
+        if b < 0 and dp == 1 and not u.rec and _split_free(u, rows, M, length, blocks, loose, open_bin, put):
+            continue
         if b < 0:
             r = min(range(dp), key=lambda q: total_r[q])
             b = open_bin(r, -1)
             loose[r].append(b)
         put(b, u, (), u.cost)
-    groups, placement, loads = [], [], []
-    for r in range(dp):
-        seq = []
-        for block in blocks[r]:
-            seq.append(block[0])
-            seq.extend(sorted(block[1:], key=lambda b: -load[b]))
-        seq.extend(sorted(loose[r], key=lambda b: -load[b]))
-        seq = [b for b in seq if own_l[b]]
-        if dp > 1:  # costliest first (slots line up across replicas), a producer before its consumers
-            prod = {block[0] for block in blocks[r]}
-            srt = sorted(seq, key=lambda b: -load[b])
-            seq, done = [], set()
-            for b in srt:
-                if b in done:
-                    continue
-                t = window_of[b]
-                if t >= 0 and b not in prod:
-                    pb = next(bl[0] for bl in blocks[r] if window_of[bl[0]] == t)
-                    if pb not in done:
+
+    def emit():
+        """The packing as (groups, placement, loads) in the order of the docstring."""
+        groups, placement, loads = [], [], []
+        for r in range(dp):
+            seq = []
+            for block in blocks[r]:
+                seq.append(block[0])
+                seq.extend(sorted(block[1:], key=lambda b: -load[b]))
+            seq.extend(sorted(loose[r], key=lambda b: -load[b]))
+            seq = [b for b in seq if own_l[b]]
+            if dp > 1:  # costliest first (slots line up across replicas), a producer before its consumers
+                producer_of = {b: block[0] for block in blocks[r] for b in block[1:]}
+                srt = sorted(seq, key=lambda b: -load[b])
+                seq, done = [], set()
+                for b in srt:
+                    if b in done:
+                        continue
+                    pb = producer_of.get(b, -1)
+                    if pb >= 0 and pb not in done:
                         seq.append(pb)
                         done.add(pb)
-                seq.append(b)
-                done.add(b)
-        for k, b in enumerate(seq):
-            groups.append((np.asarray(sorted(own_l[b]), dtype=np.int64),
-                           np.asarray(sorted(rec_l[b]), dtype=np.int64)))
-            placement.append((r, k))
-        loads.append([load[b] for b in seq])
-    return groups, placement, loads
+                    seq.append(b)
+                    done.add(b)
+            for k, b in enumerate(seq):  # assemble_plan sorts the ids
+                groups.append((tuple(own_l[b]), tuple(rec_l[b])))
+                placement.append((r, k))
+            loads.append([load[b] for b in seq])
+        return groups, placement, loads
+
+    def rebuild(b, entries):
+        total_r[rep[b]] -= load[b]
+        load[b], rows[b] = 0.0, 0
+        have[b], own_l[b], rec_l[b], units_of[b] = set(), [], [], []
+        for u, extra_segs, c in entries:
+            put(b, u, extra_segs, c)
+
+    def level(block):
+        """Spread a window's items over its microbatches largest first to the least loaded
+        (kept when the window's costliest microbatch gets cheaper)."""
+        p, t = block[0], window_of[block[0]]
+        mine = [e for b in block for e in units_of[b] if e[0].kind == "item" and e[0].tree == t and not e[1]]
+        if len(mine) < 2:
+            return False
+        spread = max(load[b] for b in block) - min(load[b] for b in block)
+        if spread <= min(e[0].cost for e in mine):
+            return False  # no item moved from the costliest to the cheapest would lower the maximum
+        before = max(load[b] for b in block)
+        snapshot = {b: list(units_of[b]) for b in block}
+        for b in block:
+            rebuild(b, [e for e in snapshot[b] if not (e[0].kind == "item" and e[0].tree == t and not e[1])])
+        for u, _, _ in sorted(mine, key=lambda e: -(e[0].cost + e[0].replay_cost)):
+            best = None
+            for b in block:
+                c = u.cost if b == p else u.cost + u.replay_cost
+                if rows[b] + u.rows <= M and (best is None or load[b] + c < best[0]):
+                    best = (load[b] + c, b, c)
+            if best is None:
+                break
+            put(best[1], u, (), best[2])
+        else:
+            if max(load[b] for b in block) < before:
+                return True
+        for b in block:
+            rebuild(b, snapshot[b])
+        return False
+
+    def level_all():
+        changed = False
+        for bl in blocks:
+            for block in bl:
+                if len(block) > 1 and level(block):
+                    changed = True
+        if changed:
+            out.append(emit())
+
+    out = [emit()]
+    if dp > 1:  # variants: leveled; light microbatches dissolved (they depend on the target); both
+        state = (list(load), list(rows), [set(h) for h in have], [list(x) for x in own_l],
+                 [list(x) for x in rec_l], [list(x) for x in units_of], list(total_r))
+        level_all()
+        load[:], rows[:], have[:], own_l[:], rec_l[:], units_of[:], total_r[:] = state
+        tried, emptied = _dissolve(units_of, window_of, blocks, rep, load, rows, have, own_l, rec_l, total_r, hi, M,
+                                   length)
+        bound = bound or tried
+        if emptied:
+            out.append(emit())
+            level_all()
+    return out, bound
+
+
+def _split_free(u, rows, M, length, blocks, loose, open_bin, put) -> bool:
+    """One replica: a free piece ``u`` (a tree's top, nothing recomputed) that fits no
+    microbatch puts its first segments in preorder (ancestor-closed) into the spare rows of
+    the microbatch with the most of them that reads nothing, which then produces them; the
+    rest goes into a new microbatch right after it in its window, reading them.  The rows
+    are the same (the estimate splits the piece's cost by rows; the KDA replay at the rest's
+    roots is left to the exact judgement).  False when no segment fits or all of it would."""
+    consumers = {b for bl in blocks for block in bl for b in block[1:]}
+    cands = [b for b in range(len(rows)) if b not in consumers and rows[b] < M]
+    if not cands:
+        return False
+    p = max(cands, key=lambda b: (M - rows[b], -b))
+    room, top, used = M - rows[p], [], 0
+    for x in u.owned:  # preorder: every prefix is ancestor-closed
+        if used + length[x] > room:
+            break
+        top.append(x)
+        used += length[x]
+    if not top or len(top) == len(u.owned):
+        return False
+    inset = set(top)
+    rest = [x for x in u.owned if x not in inset]
+    share = used / max(1, u.rows)
+    put(p, _Unit("free", u.tree, top, [], used, used, u.cost * share), (), u.cost * share)
+    c = open_bin(0, -1)
+    put(c, _Unit("free", u.tree, rest, [], u.rows - used, u.rows - used, u.cost * (1.0 - share)), (),
+        u.cost * (1.0 - share))
+    for block in blocks[0]:
+        if block[0] == p:
+            block.append(c)
+            break
+    else:
+        if p in loose[0]:
+            loose[0].remove(p)
+        blocks[0].append([p, c])
+    return True
+
+
+def _dissolve(units_of, window_of, blocks, rep, load, rows, have, own_l, rec_l, total_r, hi, M,
+              length) -> Tuple[bool, bool]:
+    """``pack_windows``' last step on several replicas: the lightest microbatches (under half the
+    target) that produce for nobody are emptied when every unit of theirs fits elsewhere under
+    the target (best fit): an item of a window into another microbatch of its window (the
+    producer: local rows; a consumer: reading it), or anywhere else with its root path
+    recomputed (not beside its window); a free piece anywhere.  Each success saves a
+    microbatch (and a slot where its replica had the most); the state of every microbatch
+    touched is restored when one unit finds no place.  Returns (whether a microbatch was light
+    enough to try, whether one was emptied)."""
+    producers = {block[0] for bl in blocks for block in bl if len(block) > 1}
+    core_of = {block[0]: window_of[block[0]] for bl in blocks for block in bl}
+    n = len(rep)
+    light = sorted((b for b in range(n) if own_l[b] and b not in producers and load[b] < 0.5 * hi),
+                   key=lambda b: load[b])
+    gone = set()
+    for b in light:
+        if any(u.kind == "core" for u, _, _ in units_of[b]):
+            continue  # a producer (of no consumer yet) keeps its core
+        saved = {}
+        moves = []
+        ok = True
+        for u, _, _ in units_of[b]:
+            best, best_key = None, None
+            for x in range(n):
+                if x == b or x in gone or not own_l[x] or load[x] + u.cost > hi:
+                    continue
+                if u.kind == "item" and window_of[x] == u.tree:
+                    local = core_of.get(x, -1) == u.tree
+                    c = u.cost if local else u.cost + u.replay_cost
+                    extra_segs, add = (), u.rows
+                elif u.kind == "item":
+                    extra_segs = [y for y in u.path if y not in have[x]]
+                    add_path = sum([length[y] for y in extra_segs])
+                    c = u.cost + u.path_cost * add_path / max(1, u.path_rows)
+                    add = u.rows + add_path
+                else:
+                    extra_segs, c = (), u.cost
+                    add = u.rows - sum([length[y] for y in u.rec if y in have[x]])
+                if rows[x] + add > M or load[x] + c > hi:
+                    continue
+                if best is None or load[x] > best_key:
+                    best, best_key = (x, extra_segs, c), load[x]
+            if best is None:
+                ok = False
+                break
+            x, extra_segs, c = best
+            if x not in saved:
+                saved[x] = (load[x], rows[x], set(have[x]), len(own_l[x]), len(rec_l[x]), len(units_of[x]))
+            load[x] += c
+            total_r[rep[x]] += c
+            hx = have[x]
+            rows[x] += u.own_rows
+            for seq in (u.rec, extra_segs):
+                for y in seq:
+                    if y not in hx:
+                        hx.add(y)
+                        rec_l[x].append(y)
+                        rows[x] += length[y]
+            own_l[x].extend(u.owned)
+            units_of[x].append((u, extra_segs, c))
+            moves.append(x)
+        if ok:
+            gone.add(b)
+            total_r[rep[b]] -= load[b]
+            own_l[b], rec_l[b], units_of[b] = [], [], []
+            load[b], rows[b] = 0.0, 0
+            continue
+        for x, (ld, rw, hv, no, nr, nu) in saved.items():
+            total_r[rep[x]] -= load[x] - ld
+            load[x], rows[x], have[x] = ld, rw, hv
+            del own_l[x][no:], rec_l[x][nr:], units_of[x][nu:]
+    return bool(light), bool(gone)
 
 
 def estimate_step(packed, dp: int, overhead: float) -> float:
