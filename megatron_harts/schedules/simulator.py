@@ -96,7 +96,7 @@ point, with hypothesis where it holds and with a counterexample where it does no
 - uneven costs: no makespan order holds in general.  Overlap's unbounded run-ahead absorbs cost
   variance and can beat consumer 1F1B (on 6% of 300 very uneven random steps, by up to ~8%);
   on the planned SWE steps of benchmarks/bench_pp_schedule.py consumer 1F1B is ahead (by 0.03%
-  to 0.7%).  Overlap's order, decided by the unit-cost run, can lose to plain 1F1B when costs
+  to 0.2%).  Overlap's order, decided by the unit-cost run, can lose to plain 1F1B when costs
   are far from 1:2 (e.g. a few plain microbatches on many stages).
 
 **Invariants** (tests/test_schedule_simulator.py pins them): on every stage each op of the step
