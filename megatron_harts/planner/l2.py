@@ -32,10 +32,12 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    several, a replica's microbatches run costliest first (the slots line up across replicas),
    each producer moved just before its first consumer.
 5. *Candidates*: slot counts from the row bound to ``WINDOW_EXTRA_SLOTS`` above it and the
-   target tolerances ``WINDOW_TOLERANCES`` (skipped once no target shapes a packing) give a
-   few packings; each is estimated from its microbatch loads (per-microbatch terms
-   included) and only the best ``ASSEMBLED`` by that estimate are assembled into plans and
-   judged exactly.
+   target tolerances ``WINDOW_TOLERANCES`` (a larger one skipped where the smaller turned
+   nothing away) give a few packings; on several replicas the spreading packer
+   (``pack_spread``: cores lead their replicas, several to a producer, items wherever the
+   load is lowest) adds its own.  Each is estimated from its microbatch loads (per-microbatch
+   terms included) and only the best ``ASSEMBLED`` by that estimate that compute no more
+   tokens than L1 are judged exactly.
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
@@ -54,12 +56,13 @@ from .cost_model import CostModel, ForestIndex
 from .l1 import plan_l1
 from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
 
-__all__ = ["plan_l2", "plan_harts", "window_units", "pack_windows", "window_plan", "step_cost"]
+__all__ = ["plan_l2", "plan_harts", "window_units", "pack_windows", "pack_spread", "window_plan", "step_cost"]
 
 #: the window packer's slot counts above its row bound, and its microbatch target tolerances
 WINDOW_EXTRA_SLOTS = 2
 WINDOW_TOLERANCES = (0.01, 0.05)
-#: packings assembled and judged exactly (the best by their estimated step)
+#: packings judged exactly (the best by their estimated step that compute no more tokens than
+#: L1; at most twice as many are assembled)
 ASSEMBLED = 2
 
 
@@ -92,21 +95,28 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in units) / M) / dp))
         overhead = model.coefficients.microbatch + model.coefficients.kda_call
         packs = []
-        bound = True
-        for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1):
-            for eps in WINDOW_TOLERANCES:
-                if not bound:
-                    break  # no target shaped the last packing: the others are the same
-                packings, bound = pack_windows(ix, units, dp, M, S, eps)
-                for packed in packings:
-                    est = estimate_step(packed, dp, overhead)
-                    if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
-                        packs.append((est, len(packs), packed))
+        # one replica: no target (every slot count packs the same); several: the spreading
+        # packer too, and a larger tolerance only where the smaller one turned a placement away
+        for packer in (pack_windows, pack_spread) if dp > 1 else (pack_windows,):
+            for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1):
+                bound = True
+                for eps in WINDOW_TOLERANCES:
+                    if not bound:
+                        break  # the target turned nothing away: a larger one packs the same
+                    packings, bound = packer(ix, units, dp, M, S, eps)
+                    for packed in packings:
+                        est = estimate_step(packed, dp, overhead)
+                        if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
+                            packs.append((est, len(packs), packed))
         packs.sort(key=lambda p: p[:2])
-        for _, _, packed in packs[:ASSEMBLED]:
+        judged = 0
+        for _, _, packed in packs[:2 * ASSEMBLED]:
+            if judged == ASSEMBLED:
+                break
             cand = window_plan(ix, packed, dp=dp, M=M, model=model)
             if cand is None or cand.tokens_computed > keep_tokens:
-                continue
+                continue  # not a candidate: the next packing by estimate is assembled instead
+            judged += 1
             key = (step_cost(cand), cand.tokens_computed)
             if key < plan_key:
                 plan, plan_key = cand, key
@@ -464,6 +474,126 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
             out.append(emit())
             level_all()
     return out, bound
+
+
+def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01):
+    """The spreading packer (several replicas): ``S`` microbatches per replica opened up front;
+    cores first, costliest first, each into the first microbatch of the replica whose first
+    microbatch with room is earliest and cheapest (producers lead their replicas, several cores
+    may share one); then items and free pieces, costliest first, each where the load after it
+    is lowest: an item inside its window (its producer, or a microbatch of the producer's
+    replica holding no core and reading nothing else) while that stays under the target, else
+    anywhere its root path can be recomputed (not beside its window) when that is lower.
+    Producers run first on their replica, the rest costliest first.  Its windows carry many
+    consumers each (long retention); its balance is often the better one when windows are few
+    against the replicas.  Returns ``pack_windows``' (packings, bound)."""
+    length = ix.length_list
+    total = sum(u.cost + u.replay_cost for u in units)
+    hi = total / (dp * S) * (1.0 + eps)
+    n_bins = dp * S
+    rep = [b // S for b in range(n_bins)]
+    load = [0.0] * n_bins
+    rows = [0] * n_bins
+    have: List[set] = [set() for _ in range(n_bins)]
+    own_l: List[List[int]] = [[] for _ in range(n_bins)]
+    rec_l: List[List[int]] = [[] for _ in range(n_bins)]
+    has_core = [False] * n_bins
+    reads = [-1] * n_bins                                # the producer a microbatch reads
+    reads_trees: List[set] = [set() for _ in range(n_bins)]  # trees whose core a microbatch reads
+    recomputes: List[set] = [set() for _ in range(n_bins)]   # trees whose root path it recomputes
+
+    def open_bin(r):
+        rep.append(r)
+        for lst, v in ((load, 0.0), (rows, 0), (has_core, False), (reads, -1)):
+            lst.append(v)
+        for lst in (have, reads_trees, recomputes):
+            lst.append(set())
+        own_l.append([])
+        rec_l.append([])
+        return len(rep) - 1
+
+    def put(b, u, extra_segs, cost):
+        load[b] += cost
+        add = u.own_rows
+        for seq in (u.rec, extra_segs):
+            for x in seq:
+                if x not in have[b]:
+                    have[b].add(x)
+                    rec_l[b].append(x)
+                    add += length[x]
+        rows[b] += add
+        own_l[b].extend(u.owned)
+
+    core_bin: Dict[int, int] = {}
+    bound = False
+    for u in sorted((u for u in units if u.kind == "core"), key=lambda u: -u.cost):
+        best = None
+        for r in range(dp):
+            for k in range(S):
+                b = r * S + k
+                if reads[b] < 0 and rows[b] + u.rows <= M:
+                    if best is None or (k, load[b]) < best[0]:
+                        best = ((k, load[b]), b)
+                    break
+        b = best[1] if best is not None else open_bin(min(range(dp), key=lambda q: rep.count(q)))
+        put(b, u, (), u.cost)
+        has_core[b] = True
+        core_bin[u.tree] = b
+    for u in sorted((u for u in units if u.kind != "core"), key=lambda u: -(u.cost + u.replay_cost)):
+        p = core_bin[u.tree] if u.kind == "item" else -1
+        win = other = None
+        if p >= 0:
+            for b in range(len(rep)):
+                if rep[b] != rep[p]:
+                    continue
+                if b == p:
+                    c = u.cost
+                elif not has_core[b] and reads[b] in (-1, p) and u.tree not in recomputes[b]:
+                    c = u.cost + u.replay_cost
+                else:
+                    continue
+                if rows[b] + u.rows <= M and (win is None or load[b] + c < win[0]):
+                    win = (load[b] + c, b, c)
+        if win is None or win[0] > hi:
+            bound = bound or win is not None
+            for b in range(len(rep)):
+                if p >= 0:
+                    if b == p or u.tree in reads_trees[b]:
+                        continue
+                    extra = sum([length[x] for x in u.path if x not in have[b]])
+                    add, c = u.rows + extra, u.cost + u.path_cost * extra / max(1, u.path_rows)
+                else:
+                    add, c = u.rows - sum([length[x] for x in u.rec if x in have[b]]), u.cost
+                if rows[b] + add <= M and (other is None or load[b] + c < other[0]):
+                    other = (load[b] + c, b, c)
+        if win is not None and (win[0] <= hi or other is None or win[0] <= other[0]):
+            _, b, c = win
+            put(b, u, (), c)
+            if b != p:
+                reads[b] = p
+                reads_trees[b].add(u.tree)
+        elif other is not None:
+            _, b, c = other
+            put(b, u, u.path if p >= 0 else (), c)
+            if p >= 0:
+                recomputes[b].add(u.tree)
+        elif p >= 0:  # a new consumer of its window
+            b = open_bin(rep[p])
+            put(b, u, (), u.cost + u.replay_cost)
+            reads[b] = p
+            reads_trees[b].add(u.tree)
+        else:
+            b = open_bin(min(range(dp), key=lambda q: rep.count(q)))
+            put(b, u, (), u.cost)
+    groups, placement, loads = [], [], []
+    for r in range(dp):
+        bins = [b for b in range(len(rep)) if rep[b] == r and own_l[b]]
+        seq = [b for b in bins if has_core[b]] + sorted((b for b in bins if not has_core[b]), key=lambda b: -load[b])
+        for k, b in enumerate(seq):
+            groups.append((tuple(own_l[b]), tuple(rec_l[b])))
+            placement.append((r, k))
+        loads.append([load[b] for b in seq])
+    return [(groups, placement, loads)], bound
 
 
 def _split_free(u, rows, M, length, blocks, loose, open_bin, put) -> bool:
