@@ -4,7 +4,8 @@
 - ``stage_orders`` (pure Python): the orders run are ``simulator.schedule_ops``'s (the one
   generator), and on random steps they pass ``check_stage_orders`` (no deadlock under the blocking
   receives / deferred sends, the same forward/backward order on every stage, PF before its
-  consumers, PB after them); consumer 1F1B: PF right before its first consumer, PB right after its
+  consumers, PB after them) and ``check_p2p_channels`` (NCCL's rendezvous channels, one per
+  direction; one channel per stage pair deadlocks); consumer 1F1B: PF right before its first consumer, PB right after its
   last, in-flight bounds (at most 2 (S - s) - 1 consumers on stage s), also with
   uneven costs (the cost-aware orders); windows alive at once (non-overlap:
   one; overlap and 1F1B: several); without windows, non-overlap is plain 1F1B.
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from megatron_harts.schedules import simulator
-from megatron_harts.schedules.pipeline import SCHEDULES, check_stage_orders, stage_orders
+from megatron_harts.schedules.pipeline import SCHEDULES, check_p2p_channels, check_stage_orders, stage_orders
 
 from multiproc import run_ranks
 
@@ -76,11 +77,13 @@ def test_stage_orders():
                 orders = stage_orders(po, S, sch)
                 assert orders == as_pipeline(simulator.schedule_ops(po, S, sch)), (po, S, sch)
                 check_stage_orders(orders, po)
+                check_p2p_channels(orders)
                 if sch == "consumer-1f1b":
                     costs = [(float(rng.uniform(0.1, 3)), float(rng.uniform(0.1, 6))) for _ in po]
                     timed = stage_orders(po, S, sch, costs=costs)
                     assert timed == as_pipeline(simulator.schedule_ops(po, S, sch, costs=costs)), (po, S, costs)
                     check_stage_orders(timed, po)
+                    check_p2p_channels(timed)
                     for o in orders + timed:
                         s = (orders + timed).index(o) % S
                         assert consumers_in_flight(o, po) <= S - s + min(max(simulator.c1f1b_depths(S)), S - 1 - s)
@@ -113,6 +116,24 @@ def test_stage_orders():
     bad[1] = bad[1][::-1]
     with pytest.raises(AssertionError):
         check_stage_orders(bad, po)
+
+
+def test_directions_need_their_own_channels():
+    """On rendezvous channels (NCCL: a communicator runs its operations in order, a send completes
+    with the peer's receive) the orders run only when activations and gradients travel on separate
+    channels: with one per stage pair, 1F1B's second forward send meets the neighbour's first
+    gradient send and both wait (what hung pipeline size 4 on GPUs)."""
+    for S in (2, 4):
+        for po in ([None, None], [None] * 6, [None, None, 0, 1, 0, 1, 0, 1]):
+            for sch in SCHEDULES:
+                orders = stage_orders(po, S, sch)
+                check_p2p_channels(orders)
+                with pytest.raises(AssertionError, match="deadlock on rendezvous channels"):
+                    check_p2p_channels(orders, shared=True)
+    check_p2p_channels(stage_orders([None], 4), shared=True)     # one microbatch: nothing to cross
+    bad = [[("F", 0), ("F", 1), ("B", 1), ("B", 0)], [("F", 1), ("F", 0), ("B", 0), ("B", 1)]]
+    with pytest.raises(AssertionError, match="deadlock"):          # forward orders differ
+        check_p2p_channels(bad)
 
 
 # ---------------------------------------------------------------------------------------------

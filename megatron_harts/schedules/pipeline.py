@@ -166,6 +166,66 @@ def check_stage_orders(orders: List[List[Op]], producer_of: Sequence[Optional[in
         raise AssertionError(f"the stage orders deadlock (next operations {stuck})")
 
 
+def check_p2p_channels(orders: List[List[Op]], *, shared: bool = False) -> None:
+    """Assert that per-stage orders run on rendezvous channels, the NCCL model: each channel
+    executes its operations in the order they were posted, on both ends, and a send completes
+    only together with the peer's receive of the same message.  A stage posts the receive of an
+    operation's input when the operation is next (and waits for it), and posts the send of its
+    output right after it (and goes on).  ``shared=False``: one channel per pair of neighbouring
+    stages and direction (what :func:`direction_groups` gives pipelines of more than 2 stages and
+    megatron-core's world-group routing gives 2-stage ones); ``shared=True``: one channel per pair
+    for both directions (one NCCL communicator)."""
+    S = len(orders)
+
+    def channel(a: int, b: int, direction: str):
+        return (min(a, b), max(a, b)) if shared else (min(a, b), max(a, b), direction)
+
+    queues: Dict[Any, Dict[int, List[Tuple[str, Tuple[str, int]]]]] = {}
+
+    def post(a: int, b: int, direction: str, what: str, msg) -> None:
+        queues.setdefault(channel(a, b, direction), {}).setdefault(a, []).append((what, msg))
+
+    received = set()
+    ptr = [0] * S
+    waiting: List[Optional[Tuple[str, int]]] = [None] * S
+    while True:
+        progress = False
+        for s in range(S):                        # run each stage until it waits on a receive
+            while ptr[s] < len(orders[s]):
+                k, i = orders[s][ptr[s]]
+                src = s - 1 if k == "F" else s + 1
+                if 0 <= src < S:
+                    msg = (k, i, s)
+                    if waiting[s] is None:
+                        post(s, src, k, "recv", msg)
+                        waiting[s] = msg
+                        progress = True
+                    if msg not in received:
+                        break
+                    waiting[s] = None
+                dst = s + 1 if k == "F" else s - 1
+                if 0 <= dst < S:
+                    post(s, dst, k, "send", (k, i, dst))
+                ptr[s] += 1
+                progress = True
+        for ends in queues.values():              # match the heads of every channel's two ends
+            (a, qa), (b, qb) = (sorted(ends.items()) + [(None, [])])[:2]
+            while qa and qb:
+                (wa, ma), (wb, mb) = qa[0], qb[0]
+                if ma != mb or wa == wb:
+                    break
+                received.add(ma)
+                qa.pop(0)
+                qb.pop(0)
+                progress = True
+        if not progress:
+            break
+    if any(ptr[s] < len(orders[s]) for s in range(S)):
+        stuck = {s: orders[s][ptr[s]] for s in range(S) if ptr[s] < len(orders[s])}
+        kind = "one channel per pair" if shared else "one channel per pair and direction"
+        raise AssertionError(f"the stage orders deadlock on rendezvous channels ({kind}; next operations {stuck})")
+
+
 # ---------------------------------------------------------------------------------------------
 # the stage's model chunk
 # ---------------------------------------------------------------------------------------------
