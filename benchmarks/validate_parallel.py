@@ -89,6 +89,16 @@ PRESETS = {
         data=dict(scheme="tree-step", num_tasks=16, samples_per_task=2, max_tokens=2048, vocab_size=32000)),
 }
 PRESETS["cpu-tiny-fp32"] = dict(PRESETS["cpu-tiny"], model=PRESETS["cpu-tiny"]["model"].replace(" --fp64", ""))
+# pipeline schedules side by side (--schedules-only): Step-wise trees far larger than a microbatch,
+# so that a step has sharing windows (the schedule simulator predicts consumer 1F1B at 1.3x / 1.8x
+# non-overlap on 2 / 4 stages for this batch: benchmarks/bench_pp_schedule.py --num-tasks 4
+# --microbatch-tokens 16384 --schemes step-wise)
+PRESETS["h200-pp"] = dict(
+    PRESETS["h200"],
+    train="--seq-length 16384 --tree-microbatch-tokens 16384 --global-batch-size 160 --lr 1e-4 --min-lr 1e-5 "
+          "--lr-decay-style cosine --lr-warmup-iters 1",
+    iters=3, warmup_iters=1,
+    data=dict(scheme="step-wise", num_tasks=8, samples_per_task=4, max_tokens=16384, vocab_size=32000))
 # fp32 end to end: Triton's fp32 dots (the fla KDA kernels) default to tf32, so the preset asks for IEEE fp32
 PRESETS["h200-fp32"] = dict(PRESETS["h200"], model=PRESETS["h200"]["model"].replace(" --bf16", ""),
                             env={"TRITON_F32_DEFAULT": "ieee"})
@@ -329,6 +339,8 @@ def simulated_schedules(data_prefix: str, preset: dict, dp: int, stages: int, it
 
 def fidelity(runs: dict) -> dict:
     """Each run against ``expanded``: probes, loss differences, throughput; the verdicts."""
+    if "expanded" not in runs:          # --schedules-only
+        return {}
     base = runs["expanded"]
     out = {}
     for name, r in runs.items():
@@ -385,6 +397,9 @@ def main(argv=None) -> int:
                     help="per configuration, first run each mode for N iterations unmeasured (kernel compilation "
                          "and autotuning out of the timings; default: the preset's, 2 on GPU, 0 on CPU)")
     ap.add_argument("--no-recompute", action="store_true", help="skip the tree run with activation recomputation")
+    ap.add_argument("--schedules-only", action="store_true",
+                    help="pipeline configurations only: tree mode under the three window schedules and the "
+                         "simulator's prediction, no expanded runs (no fidelity figures)")
     ap.add_argument("--config-timeout", type=float, nargs="+", default=[1800.0], metavar="S",
                     help="limit per configuration, all its runs, in --configs order (the last repeats; "
                          "default 1800 s; the first configuration of a cold machine compiles the kernels)")
@@ -453,15 +468,20 @@ def main(argv=None) -> int:
             limit = min(limit, left)
         oracle = "" if "--fp64" in preset["model"] else " --tree-logit-probe-oracle"
         warm = a.warmup_iters if a.warmup_iters is not None else preset["warmup_iters"]
+        stages = flag_value(par, "--pipeline-model-parallel-size")
+        if a.schedules_only and stages < 2:
+            results[cfg] = {"config": cfg, "skipped": "--schedules-only: not a pipeline configuration"}
+            continue
         plan = {}
         if warm:        # compile the kernels of both modes before any measured run (results dropped)
-            plan.update({f"{WARMUP}expanded": f"--tree-sharing off --train-iters {warm}",
-                         f"{WARMUP}tree": f"--tree-sharing {tree_mode} --train-iters {max(warm, 2)}"})
-        plan.update({"expanded": "--tree-sharing off" + oracle, "expanded_rerun": "--tree-sharing off",
-                "tree": f"--tree-sharing {tree_mode}"})
-        if not a.no_recompute:
+            if not a.schedules_only:
+                plan[f"{WARMUP}expanded"] = f"--tree-sharing off --train-iters {warm}"
+            plan[f"{WARMUP}tree"] = f"--tree-sharing {tree_mode} --train-iters {max(warm, 2)}"
+        if not a.schedules_only:
+            plan.update({"expanded": "--tree-sharing off" + oracle, "expanded_rerun": "--tree-sharing off"})
+        plan["tree"] = f"--tree-sharing {tree_mode}"
+        if not a.no_recompute and not a.schedules_only:
             plan["tree_recompute"] = f"--tree-sharing {tree_mode} {RECOMPUTE}"
-        stages = flag_value(par, "--pipeline-model-parallel-size")
         if stages > 1:
             plan.update({k: f"--tree-sharing windows --tree-pp-schedule {v}" for k, v in SCHEDULE_RUNS.items()})
         port += 1

@@ -4,13 +4,14 @@
 #   bash scripts/device_validate.sh PRESET NPROC SECONDS CONFIG...
 #   e.g. (device tool, carry [".whl"], on nvidia-h200-x4):
 #   bash scripts/device_validate.sh h200-fp32 4 540 dp tp-sp ep tp-sp-ep pp pp4 tp-sp-pp
+#   VALIDATE_FLAGS=--schedules-only bash scripts/device_validate.sh h200-pp 4 540 pp4   # + NPROC 2: pp
 #
 # Installs the carried wheels (.whl: megatron-core 0.16.1, fla-core 0.6.0), then runs the
 # configurations with one Triton/TorchInductor cache for all launches (kernels compile and
 # autotune once per machine, not once per configuration; a cold machine still spends minutes on
 # the first configuration), finishing within SECONDS (configurations that would start with under a
 # minute left are skipped and say so).  TRITON_MAX_CONFIGS=n caps fla's autotuning (fidelity runs:
-# numerics do not depend on it).  Results: $OUT/<preset>/multi_gpu_<preset>_<config>.json (one per
+# numerics do not depend on it); VALIDATE_FLAGS adds flags (e.g. "--schedules-only").  Results: $OUT/<preset>/multi_gpu_<preset>_<config>.json (one per
 # configuration, failed runs with the first error of their log) and $OUT/logs.tgz (every launch
 # log): nine files at most, so at most 7 configurations per call (the device tool returns 8 files).
 set -uo pipefail
@@ -28,6 +29,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L
 extra=()
 [[ -n "${TRITON_MAX_CONFIGS:-}" ]] && extra+=(--triton-max-configs "$TRITON_MAX_CONFIGS")
+# shellcheck disable=SC2206
+[[ -n "${VALIDATE_FLAGS:-}" ]] && extra+=($VALIDATE_FLAGS)
 python3 benchmarks/validate_parallel.py --preset "$PRESET" --nproc "$NPROC" --configs "$@" \
     --out "$OUT/$PRESET" --work /tmp/harts-validate --cache-dir /tmp/harts-cache \
     --deadline "$SECONDS_LEFT" --keep-logs "${extra[@]}" 2>&1 | grep -v -i "warn"
