@@ -101,3 +101,46 @@ def test_plan_step_runs_l2(dp):
         plan = plan_step(f, settings, dp)
         assert plan.planner == "harts_l1l2" and plan.windows, (scheme, dp)
         check_executes_as_planned(f, plan)
+
+
+def huge_forest(seed=0):
+    """One tree far larger than the others (a 1000-token prompt, four 500-token steps below it, six
+    600-1000-token tails below each step) and three small trees (a 700-token prompt, two tails)."""
+    rng = np.random.default_rng(seed)
+
+    def tok(n):
+        return rng.integers(1, 30000, size=n).tolist()
+
+    seqs, groups = [], []
+    prompt = tok(1000)
+    for _ in range(4):
+        step = tok(500)
+        for _ in range(6):
+            seqs.append(prompt + step + tok(int(rng.integers(600, 1000))))
+            groups.append("huge")
+    for t in range(3):
+        small = tok(700)
+        for _ in range(2):
+            seqs.append(small + tok(int(rng.integers(300, 600))))
+            groups.append(f"small{t}")
+    return forest_of(seqs, groups=groups)
+
+
+def split_producers(plan):
+    """Producers that recompute the top of their root path: windows split off a tree's window."""
+    return [m.index for m in plan.microbatches if m.consumers and len(m.recomputed)]
+
+
+@pytest.mark.parametrize("M", [3000, 4000])
+def test_l2_split_windows_execute_as_planned(M):
+    # DP 8, one huge tree: its window is split over replicas, every part runs as planned
+    f = huge_forest(0)
+    l1, l2 = plan_harts(f, 8, M, cost_model=CostModel(chunk_size=64))
+    l2.validate(f)
+    assert split_producers(l2)
+    check_executes_as_planned(f, l2)   # executed rows == planned rows, peak rows <= the budget
+    m = plan_metrics(l2)
+    replay = sum(mb.features.replay_tokens for mb in l2.microbatches)
+    assert m["compression"] == pytest.approx(l2.expanded_tokens / (executed_rows(f, l2, windows=True)[0] + replay))
+    assert m["peak_rows"] <= M
+    assert l2.tokens_computed <= l1.tokens_computed

@@ -19,9 +19,19 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    read nothing else) under the microbatch target, a new consumer opened when none can take
    one.  An item that would push its replica past its share of the step goes to the
    least-loaded replica with its root path recomputed (no window) when that replica ends
-   lower.  Free pieces last, best fit under the target.  One replica: everything by rows
-   (fullest first), and a free piece that fits nowhere puts its top into the spare rows of a
-   microbatch that reads nothing, the rest reading it from the next microbatch.
+   lower.  Free pieces last, best fit under the target.  On several replicas with few
+   windows (at most ``WINDOW_SPLIT_PER_REPLICA`` per replica), the units are also packed with
+   the windows costlier than a part (``WINDOW_SPLIT_SHARES``) of a replica's work split
+   (``split_windows``; packed by the spreading packer): a cut at a branch point of the core
+   makes a second window, whose producer recomputes the path above the cut (it reads
+   nothing) and owns the core below it, and whose consumers (the items below the cut) read
+   that producer's rows; a replica then computes the shared top once per window instead of
+   once per microbatch.  The plan names the path's owner (the tree's first window, on another
+   replica, run in an earlier slot: those producers lead their replicas) as a producer of
+   those consumers too; the schedule reads all of their context from their own producer,
+   which computes it.  One replica: everything by rows (fullest first), and a free piece
+   that fits nowhere puts its top into the spare rows of a microbatch that reads nothing,
+   the rest reading it from the next microbatch.
 3. *Variants* (several replicas): the packing as it is; its windows leveled (a window's
    items spread over its microbatches, largest first to the least loaded); its light
    microbatches (under half the target, producing for nobody) dissolved into others under
@@ -56,11 +66,16 @@ from .cost_model import CostModel, ForestIndex
 from .l1 import plan_l1
 from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
 
-__all__ = ["plan_l2", "plan_harts", "window_units", "pack_windows", "pack_spread", "window_plan", "step_cost"]
+__all__ = ["plan_l2", "plan_harts", "window_units", "split_windows", "pack_windows", "pack_spread", "window_plan",
+           "step_cost"]
 
 #: the window packer's slot counts above its row bound, and its microbatch target tolerances
 WINDOW_EXTRA_SLOTS = 2
 WINDOW_TOLERANCES = (0.01, 0.05)
+#: ``split_windows``' shares: a window costlier than this part of a replica's work is split
+WINDOW_SPLIT_SHARES = (0.5, 0.35)
+#: windows are split only when there are at most this many per replica (more balance as they are)
+WINDOW_SPLIT_PER_REPLICA = 2.5
 #: packings judged exactly (the best by their estimated step that compute no more tokens than
 #: L1; at most twice as many are assembled)
 ASSEMBLED = 2
@@ -92,22 +107,33 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     plan, plan_key = keep, (step_cost(keep), keep_tokens)
     units = window_units(ix, l1, model, mpr)
     if dp == 1 or any(u.kind == "core" for u in units):  # one replica: free pieces may fill spare rows
-        S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in units) / M) / dp))
+        unit_sets = [units]
+        n_windows = sum(u.kind == "core" for u in units)
+        if 1 < dp and n_windows <= WINDOW_SPLIT_PER_REPLICA * dp:  # few windows: split the costliest
+            for share in WINDOW_SPLIT_SHARES:
+                split = split_windows(ix, units, model, dp, share)
+                if split is not None:
+                    unit_sets.append(split)
         overhead = model.coefficients.microbatch + model.coefficients.kda_call
         packs = []
-        # one replica: no target (every slot count packs the same); several: the spreading
-        # packer too, and a larger tolerance only where the smaller one turned a placement away
-        for packer in (pack_windows, pack_spread) if dp > 1 else (pack_windows,):
-            for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1):
-                bound = True
-                for eps in WINDOW_TOLERANCES:
-                    if not bound:
-                        break  # the target turned nothing away: a larger one packs the same
-                    packings, bound = packer(ix, units, dp, M, S, eps)
-                    for packed in packings:
-                        est = estimate_step(packed, dp, overhead)
-                        if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
-                            packs.append((est, len(packs), packed))
+        for us in unit_sets:
+            S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
+            # one replica: no target (every slot count packs the same); several: the spreading
+            # packer too, and a larger tolerance only where the smaller one turned a placement away
+            # (split windows: the spreading packer alone; the window packer's plans of them lost
+            # to it on every benchmark batch)
+            for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not units else \
+                    (pack_windows, pack_spread):
+                for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1):
+                    bound = True
+                    for eps in WINDOW_TOLERANCES:
+                        if not bound:
+                            break  # the target turned nothing away: a larger one packs the same
+                        packings, bound = packer(ix, us, dp, M, S, eps)
+                        for packed in packings:
+                            est = estimate_step(packed, dp, overhead)
+                            if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
+                                packs.append((est, len(packs), packed))
         packs.sort(key=lambda p: p[:2])
         judged = 0
         for _, _, packed in packs[:2 * ASSEMBLED]:
@@ -152,15 +178,26 @@ class _Unit:
     """What the window packer places: a produced tree's ``core`` (its producer rows), an
     ``item`` (a piece of a subtree hanging below a core: read the core's rows as external
     context, or recompute ``path`` when placed away from the core's window) or a ``free``
-    piece (an L1 piece of a tree that keeps recomputation: no external context)."""
+    piece (an L1 piece of a tree that keeps recomputation: no external context).
+
+    ``win``: the window a core or item belongs to (the tree's id; a window split off a tree by
+    ``split_windows`` has an id of its own, ``upper`` naming the window whose producer owns the
+    top of its producer's root path, which that producer recomputes)."""
     __slots__ = ("kind", "tree", "owned", "rec", "rows", "own_rows", "cost", "replay_cost", "path", "path_rows",
-                 "path_cost")
+                 "path_cost", "win", "upper")
 
     def __init__(self, kind, tree, owned, rec, rows, own_rows, cost, replay_cost=0.0, path=(), path_rows=0,
-                 path_cost=0.0):
+                 path_cost=0.0, win=None, upper=-1):
         self.kind, self.tree, self.owned, self.rec = kind, tree, owned, rec
         self.rows, self.own_rows, self.cost, self.replay_cost = rows, own_rows, cost, replay_cost
         self.path, self.path_rows, self.path_cost = path, path_rows, path_cost
+        self.win = tree if win is None else win
+        self.upper = upper
+
+    def moved(self, win, upper):
+        """This unit in window ``win`` (split off its tree's window ``upper``)."""
+        return _Unit(self.kind, self.tree, self.owned, self.rec, self.rows, self.own_rows, self.cost,
+                     self.replay_cost, self.path, self.path_rows, self.path_cost, win, upper)
 
 
 def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
@@ -255,6 +292,87 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
     return units
 
 
+def split_windows(ix: ForestIndex, units: List[_Unit], model: CostModel, dp: int,
+                  share: float) -> Optional[List[_Unit]]:
+    """``units`` with every window costlier than ``share`` of a replica's work (estimated cost
+    over ``dp``) cut into ``k = ceil(cost / (share * total / dp))`` windows, for replicas to
+    share a tree (None when no window is that costly, or none has a branch point to cut at).
+
+    A cut at a core segment ``c`` (not the root) makes a window of its own: its producer owns
+    the core below ``c`` and recomputes ``c``'s root path (so it reads nothing), and the items
+    hanging below ``c`` are its consumers' (they read the path from its owner, the tree's
+    first window, and the rest from their producer; the schedule takes all of it from their
+    producer, whose computed rows hold it).  Cuts are chosen one after the other on what is
+    left of the tree's core, each the segment whose window (path included) costs closest to
+    the tree's cost over ``k`` (not on an earlier cut's path: every cut's path is owned by the
+    first window)."""
+    total = sum(u.cost + u.replay_cost for u in units)
+    limit = share * total / dp
+    wins: Dict[int, List[_Unit]] = {}
+    for u in units:
+        if u.kind != "free":
+            wins.setdefault(u.win, []).append(u)
+    if not any(sum(u.cost + u.replay_cost for u in us) > limit for us in wins.values()):
+        return None
+    own_c, body_c = _segment_costs(ix, model)
+    length, par, sub_size = ix.length_list, ix.parent, ix.sub_size_list
+    out = [u for u in units if u.kind == "free"]
+    key = first_key = ix.num_trees
+    for t, us in wins.items():
+        W = sum(u.cost + u.replay_cost for u in us)
+        k = math.ceil(W / limit) if W > limit else 1
+        core = next(u for u in us if u.kind == "core")
+        items = [u for u in us if u.kind == "item"]
+        rem = set(core.owned)
+        pinned = set()  # the paths of the cuts so far: owned by the first window
+        for _ in range(k - 1):
+            hang: Dict[int, float] = {}
+            for u in items:
+                hang[u.path[0]] = hang.get(u.path[0], 0.0) + u.cost + u.replay_cost
+            order = sorted(rem)
+            acc = {x: own_c[x] + hang.get(x, 0.0) for x in order}
+            has = {x: x in hang for x in order}
+            for x in reversed(order):
+                q = par[x]
+                if q in rem:
+                    acc[q] += acc[x]
+                    has[q] = has[q] or has[x]
+            pc: Dict[int, float] = {}
+            best = None
+            for x in order:
+                q = par[x]
+                pc[x] = pc[q] + body_c[q] if q >= 0 else 0.0
+                if q >= 0 and has[x] and x not in pinned:
+                    d = abs(acc[x] + pc[x] - W / k)
+                    if best is None or d < best[0]:
+                        best = (d, x)
+            if best is None:
+                break
+            c = best[1]
+            lower = [x for x in order if c <= x < c + sub_size[c]]
+            low = set(lower)
+            path, x = [], par[c]
+            while x >= 0:
+                path.append(x)
+                x = par[x]
+            lower_rows = sum([length[x] for x in lower])
+            out.append(_Unit("core", t, lower, sorted(path), lower_rows + sum([length[x] for x in path]), lower_rows,
+                             sum([own_c[x] for x in lower]) + sum([body_c[x] for x in path]), win=key))
+            out.extend(u.moved(key, t) for u in items if u.path[0] in low)
+            items = [u for u in items if u.path[0] not in low]
+            rem -= low
+            pinned.update(path)
+            key += 1
+        if len(rem) == len(core.owned):
+            out.extend(us)
+            continue
+        kept = sorted(rem)
+        rows = sum([length[x] for x in kept])
+        out.append(_Unit("core", t, kept, [], rows, rows, sum([own_c[x] for x in kept])))
+        out.extend(items)
+    return out if key > first_key else None
+
+
 def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01):
     """Place ``units`` into microbatches on ``dp`` replicas so that every window runs as the
     schedule runs it (``replica_windows``), with a microbatch target of the estimated cost over
@@ -278,7 +396,7 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
     have: List[set] = []
     own_l: List[List[int]] = []
     rec_l: List[List[int]] = []
-    window_of: List[int] = []  # the tree whose window a microbatch belongs to (-1: none)
+    window_of: List[int] = []  # the window a microbatch belongs to (-1: none)
     units_of: List[List[_Unit]] = []
     total_r = [0.0] * dp
     blocks: List[List[List[int]]] = [[] for _ in range(dp)]  # per replica: [producer, consumers...]
@@ -344,7 +462,9 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
         if u.kind == "free":
             free.append(u)
         else:
-            windows.setdefault(u.tree, []).append(u)
+            windows.setdefault(u.win, []).append(u)
+    win_tree = {w: us[0].tree for w, us in windows.items()}
+    win_tree[-1] = -1
     order = sorted(windows, key=lambda t: -sum(u.cost + u.replay_cost for u in windows[t]))
     for t in order:
         us = windows[t]
@@ -361,7 +481,7 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
             if dp > 1 and total_r[r] + c > cap:  # past the replica's share: elsewhere, path recomputed?
                 r2 = min(range(dp), key=lambda q: total_r[q])
                 if r2 != r and total_r[r2] + u.cost + u.path_cost < total_r[r] + c:
-                    cands = [x for x in range(len(rep)) if rep[x] == r2]
+                    cands = [x for x in range(len(rep)) if rep[x] == r2 and win_tree[window_of[x]] != u.tree]
                     b2 = best_fit(cands, u, lambda x: u.cost + path_extra(u, x)[1],
                                   lambda x: u.rows + path_extra(u, x)[0])
                     if b2 < 0 and u.rows + u.path_rows <= M:
@@ -387,8 +507,9 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
         put(b, u, (), u.cost)
 
     def emit():
-        """The packing as (groups, placement, loads) in the order of the docstring."""
-        groups, placement, loads = [], [], []
+        """The packing as (groups, placement, loads) in the order of the docstring (None when a
+        split window's consumer finds no slot after the producer of its path)."""
+        seqs = []
         for r in range(dp):
             seq = []
             for block in blocks[r]:
@@ -409,6 +530,18 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
                         done.add(pb)
                     seq.append(b)
                     done.add(b)
+            seqs.append(seq)
+        producer_of_win = {window_of[block[0]]: block[0] for bl in blocks for block in bl}
+        after = {}
+        for b, entries in enumerate(units_of):
+            for u, extra_segs, _ in entries:
+                if u.upper >= 0 and not extra_segs and b != producer_of_win[u.win]:
+                    after.setdefault(b, set()).add(producer_of_win[u.upper])
+        seqs = _after_owners(seqs, after)
+        if seqs is None:
+            return None
+        groups, placement, loads = [], [], []
+        for r, seq in enumerate(seqs):
             for k, b in enumerate(seq):  # assemble_plan sorts the ids
                 groups.append((tuple(own_l[b]), tuple(rec_l[b])))
                 placement.append((r, k))
@@ -426,7 +559,7 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
         """Spread a window's items over its microbatches largest first to the least loaded
         (kept when the window's costliest microbatch gets cheaper)."""
         p, t = block[0], window_of[block[0]]
-        mine = [e for b in block for e in units_of[b] if e[0].kind == "item" and e[0].tree == t and not e[1]]
+        mine = [e for b in block for e in units_of[b] if e[0].kind == "item" and e[0].win == t and not e[1]]
         if len(mine) < 2:
             return False
         spread = max(load[b] for b in block) - min(load[b] for b in block)
@@ -435,7 +568,7 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
         before = max(load[b] for b in block)
         snapshot = {b: list(units_of[b]) for b in block}
         for b in block:
-            rebuild(b, [e for e in snapshot[b] if not (e[0].kind == "item" and e[0].tree == t and not e[1])])
+            rebuild(b, [e for e in snapshot[b] if not (e[0].kind == "item" and e[0].win == t and not e[1])])
         for u, _, _ in sorted(mine, key=lambda e: -(e[0].cost + e[0].replay_cost)):
             best = None
             for b in block:
@@ -468,12 +601,12 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
         level_all()
         load[:], rows[:], have[:], own_l[:], rec_l[:], units_of[:], total_r[:] = state
         tried, emptied = _dissolve(units_of, window_of, blocks, rep, load, rows, have, own_l, rec_l, total_r, hi, M,
-                                   length)
+                                   length, win_tree)
         bound = bound or tried
         if emptied:
             out.append(emit())
             level_all()
-    return out, bound
+    return [p for p in out if p is not None], bound
 
 
 def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01):
@@ -525,6 +658,7 @@ def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, ep
         own_l[b].extend(u.owned)
 
     core_bin: Dict[int, int] = {}
+    after: Dict[int, set] = {}  # a split window's consumer: the producers of its path (other replicas)
     bound = False
     for u in sorted((u for u in units if u.kind == "core"), key=lambda u: -u.cost):
         best = None
@@ -538,9 +672,9 @@ def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, ep
         b = best[1] if best is not None else open_bin(min(range(dp), key=lambda q: rep.count(q)))
         put(b, u, (), u.cost)
         has_core[b] = True
-        core_bin[u.tree] = b
+        core_bin[u.win] = b
     for u in sorted((u for u in units if u.kind != "core"), key=lambda u: -(u.cost + u.replay_cost)):
-        p = core_bin[u.tree] if u.kind == "item" else -1
+        p = core_bin[u.win] if u.kind == "item" else -1
         win = other = None
         if p >= 0:
             for b in range(len(rep)):
@@ -572,6 +706,8 @@ def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, ep
             if b != p:
                 reads[b] = p
                 reads_trees[b].add(u.tree)
+                if u.upper >= 0:
+                    after.setdefault(b, set()).add(core_bin[u.upper])
         elif other is not None:
             _, b, c = other
             put(b, u, u.path if p >= 0 else (), c)
@@ -582,18 +718,56 @@ def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, ep
             put(b, u, (), u.cost + u.replay_cost)
             reads[b] = p
             reads_trees[b].add(u.tree)
+            if u.upper >= 0:
+                after.setdefault(b, set()).add(core_bin[u.upper])
         else:
             b = open_bin(min(range(dp), key=lambda q: rep.count(q)))
             put(b, u, (), u.cost)
-    groups, placement, loads = [], [], []
+    seqs = []
     for r in range(dp):
         bins = [b for b in range(len(rep)) if rep[b] == r and own_l[b]]
-        seq = [b for b in bins if has_core[b]] + sorted((b for b in bins if not has_core[b]), key=lambda b: -load[b])
+        seqs.append([b for b in bins if has_core[b]] +
+                    sorted((b for b in bins if not has_core[b]), key=lambda b: -load[b]))
+    seqs = _after_owners(seqs, {b: {q for q in qs if q != b} for b, qs in after.items()})
+    if seqs is None:
+        return [], bound
+    groups, placement, loads = [], [], []
+    for r, seq in enumerate(seqs):
         for k, b in enumerate(seq):
             groups.append((tuple(own_l[b]), tuple(rec_l[b])))
             placement.append((r, k))
         loads.append([load[b] for b in seq])
     return [(groups, placement, loads)], bound
+
+
+def _after_owners(seqs: List[List[int]], after: Dict[int, set]) -> Optional[List[List[int]]]:
+    """Per replica, its microbatches ``seqs[r]`` in slot order, with every microbatch ``b`` of
+    ``after`` in a later slot than the microbatches ``after[b]`` (producers owning the root
+    path of a split window, on other replicas): those producers lead their replicas (in their
+    order), then every slot takes the first microbatch in order that may run there.  None
+    when a replica is left with microbatches none of which may run in its next slot."""
+    if not after:
+        return seqs
+    lead = set().union(*after.values())
+    pos: Dict[int, int] = {}
+    heads = []
+    for seq in seqs:
+        head = [b for b in seq if b in lead]
+        for k, b in enumerate(head):
+            pos[b] = k
+        heads.append(head)
+    out = []
+    for seq, head in zip(seqs, heads):
+        rest = [b for b in seq if b not in lead]
+        new = list(head)
+        while rest:
+            k = len(new)
+            i = next((i for i, b in enumerate(rest) if b not in after or all(pos[q] < k for q in after[b])), -1)
+            if i < 0:
+                return None
+            new.append(rest.pop(i))
+        out.append(new)
+    return out
 
 
 def _split_free(u, rows, M, length, blocks, loose, open_bin, put) -> bool:
@@ -635,7 +809,7 @@ def _split_free(u, rows, M, length, blocks, loose, open_bin, put) -> bool:
 
 
 def _dissolve(units_of, window_of, blocks, rep, load, rows, have, own_l, rec_l, total_r, hi, M,
-              length) -> Tuple[bool, bool]:
+              length, win_tree) -> Tuple[bool, bool]:
     """``pack_windows``' last step on several replicas: the lightest microbatches (under half the
     target) that produce for nobody are emptied when every unit of theirs fits elsewhere under
     the target (best fit): an item of a window into another microbatch of its window (the
@@ -661,11 +835,13 @@ def _dissolve(units_of, window_of, blocks, rep, load, rows, have, own_l, rec_l, 
             for x in range(n):
                 if x == b or x in gone or not own_l[x] or load[x] + u.cost > hi:
                     continue
-                if u.kind == "item" and window_of[x] == u.tree:
-                    local = core_of.get(x, -1) == u.tree
+                if u.kind == "item" and window_of[x] == u.win:
+                    local = core_of.get(x, -1) == u.win
                     c = u.cost if local else u.cost + u.replay_cost
                     extra_segs, add = (), u.rows
                 elif u.kind == "item":
+                    if win_tree[window_of[x]] == u.tree:
+                        continue  # another window of its tree: its path would sit above that window's context
                     extra_segs = [y for y in u.path if y not in have[x]]
                     add_path = sum([length[y] for y in extra_segs])
                     c = u.cost + u.path_cost * add_path / max(1, u.path_rows)
