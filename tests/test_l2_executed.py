@@ -4,7 +4,7 @@ compression) is what the step executes (``training.step.executed_rows`` under
 import numpy as np
 import pytest
 
-from test_microbatch_planner import forest_of
+from test_microbatch_planner import forest_of, random_prefix_forest
 
 from megatron_harts.planner.cost_model import CostModel, ForestIndex
 from megatron_harts.planner.l2 import plan_harts
@@ -16,18 +16,7 @@ from megatron_harts.training.step import SharingSettings, executed_rows, plan_st
 
 
 def _random_forest(seed):
-    rng = np.random.default_rng(seed)
-    seqs, groups = [], []
-    for j in range(int(rng.integers(6, 24))):
-        if seqs and rng.random() < 0.8:
-            k = int(rng.integers(len(seqs)))
-            cut = int(rng.integers(1, len(seqs[k]) + 1))
-            seqs.append(seqs[k][:cut] + rng.integers(1, 50, size=int(rng.integers(1, 40))).tolist())
-            groups.append(groups[k])
-        else:
-            seqs.append(rng.integers(1, 50, size=int(rng.integers(1, 80))).tolist())
-            groups.append(f"g{j}")
-    return forest_of(seqs, groups=groups)
+    return random_prefix_forest(np.random.default_rng(seed))
 
 
 def _swe(scheme, seed, tasks=3):

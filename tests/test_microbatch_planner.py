@@ -35,6 +35,23 @@ def forest_of(seqs, masks=None, groups=None):
     return build_forest(trajs)
 
 
+def random_prefix_forest(rng, trajectories=(6, 24), extension=40, root=80):
+    """Seeded trajectories that mostly extend a prefix of an earlier one (same group, so one tree),
+    otherwise start a new group: ``trajectories`` (low, high) of them, extensions of 1 to
+    ``extension`` tokens, fresh roots of 1 to ``root`` tokens."""
+    seqs, groups = [], []
+    for j in range(int(rng.integers(*trajectories))):
+        if seqs and rng.random() < 0.8:
+            k = int(rng.integers(len(seqs)))
+            cut = int(rng.integers(1, len(seqs[k]) + 1))
+            seqs.append(seqs[k][:cut] + rng.integers(1, 50, size=int(rng.integers(1, extension))).tolist())
+            groups.append(groups[k])
+        else:
+            seqs.append(rng.integers(1, 50, size=int(rng.integers(1, root))).tolist())
+            groups.append(f"g{j}")
+    return forest_of(seqs, groups=groups)
+
+
 def fork_forest():
     """One tree: a 10-token prompt, then 5 or 7 tokens (two trajectories of 15 and 17)."""
     prompt = list(range(1, 11))
@@ -484,17 +501,7 @@ def _l2_forests():
     out.append((f, int(f.traj_length.max()) + 400, CostModel(chunk_size=16)))
     rng = np.random.default_rng(7)
     for i in range(6):
-        seqs, groups = [], []
-        for j in range(int(rng.integers(8, 30))):
-            if seqs and rng.random() < 0.8:
-                k = int(rng.integers(len(seqs)))
-                cut = int(rng.integers(1, len(seqs[k]) + 1))
-                seqs.append(seqs[k][:cut] + rng.integers(1, 50, size=int(rng.integers(1, 60))).tolist())
-                groups.append(groups[k])
-            else:
-                seqs.append(rng.integers(1, 50, size=int(rng.integers(1, 120))).tolist())
-                groups.append(f"g{j}")
-        f = forest_of(seqs, groups=groups)
+        f = random_prefix_forest(rng, trajectories=(8, 30), extension=60, root=120)
         out.append((f, int(f.traj_length.max() * (1.0 + 0.5 * (i % 3))), CostModel(chunk_size=(1, 4, 16)[i % 3])))
     return out
 
