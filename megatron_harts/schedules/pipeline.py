@@ -372,9 +372,10 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
 
     def send(tensor, to_next: bool):
         t = tensor.detach().contiguous()
-        _, _, reqs = (p2p if to_next else p2p_back)._communicate(tensor_send_next=t if to_next else None,
-                                      tensor_send_prev=None if to_next else t, recv_prev=False, recv_next=False,
-                                      tensor_shape=None, wait_on_reqs=False)
+        channel = p2p if to_next else p2p_back
+        _, _, reqs = channel._communicate(tensor_send_next=t if to_next else None,
+                                          tensor_send_prev=None if to_next else t, recv_prev=False,
+                                          recv_next=False, tensor_shape=None, wait_on_reqs=False)
         pending.append((t, reqs))
 
     for kind, i in orders:
