@@ -102,8 +102,8 @@ PRESETS["h200-pp"] = dict(
 # fp32 end to end: Triton's fp32 dots (the fla KDA kernels) default to tf32, so the preset asks for IEEE fp32
 PRESETS["h200-fp32"] = dict(PRESETS["h200"], model=PRESETS["h200"]["model"].replace(" --bf16", ""),
                             env={"TRITON_F32_DEFAULT": "ieee"})
-#: the launch in flight (killed with its whole process group when this script is stopped)
-_LAUNCH = {"proc": None}
+#: the launch in flight and its spec file (:func:`_kill_launch` ends it and every worker it started)
+_LAUNCH = {"proc": None, "spec": None}
 COMMON = ("--clip-grad 1.0 --seed 1234 --log-interval 1 --rl-objective sft --moe-router-load-balancing-type none "
           "--hidden-dropout 0 --attention-dropout 0")
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
@@ -210,7 +210,7 @@ def _kill_launch() -> None:
     running (holding their GPUs and ports): the launcher gets SIGTERM first (it stops its
     workers), then whatever is left of the launcher's group and every process of this launch's
     spec gets SIGKILL."""
-    proc, spec = _LAUNCH["proc"], _LAUNCH.get("spec")
+    proc, spec = _LAUNCH["proc"], _LAUNCH["spec"]
     _LAUNCH["proc"] = None
     if proc is None:
         return

@@ -69,9 +69,10 @@ and one backward in turn, then the remaining backwards, both in list order.
   * timed runs (:func:`c1f1b_depths`, :data:`C1F1B_RULES`): a warm-up ``depth`` deeper on the
     stages before the last, ``depth`` from 0 to ``S - 1`` (at most ``S - s + min(depth, S - 1 - s)``
     items in flight on stage s: the run-ahead that fills the bubbles of uneven costs, bounded;
-    runs whose export bytes or windows alive exceed overlap's on some stage are not taken); an idle stage starts
-    its next forward or its next backward, whichever is ready, the rule's preference first
-    (forward-first or backward-first), a producer's PF and PB glued to their consumers' ops;
+    runs whose export bytes or windows alive exceed overlap's on some stage are not taken); an
+    idle stage starts its next forward or its next backward, whichever is ready, the rule's
+    preference first (forward-first or backward-first), a producer's PF and PB glued to their
+    consumers' ops;
   * over *units* in a cost-aware order: a unit is a plain microbatch or a window's consumers
     together (the consumer with the costliest backward last, so that the PB behind it waits
     least for the next stage's PB); the unit orders tried are the step order, the cheap-ends
