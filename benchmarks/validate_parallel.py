@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -352,7 +353,11 @@ def fidelity(runs: dict) -> dict:
             out[name] = {"error": str(e)}
             continue
         its = sorted(c["probes"])
-        out[name] = {"logit_cosine_start": c["probes"][its[0]]["logit_cosine_mean"],
+        first = c["probes"][its[0]]
+        out[name] = {"logit_cosine_start": first["logit_cosine_mean"],
+                     "logit_cosine_start_min": first["logit_cosine_min"],
+                     "logit_cosine_deficit_start_median": first["logit_cosine_deficit_median"],
+                     "tokens_deficit_over_1e-3_start": first["tokens_deficit_over_1e-3"],
                      "logit_cosine_end": c["probes"][its[-1]]["logit_cosine_mean"],
                      "logit_cosine_end_min": c["probes"][its[-1]]["logit_cosine_min"],
                      "probe_tokens": c["probes"][its[0]]["tokens"],
@@ -396,6 +401,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-iters", type=int, default=None, metavar="N",
                     help="per configuration, first run each mode for N iterations unmeasured (kernel compilation "
                          "and autotuning out of the timings; default: the preset's, 2 on GPU, 0 on CPU)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate of every run, minimum a tenth of it (default: the preset's, 1e-4 "
+                         "on GPU; RL fine-tuning runs near 1e-6)")
     ap.add_argument("--no-recompute", action="store_true", help="skip the tree run with activation recomputation")
     ap.add_argument("--schedules-only", action="store_true",
                     help="pipeline configurations only: tree mode under the three window schedules and the "
@@ -430,6 +438,11 @@ def main(argv=None) -> int:
     preset = PRESETS[a.preset]
     if a.scheme:
         preset = dict(preset, data=dict(preset["data"], scheme=a.scheme))
+    if a.lr is not None:
+        if not a.lr > 0:
+            raise CliError(f"--lr must be > 0, got {a.lr}")
+        train = re.sub(r"--lr \S+", f"--lr {a.lr:g}", preset["train"])
+        preset = dict(preset, train=re.sub(r"--min-lr \S+", f"--min-lr {a.lr / 10:g}", train))
     scheme = preset["data"].get("scheme", "tree-step")
     iters = a.iters or preset["iters"]
     if iters < 1:
@@ -450,7 +463,7 @@ def main(argv=None) -> int:
         launch_env.update(TRITON_CACHE_DIR=os.path.join(cache, "triton"), TRITON_CACHE_AUTOTUNING="1",
                           TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
     env = {"versions": _versions(), "machine": platform.node(), "preset": a.preset, "nproc": a.nproc,
-           "iters": iters, "scheme": scheme, "env": launch_env,
+           "iters": iters, "scheme": scheme, "env": launch_env, "train_flags": preset["train"],
            "triton_max_configs": a.triton_max_configs}
     results, port = {}, a.port
     for k, cfg in enumerate(a.configs):

@@ -31,10 +31,13 @@ import numpy as np
 import torch
 
 __all__ = ["sample_mask", "sample_stride", "probe_logits", "oracle_dtype", "oracle_logits", "write_probe",
-           "load_probe", "compare_probes", "ProbeError", "ORACLE_DIR"]
+           "load_probe", "compare_probes", "ProbeError", "ORACLE_DIR", "OUTLIER_DEFICIT"]
 
 #: where ``--tree-logit-probe-oracle`` writes the upcast oracle's probe, inside the probe directory
 ORACLE_DIR = "oracle"
+#: a token whose logit cosine deficit exceeds this is counted apart by :func:`compare_probes`: rounding alone
+#: stays orders of magnitude below it, a discrete change (an MoE router choosing another expert) does not
+OUTLIER_DEFICIT = 1e-3
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -216,5 +219,8 @@ def compare_probes(dir_a: str, dir_b: str) -> Dict[str, float]:
         raise ProbeError(f"{dir_a} and {dir_b}: logit rows of {xa.shape[1]} vs {xb.shape[1]} entries")
     cos = torch.nn.functional.cosine_similarity(xa, xb, dim=-1)
     diff = (xa - xb).abs()
+    deficit = 1.0 - cos
     return {"tokens": len(keys), "logit_cosine_mean": float(cos.mean()), "logit_cosine_min": float(cos.min()),
+            "logit_cosine_deficit_median": float(deficit.median()),
+            "tokens_deficit_over_1e-3": int((deficit > OUTLIER_DEFICIT).sum()),
             "logit_abs_diff_mean": float(diff.mean()), "logit_abs_diff_max": float(diff.max())}
