@@ -45,3 +45,22 @@ def test_presets_fp32_asks_for_ieee_triton_dots(vp):
     assert "--bf16" not in vp.PRESETS["h200-fp32"]["model"]
     assert vp.PRESETS["h200-fp32"]["env"] == {"TRITON_F32_DEFAULT": "ieee"}
     assert "env" not in vp.PRESETS["h200"]
+
+
+def test_repacked_budget_halves_but_keeps_whole_trajectories(vp):
+    assert vp.repacked_budget("--seq-length 2048 --tree-microbatch-tokens 8192") == 4096
+    assert vp.repacked_budget("--seq-length 600 --tree-microbatch-tokens 1024") == 600
+    assert vp.repacked_budget("--seq-length 1024 --tree-microbatch-tokens 1024") is None
+
+
+def test_judge_measures_tree_against_rerun_and_repacked(vp):
+    def probe(start, end, dloss=0.0):
+        return {"logit_cosine_start": start, "logit_cosine_end": end, "loss_abs_diff_max": dloss}
+    out = vp.judge({"expanded_rerun": probe(1.0, 0.999), vp.REPACKED: probe(0.99996, 0.9989),
+                    "tree": probe(0.99997, 0.99895, 3e-4)})
+    tree = out["tree"]
+    assert tree["cosine_below_rerun"] == pytest.approx(5e-5)       # the end probe falls further
+    assert not tree["meets_cosine_target"] and not tree["meets_loss_target"]
+    assert tree["cosine_below_repacked"] == pytest.approx(-1e-5)
+    assert tree["meets_cosine_target_repacked"]
+    assert "cosine_below_rerun" not in out[vp.REPACKED]
