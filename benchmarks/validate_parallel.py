@@ -430,7 +430,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="iterations per run (default: the preset's)")
     ap.add_argument("--warmup-iters", type=int, default=None, metavar="N",
                     help="per configuration, first run each mode for N iterations unmeasured (kernel compilation "
-                         "and autotuning out of the timings; default: the preset's, 2 on GPU, 0 on CPU)")
+                         "and autotuning out of the timings; default: the preset's, 2 on GPU, 0 on CPU; at least 2 when "
+                         "given: the learning-rate warm-up of 1 iteration needs a decay after it)")
     ap.add_argument("--lr", type=float, default=None,
                     help="peak learning rate of every run, minimum a tenth of it (default: the preset's, 1e-4 "
                          "on GPU; RL fine-tuning runs near 1e-6)")
@@ -518,7 +519,7 @@ def main(argv=None) -> int:
         plan = {}
         if warm:        # compile the kernels of both modes before any measured run (results dropped)
             if not a.schedules_only:
-                plan[f"{WARMUP}expanded"] = f"--tree-sharing off --train-iters {warm}"
+                plan[f"{WARMUP}expanded"] = f"--tree-sharing off --train-iters {max(warm, 2)}"
             plan[f"{WARMUP}tree"] = f"--tree-sharing {tree_mode} --train-iters {max(warm, 2)}"
         if not a.schedules_only:
             plan.update({"expanded": "--tree-sharing off" + oracle, "expanded_rerun": "--tree-sharing off"})
