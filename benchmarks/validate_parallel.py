@@ -432,6 +432,9 @@ def main(argv=None) -> int:
                     help="per configuration, first run each mode for N iterations unmeasured (kernel compilation "
                          "and autotuning out of the timings; default: the preset's, 2 on GPU, 0 on CPU; at least 2 when "
                          "given: the learning-rate warm-up of 1 iteration needs a decay after it)")
+    ap.add_argument("--driver-flags", default="", metavar="FLAGS",
+                    help="more pretrain_tree_gpt.py flags for every run, one string after '=' (e.g. "
+                         "--driver-flags='--tree-kda-backend reference': which kernel brings a run's rounding)")
     ap.add_argument("--lr", type=float, default=None,
                     help="peak learning rate of every run, minimum a tenth of it (default: the preset's, 1e-4 "
                          "on GPU; RL fine-tuning runs near 1e-6)")
@@ -488,6 +491,8 @@ def main(argv=None) -> int:
            f"--tree-logit-probe-tokens {preset['probe_tokens']} --data-path {data}"
     if a.triton_max_configs:
         base += f" --tree-triton-max-configs {a.triton_max_configs}"
+    if a.driver_flags.strip():
+        base += " " + a.driver_flags.strip()
     launch_env = dict(preset.get("env", {}))
     if a.cache_dir:
         cache = os.path.abspath(a.cache_dir)
@@ -495,6 +500,7 @@ def main(argv=None) -> int:
                           TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
     env = {"versions": _versions(), "machine": platform.node(), "preset": a.preset, "nproc": a.nproc,
            "iters": iters, "scheme": scheme, "env": launch_env, "train_flags": preset["train"],
+           "driver_flags": a.driver_flags.strip(),
            "triton_max_configs": a.triton_max_configs}
     results, port = {}, a.port
     for k, cfg in enumerate(a.configs):

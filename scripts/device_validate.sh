@@ -11,7 +11,8 @@
 # autotune once per machine, not once per configuration; a cold machine still spends minutes on
 # the first configuration), finishing within SECONDS (configurations that would start with under a
 # minute left are skipped and say so).  TRITON_MAX_CONFIGS=n caps fla's autotuning (fidelity runs:
-# numerics do not depend on it); VALIDATE_FLAGS adds flags (e.g. "--schedules-only").  Results: $OUT/<preset>/multi_gpu_<preset>_<config>.json (one per
+# numerics do not depend on it); VALIDATE_FLAGS adds flags (e.g. "--schedules-only"), DRIVER_FLAGS
+# adds training-driver flags to every run (e.g. "--tree-kda-backend reference").  Results: $OUT/<preset>/multi_gpu_<preset>_<config>.json (one per
 # configuration, failed runs with the first error of their log) and $OUT/logs.tgz (every launch
 # log): nine files at most, so at most 7 configurations per call (the device tool returns 8 files).
 set -uo pipefail
@@ -31,6 +32,7 @@ extra=()
 [[ -n "${TRITON_MAX_CONFIGS:-}" ]] && extra+=(--triton-max-configs "$TRITON_MAX_CONFIGS")
 # shellcheck disable=SC2206
 [[ -n "${VALIDATE_FLAGS:-}" ]] && extra+=($VALIDATE_FLAGS)
+[[ -n "${DRIVER_FLAGS:-}" ]] && extra+=("--driver-flags=$DRIVER_FLAGS")
 python3 benchmarks/validate_parallel.py --preset "$PRESET" --nproc "$NPROC" --configs "$@" \
     --out "$OUT/$PRESET" --work /tmp/harts-validate --cache-dir /tmp/harts-cache \
     --deadline "$SECONDS_LEFT" --keep-logs "${extra[@]}" 2>&1 | grep -v -i "warn"
