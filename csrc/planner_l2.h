@@ -1,4 +1,5 @@
-// Plan assembly core (csrc/assemble_core.cpp), registered into megatron_harts._C by call_planner.cpp.
+// Plan assembly core (csrc/assemble_core.cpp), registered into megatron_harts._C by call_planner.cpp;
+// register_l2 also registers L2's balance pass (csrc/l2_rebalance.cpp).
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -6,6 +7,7 @@
 #include <cstdint>
 
 void register_l2(pybind11::module_& m);
+void register_rebalance(pybind11::module_& m);
 
 // Cost features of one microbatch computing comp[0..m) (sorted, distinct) and owning own[0..mo):
 // out = rows, attention pairs, KDA calls, replay tokens, logits rows, external rows

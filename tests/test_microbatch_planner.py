@@ -11,6 +11,7 @@ from megatron_harts.planner.cost_model import (CalibrationError, CostCoefficient
                                                ForestIndex, fit_calibration, load_calibration, save_calibration)
 from megatron_harts.planner.calls import plan_calls
 from megatron_harts.planner.l1 import plan_l1, split_tree
+from megatron_harts.planner import l2 as l2mod
 from megatron_harts.planner.l2 import plan_harts, plan_l2
 from megatron_harts.planner.metrics import plan_metrics, slot_balance
 from megatron_harts.planner.microbatch import PlanningError, assemble_plan
@@ -520,8 +521,78 @@ def test_plan_l2_compiled_equals_python_reference(monkeypatch):
                 mp.setattr(cm, "_MB_FEATURES", None)
                 mp.setattr(cm, "_MB_KDA", None)
                 mp.setattr(mbmod, "_ASSEMBLE", None)
+                mp.setattr(l2mod, "_REBALANCE", None)
                 ref = plan_l2(f, l1, cost_model=model, index=ix)
             assert _plan_key(fast) == _plan_key(ref)
+
+
+def _rebalance_inputs():
+    """(index, packing, dp, M, overhead, cost model) of every packing L2's balance pass refines on
+    the seeded L2 forests on DP 2, 4 and 8."""
+    seen = []
+    orig = l2mod.rebalance
+    for f, M, model in _l2_forests():
+        ix = ForestIndex(f)
+
+        def spy(ix, packed, dp, M, overhead, model=model):
+            seen.append((ix, packed, dp, M, overhead, model))
+            return orig(ix, packed, dp, M, overhead)
+
+        l2mod.rebalance = spy
+        try:
+            for dp in (2, 4, 8):
+                plan_l2(f, plan_l1(f, dp, M, cost_model=model, index=ix), cost_model=model, index=ix)
+        finally:
+            l2mod.rebalance = orig
+    return seen
+
+
+def test_compiled_rebalance_matches_python():
+    # _C.l2_rebalance equals its Python reference move for move (bins, entries, costs: floats
+    # exact) on every packing the balance pass sees, with the defaults and with other limits
+    if l2mod._REBALANCE is None:
+        pytest.skip("the compiled extension is not built")
+    cases = _rebalance_inputs()
+    assert len(cases) > 20
+    moved = 0
+    for ix, packed, dp, M, overhead, _ in cases:
+        units, index, ent = [], {}, []
+        for es in packed[3]:
+            row = []
+            for u, ex, c in es:
+                k = index.setdefault(id(u), len(units))
+                if k == len(units):
+                    units.append(u)
+                row.append((k, bool(ex), c))
+            ent.append(row)
+        rep = [p[0] for p in packed[1]]
+        for limits in ((l2mod.BALANCE_MOVES, l2mod.BALANCE_SLOTS, l2mod.BALANCE_WEIGHT, l2mod.BALANCE_SWAP_BINS),
+                       (3, 1, 0.5, 0), (200, 8, 2.0, 1000)):
+            args = (dp, M, overhead) + limits
+            ref = l2mod._rebalance_python(units, list(rep), [list(e) for e in ent], ix.length_list, *args)
+            fast = l2mod._rebalance_compiled(ix, units, list(rep), [list(e) for e in ent], *args)
+            assert fast == ref
+            moved += ref[0]
+    assert moved > 10
+
+
+def test_rebalance_keeps_tokens_and_windows():
+    # the balance pass computes no more tokens than the packing it refines, and its plans run as
+    # planned (every consumer reads its context from one earlier producer of its replica)
+    from test_l2_executed import check_executes_as_planned
+    checked = 0
+    for ix, packed, dp, M, overhead, model in _rebalance_inputs():
+        even = l2mod.rebalance(ix, packed, dp, M, overhead)
+        if even is None:
+            continue
+        a = l2mod.window_plan(ix, packed, dp=dp, M=M, model=model)
+        b = l2mod.window_plan(ix, even, dp=dp, M=M, model=model)
+        assert b is not None  # under the budget
+        b.validate(ix.forest)
+        check_executes_as_planned(ix.forest, b)
+        assert b.tokens_computed <= a.tokens_computed
+        checked += 1
+    assert checked
 
 
 def test_l1_pieces_partition_trees(tree_step):

@@ -64,6 +64,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .cost_model import CostModel, ForestIndex
 from .l1 import plan_l1
+from .compiled import compiled
 from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
 
 __all__ = ["plan_l2", "plan_harts", "window_units", "split_windows", "pack_windows", "pack_spread", "window_plan",
@@ -135,6 +136,12 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                             if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
                                 packs.append((est, len(packs), packed))
         packs.sort(key=lambda p: p[:2])
+        if dp > 1 and BALANCE_MOVES:  # the best packings evened out per slot
+            for _, _, packed in packs[:BALANCE_PACKINGS]:
+                even = rebalance(ix, packed, dp, M, overhead)
+                if even is not None:
+                    packs.append((estimate_step(even, dp, overhead), len(packs), even))
+            packs.sort(key=lambda p: p[:2])
         judged = 0
         for _, _, packed in packs[:2 * ASSEMBLED]:
             if judged == ASSEMBLED:
@@ -184,11 +191,12 @@ class _Unit:
     ``split_windows`` has an id of its own, ``upper`` naming the window whose producer owns the
     top of its producer's root path, which that producer recomputes)."""
     __slots__ = ("kind", "tree", "owned", "rec", "rows", "own_rows", "cost", "replay_cost", "path", "path_rows",
-                 "path_cost", "win", "upper")
+                 "path_cost", "win", "upper", "replay")
 
     def __init__(self, kind, tree, owned, rec, rows, own_rows, cost, replay_cost=0.0, path=(), path_rows=0,
-                 path_cost=0.0, win=None, upper=-1):
+                 path_cost=0.0, win=None, upper=-1, replay=0):
         self.kind, self.tree, self.owned, self.rec = kind, tree, owned, rec
+        self.replay = replay  # KDA replay tokens of an item read from its producer by a consumer
         self.rows, self.own_rows, self.cost, self.replay_cost = rows, own_rows, cost, replay_cost
         self.path, self.path_rows, self.path_cost = path, path_rows, path_cost
         self.win = tree if win is None else win
@@ -197,7 +205,7 @@ class _Unit:
     def moved(self, win, upper):
         """This unit in window ``win`` (split off its tree's window ``upper``)."""
         return _Unit(self.kind, self.tree, self.owned, self.rec, self.rows, self.own_rows, self.cost,
-                     self.replay_cost, self.path, self.path_rows, self.path_cost, win, upper)
+                     self.replay_cost, self.path, self.path_rows, self.path_cost, win, upper, self.replay)
 
 
 def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
@@ -278,7 +286,7 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
                     rows = own_rows + sum([length[x] for x in rec])
                     cost = sum([own_c[x] for x in own]) + sum([body_c[x] for x in rec])
                     items.append(_Unit("item", t, sorted(own), sorted(rec), rows, own_rows, cost, rp * replay, path,
-                                       start[s], path_cost))
+                                       start[s], path_cost, replay=replay))
                     tokens += rows + replay
             if core_rows >= min_producer_rows and tokens < l1_rows.get(t, 0):
                 produced = [_Unit("core", t, core, [], core_rows, core_rows, sum([own_c[x] for x in core]))] + items
@@ -540,13 +548,14 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
         seqs = _after_owners(seqs, after)
         if seqs is None:
             return None
-        groups, placement, loads = [], [], []
+        groups, placement, loads, entries = [], [], [], []
         for r, seq in enumerate(seqs):
             for k, b in enumerate(seq):  # assemble_plan sorts the ids
                 groups.append((tuple(own_l[b]), tuple(rec_l[b])))
                 placement.append((r, k))
+                entries.append(list(units_of[b]))
             loads.append([load[b] for b in seq])
-        return groups, placement, loads
+        return groups, placement, loads, entries
 
     def rebuild(b, entries):
         total_r[rep[b]] -= load[b]
@@ -635,6 +644,8 @@ def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, ep
     reads_trees: List[set] = [set() for _ in range(n_bins)]  # trees whose core a microbatch reads
     recomputes: List[set] = [set() for _ in range(n_bins)]   # trees whose root path it recomputes
 
+    ent: List[list] = [[] for _ in range(n_bins)]  # per microbatch: (unit, extra segments, cost)
+
     def open_bin(r):
         rep.append(r)
         for lst, v in ((load, 0.0), (rows, 0), (has_core, False), (reads, -1)):
@@ -643,9 +654,11 @@ def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, ep
             lst.append(set())
         own_l.append([])
         rec_l.append([])
+        ent.append([])
         return len(rep) - 1
 
     def put(b, u, extra_segs, cost):
+        ent[b].append((u, extra_segs, cost))
         load[b] += cost
         add = u.own_rows
         for seq in (u.rec, extra_segs):
@@ -731,13 +744,14 @@ def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, ep
     seqs = _after_owners(seqs, {b: {q for q in qs if q != b} for b, qs in after.items()})
     if seqs is None:
         return [], bound
-    groups, placement, loads = [], [], []
+    groups, placement, loads, entries = [], [], [], []
     for r, seq in enumerate(seqs):
         for k, b in enumerate(seq):
             groups.append((tuple(own_l[b]), tuple(rec_l[b])))
             placement.append((r, k))
+            entries.append(ent[b])
         loads.append([load[b] for b in seq])
-    return [(groups, placement, loads)], bound
+    return [(groups, placement, loads, entries)], bound
 
 
 def _after_owners(seqs: List[List[int]], after: Dict[int, set]) -> Optional[List[List[int]]]:
@@ -842,8 +856,8 @@ def _dissolve(units_of, window_of, blocks, rep, load, rows, have, own_l, rec_l, 
                 elif u.kind == "item":
                     if win_tree[window_of[x]] == u.tree:
                         continue  # another window of its tree: its path would sit above that window's context
-                    extra_segs = [y for y in u.path if y not in have[x]]
-                    add_path = sum([length[y] for y in extra_segs])
+                    extra_segs = u.path  # a path item (its path rows deduplicated against the microbatch's)
+                    add_path = sum([length[y] for y in u.path if y not in have[x]])
                     c = u.cost + u.path_cost * add_path / max(1, u.path_rows)
                     add = u.rows + add_path
                 else:
@@ -899,3 +913,552 @@ def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -
         return assemble_plan(ix, packed[0], packed[1], planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
     except PlanningError:
         return None
+
+
+#: the balance pass (``rebalance``): at most ``BALANCE_MOVES`` moves per packing, sources taken
+#: from the ``BALANCE_SLOTS`` least balanced slots; the objective adds ``BALANCE_WEIGHT`` times the
+#: mean microbatch cost for each slot's imbalance (1 - mean / max) to the estimated step
+BALANCE_MOVES = 64
+BALANCE_SLOTS = 4
+BALANCE_WEIGHT = 1.0
+#: packings (the best by estimate) the balance pass refines
+BALANCE_PACKINGS = 2
+#: swaps are tried in packings of at most this many microbatches
+BALANCE_SWAP_BINS = 64
+
+_KIND = {"core": 0, "item": 1, "free": 2}
+_REBALANCE = compiled("l2_rebalance")
+
+
+def _slot_objective(seqs_cost: List[List[float]], dp: int, tau: float, weight: float) -> float:
+    """Estimated step (per slot the costliest) plus ``weight * tau`` times each slot's imbalance
+    (1 - mean / max; an idle entry counts 0), each replica's costs in decreasing order."""
+    S = max((len(c) for c in seqs_cost), default=0)
+    f = 0.0
+    w = weight * tau
+    for k in range(S):
+        mx = sm = 0.0
+        for c in seqs_cost:
+            if k < len(c):
+                v = c[k]
+                sm += v
+                if v > mx:
+                    mx = v
+        if mx > 0.0:
+            f += mx + w * (1.0 - sm / (dp * mx))
+    return f
+
+
+class _Bins:
+    """The balance pass's state (Python reference of ``_C.l2_rebalance``): microbatches (bins)
+    with their entries (unit index, whether its root path is recomputed, estimated cost) and
+    what the pass's rules read: recomputed segments with their counts, the bin owning each
+    segment, rows, cores and window items per tree, path items per tree, producers read, KDA
+    replay tokens.  ``take`` and ``give`` keep all of it exact (as estimated), so a move is
+    tried by doing it and undoing it."""
+
+    def __init__(self, units, rep, ent, length, dp):
+        n = self.n = len(rep)
+        self.units, self.length, self.dp = units, length, dp
+        self.rep = list(rep)
+        self.ent: List[list] = [[] for _ in range(n)]
+        self.load = [0.0] * n
+        self.rows = [0] * n
+        self.replay = [0] * n
+        self.cnt: List[Dict[int, int]] = [{} for _ in range(n)]
+        self.owner: Dict[int, int] = {}
+        self.win_t: List[Dict[int, int]] = [{} for _ in range(n)]
+        self.path_t: List[Dict[int, int]] = [{} for _ in range(n)]
+        self.reads: List[Dict[int, int]] = [{} for _ in range(n)]
+        self.prod: Dict[int, int] = {}
+        for b in range(n):
+            for k, _, _ in ent[b]:
+                if units[k].kind == "core":
+                    self.prod[units[k].win] = b
+        self.is_prod = [False] * n
+        for b in self.prod.values():
+            self.is_prod[b] = True
+        for b in range(n):
+            for k, path, c in ent[b]:
+                self.add(b, len(self.ent[b]), k, path, c)
+
+    def open(self, r):
+        """A new empty bin on replica ``r``; returns its index."""
+        self.rep.append(r)
+        self.ent.append([])
+        self.load.append(0.0)
+        self.rows.append(0)
+        self.replay.append(0)
+        for tbl in (self.cnt, self.win_t, self.path_t, self.reads):
+            tbl.append({})
+        self.is_prod.append(False)
+        self.n += 1
+        return self.n - 1
+
+    def add(self, b, j, k, path, c):
+        """Unit ``k`` into bin ``b`` as its entry ``j`` (its root path recomputed when ``path``)."""
+        u = self.units[k]
+        length, cnt, owner = self.length, self.cnt[b], self.owner
+        self.ent[b].insert(j, (k, path, c))
+        self.load[b] += c
+        for s in u.owned:
+            if s in cnt:  # recomputed here by another unit: owned now
+                self.rows[b] -= length[s]
+            owner[s] = b
+        self.rows[b] += u.own_rows
+        for seq in (u.rec, u.path if path else ()):
+            for s in seq:
+                m = cnt.get(s, 0)
+                if m == 0 and owner.get(s, -1) != b:
+                    self.rows[b] += length[s]
+                cnt[s] = m + 1
+        if u.kind == "free":
+            return
+        if path:
+            self.path_t[b][u.tree] = self.path_t[b].get(u.tree, 0) + 1
+            return
+        self.win_t[b][u.tree] = self.win_t[b].get(u.tree, 0) + 1
+        p = self.prod[u.win]
+        if u.kind == "item" and p != b:
+            self.reads[b][p] = self.reads[b].get(p, 0) + 1
+            self.replay[b] += u.replay
+
+    def take(self, b, j):
+        """Remove entry ``j`` of bin ``b``; returns it."""
+        k, path, c = e = self.ent[b].pop(j)
+        u = self.units[k]
+        length, cnt, owner = self.length, self.cnt[b], self.owner
+        self.load[b] -= c
+        if not self.ent[b]:
+            self.load[b] = 0.0
+        for seq in (u.rec, u.path if path else ()):
+            for s in seq:
+                m = cnt[s] - 1
+                if m == 0:
+                    del cnt[s]
+                    if owner.get(s, -1) != b:
+                        self.rows[b] -= length[s]
+                else:
+                    cnt[s] = m
+        self.rows[b] -= u.own_rows
+        for s in u.owned:
+            owner[s] = -1
+            if s in cnt:
+                self.rows[b] += length[s]
+        if u.kind != "free":
+            tbl = self.path_t[b] if path else self.win_t[b]
+            tbl[u.tree] -= 1
+            if not tbl[u.tree]:
+                del tbl[u.tree]
+            p = self.prod[u.win]
+            if not path and u.kind == "item" and p != b:
+                self.reads[b][p] -= 1
+                if not self.reads[b][p]:
+                    del self.reads[b][p]
+                self.replay[b] -= u.replay
+        return e
+
+    def mode(self, k, y):
+        """How unit ``k`` would sit in bin ``y``: (path recomputed, cost), None where it may not:
+        read from its window's producer when ``y`` is that producer or a bin of its replica
+        producing nothing, reading nothing else and recomputing none of its tree's paths; else
+        its root path recomputed when ``y`` holds no core or window item of its tree (not for a
+        split window's item).  A free piece goes anywhere."""
+        u = self.units[k]
+        if u.kind == "free":
+            return False, u.cost
+        p = self.prod[u.win]
+        if self.rep[y] == self.rep[p]:
+            if y == p:
+                return False, u.cost
+            if not self.is_prod[y] and not self.path_t[y].get(u.tree, 0) and all(q == p for q in self.reads[y]):
+                return False, u.cost + u.replay_cost
+        if u.upper >= 0 or self.win_t[y].get(u.tree, 0):
+            return None
+        extra = 0
+        cnt = self.cnt[y]
+        for s in u.path:
+            if s not in cnt:
+                extra += self.length[s]
+        return True, u.cost + u.path_cost * extra / max(1, u.path_rows)
+
+    def give(self, y, k) -> bool:
+        m = self.mode(k, y)
+        if m is None:
+            return False
+        self.add(y, len(self.ent[y]), k, m[0], m[1])
+        return True
+
+    def blocks(self, live):
+        """The bins ``live`` in blocks that may change replicas together: a producer with the
+        bins reading it, a bin reading and producing nothing alone; blocks holding a split
+        window's unit are left out.  Each block sorted, blocks by their first bin."""
+        root = {b: b for b in live}
+
+        def find(b):
+            while root[b] != b:
+                b = root[b]
+            return b
+
+        for b in live:
+            for p in self.reads[b]:
+                rb, rp = find(b), find(p)
+                if rb != rp:
+                    root[max(rb, rp)] = min(rb, rp)
+        out: Dict[int, List[int]] = {}
+        split = set()
+        for b in live:
+            r = find(b)
+            out.setdefault(r, []).append(b)
+            if any(self.units[k].upper >= 0 for k, _, _ in self.ent[b]):
+                split.add(r)
+        return [bs for r, bs in sorted(out.items()) if r not in split]
+
+    def costs(self, r, overhead):
+        rep, load, ent = self.rep, self.load, self.ent
+        return sorted((load[b] + overhead for b in range(self.n) if rep[b] == r and ent[b]), reverse=True)
+
+    def groups(self, b):
+        """What may leave bin ``b``: every entry but cores and split windows' units alone, then
+        all path items of one window (free pieces of one tree) together (shared rows)."""
+        out, by = [], {}
+        for j, (k, path, _) in enumerate(self.ent[b]):
+            u = self.units[k]
+            if u.kind == "core" or u.upper >= 0:
+                continue
+            out.append((j,))
+            if u.kind == "free" or path:
+                by.setdefault((u.kind == "free", u.win), []).append(j)
+        out.extend(tuple(js) for js in by.values() if len(js) > 1)
+        return out
+
+
+def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float, moves: int, n_slots: int,
+                      weight: float, swap_bins: int):
+    """Reference of ``_C.l2_rebalance`` (``rebalance``'s search): returns (moved, rep, ent)."""
+    n = len(rep)
+    st = _Bins(units, rep, ent, length, dp)
+    rep, load, ent, rows, replay = st.rep, st.load, st.ent, st.rows, st.replay
+    total = 0.0
+    for x in load:
+        total += x
+    total += overhead * n
+    tau = total / max(1, dp * max(rep.count(r) for r in range(dp)))
+    costs = [st.costs(r, overhead) for r in range(dp)]
+    f_now = _slot_objective(costs, dp, tau, weight)
+    slack = 0  # tokens the moves so far saved (a later move may spend them)
+    spare = [st.open(r) for r in range(dp)]  # an empty bin per replica: a move may open a bin
+
+    def score(rx, ry):
+        cs = list(costs)
+        cs[rx] = st.costs(rx, overhead)
+        if ry != rx:
+            cs[ry] = st.costs(ry, overhead)
+        return _slot_objective(cs, dp, tau, weight)
+
+    def try_move(x, idxs, y):
+        """Entries ``idxs`` of ``x`` moved to ``y``: (tokens added, undo), or None (state as
+        before) when not allowed."""
+        before = rows[x] + replay[x] + rows[y] + replay[y]
+        taken = [(j, st.take(x, j)) for j in sorted(idxs, reverse=True)]
+        added = 0
+        for _, e in reversed(taken):
+            if not st.give(y, e[0]):
+                break
+            added += 1
+
+        def undo():
+            for _ in range(added):
+                st.take(y, len(ent[y]) - 1)
+            for j, e in reversed(taken):
+                st.add(x, j, *e)
+
+        if added < len(taken) or rows[y] > M:
+            undo()
+            return None
+        return rows[x] + replay[x] + rows[y] + replay[y] - before, undo
+
+    def try_swap(x, i, y, j):
+        """Entry ``i`` of ``x`` and entry ``j`` of ``y`` swapped, as ``try_move``."""
+        before = rows[x] + replay[x] + rows[y] + replay[y]
+        eu = st.take(x, i)
+        ev = st.take(y, j)
+        okv = st.give(x, ev[0])
+        oku = okv and st.give(y, eu[0])
+
+        def undo():
+            if oku:
+                st.take(y, len(ent[y]) - 1)
+            if okv:
+                st.take(x, len(ent[x]) - 1)
+            st.add(y, j, *ev)
+            st.add(x, i, *eu)
+
+        if not oku or rows[x] > M or rows[y] > M:
+            undo()
+            return None
+        return rows[x] + replay[x] + rows[y] + replay[y] - before, undo
+
+    def movable(k):
+        return units[k].kind != "core" and units[k].upper < 0
+
+    moved = False
+    for _ in range(moves):
+        n = st.n
+        order = [sorted((b for b in range(n) if rep[b] == r and ent[b]), key=lambda b: (-load[b], b))
+                 for r in range(dp)]
+        slots = []
+        for k in range(max(len(o) for o in order)):
+            bs = [o[k] for o in order if k < len(o)]
+            mx = sm = 0.0
+            for b in bs:
+                v = load[b] + overhead
+                sm += v
+                if v > mx:
+                    mx = v
+            ratio = sm / (dp * mx)
+            if ratio < 1.0 - 1e-9:
+                mean = sm / dp
+                slots.append((ratio, k, [b for b in bs if load[b] + overhead > mean]))
+        slots.sort(key=lambda s: (s[0], s[1]))
+        sources = []
+        for sl in slots[:n_slots]:
+            sources.extend(b for b in sl[2] if b not in sources)
+        live = [b for b in range(n) if ent[b]]
+        light = min(live, key=lambda b: (load[b], b))
+        if not st.is_prod[light] and light not in sources:
+            sources.append(light)
+        swaps = len(live) <= swap_bins
+        best = None
+        for x in sources:
+            lx = load[x]
+            for idxs in st.groups(x):
+                if x != light:
+                    c_out = 0.0
+                    for j in idxs:
+                        c_out += units[ent[x][j][0]].cost
+                for y in live + spare:
+                    if y == x or (x != light and load[y] + c_out >= lx):
+                        continue  # only toward a lighter bin (the lightest: anywhere, to empty it)
+                    got = try_move(x, idxs, y)
+                    if got is None:
+                        continue
+                    if got[0] <= slack:
+                        f = score(rep[x], rep[y])
+                        if f < f_now - 1e-12 and (best is None or f < best[0]):
+                            best = (f, got[0], 0, x, idxs, y)
+                    got[1]()
+            if not swaps:
+                continue
+            for i in range(len(ent[x])):
+                ku = ent[x][i][0]
+                if not movable(ku):
+                    continue
+                cu = units[ku].cost
+                for y in live:
+                    if y == x:
+                        continue
+                    for j in range(len(ent[y])):
+                        kv = ent[y][j][0]
+                        if not movable(kv):
+                            continue
+                        d = cu - units[kv].cost
+                        if d <= 0.0 or load[y] + d >= lx:
+                            continue
+                        got = try_swap(x, i, y, j)
+                        if got is None:
+                            continue
+                        if got[0] <= slack:
+                            f = score(rep[x], rep[y])
+                            if f < f_now - 1e-12 and (best is None or f < best[0]):
+                                best = (f, got[0], 1, x, (i, j), y)
+                        got[1]()
+        # whole blocks (a producer with its consumers, or a bin reading and producing nothing;
+        # none holding a split window's unit) to another replica, or two blocks swapping replicas
+        blocks = st.blocks(live)
+        for a, ba in enumerate(blocks):
+            rx = rep[ba[0]]
+            for r2 in range(dp):
+                if r2 == rx:
+                    continue
+                for b in ba:
+                    rep[b] = r2
+                f = score(rx, r2)
+                for b in ba:
+                    rep[b] = rx
+                if f < f_now - 1e-12 and (best is None or f < best[0]):
+                    best = (f, 0, 2, a, blocks, r2)
+            for c in range(a + 1, len(blocks)):
+                bc = blocks[c]
+                ry = rep[bc[0]]
+                if ry == rx:
+                    continue
+                for b in ba:
+                    rep[b] = ry
+                for b in bc:
+                    rep[b] = rx
+                f = score(rx, ry)
+                for b in ba:
+                    rep[b] = rx
+                for b in bc:
+                    rep[b] = ry
+                if f < f_now - 1e-12 and (best is None or f < best[0]):
+                    best = (f, 0, 3, a, blocks, c)
+        if best is None:
+            break
+        f_now, delta, kind, x, arg, y = best
+        if kind >= 2:  # x: a block's index in arg (the blocks); y: a replica, or another block
+            rx = rep[arg[x][0]]
+            ry = y if kind == 2 else rep[arg[y][0]]
+            for b in arg[x]:
+                rep[b] = ry
+            if kind == 3:
+                for b in arg[y]:
+                    rep[b] = rx
+            costs[rx] = st.costs(rx, overhead)
+            costs[ry] = st.costs(ry, overhead)
+            moved = True
+            continue
+        rx = rep[x]
+        if kind == 0:
+            try_move(x, arg, y)
+            ry = rep[y]
+        else:
+            try_swap(x, arg[0], y, arg[1])
+            ry = rep[y]
+        slack -= delta
+        costs[rx] = st.costs(rx, overhead)
+        costs[ry] = st.costs(ry, overhead)
+        moved = True
+        for r in range(dp):
+            if ent[spare[r]]:
+                spare[r] = st.open(r)
+    return moved, rep, ent
+
+
+def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
+    """A packing's microbatches evened out per slot (the balance pass, several replicas).
+
+    A local search (``_C.l2_rebalance``; ``_rebalance_python`` its reference): moves, each the
+    best by the objective (the estimated step, each replica's microbatches costliest first and
+    slots aligned, plus ``BALANCE_WEIGHT`` times the mean microbatch cost for every slot's
+    imbalance 1 - mean / max: ``_slot_objective``) until none lowers it (at most
+    ``BALANCE_MOVES``).  Sources: the microbatches above their slot's mean in the
+    ``BALANCE_SLOTS`` least balanced slots, toward lighter microbatches, and the lightest
+    microbatch (anywhere: emptying it saves a microbatch).  Moves: a unit (alone, or a window's
+    path items or a tree's free pieces together) to another microbatch; two units swapping
+    microbatches (packings of at most ``BALANCE_SWAP_BINS`` microbatches); a whole microbatch
+    that reads and produces nothing to another replica.  A moved unit takes the form its
+    destination allows (``_Bins.mode``: read from its window's producer, or its root path
+    recomputed).  No move computes more tokens (rows and KDA replay, as estimated) than the
+    moves before it saved, no microbatch exceeds ``M`` rows.  Cores and split windows' units
+    stay; a microbatch left empty is dropped.  Then the order of ``pack_windows`` (costliest
+    first, a producer just before its first consumer, split windows' consumers after their
+    path's owner).  Returns the packing (``pack_windows``' format) or None when nothing moved
+    (or that order is impossible)."""
+    global _REBALANCE
+    groups, placement, loads, entries = packed[:4]
+    n = len(groups)
+    if n < 2 or dp < 2:
+        return None
+    units, index = [], {}
+    ent = []
+    for es in entries:
+        row = []
+        for u, ex, c in es:
+            k = index.get(id(u))
+            if k is None:
+                k = index[id(u)] = len(units)
+                units.append(u)
+            row.append((k, bool(ex), c))
+        ent.append(row)
+    rep = [placement[i][0] for i in range(n)]
+    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT, BALANCE_SWAP_BINS)
+    out = None
+    if _REBALANCE is not None:
+        try:
+            out = _rebalance_compiled(ix, units, rep, ent, *args)
+        except TypeError:  # a different compiled signature: the Python path
+            _REBALANCE = None
+    if out is None:
+        out = _rebalance_python(units, rep, ent, ix.length_list, *args)
+    moved, rep, ent = out
+    if not moved:
+        return None
+    n = len(rep)  # bins the pass opened included
+    prod = {units[k].win: b for b in range(n) for k, _, _ in ent[b] if units[k].kind == "core"}
+    reads = [sorted({prod[units[k].win] for k, path, _ in ent[b] if units[k].kind == "item" and not path} - {b})
+             for b in range(n)]
+    load = [0.0] * n
+    for b in range(n):
+        for _, _, c in ent[b]:
+            load[b] += c
+    seqs = []
+    for r in range(dp):
+        srt = sorted((b for b in range(n) if rep[b] == r and ent[b]), key=lambda b: (-load[b], b))
+        seq, done = [], set()
+        for b in srt:
+            if b in done:
+                continue
+            for p in reads[b]:
+                if p not in done:
+                    seq.append(p)
+                    done.add(p)
+            seq.append(b)
+            done.add(b)
+        seqs.append(seq)
+    after: Dict[int, set] = {}
+    for b in range(n):
+        for k, path, _ in ent[b]:
+            u = units[k]
+            if u.kind == "item" and u.upper >= 0 and not path and b != prod[u.win]:
+                after.setdefault(b, set()).add(prod[u.upper])
+    seqs = _after_owners(seqs, after)
+    if seqs is None:
+        return None
+    groups2, placement2, loads2, entries2 = [], [], [], []
+    for r, seq in enumerate(seqs):
+        for k, b in enumerate(seq):
+            own, rec = [], set()
+            for j, path, _ in ent[b]:
+                u = units[j]
+                own.extend(u.owned)
+                rec.update(u.rec)
+                if path:
+                    rec.update(u.path)
+            rec.difference_update(own)
+            groups2.append((tuple(own), tuple(sorted(rec))))
+            placement2.append((r, k))
+            entries2.append([(units[j], units[j].path if path else (), c) for j, path, c in ent[b]])
+        loads2.append([load[b] for b in seq])
+    return groups2, placement2, loads2, entries2
+
+
+def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, weight, swap_bins):
+    """``_rebalance_python``'s result from ``_C.l2_rebalance`` (the same values)."""
+    import numpy as np
+    nu = len(units)
+    ints = np.array([[_KIND[u.kind], u.tree, u.win, u.upper, u.own_rows, u.replay, u.path_rows] for u in units],
+                    dtype=np.int64).reshape(nu, 7)
+    flts = np.array([[u.cost, u.replay_cost, u.path_cost] for u in units], dtype=np.float64).reshape(nu, 3)
+
+    def csr(lists):
+        off = np.zeros(len(lists) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in lists], out=off[1:])
+        flat = np.fromiter((x for xs in lists for x in xs), dtype=np.int64, count=int(off[-1]))
+        return off, flat
+
+    own_off, own = csr([u.owned for u in units])
+    rec_off, rec = csr([u.rec for u in units])
+    path_off, path = csr([u.path for u in units])
+    ent_off = np.zeros(len(ent) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in ent], out=ent_off[1:])
+    ent_unit = np.array([k for e in ent for k, _, _ in e], dtype=np.int64)
+    ent_path = np.array([p for e in ent for _, p, _ in e], dtype=np.int64)
+    ent_cost = np.array([c for e in ent for _, _, c in e], dtype=np.float64)
+    moved, rep2, eo, eu, ep, ec = _REBALANCE(ix.length, ints, flts, own_off, own, rec_off, rec, path_off, path,
+                                              np.asarray(rep, dtype=np.int64), ent_off, ent_unit, ent_path,
+                                              ent_cost, dp, M, overhead, moves, n_slots, weight, swap_bins)
+    eo, eu, ep, ec = eo.tolist(), eu.tolist(), ep.tolist(), ec.tolist()
+    ent2 = [[(eu[i], bool(ep[i]), ec[i]) for i in range(eo[b], eo[b + 1])] for b in range(len(eo) - 1)]
+    return bool(moved), rep2.tolist(), ent2

@@ -1,0 +1,659 @@
+// L2's balance pass: the C++ core of megatron_harts.planner.l2.rebalance (the Python reference
+// beside it: _rebalance_python; tests/test_microbatch_planner.py holds the two equal, floats
+// included: every floating-point operation below runs in the reference's order).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "planner_l2.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using i64 = std::int64_t;
+using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
+using F64Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+struct Entry {
+    i64 unit;
+    bool path;
+    double cost;
+};
+
+struct Units {
+    std::vector<i64> kind, tree, win, upper, own_rows, replay, path_rows;
+    std::vector<double> cost, replay_cost, path_cost;
+    const i64 *own_off, *own, *rec_off, *rec, *path_off, *path;
+};
+
+// Counts keyed by id, entries removed at zero (the reference's dicts).
+using Counts = std::unordered_map<i64, i64>;
+
+inline i64 get(const Counts& c, i64 k) {
+    auto it = c.find(k);
+    return it == c.end() ? 0 : it->second;
+}
+
+template <typename Map>
+inline void decrement(Map& c, i64 k) {
+    auto it = c.find(k);
+    if (--it->second == 0) c.erase(it);
+}
+
+double slot_objective(const std::vector<const std::vector<double>*>& cs, i64 dp, double tau, double weight) {
+    std::size_t S = 0;
+    for (auto* c : cs) S = std::max(S, c->size());
+    double f = 0.0;
+    const double w = weight * tau;
+    for (std::size_t k = 0; k < S; ++k) {
+        double mx = 0.0, sm = 0.0;
+        for (auto* c : cs) {
+            if (k < c->size()) {
+                const double v = (*c)[k];
+                sm += v;
+                if (v > mx) mx = v;
+            }
+        }
+        if (mx > 0.0) f += mx + w * (1.0 - sm / (static_cast<double>(dp) * mx));
+    }
+    return f;
+}
+
+class Bins {
+   public:
+    Bins(const Units& u, const i64* length, i64 num_segments, std::vector<i64> rep,
+         const std::vector<std::vector<Entry>>& ent, i64 dp)
+        : U(u), length(length), dp(dp), n(static_cast<i64>(rep.size())), rep(std::move(rep)), ent(n), load(n, 0.0),
+          rows(n, 0), replay(n, 0), cnt(n), owner(num_segments, -1), win_t(n), path_t(n), reads(n),
+          is_prod(n, false) {
+        for (i64 b = 0; b < n; ++b)
+            for (const Entry& e : ent[b])
+                if (U.kind[e.unit] == 0) prod[U.win[e.unit]] = b;
+        for (auto& kv : prod) is_prod[kv.second] = true;
+        for (i64 b = 0; b < n; ++b)
+            for (const Entry& e : ent[b]) add(b, static_cast<i64>(this->ent[b].size()), e.unit, e.path, e.cost);
+    }
+
+    i64 open(i64 r) {
+        rep.push_back(r);
+        ent.emplace_back();
+        load.push_back(0.0);
+        rows.push_back(0);
+        replay.push_back(0);
+        cnt.emplace_back();
+        win_t.emplace_back();
+        path_t.emplace_back();
+        reads.emplace_back();
+        is_prod.push_back(false);
+        return n++;
+    }
+
+    void add(i64 b, i64 j, i64 k, bool path, double c) {
+        Counts& cn = cnt[b];
+        ent[b].insert(ent[b].begin() + j, Entry{k, path, c});
+        load[b] += c;
+        for (i64 i = U.own_off[k]; i < U.own_off[k + 1]; ++i) {
+            const i64 s = U.own[i];
+            if (cn.count(s)) rows[b] -= length[s];
+            owner[s] = b;
+        }
+        rows[b] += U.own_rows[k];
+        auto walk = [&](const i64* seq, i64 lo, i64 hi) {
+            for (i64 i = lo; i < hi; ++i) {
+                const i64 s = seq[i];
+                auto it = cn.find(s);
+                if (it == cn.end()) {
+                    if (owner[s] != b) rows[b] += length[s];
+                    cn.emplace(s, 1);
+                } else {
+                    ++it->second;
+                }
+            }
+        };
+        walk(U.rec, U.rec_off[k], U.rec_off[k + 1]);
+        if (path) walk(U.path, U.path_off[k], U.path_off[k + 1]);
+        if (U.kind[k] == 2) return;
+        if (path) {
+            ++path_t[b][U.tree[k]];
+            return;
+        }
+        ++win_t[b][U.tree[k]];
+        const i64 p = prod.at(U.win[k]);
+        if (U.kind[k] == 1 && p != b) {
+            ++reads[b][p];
+            replay[b] += U.replay[k];
+        }
+    }
+
+    Entry take(i64 b, i64 j) {
+        const Entry e = ent[b][j];
+        ent[b].erase(ent[b].begin() + j);
+        const i64 k = e.unit;
+        Counts& cn = cnt[b];
+        load[b] -= e.cost;
+        if (ent[b].empty()) load[b] = 0.0;
+        auto walk = [&](const i64* seq, i64 lo, i64 hi) {
+            for (i64 i = lo; i < hi; ++i) {
+                const i64 s = seq[i];
+                auto it = cn.find(s);
+                if (--it->second == 0) {
+                    cn.erase(it);
+                    if (owner[s] != b) rows[b] -= length[s];
+                }
+            }
+        };
+        walk(U.rec, U.rec_off[k], U.rec_off[k + 1]);
+        if (e.path) walk(U.path, U.path_off[k], U.path_off[k + 1]);
+        rows[b] -= U.own_rows[k];
+        for (i64 i = U.own_off[k]; i < U.own_off[k + 1]; ++i) {
+            const i64 s = U.own[i];
+            owner[s] = -1;
+            if (cn.count(s)) rows[b] += length[s];
+        }
+        if (U.kind[k] != 2) {
+            decrement(e.path ? path_t[b] : win_t[b], U.tree[k]);
+            const i64 p = prod.at(U.win[k]);
+            if (!e.path && U.kind[k] == 1 && p != b) {
+                decrement(reads[b], p);
+                replay[b] -= U.replay[k];
+            }
+        }
+        return e;
+    }
+
+    // How unit k would sit in bin y: (path recomputed, cost); false where it may not.
+    bool mode(i64 k, i64 y, bool& path, double& cost) const {
+        if (U.kind[k] == 2) {
+            path = false;
+            cost = U.cost[k];
+            return true;
+        }
+        const i64 p = prod.at(U.win[k]);
+        if (rep[y] == rep[p]) {
+            if (y == p) {
+                path = false;
+                cost = U.cost[k];
+                return true;
+            }
+            bool only = true;
+            for (auto& kv : reads[y])
+                if (kv.first != p) only = false;
+            if (!is_prod[y] && get(path_t[y], U.tree[k]) == 0 && only) {
+                path = false;
+                cost = U.cost[k] + U.replay_cost[k];
+                return true;
+            }
+        }
+        if (U.upper[k] >= 0 || get(win_t[y], U.tree[k]) != 0) return false;
+        i64 extra = 0;
+        const Counts& cn = cnt[y];
+        for (i64 i = U.path_off[k]; i < U.path_off[k + 1]; ++i)
+            if (!cn.count(U.path[i])) extra += length[U.path[i]];
+        path = true;
+        cost = U.cost[k] + U.path_cost[k] * static_cast<double>(extra) / static_cast<double>(std::max<i64>(1, U.path_rows[k]));
+        return true;
+    }
+
+    bool give(i64 y, i64 k) {
+        bool path;
+        double c;
+        if (!mode(k, y, path, c)) return false;
+        add(y, static_cast<i64>(ent[y].size()), k, path, c);
+        return true;
+    }
+
+    // The bins `live` in blocks that may change replicas together: a producer with the bins reading
+    // it, a bin reading and producing nothing alone; blocks holding a split window's unit left out.
+    // Each block sorted, blocks by their first bin.
+    std::vector<std::vector<i64>> blocks(const std::vector<i64>& live) const {
+        std::unordered_map<i64, i64> root;
+        for (i64 b : live) root[b] = b;
+        auto find = [&](i64 b) {
+            while (root[b] != b) b = root[b];
+            return b;
+        };
+        for (i64 b : live)
+            for (auto& kv : reads[b]) {
+                const i64 rb = find(b), rp = find(kv.first);
+                if (rb != rp) root[std::max(rb, rp)] = std::min(rb, rp);
+            }
+        std::map<i64, std::vector<i64>> out;
+        std::vector<i64> split;
+        for (i64 b : live) {
+            const i64 r = find(b);
+            out[r].push_back(b);
+            for (const Entry& e : ent[b])
+                if (U.upper[e.unit] >= 0) split.push_back(r);
+        }
+        std::vector<std::vector<i64>> res;
+        for (auto& kv : out)
+            if (std::find(split.begin(), split.end(), kv.first) == split.end()) res.push_back(kv.second);
+        return res;
+    }
+
+    std::vector<double> costs(i64 r, double overhead) const {
+        std::vector<double> out;
+        for (i64 b = 0; b < n; ++b)
+            if (rep[b] == r && !ent[b].empty()) out.push_back(load[b] + overhead);
+        std::sort(out.begin(), out.end(), std::greater<double>());
+        return out;
+    }
+
+    std::vector<std::vector<i64>> groups(i64 b) const {
+        std::vector<std::vector<i64>> out;
+        std::vector<std::pair<std::pair<bool, i64>, std::vector<i64>>> by;
+        for (i64 j = 0; j < static_cast<i64>(ent[b].size()); ++j) {
+            const Entry& e = ent[b][j];
+            const i64 k = e.unit;
+            if (U.kind[k] == 0 || U.upper[k] >= 0) continue;
+            out.push_back({j});
+            if (U.kind[k] == 2 || e.path) {
+                const std::pair<bool, i64> key{U.kind[k] == 2, U.win[k]};
+                auto it = std::find_if(by.begin(), by.end(), [&](const auto& g) { return g.first == key; });
+                if (it == by.end()) {
+                    by.push_back({key, {j}});
+                } else {
+                    it->second.push_back(j);
+                }
+            }
+        }
+        for (auto& g : by)
+            if (g.second.size() > 1) out.push_back(g.second);
+        return out;
+    }
+
+    const Units& U;
+    const i64* length;
+    i64 dp, n;
+    std::vector<i64> rep;
+    std::vector<std::vector<Entry>> ent;
+    std::vector<double> load;
+    std::vector<i64> rows, replay;
+    std::vector<Counts> cnt;
+    std::vector<i64> owner;
+    std::vector<Counts> win_t, path_t;
+    std::vector<std::map<i64, i64>> reads;
+    std::unordered_map<i64, i64> prod;
+    std::vector<bool> is_prod;
+};
+
+// The search of megatron_harts.planner.l2._rebalance_python, step for step.
+py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64Array own_off_a, I64Array own_a,
+                       I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a, I64Array rep_a,
+                       I64Array ent_off_a, I64Array ent_unit_a, I64Array ent_path_a, F64Array ent_cost_a, i64 dp,
+                       i64 M, double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins) {
+    const i64 nu = ints_a.ndim() == 2 ? ints_a.shape(0) : -1;
+    if (nu < 0 || ints_a.shape(1) != 7 || flts_a.ndim() != 2 || flts_a.shape(0) != nu || flts_a.shape(1) != 3)
+        throw py::value_error("ints must be int64[units, 7] and flts float64[units, 3]");
+    const i64 n = rep_a.shape(0);
+    if (ent_off_a.shape(0) != n + 1) throw py::value_error("ent_off must have one entry per bin plus one");
+    if (own_off_a.shape(0) != nu + 1 || rec_off_a.shape(0) != nu + 1 || path_off_a.shape(0) != nu + 1)
+        throw py::value_error("own_off / rec_off / path_off must have one entry per unit plus one");
+    if (dp < 1) throw py::value_error("dp must be >= 1");
+    const i64 num_segments = length_a.shape(0);
+    Units U;
+    auto ints = ints_a.unchecked<2>();
+    auto flts = flts_a.unchecked<2>();
+    for (i64 k = 0; k < nu; ++k) {
+        U.kind.push_back(ints(k, 0));
+        U.tree.push_back(ints(k, 1));
+        U.win.push_back(ints(k, 2));
+        U.upper.push_back(ints(k, 3));
+        U.own_rows.push_back(ints(k, 4));
+        U.replay.push_back(ints(k, 5));
+        U.path_rows.push_back(ints(k, 6));
+        U.cost.push_back(flts(k, 0));
+        U.replay_cost.push_back(flts(k, 1));
+        U.path_cost.push_back(flts(k, 2));
+    }
+    U.own_off = own_off_a.data();
+    U.own = own_a.data();
+    U.rec_off = rec_off_a.data();
+    U.rec = rec_a.data();
+    U.path_off = path_off_a.data();
+    U.path = path_a.data();
+    auto check_ids = [&](const i64* off, const i64* ids, i64 size, const char* name) {
+        if (off[0] != 0 || off[nu] != size) throw py::value_error(std::string(name) + ": offsets do not match");
+        for (i64 i = 0; i < size; ++i)
+            if (ids[i] < 0 || ids[i] >= num_segments) throw py::value_error(std::string(name) + ": segment out of range");
+    };
+    check_ids(U.own_off, U.own, own_a.shape(0), "own");
+    check_ids(U.rec_off, U.rec, rec_a.shape(0), "rec");
+    check_ids(U.path_off, U.path, path_a.shape(0), "path");
+    const i64* eo = ent_off_a.data();
+    const i64* eu = ent_unit_a.data();
+    const i64* ep = ent_path_a.data();
+    const double* ec = ent_cost_a.data();
+    if (eo[0] != 0 || eo[n] != ent_unit_a.shape(0) || ent_path_a.shape(0) != eo[n] || ent_cost_a.shape(0) != eo[n])
+        throw py::value_error("ent_off must be offsets into ent_unit / ent_path / ent_cost");
+    std::vector<std::vector<Entry>> ent0(n);
+    for (i64 b = 0; b < n; ++b)
+        for (i64 i = eo[b]; i < eo[b + 1]; ++i) {
+            if (eu[i] < 0 || eu[i] >= nu) throw py::value_error("ent_unit out of range");
+            ent0[b].push_back(Entry{eu[i], ep[i] != 0, ec[i]});
+        }
+    std::vector<i64> rep0(rep_a.data(), rep_a.data() + n);
+    for (i64 r : rep0)
+        if (r < 0 || r >= dp) throw py::value_error("rep out of range");
+
+    Bins st(U, length_a.data(), num_segments, rep0, ent0, dp);
+    auto& rep = st.rep;
+    auto& load = st.load;
+    auto& ent = st.ent;
+    auto& rows = st.rows;
+    auto& replay = st.replay;
+    double total = 0.0;
+    for (double x : load) total += x;
+    total += overhead * static_cast<double>(n);
+    i64 most = 0;
+    for (i64 r = 0; r < dp; ++r) most = std::max<i64>(most, std::count(rep.begin(), rep.end(), r));
+    const double tau = total / static_cast<double>(std::max<i64>(1, dp * most));
+    std::vector<std::vector<double>> costs(dp);
+    for (i64 r = 0; r < dp; ++r) costs[r] = st.costs(r, overhead);
+    auto objective = [&](i64 rx, const std::vector<double>* cx, i64 ry, const std::vector<double>* cy) {
+        std::vector<const std::vector<double>*> cs(dp);
+        for (i64 r = 0; r < dp; ++r) cs[r] = &costs[r];
+        cs[rx] = cx;
+        if (ry != rx) cs[ry] = cy;
+        return slot_objective(cs, dp, tau, weight);
+    };
+    double f_now = objective(0, &costs[0], 0, &costs[0]);
+    i64 slack = 0;
+    std::vector<i64> spare(dp);
+    for (i64 r = 0; r < dp; ++r) spare[r] = st.open(r);
+    auto score = [&](i64 rx, i64 ry) {
+        const std::vector<double> cx = st.costs(rx, overhead);
+        const std::vector<double> cy = ry != rx ? st.costs(ry, overhead) : cx;
+        return objective(rx, &cx, ry, &cy);
+    };
+    auto tok = [&](i64 x, i64 y) { return rows[x] + replay[x] + rows[y] + replay[y]; };
+
+    // try_move: entries idxs (ascending) of x to y.  Returns false (state restored) when not allowed;
+    // else delta and the undo record.
+    struct Moved {
+        std::vector<std::pair<i64, Entry>> taken;
+        i64 added;
+    };
+    auto undo_move = [&](i64 x, i64 y, const Moved& m) {
+        for (i64 a = 0; a < m.added; ++a) st.take(y, static_cast<i64>(ent[y].size()) - 1);
+        for (auto it = m.taken.rbegin(); it != m.taken.rend(); ++it)
+            st.add(x, it->first, it->second.unit, it->second.path, it->second.cost);
+    };
+    auto try_move = [&](i64 x, const std::vector<i64>& idxs, i64 y, i64& delta, Moved& m) {
+        const i64 before = tok(x, y);
+        m.taken.clear();
+        m.added = 0;
+        for (auto it = idxs.rbegin(); it != idxs.rend(); ++it) m.taken.push_back({*it, st.take(x, *it)});
+        for (auto it = m.taken.rbegin(); it != m.taken.rend(); ++it) {
+            if (!st.give(y, it->second.unit)) break;
+            ++m.added;
+        }
+        if (m.added < static_cast<i64>(m.taken.size()) || rows[y] > M) {
+            undo_move(x, y, m);
+            return false;
+        }
+        delta = tok(x, y) - before;
+        return true;
+    };
+    struct Swapped {
+        Entry eu, ev;
+        bool okv, oku;
+    };
+    auto undo_swap = [&](i64 x, i64 i, i64 y, i64 j, const Swapped& s) {
+        if (s.oku) st.take(y, static_cast<i64>(ent[y].size()) - 1);
+        if (s.okv) st.take(x, static_cast<i64>(ent[x].size()) - 1);
+        st.add(y, j, s.ev.unit, s.ev.path, s.ev.cost);
+        st.add(x, i, s.eu.unit, s.eu.path, s.eu.cost);
+    };
+    auto try_swap = [&](i64 x, i64 i, i64 y, i64 j, i64& delta, Swapped& s) {
+        const i64 before = tok(x, y);
+        s.eu = st.take(x, i);
+        s.ev = st.take(y, j);
+        s.okv = st.give(x, s.ev.unit);
+        s.oku = s.okv && st.give(y, s.eu.unit);
+        if (!s.oku || rows[x] > M || rows[y] > M) {
+            undo_swap(x, i, y, j, s);
+            return false;
+        }
+        delta = tok(x, y) - before;
+        return true;
+    };
+    auto movable = [&](i64 k) { return U.kind[k] != 0 && U.upper[k] < 0; };
+
+    bool moved = false;
+    for (i64 it = 0; it < moves; ++it) {
+        const i64 n = st.n;
+        std::vector<std::vector<i64>> order(dp);
+        for (i64 b = 0; b < n; ++b)
+            if (!ent[b].empty()) order[rep[b]].push_back(b);
+        std::size_t S = 0;
+        for (auto& o : order) {
+            std::sort(o.begin(), o.end(), [&](i64 a, i64 b) { return load[a] != load[b] ? load[a] > load[b] : a < b; });
+            S = std::max(S, o.size());
+        }
+        struct Slot {
+            double ratio;
+            i64 k;
+            std::vector<i64> above;
+        };
+        std::vector<Slot> slots;
+        for (std::size_t k = 0; k < S; ++k) {
+            std::vector<i64> bs;
+            for (auto& o : order)
+                if (k < o.size()) bs.push_back(o[k]);
+            double mx = 0.0, sm = 0.0;
+            for (i64 b : bs) {
+                const double v = load[b] + overhead;
+                sm += v;
+                if (v > mx) mx = v;
+            }
+            const double ratio = sm / (static_cast<double>(dp) * mx);
+            if (ratio < 1.0 - 1e-9) {
+                const double mean = sm / static_cast<double>(dp);
+                Slot s{ratio, static_cast<i64>(k), {}};
+                for (i64 b : bs)
+                    if (load[b] + overhead > mean) s.above.push_back(b);
+                slots.push_back(std::move(s));
+            }
+        }
+        std::stable_sort(slots.begin(), slots.end(), [](const Slot& a, const Slot& b) {
+            return a.ratio != b.ratio ? a.ratio < b.ratio : a.k < b.k;
+        });
+        std::vector<i64> sources;
+        for (std::size_t q = 0; q < slots.size() && static_cast<i64>(q) < n_slots; ++q)
+            for (i64 b : slots[q].above)
+                if (std::find(sources.begin(), sources.end(), b) == sources.end()) sources.push_back(b);
+        std::vector<i64> live;
+        for (i64 b = 0; b < n; ++b)
+            if (!ent[b].empty()) live.push_back(b);
+        i64 light = live[0];
+        for (i64 b : live)
+            if (load[b] < load[light]) light = b;
+        if (!st.is_prod[light] && std::find(sources.begin(), sources.end(), light) == sources.end())
+            sources.push_back(light);
+        const bool swaps = static_cast<i64>(live.size()) <= swap_bins;
+        std::vector<i64> dests = live;
+        dests.insert(dests.end(), spare.begin(), spare.end());
+        bool have = false;
+        double bf = 0.0;
+        i64 bdelta = 0, bkind = 0, bx = 0, by = 0, bi = 0, bj = 0;
+        std::vector<i64> bidx;
+        Moved mv;
+        Swapped sw;
+        for (i64 x : sources) {
+            const double lx = load[x];
+            double c_out = 0.0;
+            for (const auto& idxs : st.groups(x)) {
+                if (x != light) {
+                    c_out = 0.0;
+                    for (i64 j : idxs) c_out += U.cost[ent[x][j].unit];
+                }
+                for (i64 y : dests) {
+                    if (y == x || (x != light && load[y] + c_out >= lx)) continue;
+                    i64 delta;
+                    if (!try_move(x, idxs, y, delta, mv)) continue;
+                    if (delta <= slack) {
+                        const double f = score(rep[x], rep[y]);
+                        if (f < f_now - 1e-12 && (!have || f < bf)) {
+                            have = true;
+                            bf = f;
+                            bdelta = delta;
+                            bkind = 0;
+                            bx = x;
+                            bidx = idxs;
+                            by = y;
+                        }
+                    }
+                    undo_move(x, y, mv);
+                }
+            }
+            if (!swaps) continue;
+            for (i64 i = 0; i < static_cast<i64>(ent[x].size()); ++i) {
+                const i64 ku = ent[x][i].unit;
+                if (!movable(ku)) continue;
+                const double cu = U.cost[ku];
+                for (i64 y : live) {
+                    if (y == x) continue;
+                    for (i64 j = 0; j < static_cast<i64>(ent[y].size()); ++j) {
+                        const i64 kv = ent[y][j].unit;
+                        if (!movable(kv)) continue;
+                        const double d = cu - U.cost[kv];
+                        if (d <= 0.0 || load[y] + d >= lx) continue;
+                        i64 delta;
+                        if (!try_swap(x, i, y, j, delta, sw)) continue;
+                        if (delta <= slack) {
+                            const double f = score(rep[x], rep[y]);
+                            if (f < f_now - 1e-12 && (!have || f < bf)) {
+                                have = true;
+                                bf = f;
+                                bdelta = delta;
+                                bkind = 1;
+                                bx = x;
+                                bi = i;
+                                bj = j;
+                                by = y;
+                            }
+                        }
+                        undo_swap(x, i, y, j, sw);
+                    }
+                }
+            }
+        }
+        // whole blocks (a producer with its consumers, or a bin reading and producing nothing; none
+        // holding a split window's unit) to another replica, or two blocks swapping replicas
+        const std::vector<std::vector<i64>> blocks = st.blocks(live);
+        for (i64 a = 0; a < static_cast<i64>(blocks.size()); ++a) {
+            const auto& ba = blocks[a];
+            const i64 rx = rep[ba[0]];
+            for (i64 r2 = 0; r2 < dp; ++r2) {
+                if (r2 == rx) continue;
+                for (i64 b : ba) rep[b] = r2;
+                const double f = score(rx, r2);
+                for (i64 b : ba) rep[b] = rx;
+                if (f < f_now - 1e-12 && (!have || f < bf)) {
+                    have = true;
+                    bf = f;
+                    bdelta = 0;
+                    bkind = 2;
+                    bx = a;
+                    by = r2;
+                }
+            }
+            for (i64 c = a + 1; c < static_cast<i64>(blocks.size()); ++c) {
+                const auto& bc = blocks[c];
+                const i64 ry = rep[bc[0]];
+                if (ry == rx) continue;
+                for (i64 b : ba) rep[b] = ry;
+                for (i64 b : bc) rep[b] = rx;
+                const double f = score(rx, ry);
+                for (i64 b : ba) rep[b] = rx;
+                for (i64 b : bc) rep[b] = ry;
+                if (f < f_now - 1e-12 && (!have || f < bf)) {
+                    have = true;
+                    bf = f;
+                    bdelta = 0;
+                    bkind = 3;
+                    bx = a;
+                    by = c;
+                }
+            }
+        }
+        if (have && bkind >= 2) {
+            f_now = bf;
+            const i64 rx = rep[blocks[bx][0]];
+            const i64 ry = bkind == 2 ? by : rep[blocks[by][0]];
+            for (i64 b : blocks[bx]) rep[b] = ry;
+            if (bkind == 3)
+                for (i64 b : blocks[by]) rep[b] = rx;
+            costs[rx] = st.costs(rx, overhead);
+            costs[ry] = st.costs(ry, overhead);
+            moved = true;
+            continue;
+        }
+        if (!have) break;
+        f_now = bf;
+        const i64 rx = rep[bx];
+        i64 ry;
+        i64 delta;
+        if (bkind == 0) {
+            try_move(bx, bidx, by, delta, mv);
+            ry = rep[by];
+        } else {
+            try_swap(bx, bi, by, bj, delta, sw);
+            ry = rep[by];
+        }
+        slack -= bdelta;
+        costs[rx] = st.costs(rx, overhead);
+        costs[ry] = st.costs(ry, overhead);
+        moved = true;
+        for (i64 r = 0; r < dp; ++r)
+            if (!ent[spare[r]].empty()) spare[r] = st.open(r);
+    }
+    const i64 nb = st.n;
+    I64Array rep_out(nb);
+    I64Array off_out(nb + 1);
+    i64 total_entries = 0;
+    for (i64 b = 0; b < nb; ++b) total_entries += static_cast<i64>(ent[b].size());
+    I64Array unit_out(total_entries), path_out(total_entries);
+    F64Array cost_out(total_entries);
+    auto ro = rep_out.mutable_data();
+    auto oo = off_out.mutable_data();
+    auto uo = unit_out.mutable_data();
+    auto po = path_out.mutable_data();
+    auto co = cost_out.mutable_data();
+    oo[0] = 0;
+    i64 w = 0;
+    for (i64 b = 0; b < nb; ++b) {
+        ro[b] = rep[b];
+        for (const Entry& e : ent[b]) {
+            uo[w] = e.unit;
+            po[w] = e.path ? 1 : 0;
+            co[w] = e.cost;
+            ++w;
+        }
+        oo[b + 1] = w;
+    }
+    return py::make_tuple(moved, rep_out, off_out, unit_out, path_out, cost_out);
+}
+
+}  // namespace
+
+void register_rebalance(py::module_& m) {
+    m.def("l2_rebalance", &l2_rebalance, py::arg("length"), py::arg("ints"), py::arg("flts"), py::arg("own_off"),
+          py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("rep"),
+          py::arg("ent_off"), py::arg("ent_unit"), py::arg("ent_path"), py::arg("ent_cost"), py::arg("dp"),
+          py::arg("M"), py::arg("overhead"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"),
+          py::arg("swap_bins"),
+          "L2's balance pass (see megatron_harts.planner.l2.rebalance; _rebalance_python is the reference): "
+          "units (kind, tree, window, upper window, owned rows, replay tokens, path rows; cost, replay cost, "
+          "path cost; owned / recomputed / path segments as CSR) in bins (replica, entries: unit, path "
+          "recomputed, cost).  Returns (moved, rep, ent_off, ent_unit, ent_path, ent_cost).");
+}
