@@ -141,4 +141,5 @@ void register_l2(pybind11::module_& m) {
           "assemble_plan's per-microbatch work (megatron_harts.planner.microbatch._assemble_core_python): "
           "owned / recomputed ids, cost features, recomputed rows and external context as CSR arrays.");
     register_rebalance(m);
+    register_spread(m);
 }

@@ -1,5 +1,6 @@
 // Plan assembly core (csrc/assemble_core.cpp), registered into megatron_harts._C by call_planner.cpp;
-// register_l2 also registers L2's balance pass (csrc/l2_rebalance.cpp).
+// register_l2 also registers L2's balance pass (csrc/l2_rebalance.cpp) and spreading packer
+// (csrc/l2_spread.cpp).
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -8,6 +9,7 @@
 
 void register_l2(pybind11::module_& m);
 void register_rebalance(pybind11::module_& m);
+void register_spread(pybind11::module_& m);
 
 // Cost features of one microbatch computing comp[0..m) (sorted, distinct) and owning own[0..mo):
 // out = rows, attention pairs, KDA calls, replay tokens, logits rows, external rows

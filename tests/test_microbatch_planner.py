@@ -508,8 +508,8 @@ def _l2_forests():
 
 
 def test_plan_l2_compiled_equals_python_reference(monkeypatch):
-    # the whole L2 plan is the same with the compiled cores (features, assembly) and without
-    # them
+    # the whole L2 plan is the same with the compiled cores (features, assembly, balance pass,
+    # spreading packer) and without them
     from megatron_harts.planner import cost_model as cm
     from megatron_harts.planner import microbatch as mbmod
     for f, M, model in _l2_forests()[:4]:
@@ -522,6 +522,7 @@ def test_plan_l2_compiled_equals_python_reference(monkeypatch):
                 mp.setattr(cm, "_MB_KDA", None)
                 mp.setattr(mbmod, "_ASSEMBLE", None)
                 mp.setattr(l2mod, "_REBALANCE", None)
+                mp.setattr(l2mod, "_SPREAD", None)
                 ref = plan_l2(f, l1, cost_model=model, index=ix)
             assert _plan_key(fast) == _plan_key(ref)
 
@@ -574,6 +575,36 @@ def test_compiled_rebalance_matches_python():
             assert fast == ref
             moved += ref[0]
     assert moved > 10
+
+
+def test_compiled_pack_spread_matches_python():
+    # _C.l2_pack_spread equals its Python reference (bins, segments, loads: floats exact) on the
+    # seeded L2 forests' units, whole and split, on DP 2, 4 and 8, three slot counts, two targets
+    if l2mod._SPREAD is None:
+        pytest.skip("the compiled extension is not built")
+
+    def key(out):
+        packings, bound = out
+        return bound, [(g, p, l, [[(id(u), tuple(ex), c) for u, ex, c in es] for es in e])
+                       for g, p, l, e in packings]
+
+    n = 0
+    for f, M, model in _l2_forests():
+        ix = ForestIndex(f)
+        for dp in (2, 4, 8):
+            l1 = plan_l1(f, dp, M, cost_model=model, index=ix)
+            units = l2mod.window_units(ix, l1, model, model.chunk_size)
+            sets = [units] + [x for x in (l2mod.split_windows(ix, units, model, dp, sh) for sh in (0.5, 0.35))
+                              if x is not None]
+            for us in sets:
+                S0 = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
+                for S in (S0, S0 + 1, S0 + 2):
+                    for eps in (0.01, 0.05):
+                        fast = l2mod.pack_spread(ix, us, dp, M, S, eps)
+                        ref = l2mod._pack_spread_python(ix, us, dp, M, S, eps)
+                        assert key(fast) == key(ref)
+                        n += 1
+    assert n > 100
 
 
 def test_rebalance_keeps_tokens_and_windows():

@@ -123,6 +123,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             # packer too, and a larger tolerance only where the smaller one turned a placement away
             # (split windows: the spreading packer alone; the window packer's plans of them lost
             # to it on every benchmark batch)
+            arrays = unit_arrays(us) if dp > 1 and _SPREAD is not None else None
             for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not units else \
                     (pack_windows, pack_spread):
                 for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1):
@@ -130,7 +131,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                     for eps in WINDOW_TOLERANCES:
                         if not bound:
                             break  # the target turned nothing away: a larger one packs the same
-                        packings, bound = packer(ix, us, dp, M, S, eps)
+                        packings, bound = packer(ix, us, dp, M, S, eps, arrays) if packer is pack_spread else \
+                            packer(ix, us, dp, M, S, eps)
                         for packed in packings:
                             est = estimate_step(packed, dp, overhead)
                             if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
@@ -618,7 +620,73 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
     return [p for p in out if p is not None], bound
 
 
-def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01):
+_SPREAD = compiled("l2_pack_spread")
+
+
+def unit_arrays(units: List[_Unit]):
+    """``units`` as the compiled packer reads them: int64[units, 8] (kind, tree, window, upper
+    window, owned rows, replay tokens, path rows, rows), float64[units, 3] (cost, replay cost,
+    path cost), owned / recomputed / path segments as CSR (offsets, ids)."""
+    import numpy as np
+    nu = len(units)
+    ints = np.array([[_KIND[u.kind], u.tree, u.win, u.upper, u.own_rows, u.replay, u.path_rows, u.rows]
+                     for u in units], dtype=np.int64).reshape(nu, 8)
+    flts = np.array([[u.cost, u.replay_cost, u.path_cost] for u in units], dtype=np.float64).reshape(nu, 3)
+
+    def csr(lists):
+        off = np.zeros(len(lists) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in lists], out=off[1:])
+        return off, np.fromiter((x for xs in lists for x in xs), dtype=np.int64, count=int(off[-1]))
+
+    return (ints, flts) + csr([u.owned for u in units]) + csr([u.rec for u in units]) + csr([u.path for u in units])
+
+
+def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01, arrays=None):
+    """``_pack_spread_python``'s packings from the compiled ``_C.l2_pack_spread`` when built (the
+    same values); ``arrays``: ``unit_arrays(units)`` when the caller has them."""
+    global _SPREAD
+    if _SPREAD is not None:
+        try:
+            out = _SPREAD(ix.length, *(arrays if arrays is not None else unit_arrays(units)), dp, M, S, eps)
+        except TypeError:  # a different compiled signature: the Python path
+            _SPREAD = None
+        else:
+            bound, rep, oo, o, ro, r, load, core, after, eo, eu, ep, ec = out
+            rep, oo, o, ro, r, core = rep.tolist(), oo.tolist(), o.tolist(), ro.tolist(), r.tolist(), core.tolist()
+            eo, eu, ep, ec = eo.tolist(), eu.tolist(), ep.tolist(), ec.tolist()
+            nb = len(rep)
+            aft: Dict[int, set] = {}
+            for b, q in after.tolist():
+                aft.setdefault(b, set()).add(q)
+            ent = [[(units[eu[i]], units[eu[i]].path if ep[i] else (), ec[i]) for i in range(eo[b], eo[b + 1])]
+                   for b in range(nb)]
+            return _spread_output(dp, rep, [o[oo[b]:oo[b + 1]] for b in range(nb)],
+                                  [r[ro[b]:ro[b + 1]] for b in range(nb)], load.tolist(), core, aft, ent, bool(bound))
+    return _pack_spread_python(ix, units, dp, M, S, eps)
+
+
+def _spread_output(dp, rep, own_l, rec_l, load, has_core, after, ent, bound):
+    """``pack_spread``'s packing from its bins: producers first on their replica, the rest
+    costliest first, split windows' consumers after their path's owner."""
+    seqs = []
+    for r in range(dp):
+        bins = [b for b in range(len(rep)) if rep[b] == r and own_l[b]]
+        seqs.append([b for b in bins if has_core[b]] +
+                    sorted((b for b in bins if not has_core[b]), key=lambda b: -load[b]))
+    seqs = _after_owners(seqs, {b: {q for q in qs if q != b} for b, qs in after.items()})
+    if seqs is None:
+        return [], bound
+    groups, placement, loads, entries = [], [], [], []
+    for r, seq in enumerate(seqs):
+        for k, b in enumerate(seq):
+            groups.append((tuple(own_l[b]), tuple(rec_l[b])))
+            placement.append((r, k))
+            entries.append(ent[b])
+        loads.append([load[b] for b in seq])
+    return [(groups, placement, loads, entries)], bound
+
+
+def _pack_spread_python(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01):
     """The spreading packer (several replicas): ``S`` microbatches per replica opened up front;
     cores first, costliest first, each into the first microbatch of the replica whose first
     microbatch with room is earliest and cheapest (producers lead their replicas, several cores
@@ -736,22 +804,7 @@ def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, ep
         else:
             b = open_bin(min(range(dp), key=lambda q: rep.count(q)))
             put(b, u, (), u.cost)
-    seqs = []
-    for r in range(dp):
-        bins = [b for b in range(len(rep)) if rep[b] == r and own_l[b]]
-        seqs.append([b for b in bins if has_core[b]] +
-                    sorted((b for b in bins if not has_core[b]), key=lambda b: -load[b]))
-    seqs = _after_owners(seqs, {b: {q for q in qs if q != b} for b, qs in after.items()})
-    if seqs is None:
-        return [], bound
-    groups, placement, loads, entries = [], [], [], []
-    for r, seq in enumerate(seqs):
-        for k, b in enumerate(seq):
-            groups.append((tuple(own_l[b]), tuple(rec_l[b])))
-            placement.append((r, k))
-            entries.append(ent[b])
-        loads.append([load[b] for b in seq])
-    return [(groups, placement, loads, entries)], bound
+    return _spread_output(dp, rep, own_l, rec_l, load, has_core, after, ent, bound)
 
 
 def _after_owners(seqs: List[List[int]], after: Dict[int, set]) -> Optional[List[List[int]]]:
