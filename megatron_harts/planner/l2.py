@@ -138,8 +138,9 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                             if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
                                 packs.append((est, len(packs), packed))
         packs.sort(key=lambda p: p[:2])
-        if dp > 1 and BALANCE_MOVES:  # the best packings evened out per slot
-            for _, _, packed in packs[:BALANCE_PACKINGS]:
+        if dp > 1 and BALANCE_MOVES and packs:  # the best packings evened out per slot
+            k = BALANCE_PACKINGS[len(packs[0][2][0]) >= BALANCE_MORE_BINS]
+            for _, _, packed in packs[:k]:
                 even = rebalance(ix, packed, dp, M, overhead)
                 if even is not None:
                     packs.append((estimate_step(even, dp, overhead), len(packs), even))
@@ -971,11 +972,14 @@ def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -
 #: the balance pass (``rebalance``): at most ``BALANCE_MOVES`` moves per packing, sources taken
 #: from the ``BALANCE_SLOTS`` least balanced slots; the objective adds ``BALANCE_WEIGHT`` times the
 #: mean microbatch cost for each slot's imbalance (1 - mean / max) to the estimated step
-BALANCE_MOVES = 64
-BALANCE_SLOTS = 4
+BALANCE_MOVES = 1000
+BALANCE_SLOTS = 12
 BALANCE_WEIGHT = 1.0
-#: packings (the best by estimate) the balance pass refines
-BALANCE_PACKINGS = 2
+#: packings (the best by estimate) the balance pass refines: the first number, the second when the
+#: best packing has at least ``BALANCE_MORE_BINS`` microbatches (small batches: planning time
+#: counts more there, and the search rarely finds more)
+BALANCE_PACKINGS = (2, 4)
+BALANCE_MORE_BINS = 48
 #: swaps are tried in packings of at most this many microbatches
 BALANCE_SWAP_BINS = 64
 
