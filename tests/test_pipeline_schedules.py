@@ -14,8 +14,9 @@
   training and of the pipeline-size-1 windowed step on the same microbatches; the windows alive at
   once per stage are those of the orders (overlap: both windows); consumers spread over slots
   with plain microbatches between them; consumer 1F1B with uneven ``microbatch_costs`` (the
-  items reordered: same gradients); activation recomputation (full, uniform) on; DP=2 x PP=2
-  with windows on both replicas (gradients summed over replicas == expanded).
+  items reordered: same gradients; the closing window's consumer of cheapest backward last);
+  activation recomputation (full, uniform) on; DP=2 x PP=2 with windows on both replicas
+  (gradients summed over replicas == expanded).
 """
 import os
 
@@ -116,6 +117,23 @@ def test_stage_orders():
     bad[1] = bad[1][::-1]
     with pytest.raises(AssertionError):
         check_stage_orders(bad, po)
+
+
+#: the "overlap" step set's roles ([None, None, 0, 1, 1]) with costs under which consumer 1F1B closes
+#: the last window with its consumer of cheapest backward (3) last, not its costliest (4)
+CLOSING_COSTS = [(1.0, 2.0), (2.0, 4.0), (1.0, 2.0), (3.0, 6.0), (4.0, 8.0)]
+
+
+def test_closing_window_cheapest_backward_last():
+    po = [None, None, 0, 1, 1]
+    orders = stage_orders(po, 2, "consumer-1f1b", costs=CLOSING_COSTS)
+    for o in orders:
+        assert [i for kind, i in o if kind == "B"] == [2, 0, 4, 3, 1]
+        assert [i for kind, i in o if kind == "F"] == [0, 2, 1, 4, 3]
+    check_stage_orders(orders, po)
+    check_p2p_channels(orders)
+    for S in (3, 4):
+        check_p2p_channels(stage_orders(po, S, "consumer-1f1b", costs=CLOSING_COSTS))
 
 
 def test_directions_need_their_own_channels():
@@ -308,6 +326,12 @@ def worker(rank, world, port, ref_path):
                     continue
                 lp = stage_step(model, mbs, "consumer-1f1b", costs=costs)
                 assert_stage_same(lp, stage_grads(model, offset), exp, f"PP={pp} cost-aware 1F1B ({name})", last)
+            if pp == 2:                                   # the closing window's cheapest backward last
+                mbs = sets["overlap"]
+                orders = stage_orders([mb.producer for mb in mbs], pp, "consumer-1f1b", costs=CLOSING_COSTS)
+                assert [i for kind, i in orders[0] if kind == "B"][-2:] == [3, 1]
+                lp = stage_step(model, mbs, "consumer-1f1b", costs=CLOSING_COSTS)
+                assert_stage_same(lp, stage_grads(model, offset), exp, f"PP={pp} closing order vs expanded", last)
             if pp == 2:                                   # activation recomputation (full, uniform)
                 cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
                 lp = stage_step(model, sets["spread"], "consumer-1f1b")

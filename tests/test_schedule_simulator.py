@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_harts.plotting import blank, draw_text, fill_rect, text_width, write_png
-from megatron_harts.schedules.simulator import (SCHEDULES, ScheduleResult, StepMicrobatch,
+from megatron_harts.schedules.simulator import (SCHEDULES, Event, ScheduleResult, StepMicrobatch,
                                                 _classic_1f1b, c1f1b_depths, draw_timeline,
-                                                schedule_ops, simulate, step_from_plan, step_windows,
-                                                timeline_image)
+                                                makespan_lower_bound, schedule_ops, simulate,
+                                                step_from_plan, step_windows, timeline_image)
 from megatron_harts.tree_data import build_forest, write_jsonl
 from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
 
@@ -208,6 +208,7 @@ def test_every_schedule_respects_dependencies_and_accounts_exactly(step, S, name
         for d in prerequisites(kind, m, s, S, step):
             assert end[d] + (lat if d[0] != s else 0.0) <= t0 + 1e-9, (name, (s, kind, m), d)
     assert r.makespan == pytest.approx(max(end.values()))
+    assert r.makespan >= makespan_lower_bound(step, S, p2p_latency=lat) * (1 - 1e-9)   # no order beats it
     assert r.bubble_fraction == pytest.approx(1 - sum(r.busy) / (S * r.makespan) if r.makespan > 0 else 0.0)
     assert r.tokens == sum(x.tokens for x in step)
     for s in range(S):
@@ -299,6 +300,47 @@ def test_uneven_costs_break_the_makespan_order():
     skewed = [mb(1, 6), mb(2, 12), mb(8, 6)]      # the unit-cost order misjudges 1:6 backward ratios
     r = {name: simulate(skewed, 3, name).makespan for name in SCHEDULES}
     assert r["overlap"] > r["non-overlap"] == r["consumer-1f1b"]
+
+
+def test_consumer_1f1b_closes_with_the_cheapest_backward():
+    """The closing window runs its consumer of cheapest backward last: after the last stage's final
+    PB (both orders end it at 17) stage 0 still runs that consumer's backward and the PB, and
+    the PB there waits for the consumer's (3 time units of drain against the costliest-last
+    order's 4), so consumer 1F1B beats overlap and its own costliest-last order on 2 stages,
+    keeping fewer windows alive."""
+    prods = [None, None, 0, 1, 1]
+    step = [mb(f, 2 * f, producer=p, export=(1.0 if p is None else 0.0)) for f, p in zip((1, 2, 1, 3, 4), prods)]
+    r = {name: simulate(step, 2, name) for name in SCHEDULES}
+    assert r["consumer-1f1b"].ops_per_stage == [
+        [("PF", 0), ("F", 2), ("PF", 1), ("F", 4), ("B", 2), ("PB", 0), ("F", 3), ("B", 4), ("B", 3), ("PB", 1)],
+        [("PF", 0), ("F", 2), ("B", 2), ("PB", 0), ("PF", 1), ("F", 4), ("B", 4), ("F", 3), ("B", 3), ("PB", 1)]]
+    costliest_last = [[(k, {3: 4, 4: 3}.get(m, m)) for k, m in o] for o in r["consumer-1f1b"].ops_per_stage]
+    assert simulate(step, 2, "x", orders=costliest_last).makespan == pytest.approx(21.0)
+    assert r["consumer-1f1b"].makespan == pytest.approx(20.0) and r["overlap"].makespan == pytest.approx(21.5)
+    assert r["consumer-1f1b"].peak_windows_alive == [2, 1] and r["overlap"].peak_windows_alive == [2, 2]
+    assert r["consumer-1f1b"].events[1][-1] == Event("PB", 1, 15.0, 17.0)
+    tail = r["consumer-1f1b"].events[0][-2:]          # stage 0 after the last stage's final PB
+    assert [(e.kind, e.microbatch, e.start, e.end) for e in tail] == [("B", 3, 15.0, 18.0), ("PB", 1, 18.0, 20.0)]
+
+
+def test_makespan_lower_bound():
+    """Tight on one stage and when the last stage never waits; a plain microbatch may open and close
+    the step; latency crosses 2 (S - 1) links; bad input as simulate."""
+    step = [mb(2, 4) for _ in range(4)]                # per stage: forward 1, backward 2
+    assert makespan_lower_bound(step, 1) == pytest.approx(24.0) == simulate(step, 1, "overlap").makespan
+    assert makespan_lower_bound(step, 2) == pytest.approx(12.0 + 1.0 + 2.0)
+    assert simulate(step, 2, "consumer-1f1b").makespan == pytest.approx(15.0)     # 1F1B reaches it
+    assert makespan_lower_bound(step, 2, p2p_latency=0.5) == pytest.approx(16.0)
+    win = window_step(2, consumers=3)                  # the producer opens and closes: PF 1 + PB 2 per stage
+    assert makespan_lower_bound(win, 2) == pytest.approx(12.0 + 3.0)
+    plain = win + [mb(0.2, 0.4)]                       # a cheap plain microbatch lowers the bound
+    assert makespan_lower_bound(plain, 2) == pytest.approx(12.3 + 0.3)
+    with pytest.raises(ValueError, match="no microbatches"):
+        makespan_lower_bound([], 2)
+    with pytest.raises(ValueError, match="num_stages"):
+        makespan_lower_bound(step, 0)
+    with pytest.raises(ValueError, match="producer"):
+        makespan_lower_bound([mb(1, 2, producer=0)], 2)
 
 
 def test_several_windows_consumer_1f1b_beats_non_overlap():

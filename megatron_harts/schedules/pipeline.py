@@ -43,9 +43,9 @@ before the step runs.  In short:
   consumer's backward; windows overlap.  It is chosen with per-microbatch costs
   (``microbatch_costs``: (forward, backward) per item, the same on every rank; default forward 1,
   backward 2 each): the classic 1F1B order (stage s warms up with ``S - s - 1`` forwards) or a
-  cost-aware one (warm-up up to S - 1 deeper, consumers grouped by window and reordered; no more
-  export bytes or windows alive than overlap's), at most ``2 (S - s) - 1`` consumers or plain
-  microbatches in flight on stage s.
+  cost-aware one (warm-up up to S - 1 deeper, consumers grouped by window and reordered, the
+  closing window's cheapest backward last; no more export bytes or windows alive than
+  overlap's), at most ``2 (S - s) - 1`` consumers or plain microbatches in flight on stage s.
 - ``"overlap"``: overlapping windows, backward-first: a unit-cost event simulation (forward 1,
   backward 2) where an idle stage runs its next backward when it is ready, otherwise its next
   forward (no in-flight bound: more windows are alive at once).

@@ -79,7 +79,12 @@ and one backward in turn, then the remaining backwards, both in list order.
     order (the unit with the cheapest first forward first, the one with the cheapest closing
     backward last: they set the pipeline's fill and drain) and the best order found so far,
     each improved by a local search of :data:`C1F1B_SEARCH_MOVES` seeded moves (move or swap
-    two units, kept when the makespan drops).
+    two units, kept when the makespan drops);
+  * *closing* variants: the closing (last) unit with its consumer of cheapest backward last,
+    over every unit order when there are few units (at most :data:`C1F1B_TAIL_ORDERS` orders),
+    else over the best order found.  The drain after the last stage's final PB is the longer of
+    that window's last consumer backward and its PB on each stage before, so the costliest
+    backward last, right for a window in the middle of the step, is wrong for the closing one.
 
   The choice is the smallest makespan among the candidates whose retained export bytes and
   windows alive are, on every stage, no more than the overlap schedule's on the same step (the
@@ -100,6 +105,28 @@ point, with hypothesis where it holds and with a counterexample where it does no
   to 0.2%).  Overlap's order, decided by the unit-cost run, can lose to plain 1F1B when costs
   are far from 1:2 (e.g. a few plain microbatches on many stages).
 
+**How far from the optimum** (:func:`makespan_lower_bound`; why consumer 1F1B is barely above
+overlap at 2 stages).  No order beats ``W / S + (S - 1) (f_min + b_min) / S`` (plus ``2 (S - 1)``
+latencies): the last stage computes ``W / S``, cannot start before a producer's (or plain
+microbatch's) forward has crossed the stages before it, and its last op, a PB (or a plain B),
+still has to cross them backwards.  On the SWE steps of benchmarks/bench_pp_schedule.py (results
+pp_schedule_20261129d) every overlapping schedule already sits on that bound: at 2 stages
+overlap's makespan is 0.10% (Tree-Step, 67 microbatches in 8 windows) and 0.06% (Step-wise, 11
+in 4) above it, consumer 1F1B's 0.07% and 0.02%; at 8 stages overlap is 0.63% / 0.25% above,
+consumer 1F1B 0.44% / 0.07%.  The last stage hardly waits in the middle of the step (its idle
+time is the fill and the drain of one window's producer), so whatever the order, consumer 1F1B
+can gain at most that 0.1% on overlap at 2 stages, and over non-overlap at most 1.118x on
+Tree-Step at 2 stages (non-overlap's makespan over the bound; the issue's 1.2x is out of reach
+of any order: it drains once per window, 8 windows of ~8 consumers each).  The schedules differ
+where the bound leaves room: steps of few microbatches, where the fill and the drain are a large
+part of the step (the three 5-9 microbatch Step-wise steps of the 2 x H200 run: overlap 2.3%,
+0.1%, 3.0% above the bound, consumer 1F1B 0.75%, 0.07%, 2.1%, i.e. 1.246x non-overlap against
+overlap's 1.235x, in the simulator), and in memory: on 4 and 8 stages consumer 1F1B keeps
+fewer windows, export bytes and microbatches in flight than overlap's unbounded run-ahead.
+Overlap + backward-first as defined here is a strong baseline: its unbounded run-ahead keeps
+the last stage fed, which is all an optimal order does once windows may overlap (the published
+schedule's 9.5% over its overlap baseline is not reproduced by this model).
+
 **Invariants** (tests/test_schedule_simulator.py pins them): on every stage each op of the step
 appears exactly once in ``ops_per_stage[s]`` (F and B of every plain microbatch and consumer,
 PF and PB of every producer); every op starts no earlier than its prerequisites end (plus
@@ -115,6 +142,7 @@ a row per stage, time on x, one box per op; see :func:`timeline_image`).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -125,7 +153,8 @@ import numpy as np
 from ..plotting import blank, draw_text, fill_rect, text_width, write_png
 
 __all__ = ["SCHEDULES", "OP_KINDS", "StepMicrobatch", "Event", "ScheduleResult", "step_windows",
-           "schedule_ops", "simulate", "step_from_plan", "op_color", "timeline_image", "draw_timeline"]
+           "schedule_ops", "simulate", "makespan_lower_bound", "step_from_plan", "op_color", "timeline_image",
+           "draw_timeline"]
 
 SCHEDULES = ("non-overlap", "overlap", "consumer-1f1b")
 OP_KINDS = ("F", "B", "PF", "PB")
@@ -407,6 +436,8 @@ def c1f1b_depths(num_stages: int) -> range:
 C1F1B_RULES = ("forward-first", "backward-first")
 #: unit-order moves tried per (depth, rule) by the local search
 C1F1B_SEARCH_MOVES = 64
+#: unit orders up to this many are all tried with the closing unit's cheapest backward last
+C1F1B_TAIL_ORDERS = 120
 #: the search's pseudo-random moves (deterministic: every pipeline rank builds the same orders)
 _SEARCH_SEED = 20261129
 
@@ -643,9 +674,18 @@ def _consumer_1f1b(producers: Sequence[Optional[int]], windows: Mapping[int, Lis
         ends = [a] + ends + [z]
     rng = random.Random(_SEARCH_SEED)
     best_order = step_order
+    # the closing unit's variant: its cheapest backward last (the drain after the last stage's last PB
+    # is the longer of that consumer's and the producer's backwards on the stages before)
+    tails: Dict[int, List[int]] = {}
+    for k, u in enumerate(units):
+        if len(u) > 1:
+            j = min(range(len(u)), key=lambda j: (bwd[u[j]], j))
+            if j != len(u) - 1:
+                tails[k] = u[:j] + u[j + 1:] + [u[j]]
 
-    def run(order, depth, rule):
-        got = timing.greedy([i for k in order for i in units[k]], depth, rule)
+    def run(order, depth, rule, tail=False):
+        got = timing.greedy([i for k in order for i in (tails[k] if tail and k == order[-1] else units[k])],
+                            depth, rule)
         if got is None or not within(got[1]):
             return None
         return got
@@ -669,6 +709,17 @@ def _consumer_1f1b(producers: Sequence[Optional[int]], windows: Mapping[int, Lis
                 got = run(order, depth, rule)
                 if got is not None and got[1][0] < cur[2][0] * (1 - 1e-12):
                     cur = (order, got[0], got[1])
+            # closing variants: the unit orders with few units all (C1F1B_TAIL_ORDERS at most), else the
+            # best order found, with the closing unit's cheapest backward last
+            if tails:
+                if math.factorial(len(units)) <= C1F1B_TAIL_ORDERS:
+                    closing = [list(o) for o in itertools.permutations(range(len(units))) if o[-1] in tails]
+                else:
+                    closing = [cur[0]] if cur[0][-1] in tails else []
+                for order in closing:
+                    got = run(order, depth, rule, tail=True)
+                    if got is not None and got[1][0] < cur[2][0] * (1 - 1e-12):
+                        cur = (order, got[0], got[1])
             if cur[2][0] < best[0] * (1 - 1e-12):
                 best_order, best_ops, best = cur[0], cur[1], cur[2]
     return best_ops
@@ -806,6 +857,29 @@ def simulate(step: Sequence[StepMicrobatch], num_stages: int, schedule: str, *,
                           peak_windows_alive=peak_windows, peak_in_flight=peak_flight,
                           windows={p: tuple(cs) for p, cs in windows.items()},
                           tokens=int(sum(m.tokens for m in step)))
+
+
+def makespan_lower_bound(step: Sequence[StepMicrobatch], num_stages: int, *, p2p_latency: float = 0.0) -> float:
+    """A makespan no order of ``step`` on ``num_stages`` stages can beat (module docstring, "How
+    far from the optimum"): ``W / S + (S - 1) (f_min / S + b_min / S + 2 p2p_latency)``, ``W``
+    the step's forward and backward costs summed, ``f_min`` / ``b_min`` the smallest forward /
+    backward of a microbatch that is not a consumer (a producer or a plain microbatch).
+
+    The last stage computes ``W / S``; its first op is a forward of a non-consumer (a consumer's F
+    waits for its producer's PF on the same stage), which has crossed the ``S - 1`` stages before;
+    its last op is a backward of a non-consumer (a consumer's B comes before its producer's PB on
+    the same stage), which still has to cross the ``S - 1`` stages before it.  ValueError as
+    :func:`simulate` (a bad or empty step, a bad stage count or latency).
+    """
+    step_windows(step)
+    S = _check_stages(num_stages)
+    lat = _number(p2p_latency, "p2p_latency")
+    if not step:
+        raise ValueError("the step has no microbatches")
+    work = sum(m.forward + m.backward for m in step)
+    starters = [m for m in step if m.producer is None]      # producers and plain microbatches
+    return work / S + (S - 1) * (min(m.forward for m in starters) / S + min(m.backward for m in starters) / S
+                                 + 2 * lat)
 
 
 # ---------------------------------------------------------------------------------------------
