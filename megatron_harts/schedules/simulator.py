@@ -82,7 +82,8 @@ and one backward in turn, then the remaining backwards, both in list order.
     two units, kept when the makespan drops);
   * *closing* variants: the closing (last) unit with its consumer of cheapest backward last,
     over every unit order when there are few units (at most :data:`C1F1B_TAIL_ORDERS` orders),
-    else over the best order found.  The drain after the last stage's final PB is the longer of
+    else over the best order found; taken when it shortens the step by more than
+    :data:`C1F1B_TAIL_GAIN` (0.1%).  The drain after the last stage's final PB is the longer of
     that window's last consumer backward and its PB on each stage before, so the costliest
     backward last, right for a window in the middle of the step, is wrong for the closing one.
 
@@ -438,6 +439,9 @@ C1F1B_RULES = ("forward-first", "backward-first")
 C1F1B_SEARCH_MOVES = 64
 #: unit orders up to this many are all tried with the closing unit's cheapest backward last
 C1F1B_TAIL_ORDERS = 120
+#: a closing variant replaces the order found only when it shortens the step by more than this
+#: fraction (smaller gains are below real op-time noise and may retain more exports)
+C1F1B_TAIL_GAIN = 1e-3
 #: the search's pseudo-random moves (deterministic: every pipeline rank builds the same orders)
 _SEARCH_SEED = 20261129
 
@@ -718,7 +722,7 @@ def _consumer_1f1b(producers: Sequence[Optional[int]], windows: Mapping[int, Lis
                     closing = [cur[0]] if cur[0][-1] in tails else []
                 for order in closing:
                     got = run(order, depth, rule, tail=True)
-                    if got is not None and got[1][0] < cur[2][0] * (1 - 1e-12):
+                    if got is not None and got[1][0] < cur[2][0] * (1 - C1F1B_TAIL_GAIN):
                         cur = (order, got[0], got[1])
             if cur[2][0] < best[0] * (1 - 1e-12):
                 best_order, best_ops, best = cur[0], cur[1], cur[2]
