@@ -10,7 +10,10 @@ non-overlap and above overlap, with peak retained memory no higher than overlap'
 The real multi-GPU run belongs to the multi-GPU validation issue.
 
 Consumer 1F1B chooses its order with the step's costs (simulator module docstring); its peak
-microbatches in flight per stage are in the JSON beside overlap's.
+microbatches in flight per stage are in the JSON beside overlap's.  ``bound``: the makespan no
+order can beat (``makespan_lower_bound``); the table's ``ovl/bound`` and ``1f1b/bound`` are the
+makespans over it (how much any order could still gain), ``best/non`` the most any order could
+reach over non-overlap.
 
     .venv/bin/python benchmarks/bench_pp_schedule.py                 # table
     .venv/bin/python benchmarks/bench_pp_schedule.py --json --plot-dir out/pp   # + one PNG per case
@@ -25,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_harts.planner.cost_model import ForestIndex  # noqa: E402
 from megatron_harts.planner.l2 import plan_harts  # noqa: E402
-from megatron_harts.schedules.simulator import SCHEDULES, draw_timeline, simulate, step_from_plan  # noqa: E402
+from megatron_harts.schedules.simulator import (SCHEDULES, draw_timeline, makespan_lower_bound, simulate,  # noqa: E402
+                                                step_from_plan)
 from megatron_harts.tree_data import build_forest  # noqa: E402
 from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe  # noqa: E402
 
@@ -46,7 +50,8 @@ def main(argv=None):
     if a.plot_dir:
         os.makedirs(a.plot_dir, exist_ok=True)
     print(f"{'scheme':10s} {'S':>2s} {'mbs':>4s} {'win':>4s} | " + " | ".join(
-        f"{n:>13s} tok/s bubble" for n in SCHEDULES) + " | 1f1b/non  1f1b/ovl  mem 1f1b/ovl")
+        f"{n:>13s} tok/s bubble" for n in SCHEDULES) + " | 1f1b/non  1f1b/ovl  mem 1f1b/ovl | ovl/bound 1f1b/bound"
+        " best/non")
     for scheme in a.schemes:
         forest = build_forest(synthesize_swe(SweConfig(scheme=scheme, num_tasks=a.num_tasks, seed=a.seed)))
         ix = ForestIndex(forest)
@@ -57,6 +62,7 @@ def main(argv=None):
             res = {name: simulate(step, S, name) for name in SCHEDULES}
             tps = {n: r.tokens_per_second for n, r in res.items()}
             mem = {n: max(r.peak_export_bytes) for n, r in res.items()}
+            bound = makespan_lower_bound(step, S)
             case = {"scheme": scheme, "stages": S, "microbatches": len(step), "windows": windows,
                     "trajectories": forest.num_trajectories,
                     "schedules": {n: {"tokens_per_second": r.tokens_per_second, "bubble_fraction": r.bubble_fraction,
@@ -65,14 +71,19 @@ def main(argv=None):
                                       "peak_in_flight": r.peak_in_flight} for n, r in res.items()},
                     "consumer_1f1b_over_non_overlap": tps["consumer-1f1b"] / tps["non-overlap"],
                     "consumer_1f1b_over_overlap": tps["consumer-1f1b"] / tps["overlap"],
-                    "peak_memory_1f1b_over_overlap": mem["consumer-1f1b"] / mem["overlap"] if mem["overlap"] else None}
+                    "peak_memory_1f1b_over_overlap": mem["consumer-1f1b"] / mem["overlap"] if mem["overlap"] else None,
+                    "makespan_lower_bound": bound,
+                    "makespan_over_bound": {n: r.makespan / bound for n, r in res.items()},
+                    "best_possible_over_non_overlap": res["non-overlap"].makespan / bound}
             out["cases"].append(case)
             if a.plot_dir:
                 draw_timeline(res, os.path.join(a.plot_dir, f"pp_{scheme}_s{S}.png"))
             print(f"{scheme:10s} {S:2d} {len(step):4d} {windows:4d} | " + " | ".join(
                 f"{tps[n]:13,.0f} {100 * res[n].bubble_fraction:5.1f}%" for n in SCHEDULES)
                 + f" | {case['consumer_1f1b_over_non_overlap']:7.4f}x {case['consumer_1f1b_over_overlap']:7.4f}x"
-                f" {case['peak_memory_1f1b_over_overlap'] or 0:9.2f}", flush=True)
+                f" {case['peak_memory_1f1b_over_overlap'] or 0:9.2f}"
+                f" | {res['overlap'].makespan / bound:9.4f} {res['consumer-1f1b'].makespan / bound:10.4f}"
+                f" {case['best_possible_over_non_overlap']:7.4f}x", flush=True)
     met = [c["consumer_1f1b_over_non_overlap"] >= 1.2 and c["consumer_1f1b_over_overlap"] > 1.0
            and (c["peak_memory_1f1b_over_overlap"] or 0.0) <= 1.0 for c in out["cases"]]
     out["targets_met"] = met
