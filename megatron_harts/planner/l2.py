@@ -46,8 +46,11 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    nothing away) give a few packings; on several replicas the spreading packer
    (``pack_spread``: cores lead their replicas, several to a producer, items wherever the
    load is lowest) adds its own.  Each is estimated from its microbatch loads (per-microbatch
-   terms included) and only the best ``ASSEMBLED`` by that estimate that compute no more
-   tokens than L1 are judged exactly.
+   terms included); on several replicas the best few are also refined by the balance pass
+   (``rebalance``: a local search moving and swapping units and whole windows toward even
+   slots, never computing more tokens).  Only the best ``ASSEMBLED`` by that estimate that
+   compute no more tokens than L1 (and a refined one no more than the packing it refines)
+   are judged exactly.
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
@@ -138,20 +141,33 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                             if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
                                 packs.append((est, len(packs), packed))
         packs.sort(key=lambda p: p[:2])
+        refined = {}  # a refined packing -> the packing it refines
         if dp > 1 and BALANCE_MOVES and packs:  # the best packings evened out per slot
             k = BALANCE_PACKINGS[len(packs[0][2][0]) >= BALANCE_MORE_BINS]
             for _, _, packed in packs[:k]:
                 even = rebalance(ix, packed, dp, M, overhead)
                 if even is not None:
+                    refined[id(even)] = packed
                     packs.append((estimate_step(even, dp, overhead), len(packs), even))
             packs.sort(key=lambda p: p[:2])
+        assembled = {}
+
+        def assemble(packed):
+            if id(packed) not in assembled:
+                assembled[id(packed)] = window_plan(ix, packed, dp=dp, M=M, model=model)
+            return assembled[id(packed)]
+
         judged = 0
         for _, _, packed in packs[:2 * ASSEMBLED]:
             if judged == ASSEMBLED:
                 break
-            cand = window_plan(ix, packed, dp=dp, M=M, model=model)
+            cand = assemble(packed)
             if cand is None or cand.tokens_computed > keep_tokens:
                 continue  # not a candidate: the next packing by estimate is assembled instead
+            if id(packed) in refined:  # the balance pass never computes more tokens (exactly)
+                src = assemble(refined[id(packed)])
+                if src is not None and cand.tokens_computed > src.tokens_computed:
+                    continue
             judged += 1
             key = (step_cost(cand), cand.tokens_computed)
             if key < plan_key:
@@ -1396,23 +1412,26 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
 def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
     """A packing's microbatches evened out per slot (the balance pass, several replicas).
 
-    A local search (``_C.l2_rebalance``; ``_rebalance_python`` its reference): moves, each the
-    best by the objective (the estimated step, each replica's microbatches costliest first and
-    slots aligned, plus ``BALANCE_WEIGHT`` times the mean microbatch cost for every slot's
-    imbalance 1 - mean / max: ``_slot_objective``) until none lowers it (at most
-    ``BALANCE_MOVES``).  Sources: the microbatches above their slot's mean in the
-    ``BALANCE_SLOTS`` least balanced slots, toward lighter microbatches, and the lightest
-    microbatch (anywhere: emptying it saves a microbatch).  Moves: a unit (alone, or a window's
-    path items or a tree's free pieces together) to another microbatch; two units swapping
-    microbatches (packings of at most ``BALANCE_SWAP_BINS`` microbatches); a whole microbatch
-    that reads and produces nothing to another replica.  A moved unit takes the form its
-    destination allows (``_Bins.mode``: read from its window's producer, or its root path
-    recomputed).  No move computes more tokens (rows and KDA replay, as estimated) than the
-    moves before it saved, no microbatch exceeds ``M`` rows.  Cores and split windows' units
-    stay; a microbatch left empty is dropped.  Then the order of ``pack_windows`` (costliest
-    first, a producer just before its first consumer, split windows' consumers after their
-    path's owner).  Returns the packing (``pack_windows``' format) or None when nothing moved
-    (or that order is impossible)."""
+    A local search (``_C.l2_rebalance``; ``_rebalance_python`` its reference, move for move):
+    at most ``BALANCE_MOVES`` steps, each taking the best change by the objective (the
+    estimated step, each replica's microbatches costliest first and slots aligned, plus
+    ``BALANCE_WEIGHT`` times the mean microbatch cost for every slot's imbalance 1 - mean /
+    max: ``_slot_objective``), until none lowers it.  Sources: the microbatches above their
+    slot's mean in the ``BALANCE_SLOTS`` least balanced slots (toward lighter microbatches),
+    and the lightest microbatch (anywhere: emptying it saves a microbatch).  Changes: a unit
+    (alone, or a window's path items or a tree's free pieces together) to another microbatch
+    or to a new one (each replica keeps an empty microbatch at hand); two units swapping
+    microbatches (packings of at most ``BALANCE_SWAP_BINS`` microbatches); a whole block (a
+    producer with its consumers, or a microbatch reading and producing nothing; no split
+    window's units) to another replica, or two blocks swapping replicas.  A moved unit takes
+    the form its destination allows (``_Bins.mode``: read from its window's producer, or its
+    root path recomputed).  No change computes more tokens (rows and KDA replay, as
+    estimated: ``plan_l2`` checks the assembled plan) than the changes before it saved, no
+    microbatch exceeds ``M`` rows.  Cores and split windows' units stay; a microbatch left
+    empty is dropped.  Then the order of ``pack_windows`` (costliest first, a producer just
+    before its first consumer, split windows' consumers after their path's owner).  Returns
+    the packing (``pack_windows``' format) or None when nothing changed (or that order is
+    impossible)."""
     global _REBALANCE
     groups, placement, loads, entries = packed[:4]
     n = len(groups)
