@@ -994,7 +994,7 @@ BALANCE_WEIGHT = 1.0
 #: packings (the best by estimate) the balance pass refines: the first number, the second when the
 #: best packing has at least ``BALANCE_MORE_BINS`` microbatches (small batches: planning time
 #: counts more there, and the search rarely finds more)
-BALANCE_PACKINGS = (2, 4)
+BALANCE_PACKINGS = (1, 4)
 BALANCE_MORE_BINS = 48
 #: swaps are tried in packings of at most this many microbatches
 BALANCE_SWAP_BINS = 64
