@@ -1431,11 +1431,11 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
     empty is dropped.  Then the order of ``pack_windows`` (costliest first, a producer just
     before its first consumer, split windows' consumers after their path's owner).  Returns
     the packing (``pack_windows``' format) or None when nothing changed (or that order is
-    impossible)."""
+    impossible, or there are fewer microbatches than replicas)."""
     global _REBALANCE
     groups, placement, loads, entries = packed[:4]
     n = len(groups)
-    if n < 2 or dp < 2:
+    if n < 2 or dp < 2 or n < dp:  # fewer microbatches than replicas: every slot has idle ones
         return None
     units, index = [], {}
     ent = []
