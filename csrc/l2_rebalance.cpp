@@ -72,12 +72,20 @@ class Bins {
     Bins(const Units& u, const i64* length, i64 num_segments, std::vector<i64> rep,
          const std::vector<std::vector<Entry>>& ent, i64 dp)
         : U(u), length(length), dp(dp), n(static_cast<i64>(rep.size())), rep(std::move(rep)), ent(n), load(n, 0.0),
-          rows(n, 0), replay(n, 0), cnt(n), owner(num_segments, -1), win_t(n), path_t(n), reads(n),
+          rows(n, 0), own_sum(n, 0), replay(n, 0), cnt(n), owner(num_segments, -1), win_t(n), path_t(n), reads(n),
           is_prod(n, false) {
         for (i64 b = 0; b < n; ++b)
             for (const Entry& e : ent[b])
                 if (U.kind[e.unit] == 0) prod[U.win[e.unit]] = b;
         for (auto& kv : prod) is_prod[kv.second] = true;
+        overlap.assign(U.kind.size(), false);
+        for (std::size_t k = 0; k < U.kind.size(); ++k)
+            for (i64 i = U.rec_off[k]; i < U.rec_off[k + 1] && !overlap[k]; ++i)
+                for (i64 q = U.path_off[k]; q < U.path_off[k + 1]; ++q)
+                    if (U.rec[i] == U.path[q]) {
+                        overlap[k] = true;
+                        break;
+                    }
         for (i64 b = 0; b < n; ++b)
             for (const Entry& e : ent[b]) add(b, static_cast<i64>(this->ent[b].size()), e.unit, e.path, e.cost);
     }
@@ -87,6 +95,7 @@ class Bins {
         ent.emplace_back();
         load.push_back(0.0);
         rows.push_back(0);
+        own_sum.push_back(0);
         replay.push_back(0);
         cnt.emplace_back();
         win_t.emplace_back();
@@ -106,6 +115,7 @@ class Bins {
             owner[s] = b;
         }
         rows[b] += U.own_rows[k];
+        own_sum[b] += U.own_rows[k];
         auto walk = [&](const i64* seq, i64 lo, i64 hi) {
             for (i64 i = lo; i < hi; ++i) {
                 const i64 s = seq[i];
@@ -153,6 +163,7 @@ class Bins {
         walk(U.rec, U.rec_off[k], U.rec_off[k + 1]);
         if (e.path) walk(U.path, U.path_off[k], U.path_off[k + 1]);
         rows[b] -= U.own_rows[k];
+        own_sum[b] -= U.own_rows[k];
         for (i64 i = U.own_off[k]; i < U.own_off[k + 1]; ++i) {
             const i64 s = U.own[i];
             owner[s] = -1;
@@ -199,6 +210,41 @@ class Bins {
             if (!cn.count(U.path[i])) extra += length[U.path[i]];
         path = true;
         cost = U.cost[k] + U.path_cost[k] * static_cast<double>(extra) / static_cast<double>(std::max<i64>(1, U.path_rows[k]));
+        return true;
+    }
+
+    // Entry j of x moved alone to y (root path recomputed there when path_y), without moving it:
+    // rows y gains (exactly) and a lower bound of the tokens x and y gain together; false for a
+    // unit whose recomputed segments and root path overlap (not bounded).
+    bool move_bound(i64 x, i64 j, i64 y, bool path_y, i64& gain, i64& delta) const {
+        const Entry& e = ent[x][j];
+        const i64 k = e.unit;
+        if (overlap[k]) return false;
+        const Counts& cx = cnt[x];
+        const Counts& cy = cnt[y];
+        i64 loss = U.own_rows[k];
+        auto lost = [&](const i64* seq, i64 lo, i64 hi) {
+            for (i64 i = lo; i < hi; ++i) {
+                const i64 s = seq[i];
+                if (get(cx, s) == 1 && owner[s] != x) loss += length[s];
+            }
+        };
+        lost(U.rec, U.rec_off[k], U.rec_off[k + 1]);
+        if (e.path) lost(U.path, U.path_off[k], U.path_off[k + 1]);
+        if (!e.path && U.kind[k] == 1 && prod.at(U.win[k]) != x) loss += U.replay[k];
+        gain = U.own_rows[k];
+        for (i64 i = U.own_off[k]; i < U.own_off[k + 1]; ++i)
+            if (cy.count(U.own[i])) gain -= length[U.own[i]];
+        auto won = [&](const i64* seq, i64 lo, i64 hi) {
+            for (i64 i = lo; i < hi; ++i) {
+                const i64 s = seq[i];
+                if (!cy.count(s) && owner[s] != y) gain += length[s];
+            }
+        };
+        won(U.rec, U.rec_off[k], U.rec_off[k + 1]);
+        if (path_y) won(U.path, U.path_off[k], U.path_off[k + 1]);
+        const i64 rp = (!path_y && U.kind[k] == 1 && prod.at(U.win[k]) != y) ? U.replay[k] : 0;
+        delta = gain + rp - loss;
         return true;
     }
 
@@ -276,13 +322,14 @@ class Bins {
     std::vector<i64> rep;
     std::vector<std::vector<Entry>> ent;
     std::vector<double> load;
-    std::vector<i64> rows, replay;
+    std::vector<i64> rows, own_sum, replay;  // own_sum: rows of owned segments (rows >= own_sum)
     std::vector<Counts> cnt;
     std::vector<i64> owner;
     std::vector<Counts> win_t, path_t;
     std::vector<std::map<i64, i64>> reads;
     std::unordered_map<i64, i64> prod;
     std::vector<bool> is_prod;
+    std::vector<bool> overlap;  // per unit: its recomputed segments and root path share one
 };
 
 // The search of megatron_harts.planner.l2._rebalance_python, step for step.
@@ -388,6 +435,17 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
             st.add(x, it->first, it->second.unit, it->second.path, it->second.cost);
     };
     auto try_move = [&](i64 x, const std::vector<i64>& idxs, i64 y, i64& delta, Moved& m) {
+        // rows of y after the move >= its owned rows plus the moved units': refused without trying
+        i64 own_after = st.own_sum[y];
+        for (i64 j : idxs) own_after += U.own_rows[ent[x][j].unit];
+        if (own_after > M) return false;
+        if (idxs.size() == 1) {  // one unit: its rows and tokens bounded before trying
+            bool path;
+            double c;
+            if (!st.mode(ent[x][idxs[0]].unit, y, path, c)) return false;
+            i64 gain, lb;
+            if (st.move_bound(x, idxs[0], y, path, gain, lb) && (rows[y] + gain > M || lb > slack)) return false;
+        }
         const i64 before = tok(x, y);
         m.taken.clear();
         m.added = 0;
@@ -414,6 +472,10 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         st.add(x, i, s.eu.unit, s.eu.path, s.eu.cost);
     };
     auto try_swap = [&](i64 x, i64 i, i64 y, i64 j, i64& delta, Swapped& s) {
+        {
+            const i64 ou = U.own_rows[ent[x][i].unit], ov = U.own_rows[ent[y][j].unit];
+            if (st.own_sum[x] - ou + ov > M || st.own_sum[y] - ov + ou > M) return false;
+        }
         const i64 before = tok(x, y);
         s.eu = st.take(x, i);
         s.ev = st.take(y, j);

@@ -577,6 +577,44 @@ def test_compiled_rebalance_matches_python():
     assert moved > 10
 
 
+def test_rebalance_move_bound():
+    # _Bins.move_bound (the balance pass's check before trying a one-unit move): the rows the
+    # destination gains exactly, and a lower bound of the tokens the move adds, against the
+    # move done on the seeded L2 forests' packings
+    checked = 0
+    for ix, packed, dp, M, overhead, _ in _rebalance_inputs()[:12]:
+        units, index, ent = [], {}, []
+        for es in packed[3]:
+            row = []
+            for u, ex, c in es:
+                k = index.setdefault(id(u), len(units))
+                if k == len(units):
+                    units.append(u)
+                row.append((k, bool(ex), c))
+            ent.append(row)
+        st = l2mod._Bins(units, [p[0] for p in packed[1]], ent, ix.length_list, dp)
+        for x in range(st.n):
+            for j in range(len(st.ent[x])):
+                k = st.ent[x][j][0]
+                if units[k].kind == "core":
+                    continue
+                for y in range(st.n):
+                    m = st.mode(k, y) if y != x else None
+                    bd = None if m is None else st.move_bound(x, j, y, m[0])
+                    if bd is None:
+                        continue
+                    before = st.rows[x] + st.replay[x] + st.rows[y] + st.replay[y]
+                    ry = st.rows[y]
+                    e = st.take(x, j)
+                    assert st.give(y, k)
+                    assert st.rows[y] - ry == bd[0]
+                    assert st.rows[x] + st.replay[x] + st.rows[y] + st.replay[y] - before >= bd[1]
+                    st.take(y, len(st.ent[y]) - 1)
+                    st.add(x, j, *e)
+                    checked += 1
+    assert checked > 100
+
+
 def test_compiled_pack_spread_matches_python():
     # _C.l2_pack_spread equals its Python reference (bins, segments, loads: floats exact) on the
     # seeded L2 forests' units, whole and split, on DP 2, 4 and 8, three slot counts, two targets

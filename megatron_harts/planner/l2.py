@@ -1037,6 +1037,7 @@ class _Bins:
         self.ent: List[list] = [[] for _ in range(n)]
         self.load = [0.0] * n
         self.rows = [0] * n
+        self.own = [0] * n  # rows of owned segments (rows >= own): a move past M refused untried
         self.replay = [0] * n
         self.cnt: List[Dict[int, int]] = [{} for _ in range(n)]
         self.owner: Dict[int, int] = {}
@@ -1048,6 +1049,7 @@ class _Bins:
             for k, _, _ in ent[b]:
                 if units[k].kind == "core":
                     self.prod[units[k].win] = b
+        self.overlap = [bool(set(u.rec) & set(u.path)) for u in units]
         self.is_prod = [False] * n
         for b in self.prod.values():
             self.is_prod[b] = True
@@ -1061,6 +1063,7 @@ class _Bins:
         self.ent.append([])
         self.load.append(0.0)
         self.rows.append(0)
+        self.own.append(0)
         self.replay.append(0)
         for tbl in (self.cnt, self.win_t, self.path_t, self.reads):
             tbl.append({})
@@ -1079,6 +1082,7 @@ class _Bins:
                 self.rows[b] -= length[s]
             owner[s] = b
         self.rows[b] += u.own_rows
+        self.own[b] += u.own_rows
         for seq in (u.rec, u.path if path else ()):
             for s in seq:
                 m = cnt.get(s, 0)
@@ -1114,6 +1118,7 @@ class _Bins:
                 else:
                     cnt[s] = m
         self.rows[b] -= u.own_rows
+        self.own[b] -= u.own_rows
         for s in u.owned:
             owner[s] = -1
             if s in cnt:
@@ -1154,6 +1159,34 @@ class _Bins:
             if s not in cnt:
                 extra += self.length[s]
         return True, u.cost + u.path_cost * extra / max(1, u.path_rows)
+
+    def move_bound(self, x, j, y, path_y):
+        """Entry ``j`` of ``x`` moved alone to ``y`` (its root path recomputed there when
+        ``path_y``), without moving it: (rows ``y`` gains, exactly; a lower bound of the tokens
+        (rows and KDA replay) ``x`` and ``y`` gain together).  Units whose recomputed segments
+        and root path overlap: None (not bounded)."""
+        k, path_x, _ = self.ent[x][j]
+        if self.overlap[k]:
+            return None
+        u, length, owner = self.units[k], self.length, self.owner
+        cx, cy = self.cnt[x], self.cnt[y]
+        loss = u.own_rows  # at least what x loses (owned rows it keeps as recomputed ignored)
+        for seq in (u.rec, u.path if path_x else ()):
+            for s in seq:
+                if cx[s] == 1 and owner.get(s, -1) != x:
+                    loss += length[s]
+        if not path_x and u.kind == "item" and self.prod[u.win] != x:
+            loss += u.replay
+        gain = u.own_rows
+        for s in u.owned:
+            if s in cy:
+                gain -= length[s]
+        for seq in (u.rec, u.path if path_y else ()):
+            for s in seq:
+                if s not in cy and owner.get(s, -1) != y:
+                    gain += length[s]
+        replay = u.replay if not path_y and u.kind == "item" and self.prod[u.win] != y else 0
+        return gain, gain + replay - loss
 
     def give(self, y, k) -> bool:
         m = self.mode(k, y)
@@ -1232,6 +1265,16 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
     def try_move(x, idxs, y):
         """Entries ``idxs`` of ``x`` moved to ``y``: (tokens added, undo), or None (state as
         before) when not allowed."""
+        if st.own[y] + sum([units[ent[x][j][0]].own_rows for j in idxs]) > M:
+            return None  # y's owned rows alone would pass the budget: not tried
+        if len(idxs) == 1:  # one unit: its rows and tokens bounded before trying
+            k = ent[x][idxs[0]][0]
+            m = st.mode(k, y)
+            if m is None:
+                return None
+            bd = st.move_bound(x, idxs[0], y, m[0])
+            if bd is not None and (rows[y] + bd[0] > M or bd[1] > slack):
+                return None  # past the budget, or more tokens than the moves before saved
         before = rows[x] + replay[x] + rows[y] + replay[y]
         taken = [(j, st.take(x, j)) for j in sorted(idxs, reverse=True)]
         added = 0
@@ -1253,6 +1296,9 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
 
     def try_swap(x, i, y, j):
         """Entry ``i`` of ``x`` and entry ``j`` of ``y`` swapped, as ``try_move``."""
+        ou, ov = units[ent[x][i][0]].own_rows, units[ent[y][j][0]].own_rows
+        if st.own[x] - ou + ov > M or st.own[y] - ov + ou > M:
+            return None
         before = rows[x] + replay[x] + rows[y] + replay[y]
         eu = st.take(x, i)
         ev = st.take(y, j)
