@@ -36,6 +36,8 @@ struct Units {
 
 // Counts keyed by id, entries removed at zero (the reference's dicts).
 using Counts = std::unordered_map<i64, i64>;
+// per bin and segment: how many of the bin's entries recompute it (dense: looked up on every try)
+using Dense = std::vector<int32_t>;
 
 inline i64 get(const Counts& c, i64 k) {
     auto it = c.find(k);
@@ -72,7 +74,7 @@ class Bins {
     Bins(const Units& u, const i64* length, i64 num_segments, std::vector<i64> rep,
          const std::vector<std::vector<Entry>>& ent, i64 dp)
         : U(u), length(length), dp(dp), n(static_cast<i64>(rep.size())), rep(std::move(rep)), ent(n), load(n, 0.0),
-          rows(n, 0), own_sum(n, 0), replay(n, 0), cnt(n), owner(num_segments, -1), win_t(n), path_t(n), reads(n),
+          rows(n, 0), own_sum(n, 0), replay(n, 0), cnt(n, Dense(num_segments, 0)), nseg(num_segments), owner(num_segments, -1), win_t(n), path_t(n), reads(n),
           is_prod(n, false) {
         for (i64 b = 0; b < n; ++b)
             for (const Entry& e : ent[b])
@@ -97,7 +99,7 @@ class Bins {
         rows.push_back(0);
         own_sum.push_back(0);
         replay.push_back(0);
-        cnt.emplace_back();
+        cnt.emplace_back(nseg, 0);
         win_t.emplace_back();
         path_t.emplace_back();
         reads.emplace_back();
@@ -106,12 +108,12 @@ class Bins {
     }
 
     void add(i64 b, i64 j, i64 k, bool path, double c) {
-        Counts& cn = cnt[b];
+        Dense& cn = cnt[b];
         ent[b].insert(ent[b].begin() + j, Entry{k, path, c});
         load[b] += c;
         for (i64 i = U.own_off[k]; i < U.own_off[k + 1]; ++i) {
             const i64 s = U.own[i];
-            if (cn.count(s)) rows[b] -= length[s];
+            if (cn[s]) rows[b] -= length[s];
             owner[s] = b;
         }
         rows[b] += U.own_rows[k];
@@ -119,13 +121,7 @@ class Bins {
         auto walk = [&](const i64* seq, i64 lo, i64 hi) {
             for (i64 i = lo; i < hi; ++i) {
                 const i64 s = seq[i];
-                auto it = cn.find(s);
-                if (it == cn.end()) {
-                    if (owner[s] != b) rows[b] += length[s];
-                    cn.emplace(s, 1);
-                } else {
-                    ++it->second;
-                }
+                if (cn[s]++ == 0 && owner[s] != b) rows[b] += length[s];
             }
         };
         walk(U.rec, U.rec_off[k], U.rec_off[k + 1]);
@@ -147,17 +143,13 @@ class Bins {
         const Entry e = ent[b][j];
         ent[b].erase(ent[b].begin() + j);
         const i64 k = e.unit;
-        Counts& cn = cnt[b];
+        Dense& cn = cnt[b];
         load[b] -= e.cost;
         if (ent[b].empty()) load[b] = 0.0;
         auto walk = [&](const i64* seq, i64 lo, i64 hi) {
             for (i64 i = lo; i < hi; ++i) {
                 const i64 s = seq[i];
-                auto it = cn.find(s);
-                if (--it->second == 0) {
-                    cn.erase(it);
-                    if (owner[s] != b) rows[b] -= length[s];
-                }
+                if (--cn[s] == 0 && owner[s] != b) rows[b] -= length[s];
             }
         };
         walk(U.rec, U.rec_off[k], U.rec_off[k + 1]);
@@ -167,7 +159,7 @@ class Bins {
         for (i64 i = U.own_off[k]; i < U.own_off[k + 1]; ++i) {
             const i64 s = U.own[i];
             owner[s] = -1;
-            if (cn.count(s)) rows[b] += length[s];
+            if (cn[s]) rows[b] += length[s];
         }
         if (U.kind[k] != 2) {
             decrement(e.path ? path_t[b] : win_t[b], U.tree[k]);
@@ -205,9 +197,9 @@ class Bins {
         }
         if (U.upper[k] >= 0 || get(win_t[y], U.tree[k]) != 0) return false;
         i64 extra = 0;
-        const Counts& cn = cnt[y];
+        const Dense& cn = cnt[y];
         for (i64 i = U.path_off[k]; i < U.path_off[k + 1]; ++i)
-            if (!cn.count(U.path[i])) extra += length[U.path[i]];
+            if (!cn[U.path[i]]) extra += length[U.path[i]];
         path = true;
         cost = U.cost[k] + U.path_cost[k] * static_cast<double>(extra) / static_cast<double>(std::max<i64>(1, U.path_rows[k]));
         return true;
@@ -220,13 +212,13 @@ class Bins {
         const Entry& e = ent[x][j];
         const i64 k = e.unit;
         if (overlap[k]) return false;
-        const Counts& cx = cnt[x];
-        const Counts& cy = cnt[y];
+        const Dense& cx = cnt[x];
+        const Dense& cy = cnt[y];
         i64 loss = U.own_rows[k];
         auto lost = [&](const i64* seq, i64 lo, i64 hi) {
             for (i64 i = lo; i < hi; ++i) {
                 const i64 s = seq[i];
-                if (get(cx, s) == 1 && owner[s] != x) loss += length[s];
+                if (cx[s] == 1 && owner[s] != x) loss += length[s];
             }
         };
         lost(U.rec, U.rec_off[k], U.rec_off[k + 1]);
@@ -234,17 +226,50 @@ class Bins {
         if (!e.path && U.kind[k] == 1 && prod.at(U.win[k]) != x) loss += U.replay[k];
         gain = U.own_rows[k];
         for (i64 i = U.own_off[k]; i < U.own_off[k + 1]; ++i)
-            if (cy.count(U.own[i])) gain -= length[U.own[i]];
+            if (cy[U.own[i]]) gain -= length[U.own[i]];
         auto won = [&](const i64* seq, i64 lo, i64 hi) {
             for (i64 i = lo; i < hi; ++i) {
                 const i64 s = seq[i];
-                if (!cy.count(s) && owner[s] != y) gain += length[s];
+                if (!cy[s] && owner[s] != y) gain += length[s];
             }
         };
         won(U.rec, U.rec_off[k], U.rec_off[k + 1]);
         if (path_y) won(U.path, U.path_off[k], U.path_off[k + 1]);
         const i64 rp = (!path_y && U.kind[k] == 1 && prod.at(U.win[k]) != y) ? U.replay[k] : 0;
         delta = gain + rp - loss;
+        return true;
+    }
+
+    // A lower bound of the tokens x and y gain when entry i of x and entry j of y swap bins (as
+    // _Bins.swap_bound); false when a unit's recomputed segments and root path overlap.
+    bool swap_bound(i64 x, i64 i, i64 y, i64 j, i64& lb) const {
+        lb = 0;
+        const i64 as[2] = {x, y}, is[2] = {i, j}, bs[2] = {y, x};
+        for (int q = 0; q < 2; ++q) {
+            const i64 a = as[q], bb = bs[q];
+            const Entry& e = ent[a][is[q]];
+            const i64 k = e.unit;
+            if (overlap[k]) return false;
+            const Dense& ca = cnt[a];
+            const Dense& cb = cnt[bb];
+            lb -= U.own_rows[k];
+            auto lost = [&](const i64* seq, i64 lo, i64 hi) {
+                for (i64 t = lo; t < hi; ++t) {
+                    const i64 s = seq[t];
+                    if (ca[s] == 1 && owner[s] != a) lb -= length[s];
+                }
+            };
+            lost(U.rec, U.rec_off[k], U.rec_off[k + 1]);
+            if (e.path) lost(U.path, U.path_off[k], U.path_off[k + 1]);
+            if (!e.path && U.kind[k] == 1 && prod.at(U.win[k]) != a) lb -= U.replay[k];
+            lb += U.own_rows[k];
+            for (i64 t = U.own_off[k]; t < U.own_off[k + 1]; ++t)
+                if (cb[U.own[t]]) lb -= length[U.own[t]];
+            for (i64 t = U.rec_off[k]; t < U.rec_off[k + 1]; ++t) {
+                const i64 s = U.rec[t];
+                if (!cb[s] && owner[s] != bb) lb += length[s];
+            }
+        }
         return true;
     }
 
@@ -323,7 +348,8 @@ class Bins {
     std::vector<std::vector<Entry>> ent;
     std::vector<double> load;
     std::vector<i64> rows, own_sum, replay;  // own_sum: rows of owned segments (rows >= own_sum)
-    std::vector<Counts> cnt;
+    std::vector<Dense> cnt;
+    i64 nseg;
     std::vector<i64> owner;
     std::vector<Counts> win_t, path_t;
     std::vector<std::map<i64, i64>> reads;
@@ -475,6 +501,8 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         {
             const i64 ou = U.own_rows[ent[x][i].unit], ov = U.own_rows[ent[y][j].unit];
             if (st.own_sum[x] - ou + ov > M || st.own_sum[y] - ov + ou > M) return false;
+            i64 lb;  // more tokens than the moves before saved: not tried
+            if (st.swap_bound(x, i, y, j, lb) && lb > slack) return false;
         }
         const i64 before = tok(x, y);
         s.eu = st.take(x, i);
@@ -612,14 +640,30 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         // whole blocks (a producer with its consumers, or a bin reading and producing nothing; none
         // holding a split window's unit) to another replica, or two blocks swapping replicas
         const std::vector<std::vector<i64>> blocks = st.blocks(live);
+        // the scores read each replica's live bins (as st.costs: load + overhead, costliest first)
+        // from lists made once here, not from a scan of every bin per score
+        std::vector<std::vector<i64>> on(dp);
+        for (i64 b : live) on[rep[b]].push_back(b);
+        std::vector<char> mark(st.n, 0);  // 1: a bin of the block leaving, 2: of the block arriving
+        std::vector<double> cx, cy;
+        auto block_costs = [&](i64 r, const std::vector<i64>* gain, std::vector<double>& out) {
+            out.clear();
+            for (i64 b : on[r])
+                if (!mark[b]) out.push_back(load[b] + overhead);
+            if (gain)
+                for (i64 b : *gain) out.push_back(load[b] + overhead);
+            std::sort(out.begin(), out.end(), std::greater<double>());
+        };
         for (i64 a = 0; a < static_cast<i64>(blocks.size()); ++a) {
             const auto& ba = blocks[a];
             const i64 rx = rep[ba[0]];
+            for (i64 b : ba) mark[b] = 1;
+            block_costs(rx, nullptr, cx);
+            for (i64 b : ba) mark[b] = 0;
             for (i64 r2 = 0; r2 < dp; ++r2) {
                 if (r2 == rx) continue;
-                for (i64 b : ba) rep[b] = r2;
-                const double f = score(rx, r2);
-                for (i64 b : ba) rep[b] = rx;
+                block_costs(r2, &ba, cy);
+                const double f = objective(rx, &cx, r2, &cy);
                 if (f < f_now - 1e-12 && (!have || f < bf)) {
                     have = true;
                     bf = f;
@@ -633,11 +677,14 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
                 const auto& bc = blocks[c];
                 const i64 ry = rep[bc[0]];
                 if (ry == rx) continue;
-                for (i64 b : ba) rep[b] = ry;
-                for (i64 b : bc) rep[b] = rx;
-                const double f = score(rx, ry);
-                for (i64 b : ba) rep[b] = rx;
-                for (i64 b : bc) rep[b] = ry;
+                std::vector<double> sx, sy;
+                for (i64 b : ba) mark[b] = 1;
+                block_costs(rx, &bc, sx);
+                for (i64 b : ba) mark[b] = 0;
+                for (i64 b : bc) mark[b] = 1;
+                block_costs(ry, &ba, sy);
+                for (i64 b : bc) mark[b] = 0;
+                const double f = objective(rx, &sx, ry, &sy);
                 if (f < f_now - 1e-12 && (!have || f < bf)) {
                     have = true;
                     bf = f;

@@ -492,6 +492,7 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
             windows.setdefault(u.win, []).append(u)
     win_tree = {w: us[0].tree for w, us in windows.items()}
     win_tree[-1] = -1
+    has_upper = any(u.upper >= 0 for u in units)
     order = sorted(windows, key=lambda t: -sum(u.cost + u.replay_cost for u in windows[t]))
     for t in order:
         us = windows[t]
@@ -503,14 +504,37 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
         blocks[r].append(block)
         items = sorted((u for u in us if u.kind == "item"), key=lambda u: -(u.cost + u.replay_cost))
         for u in items:
-            b = best_fit(block, u, lambda x: u.cost if x == p else u.cost + u.replay_cost, lambda x: u.rows)
+            b, bk = -1, 0.0  # best_fit over the window's microbatches, inline
+            cu, cr, ur = u.cost, u.cost + u.replay_cost, u.rows
+            for x in block:
+                if rows[x] + ur > M:
+                    continue
+                lx = load[x] + (cu if x == p else cr)
+                if lx > hi:
+                    bound = True
+                    continue
+                key = rows[x] if dp == 1 else load[x]
+                if b < 0 or key > bk:
+                    b, bk = x, key
             c = u.cost if b == p else u.cost + u.replay_cost
             if dp > 1 and total_r[r] + c > cap:  # past the replica's share: elsewhere, path recomputed?
                 r2 = min(range(dp), key=lambda q: total_r[q])
                 if r2 != r and total_r[r2] + u.cost + u.path_cost < total_r[r] + c:
-                    cands = [x for x in range(len(rep)) if rep[x] == r2 and win_tree[window_of[x]] != u.tree]
-                    b2 = best_fit(cands, u, lambda x: u.cost + path_extra(u, x)[1],
-                                  lambda x: u.rows + path_extra(u, x)[0])
+                    b2, bk = -1, 0.0  # best_fit over replica r2's microbatches of other trees, inline
+                    upath, pc, pr = u.path, u.path_cost, max(1, u.path_rows)
+                    for x in range(len(rep)):
+                        if rep[x] != r2 or win_tree[window_of[x]] == u.tree:
+                            continue
+                        hx = have[x]
+                        extra = sum([length[y] for y in upath if y not in hx])
+                        if rows[x] + (ur + extra) > M:
+                            continue
+                        if load[x] + (cu + pc * extra / pr) > hi:
+                            bound = True
+                            continue
+                        key = rows[x] if dp == 1 else load[x]
+                        if b2 < 0 or key > bk:
+                            b2, bk = x, key
                     if b2 < 0 and u.rows + u.path_rows <= M:
                         b2 = open_bin(r2, -1)
                         loose[r2].append(b2)
@@ -560,7 +584,7 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
             seqs.append(seq)
         producer_of_win = {window_of[block[0]]: block[0] for bl in blocks for block in bl}
         after = {}
-        for b, entries in enumerate(units_of):
+        for b, entries in enumerate(units_of if has_upper else ()):
             for u, extra_segs, _ in entries:
                 if u.upper >= 0 and not extra_segs and b != producer_of_win[u.win]:
                     after.setdefault(b, set()).add(producer_of_win[u.upper])
@@ -1188,6 +1212,36 @@ class _Bins:
         replay = u.replay if not path_y and u.kind == "item" and self.prod[u.win] != y else 0
         return gain, gain + replay - loss
 
+    def swap_bound(self, x, i, y, j):
+        """A lower bound of the tokens (rows and KDA replay) ``x`` and ``y`` gain when entry ``i``
+        of ``x`` and entry ``j`` of ``y`` swap bins, without swapping them (None when a unit's
+        recomputed segments and root path overlap): each bin loses at most its unit's owned
+        rows, its recomputed segments no other entry holds and its KDA replay, and gains at
+        least the other unit's owned rows it does not recompute and its recomputed segments
+        (root path and replay left out: whichever way the unit lands, they only add)."""
+        length, owner = self.length, self.owner
+        lb = 0
+        for a, ia, bb in ((x, i, y), (y, j, x)):
+            k, path_a, _ = self.ent[a][ia]
+            if self.overlap[k]:
+                return None
+            u, ca, cb = self.units[k], self.cnt[a], self.cnt[bb]
+            lb -= u.own_rows
+            for seq in (u.rec, u.path if path_a else ()):
+                for s in seq:
+                    if ca[s] == 1 and owner.get(s, -1) != a:
+                        lb -= length[s]
+            if not path_a and u.kind == "item" and self.prod[u.win] != a:
+                lb -= u.replay
+            lb += u.own_rows
+            for s in u.owned:
+                if s in cb:
+                    lb -= length[s]
+            for s in u.rec:
+                if s not in cb and owner.get(s, -1) != bb:
+                    lb += length[s]
+        return lb
+
     def give(self, y, k) -> bool:
         m = self.mode(k, y)
         if m is None:
@@ -1299,6 +1353,9 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
         ou, ov = units[ent[x][i][0]].own_rows, units[ent[y][j][0]].own_rows
         if st.own[x] - ou + ov > M or st.own[y] - ov + ou > M:
             return None
+        lb = st.swap_bound(x, i, y, j)
+        if lb is not None and lb > slack:
+            return None  # more tokens than the moves before saved: not tried
         before = rows[x] + replay[x] + rows[y] + replay[y]
         eu = st.take(x, i)
         ev = st.take(y, j)
