@@ -615,6 +615,45 @@ def test_rebalance_move_bound():
     assert checked > 100
 
 
+def test_rebalance_swap_bound():
+    # _Bins.swap_bound (checked before a swap is tried): a lower bound of the tokens the swap
+    # adds, against the swap done, on the seeded L2 forests' packings
+    checked = 0
+    for ix, packed, dp, M, overhead, _ in _rebalance_inputs()[:8]:
+        units, index, ent = [], {}, []
+        for es in packed[3]:
+            row = []
+            for u, ex, c in es:
+                k = index.setdefault(id(u), len(units))
+                if k == len(units):
+                    units.append(u)
+                row.append((k, bool(ex), c))
+            ent.append(row)
+        st = l2mod._Bins(units, [p[0] for p in packed[1]], ent, ix.length_list, dp)
+        movable = [(x, i) for x in range(st.n) for i in range(len(st.ent[x]))
+                   if units[st.ent[x][i][0]].kind != "core" and units[st.ent[x][i][0]].upper < 0]
+        for x, i in movable[:40]:
+            for y, j in movable[:40]:
+                if y <= x:
+                    continue
+                lb = st.swap_bound(x, i, y, j)
+                if lb is None:
+                    continue
+                before = st.rows[x] + st.replay[x] + st.rows[y] + st.replay[y]
+                eu, ev = st.take(x, i), st.take(y, j)
+                okv = st.give(x, ev[0])
+                oku = okv and st.give(y, eu[0])
+                if oku:
+                    assert st.rows[x] + st.replay[x] + st.rows[y] + st.replay[y] - before >= lb
+                    checked += 1
+                    st.take(y, len(st.ent[y]) - 1)
+                if okv:
+                    st.take(x, len(st.ent[x]) - 1)
+                st.add(y, j, *ev)
+                st.add(x, i, *eu)
+    assert checked > 100
+
+
 def test_compiled_pack_spread_matches_python():
     # _C.l2_pack_spread equals its Python reference (bins, segments, loads: floats exact) on the
     # seeded L2 forests' units, whole and split, on DP 2, 4 and 8, three slot counts, two targets

@@ -497,7 +497,7 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
     for t in order:
         us = windows[t]
         core = next(u for u in us if u.kind == "core")
-        r = min(range(dp), key=lambda q: total_r[q])
+        r = total_r.index(min(total_r))
         p = open_bin(r, t)
         put(p, core, (), core.cost)
         block = [p]
@@ -518,7 +518,7 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
                     b, bk = x, key
             c = u.cost if b == p else u.cost + u.replay_cost
             if dp > 1 and total_r[r] + c > cap:  # past the replica's share: elsewhere, path recomputed?
-                r2 = min(range(dp), key=lambda q: total_r[q])
+                r2 = total_r.index(min(total_r))
                 if r2 != r and total_r[r2] + u.cost + u.path_cost < total_r[r] + c:
                     b2, bk = -1, 0.0  # best_fit over replica r2's microbatches of other trees, inline
                     upath, pc, pr = u.path, u.path_cost, max(1, u.path_rows)
@@ -552,7 +552,7 @@ def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, e
         if b < 0 and dp == 1 and not u.rec and _split_free(u, rows, M, length, blocks, loose, open_bin, put):
             continue
         if b < 0:
-            r = min(range(dp), key=lambda q: total_r[q])
+            r = total_r.index(min(total_r))
             b = open_bin(r, -1)
             loose[r].append(b)
         put(b, u, (), u.cost)
