@@ -557,15 +557,7 @@ def test_compiled_rebalance_matches_python():
     assert len(cases) > 20
     moved = 0
     for ix, packed, dp, M, overhead, _ in cases:
-        units, index, ent = [], {}, []
-        for es in packed[3]:
-            row = []
-            for u, ex, c in es:
-                k = index.setdefault(id(u), len(units))
-                if k == len(units):
-                    units.append(u)
-                row.append((k, bool(ex), c))
-            ent.append(row)
+        units, ent = l2mod.numbered_units(packed[3])
         rep = [p[0] for p in packed[1]]
         for limits in ((l2mod.BALANCE_MOVES, l2mod.BALANCE_SLOTS, l2mod.BALANCE_WEIGHT, l2mod.BALANCE_SWAP_BINS),
                        (3, 1, 0.5, 0), (200, 8, 2.0, 1000)):
@@ -583,15 +575,7 @@ def test_rebalance_move_bound():
     # move done on the seeded L2 forests' packings
     checked = 0
     for ix, packed, dp, M, overhead, _ in _rebalance_inputs()[:12]:
-        units, index, ent = [], {}, []
-        for es in packed[3]:
-            row = []
-            for u, ex, c in es:
-                k = index.setdefault(id(u), len(units))
-                if k == len(units):
-                    units.append(u)
-                row.append((k, bool(ex), c))
-            ent.append(row)
+        units, ent = l2mod.numbered_units(packed[3])
         st = l2mod._Bins(units, [p[0] for p in packed[1]], ent, ix.length_list, dp)
         for x in range(st.n):
             for j in range(len(st.ent[x])):
@@ -620,15 +604,7 @@ def test_rebalance_swap_bound():
     # adds, against the swap done, on the seeded L2 forests' packings
     checked = 0
     for ix, packed, dp, M, overhead, _ in _rebalance_inputs()[:8]:
-        units, index, ent = [], {}, []
-        for es in packed[3]:
-            row = []
-            for u, ex, c in es:
-                k = index.setdefault(id(u), len(units))
-                if k == len(units):
-                    units.append(u)
-                row.append((k, bool(ex), c))
-            ent.append(row)
+        units, ent = l2mod.numbered_units(packed[3])
         st = l2mod._Bins(units, [p[0] for p in packed[1]], ent, ix.length_list, dp)
         movable = [(x, i) for x in range(st.n) for i in range(len(st.ent[x]))
                    if units[st.ent[x][i][0]].kind != "core" and units[st.ent[x][i][0]].upper < 0]

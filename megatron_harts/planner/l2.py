@@ -1512,6 +1512,23 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
     return moved, rep, ent
 
 
+def numbered_units(entries):
+    """A packing's per-microbatch entries ``(unit, path, cost)`` with each distinct unit numbered once
+    (first appearance order): returns (units, entries as ``(unit number, path, cost)``), the form
+    ``_Bins`` and the compiled balance pass read."""
+    units, index, ent = [], {}, []
+    for es in entries:
+        row = []
+        for u, ex, c in es:
+            k = index.get(id(u))
+            if k is None:
+                k = index[id(u)] = len(units)
+                units.append(u)
+            row.append((k, bool(ex), c))
+        ent.append(row)
+    return units, ent
+
+
 def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
     """A packing's microbatches evened out per slot (the balance pass, several replicas).
 
@@ -1540,17 +1557,7 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
     n = len(groups)
     if n < 2 or dp < 2 or n < dp:  # fewer microbatches than replicas: every slot has idle ones
         return None
-    units, index = [], {}
-    ent = []
-    for es in entries:
-        row = []
-        for u, ex, c in es:
-            k = index.get(id(u))
-            if k is None:
-                k = index[id(u)] = len(units)
-                units.append(u)
-            row.append((k, bool(ex), c))
-        ent.append(row)
+    units, ent = numbered_units(entries)
     rep = [placement[i][0] for i in range(n)]
     args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT, BALANCE_SWAP_BINS)
     out = None
