@@ -22,11 +22,7 @@ using i64 = std::int64_t;
 using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 using F64Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
-struct Entry {
-    i64 unit;
-    bool path;
-    double cost;
-};
+using Entry = L2Entry;
 
 struct Units {
     std::vector<i64> kind, tree, win, upper, own_rows, replay, path_rows;
@@ -728,21 +724,28 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
     }
     const i64 nb = st.n;
     I64Array rep_out(nb);
-    I64Array off_out(nb + 1);
-    i64 total_entries = 0;
-    for (i64 b = 0; b < nb; ++b) total_entries += static_cast<i64>(ent[b].size());
-    I64Array unit_out(total_entries), path_out(total_entries);
-    F64Array cost_out(total_entries);
     auto ro = rep_out.mutable_data();
-    auto oo = off_out.mutable_data();
-    auto uo = unit_out.mutable_data();
-    auto po = path_out.mutable_data();
-    auto co = cost_out.mutable_data();
+    for (i64 b = 0; b < nb; ++b) ro[b] = rep[b];
+    const py::tuple flat = l2_entry_arrays(ent, nb);
+    return py::make_tuple(moved, rep_out, flat[0], flat[1], flat[2], flat[3]);
+}
+
+}  // namespace
+
+py::tuple l2_entry_arrays(const std::vector<std::vector<L2Entry>>& ent, i64 nb) {
+    I64Array off(nb + 1);
+    i64 total = 0;
+    for (i64 b = 0; b < nb; ++b) total += static_cast<i64>(ent[b].size());
+    I64Array unit(total), path(total);
+    F64Array cost(total);
+    auto* oo = off.mutable_data();
+    auto* uo = unit.mutable_data();
+    auto* po = path.mutable_data();
+    auto* co = cost.mutable_data();
     oo[0] = 0;
     i64 w = 0;
     for (i64 b = 0; b < nb; ++b) {
-        ro[b] = rep[b];
-        for (const Entry& e : ent[b]) {
+        for (const L2Entry& e : ent[b]) {
             uo[w] = e.unit;
             po[w] = e.path ? 1 : 0;
             co[w] = e.cost;
@@ -750,10 +753,8 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         }
         oo[b + 1] = w;
     }
-    return py::make_tuple(moved, rep_out, off_out, unit_out, path_out, cost_out);
+    return py::make_tuple(off, unit, path, cost);
 }
-
-}  // namespace
 
 void register_rebalance(py::module_& m) {
     m.def("l2_rebalance", &l2_rebalance, py::arg("length"), py::arg("ints"), py::arg("flts"), py::arg("own_off"),

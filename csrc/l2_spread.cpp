@@ -70,11 +70,7 @@ py::tuple l2_pack_spread(I64Array length_a, I64Array ints_a, F64Array flts_a, I6
     double total = 0.0;
     for (i64 k = 0; k < nu; ++k) total += cost(k) + replay_cost(k);
     const double hi = total / static_cast<double>(dp * S) * (1.0 + eps);
-    struct Ent {
-        i64 unit;
-        bool path;
-        double cost;
-    };
+    using Ent = L2Entry;
     std::vector<i64> rep, rows, reads;
     std::vector<double> load;
     std::vector<std::unordered_set<i64>> have;
@@ -236,16 +232,14 @@ py::tuple l2_pack_spread(I64Array length_a, I64Array ints_a, F64Array flts_a, I6
         }
     }
     const i64 nb = static_cast<i64>(rep.size());
-    I64Array rep_o(nb), own_off_o(nb + 1), rec_off_o(nb + 1), core_o(nb), ent_off_o(nb + 1);
+    I64Array rep_o(nb), own_off_o(nb + 1), rec_off_o(nb + 1), core_o(nb);
     F64Array load_o(nb);
-    i64 n_own = 0, n_rec = 0, n_ent = 0;
+    i64 n_own = 0, n_rec = 0;
     for (i64 b = 0; b < nb; ++b) {
         n_own += static_cast<i64>(own_l[b].size());
         n_rec += static_cast<i64>(rec_l[b].size());
-        n_ent += static_cast<i64>(ent[b].size());
     }
-    I64Array own_o(n_own), rec_o(n_rec), eu_o(n_ent), ep_o(n_ent), after_o({static_cast<i64>(after.size()), i64(2)});
-    F64Array ec_o(n_ent);
+    I64Array own_o(n_own), rec_o(n_rec), after_o({static_cast<i64>(after.size()), i64(2)});
     auto* ro = rep_o.mutable_data();
     auto* oo = own_off_o.mutable_data();
     auto* ow = own_o.mutable_data();
@@ -253,35 +247,25 @@ py::tuple l2_pack_spread(I64Array length_a, I64Array ints_a, F64Array flts_a, I6
     auto* rw = rec_o.mutable_data();
     auto* lo = load_o.mutable_data();
     auto* co = core_o.mutable_data();
-    auto* eo = ent_off_o.mutable_data();
-    auto* eu = eu_o.mutable_data();
-    auto* ep = ep_o.mutable_data();
-    auto* ec = ec_o.mutable_data();
-    oo[0] = rco[0] = eo[0] = 0;
-    i64 io = 0, ir = 0, ie = 0;
+    oo[0] = rco[0] = 0;
+    i64 io = 0, ir = 0;
     for (i64 b = 0; b < nb; ++b) {
         ro[b] = rep[b];
         lo[b] = load[b];
         co[b] = has_core[b];
         for (i64 x : own_l[b]) ow[io++] = x;
         for (i64 x : rec_l[b]) rw[ir++] = x;
-        for (const Ent& e : ent[b]) {
-            eu[ie] = e.unit;
-            ep[ie] = e.path ? 1 : 0;
-            ec[ie] = e.cost;
-            ++ie;
-        }
         oo[b + 1] = io;
         rco[b + 1] = ir;
-        eo[b + 1] = ie;
     }
     auto* ao = after_o.mutable_data();
     for (std::size_t i = 0; i < after.size(); ++i) {
         ao[2 * i] = after[i].first;
         ao[2 * i + 1] = after[i].second;
     }
-    return py::make_tuple(bound, rep_o, own_off_o, own_o, rec_off_o, rec_o, load_o, core_o, after_o, ent_off_o, eu_o,
-                          ep_o, ec_o);
+    const py::tuple flat = l2_entry_arrays(ent, nb);
+    return py::make_tuple(bound, rep_o, own_off_o, own_o, rec_off_o, rec_o, load_o, core_o, after_o, flat[0], flat[1],
+                          flat[2], flat[3]);
 }
 
 }  // namespace
