@@ -377,7 +377,7 @@ def fidelity(runs: dict) -> dict:
                      "tokens_deficit_over_1e-3_start": first["tokens_deficit_over_1e-3"],
                      "logit_cosine_end": c["probes"][its[-1]]["logit_cosine_mean"],
                      "logit_cosine_end_min": c["probes"][its[-1]]["logit_cosine_min"],
-                     "probe_tokens": c["probes"][its[0]]["tokens"],
+                     "probe_tokens": first["tokens"],
                      "loss_abs_diff_max": c["losses"]["loss_abs_diff_max"],
                      "loss_abs_diff": c["losses"]["loss_abs_diff"]}
     oracle_dir = os.path.join(base["probe"], ORACLE_DIR)
@@ -486,7 +486,7 @@ def main(argv=None) -> int:
     work = a.work or os.path.join(a.out, "runs")
     os.makedirs(a.out, exist_ok=True)
     data = make_data(preset, os.path.join(work, f"data_{scheme}"), py)
-    mbt = int(preset["train"].split("--tree-microbatch-tokens ")[1].split()[0])
+    mbt = flag_value(preset["train"], "--tree-microbatch-tokens")
     base = f"{preset['model']} {preset['train']} {COMMON} --train-iters {iters} " \
            f"--tree-logit-probe-tokens {preset['probe_tokens']} --data-path {data}"
     if a.triton_max_configs:
