@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -90,7 +91,9 @@ def visible_pairs(plan):
     return float(sum(m.features.attention_pairs for m in plan.microbatches))
 
 
-def run_mode(argv, forest, iters, warmup, device):
+def run_mode(argv, forest, iters, warmup, device, profile=False):
+    """Timed steps of one mode (median after ``warmup``), their metrics, peak memory, the plan, and
+    with ``profile`` the profile of one more step (``profile_step``)."""
     from megatron_harts.training.trainer import Trainer
     with Trainer.from_args(argv) as t:
         times, metrics = [], []
@@ -108,7 +111,65 @@ def run_mode(argv, forest, iters, warmup, device):
                 metrics.append(m)
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
         plan = t._plan(forest)
-        return times, metrics, peak, plan
+        prof = profile_step(t, forest, device) if profile else None
+        return times, metrics, peak, plan, prof
+
+
+#: kernel-name patterns of the profile's categories, first match wins (fla's KDA kernels, FlexAttention's
+#: and the flash/cuDNN attention kernels, GEMMs, collectives, inductor-fused and eager elementwise work)
+KERNEL_CATEGORIES = (
+    ("kda", re.compile(r"kda|gated_delta|delta_rule|wy_|w_u|solve_tril|chunk_local|chunk_fwd|chunk_bwd|l2norm|"
+                       r"cumsum|merge_16x16|chunk_scaled_dot|_kkt")),
+    ("attention", re.compile(r"flex|attention|fmha|flash|sdpa|triton_tem")),
+    ("gemm", re.compile(r"gemm|cutlass|cublas|xmma|nvjet|matmul|sm90|sm80|ampere|hopper|Kernel2|splitK")),
+    ("comm", re.compile(r"nccl")),
+    ("triton_fused", re.compile(r"^triton_")),
+    ("index_copy", re.compile(r"index|scatter|gather|copy|cat|fill|memcpy|Memcpy|Memset|arange|nonzero|sort|"
+                              r"unique|cumsum|where")),
+    ("elementwise", re.compile(r"elementwise|vectorized|reduce|softmax|norm|silu|sigmoid|exp|log|mul|add")),
+)
+
+
+def kernel_category(name: str) -> str:
+    for cat, pattern in KERNEL_CATEGORIES:
+        if pattern.search(name):
+            return cat
+    return "other"
+
+
+def profile_step(trainer, forest, device, top: int = 30):
+    """One more step under ``torch.profiler``: wall time, GPU kernel time (summed per kernel, so a
+    GPU idle while Python launches shows as wall >> kernel time), kernel time per category
+    (``KERNEL_CATEGORIES``), and the text tables of the top kernels and the top CPU operators."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        trainer.step(forest)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def dev_time(e):
+        v = getattr(e, "self_device_time_total", None)
+        return float(v if v is not None else getattr(e, "self_cuda_time_total", 0.0))
+    kernels = [e for e in events if dev_time(e) > 0 and not e.key.startswith(("aten::", "autograd::"))]
+    categories = {}
+    for e in kernels:
+        c = kernel_category(e.key)
+        entry = categories.setdefault(c, {"seconds": 0.0, "launches": 0})
+        entry["seconds"] += dev_time(e) / 1e6
+        entry["launches"] += int(e.count)
+    kernel_s = sum(v["seconds"] for v in categories.values())
+    sort_dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    tables = (events.table(sort_by=sort_dev, row_limit=top, max_name_column_width=90) if device == "cuda" else "") \
+        + "\n" + events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=90)
+    return {"wall_seconds": wall, "kernel_seconds": kernel_s,
+            "kernel_launches": sum(v["launches"] for v in categories.values()),
+            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]["seconds"]))}, tables
 
 
 def logit_cosine(argv, forest, device):
@@ -147,6 +208,9 @@ def main(argv=None):
     ap.add_argument("--kda-backend", default="auto")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--no-cosine", action="store_true")
+    ap.add_argument("--profile", metavar="FILE",
+                    help="profile one extra step of every mode (torch.profiler): kernel time per category into "
+                         "the results JSON, the top kernels and CPU operators of each mode into FILE (text)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/throughput-<time>.json)")
     ap.add_argument("--json", action="store_true", help="print the results JSON")
     a = ap.parse_args(argv)
@@ -177,7 +241,8 @@ def main(argv=None):
         row = {"forest": forest.stats()}
         for sharing in [*a.tree_sharing, "off"]:
             argv_mode = common + ["--tree-sharing", sharing]
-            times, metrics, peak, plan = run_mode(argv_mode, forest, a.iters, a.warmup, a.device)
+            times, metrics, peak, plan, prof = run_mode(argv_mode, forest, a.iters, a.warmup, a.device,
+                                                        profile=bool(a.profile))
             t = statistics.median(times)
             m = metrics[-1]
             flops = step_flops(p, m["computed_tokens"], visible_pairs(plan))
@@ -189,6 +254,15 @@ def main(argv=None):
                 "windows": m["windows"], "peak_export_bytes": m["peak_export_bytes"],
                 "peak_memory_gib": peak, "loss": m["loss"],
                 "mfu": flops / (t * peak_flops) if peak_flops else None}
+            if prof is not None:
+                summary, tables = prof
+                row[f"tree_{sharing}" if sharing != "off" else "expanded"]["profile"] = summary
+                with open(a.profile, "a") as f:
+                    f.write(f"===== {scheme} / --tree-sharing {sharing}: wall {summary['wall_seconds']:.3f} s, "
+                            f"kernels {summary['kernel_seconds']:.3f} s ({summary['kernel_launches']} launches)\n")
+                    for cat, v in summary["categories"].items():
+                        f.write(f"  {cat:>14}: {v['seconds']:.3f} s, {v['launches']} launches\n")
+                    f.write(tables + "\n")
         exp = row["expanded"]
         for sharing in a.tree_sharing:
             tree = row[f"tree_{sharing}"]
