@@ -12,6 +12,7 @@ from megatron_harts.planner.cost_model import (CalibrationError, CostCoefficient
 from megatron_harts.planner.calls import plan_calls
 from megatron_harts.planner.l1 import plan_l1, split_tree
 from megatron_harts.planner import l2 as l2mod
+from megatron_harts.planner import l2_balance, l2_spread
 from megatron_harts.planner.l2 import plan_harts, plan_l2
 from megatron_harts.planner.metrics import plan_metrics, slot_balance
 from megatron_harts.planner.microbatch import PlanningError, assemble_plan
@@ -521,8 +522,8 @@ def test_plan_l2_compiled_equals_python_reference(monkeypatch):
                 mp.setattr(cm, "_MB_FEATURES", None)
                 mp.setattr(cm, "_MB_KDA", None)
                 mp.setattr(mbmod, "_ASSEMBLE", None)
-                mp.setattr(l2mod, "_REBALANCE", None)
-                mp.setattr(l2mod, "_SPREAD", None)
+                mp.setattr(l2_balance, "_REBALANCE", None)
+                mp.setattr(l2_spread, "_SPREAD", None)
                 ref = plan_l2(f, l1, cost_model=model, index=ix)
             assert _plan_key(fast) == _plan_key(ref)
 
@@ -551,7 +552,7 @@ def _rebalance_inputs():
 def test_compiled_rebalance_matches_python():
     # _C.l2_rebalance equals its Python reference move for move (bins, entries, costs: floats
     # exact) on every packing the balance pass sees, with the defaults and with other limits
-    if l2mod._REBALANCE is None:
+    if l2_balance._REBALANCE is None:
         pytest.skip("the compiled extension is not built")
     cases = _rebalance_inputs()
     assert len(cases) > 20
@@ -562,8 +563,8 @@ def test_compiled_rebalance_matches_python():
         for limits in ((l2mod.BALANCE_MOVES, l2mod.BALANCE_SLOTS, l2mod.BALANCE_WEIGHT, l2mod.BALANCE_SWAP_BINS),
                        (3, 1, 0.5, 0), (200, 8, 2.0, 1000)):
             args = (dp, M, overhead) + limits
-            ref = l2mod._rebalance_python(units, list(rep), [list(e) for e in ent], ix.length_list, *args)
-            fast = l2mod._rebalance_compiled(ix, units, list(rep), [list(e) for e in ent], *args)
+            ref = l2_balance._rebalance_python(units, list(rep), [list(e) for e in ent], ix.length_list, *args)
+            fast = l2_balance._rebalance_compiled(ix, units, list(rep), [list(e) for e in ent], *args)
             assert fast == ref
             moved += ref[0]
     assert moved > 10
@@ -576,7 +577,7 @@ def test_rebalance_move_bound():
     checked = 0
     for ix, packed, dp, M, overhead, _ in _rebalance_inputs()[:12]:
         units, ent = l2mod.numbered_units(packed[3])
-        st = l2mod._Bins(units, [p[0] for p in packed[1]], ent, ix.length_list, dp)
+        st = l2_balance._Bins(units, [p[0] for p in packed[1]], ent, ix.length_list, dp)
         for x in range(st.n):
             for j in range(len(st.ent[x])):
                 k = st.ent[x][j][0]
@@ -605,7 +606,7 @@ def test_rebalance_swap_bound():
     checked = 0
     for ix, packed, dp, M, overhead, _ in _rebalance_inputs()[:8]:
         units, ent = l2mod.numbered_units(packed[3])
-        st = l2mod._Bins(units, [p[0] for p in packed[1]], ent, ix.length_list, dp)
+        st = l2_balance._Bins(units, [p[0] for p in packed[1]], ent, ix.length_list, dp)
         movable = [(x, i) for x in range(st.n) for i in range(len(st.ent[x]))
                    if units[st.ent[x][i][0]].kind != "core" and units[st.ent[x][i][0]].upper < 0]
         for x, i in movable[:40]:
@@ -633,7 +634,7 @@ def test_rebalance_swap_bound():
 def test_compiled_pack_spread_matches_python():
     # _C.l2_pack_spread equals its Python reference (bins, segments, loads: floats exact) on the
     # seeded L2 forests' units, whole and split, on DP 2, 4 and 8, three slot counts, two targets
-    if l2mod._SPREAD is None:
+    if l2_spread._SPREAD is None:
         pytest.skip("the compiled extension is not built")
 
     def key(out):
@@ -654,7 +655,7 @@ def test_compiled_pack_spread_matches_python():
                 for S in (S0, S0 + 1, S0 + 2):
                     for eps in (0.01, 0.05):
                         fast = l2mod.pack_spread(ix, us, dp, M, S, eps)
-                        ref = l2mod._pack_spread_python(ix, us, dp, M, S, eps)
+                        ref = l2_spread._pack_spread_python(ix, us, dp, M, S, eps)
                         assert key(fast) == key(ref)
                         n += 1
     assert n > 100

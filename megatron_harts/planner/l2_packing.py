@@ -1,0 +1,51 @@
+"""What every L2 packing shares: its form, its slot order with split windows' path owners, its estimate.
+
+A packing is ``(groups, placement, loads, entries)``: per microbatch its (owned, recomputed)
+segment ids and its (replica, slot), per replica the estimated costs of its microbatches in slot
+order, per microbatch its entries ``(unit, extra segments recomputed, estimated cost)``.
+Invariant of ``_after_owners``: a microbatch reading a split window's path runs in a later slot
+than the producers owning that path.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+__all__ = ["estimate_step"]
+
+
+def _after_owners(seqs: List[List[int]], after: Dict[int, set]) -> Optional[List[List[int]]]:
+    """Per replica, its microbatches ``seqs[r]`` in slot order, with every microbatch ``b`` of
+    ``after`` in a later slot than the microbatches ``after[b]`` (producers owning the root
+    path of a split window, on other replicas): those producers lead their replicas (in their
+    order), then every slot takes the first microbatch in order that may run there.  None
+    when a replica is left with microbatches none of which may run in its next slot."""
+    if not after:
+        return seqs
+    lead = set().union(*after.values())
+    pos: Dict[int, int] = {}
+    heads = []
+    for seq in seqs:
+        head = [b for b in seq if b in lead]
+        for k, b in enumerate(head):
+            pos[b] = k
+        heads.append(head)
+    out = []
+    for seq, head in zip(seqs, heads):
+        rest = [b for b in seq if b not in lead]
+        new = list(head)
+        while rest:
+            k = len(new)
+            i = next((i for i, b in enumerate(rest) if b not in after or all(pos[q] < k for q in after[b])), -1)
+            if i < 0:
+                return None
+            new.append(rest.pop(i))
+        out.append(new)
+    return out
+
+
+def estimate_step(packed, dp: int, overhead: float) -> float:
+    """Estimated step of ``pack_windows``' result: per slot the costliest microbatch, every
+    microbatch paying ``overhead`` (the per-microbatch terms the unit costs leave out)."""
+    loads = packed[2]
+    S = max((len(l) for l in loads), default=0)
+    return sum(max(l[k] + overhead if k < len(l) else 0.0 for l in loads) for k in range(S))

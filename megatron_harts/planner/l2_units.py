@@ -1,0 +1,245 @@
+"""L2's units: what its packers place (cores, items, free pieces of the trees), and split windows.
+
+Invariants: every segment a unit owns is owned by that unit alone (a unit's ``owned`` are its
+own; ``rec`` and ``path`` are recomputed rows it reads or recomputes); a tree's units either
+form windows (one core per window, its items below it) or are the tree's L1 pieces (free), so
+the units of a tree compute no more rows than its L1 pieces did when they form windows.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+from .cost_model import CostModel, ForestIndex
+from .microbatch import MicrobatchPlan
+
+__all__ = ["window_units", "split_windows", "unit_arrays"]
+
+#: unit kinds as the compiled packers read them
+_KIND = {"core": 0, "item": 1, "free": 2}
+
+
+def _segment_costs(ix: ForestIndex, model: CostModel) -> Tuple[List[float], List[float]]:
+    """Per segment: (cost owned: rows, attention pairs and logits rows; cost recomputed: rows
+    and attention pairs), as plain lists (units are small: list sums beat numpy calls)."""
+    c = model.coefficients
+    body = c.row * ix.length + c.attention_pair * ix.seg_pairs
+    return (body + c.logits_row * ix.seg_logits).tolist(), body.tolist()
+
+
+class _Unit:
+    """What the window packer places: a produced tree's ``core`` (its producer rows), an
+    ``item`` (a piece of a subtree hanging below a core: read the core's rows as external
+    context, or recompute ``path`` when placed away from the core's window) or a ``free``
+    piece (an L1 piece of a tree that keeps recomputation: no external context).
+
+    ``win``: the window a core or item belongs to (the tree's id; a window split off a tree by
+    ``split_windows`` has an id of its own, ``upper`` naming the window whose producer owns the
+    top of its producer's root path, which that producer recomputes)."""
+    __slots__ = ("kind", "tree", "owned", "rec", "rows", "own_rows", "cost", "replay_cost", "path", "path_rows",
+                 "path_cost", "win", "upper", "replay")
+
+    def __init__(self, kind, tree, owned, rec, rows, own_rows, cost, replay_cost=0.0, path=(), path_rows=0,
+                 path_cost=0.0, win=None, upper=-1, replay=0):
+        self.kind, self.tree, self.owned, self.rec = kind, tree, owned, rec
+        self.replay = replay  # KDA replay tokens of an item read from its producer by a consumer
+        self.rows, self.own_rows, self.cost, self.replay_cost = rows, own_rows, cost, replay_cost
+        self.path, self.path_rows, self.path_cost = path, path_rows, path_cost
+        self.win = tree if win is None else win
+        self.upper = upper
+
+    def moved(self, win, upper):
+        """This unit in window ``win`` (split off its tree's window ``upper``)."""
+        return _Unit(self.kind, self.tree, self.owned, self.rec, self.rows, self.own_rows, self.cost,
+                     self.replay_cost, self.path, self.path_rows, self.path_cost, win, upper, self.replay)
+
+
+def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
+                 min_producer_rows: int) -> List[_Unit]:
+    """Cores, items and free pieces of ``l1`` (steps 1-2 of the module docstring).
+
+    A tree's shared set ``U`` (segments computed in two or more L1 microbatches) is closed
+    under ancestors.  Its core is ``U`` when it fits the row budget, else the top of ``U`` that
+    fits (most shared segments first).  The subtrees hanging below the core become items (cut
+    into pieces of at most ``M`` rows by L1's split, the core's rows counting as external).  A
+    tree is produced when its core has at least ``min_producer_rows`` rows and its core plus
+    items compute fewer tokens (replay included) than its L1 pieces; else its L1 pieces are
+    free units."""
+    from .l1 import split_piece  # local: l1 imports nothing of l2, the import is cheap
+    M = l1.row_budget
+    S = ix.num_segments
+    count = [0] * S
+    tree_of = ix.seg_tree.tolist()
+    l1_rows: Dict[int, int] = {}
+    pieces: Dict[int, List[Tuple[List[int], List[int]]]] = {}
+    length, start, par = ix.length_list, ix.start_list, ix.parent
+    for m in l1.microbatches:
+        own, rec = m.owned.tolist(), m.recomputed.tolist()
+        per: Dict[int, Tuple[List[int], List[int]]] = {}
+        for x in own:
+            count[x] += 1
+            per.setdefault(tree_of[x], ([], []))[0].append(x)
+        for x in rec:
+            count[x] += 1
+            per.setdefault(tree_of[x], ([], []))[1].append(x)
+        for t, (o, r) in per.items():
+            if o:
+                pieces.setdefault(t, []).append((o, r))
+            l1_rows[t] = l1_rows.get(t, 0) + sum([length[x] for x in o]) + sum([length[x] for x in r])
+    own_c, body_c = _segment_costs(ix, model)
+    B = model.chunk_size
+    rp = model.coefficients.kda_replay_token
+    offs = ix.tree_offsets.tolist()
+    sub_size, sub_rows = ix.sub_size_list, ix.sub_rows_list
+    children = ix.children
+    units: List[_Unit] = []
+    for t in range(ix.num_trees):
+        a, b = offs[t], offs[t + 1]
+        produced = None
+        if any(count[s] >= 2 for s in range(a, b)):
+            core = [s for s in range(a, b) if count[s] >= 2]
+            if sum([length[s] for s in core]) > M:  # the most shared top of U that fits
+                core, rows, inset = [], 0, set()
+                heap = [(-count[a], a)]
+                while heap:
+                    heap.sort()
+                    _, s = heap.pop(0)
+                    if rows + length[s] > M:
+                        continue
+                    core.append(s)
+                    inset.add(s)
+                    rows += length[s]
+                    heap.extend((-count[c], c) for c in children[s] if count[c] >= 2)
+                core.sort()
+            inset = set(core)
+            core_rows = sum([length[s] for s in core])
+            items: List[_Unit] = []
+            tokens = core_rows
+            for s in range(a, b):
+                if s in inset or par[s] not in inset:
+                    continue
+                segs = list(range(s, s + sub_size[s]))
+                parts = [(segs, [])] if sub_rows[s] <= M else \
+                    [(p[0], p[1]) for p in split_piece(ix, segs, [], M + start[s])]
+                path, x = [], par[s]
+                while x >= 0:
+                    path.append(x)
+                    x = par[x]
+                path_cost = sum([body_c[x] for x in path])
+                replay = start[s] % B
+                for own, rec in parts:
+                    own_rows = sum([length[x] for x in own])
+                    rows = own_rows + sum([length[x] for x in rec])
+                    cost = sum([own_c[x] for x in own]) + sum([body_c[x] for x in rec])
+                    items.append(_Unit("item", t, sorted(own), sorted(rec), rows, own_rows, cost, rp * replay, path,
+                                       start[s], path_cost, replay=replay))
+                    tokens += rows + replay
+            if core_rows >= min_producer_rows and tokens < l1_rows.get(t, 0):
+                produced = [_Unit("core", t, core, [], core_rows, core_rows, sum([own_c[x] for x in core]))] + items
+        if produced is not None:
+            units.extend(produced)
+            continue
+        for own, rec in pieces.get(t, ()):
+            own_rows = sum([length[x] for x in own])
+            units.append(_Unit("free", t, own, rec, own_rows + sum([length[x] for x in rec]), own_rows,
+                               sum([own_c[x] for x in own]) + sum([body_c[x] for x in rec])))
+    return units
+
+
+def split_windows(ix: ForestIndex, units: List[_Unit], model: CostModel, dp: int,
+                  share: float) -> Optional[List[_Unit]]:
+    """``units`` with every window costlier than ``share`` of a replica's work (estimated cost
+    over ``dp``) cut into ``k = ceil(cost / (share * total / dp))`` windows, for replicas to
+    share a tree (None when no window is that costly, or none has a branch point to cut at).
+
+    A cut at a core segment ``c`` (not the root) makes a window of its own: its producer owns
+    the core below ``c`` and recomputes ``c``'s root path (so it reads nothing), and the items
+    hanging below ``c`` are its consumers' (they read the path from its owner, the tree's
+    first window, and the rest from their producer; the schedule takes all of it from their
+    producer, whose computed rows hold it).  Cuts are chosen one after the other on what is
+    left of the tree's core, each the segment whose window (path included) costs closest to
+    the tree's cost over ``k`` (not on an earlier cut's path: every cut's path is owned by the
+    first window)."""
+    total = sum(u.cost + u.replay_cost for u in units)
+    limit = share * total / dp
+    wins: Dict[int, List[_Unit]] = {}
+    for u in units:
+        if u.kind != "free":
+            wins.setdefault(u.win, []).append(u)
+    if not any(sum(u.cost + u.replay_cost for u in us) > limit for us in wins.values()):
+        return None
+    own_c, body_c = _segment_costs(ix, model)
+    length, par, sub_size = ix.length_list, ix.parent, ix.sub_size_list
+    out = [u for u in units if u.kind == "free"]
+    key = first_key = ix.num_trees
+    for t, us in wins.items():
+        W = sum(u.cost + u.replay_cost for u in us)
+        k = math.ceil(W / limit) if W > limit else 1
+        core = next(u for u in us if u.kind == "core")
+        items = [u for u in us if u.kind == "item"]
+        rem = set(core.owned)
+        pinned = set()  # the paths of the cuts so far: owned by the first window
+        for _ in range(k - 1):
+            hang: Dict[int, float] = {}
+            for u in items:
+                hang[u.path[0]] = hang.get(u.path[0], 0.0) + u.cost + u.replay_cost
+            order = sorted(rem)
+            acc = {x: own_c[x] + hang.get(x, 0.0) for x in order}
+            has = {x: x in hang for x in order}
+            for x in reversed(order):
+                q = par[x]
+                if q in rem:
+                    acc[q] += acc[x]
+                    has[q] = has[q] or has[x]
+            pc: Dict[int, float] = {}
+            best = None
+            for x in order:
+                q = par[x]
+                pc[x] = pc[q] + body_c[q] if q >= 0 else 0.0
+                if q >= 0 and has[x] and x not in pinned:
+                    d = abs(acc[x] + pc[x] - W / k)
+                    if best is None or d < best[0]:
+                        best = (d, x)
+            if best is None:
+                break
+            c = best[1]
+            lower = [x for x in order if c <= x < c + sub_size[c]]
+            low = set(lower)
+            path, x = [], par[c]
+            while x >= 0:
+                path.append(x)
+                x = par[x]
+            lower_rows = sum([length[x] for x in lower])
+            out.append(_Unit("core", t, lower, sorted(path), lower_rows + sum([length[x] for x in path]), lower_rows,
+                             sum([own_c[x] for x in lower]) + sum([body_c[x] for x in path]), win=key))
+            out.extend(u.moved(key, t) for u in items if u.path[0] in low)
+            items = [u for u in items if u.path[0] not in low]
+            rem -= low
+            pinned.update(path)
+            key += 1
+        if len(rem) == len(core.owned):
+            out.extend(us)
+            continue
+        kept = sorted(rem)
+        rows = sum([length[x] for x in kept])
+        out.append(_Unit("core", t, kept, [], rows, rows, sum([own_c[x] for x in kept])))
+        out.extend(items)
+    return out if key > first_key else None
+
+
+def unit_arrays(units: List[_Unit]):
+    """``units`` as the compiled packer reads them: int64[units, 8] (kind, tree, window, upper
+    window, owned rows, replay tokens, path rows, rows), float64[units, 3] (cost, replay cost,
+    path cost), owned / recomputed / path segments as CSR (offsets, ids)."""
+    import numpy as np
+    nu = len(units)
+    ints = np.array([[_KIND[u.kind], u.tree, u.win, u.upper, u.own_rows, u.replay, u.path_rows, u.rows]
+                     for u in units], dtype=np.int64).reshape(nu, 8)
+    flts = np.array([[u.cost, u.replay_cost, u.path_cost] for u in units], dtype=np.float64).reshape(nu, 3)
+
+    def csr(lists):
+        off = np.zeros(len(lists) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in lists], out=off[1:])
+        return off, np.fromiter((x for xs in lists for x in xs), dtype=np.int64, count=int(off[-1]))
+
+    return (ints, flts) + csr([u.owned for u in units]) + csr([u.rec for u in units]) + csr([u.path for u in units])
