@@ -1,4 +1,4 @@
-// L2's balance pass: the C++ core of megatron_harts.planner.l2.rebalance (the Python reference
+// L2's balance pass: the C++ core of megatron_harts.planner.l2_balance.rebalance (the Python reference
 // beside it: _rebalance_python; tests/test_microbatch_planner.py holds the two equal, floats
 // included: every floating-point operation below runs in the reference's order).
 #include <pybind11/numpy.h>
@@ -64,6 +64,33 @@ double slot_objective(const std::vector<const std::vector<double>*>& cs, i64 dp,
     }
     return f;
 }
+
+// The best change one step of the search has found so far (the reference's ``best`` tuple): kind 0 a
+// move of entries idxs of bin x to bin y, 1 a swap of entry i of x and entry j of y, 2 block x to replica
+// y, 3 blocks x and y swapping replicas; delta its tokens.  Invariant: f is the lowest objective offered
+// and below the objective now by more than 1e-12; among equal ones the first offered stays (strict
+// comparisons, as in the reference).
+struct Best {
+    bool have = false;
+    double f = 0.0;
+    i64 delta = 0, kind = 0, x = 0, y = 0, i = 0, j = 0;
+    std::vector<i64> idxs;
+
+    bool beats(double f_new, double f_now) const { return f_new < f_now - 1e-12 && (!have || f_new < f); }
+
+    void set(double f_new, i64 delta_new, i64 kind_new, i64 x_new, i64 y_new, i64 i_new, i64 j_new,
+             const std::vector<i64>* idxs_new) {
+        have = true;
+        f = f_new;
+        delta = delta_new;
+        kind = kind_new;
+        x = x_new;
+        y = y_new;
+        i = i_new;
+        j = j_new;
+        if (idxs_new) idxs = *idxs_new;
+    }
+};
 
 class Bins {
    public:
@@ -354,7 +381,7 @@ class Bins {
     std::vector<bool> overlap;  // per unit: its recomputed segments and root path share one
 };
 
-// The search of megatron_harts.planner.l2._rebalance_python, step for step.
+// The search of megatron_harts.planner.l2_balance._rebalance_python, step for step.
 py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64Array own_off_a, I64Array own_a,
                        I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a, I64Array rep_a,
                        I64Array ent_off_a, I64Array ent_unit_a, I64Array ent_path_a, F64Array ent_cost_a, i64 dp,
@@ -568,10 +595,13 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         const bool swaps = static_cast<i64>(live.size()) <= swap_bins;
         std::vector<i64> dests = live;
         dests.insert(dests.end(), spare.begin(), spare.end());
-        bool have = false;
-        double bf = 0.0;
-        i64 bdelta = 0, bkind = 0, bx = 0, by = 0, bi = 0, bj = 0;
-        std::vector<i64> bidx;
+        Best best;
+        // a move or swap tried (and still done): offered when its tokens fit the savings so far
+        auto offer_tried = [&](i64 delta, i64 kind, i64 x, i64 y, i64 i, i64 j, const std::vector<i64>* idxs) {
+            if (delta > slack) return;
+            const double f = score(rep[x], rep[y]);
+            if (best.beats(f, f_now)) best.set(f, delta, kind, x, y, i, j, idxs);
+        };
         Moved mv;
         Swapped sw;
         for (i64 x : sources) {
@@ -586,18 +616,7 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
                     if (y == x || (x != light && load[y] + c_out >= lx)) continue;
                     i64 delta;
                     if (!try_move(x, idxs, y, delta, mv)) continue;
-                    if (delta <= slack) {
-                        const double f = score(rep[x], rep[y]);
-                        if (f < f_now - 1e-12 && (!have || f < bf)) {
-                            have = true;
-                            bf = f;
-                            bdelta = delta;
-                            bkind = 0;
-                            bx = x;
-                            bidx = idxs;
-                            by = y;
-                        }
-                    }
+                    offer_tried(delta, 0, x, y, 0, 0, &idxs);
                     undo_move(x, y, mv);
                 }
             }
@@ -615,19 +634,7 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
                         if (d <= 0.0 || load[y] + d >= lx) continue;
                         i64 delta;
                         if (!try_swap(x, i, y, j, delta, sw)) continue;
-                        if (delta <= slack) {
-                            const double f = score(rep[x], rep[y]);
-                            if (f < f_now - 1e-12 && (!have || f < bf)) {
-                                have = true;
-                                bf = f;
-                                bdelta = delta;
-                                bkind = 1;
-                                bx = x;
-                                bi = i;
-                                bj = j;
-                                by = y;
-                            }
-                        }
+                        offer_tried(delta, 1, x, y, i, j, nullptr);
                         undo_swap(x, i, y, j, sw);
                     }
                 }
@@ -660,14 +667,7 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
                 if (r2 == rx) continue;
                 block_costs(r2, &ba, cy);
                 const double f = objective(rx, &cx, r2, &cy);
-                if (f < f_now - 1e-12 && (!have || f < bf)) {
-                    have = true;
-                    bf = f;
-                    bdelta = 0;
-                    bkind = 2;
-                    bx = a;
-                    by = r2;
-                }
+                if (best.beats(f, f_now)) best.set(f, 0, 2, a, r2, 0, 0, nullptr);
             }
             for (i64 c = a + 1; c < static_cast<i64>(blocks.size()); ++c) {
                 const auto& bc = blocks[c];
@@ -681,41 +681,31 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
                 block_costs(ry, &ba, sy);
                 for (i64 b : bc) mark[b] = 0;
                 const double f = objective(rx, &sx, ry, &sy);
-                if (f < f_now - 1e-12 && (!have || f < bf)) {
-                    have = true;
-                    bf = f;
-                    bdelta = 0;
-                    bkind = 3;
-                    bx = a;
-                    by = c;
-                }
+                if (best.beats(f, f_now)) best.set(f, 0, 3, a, c, 0, 0, nullptr);
             }
         }
-        if (have && bkind >= 2) {
-            f_now = bf;
-            const i64 rx = rep[blocks[bx][0]];
-            const i64 ry = bkind == 2 ? by : rep[blocks[by][0]];
-            for (i64 b : blocks[bx]) rep[b] = ry;
-            if (bkind == 3)
-                for (i64 b : blocks[by]) rep[b] = rx;
+        if (best.have && best.kind >= 2) {
+            f_now = best.f;
+            const i64 rx = rep[blocks[best.x][0]];
+            const i64 ry = best.kind == 2 ? best.y : rep[blocks[best.y][0]];
+            for (i64 b : blocks[best.x]) rep[b] = ry;
+            if (best.kind == 3)
+                for (i64 b : blocks[best.y]) rep[b] = rx;
             costs[rx] = st.costs(rx, overhead);
             costs[ry] = st.costs(ry, overhead);
             moved = true;
             continue;
         }
-        if (!have) break;
-        f_now = bf;
-        const i64 rx = rep[bx];
-        i64 ry;
+        if (!best.have) break;
+        f_now = best.f;
+        const i64 rx = rep[best.x];
+        const i64 ry = rep[best.y];
         i64 delta;
-        if (bkind == 0) {
-            try_move(bx, bidx, by, delta, mv);
-            ry = rep[by];
-        } else {
-            try_swap(bx, bi, by, bj, delta, sw);
-            ry = rep[by];
-        }
-        slack -= bdelta;
+        if (best.kind == 0)
+            try_move(best.x, best.idxs, best.y, delta, mv);
+        else
+            try_swap(best.x, best.i, best.y, best.j, delta, sw);
+        slack -= best.delta;
         costs[rx] = st.costs(rx, overhead);
         costs[ry] = st.costs(ry, overhead);
         moved = true;
@@ -762,7 +752,7 @@ void register_rebalance(py::module_& m) {
           py::arg("ent_off"), py::arg("ent_unit"), py::arg("ent_path"), py::arg("ent_cost"), py::arg("dp"),
           py::arg("M"), py::arg("overhead"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"),
           py::arg("swap_bins"),
-          "L2's balance pass (see megatron_harts.planner.l2.rebalance; _rebalance_python is the reference): "
+          "L2's balance pass (see megatron_harts.planner.l2_balance.rebalance; _rebalance_python is the reference): "
           "units (kind, tree, window, upper window, owned rows, replay tokens, path rows; cost, replay cost, "
           "path cost; owned / recomputed / path segments as CSR) in bins (replica, entries: unit, path "
           "recomputed, cost).  Returns (moved, rep, ent_off, ent_unit, ent_path, ent_cost).");

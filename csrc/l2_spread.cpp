@@ -1,4 +1,4 @@
-// L2's spreading packer: the C++ core of megatron_harts.planner.l2.pack_spread (the Python reference
+// L2's spreading packer: the C++ core of megatron_harts.planner.l2_spread.pack_spread (the Python reference
 // beside it: _pack_spread_python; tests/test_microbatch_planner.py holds the two equal, floats
 // included: every floating-point operation below runs in the reference's order).
 #include <pybind11/numpy.h>
@@ -274,7 +274,7 @@ void register_spread(py::module_& m) {
     m.def("l2_pack_spread", &l2_pack_spread, py::arg("length"), py::arg("ints"), py::arg("flts"), py::arg("own_off"),
           py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("dp"),
           py::arg("M"), py::arg("S"), py::arg("eps"),
-          "L2's spreading packer (see megatron_harts.planner.l2.pack_spread; _pack_spread_python is the "
+          "L2's spreading packer (see megatron_harts.planner.l2_spread.pack_spread; _pack_spread_python is the "
           "reference): every bin's replica, owned and recomputed segments, load, core flag and units, and the "
           "(bin, producer) pairs a split window's consumers run after.");
 }
