@@ -142,4 +142,5 @@ void register_l2(pybind11::module_& m) {
           "owned / recomputed ids, cost features, recomputed rows and external context as CSR arrays.");
     register_rebalance(m);
     register_spread(m);
+    register_windows(m);
 }

@@ -1,6 +1,6 @@
 // Plan assembly core (csrc/assemble_core.cpp), registered into megatron_harts._C by call_planner.cpp;
-// register_l2 also registers L2's balance pass (csrc/l2_rebalance.cpp) and spreading packer
-// (csrc/l2_spread.cpp).
+// register_l2 also registers L2's balance pass (csrc/l2_rebalance.cpp), spreading packer
+// (csrc/l2_spread.cpp) and window packer (csrc/l2_windows.cpp).
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -11,6 +11,7 @@
 void register_l2(pybind11::module_& m);
 void register_rebalance(pybind11::module_& m);
 void register_spread(pybind11::module_& m);
+void register_windows(pybind11::module_& m);
 
 // Cost features of one microbatch computing comp[0..m) (sorted, distinct) and owning own[0..mo):
 // out = rows, attention pairs, KDA calls, replay tokens, logits rows, external rows
@@ -20,8 +21,8 @@ void microbatch_feature_row(const std::int64_t* parent, const std::int64_t* star
                             std::int64_t m, const std::int64_t* own, std::int64_t mo, std::int64_t chunk_size,
                             std::int64_t* out);
 
-// One entry of a microbatch in L2's compiled packers (csrc/l2_rebalance.cpp, csrc/l2_spread.cpp): a unit
-// (its number), whether its root path is recomputed there, its cost.
+// One entry of a microbatch in L2's compiled packers (csrc/l2_rebalance.cpp, csrc/l2_spread.cpp,
+// csrc/l2_windows.cpp): a unit (its number), whether its root path is recomputed there, its cost.
 struct L2Entry {
     std::int64_t unit;
     bool path;

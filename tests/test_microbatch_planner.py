@@ -12,7 +12,7 @@ from megatron_harts.planner.cost_model import (CalibrationError, CostCoefficient
 from megatron_harts.planner.calls import plan_calls
 from megatron_harts.planner.l1 import plan_l1, split_tree
 from megatron_harts.planner import l2 as l2mod
-from megatron_harts.planner import l2_balance, l2_spread
+from megatron_harts.planner import l2_balance, l2_spread, l2_windows
 from megatron_harts.planner.l2 import plan_harts, plan_l2
 from megatron_harts.planner.metrics import plan_metrics, slot_balance
 from megatron_harts.planner.microbatch import PlanningError, assemble_plan
@@ -510,7 +510,7 @@ def _l2_forests():
 
 def test_plan_l2_compiled_equals_python_reference(monkeypatch):
     # the whole L2 plan is the same with the compiled cores (features, assembly, balance pass,
-    # spreading packer) and without them
+    # spreading packer, window packer) and without them
     from megatron_harts.planner import cost_model as cm
     from megatron_harts.planner import microbatch as mbmod
     for f, M, model in _l2_forests()[:4]:
@@ -524,6 +524,7 @@ def test_plan_l2_compiled_equals_python_reference(monkeypatch):
                 mp.setattr(mbmod, "_ASSEMBLE", None)
                 mp.setattr(l2_balance, "_REBALANCE", None)
                 mp.setattr(l2_spread, "_SPREAD", None)
+                mp.setattr(l2_windows, "_WINDOWS", None)
                 ref = plan_l2(f, l1, cost_model=model, index=ix)
             assert _plan_key(fast) == _plan_key(ref)
 

@@ -70,7 +70,7 @@ from .l1 import plan_l1
 from .l2_balance import (BALANCE_MORE_BINS, BALANCE_MOVES, BALANCE_PACKINGS, BALANCE_SLOTS, BALANCE_SWAP_BINS,
                          BALANCE_WEIGHT, numbered_units, rebalance)
 from .l2_packing import estimate_step
-from .l2_spread import pack_spread, spread_inputs
+from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
 from .l2_windows import pack_windows
 from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
@@ -132,7 +132,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             # packer too, and a larger tolerance only where the smaller one turned a placement away
             # (split windows: the spreading packer alone; the window packer's plans of them lost
             # to it on every benchmark batch)
-            arrays = spread_inputs(us) if dp > 1 else None
+            arrays = unit_arrays(us) if dp > 1 else None
             for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not units else \
                     (pack_windows, pack_spread):
                 for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1):
@@ -140,8 +140,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                     for eps in WINDOW_TOLERANCES:
                         if not bound:
                             break  # the target turned nothing away: a larger one packs the same
-                        packings, bound = packer(ix, us, dp, M, S, eps, arrays) if packer is pack_spread else \
-                            packer(ix, us, dp, M, S, eps)
+                        packings, bound = packer(ix, us, dp, M, S, eps, arrays)
                         for packed in packings:
                             est = estimate_step(packed, dp, overhead)
                             if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)

@@ -13,15 +13,9 @@ from .cost_model import ForestIndex
 from .l2_packing import _after_owners
 from .l2_units import _Unit, unit_arrays
 
-__all__ = ["pack_spread", "spread_inputs"]
+__all__ = ["pack_spread"]
 
 _SPREAD = compiled("l2_pack_spread")
-
-
-def spread_inputs(units: List[_Unit]):
-    """``unit_arrays(units)`` when the compiled packer runs (built once per unit set, read by
-    every ``pack_spread`` call on it), else None."""
-    return unit_arrays(units) if _SPREAD is not None else None
 
 
 def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01, arrays=None):

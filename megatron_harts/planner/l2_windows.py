@@ -1,23 +1,44 @@
 """L2's window packer (``pack_windows``): each produced tree one window on one replica.
 
-Invariant: every window of its packings runs as the schedule runs it (``replica_windows``): a
-consumer reads context only from its own window's producer, an earlier microbatch of its
-replica that is not itself a consumer; an item placed away from its window recomputes its
-root path and reads nothing.
+``_C.l2_pack_windows`` is its compiled core on several replicas; ``_pack_windows_python`` its
+reference (the same values, floats included; ``tests/test_l2_windows.py`` holds them equal) and
+the packer on one replica.  Invariant: every window of its packings runs as the schedule runs it
+(``replica_windows``): a consumer reads context only from its own window's producer, an earlier
+microbatch of its replica that is not itself a consumer; an item placed away from its window
+recomputes its root path and reads nothing.
 """
 from __future__ import annotations
 
 import math
 from typing import Dict, List, Tuple
 
+from .compiled import compiled
 from .cost_model import ForestIndex
 from .l2_packing import _after_owners
-from .l2_units import _Unit
+from .l2_units import _Unit, unit_arrays
 
 __all__ = ["pack_windows"]
 
+_WINDOWS = compiled("l2_pack_windows")
 
-def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01):
+
+def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01, arrays=None):
+    """``_pack_windows_python``'s (packings, bound), from the compiled ``_C.l2_pack_windows`` on
+    several replicas when it is built (the same values); ``arrays``: ``unit_arrays(units)`` when
+    the caller has them."""
+    global _WINDOWS
+    if _WINDOWS is not None and dp > 1:
+        try:
+            packings, bound = _WINDOWS(units, ix.length, *(arrays if arrays is not None else unit_arrays(units)),
+                                       dp, M, S, eps)
+        except TypeError:  # a different compiled signature: the Python path
+            _WINDOWS = None
+        else:
+            return [p for p in packings if p is not None], bool(bound)
+    return _pack_windows_python(ix, units, dp, M, S, eps)
+
+
+def _pack_windows_python(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01):
     """Place ``units`` into microbatches on ``dp`` replicas so that every window runs as the
     schedule runs it (``replica_windows``), with a microbatch target of the estimated cost over
     ``dp * S`` times ``1 + eps`` (none on one replica, where microbatches are filled by rows):
