@@ -245,6 +245,31 @@ def test_tree_fla_equals_reference_fp32(gpu, replay, seed):
     assert all(e < 1e-4 for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("call_plan", ["per-depth", "node-wise"])
+def test_ablation_plans_fla_equal_reference_fp32(gpu, call_plan):
+    """The --tree-kda-call-plan ablations: sequences start at unaligned fork positions from the final
+    state of their parent's sequence (an export at a sequence's end), no replay."""
+    from megatron_harts.planner.baselines import BASELINE_PLANS
+    H, K, V = FP32_SHAPE
+    forest = random_forest(3)
+    R = forest.num_rows
+    plan = BASELINE_PLANS[call_plan](forest.seg_parent, forest.seg_start, forest.seg_length, CHUNK)
+    sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan,
+                               device=gpu)
+    gen = torch.Generator().manual_seed(30)
+    weights = (torch.randn(R, H, V, generator=gen).to(gpu), torch.zeros(0, H, K, V, device=gpu))
+    base = row_inputs(R, H, K, V, gpu, seed=3)
+    ref = tree_run([x.clone().requires_grad_() for x in base], sched, "reference", weights)
+    got = tree_run([x.clone().requires_grad_() for x in base], sched, "fla", weights)
+    errs = {"o": rel(got[0], ref[0])}
+    errs.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta"), got[2], ref[2])})
+    offsets = torch.cat([c.export_offset for c in sched.calls]).cpu()
+    report("ablation_plan_fla_vs_reference_fp32", call_plan=call_plan, rows=R, calls=len(sched.calls),
+           unaligned_exports=int((offsets % CHUNK != 0).sum()), **errs)
+    assert len(sched.calls) > 1 and int((offsets % CHUNK != 0).sum()) > 0
+    assert all(e < 1e-4 for e in errs.values()), errs
+
+
 def test_consumer_window_fla_equals_reference_fp32(gpu):
     """A consumer layout from a producer's exported states (external initial states): their gradients too."""
     H, K, V = FP32_SHAPE

@@ -11,6 +11,13 @@ Field names follow transformers' ``KimiLinearConfig`` where megatron has no
 equivalent; MoE options keep megatron's names (``moe_router_num_groups`` =
 ``n_group``, ``moe_router_group_topk`` = ``topk_group``,
 ``moe_router_topk_scaling_factor`` = ``routed_scaling_factor``).
+
+``tree_kda_call_plan`` picks how tree mode runs KDA over a microbatch's segments
+(``--tree-kda-call-plan``): ``harts`` (default; the call planner's optimum,
+``planner/calls.py``), or the ablations ``per-depth`` (one call per fork level) and
+``node-wise`` (one call per segment depth, the paper's "Node-wise LA"), both without
+replay (``planner/baselines.py``).  All three compute the same function; the ablations
+run on layouts of whole trees only (no sharing windows).
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..planner.baselines import CALL_PLANS
 
 LAYER_TYPES = ("kda", "mla")
 MLP_TYPES = ("dense", "moe")
@@ -34,6 +43,7 @@ class HybridConfig(TransformerConfig):
     linear_conv_kernel_dim: int = 4
     kda_chunk_size: int = 64
     kda_backend: str = "reference"
+    tree_kda_call_plan: str = "harts"   # one of CALL_PLANS (module docstring)
     # MLA (full attention) layers
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 64
@@ -56,6 +66,13 @@ class HybridConfig(TransformerConfig):
     moe_router_norm_topk_prob: bool = True
     # the model will run rollout trees (tree mode): refuse options the tree path cannot honour
     tree_mode: bool = True
+
+    def __post_init__(self):
+        """megatron's checks, then: ``tree_kda_call_plan`` is one of ``CALL_PLANS``."""
+        super().__post_init__()
+        if self.tree_kda_call_plan not in CALL_PLANS:
+            raise ValueError(f"tree_kda_call_plan {self.tree_kda_call_plan!r} (--tree-kda-call-plan) must be one "
+                             f"of {', '.join(CALL_PLANS)}")
 
     def resolved_layer_types(self) -> List[str]:
         if self.layer_types is not None:

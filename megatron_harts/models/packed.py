@@ -39,6 +39,12 @@ from the producer's boundary states and replays the producer's rows.  Pass
 ``exports.detached()`` to every consumer of a window (shared leaves: export
 gradients accumulate), then ``exports.close(leaves)`` runs the one producer
 backward ("window close").
+
+KDA call plan (``config.tree_kda_call_plan``, ``--tree-kda-call-plan``): ``harts`` runs the
+call planner's plan (``planner.calls.plan_calls``); the ablations ``per-depth`` and
+``node-wise`` run ``planner.baselines``' replay-free plans of the same segments (more calls,
+same outputs to rounding).  They serve layouts of whole trees; consumers and producers of
+sharing windows run ``harts`` only and refuse the others.
 """
 from __future__ import annotations
 
@@ -232,22 +238,37 @@ class TreePackedSeqParams(PackedSeqParams):
     @classmethod
     def for_tree(cls, layout, *, config=None, chunk_size: int = 64, conv_kernel: int = 4, replay: bool = True,
                  attention_backend: str = "sdpa", device=None, export: Optional[ExportSpec] = None,
-                 exports: Optional[WindowExports] = None) -> "TreePackedSeqParams":
+                 exports: Optional[WindowExports] = None, call_plan: str = "harts") -> "TreePackedSeqParams":
         """All per-microbatch tree metadata for ``layout``, built once and shared by all layers.
 
-        With ``config`` (a HybridConfig) the chunk size, conv kernel and attention backend are
-        the model's (``kda_chunk_size``, ``linear_conv_kernel_dim``, ``tree_attention_backend``).
+        With ``config`` (a HybridConfig) the chunk size, conv kernel, attention backend and KDA
+        call plan are the model's (``kda_chunk_size``, ``linear_conv_kernel_dim``,
+        ``tree_attention_backend``, ``tree_kda_call_plan``).
         ``export``: this layout is a producer; its forward records ``self.exports``.
         ``exports``: this layout is a consumer (it has context rows) reading them.
+        ``call_plan``: ``harts`` (``plan_calls``, with ``replay``) or a replay-free ablation of
+        ``planner.baselines.BASELINE_PLANS`` (``replay`` does not apply); the ablations are
+        refused for consumers and producers.
         """
         if config is not None:
             chunk_size = config.kda_chunk_size
             conv_kernel = config.linear_conv_kernel_dim
             attention_backend = config.tree_attention_backend
+            call_plan = config.tree_kda_call_plan
         from ..ops.path_conv import build_conv_taps
         from ..ops.tree_kda import build_kda_schedule, consumer_kda_sources
+        from ..planner.baselines import BASELINE_PLANS, CALL_PLANS
         from ..planner.calls import plan_calls
 
+        if call_plan not in CALL_PLANS:
+            raise ValueError(f"TreePackedSeqParams.for_tree: KDA call plan {call_plan!r} (--tree-kda-call-plan) "
+                             f"must be one of {', '.join(CALL_PLANS)}")
+        if call_plan != "harts" and (layout.num_context_rows or export is not None):
+            role = "has context rows (a sharing-window consumer)" if layout.num_context_rows else \
+                "is a sharing-window producer (export=)"
+            raise ValueError(f"TreePackedSeqParams.for_tree: --tree-kda-call-plan {call_plan} runs layouts of whole "
+                             f"trees only, and this layout {role}: --tree-kda-call-plan {call_plan} needs "
+                             "--tree-sharing within")
         device = torch.device(device) if device is not None else layout.prev.device
         layout = layout.to(device)
         consumer_index = None
@@ -304,7 +325,10 @@ class TreePackedSeqParams(PackedSeqParams):
                                      f"replay={replay}, conv kernel {conv_kernel}")
                 export_rows = export.state_rows
                 exports = WindowExports(export, {})
-            plan = plan_calls(layout.seg_parent, layout.seg_start, layout.seg_length, chunk_size, replay=replay)
+            if call_plan == "harts":
+                plan = plan_calls(layout.seg_parent, layout.seg_start, layout.seg_length, chunk_size, replay=replay)
+            else:
+                plan = BASELINE_PLANS[call_plan](layout.seg_parent, layout.seg_start, layout.seg_length, chunk_size)
             schedule = build_kda_schedule(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row,
                                           plan, export_rows=export_rows, device=device)
         taps = build_conv_taps(layout, conv_kernel)

@@ -14,11 +14,15 @@ Invariants kept:
 
 - every row's output is written by exactly one sequence (the one in which its
   segment is semantic);
-- a sequence starting at aligned position s>0 gets the state its source
-  sequence had after its token s-1, computed in an earlier call; with replay,
-  its chunks are [s, s+B), [s+B, s+2B)..., which are the chunks of expanded
-  per-trajectory training, so the reference backend reproduces expanded
-  outputs bitwise (shared/DESIGN.md, invariant 2).
+- a sequence starting at position s>0 gets the state its source sequence had
+  after its token s-1, computed in an earlier call; with replay s is aligned
+  and its chunks are [s, s+B), [s+B, s+2B)..., which are the chunks of
+  expanded per-trajectory training, so the reference backend reproduces
+  expanded outputs bitwise (shared/DESIGN.md, invariant 2).  Without replay
+  (``--no-tree-replay``, and the per-depth / node-wise baseline plans of
+  ``planner/baselines.py``) s is the fork position, often unaligned, and the
+  state is read inside or at the end of the source sequence (for the
+  baselines always its final state): same function, other chunking.
 
 Consumer layouts (cross-microbatch sharing windows): a layout may hold subtrees
 whose ancestor rows live in a producer layout.  A subtree root starting at path

@@ -53,13 +53,19 @@ pipeline size 1 for now.  ``--tree-microbatch-tokens`` is the row budget of a mi
 (default ``--seq-length``, Megatron-LM's tokens per microbatch at micro-batch size 1).
 ``--tree-kda-backend`` / ``--tree-attention-backend`` default to ``auto``: fla / flex on CUDA
 (not with ``--fp64``), reference / sdpa otherwise; ``fla`` and ``flex`` need CUDA, checked when
-the model config is built (``hybrid_config``), not at parse time.
+the model config is built (``hybrid_config``), not at parse time.  ``--tree-kda-call-plan
+{harts,per-depth,node-wise}`` (default harts) is the KDA call ablation: ``per-depth`` (one call
+per fork level) and ``node-wise`` (one call per segment depth, the paper's "Node-wise LA") run
+the same tree step with replay-free baseline plans (``planner/baselines.py``) instead of the
+call planner's; same losses and gradients, more KDA calls (the step's ``kda_calls``).  They
+need ``--tree-sharing within`` (sharing windows run harts plans only).
 
 Namespace attributes the driver reads besides Megatron-LM's names: ``params_dtype`` (torch
 dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linear_num_heads``,
 ``linear_head_dim``, ``data_path`` (one string, or None), ``tree_sharing``, ``tree_mode``
 (sharing != off), ``tree_planner`` (resolved), ``tree_microbatch_tokens`` (resolved),
 ``tree_chunk_size``, ``no_tree_replay`` / ``tree_replay`` (its negation), ``tree_kda_backend``,
+``tree_kda_call_plan``,
 ``tree_attention_backend`` (maybe ``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``,
 ``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``, ``tree_logit_probe_oracle``,
 ``tree_triton_max_configs``,
@@ -91,6 +97,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..cli import CliError
+from ..planner.baselines import CALL_PLANS
 
 __all__ = [
     "ArgumentsError", "ArgumentsWarning", "MEGATRON_LM_FLAGS", "OWN_FLAGS", "TREE_SHARING_MODES",
@@ -379,6 +386,8 @@ TREE_PLANNERS = ("l1", "l1l2", "ffd", "ortools")
 #: planners allowed per sharing mode; the first is the default
 PLANNERS_BY_SHARING = {"off": ("ffd",), "within": ("l1", "ortools"), "windows": ("l1l2",)}
 KDA_BACKEND_CHOICES = ("auto", "reference", "fla")
+#: KDA call plans (harts, then the ablations; HybridConfig.tree_kda_call_plan); the first is the default
+KDA_CALL_PLAN_CHOICES = CALL_PLANS
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "sdpa", "flex")
 RL_OBJECTIVES = ("sft", "ppo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -388,7 +397,8 @@ TREE_PP_SCHEDULES = ("consumer-1f1b", "overlap", "non-overlap")
 #: the flags megatron_harts adds (none of them is a Megatron-LM flag)
 OWN_FLAGS = frozenset({
     "--fp64", "--tree-sharing", "--tree-microbatch-tokens", "--tree-planner", "--tree-chunk-size",
-    "--no-tree-replay", "--tree-kda-backend", "--tree-attention-backend", "--tree-plan-report",
+    "--no-tree-replay", "--tree-kda-backend", "--tree-kda-call-plan", "--tree-attention-backend",
+    "--tree-plan-report",
     "--tree-cost-calibration", "--tree-dataset-shuffle", "--no-tree-dataset-shuffle",
     "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
     "--loss-agg-mode", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
@@ -927,6 +937,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     ts.add_argument("--tree-kda-backend", choices=KDA_BACKEND_CHOICES, default="auto",
                     help="KDA kernels: auto (default: fla on CUDA, reference otherwise or with --fp64), "
                          "reference (plain torch) or fla (needs CUDA)")
+    ts.add_argument("--tree-kda-call-plan", choices=KDA_CALL_PLAN_CHOICES, default=KDA_CALL_PLAN_CHOICES[0],
+                    help="ablation of the KDA call plan: harts (default: the call planner's fewest calls, with "
+                         "replay), per-depth (one call per fork level) or node-wise (one call per segment depth, "
+                         "Node-wise LA); the ablations run without replay and need --tree-sharing within")
     ts.add_argument("--tree-attention-backend", choices=ATTENTION_BACKEND_CHOICES, default="auto",
                     help="MLA tree attention: auto (default: flex on CUDA, sdpa otherwise or with --fp64), "
                          "sdpa, reference or flex (needs CUDA)")
@@ -1287,6 +1301,11 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
               f"({why[args.tree_planner]}; allowed: {', '.join(allowed)})")
     if not args.tree_mode and args.no_tree_replay:
         _fail("--no-tree-replay needs tree sharing: with --tree-sharing off there is no replay")
+    if args.tree_kda_call_plan != KDA_CALL_PLAN_CHOICES[0] and args.tree_sharing != "within":
+        why = ("expanded training runs no tree KDA calls" if args.tree_sharing == "off" else
+               "sharing-window producers and consumers run harts plans only")
+        _fail(f"--tree-kda-call-plan {args.tree_kda_call_plan} needs --tree-sharing within (with --tree-sharing "
+              f"{args.tree_sharing} {why})")
     if args.expert_model_parallel_size > 1 and args.num_experts:
         # the replicas of an expert-parallel group exchange tokens in every MoE layer of every microbatch:
         # microbatches of different sizes need the all-to-all dispatcher, and every replica runs the same
@@ -1487,6 +1506,7 @@ def _build_config(args: argparse.Namespace, *, kda_backend: Optional[str], atten
         linear_num_heads=args.linear_num_heads, linear_head_dim=args.linear_head_dim,
         linear_conv_kernel_dim=args.linear_conv_kernel_dim, kda_chunk_size=args.tree_chunk_size,
         kda_backend=kda_backend or "reference", tree_attention_backend=attention_backend or "sdpa",
+        tree_kda_call_plan=args.tree_kda_call_plan,
         layer_types=list(args.layer_types), mlp_types=list(args.mlp_types), tree_mode=args.tree_mode,
         calculate_per_token_loss=True, use_cpu_initialization=use_cpu_initialization,
         gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
