@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -27,17 +28,19 @@ inline void insert(std::vector<i64>& v, i64 x) {
     if (!has(v, x)) v.push_back(x);
 }
 
-// Units as in l2_rebalance: ints int64[units, 8] = kind (0 core, 1 item, 2 free), tree, window,
-// upper window, owned rows, replay tokens, path rows, rows; flts float64[units, 3] = cost, replay
-// cost, path cost; owned / recomputed / path segments as CSR.  Returns (bound, rep, own_off, own,
-// rec_off, rec, load, has_core, after (pairs: bin, producer), ent_off, ent_unit, ent_path,
-// ent_cost) for every bin opened, in bin order.
-py::tuple l2_pack_spread(I64Array length_a, I64Array ints_a, F64Array flts_a, I64Array own_off_a, I64Array own_a,
-                         I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a, i64 dp, i64 M,
-                         i64 S, double eps) {
+// Units (the unit objects, for the entries; and as unit_arrays writes them): ints int64[units, 8] =
+// kind (0 core, 1 item, 2 free), tree, window, upper window, owned rows, replay tokens, path rows,
+// rows; flts float64[units, 3] = cost, replay cost, path cost; owned / recomputed / path segments as
+// CSR.  Returns (packings, bound) as the reference: its one packing (groups, placement, loads,
+// entries) in a list, or no packing when a split window's consumer finds no slot after its path's
+// owner (_spread_output).
+py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64Array flts_a, I64Array own_off_a,
+                         I64Array own_a, I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a,
+                         i64 dp, i64 M, i64 S, double eps) {
     const i64 nu = ints_a.ndim() == 2 ? ints_a.shape(0) : -1;
     if (nu < 0 || ints_a.shape(1) != 8 || flts_a.ndim() != 2 || flts_a.shape(0) != nu || flts_a.shape(1) != 3)
         throw py::value_error("ints must be int64[units, 8] and flts float64[units, 3]");
+    if (static_cast<i64>(units.size()) != nu) throw py::value_error("units and ints must have one row per unit");
     if (own_off_a.shape(0) != nu + 1 || rec_off_a.shape(0) != nu + 1 || path_off_a.shape(0) != nu + 1)
         throw py::value_error("own_off / rec_off / path_off must have one entry per unit plus one");
     if (dp < 1 || S < 1) throw py::value_error("dp and S must be >= 1");
@@ -231,50 +234,33 @@ py::tuple l2_pack_spread(I64Array length_a, I64Array ints_a, F64Array flts_a, I6
             put(b, k, false, cost(k));
         }
     }
+    // the reference's _spread_output: per replica its producers first, the rest costliest first, then
+    // split windows' consumers after their path's owner
     const i64 nb = static_cast<i64>(rep.size());
-    I64Array rep_o(nb), own_off_o(nb + 1), rec_off_o(nb + 1), core_o(nb);
-    F64Array load_o(nb);
-    i64 n_own = 0, n_rec = 0;
-    for (i64 b = 0; b < nb; ++b) {
-        n_own += static_cast<i64>(own_l[b].size());
-        n_rec += static_cast<i64>(rec_l[b].size());
+    std::vector<std::vector<i64>> seqs(dp);
+    for (i64 r = 0; r < dp; ++r) {
+        std::vector<i64> rest;
+        for (i64 b = 0; b < nb; ++b)
+            if (rep[b] == r && !own_l[b].empty()) (has_core[b] ? seqs[r] : rest).push_back(b);
+        std::stable_sort(rest.begin(), rest.end(), [&](i64 a, i64 b) { return -load[a] < -load[b]; });
+        seqs[r].insert(seqs[r].end(), rest.begin(), rest.end());
     }
-    I64Array own_o(n_own), rec_o(n_rec), after_o({static_cast<i64>(after.size()), i64(2)});
-    auto* ro = rep_o.mutable_data();
-    auto* oo = own_off_o.mutable_data();
-    auto* ow = own_o.mutable_data();
-    auto* rco = rec_off_o.mutable_data();
-    auto* rw = rec_o.mutable_data();
-    auto* lo = load_o.mutable_data();
-    auto* co = core_o.mutable_data();
-    oo[0] = rco[0] = 0;
-    i64 io = 0, ir = 0;
-    for (i64 b = 0; b < nb; ++b) {
-        ro[b] = rep[b];
-        lo[b] = load[b];
-        co[b] = has_core[b];
-        for (i64 x : own_l[b]) ow[io++] = x;
-        for (i64 x : rec_l[b]) rw[ir++] = x;
-        oo[b + 1] = io;
-        rco[b + 1] = ir;
+    std::unordered_map<i64, std::vector<i64>> aft;
+    for (const auto& bq : after) {
+        auto& qs = aft[bq.first];
+        if (bq.second != bq.first && !has(qs, bq.second)) qs.push_back(bq.second);
     }
-    auto* ao = after_o.mutable_data();
-    for (std::size_t i = 0; i < after.size(); ++i) {
-        ao[2 * i] = after[i].first;
-        ao[2 * i + 1] = after[i].second;
-    }
-    const py::tuple flat = l2_entry_arrays(ent, nb);
-    return py::make_tuple(bound, rep_o, own_off_o, own_o, rec_off_o, rec_o, load_o, core_o, after_o, flat[0], flat[1],
-                          flat[2], flat[3]);
+    py::list packings;
+    if (l2_after_owners(seqs, aft)) packings.append(l2_packing_object(seqs, own_l, rec_l, load, ent, units));
+    return py::make_tuple(packings, bound);
 }
 
 }  // namespace
 
 void register_spread(py::module_& m) {
-    m.def("l2_pack_spread", &l2_pack_spread, py::arg("length"), py::arg("ints"), py::arg("flts"), py::arg("own_off"),
-          py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("dp"),
-          py::arg("M"), py::arg("S"), py::arg("eps"),
+    m.def("l2_pack_spread", &l2_pack_spread, py::arg("units"), py::arg("length"), py::arg("ints"), py::arg("flts"),
+          py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"),
+          py::arg("path"), py::arg("dp"), py::arg("M"), py::arg("S"), py::arg("eps"),
           "L2's spreading packer (see megatron_harts.planner.l2_spread.pack_spread; _pack_spread_python is the "
-          "reference): every bin's replica, owned and recomputed segments, load, core flag and units, and the "
-          "(bin, producer) pairs a split window's consumers run after.");
+          "reference): (packings, bound) as the reference returns them.");
 }

@@ -296,48 +296,6 @@ struct Packer {
     }
 };
 
-// Per replica its bins in slot order, with every bin of `after` in a later slot than the producers it
-// names (the reference's _after_owners); false when a replica is left with bins none of which may run
-// in its next slot.
-bool after_owners(std::vector<std::vector<i64>>& seqs, const std::unordered_map<i64, std::vector<i64>>& after) {
-    if (after.empty()) return true;
-    std::unordered_set<i64> lead;
-    for (const auto& kv : after)
-        for (i64 q : kv.second) lead.insert(q);
-    std::unordered_map<i64, i64> pos;
-    for (const auto& seq : seqs) {
-        i64 k = 0;
-        for (i64 b : seq)
-            if (lead.count(b)) pos[b] = k++;
-    }
-    for (auto& seq : seqs) {
-        std::vector<i64> out, rest;
-        for (i64 b : seq) (lead.count(b) ? out : rest).push_back(b);
-        while (!rest.empty()) {
-            const i64 k = static_cast<i64>(out.size());
-            std::size_t pick = rest.size();
-            for (std::size_t i = 0; i < rest.size() && pick == rest.size(); ++i) {
-                auto it = after.find(rest[i]);
-                bool ok = true;
-                if (it != after.end())
-                    for (i64 q : it->second) {
-                        auto pq = pos.find(q);
-                        if (pq == pos.end() || pq->second >= k) {
-                            ok = false;
-                            break;
-                        }
-                    }
-                if (ok) pick = i;
-            }
-            if (pick == rest.size()) return false;
-            out.push_back(rest[pick]);
-            rest.erase(rest.begin() + static_cast<std::ptrdiff_t>(pick));
-        }
-        seq = std::move(out);
-    }
-    return true;
-}
-
 // The packing as the reference's emit writes it: (groups, placement, loads, entries), or None when a
 // split window's consumer finds no slot after the producer of its path.
 py::object emit(const Packer& P, const py::list& units, bool has_upper) {
@@ -390,30 +348,8 @@ py::object emit(const Packer& P, const py::list& units, bool has_upper) {
                     if (std::find(qs.begin(), qs.end(), q) == qs.end()) qs.push_back(q);
                 }
     }
-    if (!after_owners(seqs, after)) return py::none();
-    py::list groups, placement, loads, entries;
-    const py::tuple no_path;
-    for (i64 r = 0; r < P.dp; ++r) {
-        py::list lr;
-        const auto& seq = seqs[r];
-        for (std::size_t k = 0; k < seq.size(); ++k) {
-            const i64 b = seq[k];
-            py::tuple own(P.own_l[b].size()), rec(P.rec_l[b].size());
-            for (std::size_t i = 0; i < P.own_l[b].size(); ++i) own[i] = py::int_(P.own_l[b][i]);
-            for (std::size_t i = 0; i < P.rec_l[b].size(); ++i) rec[i] = py::int_(P.rec_l[b][i]);
-            groups.append(py::make_tuple(own, rec));
-            placement.append(py::make_tuple(r, static_cast<i64>(k)));
-            py::list es;
-            for (const L2Entry& e : P.units_of[b]) {
-                py::object u = units[static_cast<std::size_t>(e.unit)];
-                es.append(py::make_tuple(u, e.path ? u.attr("path") : py::object(no_path), e.cost));
-            }
-            entries.append(es);
-            lr.append(load[b]);
-        }
-        loads.append(lr);
-    }
-    return py::make_tuple(groups, placement, loads, entries);
+    if (!l2_after_owners(seqs, after)) return py::none();
+    return l2_packing_object(seqs, P.own_l, P.rec_l, P.load, P.units_of, units);
 }
 
 // Units as in l2_pack_spread (unit_arrays), plus `units` (the unit objects, for the entries).  Returns

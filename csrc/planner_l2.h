@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <unordered_map>
 #include <vector>
 
 void register_l2(pybind11::module_& m);
@@ -29,6 +30,23 @@ struct L2Entry {
     double cost;
 };
 
-// The entries of bins [0, nb) as flat arrays, the packers' output format: (offsets [nb + 1], unit, path
+// The entries of bins [0, nb) as flat arrays, the balance pass's output format: (offsets [nb + 1], unit, path
 // (0/1), cost per entry) (defined in l2_rebalance.cpp).
 pybind11::tuple l2_entry_arrays(const std::vector<std::vector<L2Entry>>& ent, std::int64_t nb);
+
+// Per replica its bins in slot order, with every bin of `after` in a later slot than the producers it
+// names (owners of a split window's path, on other replicas): those lead their replicas, then each slot
+// takes the first bin in order that may run there (megatron_harts.planner.l2_packing._after_owners).
+// False when a replica is left with bins none of which may run in its next slot (defined in
+// l2_packing.cpp).
+bool l2_after_owners(std::vector<std::vector<std::int64_t>>& seqs,
+                     const std::unordered_map<std::int64_t, std::vector<std::int64_t>>& after);
+
+// The bins seqs[r][k] (replica r, slot k) as the Python packers return a packing: (groups: (owned,
+// recomputed) tuples, placement: (replica, slot), loads: per replica its bins' loads in slot order,
+// entries: per bin (unit object, its path or (), cost)), units[k] the unit numbered k (defined in
+// l2_packing.cpp).
+pybind11::tuple l2_packing_object(const std::vector<std::vector<std::int64_t>>& seqs,
+                                  const std::vector<std::vector<std::int64_t>>& own_l,
+                                  const std::vector<std::vector<std::int64_t>>& rec_l, const std::vector<double>& load,
+                                  const std::vector<std::vector<L2Entry>>& ent, const pybind11::list& units);

@@ -126,6 +126,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                     unit_sets.append(split)
         overhead = model.coefficients.microbatch + model.coefficients.kda_call
         packs = []
+        estimates = set()  # the estimates in packs
         for us in unit_sets:
             S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
             # one replica: no target (every slot count packs the same); several: the spreading
@@ -143,7 +144,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                         packings, bound = packer(ix, us, dp, M, S, eps, arrays)
                         for packed in packings:
                             est = estimate_step(packed, dp, overhead)
-                            if all(p[0] != est for p in packs):  # the same packing again (tolerance unused)
+                            if est not in estimates:  # the same packing again (tolerance unused)
+                                estimates.add(est)
                                 packs.append((est, len(packs), packed))
         packs.sort(key=lambda p: p[:2])
         refined = {}  # a refined packing -> the packing it refines

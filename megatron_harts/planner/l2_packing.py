@@ -48,4 +48,9 @@ def estimate_step(packed, dp: int, overhead: float) -> float:
     microbatch paying ``overhead`` (the per-microbatch terms the unit costs leave out)."""
     loads = packed[2]
     S = max((len(l) for l in loads), default=0)
-    return sum(max(l[k] + overhead if k < len(l) else 0.0 for l in loads) for k in range(S))
+    # each replica's costs padded with 0.0 (an idle replica) to S slots, summed slot by slot in order
+    padded = [[x + overhead for x in l] + [0.0] * (S - len(l)) for l in loads]
+    total = 0
+    for slot in zip(*padded):
+        total += max(slot)
+    return total

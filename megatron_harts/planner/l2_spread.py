@@ -19,26 +19,17 @@ _SPREAD = compiled("l2_pack_spread")
 
 
 def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01, arrays=None):
-    """``_pack_spread_python``'s packings from the compiled ``_C.l2_pack_spread`` when built (the
-    same values); ``arrays``: ``unit_arrays(units)`` when the caller has them."""
+    """``_pack_spread_python``'s (packings, bound) from the compiled ``_C.l2_pack_spread`` when built
+    (the same values); ``arrays``: ``unit_arrays(units)`` when the caller has them."""
     global _SPREAD
     if _SPREAD is not None:
         try:
-            out = _SPREAD(ix.length, *(arrays if arrays is not None else unit_arrays(units)), dp, M, S, eps)
+            packings, bound = _SPREAD(units, ix.length, *(arrays if arrays is not None else unit_arrays(units)),
+                                      dp, M, S, eps)
         except TypeError:  # a different compiled signature: the Python path
             _SPREAD = None
         else:
-            bound, rep, oo, o, ro, r, load, core, after, eo, eu, ep, ec = out
-            rep, oo, o, ro, r, core = rep.tolist(), oo.tolist(), o.tolist(), ro.tolist(), r.tolist(), core.tolist()
-            eo, eu, ep, ec = eo.tolist(), eu.tolist(), ep.tolist(), ec.tolist()
-            nb = len(rep)
-            aft: Dict[int, set] = {}
-            for b, q in after.tolist():
-                aft.setdefault(b, set()).add(q)
-            ent = [[(units[eu[i]], units[eu[i]].path if ep[i] else (), ec[i]) for i in range(eo[b], eo[b + 1])]
-                   for b in range(nb)]
-            return _spread_output(dp, rep, [o[oo[b]:oo[b + 1]] for b in range(nb)],
-                                  [r[ro[b]:ro[b + 1]] for b in range(nb)], load.tolist(), core, aft, ent, bool(bound))
+            return packings, bool(bound)
     return _pack_spread_python(ix, units, dp, M, S, eps)
 
 

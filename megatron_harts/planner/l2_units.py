@@ -8,7 +8,11 @@ the units of a tree compute no more rows than its L1 pieces did when they form w
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
+from itertools import accumulate, chain
 from typing import Dict, List, Optional, Tuple
+
+import numpy as np
 
 from .cost_model import CostModel, ForestIndex
 from .microbatch import MicrobatchPlan
@@ -68,36 +72,40 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
     from .l1 import split_piece  # local: l1 imports nothing of l2, the import is cheap
     M = l1.row_budget
     S = ix.num_segments
-    count = [0] * S
-    tree_of = ix.seg_tree.tolist()
-    l1_rows: Dict[int, int] = {}
     pieces: Dict[int, List[Tuple[List[int], List[int]]]] = {}
     length, start, par = ix.length_list, ix.start_list, ix.parent
-    for m in l1.microbatches:
-        own, rec = m.owned.tolist(), m.recomputed.tolist()
+    offs = ix.tree_offsets.tolist()
+    tree_of = ix.seg_tree.tolist()
+    mbs = l1.microbatches
+    ids_all = [m.owned for m in mbs] + [m.recomputed for m in mbs]
+    # count[s]: the L1 microbatches computing s; l1_rows[t]: the rows L1 computes of tree t
+    count_a = np.bincount(np.concatenate(ids_all), minlength=S) if ids_all else np.zeros(S, dtype=np.int64)
+    count = count_a.tolist()
+    l1_rows = np.add.reduceat(count_a * ix.length, ix.tree_offsets[:-1]).tolist() if S else []
+    for m in mbs:
+        # a plan's ids are sorted and a tree's segments are one id range: each tree's ids are a run
         per: Dict[int, Tuple[List[int], List[int]]] = {}
-        for x in own:
-            count[x] += 1
-            per.setdefault(tree_of[x], ([], []))[0].append(x)
-        for x in rec:
-            count[x] += 1
-            per.setdefault(tree_of[x], ([], []))[1].append(x)
-        for t, (o, r) in per.items():
+        for ids, side in ((m.owned.tolist(), 0), (m.recomputed.tolist(), 1)):
+            i, n = 0, len(ids)
+            while i < n:
+                t = tree_of[ids[i]]
+                j = bisect_left(ids, offs[t + 1], i)
+                per.setdefault(t, ([], []))[side].extend(ids[i:j])
+                i = j
+        for t, (o, _) in per.items():
             if o:
-                pieces.setdefault(t, []).append((o, r))
-            l1_rows[t] = l1_rows.get(t, 0) + sum([length[x] for x in o]) + sum([length[x] for x in r])
+                pieces.setdefault(t, []).append(per[t])
     own_c, body_c = _segment_costs(ix, model)
     B = model.chunk_size
     rp = model.coefficients.kda_replay_token
-    offs = ix.tree_offsets.tolist()
     sub_size, sub_rows = ix.sub_size_list, ix.sub_rows_list
     children = ix.children
     units: List[_Unit] = []
     for t in range(ix.num_trees):
         a, b = offs[t], offs[t + 1]
         produced = None
-        if any(count[s] >= 2 for s in range(a, b)):
-            core = [s for s in range(a, b) if count[s] >= 2]
+        core = [s for s in range(a, b) if count[s] >= 2]
+        if core:
             if sum([length[s] for s in core]) > M:  # the most shared top of U that fits
                 core, rows, inset = [], 0, set()
                 heap = [(-count[a], a)]
@@ -115,26 +123,30 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
             core_rows = sum([length[s] for s in core])
             items: List[_Unit] = []
             tokens = core_rows
-            for s in range(a, b):
-                if s in inset or par[s] not in inset:
-                    continue
-                segs = list(range(s, s + sub_size[s]))
-                parts = [(segs, [])] if sub_rows[s] <= M else \
-                    [(p[0], p[1]) for p in split_piece(ix, segs, [], M + start[s])]
+            # item roots: the segments outside the core whose parent is in it, in id order
+            for s in sorted([c for x in core for c in children[x] if c not in inset]):
+                e = s + sub_size[s]
                 path, x = [], par[s]
                 while x >= 0:
                     path.append(x)
                     x = par[x]
                 path_cost = sum([body_c[x] for x in path])
                 replay = start[s] % B
-                for own, rec in parts:
+                if sub_rows[s] <= M:  # the whole subtree, ids s..e-1 (preorder), nothing recomputed
+                    own_rows = sum(length[s:e])
+                    items.append(_Unit("item", t, list(range(s, e)), [], own_rows, own_rows, sum(own_c[s:e]),
+                                       rp * replay, path, start[s], path_cost, replay=replay))
+                    tokens += own_rows + replay
+                    continue
+                for piece in split_piece(ix, list(range(s, e)), [], M + start[s]):
+                    own, rec = piece[0], piece[1]
                     own_rows = sum([length[x] for x in own])
                     rows = own_rows + sum([length[x] for x in rec])
                     cost = sum([own_c[x] for x in own]) + sum([body_c[x] for x in rec])
                     items.append(_Unit("item", t, sorted(own), sorted(rec), rows, own_rows, cost, rp * replay, path,
                                        start[s], path_cost, replay=replay))
                     tokens += rows + replay
-            if core_rows >= min_producer_rows and tokens < l1_rows.get(t, 0):
+            if core_rows >= min_producer_rows and tokens < l1_rows[t]:
                 produced = [_Unit("core", t, core, [], core_rows, core_rows, sum([own_c[x] for x in core]))] + items
         if produced is not None:
             units.extend(produced)
@@ -228,18 +240,16 @@ def split_windows(ix: ForestIndex, units: List[_Unit], model: CostModel, dp: int
 
 
 def unit_arrays(units: List[_Unit]):
-    """``units`` as the compiled packer reads them: int64[units, 8] (kind, tree, window, upper
+    """``units`` as the compiled packers read them: int64[units, 8] (kind, tree, window, upper
     window, owned rows, replay tokens, path rows, rows), float64[units, 3] (cost, replay cost,
     path cost), owned / recomputed / path segments as CSR (offsets, ids)."""
-    import numpy as np
     nu = len(units)
-    ints = np.array([[_KIND[u.kind], u.tree, u.win, u.upper, u.own_rows, u.replay, u.path_rows, u.rows]
+    ints = np.array([(_KIND[u.kind], u.tree, u.win, u.upper, u.own_rows, u.replay, u.path_rows, u.rows)
                      for u in units], dtype=np.int64).reshape(nu, 8)
-    flts = np.array([[u.cost, u.replay_cost, u.path_cost] for u in units], dtype=np.float64).reshape(nu, 3)
+    flts = np.array([(u.cost, u.replay_cost, u.path_cost) for u in units], dtype=np.float64).reshape(nu, 3)
 
     def csr(lists):
-        off = np.zeros(len(lists) + 1, dtype=np.int64)
-        np.cumsum([len(x) for x in lists], out=off[1:])
-        return off, np.fromiter((x for xs in lists for x in xs), dtype=np.int64, count=int(off[-1]))
+        off = np.array([0, *accumulate(map(len, lists))], dtype=np.int64)
+        return off, np.array(list(chain.from_iterable(lists)), dtype=np.int64)
 
     return (ints, flts) + csr([u.owned for u in units]) + csr([u.rec for u in units]) + csr([u.path for u in units])
