@@ -143,4 +143,5 @@ void register_l2(pybind11::module_& m) {
     register_rebalance(m);
     register_spread(m);
     register_windows(m);
+    register_packing(m);
 }

@@ -3,6 +3,7 @@
 // Python packers return it.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <unordered_map>
 #include <unordered_set>
@@ -53,33 +54,135 @@ bool l2_after_owners(std::vector<std::vector<i64>>& seqs, const std::unordered_m
     return true;
 }
 
-py::tuple l2_packing_object(const std::vector<std::vector<i64>>& seqs, const std::vector<std::vector<i64>>& own_l,
-                            const std::vector<std::vector<i64>>& rec_l, const std::vector<double>& load,
-                            const std::vector<std::vector<L2Entry>>& ent, const py::list& units) {
-    py::list groups, placement, loads, entries;
-    const py::tuple no_path;
-    std::vector<py::object> paths(units.size());  // each unit's path, read once
-    for (std::size_t r = 0; r < seqs.size(); ++r) {
-        py::list lr;
-        const auto& seq = seqs[r];
-        for (std::size_t k = 0; k < seq.size(); ++k) {
-            const i64 b = seq[k];
-            py::tuple own(own_l[b].size()), rec(rec_l[b].size());
-            for (std::size_t i = 0; i < own_l[b].size(); ++i) own[i] = py::int_(own_l[b][i]);
-            for (std::size_t i = 0; i < rec_l[b].size(); ++i) rec[i] = py::int_(rec_l[b][i]);
-            groups.append(py::make_tuple(own, rec));
-            placement.append(py::make_tuple(static_cast<i64>(r), static_cast<i64>(k)));
-            py::list es;
-            for (const L2Entry& e : ent[b]) {
-                const auto ku = static_cast<std::size_t>(e.unit);
-                py::object u = units[ku];
-                if (e.path && !paths[ku]) paths[ku] = u.attr("path");
-                es.append(py::make_tuple(u, e.path ? paths[ku] : py::object(no_path), e.cost));
+namespace {
+
+// A packing as the Python packers return it: the sequence (groups, placement, loads, entries), each
+// part built on its first read (a packer's packings are many, and most are only estimated from their
+// loads).  Invariant: the parts read are exactly the tuple the reference packer returns.
+class L2Packing {
+   public:
+    L2Packing(const std::vector<std::vector<i64>>& seqs, const std::vector<std::vector<i64>>& own_l,
+              const std::vector<std::vector<i64>>& rec_l, const std::vector<double>& load,
+              const std::vector<std::vector<L2Entry>>& ent, py::list units)
+        : units_(std::move(units)) {
+        own_off_.push_back(0);
+        rec_off_.push_back(0);
+        ent_off_.push_back(0);
+        for (std::size_t r = 0; r < seqs.size(); ++r) {
+            per_replica_.push_back(static_cast<i64>(seqs[r].size()));
+            for (i64 b : seqs[r]) {
+                own_.insert(own_.end(), own_l[b].begin(), own_l[b].end());
+                rec_.insert(rec_.end(), rec_l[b].begin(), rec_l[b].end());
+                ent_.insert(ent_.end(), ent[b].begin(), ent[b].end());
+                own_off_.push_back(own_.size());
+                rec_off_.push_back(rec_.size());
+                ent_off_.push_back(ent_.size());
+                load_.push_back(load[b]);
             }
-            entries.append(es);
-            lr.append(load[b]);
         }
-        loads.append(lr);
     }
-    return py::make_tuple(groups, placement, loads, entries);
+
+    py::object part(i64 i) {
+        if (i < 0) i += 4;
+        if (i < 0 || i >= 4) throw py::index_error("a packing has 4 parts");
+        if (!parts_[i]) parts_[i] = build(i);
+        return parts_[i];
+    }
+
+    py::tuple all() { return py::make_tuple(part(0), part(1), part(2), part(3)); }
+
+    // megatron_harts.planner.l2_packing._estimate_step_python of this packing, the same floats: per slot
+    // the costliest bin (its load plus overhead; a replica without a bin there counts 0.0), summed
+    // slot by slot in order.
+    double estimate_step(double overhead) const {
+        i64 S = 0;
+        for (i64 nr : per_replica_) S = std::max(S, nr);
+        std::vector<std::size_t> first(per_replica_.size());  // a replica's first bin in load_
+        std::size_t q = 0;
+        for (std::size_t r = 0; r < per_replica_.size(); ++r) {
+            first[r] = q;
+            q += static_cast<std::size_t>(per_replica_[r]);
+        }
+        double total = 0.0;
+        for (i64 k = 0; k < S; ++k) {
+            double mx = 0.0;
+            for (std::size_t r = 0; r < per_replica_.size(); ++r) {
+                const double v = k < per_replica_[r] ? load_[first[r] + static_cast<std::size_t>(k)] + overhead : 0.0;
+                if (r == 0 || v > mx) mx = v;
+            }
+            total += mx;
+        }
+        return total;
+    }
+
+   private:
+    py::object build(i64 i) const {
+        py::list out;
+        if (i == 0) {  // groups: (owned, recomputed) per bin in slot order
+            auto ids = [](const std::vector<i64>& flat, std::size_t lo, std::size_t hi) {
+                py::tuple t(hi - lo);
+                for (std::size_t k = lo; k < hi; ++k) t[k - lo] = py::int_(flat[k]);
+                return t;
+            };
+            for (std::size_t q = 0; q < load_.size(); ++q)
+                out.append(py::make_tuple(ids(own_, own_off_[q], own_off_[q + 1]), ids(rec_, rec_off_[q], rec_off_[q + 1])));
+        } else if (i == 1) {  // placement: (replica, slot)
+            for (std::size_t r = 0; r < per_replica_.size(); ++r)
+                for (i64 k = 0; k < per_replica_[r]; ++k) out.append(py::make_tuple(static_cast<i64>(r), k));
+        } else if (i == 2) {  // loads: per replica in slot order
+            std::size_t q = 0;
+            for (i64 nr : per_replica_) {
+                py::list lr;
+                for (i64 k = 0; k < nr; ++k) lr.append(load_[q++]);
+                out.append(lr);
+            }
+        } else {  // entries: (unit, its path or (), cost)
+            const py::tuple no_path;
+            std::vector<py::object> paths(units_.size());  // each unit's path, read once
+            for (std::size_t q = 0; q < load_.size(); ++q) {
+                py::list es;
+                for (std::size_t x = ent_off_[q]; x < ent_off_[q + 1]; ++x) {
+                    const L2Entry& e = ent_[x];
+                    const auto ku = static_cast<std::size_t>(e.unit);
+                    py::object u = units_[ku];
+                    if (e.path && !paths[ku]) paths[ku] = u.attr("path");
+                    es.append(py::make_tuple(u, e.path ? paths[ku] : py::object(no_path), e.cost));
+                }
+                out.append(es);
+            }
+        }
+        return std::move(out);
+    }
+
+    py::list units_;
+    std::vector<i64> per_replica_;
+    std::vector<i64> own_, rec_;  // per bin in slot order: own_[own_off_[q]:own_off_[q + 1]], ...
+    std::vector<std::size_t> own_off_, rec_off_, ent_off_;
+    std::vector<double> load_;
+    std::vector<L2Entry> ent_;
+    py::object parts_[4];
+};
+
+}  // namespace
+
+py::object l2_packing_object(const std::vector<std::vector<i64>>& seqs, const std::vector<std::vector<i64>>& own_l,
+                             const std::vector<std::vector<i64>>& rec_l, const std::vector<double>& load,
+                             const std::vector<std::vector<L2Entry>>& ent, const py::list& units) {
+    return py::cast(L2Packing(seqs, own_l, rec_l, load, ent, units));
+}
+
+void register_packing(py::module_& m) {
+    py::class_<L2Packing>(m, "L2Packing",
+                          "A packing of L2's compiled packers: the sequence (groups, placement, loads, entries) "
+                          "the Python packers return as a tuple, each part built on its first read.")
+        .def("__len__", [](const L2Packing&) { return 4; })
+        .def("__getitem__", &L2Packing::part, py::arg("i"))
+        .def("__getitem__",
+             [](L2Packing& p, const py::slice& sl) {
+                 return py::tuple(p.all()[sl]);
+             },
+             py::arg("s"))
+        .def("__iter__", [](L2Packing& p) { return py::iter(p.all()); })
+        .def("estimate_step", &L2Packing::estimate_step, py::arg("overhead"),
+             "megatron_harts.planner.l2_packing.estimate_step of this packing (the same floats).");
 }

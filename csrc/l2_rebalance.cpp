@@ -30,8 +30,39 @@ struct Units {
     const i64 *own_off, *own, *rec_off, *rec, *path_off, *path;
 };
 
-// Counts keyed by id, entries removed at zero (the reference's dicts).
-using Counts = std::unordered_map<i64, i64>;
+// Counts keyed by id, entries removed at zero (the reference's dicts): a few keys per bin, kept sorted
+// in one vector (iterated in key order; no allocation per key, as every try adds and removes some).
+class Counts {
+   public:
+    using Item = std::pair<i64, i64>;
+    using iterator = std::vector<Item>::iterator;
+    using const_iterator = std::vector<Item>::const_iterator;
+
+    i64& operator[](i64 k) {
+        auto it = lower(k);
+        if (it == v_.end() || it->first != k) it = v_.insert(it, Item{k, 0});
+        return it->second;
+    }
+    iterator find(i64 k) {
+        auto it = lower(k);
+        return it != v_.end() && it->first == k ? it : v_.end();
+    }
+    const_iterator find(i64 k) const {
+        auto it = std::lower_bound(v_.begin(), v_.end(), k, [](const Item& a, i64 x) { return a.first < x; });
+        return it != v_.end() && it->first == k ? it : v_.end();
+    }
+    void erase(iterator it) { v_.erase(it); }
+    iterator begin() { return v_.begin(); }
+    iterator end() { return v_.end(); }
+    const_iterator begin() const { return v_.begin(); }
+    const_iterator end() const { return v_.end(); }
+
+   private:
+    iterator lower(i64 k) {
+        return std::lower_bound(v_.begin(), v_.end(), k, [](const Item& a, i64 x) { return a.first < x; });
+    }
+    std::vector<Item> v_;
+};
 // per bin and segment: how many of the bin's entries recompute it (dense: looked up on every try)
 using Dense = std::vector<int32_t>;
 
@@ -335,10 +366,16 @@ class Bins {
 
     std::vector<double> costs(i64 r, double overhead) const {
         std::vector<double> out;
+        costs_into(r, overhead, out);
+        return out;
+    }
+
+    // costs(r, overhead) written into out (its storage reused: the search scores many changes).
+    void costs_into(i64 r, double overhead, std::vector<double>& out) const {
+        out.clear();
         for (i64 b = 0; b < n; ++b)
             if (rep[b] == r && !ent[b].empty()) out.push_back(load[b] + overhead);
         std::sort(out.begin(), out.end(), std::greater<double>());
-        return out;
     }
 
     std::vector<std::vector<i64>> groups(i64 b) const {
@@ -374,8 +411,7 @@ class Bins {
     std::vector<Dense> cnt;
     i64 nseg;
     std::vector<i64> owner;
-    std::vector<Counts> win_t, path_t;
-    std::vector<std::map<i64, i64>> reads;
+    std::vector<Counts> win_t, path_t, reads;
     std::unordered_map<i64, i64> prod;
     std::vector<bool> is_prod;
     std::vector<bool> overlap;  // per unit: its recomputed segments and root path share one
@@ -454,8 +490,8 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
     const double tau = total / static_cast<double>(std::max<i64>(1, dp * most));
     std::vector<std::vector<double>> costs(dp);
     for (i64 r = 0; r < dp; ++r) costs[r] = st.costs(r, overhead);
+    std::vector<const std::vector<double>*> cs(dp);  // the objective's per-replica costs (storage reused)
     auto objective = [&](i64 rx, const std::vector<double>* cx, i64 ry, const std::vector<double>* cy) {
-        std::vector<const std::vector<double>*> cs(dp);
         for (i64 r = 0; r < dp; ++r) cs[r] = &costs[r];
         cs[rx] = cx;
         if (ry != rx) cs[ry] = cy;
@@ -465,10 +501,11 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
     i64 slack = 0;
     std::vector<i64> spare(dp);
     for (i64 r = 0; r < dp; ++r) spare[r] = st.open(r);
+    std::vector<double> score_x, score_y;  // score's costs of the two replicas (storage reused)
     auto score = [&](i64 rx, i64 ry) {
-        const std::vector<double> cx = st.costs(rx, overhead);
-        const std::vector<double> cy = ry != rx ? st.costs(ry, overhead) : cx;
-        return objective(rx, &cx, ry, &cy);
+        st.costs_into(rx, overhead, score_x);
+        if (ry != rx) st.costs_into(ry, overhead, score_y);
+        return objective(rx, &score_x, ry, ry != rx ? &score_y : &score_x);
     };
     auto tok = [&](i64 x, i64 y) { return rows[x] + replay[x] + rows[y] + replay[y]; };
 

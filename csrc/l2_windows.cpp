@@ -26,8 +26,12 @@ using F64Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
 constexpr i64 kCore = 0, kItem = 1, kFree = 2;
 
+inline bool has(const std::vector<i64>& v, i64 x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
 // The packer's microbatches (bins) and what its placement rules read; the reference's lists of the same
-// names, one entry per bin.  Invariant: rows[b] counts b's owned rows plus every segment of have[b] once;
+// names, one entry per bin.  have[b] is the reference's set of b's recomputed segments, as a short list
+// without repeats (membership by scan: few per bin).  Invariant: rows[b] counts b's owned rows plus every
+// segment of have[b] once;
 // load[b] is the sum of its entries' costs in the order they were put; total_r[r] the loads put on
 // replica r (less what was taken back), in that order.
 struct Packer {
@@ -41,7 +45,7 @@ struct Packer {
 
     std::vector<i64> rep, rows, window_of, win_tree;  // win_tree: the tree of the bin's window (-1: none)
     std::vector<double> load, total_r;
-    std::vector<std::unordered_set<i64>> have;
+    std::vector<std::vector<i64>> have;
     std::vector<std::vector<i64>> own_l, rec_l;
     std::vector<std::vector<L2Entry>> units_of;
     std::vector<std::vector<std::vector<i64>>> blocks;  // per replica: [producer, consumers...]
@@ -80,7 +84,8 @@ struct Packer {
         auto walk = [&](const i64* seq, i64 lo, i64 hi_) {
             for (i64 i = lo; i < hi_; ++i) {
                 const i64 x = seq[i];
-                if (have[b].insert(x).second) {
+                if (!has(have[b], x)) {
+                    have[b].push_back(x);
                     rec_l[b].push_back(x);
                     add += length[x];
                 }
@@ -96,7 +101,7 @@ struct Packer {
     i64 path_extra_rows(i64 k, i64 b) const {
         i64 extra = 0;
         for (i64 i = path_off[k]; i < path_off[k + 1]; ++i)
-            if (!have[b].count(path[i])) extra += length[path[i]];
+            if (!has(have[b], path[i])) extra += length[path[i]];
         return extra;
     }
 
@@ -214,7 +219,7 @@ struct Packer {
             i64 bin;
             double load;
             i64 rows;
-            std::unordered_set<i64> have;
+            std::vector<i64> have;
             std::size_t no, nr, nu;
         };
         for (i64 b : light) {
@@ -246,7 +251,7 @@ struct Packer {
                     } else {
                         i64 in = 0;
                         for (i64 i = rec_off[k]; i < rec_off[k + 1]; ++i)
-                            if (have[x].count(rec[i])) in += length[rec[i]];
+                            if (has(have[x], rec[i])) in += length[rec[i]];
                         add = urows(k) - in;
                         c = cost(k);
                     }
@@ -301,6 +306,9 @@ struct Packer {
 py::object emit(const Packer& P, const py::list& units, bool has_upper) {
     std::vector<std::vector<i64>> seqs;
     const auto& load = P.load;
+    const std::size_t nb = P.rep.size();
+    std::vector<i64> producer_of(nb, -1);  // a consumer's producer (bins of no block: -1)
+    std::vector<char> done(nb, 0);
     auto by_load = [&](i64 a, i64 b) { return -load[a] < -load[b]; };
     for (i64 r = 0; r < P.dp; ++r) {
         std::vector<i64> seq0;
@@ -316,21 +324,19 @@ py::object emit(const Packer& P, const py::list& units, bool has_upper) {
         std::vector<i64> srt;
         for (i64 b : seq0)
             if (!P.own_l[b].empty()) srt.push_back(b);
-        std::unordered_map<i64, i64> producer_of;
         for (const auto& block : P.blocks[r])
             for (std::size_t q = 1; q < block.size(); ++q) producer_of[block[q]] = block[0];
         std::stable_sort(srt.begin(), srt.end(), by_load);
         std::vector<i64> seq;
-        std::unordered_set<i64> done;
         for (i64 b : srt) {
-            if (done.count(b)) continue;
-            auto it = producer_of.find(b);
-            if (it != producer_of.end() && !done.count(it->second)) {
-                seq.push_back(it->second);
-                done.insert(it->second);
+            if (done[b]) continue;
+            const i64 pb = producer_of[b];
+            if (pb >= 0 && !done[pb]) {
+                seq.push_back(pb);
+                done[pb] = 1;
             }
             seq.push_back(b);
-            done.insert(b);
+            done[b] = 1;
         }
         seqs.push_back(std::move(seq));
     }
@@ -507,7 +513,7 @@ py::tuple l2_pack_windows(py::list units, I64Array length_a, I64Array ints_a, F6
         for (i64 x = 0; x < nb; ++x) {  // best fit over every bin
             i64 in = 0;
             for (i64 i = P.rec_off[k]; i < P.rec_off[k + 1]; ++i)
-                if (P.have[x].count(P.rec[i])) in += P.length[P.rec[i]];
+                if (has(P.have[x], P.rec[i])) in += P.length[P.rec[i]];
             if (rows[x] + (P.urows(k) - in) > M) continue;
             if (load[x] + P.cost(k) > P.hi) {
                 P.bound = true;

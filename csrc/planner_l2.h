@@ -42,11 +42,13 @@ pybind11::tuple l2_entry_arrays(const std::vector<std::vector<L2Entry>>& ent, st
 bool l2_after_owners(std::vector<std::vector<std::int64_t>>& seqs,
                      const std::unordered_map<std::int64_t, std::vector<std::int64_t>>& after);
 
-// The bins seqs[r][k] (replica r, slot k) as the Python packers return a packing: (groups: (owned,
-// recomputed) tuples, placement: (replica, slot), loads: per replica its bins' loads in slot order,
-// entries: per bin (unit object, its path or (), cost)), units[k] the unit numbered k (defined in
-// l2_packing.cpp).
-pybind11::tuple l2_packing_object(const std::vector<std::vector<std::int64_t>>& seqs,
-                                  const std::vector<std::vector<std::int64_t>>& own_l,
-                                  const std::vector<std::vector<std::int64_t>>& rec_l, const std::vector<double>& load,
-                                  const std::vector<std::vector<L2Entry>>& ent, const pybind11::list& units);
+// The bins seqs[r][k] (replica r, slot k) as the Python packers return a packing: a sequence (groups:
+// (owned, recomputed) tuples, placement: (replica, slot), loads: per replica its bins' loads in slot
+// order, entries: per bin (unit object, its path or (), cost)), units[k] the unit numbered k; each part
+// built on its first read (an L2Packing; defined in l2_packing.cpp, registered by register_packing).
+pybind11::object l2_packing_object(const std::vector<std::vector<std::int64_t>>& seqs,
+                                   const std::vector<std::vector<std::int64_t>>& own_l,
+                                   const std::vector<std::vector<std::int64_t>>& rec_l,
+                                   const std::vector<double>& load, const std::vector<std::vector<L2Entry>>& ent,
+                                   const pybind11::list& units);
+void register_packing(pybind11::module_& m);

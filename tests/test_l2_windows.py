@@ -1,7 +1,8 @@
 """L2's window packer: the compiled core (_C.l2_pack_windows) equals its Python reference.
 
 Equal means every packing (groups, placement, loads, entries: the same unit objects, the same
-recomputed paths, floats exact) and the ``bound`` flag, on whole and split units, several slot
+recomputed paths, floats exact; and the compiled packing's own ``estimate_step``) and the
+``bound`` flag, on whole and split units, several slot
 counts and targets; the packer's variants (leveled, light microbatches dissolved, both) and its
 split windows' slot order are all compared, and the seeded cases must reach each of them.
 """
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from megatron_harts.planner import l2_windows
 from megatron_harts.planner.cost_model import CostModel, ForestIndex
 from megatron_harts.planner.l1 import plan_l1
+from megatron_harts.planner.l2_packing import _estimate_step_python, estimate_step
 from megatron_harts.planner.l2_units import split_windows, unit_arrays, window_units
 from test_microbatch_planner import _l2_forests, random_prefix_forest
 
@@ -40,8 +42,13 @@ def _compare(ix, us, dp, M, epsilons=(0.01, 0.05)):
     for S in (S0, S0 + 1, S0 + 2):
         for eps in epsilons:
             ref = l2_windows._pack_windows_python(ix, us, dp, M, S, eps)
+            fast = l2_windows.pack_windows(ix, us, dp, M, S, eps, arrays)
+            assert _key(fast) == _key(ref)
             assert _key(l2_windows.pack_windows(ix, us, dp, M, S, eps)) == _key(ref)
-            assert _key(l2_windows.pack_windows(ix, us, dp, M, S, eps, arrays)) == _key(ref)
+            for packed, packed_ref in zip(fast[0], ref[0]):  # the compiled packing's own estimate
+                for overhead in (0.0, 1.7):
+                    assert packed.estimate_step(overhead) == estimate_step(packed_ref, dp, overhead)
+                    assert estimate_step(packed, dp, overhead) == _estimate_step_python(packed_ref, dp, overhead)
             outs.append(ref)
     return outs
 

@@ -14,6 +14,7 @@ from megatron_harts.planner.l1 import plan_l1, split_tree
 from megatron_harts.planner import l2 as l2mod
 from megatron_harts.planner import l2_balance, l2_spread, l2_windows
 from megatron_harts.planner.l2 import plan_harts, plan_l2
+from megatron_harts.planner.l2_packing import _estimate_step_python
 from megatron_harts.planner.metrics import plan_metrics, slot_balance
 from megatron_harts.planner.microbatch import PlanningError, assemble_plan
 from megatron_harts.planner.packing_baselines import (ortools_available, plan_ffd, plan_ortools_ffd,
@@ -633,8 +634,8 @@ def test_rebalance_swap_bound():
 
 
 def test_compiled_pack_spread_matches_python():
-    # _C.l2_pack_spread equals its Python reference (bins, segments, loads: floats exact) on the
-    # seeded L2 forests' units, whole and split, on DP 2, 4 and 8, three slot counts, two targets
+    # _C.l2_pack_spread equals its Python reference (bins, segments, loads, estimates: floats exact)
+    # on the seeded L2 forests' units, whole and split, on DP 2, 4 and 8, three slot counts, two targets
     if l2_spread._SPREAD is None:
         pytest.skip("the compiled extension is not built")
 
@@ -658,6 +659,8 @@ def test_compiled_pack_spread_matches_python():
                         fast = l2mod.pack_spread(ix, us, dp, M, S, eps)
                         ref = l2_spread._pack_spread_python(ix, us, dp, M, S, eps)
                         assert key(fast) == key(ref)
+                        for packed, packed_ref in zip(fast[0], ref[0]):  # the compiled packing's estimate
+                            assert packed.estimate_step(2.5) == _estimate_step_python(packed_ref, dp, 2.5)
                         n += 1
     assert n > 100
 

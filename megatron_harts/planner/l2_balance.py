@@ -7,12 +7,15 @@ every window still runs as the schedule runs it.
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Dict, List
+
+import numpy as np
 
 from .compiled import compiled
 from .cost_model import ForestIndex
 from .l2_packing import _after_owners
-from .l2_units import _KIND
+from .l2_units import unit_arrays
 
 __all__ = ["rebalance", "numbered_units", "BALANCE_MOVES", "BALANCE_SLOTS", "BALANCE_WEIGHT", "BALANCE_PACKINGS",
            "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS"]
@@ -629,26 +632,13 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
 
 def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, weight, swap_bins):
     """``_rebalance_python``'s result from ``_C.l2_rebalance`` (the same values)."""
-    import numpy as np
-    nu = len(units)
-    ints = np.array([[_KIND[u.kind], u.tree, u.win, u.upper, u.own_rows, u.replay, u.path_rows] for u in units],
-                    dtype=np.int64).reshape(nu, 7)
-    flts = np.array([[u.cost, u.replay_cost, u.path_cost] for u in units], dtype=np.float64).reshape(nu, 3)
-
-    def csr(lists):
-        off = np.zeros(len(lists) + 1, dtype=np.int64)
-        np.cumsum([len(x) for x in lists], out=off[1:])
-        flat = np.fromiter((x for xs in lists for x in xs), dtype=np.int64, count=int(off[-1]))
-        return off, flat
-
-    own_off, own = csr([u.owned for u in units])
-    rec_off, rec = csr([u.rec for u in units])
-    path_off, path = csr([u.path for u in units])
-    ent_off = np.zeros(len(ent) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in ent], out=ent_off[1:])
-    ent_unit = np.array([k for e in ent for k, _, _ in e], dtype=np.int64)
-    ent_path = np.array([p for e in ent for _, p, _ in e], dtype=np.int64)
-    ent_cost = np.array([c for e in ent for _, _, c in e], dtype=np.float64)
+    ints8, flts, own_off, own, rec_off, rec, path_off, path = unit_arrays(units)
+    ints = np.ascontiguousarray(ints8[:, :7])
+    flat = [e for es in ent for e in es]
+    ent_off = np.array([0, *accumulate(map(len, ent))], dtype=np.int64)
+    ent_unit = np.array([k for k, _, _ in flat], dtype=np.int64)
+    ent_path = np.array([p for _, p, _ in flat], dtype=np.int64)
+    ent_cost = np.array([c for _, _, c in flat], dtype=np.float64)
     moved, rep2, eo, eu, ep, ec = _REBALANCE(ix.length, ints, flts, own_off, own, rec_off, rec, path_off, path,
                                               np.asarray(rep, dtype=np.int64), ent_off, ent_unit, ent_path,
                                               ent_cost, dp, M, overhead, moves, n_slots, weight, swap_bins)

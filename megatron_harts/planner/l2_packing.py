@@ -44,8 +44,16 @@ def _after_owners(seqs: List[List[int]], after: Dict[int, set]) -> Optional[List
 
 
 def estimate_step(packed, dp: int, overhead: float) -> float:
-    """Estimated step of ``pack_windows``' result: per slot the costliest microbatch, every
-    microbatch paying ``overhead`` (the per-microbatch terms the unit costs leave out)."""
+    """Estimated step of a packing: per slot the costliest microbatch, every microbatch paying
+    ``overhead`` (the per-microbatch terms the unit costs leave out).  A compiled packer's packing
+    (``_C.L2Packing``) computes it itself, the same floats as ``_estimate_step_python``."""
+    if isinstance(packed, tuple):
+        return _estimate_step_python(packed, dp, overhead)
+    return packed.estimate_step(overhead)
+
+
+def _estimate_step_python(packed, dp: int, overhead: float) -> float:
+    """Reference of ``estimate_step`` (and of ``_C.L2Packing.estimate_step``)."""
     loads = packed[2]
     S = max((len(l) for l in loads), default=0)
     # each replica's costs padded with 0.0 (an idle replica) to S slots, summed slot by slot in order
