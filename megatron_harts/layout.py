@@ -139,8 +139,22 @@ class Visibility:
         return diff.cumsum(0)[:nq] > 0
 
     def to(self, device) -> "Visibility":
-        return Visibility(self.offsets.to(device), self.start.to(device), self.end.to(device),
-                          self.num_queries, self.causal)
+        return Visibility(host_to_device(self.offsets, device), host_to_device(self.start, device),
+                          host_to_device(self.end, device), self.num_queries, self.causal)
+
+
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``; a CPU tensor bound for a GPU is copied without stalling the host.
+
+    A copy from pageable host memory synchronizes the stream: the host waits until the GPU has
+    run everything queued before it, so it cannot queue kernels ahead.  Through pinned memory the
+    copy is asynchronous and ordered on the current stream before every kernel queued after it
+    (the pinned block is not reused before the copy has run: torch's host allocator records it).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------
@@ -163,7 +177,7 @@ class _RowsAndTargets:
         kw = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            kw[f.name] = v.to(device) if isinstance(v, torch.Tensor) else v
+            kw[f.name] = host_to_device(v, device) if isinstance(v, torch.Tensor) else v
         return type(self)(**kw)
 
 

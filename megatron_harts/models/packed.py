@@ -48,7 +48,7 @@ sharing windows run ``harts`` only and refuse the others.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -207,6 +207,14 @@ class TreePackedSeqParams(PackedSeqParams):
     exports: Optional[WindowExports] = None   # producer: filled by the forward; consumer: what to read
     consumer_index: Optional[ConsumerIndex] = None  # consumer: where its reads sit in ``exports``
     pad_rows: int = 0                        # rows appended after the real ones (padding, see module docstring)
+    _token_weight_sum: Optional[float] = field(default=None, init=False, repr=False, compare=False)
+
+    def token_weight_sum(self) -> float:
+        """``token_weight.sum()`` as a host number, read from the device once per microbatch (every MoE
+        layer needs it; reading it per layer would stall the host once per layer)."""
+        if self._token_weight_sum is None:
+            self._token_weight_sum = float(self.token_weight.sum())
+        return self._token_weight_sum
 
     def record_export(self, layer_number: int, tensors: Dict[str, torch.Tensor]) -> None:
         """Producer: keep one layer's exports (called by the layers during the forward)."""

@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import OrderedDict
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from ..layout import host_to_device
 from .kda import _check_shapes, kda_chunked
 
 FLA_VERSION = "0.6.0"
@@ -115,9 +118,9 @@ class _Varlen:
         seg = np.repeat(np.arange(L.size), nch)
         idx = np.arange(self.num_chunks) - co[:-1][seg]
         self.cu_seqlens_cpu = torch.from_numpy(cu)
-        self.cu_seqlens = self.cu_seqlens_cpu.to(device)
-        self.chunk_indices = torch.from_numpy(np.stack([seg, idx], 1)).to(device)
-        self.chunk_offsets = torch.from_numpy(co).to(device)
+        self.cu_seqlens = host_to_device(self.cu_seqlens_cpu, device)
+        self.chunk_indices = host_to_device(torch.from_numpy(np.stack([seg, idx], 1)), device)
+        self.chunk_offsets = host_to_device(torch.from_numpy(co), device)
         self.num_exports = len(boundaries)
         inj = np.full(self.num_chunks, -1, dtype=np.int32)
         inner_rows, inner_src, final_rows, final_src = [], [], [], []
@@ -130,8 +133,8 @@ class _Varlen:
             else:
                 final_rows.append(u)
                 final_src.append(n)
-        t = lambda x: torch.as_tensor(np.asarray(x, dtype=np.int64), device=device)  # noqa: E731
-        self.inj_map = torch.from_numpy(inj).to(device)
+        t = lambda x: host_to_device(torch.as_tensor(np.asarray(x, dtype=np.int64)), device)  # noqa: E731
+        self.inj_map = host_to_device(torch.from_numpy(inj), device)
         self.inner_rows, self.inner_src = t(inner_rows), t(inner_src)
         self.final_rows, self.final_src = t(final_rows), t(final_src)
         self.has_inner, self.has_final = bool(inner_rows), bool(final_rows)
@@ -264,7 +267,58 @@ def kda_fla(q, k, v, g, beta, *, chunk_size: int = 64, scale: Optional[float] = 
         if not 0 <= n < N or not 1 <= m <= lens[n]:
             raise ValueError(f"export (sequence {n}, offset {m}): offsets must lie in [1, length of the sequence]")
 
-    # exported boundaries: aligned offsets and sequence ends directly, others from the aligned state before
+    meta = _launch_meta(lens, T, idx, off, q.device)
+    vl = meta.varlen
+    if meta.flat is None:
+        qf, kf, vf, gf, bf = (x.reshape((1, N * T) + tuple(x.shape[2:])).contiguous() for x in (q, k, v, g, beta))
+    else:
+        qf, kf, vf, gf, bf = (x.reshape((N * T,) + tuple(x.shape[2:]))[meta.flat].unsqueeze(0)
+                              for x in (q, k, v, g, beta))
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    o_f, states_u = _ChunkKdaExport.apply(qf, kf, vf, gf, bf, h0, vl, scale)
+    if meta.flat is None:
+        o = o_f.view(N, T, H, V)
+    else:
+        o = v.new_zeros(N * T, H, V).index_copy(0, meta.flat, o_f[0]).view(N, T, H, V)
+
+    P = len(idx)
+    if P == 0:
+        return o, q.new_zeros(0, H, K, V, dtype=torch.float32)
+    parts = []
+    if meta.direct_rows is not None:
+        parts.append(states_u[meta.direct_rows])
+    if meta.partial:
+        parts.append(_partial_states(q, k, v, g, beta, initial_state, states_u, meta.partial, scale))
+    stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return o, stacked[meta.inverse]
+
+
+@dataclass
+class _LaunchMeta:
+    """What one ``kda_fla`` launch needs besides the inputs, all derived from host integers
+    (lengths, exports): fla's varlen metadata, the gather of valid positions (None when every
+    sequence fills T), the state rows exported directly (aligned offsets and sequence ends), the
+    exports recomputed from the aligned state before them (``partial``: (p, n, c, r, row or -1)),
+    and the permutation putting the exports back in request order."""
+    varlen: _Varlen
+    flat: Optional[torch.Tensor]
+    direct_rows: Optional[torch.Tensor]
+    partial: List[Tuple[int, int, int, int, int]]
+    inverse: Optional[torch.Tensor]
+
+
+#: launch metadata by (lengths, T, exports, device): every KDA layer of a microbatch runs the
+#: same calls, so only the first layer builds (and copies to the device) what the others reuse
+_META_CACHE: "OrderedDict[tuple, _LaunchMeta]" = OrderedDict()
+_META_CACHE_SIZE = 256
+
+
+def _launch_meta(lens: List[int], T: int, idx: List[int], off: List[int], device) -> _LaunchMeta:
+    key = (tuple(lens), T, tuple(idx), tuple(off), str(device))
+    meta = _META_CACHE.get(key)
+    if meta is not None:
+        _META_CACHE.move_to_end(key)
+        return meta
     keys, key_row = [], {}
 
     def boundary(n, j):
@@ -280,36 +334,24 @@ def kda_fla(q, k, v, g, beta, *, chunk_size: int = 64, scale: Optional[float] = 
         else:
             c, r = divmod(m, CHUNK)
             partial.append((p, n, c, r, boundary(n, c) if c > 0 else -1))
-    vl = _Varlen(lens, keys, q.device)
-
-    packed = all(n == T for n in lens)
-    if packed:
-        flat = None
-        qf, kf, vf, gf, bf = (x.reshape((1, N * T) + tuple(x.shape[2:])).contiguous() for x in (q, k, v, g, beta))
-    else:
-        flat = torch.from_numpy(np.concatenate([n * T + np.arange(L) for n, L in enumerate(lens)])).to(q.device)
-        qf, kf, vf, gf, bf = (x.reshape((N * T,) + tuple(x.shape[2:]))[flat].unsqueeze(0) for x in (q, k, v, g, beta))
-    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    o_f, states_u = _ChunkKdaExport.apply(qf, kf, vf, gf, bf, h0, vl, scale)
-    if flat is None:
-        o = o_f.view(N, T, H, V)
-    else:
-        o = v.new_zeros(N * T, H, V).index_copy(0, flat, o_f[0]).view(N, T, H, V)
-
-    P = len(idx)
-    if P == 0:
-        return o, q.new_zeros(0, H, K, V, dtype=torch.float32)
-    parts, order = [], []
-    if direct:
-        parts.append(states_u[torch.as_tensor([r for _, r in direct], device=q.device)])
-        order += [p for p, _ in direct]
-    if partial:
-        parts.append(_partial_states(q, k, v, g, beta, initial_state, states_u, partial, scale))
-        order += [p for p, *_ in partial]
-    stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
-    inv = torch.empty(P, dtype=torch.long)
-    inv[torch.as_tensor(order)] = torch.arange(P)
-    return o, stacked[inv.to(q.device)]
+    vl = _Varlen(lens, keys, device)
+    flat = None
+    if not all(n == T for n in lens):
+        flat = host_to_device(torch.from_numpy(np.concatenate([n * T + np.arange(L) for n, L in enumerate(lens)])),
+                              device)
+    direct_rows = host_to_device(torch.as_tensor([r for _, r in direct], dtype=torch.long), device) \
+        if direct else None
+    inverse = None
+    if idx:
+        order = [p for p, _ in direct] + [p for p, *_ in partial]
+        inv = torch.empty(len(idx), dtype=torch.long)
+        inv[torch.as_tensor(order)] = torch.arange(len(idx))
+        inverse = host_to_device(inv, device)
+    meta = _LaunchMeta(vl, flat, direct_rows, partial, inverse)
+    _META_CACHE[key] = meta
+    if len(_META_CACHE) > _META_CACHE_SIZE:
+        _META_CACHE.popitem(last=False)
+    return meta
 
 
 def _partial_states(q, k, v, g, beta, initial_state, states_u, partial, scale):
@@ -317,8 +359,8 @@ def _partial_states(q, k, v, g, beta, initial_state, states_u, partial, scale):
     N, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
-    ns = torch.as_tensor([n for _, n, _, _, _ in partial], device=dev)
-    start = torch.as_tensor([c * CHUNK for _, _, c, _, _ in partial], device=dev)
+    ns = host_to_device(torch.as_tensor([n for _, n, _, _, _ in partial]), dev)
+    start = host_to_device(torch.as_tensor([c * CHUNK for _, _, c, _, _ in partial]), dev)
     r_max = max(r for *_, r, _ in partial)
     pos = start[:, None] + torch.arange(r_max, device=dev)[None, :]             # [P', r_max]
     inside = pos < T

@@ -102,10 +102,17 @@ def _routing_map(routing, num_rows: int, num_experts: int) -> torch.Tensor:
 
 
 def _check_q(q, num_rows: int) -> torch.Tensor:
+    """``q``'s shape always; its values (integer counts >= 0) where reading them costs no device
+    round trip, i.e. on the CPU: on a GPU they are the layout's occurrence counts, checked when
+    the layout was built on the host, and reading them back would stall every MoE layer."""
     if not isinstance(q, torch.Tensor) or q.dim() != 1 or q.shape[0] != num_rows:
         raise ValueError(f"q must be a 1-D tensor with one occurrence count per row ({num_rows})")
-    if q.is_floating_point() or q.dtype == torch.bool:
-        if q.dtype == torch.bool or not bool(torch.all(q == torch.round(q))):
+    if q.dtype == torch.bool:
+        raise ValueError("q must hold integer occurrence counts")
+    if q.device.type != "cpu":
+        return q
+    if q.is_floating_point():
+        if not bool(torch.all(q == torch.round(q))):
             raise ValueError("q must hold integer occurrence counts")
     if q.numel() and int(q.min()) < 0:
         raise ValueError(f"q holds {int(q.min())}: occurrence counts are >= 0")

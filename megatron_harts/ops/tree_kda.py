@@ -53,6 +53,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from ..layout import host_to_device
 from .kda import kda_chunked
 
 KDA_BACKENDS: Dict[str, Callable] = {"reference": kda_chunked}
@@ -84,16 +85,29 @@ _register_installed_backends()
 
 @dataclass
 class KdaCall:
-    """One packed call: N sequences padded to T positions (a multiple of the chunk size)."""
+    """One packed call: N sequences padded to T positions (a multiple of the chunk size).
+
+    The gather/scatter indices live on the compute device; what only the host reads to drive
+    the call (states in and out, sequence lengths) stays on the CPU, so running a call never
+    waits for the GPU to answer a question the schedule already knows.
+    """
     rows: torch.Tensor          # long [N, T]: row feeding each position (0 at padding)
     valid: torch.Tensor         # bool [N, T]: inside the sequence (replay or semantic)
     out_index: torch.Tensor     # long [M]: flat n*T+t of semantic positions
     out_rows: torch.Tensor      # long [M]: rows those outputs belong to
-    init_slot: torch.Tensor     # long [N]: exported-state slot starting each sequence, -1 = zero state
-    init_external: torch.Tensor  # long [N]: external (producer) state starting each sequence, -1 = none
-    export_seq: torch.Tensor    # long [P]: sequence (in this call) of each export
-    export_offset: torch.Tensor  # long [P]: tokens of that sequence before the exported state
-    export_slot: torch.Tensor   # long [P]: global slot of each export
+    init_slot: torch.Tensor     # CPU long [N]: exported-state slot starting each sequence, -1 = zero state
+    init_external: torch.Tensor  # CPU long [N]: external (producer) state starting each sequence, -1 = none
+    export_seq: torch.Tensor    # CPU long [P]: sequence (in this call) of each export
+    export_offset: torch.Tensor  # CPU long [P]: tokens of that sequence before the exported state
+    export_slot: torch.Tensor   # CPU long [P]: global slot of each export
+    lengths: torch.Tensor       # CPU long [N]: valid positions of each sequence (``valid.sum(1)``)
+
+    #: the fields on the compute device; the others stay on the host
+    DEVICE_FIELDS = ("rows", "valid", "out_index", "out_rows")
+
+    def to(self, device) -> "KdaCall":
+        return KdaCall(**{f: host_to_device(getattr(self, f), device) if f in self.DEVICE_FIELDS
+                          else getattr(self, f) for f in self.__dataclass_fields__})
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -129,7 +143,7 @@ class KdaSchedule:
         return int(self.external_state_root.size)
 
     def to(self, device) -> "KdaSchedule":
-        calls = [KdaCall(**{f: getattr(c, f).to(device) for f in KdaCall.__dataclass_fields__}) for c in self.calls]
+        calls = [c.to(device) for c in self.calls]
         return KdaSchedule(calls, self.chunk_size, self.num_rows, self.num_slots, self.replay_tokens, self.replay,
                            self.num_external_rows, self.external_state_root, self.external_state_position,
                            self.external_replay_root, self.external_replay_position, self.export_rows,
@@ -358,12 +372,13 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
             valid[n, : len(allr)] = True
             out_index.append((n * T + len(rr) + np.arange(len(sr)))[om])
             out_rows.append(sr[om])
-        t = lambda x, dt=torch.long: torch.as_tensor(np.asarray(x), dtype=dt, device=device)  # noqa: E731
+        h = lambda x, dt=torch.long: torch.as_tensor(np.asarray(x), dtype=dt)  # noqa: E731
         i64 = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
-        calls.append(KdaCall(rows=t(rows), valid=t(valid, torch.bool), out_index=t(np.concatenate(out_index)),
-                             out_rows=t(np.concatenate(out_rows)), init_slot=t(i64(init)),
-                             init_external=t(i64(init_ext)), export_seq=t(i64(exp_seq)),
-                             export_offset=t(i64(exp_off)), export_slot=t(i64(exp_slot))))
+        call = KdaCall(rows=h(rows), valid=h(valid, torch.bool), out_index=h(np.concatenate(out_index)),
+                       out_rows=h(np.concatenate(out_rows)), init_slot=h(i64(init)),
+                       init_external=h(i64(init_ext)), export_seq=h(i64(exp_seq)),
+                       export_offset=h(i64(exp_off)), export_slot=h(i64(exp_slot)), lengths=h(valid.sum(1)))
+        calls.append(call if device is None else call.to(device))
     covered = sum(int(c.out_rows.numel()) for c in calls)
     if covered != num_rows:
         raise ValueError(f"plan covers {covered} rows, the layout has {num_rows}")
@@ -422,11 +437,12 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
             return torch.where(m, y, torch.zeros((), dtype=y.dtype, device=y.device))
 
         init = None
-        if bool((call.init_slot >= 0).any()) or bool((call.init_external >= 0).any()):
+        init_slot, init_external = call.init_slot.tolist(), call.init_external.tolist()
+        if any(s >= 0 for s in init_slot) or any(e >= 0 for e in init_external):
             zero = q.new_zeros(H, K, V, dtype=cdt)
             init = torch.stack([slots[s] if s >= 0 else (ext_states[e] if e >= 0 else zero)
-                                for s, e in zip(call.init_slot.tolist(), call.init_external.tolist())])
-        extra = {"lengths": call.valid.sum(1)} if takes_lengths else {}
+                                for s, e in zip(init_slot, init_external)])
+        extra = {"lengths": call.lengths} if takes_lengths else {}
         o, states = run(gather(q), gather(k), gather(v), gather(g), gather(beta), chunk_size=schedule.chunk_size,
                         scale=scale, initial_state=init, state_index=call.export_seq,
                         state_offset=call.export_offset, **extra)
