@@ -61,3 +61,30 @@ def test_checkpoint_without_output_default_is_not_fp8():
         torch.testing.assert_close(y, torch.sin(x))
     patches.undo()
     assert CheckpointWithoutOutput().fp8 is True
+
+
+def test_grad_norm_on_device_equals_upstream_norm():
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron_harts.patches import grad_norm_on_device
+    patches.undo()
+    if not grad_norm_on_device.needed():
+        pytest.skip("Apex or Transformer Engine installed: clip_grads uses its fused L2 norm")
+    assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+    g = torch.Generator().manual_seed(0)
+    from megatron_cpu import megatron_cpu
+    for dtype in (torch.float32, torch.float64):
+        grads = [torch.randn(*shape, generator=g, dtype=dtype) * 1e-3 for shape in ((7,), (3, 5), (1,), (64, 2))]
+        grads.append(torch.zeros(4, dtype=dtype))
+        with megatron_cpu():
+            want, none = utils.local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+        got, none2 = grad_norm_on_device.device_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+        assert none is None and none2 is None
+        assert got.dtype == torch.float32 and got.shape == (1,) and got.device == grads[0].device
+        exact = torch.linalg.vector_norm(torch.cat([x.double().reshape(-1) for x in grads]))
+        torch.testing.assert_close(got.double(), exact.reshape(1), rtol=1e-6, atol=0)
+        torch.testing.assert_close(got, want.to(got.device), rtol=1e-6, atol=0)
+    patches.apply()
+    assert clip_grads.l2_norm_impl is grad_norm_on_device.device_multi_tensor_l2_norm
+    patches.undo()
+    assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm

@@ -22,11 +22,11 @@ import inspect
 from typing import List
 
 from . import (checkpoint_without_output, distrib_optimizer_fresh_state_dict, distrib_optimizer_step_restore,
-               router_gating)
+               grad_norm_on_device, router_gating)
 
 SUPPORTED_MEGATRON = "0.16."
 PATCHES = [router_gating, checkpoint_without_output, distrib_optimizer_fresh_state_dict,
-           distrib_optimizer_step_restore]
+           distrib_optimizer_step_restore, grad_norm_on_device]
 
 
 def megatron_version() -> str:
