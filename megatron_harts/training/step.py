@@ -211,6 +211,8 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     need_entropy = objective.entropy_coef != 0.0
+    for key, zero in (("loss", 0.0), ("terms", {}), ("kda_calls", 0), ("replay_tokens", 0), ("tokens_per_expert", None)):
+        counters.setdefault(key, zero)
 
     def forward_step(data_iterator, model):
         mb, psp = next(data_iterator)
@@ -237,6 +239,7 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
                                             objective.loss_agg_mode)
         # KDA calls per KDA layer: the tree schedule's, or one varlen call for packed trajectories
         counters["kda_calls"] += len(psp.kda_schedule.calls) if psp.kda_schedule is not None else 1
+        counters["replay_tokens"] += int(psp.kda_schedule.replay_tokens) if psp.kda_schedule is not None else 0
         _count_experts(model, counters)
 
         def loss_func(lp):
@@ -318,7 +321,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     items = [WindowedMicrobatch(mb.layout.to(device), mb.owned, mb.producer, mb.replay, mb.counted) for mb in items]
     normalizer = forest_normalizer(forest).to(device)
     total_mbs = len(plan.microbatches)
-    counters: Dict[str, Any] = {"loss": 0.0, "terms": {}, "kda_calls": 0, "tokens_per_expert": None}
+    counters: Dict[str, Any] = {"loss": 0.0, "terms": {}, "kda_calls": 0, "replay_tokens": 0, "tokens_per_expert": None}
     step_fn = make_forward_step(objective, normalizer, aux_loss_scale=1.0 / max(total_mbs, 1), counters=counters)
 
     for chunk in model:
@@ -337,7 +340,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     if unknown:
         raise RuntimeError(f"objective terms {unknown} are missing from objective_term_names")
     rows = sum(int(mb.layout.num_rows) for mb in items)
-    local = [counters["loss"], float(counters["kda_calls"]), float(rows)] + \
+    local = [counters["loss"], float(counters["kda_calls"]), float(rows), float(counters["replay_tokens"])] + \
         [counters["terms"].get(k, 0.0) for k in term_names]
     if not last:
         local = [0.0] * len(local)
@@ -346,8 +349,8 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
         t = torch.tensor(reduced, dtype=torch.float64, device=device)
         dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
         reduced = t.tolist()
-    loss, kda_calls, computed_rows = reduced[0], int(reduced[1]), int(reduced[2])
-    terms = dict(zip(term_names, reduced[3:]))
+    loss, kda_calls, computed_rows, replay_tokens = reduced[0], int(reduced[1]), int(reduced[2]), int(reduced[3])
+    terms = dict(zip(term_names, reduced[4:]))
     if not np.isfinite(loss):
         raise NonFiniteLoss(f"iteration {iteration}: the loss is {loss} (not finite); the weights were not "
                             "updated from this step")
@@ -374,6 +377,6 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
         lr=float(optimizer.param_groups[0]["lr"]), trajectories=int(forest.num_trajectories),
         trajectory_tokens=int(plan.expanded_tokens), target_tokens=int(normalizer.num_tokens),
         computed_tokens=computed_rows,
-        replay_tokens=int(sum(m.features.replay_tokens for m in plan.microbatches)), kda_calls=kda_calls,
+        replay_tokens=replay_tokens, kda_calls=kda_calls,
         microbatches=total_mbs, plan_seconds=plan_seconds, step_seconds=time.perf_counter() - t0,
         tokens_per_expert=None if tpe is None else tpe.cpu(), window_stats=window_stats, plan_metrics=pm)
