@@ -13,8 +13,12 @@ warm-up), update throughput (trajectory tokens per second), rows computed, withi
 compression (trajectory tokens / rows computed), KDA calls (summed over microbatches),
 peak memory, MFU (executed dense FLOPs / (time x peak)), and the speedup; plus, for tree mode,
 KDA calls per layer of the HARTS call plan vs per-depth bucketing (``planner.baselines``) over
-the step's whole forest, and the logit cosine between tree and expanded mode on one tree at
-the initial weights (``models.fidelity``).
+the step's whole forest, and the logit cosine between tree and expanded mode on a sample of one
+tree at the initial weights (``models.fidelity``).  ``--kda-call-plans per-depth node-wise`` adds
+the ablations: the same tree step (``within``) with per-depth bucketing's and node-wise KDA
+calls instead of HARTS' plan.  ``--profile FILE`` profiles one more step of every mode: wall
+time against GPU kernel time (a GPU waiting for the host shows as wall >> kernels), kernel time
+per category, and the host synchronizations by source line.
 
 Targets (issue 6): speedup >= 0.8 x compression; Step-wise >= 7x and Tree-Step >= 3.9x at the
 paper's compression levels; logit cosine >= 0.9997; tree-mode peak memory <= expanded.
@@ -166,30 +170,91 @@ def profile_step(trainer, forest, device, top: int = 30):
     kernel_s = sum(v["seconds"] for v in categories.values())
     sort_dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     tables = (events.table(sort_by=sort_dev, row_limit=top, max_name_column_width=90) if device == "cuda" else "") \
-        + "\n" + events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=90)
+        + "\n" + events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=90) \
+        + "\n" + events.table(sort_by="count", row_limit=top, max_name_column_width=90)
+    syncs = sync_sites(trainer, forest) if device == "cuda" else {}
+    tables += "\nCUDA synchronizations by first project frame (one step):\n" + "".join(
+        f"{n:>8}  {site}\n" for site, n in syncs.items())
     return {"wall_seconds": wall, "kernel_seconds": kernel_s,
             "kernel_launches": sum(v["launches"] for v in categories.values()),
-            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]["seconds"]))}, tables
+            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]["seconds"])),
+            "synchronizations": sum(syncs.values())}, tables
 
 
-def logit_cosine(argv, forest, device):
-    """Logit cosines on the smallest tree at the initial weights (``models.fidelity.run_bf16``):
+def sync_sites(trainer, forest, top: int = 40):
+    """One more step with CUDA's sync debug mode on: every operation that waits for the GPU (a
+    host copy of a device value, ``nonzero``, a boolean mask...) is counted at the first frame of
+    megatron_harts or megatron-core on its Python stack (``{"file:line (function)": count}``,
+    most frequent first).  Synchronizations inside the autograd engine's backward thread show the
+    custom Function's backward when there is one."""
+    import traceback
+    import warnings
+    counts = {}
+    roots = (os.sep + "megatron_harts" + os.sep, os.sep + "megatron" + os.sep)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        site = "(no project frame)"
+        for fr in reversed(traceback.extract_stack()[:-1]):
+            if any(r in fr.filename for r in roots):
+                site = f"{fr.filename.split(os.sep + 'site' + os.sep)[-1]}:{fr.lineno} ({fr.name})"
+                break
+        counts[site] = counts.get(site, 0) + 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.step(forest)
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:top])
+
+
+def cosine_sample(forest, max_trajectories: int):
+    """The forest of the first ``max_trajectories`` trajectories of the smallest tree: the fp32 oracle runs
+    expanded mode with the reference KDA and keeps gradients, so its memory grows with the sample."""
+    from megatron_harts.tree_data import build_forest
+    sizes = np.diff(forest.tree_offsets)
+    one = forest.select([int(np.argmin(sizes))])
+    if one.num_trajectories <= max_trajectories:
+        return one
+    return build_forest([one.expand(t) for t in one.traj_ids[:max_trajectories]])
+
+
+def logit_cosine(argv, forest, device, max_trajectories: int = 8):
+    """Logit cosines on ``cosine_sample`` at the initial weights (``models.fidelity.run_bf16``):
     tree vs expanded in the run's dtype (``logit_cosine``), and each of them against the fp32
     oracle, expanded mode on an fp32 copy of the same weights (``logit_cosine_tree_vs_fp32``,
     ``logit_cosine_expanded_vs_fp32``): bf16 rounding's own size, which tree mode should match."""
     from megatron_harts.layout import build_layout
     from megatron_harts.models.fidelity import logit_cosine as cosine, run_bf16
     from megatron_harts.training.trainer import Trainer
-    sizes = np.diff(forest.tree_offsets)
-    tree = int(np.argmin(sizes))
-    one = forest.select([tree])
+    one = cosine_sample(forest, max_trajectories)
     with Trainer.from_args(argv) as t:
         model = t.model[0].module
         lay = build_layout(one)
         a, b, oracle = run_bf16(model, one, lay, t.config, device=device)
         return {"logit_cosine": cosine(a.logits, b.logits),
                 "logit_cosine_tree_vs_fp32": cosine(a.logits, oracle.logits),
-                "logit_cosine_expanded_vs_fp32": cosine(b.logits, oracle.logits)}
+                "logit_cosine_expanded_vs_fp32": cosine(b.logits, oracle.logits),
+                "logit_cosine_sample": {"trajectories": one.num_trajectories,
+                                        "expanded_tokens": int(one.traj_length.sum())}}
+
+
+def release_memory(device) -> float:
+    """Free what the last mode left (collected objects, cached blocks); GiB still allocated after."""
+    import gc
+    gc.collect()
+    if device != "cuda":
+        return 0.0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated() / 2 ** 30
 
 
 def main(argv=None):
@@ -200,6 +265,9 @@ def main(argv=None):
     ap.add_argument("--tree-sharing", nargs="+", default=["within"], choices=["within", "windows"],
                     help="tree modes to run beside expanded, same run (within: L1 plans, sharing inside "
                          "microbatches; windows: L1+L2 plans with producer/consumer windows)")
+    ap.add_argument("--kda-call-plans", nargs="*", default=[], choices=["per-depth", "node-wise"],
+                    help="ablations: the tree step (--tree-sharing within) also with these KDA call plans "
+                         "(--tree-kda-call-plan; per-depth bucketing, node-wise LA) beside HARTS' plan")
     ap.add_argument("--num-tasks", type=int, default=4, help="rollout tasks per scheme (trees)")
     ap.add_argument("--max-tokens", type=int, default=16384, help="trajectory length cap")
     ap.add_argument("--microbatch-tokens", type=int, default=32768)
@@ -208,6 +276,8 @@ def main(argv=None):
     ap.add_argument("--kda-backend", default="auto")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--no-cosine", action="store_true")
+    ap.add_argument("--driver-flags", default="", metavar="'FLAGS'",
+                    help="more training-driver flags for every mode, e.g. '--tree-triton-max-configs 1'")
     ap.add_argument("--profile", metavar="FILE",
                     help="profile one extra step of every mode (torch.profiler): kernel time per category into "
                          "the results JSON, the top kernels and CPU operators of each mode into FILE (text)")
@@ -237,35 +307,40 @@ def main(argv=None):
             "--global-batch-size", str(G), "--train-iters", "1000", "--lr", "1e-5", "--seed", "1234",
             "--log-interval", "1000000", "--rl-objective", "sft", "--distributed-backend",
             "nccl" if a.device == "cuda" else "gloo", "--tree-kda-backend", a.kda_backend,
-            "--tree-attention-backend", a.attention_backend]
+            "--tree-attention-backend", a.attention_backend] + a.driver_flags.split()
         row = {"forest": forest.stats()}
-        for sharing in [*a.tree_sharing, "off"]:
-            argv_mode = common + ["--tree-sharing", sharing]
+        modes = [(s, "harts") for s in a.tree_sharing] + [("within", p) for p in a.kda_call_plans] + [("off", "harts")]
+        for sharing, call_plan in modes:
+            argv_mode = common + ["--tree-sharing", sharing, "--tree-kda-call-plan", call_plan]
+            left = release_memory(a.device)
+            key = "expanded" if sharing == "off" else f"tree_{sharing}" + ("" if call_plan == "harts" else f"_{call_plan}")
             times, metrics, peak, plan, prof = run_mode(argv_mode, forest, a.iters, a.warmup, a.device,
                                                         profile=bool(a.profile))
             t = statistics.median(times)
             m = metrics[-1]
             flops = step_flops(p, m["computed_tokens"], visible_pairs(plan))
             peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in results["machine"]["device"]), None)
-            row[f"tree_{sharing}" if sharing != "off" else "expanded"] = {
-                "sharing": sharing, "planner": plan.planner, "step_seconds": t, "step_seconds_all": times,
+            row[key] = {
+                "sharing": sharing, "kda_call_plan": call_plan, "planner": plan.planner, "step_seconds": t, "step_seconds_all": times,
                 "trajectory_tokens_per_s": m["trajectory_tokens"] / t, "rows_computed": m["computed_tokens"],
-                "compression": m["compression"], "kda_calls": m["kda_calls"], "microbatches": m["microbatches"],
+                "compression": m["compression"], "kda_calls": m["kda_calls"], "replay_tokens": m["replay_tokens"],
+                "microbatches": m["microbatches"],
                 "windows": m["windows"], "peak_export_bytes": m["peak_export_bytes"],
-                "peak_memory_gib": peak, "loss": m["loss"],
+                "peak_memory_gib": peak, "loss": m["loss"], "allocated_at_start_gib": left,
                 "mfu": flops / (t * peak_flops) if peak_flops else None}
             if prof is not None:
                 summary, tables = prof
-                row[f"tree_{sharing}" if sharing != "off" else "expanded"]["profile"] = summary
+                row[key]["profile"] = summary
                 with open(a.profile, "a") as f:
-                    f.write(f"===== {scheme} / --tree-sharing {sharing}: wall {summary['wall_seconds']:.3f} s, "
+                    f.write(f"===== {scheme} / {key}: wall {summary['wall_seconds']:.3f} s, "
                             f"kernels {summary['kernel_seconds']:.3f} s ({summary['kernel_launches']} launches)\n")
                     for cat, v in summary["categories"].items():
                         f.write(f"  {cat:>14}: {v['seconds']:.3f} s, {v['launches']} launches\n")
                     f.write(tables + "\n")
         exp = row["expanded"]
-        for sharing in a.tree_sharing:
-            tree = row[f"tree_{sharing}"]
+        tree_keys = [k for k in row if k.startswith("tree_")]
+        for k in tree_keys:
+            tree = row[k]
             tree["speedup"] = exp["step_seconds"] / tree["step_seconds"]
             tree["speedup_over_compression"] = tree["speedup"] / tree["compression"]
         from megatron_harts.planner.baselines import harts, per_depth_bucketing
@@ -273,13 +348,14 @@ def main(argv=None):
         bucket = per_depth_bucketing(forest.seg_parent, forest.seg_start, forest.seg_length, 64)
         row["kda_calls_per_layer_whole_forest"] = {"harts": harts_calls, "per_depth_bucketing": bucket}
         if not a.no_cosine:
+            release_memory(a.device)
             row.update(logit_cosine(common + ["--tree-sharing", a.tree_sharing[0]], forest, a.device))
         results["schemes"][scheme] = row
         modes = " | ".join(
-            f"{s} ({row[f'tree_{s}']['planner']}): compression {row[f'tree_{s}']['compression']:.2f}x, "
-            f"{row[f'tree_{s}']['step_seconds']:.2f}s ({row[f'tree_{s}']['trajectory_tokens_per_s']:.0f} tok/s, "
-            f"peak {row[f'tree_{s}']['peak_memory_gib']}), speedup {row[f'tree_{s}']['speedup']:.2f}x "
-            f"({row[f'tree_{s}']['speedup_over_compression']:.2f} of compression)" for s in a.tree_sharing)
+            f"{k} ({row[k]['planner']}, {row[k]['kda_calls']} KDA calls): compression {row[k]['compression']:.2f}x, "
+            f"{row[k]['step_seconds']:.2f}s ({row[k]['trajectory_tokens_per_s']:.0f} tok/s, "
+            f"peak {row[k]['peak_memory_gib']}), speedup {row[k]['speedup']:.2f}x "
+            f"({row[k]['speedup_over_compression']:.2f} of compression)" for k in tree_keys)
         print(f"{scheme}: {modes} | expanded {exp['step_seconds']:.2f}s ({exp['trajectory_tokens_per_s']:.0f} "
               f"tok/s, peak {exp['peak_memory_gib']}) | cosine {row.get('logit_cosine')}", flush=True)
         with open(out, "w") as f:          # after every scheme: a cut-short run keeps what it measured
