@@ -216,18 +216,22 @@ def sync_sites(trainer, forest, top: int = 40):
     return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:top])
 
 
-def cosine_sample(forest, max_trajectories: int):
-    """The forest of the first ``max_trajectories`` trajectories of the smallest tree: the fp32 oracle runs
-    expanded mode with the reference KDA and keeps gradients, so its memory grows with the sample."""
+def cosine_sample(forest, max_tokens: int):
+    """The forest of the first trajectories of the smallest tree that hold at most ``max_tokens``
+    expanded tokens (at least two, so the sample has a fork): the fp32 oracle runs expanded mode
+    with the reference KDA, whose chunk-decay tensors grow with the sample's tokens (a whole
+    Tree-Step tree, ~30k tokens, needs more than an H200's memory)."""
     from megatron_harts.tree_data import build_forest
     sizes = np.diff(forest.tree_offsets)
     one = forest.select([int(np.argmin(sizes))])
-    if one.num_trajectories <= max_trajectories:
+    lengths = np.cumsum(one.traj_length)
+    n = max(2, int(np.searchsorted(lengths, max_tokens, side="right")))
+    if n >= one.num_trajectories:
         return one
-    return build_forest([one.expand(t) for t in one.traj_ids[:max_trajectories]])
+    return build_forest([one.expand(t) for t in one.traj_ids[:n]])
 
 
-def logit_cosine(argv, forest, device, max_trajectories: int = 8):
+def logit_cosine(argv, forest, device, max_tokens: int = 8192):
     """Logit cosines on ``cosine_sample`` at the initial weights (``models.fidelity.run_bf16``):
     tree vs expanded in the run's dtype (``logit_cosine``), and each of them against the fp32
     oracle, expanded mode on an fp32 copy of the same weights (``logit_cosine_tree_vs_fp32``,
@@ -235,7 +239,7 @@ def logit_cosine(argv, forest, device, max_trajectories: int = 8):
     from megatron_harts.layout import build_layout
     from megatron_harts.models.fidelity import logit_cosine as cosine, run_bf16
     from megatron_harts.training.trainer import Trainer
-    one = cosine_sample(forest, max_trajectories)
+    one = cosine_sample(forest, max_tokens)
     with Trainer.from_args(argv) as t:
         model = t.model[0].module
         lay = build_layout(one)
@@ -328,6 +332,11 @@ def main(argv=None):
                 "windows": m["windows"], "peak_export_bytes": m["peak_export_bytes"],
                 "peak_memory_gib": peak, "loss": m["loss"], "allocated_at_start_gib": left,
                 "mfu": flops / (t * peak_flops) if peak_flops else None}
+            results["schemes"][scheme] = row
+            with open(out, "w") as f:      # after every mode: a cut-short run keeps what it measured
+                json.dump(results, f, indent=2, default=float)
+            print(f"{scheme} {key}: {row[key]['step_seconds']:.3f} s, {row[key]['kda_calls']} KDA calls, "
+                  f"compression {row[key]['compression']:.3f}x, peak {peak}", flush=True)
             if prof is not None:
                 summary, tables = prof
                 row[key]["profile"] = summary
@@ -349,7 +358,11 @@ def main(argv=None):
         row["kda_calls_per_layer_whole_forest"] = {"harts": harts_calls, "per_depth_bucketing": bucket}
         if not a.no_cosine:
             release_memory(a.device)
-            row.update(logit_cosine(common + ["--tree-sharing", a.tree_sharing[0]], forest, a.device))
+            try:
+                row.update(logit_cosine(common + ["--tree-sharing", a.tree_sharing[0]], forest, a.device))
+            except torch.OutOfMemoryError as e:
+                row["logit_cosine_error"] = f"out of memory: {str(e).splitlines()[0]}"
+                print(f"{scheme}: logit cosine not measured ({row['logit_cosine_error']})", flush=True)
         results["schemes"][scheme] = row
         modes = " | ".join(
             f"{k} ({row[k]['planner']}, {row[k]['kda_calls']} KDA calls): compression {row[k]['compression']:.2f}x, "
