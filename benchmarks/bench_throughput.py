@@ -331,6 +331,8 @@ def main(argv=None):
                 "microbatches": m["microbatches"],
                 "windows": m["windows"], "peak_export_bytes": m["peak_export_bytes"],
                 "peak_memory_gib": peak, "loss": m["loss"], "allocated_at_start_gib": left,
+                # what this mode itself needed: megatron state of earlier modes' trainers is not all freed
+                "peak_memory_above_start_gib": None if peak is None else peak - left,
                 "mfu": flops / (t * peak_flops) if peak_flops else None}
             results["schemes"][scheme] = row
             with open(out, "w") as f:      # after every mode: a cut-short run keeps what it measured
