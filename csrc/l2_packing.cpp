@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -14,6 +15,12 @@
 
 namespace py = pybind11;
 using i64 = std::int64_t;
+
+void l2_check_unit_csr(const i64* off, const i64* ids, i64 size, i64 nu, i64 num_segments, const char* name) {
+    if (off[0] != 0 || off[nu] != size) throw py::value_error(std::string(name) + ": offsets do not match");
+    for (i64 i = 0; i < size; ++i)
+        if (ids[i] < 0 || ids[i] >= num_segments) throw py::value_error(std::string(name) + ": segment out of range");
+}
 
 bool l2_after_owners(std::vector<std::vector<i64>>& seqs, const std::unordered_map<i64, std::vector<i64>>& after) {
     if (after.empty()) return true;

@@ -452,14 +452,9 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
     U.rec = rec_a.data();
     U.path_off = path_off_a.data();
     U.path = path_a.data();
-    auto check_ids = [&](const i64* off, const i64* ids, i64 size, const char* name) {
-        if (off[0] != 0 || off[nu] != size) throw py::value_error(std::string(name) + ": offsets do not match");
-        for (i64 i = 0; i < size; ++i)
-            if (ids[i] < 0 || ids[i] >= num_segments) throw py::value_error(std::string(name) + ": segment out of range");
-    };
-    check_ids(U.own_off, U.own, own_a.shape(0), "own");
-    check_ids(U.rec_off, U.rec, rec_a.shape(0), "rec");
-    check_ids(U.path_off, U.path, path_a.shape(0), "path");
+    l2_check_unit_csr(U.own_off, U.own, own_a.shape(0), nu, num_segments, "own");
+    l2_check_unit_csr(U.rec_off, U.rec, rec_a.shape(0), nu, num_segments, "rec");
+    l2_check_unit_csr(U.path_off, U.path, path_a.shape(0), nu, num_segments, "path");
     const i64* eo = ent_off_a.data();
     const i64* eu = ent_unit_a.data();
     const i64* ep = ent_path_a.data();

@@ -51,14 +51,9 @@ py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64
     const i64 *own_off = own_off_a.data(), *own = own_a.data();
     const i64 *rec_off = rec_off_a.data(), *rec = rec_a.data();
     const i64 *path_off = path_off_a.data(), *path = path_a.data();
-    auto check_ids = [&](const i64* off, const i64* ids, i64 size, const char* name) {
-        if (off[0] != 0 || off[nu] != size) throw py::value_error(std::string(name) + ": offsets do not match");
-        for (i64 i = 0; i < size; ++i)
-            if (ids[i] < 0 || ids[i] >= num_segments) throw py::value_error(std::string(name) + ": segment out of range");
-    };
-    check_ids(own_off, own, own_a.shape(0), "own");
-    check_ids(rec_off, rec, rec_a.shape(0), "rec");
-    check_ids(path_off, path, path_a.shape(0), "path");
+    l2_check_unit_csr(own_off, own, own_a.shape(0), nu, num_segments, "own");
+    l2_check_unit_csr(rec_off, rec, rec_a.shape(0), nu, num_segments, "rec");
+    l2_check_unit_csr(path_off, path, path_a.shape(0), nu, num_segments, "path");
     auto kind = [&](i64 k) { return ints(k, 0); };
     auto tree = [&](i64 k) { return ints(k, 1); };
     auto win = [&](i64 k) { return ints(k, 2); };

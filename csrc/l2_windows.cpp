@@ -372,16 +372,9 @@ py::tuple l2_pack_windows(py::list units, I64Array length_a, I64Array ints_a, F6
         throw py::value_error("own_off / rec_off / path_off must have one entry per unit plus one");
     if (dp < 2 || S < 1) throw py::value_error("dp must be >= 2 (one replica: the Python packer) and S >= 1");
     const i64 num_segments = length_a.shape(0);
-    auto check_ids = [&](const I64Array& off_a, const I64Array& ids_a, const char* name) {
-        const i64 *off = off_a.data(), *ids = ids_a.data();
-        const i64 size = ids_a.shape(0);
-        if (off[0] != 0 || off[nu] != size) throw py::value_error(std::string(name) + ": offsets do not match");
-        for (i64 i = 0; i < size; ++i)
-            if (ids[i] < 0 || ids[i] >= num_segments) throw py::value_error(std::string(name) + ": segment out of range");
-    };
-    check_ids(own_off_a, own_a, "own");
-    check_ids(rec_off_a, rec_a, "rec");
-    check_ids(path_off_a, path_a, "path");
+    l2_check_unit_csr(own_off_a.data(), own_a.data(), own_a.shape(0), nu, num_segments, "own");
+    l2_check_unit_csr(rec_off_a.data(), rec_a.data(), rec_a.shape(0), nu, num_segments, "rec");
+    l2_check_unit_csr(path_off_a.data(), path_a.data(), path_a.shape(0), nu, num_segments, "path");
     Packer P{length_a.data(),  ints_a.unchecked<2>(), flts_a.unchecked<2>(), own_off_a.data(), own_a.data(),
              rec_off_a.data(), rec_a.data(),          path_off_a.data(),    path_a.data(),    dp,
              M};

@@ -42,6 +42,12 @@ pybind11::tuple l2_entry_arrays(const std::vector<std::vector<L2Entry>>& ent, st
 bool l2_after_owners(std::vector<std::vector<std::int64_t>>& seqs,
                      const std::unordered_map<std::int64_t, std::vector<std::int64_t>>& after);
 
+// One CSR of unit_arrays (own, rec or path segments of nu units): raises ValueError "<name>: offsets do not
+// match" unless off[0] == 0 and off[nu] == size, "<name>: segment out of range" unless every ids[i] lies in
+// [0, num_segments) (defined in l2_packing.cpp; the compiled balance pass and both packers check with it).
+void l2_check_unit_csr(const std::int64_t* off, const std::int64_t* ids, std::int64_t size, std::int64_t nu,
+                       std::int64_t num_segments, const char* name);
+
 // The bins seqs[r][k] (replica r, slot k) as the Python packers return a packing: a sequence (groups:
 // (owned, recomputed) tuples, placement: (replica, slot), loads: per replica its bins' loads in slot
 // order, entries: per bin (unit object, its path or (), cost)), units[k] the unit numbered k; each part
