@@ -81,7 +81,7 @@ class HybridTransformerLayer(TransformerLayer):
                                  "(--sequence-parallel) support 'aux_loss' or 'none'")
         group = router.tp_cp_group
         n = group.size()
-        total = (packed.token_weight_sum() if hasattr(packed, "token_weight_sum") else float(w.sum())) / n
+        total = packed.token_weight_sum() / n
         if self.config.sequence_parallel and n > 1:
             rank = group.rank()
             if w.shape[0] % n:

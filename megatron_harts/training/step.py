@@ -205,8 +205,9 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
     """``forward_step_func(data_iterator, model)`` of the schedule for the driver's objective.
 
     The loss of a microbatch: the objective over the targets it owns, each scaled by its
-    global-batch normalization (``normalizer``).  ``counters`` accumulates the step's
-    objective terms, KDA calls and q-weighted tokens per expert.
+    global-batch normalization (``normalizer``).  ``counters`` (pass ``{}``; its keys are
+    filled here) accumulates the step's loss, objective terms, KDA calls, KDA replay tokens and
+    q-weighted tokens per expert.
     """
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -321,7 +322,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     items = [WindowedMicrobatch(mb.layout.to(device), mb.owned, mb.producer, mb.replay, mb.counted) for mb in items]
     normalizer = forest_normalizer(forest).to(device)
     total_mbs = len(plan.microbatches)
-    counters: Dict[str, Any] = {"loss": 0.0, "terms": {}, "kda_calls": 0, "replay_tokens": 0, "tokens_per_expert": None}
+    counters: Dict[str, Any] = {}
     step_fn = make_forward_step(objective, normalizer, aux_loss_scale=1.0 / max(total_mbs, 1), counters=counters)
 
     for chunk in model:
