@@ -524,8 +524,8 @@ def test_plan_l2_compiled_equals_python_reference(monkeypatch):
                 mp.setattr(cm, "_MB_KDA", None)
                 mp.setattr(mbmod, "_ASSEMBLE", None)
                 mp.setattr(l2_balance, "_REBALANCE", None)
-                mp.setattr(l2_spread, "_SPREAD", None)
-                mp.setattr(l2_windows, "_WINDOWS", None)
+                mp.setattr(l2_spread.pack_spread, "fast", None)
+                mp.setattr(l2_windows.pack_windows, "fast", None)
                 ref = plan_l2(f, l1, cost_model=model, index=ix)
             assert _plan_key(fast) == _plan_key(ref)
 
@@ -636,7 +636,7 @@ def test_rebalance_swap_bound():
 def test_compiled_pack_spread_matches_python():
     # _C.l2_pack_spread equals its Python reference (bins, segments, loads, estimates: floats exact)
     # on the seeded L2 forests' units, whole and split, on DP 2, 4 and 8, three slot counts, two targets
-    if l2_spread._SPREAD is None:
+    if l2_spread.pack_spread.fast is None:
         pytest.skip("the compiled extension is not built")
 
     def key(out):

@@ -8,9 +8,38 @@ than the producers owning that path.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
-__all__ = ["estimate_step"]
+from .compiled import compiled
+from .l2_units import unit_arrays
+
+__all__ = ["estimate_step", "CompiledPacker"]
+
+
+class CompiledPacker:
+    """An L2 packer called as ``packer(ix, units, dp, M, S, eps=0.01, arrays=None)``, returning
+    (packings, bound): its compiled core ``_C.<name>`` when built (and ``dp >= min_dp``), else its
+    Python ``reference`` (the same values; tests hold them equal).  ``arrays``: ``unit_arrays(units)``
+    when the caller has them.  ``fast`` is the compiled core (None: the reference only; a different
+    compiled signature, a TypeError, sets it so)."""
+
+    def __init__(self, name: str, reference: Callable, min_dp: int = 1, doc: str = ""):
+        self.fast = compiled(name)
+        self.reference = reference
+        self.min_dp = min_dp
+        self.__name__ = reference.__name__.strip("_").replace("_python", "")
+        self.__doc__ = doc
+
+    def __call__(self, ix, units, dp: int, M: int, S: int, eps: float = 0.01, arrays=None):
+        if self.fast is not None and dp >= self.min_dp:
+            try:
+                packings, bound = self.fast(units, ix.length, *(arrays if arrays is not None else unit_arrays(units)),
+                                            dp, M, S, eps)
+            except TypeError:  # a different compiled signature: the Python path
+                self.fast = None
+            else:
+                return [p for p in packings if p is not None], bool(bound)
+        return self.reference(ix, units, dp, M, S, eps)
 
 
 def _after_owners(seqs: List[List[int]], after: Dict[int, set]) -> Optional[List[List[int]]]:

@@ -8,29 +8,11 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from .compiled import compiled
 from .cost_model import ForestIndex
-from .l2_packing import _after_owners
-from .l2_units import _Unit, unit_arrays
+from .l2_packing import CompiledPacker, _after_owners
+from .l2_units import _Unit
 
 __all__ = ["pack_spread"]
-
-_SPREAD = compiled("l2_pack_spread")
-
-
-def pack_spread(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01, arrays=None):
-    """``_pack_spread_python``'s (packings, bound) from the compiled ``_C.l2_pack_spread`` when built
-    (the same values); ``arrays``: ``unit_arrays(units)`` when the caller has them."""
-    global _SPREAD
-    if _SPREAD is not None:
-        try:
-            packings, bound = _SPREAD(units, ix.length, *(arrays if arrays is not None else unit_arrays(units)),
-                                      dp, M, S, eps)
-        except TypeError:  # a different compiled signature: the Python path
-            _SPREAD = None
-        else:
-            return packings, bool(bound)
-    return _pack_spread_python(ix, units, dp, M, S, eps)
 
 
 def _spread_output(dp, rep, own_l, rec_l, load, has_core, after, ent, bound):
@@ -173,3 +155,7 @@ def _pack_spread_python(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S:
             b = open_bin(min(range(dp), key=lambda q: rep.count(q)))
             put(b, u, (), u.cost)
     return _spread_output(dp, rep, own_l, rec_l, load, has_core, after, ent, bound)
+
+
+pack_spread = CompiledPacker("l2_pack_spread", _pack_spread_python, doc="""The spreading packer: (packings, bound)
+of ``_pack_spread_python``, from the compiled ``_C.l2_pack_spread`` when it is built (the same values).""")

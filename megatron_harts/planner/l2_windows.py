@@ -12,30 +12,11 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Tuple
 
-from .compiled import compiled
 from .cost_model import ForestIndex
-from .l2_packing import _after_owners
-from .l2_units import _Unit, unit_arrays
+from .l2_packing import CompiledPacker, _after_owners
+from .l2_units import _Unit
 
 __all__ = ["pack_windows"]
-
-_WINDOWS = compiled("l2_pack_windows")
-
-
-def pack_windows(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01, arrays=None):
-    """``_pack_windows_python``'s (packings, bound), from the compiled ``_C.l2_pack_windows`` on
-    several replicas when it is built (the same values); ``arrays``: ``unit_arrays(units)`` when
-    the caller has them."""
-    global _WINDOWS
-    if _WINDOWS is not None and dp > 1:
-        try:
-            packings, bound = _WINDOWS(units, ix.length, *(arrays if arrays is not None else unit_arrays(units)),
-                                       dp, M, S, eps)
-        except TypeError:  # a different compiled signature: the Python path
-            _WINDOWS = None
-        else:
-            return [p for p in packings if p is not None], bool(bound)
-    return _pack_windows_python(ix, units, dp, M, S, eps)
 
 
 def _pack_windows_python(ix: ForestIndex, units: List[_Unit], dp: int, M: int, S: int, eps: float = 0.01):
@@ -412,3 +393,8 @@ def _dissolve(units_of, window_of, blocks, rep, load, rows, have, own_l, rec_l, 
             load[x], rows[x], have[x] = ld, rw, hv
             del own_l[x][no:], rec_l[x][nr:], units_of[x][nu:]
     return bool(light), bool(gone)
+
+
+pack_windows = CompiledPacker("l2_pack_windows", _pack_windows_python, min_dp=2, doc="""The window packer:
+(packings, bound) of ``_pack_windows_python``, from the compiled ``_C.l2_pack_windows`` on several replicas
+when it is built (the same values).""")
