@@ -1,6 +1,7 @@
 // What L2's compiled packers share (csrc/l2_windows.cpp, csrc/l2_spread.cpp): the slot order after split
 // windows' path owners (megatron_harts.planner.l2_packing._after_owners) and the packing written as the
 // Python packers return it.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -17,9 +18,28 @@ namespace py = pybind11;
 using i64 = std::int64_t;
 
 void l2_check_unit_csr(const i64* off, const i64* ids, i64 size, i64 nu, i64 num_segments, const char* name) {
-    if (off[0] != 0 || off[nu] != size) throw py::value_error(std::string(name) + ": offsets do not match");
+    if (size < 0 || off[0] != 0 || off[nu] != size) throw py::value_error(std::string(name) + ": offsets do not match");
     for (i64 i = 0; i < size; ++i)
         if (ids[i] < 0 || ids[i] >= num_segments) throw py::value_error(std::string(name) + ": segment out of range");
+}
+
+i64 l2_check_unit_arrays(const py::array& ints, i64 int_cols, const py::array& flts, const py::array& own_off,
+                         const py::array& own, const py::array& rec_off, const py::array& rec,
+                         const py::array& path_off, const py::array& path, i64 num_segments, i64 objects) {
+    const i64 nu = ints.ndim() == 2 ? ints.shape(0) : -1;
+    if (nu < 0 || ints.shape(1) != int_cols || flts.ndim() != 2 || flts.shape(0) != nu || flts.shape(1) != 3)
+        throw py::value_error("ints must be int64[units, " + std::to_string(int_cols) +
+                              "] and flts float64[units, 3]");
+    if (objects >= 0 && objects != nu) throw py::value_error("units and ints must have one row per unit");
+    if (own_off.ndim() != 1 || rec_off.ndim() != 1 || path_off.ndim() != 1 || own_off.shape(0) != nu + 1 ||
+        rec_off.shape(0) != nu + 1 || path_off.shape(0) != nu + 1)
+        throw py::value_error("own_off / rec_off / path_off must have one entry per unit plus one");
+    const py::array* csr[3][2] = {{&own_off, &own}, {&rec_off, &rec}, {&path_off, &path}};
+    const char* names[3] = {"own", "rec", "path"};
+    for (int i = 0; i < 3; ++i)
+        l2_check_unit_csr(static_cast<const i64*>(csr[i][0]->data()), static_cast<const i64*>(csr[i][1]->data()),
+                          csr[i][1]->ndim() == 1 ? csr[i][1]->shape(0) : -1, nu, num_segments, names[i]);
+    return nu;
 }
 
 bool l2_after_owners(std::vector<std::vector<i64>>& seqs, const std::unordered_map<i64, std::vector<i64>>& after) {
@@ -178,7 +198,74 @@ py::object l2_packing_object(const std::vector<std::vector<i64>>& seqs, const st
     return py::cast(L2Packing(seqs, own_l, rec_l, load, ent, units));
 }
 
+namespace {
+
+using I64In = py::array_t<i64, py::array::c_style | py::array::forcecast>;
+using U8In = py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>;
+
+// megatron_harts.planner.cost_model._exception_targets, the same arrays: per loss-mask exception (t, p, v)
+// at p >= 1, the segment of t's path holding p (its path read once per trajectory, searched by start), the
+// change to t's target count and, where v sets a target the row mask does not, the row predicting it
+// unless the row masks count it already (`last`: a segment's last row counted).
+py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I64In seg_row_a, I64In leaf_a,
+                               U8In row_mask_a, I64In last_a, I64In exc_traj_a, I64In exc_pos_a, U8In exc_value_a) {
+    const i64 S = parent_a.shape(0), N = leaf_a.shape(0), U = row_mask_a.shape(0), E = exc_traj_a.shape(0);
+    if (start_a.shape(0) != S || length_a.shape(0) != S || seg_row_a.shape(0) != S || last_a.shape(0) != S)
+        throw py::value_error("segment arrays must have one entry per segment");
+    if (exc_pos_a.shape(0) != E || exc_value_a.shape(0) != E)
+        throw py::value_error("exception arrays must have one entry per exception");
+    const i64 *parent = parent_a.data(), *start = start_a.data(), *length = length_a.data();
+    const i64 *seg_row = seg_row_a.data(), *leaf = leaf_a.data(), *last = last_a.data();
+    const i64 *et = exc_traj_a.data(), *ep = exc_pos_a.data();
+    const std::uint8_t *mask = row_mask_a.data(), *ev = exc_value_a.data();
+    std::vector<i64> pred, traj, delta, path;
+    i64 cur = -1;
+    for (i64 i = 0; i < E; ++i) {
+        const i64 t = et[i], p = ep[i];
+        if (p < 1) continue;
+        if (t < 0 || t >= N) throw py::value_error("exception trajectory out of range");
+        if (t != cur) {  // t's path segments, root first (starts increasing)
+            path.clear();
+            for (i64 x = leaf[t]; x >= 0; x = parent[x]) {
+                if (x >= S || static_cast<i64>(path.size()) > S) throw py::value_error("segment out of range");
+                path.push_back(x);
+            }
+            std::reverse(path.begin(), path.end());
+            cur = t;
+        }
+        auto it = std::upper_bound(path.begin(), path.end(), p, [&](i64 v, i64 s) { return v < start[s]; });
+        if (it == path.begin()) throw py::value_error("exception position out of range");
+        const i64 seg = *(it - 1);
+        if (p >= start[seg] + length[seg] || seg_row[seg] + p - start[seg] >= U)
+            throw py::value_error("exception position out of range");
+        const i64 row = seg_row[seg] + p - start[seg];
+        const bool v = ev[i] != 0, m = mask[row] != 0;
+        traj.push_back(t);
+        delta.push_back(static_cast<i64>(v) - static_cast<i64>(m));
+        if (!v || m) continue;
+        if (p == start[seg]) {
+            const i64 par = parent[seg];
+            if (last[par] == 0) pred.push_back(seg_row[par] + length[par] - 1);
+        } else {
+            pred.push_back(row - 1);
+        }
+    }
+    auto out = [](const std::vector<i64>& v) {
+        py::array_t<i64> a(static_cast<py::ssize_t>(v.size()));
+        std::copy(v.begin(), v.end(), a.mutable_data());
+        return a;
+    };
+    return py::make_tuple(out(pred), out(traj), out(delta));
+}
+
+}  // namespace
+
 void register_packing(py::module_& m) {
+    m.def("l2_exception_targets", &l2_exception_targets, py::arg("parent"), py::arg("start"), py::arg("length"),
+          py::arg("seg_row"), py::arg("traj_leaf"), py::arg("row_loss_mask"), py::arg("last"), py::arg("exc_traj"),
+          py::arg("exc_pos"), py::arg("exc_value"),
+          "(rows predicting targets only loss-mask exceptions set, trajectory and target-count change per "
+          "exception at a position >= 1): megatron_harts.planner.cost_model._exception_targets_python.");
     py::class_<L2Packing>(m, "L2Packing",
                           "A packing of L2's compiled packers: the sequence (groups, placement, loads, entries) "
                           "the Python packers return as a tuple, each part built on its first read.")

@@ -422,13 +422,10 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
                        I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a, I64Array rep_a,
                        I64Array ent_off_a, I64Array ent_unit_a, I64Array ent_path_a, F64Array ent_cost_a, i64 dp,
                        i64 M, double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins) {
-    const i64 nu = ints_a.ndim() == 2 ? ints_a.shape(0) : -1;
-    if (nu < 0 || ints_a.shape(1) != 7 || flts_a.ndim() != 2 || flts_a.shape(0) != nu || flts_a.shape(1) != 3)
-        throw py::value_error("ints must be int64[units, 7] and flts float64[units, 3]");
+    const i64 nu = l2_check_unit_arrays(ints_a, 7, flts_a, own_off_a, own_a, rec_off_a, rec_a, path_off_a, path_a,
+                                        length_a.shape(0), -1);
     const i64 n = rep_a.shape(0);
     if (ent_off_a.shape(0) != n + 1) throw py::value_error("ent_off must have one entry per bin plus one");
-    if (own_off_a.shape(0) != nu + 1 || rec_off_a.shape(0) != nu + 1 || path_off_a.shape(0) != nu + 1)
-        throw py::value_error("own_off / rec_off / path_off must have one entry per unit plus one");
     if (dp < 1) throw py::value_error("dp must be >= 1");
     const i64 num_segments = length_a.shape(0);
     Units U;
@@ -452,9 +449,6 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
     U.rec = rec_a.data();
     U.path_off = path_off_a.data();
     U.path = path_a.data();
-    l2_check_unit_csr(U.own_off, U.own, own_a.shape(0), nu, num_segments, "own");
-    l2_check_unit_csr(U.rec_off, U.rec, rec_a.shape(0), nu, num_segments, "rec");
-    l2_check_unit_csr(U.path_off, U.path, path_a.shape(0), nu, num_segments, "path");
     const i64* eo = ent_off_a.data();
     const i64* eu = ent_unit_a.data();
     const i64* ep = ent_path_a.data();

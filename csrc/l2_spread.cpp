@@ -37,23 +37,15 @@ inline void insert(std::vector<i64>& v, i64 x) {
 py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64Array flts_a, I64Array own_off_a,
                          I64Array own_a, I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a,
                          i64 dp, i64 M, i64 S, double eps) {
-    const i64 nu = ints_a.ndim() == 2 ? ints_a.shape(0) : -1;
-    if (nu < 0 || ints_a.shape(1) != 8 || flts_a.ndim() != 2 || flts_a.shape(0) != nu || flts_a.shape(1) != 3)
-        throw py::value_error("ints must be int64[units, 8] and flts float64[units, 3]");
-    if (static_cast<i64>(units.size()) != nu) throw py::value_error("units and ints must have one row per unit");
-    if (own_off_a.shape(0) != nu + 1 || rec_off_a.shape(0) != nu + 1 || path_off_a.shape(0) != nu + 1)
-        throw py::value_error("own_off / rec_off / path_off must have one entry per unit plus one");
+    const i64 nu = l2_check_unit_arrays(ints_a, 8, flts_a, own_off_a, own_a, rec_off_a, rec_a, path_off_a, path_a,
+                                        length_a.shape(0), static_cast<i64>(units.size()));
     if (dp < 1 || S < 1) throw py::value_error("dp and S must be >= 1");
-    const i64 num_segments = length_a.shape(0);
     const i64* length = length_a.data();
     auto ints = ints_a.unchecked<2>();
     auto flts = flts_a.unchecked<2>();
     const i64 *own_off = own_off_a.data(), *own = own_a.data();
     const i64 *rec_off = rec_off_a.data(), *rec = rec_a.data();
     const i64 *path_off = path_off_a.data(), *path = path_a.data();
-    l2_check_unit_csr(own_off, own, own_a.shape(0), nu, num_segments, "own");
-    l2_check_unit_csr(rec_off, rec, rec_a.shape(0), nu, num_segments, "rec");
-    l2_check_unit_csr(path_off, path, path_a.shape(0), nu, num_segments, "path");
     auto kind = [&](i64 k) { return ints(k, 0); };
     auto tree = [&](i64 k) { return ints(k, 1); };
     auto win = [&](i64 k) { return ints(k, 2); };

@@ -364,17 +364,9 @@ py::object emit(const Packer& P, const py::list& units, bool has_upper) {
 py::tuple l2_pack_windows(py::list units, I64Array length_a, I64Array ints_a, F64Array flts_a, I64Array own_off_a,
                           I64Array own_a, I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a,
                           i64 dp, i64 M, i64 S, double eps) {
-    const i64 nu = ints_a.ndim() == 2 ? ints_a.shape(0) : -1;
-    if (nu < 0 || ints_a.shape(1) != 8 || flts_a.ndim() != 2 || flts_a.shape(0) != nu || flts_a.shape(1) != 3)
-        throw py::value_error("ints must be int64[units, 8] and flts float64[units, 3]");
-    if (static_cast<i64>(units.size()) != nu) throw py::value_error("units and ints must have one row per unit");
-    if (own_off_a.shape(0) != nu + 1 || rec_off_a.shape(0) != nu + 1 || path_off_a.shape(0) != nu + 1)
-        throw py::value_error("own_off / rec_off / path_off must have one entry per unit plus one");
+    const i64 nu = l2_check_unit_arrays(ints_a, 8, flts_a, own_off_a, own_a, rec_off_a, rec_a, path_off_a, path_a,
+                                        length_a.shape(0), static_cast<i64>(units.size()));
     if (dp < 2 || S < 1) throw py::value_error("dp must be >= 2 (one replica: the Python packer) and S >= 1");
-    const i64 num_segments = length_a.shape(0);
-    l2_check_unit_csr(own_off_a.data(), own_a.data(), own_a.shape(0), nu, num_segments, "own");
-    l2_check_unit_csr(rec_off_a.data(), rec_a.data(), rec_a.shape(0), nu, num_segments, "rec");
-    l2_check_unit_csr(path_off_a.data(), path_a.data(), path_a.shape(0), nu, num_segments, "path");
     Packer P{length_a.data(),  ints_a.unchecked<2>(), flts_a.unchecked<2>(), own_off_a.data(), own_a.data(),
              rec_off_a.data(), rec_a.data(),          path_off_a.data(),    path_a.data(),    dp,
              M};

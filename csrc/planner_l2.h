@@ -3,6 +3,7 @@
 // (csrc/l2_spread.cpp) and window packer (csrc/l2_windows.cpp).
 #pragma once
 
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -47,6 +48,16 @@ bool l2_after_owners(std::vector<std::vector<std::int64_t>>& seqs,
 // [0, num_segments) (defined in l2_packing.cpp; the compiled balance pass and both packers check with it).
 void l2_check_unit_csr(const std::int64_t* off, const std::int64_t* ids, std::int64_t size, std::int64_t nu,
                        std::int64_t num_segments, const char* name);
+
+// The shape checks of unit_arrays as the compiled balance pass and both packers read them (int64 / float64
+// arrays, already converted): ints [units, int_cols], flts [units, 3], the three CSRs (l2_check_unit_csr;
+// segments in [0, num_segments)), and `objects` unit objects per row unless it is negative.  Raises
+// ValueError naming what is wrong; returns the unit count (defined in l2_packing.cpp).
+std::int64_t l2_check_unit_arrays(const pybind11::array& ints, std::int64_t int_cols, const pybind11::array& flts,
+                                  const pybind11::array& own_off, const pybind11::array& own,
+                                  const pybind11::array& rec_off, const pybind11::array& rec,
+                                  const pybind11::array& path_off, const pybind11::array& path,
+                                  std::int64_t num_segments, std::int64_t objects);
 
 // The bins seqs[r][k] (replica r, slot k) as the Python packers return a packing: a sequence (groups:
 // (owned, recomputed) tuples, placement: (replica, slot), loads: per replica its bins' loads in slot

@@ -1,6 +1,7 @@
 """The cost model's logits rows are the rows the model computes logits for: rows with at least one
 target, loss-mask exceptions of single trajectories included (the layout's rule)."""
 import numpy as np
+import pytest
 
 from megatron_harts.planner.cost_model import ForestIndex
 from megatron_harts.tree_data import build_forest
@@ -49,3 +50,26 @@ def test_step_wise_logits_rows_match_the_layout_rule():
     seg, targets = _brute(f)
     np.testing.assert_array_equal(ix.seg_logits, seg)
     np.testing.assert_array_equal(ix.traj_targets, targets)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_compiled_exception_targets_match_python(seed):
+    # _C.l2_exception_targets equals its Python reference on step-wise forests (many exceptions)
+    from megatron_harts.planner import cost_model as cm
+    if cm._EXC_TARGETS is None:
+        pytest.skip("the compiled extension is not built")
+    f = build_forest(synthesize_swe(SweConfig(scheme="step-wise", num_tasks=3, samples_per_task=4, seed=seed)))
+    ix = ForestIndex(f)
+    last = np.zeros(ix.num_segments, dtype=np.int64)
+    last[f.seg_parent[f.seg_parent >= 0]] = 1  # either value of `last` exercised
+    for lst in (np.zeros_like(last), last):
+        fast = cm._exception_targets(f, ix.parent_arr, ix.start, ix.length, ix.row, lst)
+        ref = cm._exception_targets_python(f, ix.parent_arr, ix.start, ix.length, ix.row, lst)
+        assert len(ref[0]) > 0
+        for a, b in zip(fast, ref):
+            np.testing.assert_array_equal(a, b)
+    bad = f.exc_loss_mask.pos.copy()
+    bad[-1] = 10 ** 9
+    with pytest.raises(ValueError, match="position out of range"):
+        cm._EXC_TARGETS(ix.parent_arr, ix.start, ix.length, ix.row, f.traj_leaf, f.row_loss_mask, last,
+                        f.exc_loss_mask.traj, bad, f.exc_loss_mask.value)

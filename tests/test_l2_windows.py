@@ -20,7 +20,7 @@ from megatron_harts.planner.l2_packing import _estimate_step_python, estimate_st
 from megatron_harts.planner.l2_units import split_windows, unit_arrays, window_units
 from test_microbatch_planner import _l2_forests, random_prefix_forest
 
-pytestmark = pytest.mark.skipif(l2_windows._WINDOWS is None, reason="the compiled extension is not built")
+pytestmark = pytest.mark.skipif(l2_windows.pack_windows.fast is None, reason="the compiled extension is not built")
 
 
 def _key(out):
@@ -92,11 +92,39 @@ def test_compiled_pack_windows_refuses_bad_arrays():
     us = window_units(ix, l1, model, model.chunk_size)
     ints, flts, oo, o, ro, r, po, p = unit_arrays(us)
     with pytest.raises(ValueError, match="dp must be"):
-        l2_windows._WINDOWS(us, ix.length, ints, flts, oo, o, ro, r, po, p, 1, M, 1, 0.01)
+        l2_windows.pack_windows.fast(us, ix.length, ints, flts, oo, o, ro, r, po, p, 1, M, 1, 0.01)
     with pytest.raises(ValueError, match="one row per unit"):
-        l2_windows._WINDOWS(us[:-1], ix.length, ints, flts, oo, o, ro, r, po, p, 2, M, 1, 0.01)
+        l2_windows.pack_windows.fast(us[:-1], ix.length, ints, flts, oo, o, ro, r, po, p, 2, M, 1, 0.01)
     bad = o.copy()
     bad[0] = ix.num_segments
     with pytest.raises(ValueError, match="own: segment out of range"):
-        l2_windows._WINDOWS(us, ix.length, ints, flts, oo, bad, ro, r, po, p, 2, M, 1, 0.01)
+        l2_windows.pack_windows.fast(us, ix.length, ints, flts, oo, bad, ro, r, po, p, 2, M, 1, 0.01)
     assert _key(l2_windows.pack_windows(ix, us, 1, M, 1)) == _key(l2_windows._pack_windows_python(ix, us, 1, M, 1))
+
+
+def test_compiled_unit_array_checks_are_shared():
+    # the balance pass and both packers check unit_arrays with one routine: the same errors everywhere
+    from megatron_harts.planner import l2_balance, l2_spread
+    f, M, model = _l2_forests()[1]
+    ix = ForestIndex(f)
+    l1 = plan_l1(f, 2, M, cost_model=model, index=ix)
+    us = window_units(ix, l1, model, model.chunk_size)
+    ints, flts, oo, o, ro, r, po, p = unit_arrays(us)
+    packers = (l2_windows.pack_windows.fast, l2_spread.pack_spread.fast)
+    for fn in packers:
+        with pytest.raises(ValueError, match=r"ints must be int64\[units, 8\]"):
+            fn(us, ix.length, ints[:, :7], flts, oo, o, ro, r, po, p, 2, M, 1, 0.01)
+        with pytest.raises(ValueError, match="one entry per unit plus one"):
+            fn(us, ix.length, ints, flts, oo[:-1], o, ro, r, po, p, 2, M, 1, 0.01)
+        with pytest.raises(ValueError, match="path: offsets do not match"):
+            fn(us, ix.length, ints, flts, oo, o, ro, r, po, p[:-1], 2, M, 1, 0.01)
+    reb = l2_balance._REBALANCE
+    n = 2
+    args = (np.zeros(n, dtype=np.int64), np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64),
+            np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 2, M, 0.0, 10, 4, 1.0, 64)
+    with pytest.raises(ValueError, match=r"ints must be int64\[units, 7\]"):
+        reb(ix.length, ints, flts, oo, o, ro, r, po, p, *args)
+    bad = o.copy()
+    bad[0] = -1
+    with pytest.raises(ValueError, match="own: segment out of range"):
+        reb(ix.length, np.ascontiguousarray(ints[:, :7]), flts, oo, bad, ro, r, po, p, *args)

@@ -205,8 +205,26 @@ class ForestIndex:
         self.tree_rows = np.add.reduceat(ln, roots) if S else np.zeros(0, np.int64)
 
 
+_EXC_TARGETS = compiled("l2_exception_targets")  # _exception_targets_python, compiled
+
+
 def _exception_targets(f, parent: np.ndarray, start: np.ndarray, length: np.ndarray, seg_row: np.ndarray,
                        last: np.ndarray):
+    """``_exception_targets_python``'s arrays, from the compiled ``_C.l2_exception_targets`` when it is
+    built (the same values)."""
+    global _EXC_TARGETS
+    exc = f.exc_loss_mask
+    if _EXC_TARGETS is not None and exc.traj.size:
+        try:
+            return _EXC_TARGETS(parent, start, length, seg_row, f.traj_leaf, f.row_loss_mask, last, exc.traj,
+                                exc.pos, exc.value)
+        except TypeError:  # a different compiled signature: the Python path
+            _EXC_TARGETS = None
+    return _exception_targets_python(f, parent, start, length, seg_row, last)
+
+
+def _exception_targets_python(f, parent: np.ndarray, start: np.ndarray, length: np.ndarray, seg_row: np.ndarray,
+                              last: np.ndarray):
     """The loss-mask exceptions' targets: (rows predicting a target only an exception sets (not
     counted by the row-level masks: ``last[s]`` tells whether the last row of ``s`` is counted),
     the trajectory and the change to its target count of every exception at a position >= 1).
