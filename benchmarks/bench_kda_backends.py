@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench_tree_attention import swe_forest  # noqa: E402
-from megatron_harts.ops.kda_fla import CHUNK, kda_fla  # noqa: E402
+from megatron_harts.ops.kda_fla import CHUNK, kda_fla_varlen  # noqa: E402
 from megatron_harts.ops.triton_tuning import limit_autotuning  # noqa: E402
 from megatron_harts.ops.tree_kda import build_kda_schedule, get_kda_backend, tree_kda  # noqa: E402
 from megatron_harts.planner.calls import plan_calls  # noqa: E402
@@ -121,17 +121,8 @@ def main(argv=None):
     go_rows = rnd(R, H, D).to(dtype)
     go_exp = rnd(E, H, D).to(dtype)
 
-    # expanded: trajectories padded [n, Tmax] (kda_fla) and packed [1, E] (chunk_kda)
-    Tm = int(lens.max())
+    # expanded: trajectories packed back to back (kda_fla_varlen, and fla's own chunk_kda on [1, E])
     n_traj = len(trajs)
-    pad_index = torch.cat([n * Tm + torch.arange(len(r), device=dev) for n, r in enumerate(trajs)])
-
-    def expanded_inputs(xs):
-        out = []
-        for x in xs:
-            y = x.new_zeros((n_traj * Tm,) + tuple(x.shape[1:])).index_copy(0, pad_index, x[flat_rows])
-            out.append(y.view((n_traj, Tm) + tuple(x.shape[1:])))
-        return out
 
     cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lens.numpy())]), device=dev)
 
@@ -146,8 +137,8 @@ def main(argv=None):
     def run_expanded_fla():
         for x in leaves:
             x.grad = None
-        o, _ = kda_fla(*expanded_inputs(leaves), chunk_size=CHUNK, lengths=lens)
-        o.reshape(n_traj * Tm, H, D)[pad_index].backward(go_exp)
+        o, _ = kda_fla_varlen(*(x[flat_rows] for x in leaves), lens, chunk_size=CHUNK)
+        o.backward(go_exp)
 
     from fla.ops.kda import chunk_kda
 

@@ -32,7 +32,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_harts.layout import build_layout  # noqa: E402
-from megatron_harts.ops.kda_fla import CHUNK, kda_fla  # noqa: E402
+from megatron_harts.ops.kda_fla import CHUNK, kda_fla, kda_fla_varlen  # noqa: E402
 from megatron_harts.ops.triton_tuning import limit_autotuning  # noqa: E402
 from megatron_harts.ops.tree_kda import (KdaExternal, build_kda_schedule, consumer_kda_sources,  # noqa: E402
                                          get_kda_backend, plan_subtree_calls, tree_kda)
@@ -315,8 +315,9 @@ def test_consumer_window_fla_equals_reference_fp32(gpu):
     assert all(e < 1e-4 for e in errs.values()), errs
 
 
-def test_padded_without_lengths_equals_packed(gpu):
-    """Expanded mode may pass no lengths: padding computed, valid outputs and states unchanged."""
+def test_padded_equals_varlen(gpu):
+    """The padded form (every sequence runs all T positions, zero padded) and the varlen form on
+    the valid tokens only: same outputs at valid positions, same states."""
     (H, K, V), N, T = FP32_SHAPE, 3, 200
     lens = [200, 77, 129]
     gen = torch.Generator().manual_seed(4)
@@ -328,10 +329,11 @@ def test_padded_without_lengths_equals_packed(gpu):
     h0 = torch.randn(N, H, K, V, generator=gen).to(gpu)
     kw = dict(chunk_size=CHUNK, initial_state=h0, state_index=[0, 1, 2, 2], state_offset=[128, 77, 64, 100])
     o1, s1 = kda_fla(*x, **kw)
-    o2, s2 = kda_fla(*x, **kw, lengths=torch.tensor(lens))
+    o2, s2 = kda_fla_varlen(*(torch.cat([t[n, :L] for n, L in enumerate(lens)]) for t in x), lens, **kw)
+    start = 0
     for n, L in enumerate(lens):
-        assert rel(o1[n, :L], o2[n, :L]) < 1e-5
-        assert not o2[n, L:].any()
+        assert rel(o1[n, :L], o2[start:start + L]) < 1e-5
+        start += L
     assert rel(s1, s2) < 1e-5
 
 
@@ -350,31 +352,34 @@ def test_export_equals_split_calls(gpu, cut):
     base = [t.view(N, T, *t.shape[1:]) for t in row_inputs(N * T, H, K, V, gpu, seed=9)]
     h0 = torch.randn(N, H, K, V, generator=torch.Generator().manual_seed(3)).to(gpu)
     gen = torch.Generator().manual_seed(12)
-    wo = torch.randn(N, T, H, V, generator=gen).to(gpu)
+    wo = torch.randn(sum(lens), H, V, generator=gen).to(gpu)
     ws = torch.randn(N, H, K, V, generator=gen).to(gpu)
-    L = torch.tensor(lens)
+
+    def pack(t, lo, his):
+        """Positions [lo, hi_n) of every padded sequence n, packed back to back."""
+        return torch.cat([t[n, lo:hi] for n, hi in enumerate(his)])
 
     def single():
         leaves = [t.clone().requires_grad_() for t in base + [h0]]
-        o, s = kda_fla(*leaves[:5], chunk_size=CHUNK, initial_state=leaves[5], state_index=[0, 1],
-                       state_offset=[cut, cut], lengths=L)
+        o, s = kda_fla_varlen(*(pack(t, 0, lens) for t in leaves[:5]), lens, chunk_size=CHUNK,
+                              initial_state=leaves[5], state_index=[0, 1], state_offset=[cut, cut])
         return o, s, leaves
 
     def split():
         leaves = [t.clone().requires_grad_() for t in base + [h0]]
-        first = [t[:, :cut] for t in leaves[:5]]
-        o1, s = kda_fla(*first, chunk_size=CHUNK, initial_state=leaves[5], state_index=[0, 1],
-                        state_offset=[cut, cut])
-        o2, _ = kda_fla(*(t[:, cut:] for t in leaves[:5]), chunk_size=CHUNK, initial_state=s,
-                        lengths=L - cut)
-        return torch.cat([o1, o2], 1), s, leaves
+        o1, s = kda_fla_varlen(*(pack(t, 0, [cut] * N) for t in leaves[:5]), [cut] * N, chunk_size=CHUNK,
+                               initial_state=leaves[5], state_index=[0, 1], state_offset=[cut, cut])
+        rest = [n - cut for n in lens]
+        o2, _ = kda_fla_varlen(*(pack(t[:, cut:], 0, rest) for t in leaves[:5]), rest, chunk_size=CHUNK,
+                               initial_state=s)
+        o1s, o2s = o1.split([cut] * N), o2.split(rest)
+        return torch.cat([x for n in range(N) for x in (o1s[n], o2s[n])]), s, leaves
 
     res = {}
     for name, fn in (("single", single), ("split", split)):
         o, s, leaves = fn()
-        mask = (torch.arange(T, device=gpu)[None, :] < L.to(gpu)[:, None]).view(N, T, 1, 1)
-        loss = (wo * o * mask).sum() + (ws * s).sum()
-        res[name] = (o * mask, s, torch.autograd.grad(loss, leaves))
+        loss = (wo * o).sum() + (ws * s).sum()
+        res[name] = (o, s, torch.autograd.grad(loss, leaves))
     (o_a, s_a, g_a), (o_b, s_b, g_b) = res["single"], res["split"]
     errs = {"o": rel(o_a, o_b), "state": rel(s_a, s_b)}
     errs.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), g_a, g_b)})
@@ -399,21 +404,12 @@ def test_bf16_tree_as_close_as_expanded(gpu):
     trajs = [torch.as_tensor(np.asarray(forest.trajectory_rows(t)), device=gpu)
              for t in range(forest.num_trajectories)]
     lens = torch.tensor([len(r) for r in trajs])
-    Tm = int(lens.max())
     wo = torch.randn(sum(len(r) for r in trajs), H, V, generator=torch.Generator().manual_seed(1)).to(gpu)
     flat_rows = torch.cat(trajs)
 
     def expanded(leaves, backend):
-        """Every trajectory on its own: one padded call over all of them (what expanded training runs)."""
-        padded = []
-        for x in leaves:
-            y = x.new_zeros((len(trajs), Tm) + tuple(x.shape[1:]))
-            for n, r in enumerate(trajs):
-                y[n, :len(r)] = x[r]
-            padded.append(y)
-        kw = {"lengths": lens} if backend == "fla" else {}
-        o, _ = get_kda_backend(backend)(*padded, chunk_size=CHUNK, **kw)
-        return torch.cat([o[n, :len(r)] for n, r in enumerate(trajs)])
+        """Every trajectory on its own: one varlen call over all of them (what expanded training runs)."""
+        return get_kda_backend(backend)(*(x[flat_rows] for x in leaves), lens, chunk_size=CHUNK)[0]
 
     def tree(leaves, backend):
         return tree_kda(*leaves, sched, backend=backend)[flat_rows]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_harts.layout import build_layout
-from megatron_harts.ops.path_conv import build_conv_taps, path_conv
+from megatron_harts.ops.path_conv import build_conv_taps, path_conv, sequence_conv_taps
 from megatron_harts.tree_data import build_forest, make_trajectory
 from test_forest import trajectory_sets
 from test_layout import non_nested_roots
@@ -54,7 +54,7 @@ def compare_with_expanded(forest, layout, backend, C=3, K=4, activation="silu", 
 
 
 @settings(max_examples=40, deadline=None)
-@given(trajectory_sets(max_traj=8), st.sampled_from(["gather", "reference"]), st.sampled_from([4, 2, 1]),
+@given(trajectory_sets(max_traj=8), st.sampled_from(["conv", "reference"]), st.sampled_from([4, 2, 1]),
        st.sampled_from(["silu", None]), st.booleans())
 def test_whole_trees_equal_expanded(trajs, backend, K, activation, use_bias):
     f = build_forest(trajs)
@@ -69,7 +69,7 @@ def test_subtree_with_context_equals_expanded(trajs, data):
     producer = build_layout(f)
     roots = non_nested_roots(f, data, max_size=3)
     lay = build_layout(f, roots=roots, context=producer)
-    for backend in ("gather", "reference"):
+    for backend in ("conv", "reference"):
         compare_with_expanded(f, lay, backend)
 
 
@@ -79,14 +79,59 @@ def test_single_token_segments_and_ends_inside():
                      + [make_trajectory({"id": "e", "tokens": [1, 2]})])
     lay = build_layout(f)
     assert int((torch.from_numpy(lay.seg_length) == 1).sum()) >= 5
-    for backend in ("gather", "reference"):
+    for backend in ("conv", "reference"):
         compare_with_expanded(f, lay, backend)
     # taps: row of token 4 reads 3, 2, 1; the root reads the zero pad row (index R)
     taps = build_conv_taps(lay)
     R = lay.num_rows
     r4 = int(torch.nonzero(lay.tokens == 4)[0])
-    assert lay.tokens[taps[r4]].tolist() == [3, 2, 1]
-    assert taps[0].tolist() == [R, R, R]
+    assert lay.tokens[taps.taps[r4]].tolist() == [3, 2, 1]
+    assert taps.taps[0].tolist() == [R, R, R]
+
+
+def test_fix_rows_are_the_rows_off_the_straight_line():
+    """ConvTaps.fix_rows: exactly the rows whose K-1 taps are not the rows right above (or the pad
+    row above row 0): a chain has none; a second tree's first K-1 rows and a fork's later child's
+    first K-1 rows do; a row reading a context row does."""
+    chain = build_layout(build_forest([make_trajectory({"id": "a", "tokens": [1, 2, 3, 4, 5]})]))
+    assert build_conv_taps(chain).fix_rows.tolist() == []
+    f = build_forest([make_trajectory({"id": "a", "tokens": [1, 2, 3, 4, 5, 6]}),
+                      make_trajectory({"id": "b", "tokens": [1, 2, 7, 8, 9, 10]}),
+                      make_trajectory({"id": "c", "tokens": [11, 12]})])
+    lay = build_layout(f)
+    taps = build_conv_taps(lay)
+    tok = lay.tokens.tolist()
+    # DFS preorder: 1 2 | 3 4 5 6 | 7 8 9 10 || 11 12 (children in either order)
+    later_child = max(tok.index(3), tok.index(7))
+    first_other_tree = tok.index(11)
+    want = sorted(set(range(later_child, later_child + 3)) | {first_other_tree, first_other_tree + 1})
+    assert taps.fix_rows.tolist() == want
+    assert build_conv_taps(lay, 2).fix_rows.tolist() == [later_child, first_other_tree]
+    assert build_conv_taps(lay, 1).fix_rows.tolist() == []
+    sub = build_layout(f, roots=[int(np.flatnonzero(f.seg_parent >= 0)[-1])], context=lay)
+    assert build_conv_taps(sub).fix_rows.tolist()[:1] == [0]      # the subtree root reads its context
+
+
+@pytest.mark.parametrize("lens,K", [([5, 1, 2, 7], 4), ([3], 4), ([1, 1, 6], 2), ([4, 4], 1)])
+def test_packed_sequences_equal_each_sequence(lens, K):
+    """Expanded mode's conv: sequences packed back to back, rows described by their taps alone,
+    equal each sequence's own causal conv (fwd and bwd)."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(lens), 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(3, K, dtype=torch.float64, generator=gen, requires_grad=True)
+    taps = sequence_conv_taps(lens, K)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    # the first K-1 rows from each later sequence's start on would otherwise read the sequence before
+    assert taps.fix_rows.tolist() == sorted({int(s) + j for s in starts[1:] for j in range(K - 1)
+                                             if s + j < sum(lens)})
+    out = path_conv(x, w, None, None, taps=taps)
+    want = torch.cat([causal_conv(x[s:s + n], w, None, "silu") for s, n in zip(starts, lens)])
+    torch.testing.assert_close(out, want, **TOL)
+    g = torch.randn(out.shape, dtype=torch.float64, generator=gen)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), (x, w)), torch.autograd.grad((want * g).sum(), (x, w))):
+        torch.testing.assert_close(a, b, **TOL)
+    with pytest.raises(ValueError, match="taps"):
+        path_conv(x, w, None, None)
 
 
 def test_matches_transformers_kimi_linear_conv():
@@ -114,7 +159,7 @@ def test_gradcheck_tiny():
         c = torch.randn(L.num_context_rows, 2, dtype=torch.float64, generator=gen, requires_grad=True)
         w = torch.randn(2, 4, dtype=torch.float64, generator=gen, requires_grad=True)
         b = torch.randn(2, dtype=torch.float64, generator=gen, requires_grad=True)
-        for backend in ("gather", "reference"):
+        for backend in ("conv", "reference"):
             fn = lambda x, c, w, b: path_conv(x, w, b, L, context=c if L.num_context_rows else None, backend=backend)
             assert torch.autograd.gradcheck(fn, (x, c, w, b))
 
@@ -138,6 +183,8 @@ def test_bad_input_names_the_argument():
         path_conv(x, w, None, lay, backend="fast")
     with pytest.raises(ValueError, match="taps"):
         path_conv(x, w, None, lay, taps=torch.zeros(lay.num_rows, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="taps"):
+        path_conv(x, w, None, lay, taps=build_conv_taps(lay, 3))
     sub = build_layout(f, roots=[1], context=lay)
     with pytest.raises(ValueError, match="context"):
         path_conv(torch.randn(sub.num_rows, 2), w, None, sub)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_harts.ops.kda import kda_chunked, kda_recurrent
+from megatron_harts.ops.kda import kda_chunked, kda_chunked_varlen, kda_recurrent
 from megatron_harts.ops.tree_kda import build_kda_schedule, tree_kda
 from megatron_harts.planner.calls import plan_calls
 from megatron_harts.tree_data import build_forest, make_trajectory
@@ -34,6 +34,43 @@ def test_chunked_equals_recurrent(T, B):
         _, s_m = kda_recurrent(*(x[1:, :m] for x in (q, k, v, g, beta)), initial_state=s0[1:])
         torch.testing.assert_close(s, s_m[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(states[offsets.index(T)], s_ref[1], rtol=1e-12, atol=1e-12)
+
+
+def test_varlen_equals_each_sequence_on_its_own():
+    """The packed (varlen) form every backend implements: outputs, exported states (inside a
+    chunk, on a boundary, at a sequence's end) and gradients equal one call per sequence."""
+    lens, B = [5, 1, 12, 8], 4
+    H, Kd, Vd = 2, 3, 2
+    gen = torch.Generator().manual_seed(5)
+    leaves = [x.reshape((-1,) + tuple(x.shape[2:])).requires_grad_()
+              for x in random_inputs(1, sum(lens), H, Kd, Vd, torch.float64, seed=5)]
+    s0 = torch.randn(len(lens), H, Kd, Vd, dtype=torch.float64, generator=gen, requires_grad=True)
+    exports = [(0, 5), (2, 4), (2, 7), (1, 1), (3, 8), (2, 12)]
+    o, st = kda_chunked_varlen(*leaves, torch.tensor(lens), chunk_size=B, initial_state=s0,
+                               state_index=[n for n, _ in exports], state_offset=[m for _, m in exports])
+    want_o, want_st, start = [], [None] * len(exports), 0
+    for n, L in enumerate(lens):
+        xs = [x[start:start + L].unsqueeze(0) for x in leaves]
+        mine = [i for i, (m, _) in enumerate(exports) if m == n]
+        on, sn = kda_chunked(*xs, chunk_size=B, initial_state=s0[n:n + 1], state_index=[0] * len(mine),
+                             state_offset=[exports[i][1] for i in mine])
+        want_o.append(on[0])
+        for i, s_ in zip(mine, sn):
+            want_st[i] = s_
+        start += L
+    want_o, want_st = torch.cat(want_o), torch.stack(want_st)
+    torch.testing.assert_close(o, want_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(st, want_st, rtol=1e-12, atol=1e-12)
+    wo, ws = torch.randn(o.shape, dtype=torch.float64, generator=gen), torch.randn(st.shape, dtype=torch.float64,
+                                                                                   generator=gen)
+    got = torch.autograd.grad((o * wo).sum() + (st * ws).sum(), leaves + [s0])
+    want = torch.autograd.grad((want_o * wo).sum() + (want_st * ws).sum(), leaves + [s0])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="lengths"):
+        kda_chunked_varlen(*leaves, [5, 1, 12], chunk_size=B)
+    with pytest.raises(ValueError, match="offsets"):
+        kda_chunked_varlen(*leaves, lens, chunk_size=B, state_index=[1], state_offset=[2])
 
 
 def test_recurrent_matches_transformers_kimi_linear():

@@ -17,11 +17,13 @@ a slice of the heads):
 from __future__ import annotations
 
 import copy
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from megatron.core import tensor_parallel
+
+from ..layout import host_to_device
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -72,34 +74,59 @@ def check_divisible(n: int, tp: int, what: str) -> int:
     return n // tp
 
 
-def to_padded(x: torch.Tensor, cu_seqlens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Packed tokens [Ntok, ...] -> ([N, Tmax, ...] zero padded, flat gather index [Ntok])."""
-    cu = cu_seqlens.long()
-    lengths = cu[1:] - cu[:-1]
-    N, T = lengths.numel(), int(lengths.max())
-    seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths)
-    pos = torch.arange(x.shape[0], device=x.device) - cu[:-1][seq]
-    flat = seq * T + pos
+def sequence_lengths(packed, s: int, b: int) -> List[int]:
+    """Host lengths of the sequences the rows [s*b] hold: the b batch columns (``packed`` None),
+    else the packed params' sequences (then b must be 1), read from their host copy
+    (``TreePackedSeqParams.seq_lengths``) or, for megatron's own params, from ``cu_seqlens_q``."""
+    if packed is None:
+        return [s] * b
+    if b != 1:
+        raise ValueError(f"packed sequences need micro-batch size 1 in the [s, b] layout, got b={b}")
+    lens = getattr(packed, "seq_lengths", None)
+    if lens is None:
+        cu = packed.cu_seqlens_q.cpu().long()
+        lens = cu[1:] - cu[:-1]
+    return [int(n) for n in lens.tolist()]
+
+
+def to_sequence_order(x_rows: torch.Tensor, s: int, b: int) -> torch.Tensor:
+    """Rows [s*b, ...] (s-major, as [s, b] flattens) with each sequence's rows back to back
+    (batch column after batch column; packed rows, b == 1, already are)."""
+    if b == 1:
+        return x_rows
+    return x_rows.view((s, b) + tuple(x_rows.shape[1:])).transpose(0, 1).reshape((s * b,) + tuple(x_rows.shape[1:]))
+
+
+def from_sequence_order(y: torch.Tensor, s: int, b: int) -> torch.Tensor:
+    """Inverse of :func:`to_sequence_order`."""
+    if b == 1:
+        return y
+    return y.view((b, s) + tuple(y.shape[1:])).transpose(0, 1).reshape((s * b,) + tuple(y.shape[1:]))
+
+
+def to_padded(x: torch.Tensor, lengths: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sequences packed back to back [Ntok, ...] (host ``lengths``) -> ([N, Tmax, ...] zero padded,
+    flat index [Ntok] of the valid positions)."""
+    N, T = len(lengths), max(lengths)
+    flat = host_to_device(torch.cat([n * T + torch.arange(L) for n, L in enumerate(lengths)]), x.device)
     out = x.new_zeros((N * T,) + tuple(x.shape[1:])).index_copy(0, flat, x)
     return out.view((N, T) + tuple(x.shape[1:])), flat
 
 
 def from_padded(y: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`to_padded`: [N, T, ...] -> [Ntok, ...]."""
-    return y.reshape((-1,) + tuple(y.shape[2:]))[flat]
+    return y.reshape((-1,) + tuple(y.shape[2:])).index_select(0, flat)
 
 
 def sequences_view(x_rows: torch.Tensor, s: int, b: int, packed) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Rows [s*b, ...] (s-major, as [s, b] flattens) as padded sequences [N, T, ...].
 
     ``packed`` None: the b batch columns are the sequences.  Expanded mode: the
-    cu_seqlens of the packed params (then b must be 1).  Returns (padded, flat index or None).
+    sequences of the packed params (then b must be 1).  Returns (padded, flat index or None).
     """
     if packed is None:
         return x_rows.view((s, b) + tuple(x_rows.shape[1:])).transpose(0, 1), None
-    if b != 1:
-        raise ValueError(f"packed sequences need micro-batch size 1 in the [s, b] layout, got b={b}")
-    return to_padded(x_rows, packed.cu_seqlens_q)
+    return to_padded(x_rows, sequence_lengths(packed, s, b))
 
 
 def sequences_unview(y: torch.Tensor, flat: Optional[torch.Tensor]) -> torch.Tensor:

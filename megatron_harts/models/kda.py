@@ -30,9 +30,10 @@ out = linear_proj(RMSNorm_D(o) * out_norm_weight * sigmoid(g_b(g_a(x)))).
 Modes (from the packed-sequence params, see models/packed.py): tree mode runs
 the conv along ``prev`` (ops.path_conv) and the KDA core through
 ``ops.tree_kda`` on the layout's call schedule; expanded/batched mode runs the
-conv causally per sequence and the same KDA backend (``config.kda_backend`` from
-``ops.tree_kda.KDA_BACKENDS``; "reference" = ``ops.kda.kda_chunked``) on each
-sequence.  Both run chunks at multiples of the chunk size from each trajectory's
+conv causally per sequence (``path_conv`` on the sequences packed back to back,
+``ops.path_conv.sequence_conv_taps``) and the same KDA backend (``config.kda_backend``
+from ``ops.tree_kda.KDA_BACKENDS``; "reference" = ``ops.kda.kda_chunked_varlen``)
+in one varlen call over the packed sequences.  Both run chunks at multiples of the chunk size from each trajectory's
 position 0, so tree == expanded to rounding (bitwise in fp32 with replay on the
 reference backend).
 """
@@ -54,23 +55,16 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
                                              sharded_state_dict_default)
 
-from ..ops.path_conv import path_conv
+from ..ops.path_conv import path_conv, sequence_conv_taps
 from ..ops.tree_kda import KdaExternal, get_kda_backend, tree_kda
-from .common import (check_divisible, local_column_linear, rows_linear, sequences_unview, sequences_view, tp_input,
-                     tp_replicated, tp_size)
+from .common import (check_divisible, from_sequence_order, local_column_linear, rows_linear, sequence_lengths,
+                     to_sequence_order, tp_input, tp_replicated, tp_size)
 from .norm import rms_normalize
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """fla's / Kimi-Linear's L2 norm over the last dim: ``x / sqrt(sum(x^2) + eps)``."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def causal_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv of sequences x [N, T, C] with weight [C, K], SiLU after (Kimi-Linear)."""
-    K = weight.shape[1]
-    y = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), weight.unsqueeze(1), groups=x.shape[-1])
-    return F.silu(y.transpose(1, 2))
 
 
 @dataclass
@@ -198,13 +192,15 @@ class KimiDeltaAttention(MegatronModule):
                 q, k, v = (path_conv(t, w, None, lay, activation="silu", taps=taps,
                                      context=ci.conv_context(ex[n], Rc))
                            for t, w, n in ((q, wq, "conv_q"), (k, wk, "conv_k"), (v, wv, "conv_v")))
-        else:
-            flat = None
-            convd = []
-            for t, w in ((q, wq), (k, wk), (v, wv)):
-                tp_, flat = sequences_view(t, s, b, packed_seq_params)
-                convd.append(sequences_unview(causal_conv(tp_, w), flat))
-            q, k, v = convd
+        else:   # expanded: the sequences' conv over their rows packed back to back
+            lens = sequence_lengths(packed_seq_params, s, b)
+            if getattr(packed_seq_params, "seq_lengths", None) is not None:
+                taps = packed_seq_params.sequence_conv_taps(self.kernel, q.device)
+            else:
+                taps = sequence_conv_taps(lens, self.kernel).to(q.device)
+            q, k, v = (from_sequence_order(path_conv(to_sequence_order(t, s, b), w, None, None, activation="silu",
+                                                     taps=taps), s, b)
+                       for t, w in ((q, wq), (k, wk), (v, wv)))
         q = l2norm(q.view(-1, H, D))
         k = l2norm(k.view(-1, H, D))
         v = v.view(-1, H, D)
@@ -236,14 +232,10 @@ class KimiDeltaAttention(MegatronModule):
             if psp.pad_rows:
                 o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])
         else:
-            parts = [sequences_view(t, s, b, packed_seq_params) for t in (q, k, v, g, beta)]
-            flat = parts[0][1]
             run = get_kda_backend(self.config.kda_backend)
-            extra = {}
-            if packed_seq_params is not None and getattr(run, "accepts_lengths", False):
-                extra["lengths"] = torch.diff(packed_seq_params.cu_seqlens_q)
-            o, _ = run(*(p for p, _ in parts), chunk_size=self.config.kda_chunk_size, **extra)
-            o = sequences_unview(o, flat)
+            o, _ = run(*(to_sequence_order(t, s, b) for t in (q, k, v, g, beta)), lens,
+                       chunk_size=self.config.kda_chunk_size)
+            o = from_sequence_order(o, s, b)
         ga = F.linear(rows, tp_replicated(self.linear_g_a.weight, g_tp))
         gate = rows_linear(self.linear_g_b, ga).view(-1, H, D)
         w_norm = tp_replicated(self.out_norm_weight, g_tp)

@@ -57,13 +57,15 @@ import torch
 
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from ..layout import host_to_device
+
 MODES = ("tree", "expanded")
 
 
 def _conv_reach(layout, conv_kernel: int) -> torch.Tensor:
     """Context rows (sorted indices) that some row's conv taps reach."""
     from ..ops.path_conv import build_conv_taps
-    taps = build_conv_taps(layout, conv_kernel).cpu()
+    taps = build_conv_taps(layout, conv_kernel).taps.cpu()
     R = layout.num_rows
     hit = taps[(taps >= R) & (taps < R + layout.num_context_rows)] - R
     return torch.unique(hit)
@@ -198,7 +200,7 @@ class TreePackedSeqParams(PackedSeqParams):
     mode: str = "expanded"
     layout: Any = None                       # CompactLayout (tree mode)
     kda_schedule: Any = None                 # ops.tree_kda.KdaSchedule (tree mode)
-    conv_taps: Optional[torch.Tensor] = None  # [R, K-1] from ops.path_conv.build_conv_taps
+    conv_taps: Any = None                    # ops.path_conv.ConvTaps (tree mode)
     block_mask: Any = None                   # FlexAttention BlockMask (tree mode, flex backend)
     token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode); expanded: None (megatron's
                                                  # statistics) or 1 per counted token, 0 per uncounted/pad token
@@ -207,7 +209,17 @@ class TreePackedSeqParams(PackedSeqParams):
     exports: Optional[WindowExports] = None   # producer: filled by the forward; consumer: what to read
     consumer_index: Optional[ConsumerIndex] = None  # consumer: where its reads sit in ``exports``
     pad_rows: int = 0                        # rows appended after the real ones (padding, see module docstring)
+    seq_lengths: Optional[torch.Tensor] = None  # CPU long [N] (expanded mode): the sequences' lengths
     _token_weight_sum: Optional[float] = field(default=None, init=False, repr=False, compare=False)
+    _seq_taps: Dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def sequence_conv_taps(self, kernel_size: int, device):
+        """Expanded mode: the conv taps of the packed sequences (``ops.path_conv.sequence_conv_taps``),
+        built on the host once per microbatch and kernel size, shared by every KDA layer."""
+        if kernel_size not in self._seq_taps:
+            from ..ops.path_conv import sequence_conv_taps
+            self._seq_taps[kernel_size] = sequence_conv_taps(self.seq_lengths.tolist(), kernel_size).to(device)
+        return self._seq_taps[kernel_size]
 
     def token_weight_sum(self) -> float:
         """``token_weight.sum()`` as a host number, read from the device once per microbatch (every MoE
@@ -278,6 +290,7 @@ class TreePackedSeqParams(PackedSeqParams):
                              f"trees only, and this layout {role}: --tree-kda-call-plan {call_plan} needs "
                              "--tree-sharing within")
         device = torch.device(device) if device is not None else layout.prev.device
+        taps = build_conv_taps(layout, conv_kernel).to(device)     # built where the layout is (the host)
         layout = layout.to(device)
         consumer_index = None
         if layout.num_context_rows:
@@ -339,7 +352,6 @@ class TreePackedSeqParams(PackedSeqParams):
                 plan = BASELINE_PLANS[call_plan](layout.seg_parent, layout.seg_start, layout.seg_length, chunk_size)
             schedule = build_kda_schedule(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row,
                                           plan, export_rows=export_rows, device=device)
-        taps = build_conv_taps(layout, conv_kernel)
         block_mask = None
         if attention_backend == "flex":
             from ..ops.tree_attention import build_tree_block_mask
@@ -369,9 +381,9 @@ class TreePackedSeqParams(PackedSeqParams):
                                        position_ids=torch.cat([self.position_ids,
                                                                self.position_ids.new_zeros(pad)]))
         cu = self.cu_seqlens_q
-        lengths = (cu[1:] - cu[:-1]).tolist() + [int(pad)]
-        out = TreePackedSeqParams.for_sequences(lengths, device=cu.device)
-        n = int(cu[-1])
+        lens = self.seq_lengths if self.seq_lengths is not None else (cu[1:] - cu[:-1]).cpu()
+        out = TreePackedSeqParams.for_sequences(lens.tolist() + [int(pad)], device=cu.device)
+        n = int(lens.sum())
         weight = self.token_weight if self.token_weight is not None else \
             torch.ones(n, dtype=torch.float64, device=cu.device)
         return dataclasses.replace(out, pad_rows=int(pad), token_weight=torch.cat([weight, weight.new_zeros(pad)]))
@@ -385,7 +397,8 @@ class TreePackedSeqParams(PackedSeqParams):
         cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
         cu[1:] = lengths.cumsum(0)
         pos = torch.cat([torch.arange(int(n)) for n in lengths])
-        cu, pos = cu.to(device), pos.to(device)
+        if device is not None:
+            cu, pos = host_to_device(cu, device), host_to_device(pos, device)
         m = int(lengths.max())
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m,
-                   mode="expanded", position_ids=pos)
+                   mode="expanded", position_ids=pos, seq_lengths=lengths)

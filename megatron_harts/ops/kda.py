@@ -18,7 +18,9 @@ from the chunk update itself, inside a chunk (the ``--no-tree-replay``
 ablation) from the partial-chunk form of the same update.
 
 Shapes: q, k, g: [N, T, H, K]; v: [N, T, H, V]; beta: [N, T, H]; states
-[N, H, K, V].  Computation runs in float32 (float64 when the inputs are
+[N, H, K, V].  ``kda_chunked_varlen`` is the packed (varlen) form every KDA
+backend implements: N sequences back to back, q, k, g [L, H, K], v [L, H, V],
+beta [L, H], ``lengths`` [N] host integers summing to L.  Computation runs in float32 (float64 when the inputs are
 float64, for exactness tests) and returns outputs in the input dtype.
 """
 from __future__ import annotations
@@ -150,3 +152,60 @@ def kda_chunked(q, k, v, g, beta, *, chunk_size: int = 64, scale: Optional[float
         out_states.append(states[c][n] * g_last.transpose(-1, -2).exp() + part)
     stacked = torch.stack(out_states) if out_states else q.new_zeros(0, H, K, V, dtype=dt)
     return o.to(v.dtype), stacked
+
+
+def host_lengths(lengths) -> list:
+    """Sequence lengths as a host list of ints (a CPU tensor, numpy array or sequence)."""
+    if isinstance(lengths, torch.Tensor):
+        if lengths.device.type != "cpu":
+            raise ValueError("lengths must be on the host (a CPU tensor or a list): reading them from the GPU "
+                             "would stall the host on every call")
+        return [int(n) for n in lengths.reshape(-1).tolist()]
+    return [int(n) for n in lengths]
+
+
+def check_varlen(q, k, v, g, beta, lengths) -> list:
+    """Shapes of packed KDA inputs (q, k, g [L, H, K], v [L, H, V], beta [L, H]); the lengths as a list."""
+    if q.dim() != 3 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k and g must share the shape [L, H, K]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(g.shape)}")
+    if v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [L, H, V] matching q's [L, H]; got {tuple(v.shape)}")
+    if beta.shape != q.shape[:2]:
+        raise ValueError(f"beta must be [L, H]; got {tuple(beta.shape)}")
+    lens = host_lengths(lengths)
+    if not lens or any(n < 1 for n in lens) or sum(lens) != q.shape[0]:
+        raise ValueError(f"lengths must be positive and sum to the {q.shape[0]} packed tokens, got {lens}")
+    return lens
+
+
+def kda_chunked_varlen(q, k, v, g, beta, lengths, *, chunk_size: int = 64, scale: Optional[float] = None,
+                       initial_state: Optional[torch.Tensor] = None,
+                       state_index: Optional[torch.Tensor] = None,
+                       state_offset: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kda_chunked`` on N sequences packed back to back (the varlen form of every backend).
+
+    Returns (outputs [L, H, V], states [P, H, K, V]); ``state_offset[p]`` lies in
+    [1, lengths[state_index[p]]].  The reference pads the sequences with zeros to the longest
+    and runs :func:`kda_chunked`, which leaves every valid position as the unpadded sequence has it.
+    """
+    lens = check_varlen(q, k, v, g, beta, lengths)
+    N, T, L = len(lens), max(lens), q.shape[0]
+    dev = q.device
+    starts = torch.tensor([0] + lens[:-1], dtype=torch.long).cumsum(0)
+    t = torch.arange(T)
+    valid = t[None, :] < torch.tensor(lens)[:, None]                           # [N, T]
+    src = torch.where(valid, starts[:, None] + t[None, :], torch.full((N, T), L))  # L = a zero row
+    src, flat = src.flatten().to(dev), torch.nonzero(valid.flatten()).flatten().to(dev)
+
+    def pad(x):
+        z = torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
+        return z.index_select(0, src).view((N, T) + tuple(x.shape[1:]))
+
+    if state_index is not None:
+        for n, m in zip(host_lengths(state_index), host_lengths(state_offset)):
+            if not 0 <= n < N or not 1 <= m <= lens[n]:
+                raise ValueError(f"export (sequence {n}, offset {m}): offsets must lie in [1, length of the sequence]")
+    o, states = kda_chunked(pad(q), pad(k), pad(v), pad(g), pad(beta), chunk_size=chunk_size, scale=scale,
+                            initial_state=initial_state, state_index=state_index, state_offset=state_offset)
+    return o.reshape((N * T,) + tuple(o.shape[2:])).index_select(0, flat), states

@@ -1,10 +1,11 @@
 """GPU backend for the KDA executor on fla-core 0.6.0 (``fla.ops.kda`` chunked kernels).
 
-``kda_fla`` has ``kda_chunked``'s signature and semantics (ops/kda.py), so
-``tree_kda`` and expanded mode run it as backend ``"fla"`` (``register_fla_backend``;
+``kda_fla_varlen`` has ``kda_chunked_varlen``'s signature and semantics (ops/kda.py),
+so ``tree_kda`` and expanded mode run it as backend ``"fla"`` (``register_fla_backend``;
 ``tree_kda`` and the KDA layer register it on first use).  One call of the plan is
-one varlen launch sequence of fla's chunked KDA: the valid tokens of the N padded
-sequences are packed (batch 1, ``cu_seqlens``), initial states are fp32.
+one varlen launch sequence of fla's chunked KDA over the packed sequences (batch 1,
+``cu_seqlens``), initial states fp32.  ``kda_fla`` is the padded form (``kda_chunked``'s
+signature), for comparisons with the reference.
 
 What fla lacks: differentiable intermediate states.  fla returns chunk states
 only in inference mode, and its backward takes a gradient for the final state
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 
 from ..layout import host_to_device
-from .kda import _check_shapes, kda_chunked
+from .kda import _check_shapes, check_varlen, kda_chunked
 
 FLA_VERSION = "0.6.0"
 CHUNK = 64
@@ -70,8 +71,8 @@ def register_fla_backend():
     if importlib.util.find_spec("fla") is None:
         raise RuntimeError(f"fla-core is not installed (the fla KDA backend needs fla-core=={FLA_VERSION} and a GPU)")
     from .tree_kda import KDA_BACKENDS
-    KDA_BACKENDS["fla"] = kda_fla
-    return kda_fla
+    KDA_BACKENDS["fla"] = kda_fla_varlen
+    return kda_fla_varlen
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,17 +232,16 @@ def _host_list(x) -> List[int]:
     return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
 
 
-def kda_fla(q, k, v, g, beta, *, chunk_size: int = 64, scale: Optional[float] = None,
-            initial_state: Optional[torch.Tensor] = None, state_index=None, state_offset=None,
-            lengths=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``kda_chunked`` on fla's kernels: (outputs [N, T, H, V], states [P, H, K, V] fp32).
+def kda_fla_varlen(q, k, v, g, beta, lengths, *, chunk_size: int = 64, scale: Optional[float] = None,
+                   initial_state: Optional[torch.Tensor] = None, state_index=None,
+                   state_offset=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kda_chunked_varlen`` on fla's kernels, one varlen launch: (outputs [L, H, V], states [P, H, K, V] fp32).
 
-    ``lengths`` [N] (optional; ``tree_kda`` passes it): valid tokens of every padded
-    sequence; only those are packed into the varlen launch.  Without it all T positions
-    run (zero padding leaves outputs and states at positions < T_n unchanged, at the cost
-    of computing the padding).
+    Inputs packed back to back (q, k, g [L, H, K], v [L, H, V], beta [L, H]); ``lengths``,
+    ``state_index`` and ``state_offset`` are host integers (lists or CPU tensors), so a call
+    never waits for the GPU.
     """
-    _check_shapes(q, k, v, g, beta)
+    lens = check_varlen(q, k, v, g, beta, lengths)
     if chunk_size != CHUNK:
         raise ValueError(f"the fla KDA backend runs fla's 64-token chunks; got chunk_size={chunk_size} "
                          "(use --tree-chunk-size 64, i.e. kda_chunk_size=64, with the fla backend)")
@@ -251,12 +251,10 @@ def kda_fla(q, k, v, g, beta, *, chunk_size: int = 64, scale: Optional[float] = 
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise ValueError("the fla KDA backend needs CUDA tensors (fla's kernels are Triton GPU kernels; on CPU "
                          "only under TRITON_INTERPRET=1, for debugging)")
-    N, T, H, K = q.shape
+    N = len(lens)
+    _, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else float(scale)
-    lens = _host_list(lengths) if lengths is not None else [T] * N
-    if len(lens) != N or any(n < 1 or n > T for n in lens):
-        raise ValueError(f"lengths must hold N={N} sequence lengths in [1, {T}], got {lens}")
     idx = _host_list(state_index)
     off = _host_list(state_offset)
     if len(idx) != len(off):
@@ -267,20 +265,11 @@ def kda_fla(q, k, v, g, beta, *, chunk_size: int = 64, scale: Optional[float] = 
         if not 0 <= n < N or not 1 <= m <= lens[n]:
             raise ValueError(f"export (sequence {n}, offset {m}): offsets must lie in [1, length of the sequence]")
 
-    meta = _launch_meta(lens, T, idx, off, q.device)
-    vl = meta.varlen
-    if meta.flat is None:
-        qf, kf, vf, gf, bf = (x.reshape((1, N * T) + tuple(x.shape[2:])).contiguous() for x in (q, k, v, g, beta))
-    else:
-        qf, kf, vf, gf, bf = (x.reshape((N * T,) + tuple(x.shape[2:]))[meta.flat].unsqueeze(0)
-                              for x in (q, k, v, g, beta))
+    meta = _launch_meta(lens, idx, off, q.device)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    o_f, states_u = _ChunkKdaExport.apply(qf, kf, vf, gf, bf, h0, vl, scale)
-    if meta.flat is None:
-        o = o_f.view(N, T, H, V)
-    else:
-        o = v.new_zeros(N * T, H, V).index_copy(0, meta.flat, o_f[0]).view(N, T, H, V)
-
+    o, states_u = _ChunkKdaExport.apply(*(x.unsqueeze(0).contiguous() for x in (q, k, v, g, beta)), h0,
+                                        meta.varlen, scale)
+    o = o[0]
     P = len(idx)
     if P == 0:
         return o, q.new_zeros(0, H, K, V, dtype=torch.float32)
@@ -288,33 +277,52 @@ def kda_fla(q, k, v, g, beta, *, chunk_size: int = 64, scale: Optional[float] = 
     if meta.direct_rows is not None:
         parts.append(states_u[meta.direct_rows])
     if meta.partial:
-        parts.append(_partial_states(q, k, v, g, beta, initial_state, states_u, meta.partial, scale))
+        parts.append(_partial_states(q, k, v, g, beta, initial_state, states_u, meta, scale))
     stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
     return o, stacked[meta.inverse]
 
 
+def kda_fla(q, k, v, g, beta, *, chunk_size: int = 64, scale: Optional[float] = None,
+            initial_state: Optional[torch.Tensor] = None, state_index=None,
+            state_offset=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kda_chunked``'s padded form on fla's kernels: (outputs [N, T, H, V], states [P, H, K, V] fp32).
+
+    Every sequence runs all T positions (zero padding leaves the outputs and states of the
+    positions before it unchanged); :func:`kda_fla_varlen` is the form the model runs.
+    """
+    _check_shapes(q, k, v, g, beta)
+    N, T = q.shape[:2]
+    flat = lambda x: x.reshape((N * T,) + tuple(x.shape[2:]))  # noqa: E731
+    o, states = kda_fla_varlen(flat(q), flat(k), flat(v), flat(g), flat(beta), [T] * N, chunk_size=chunk_size,
+                               scale=scale, initial_state=initial_state, state_index=state_index,
+                               state_offset=state_offset)
+    return o.view(N, T, *o.shape[1:]), states
+
+
 @dataclass
 class _LaunchMeta:
-    """What one ``kda_fla`` launch needs besides the inputs, all derived from host integers
-    (lengths, exports): fla's varlen metadata, the gather of valid positions (None when every
-    sequence fills T), the state rows exported directly (aligned offsets and sequence ends), the
-    exports recomputed from the aligned state before them (``partial``: (p, n, c, r, row or -1)),
-    and the permutation putting the exports back in request order."""
+    """What one ``kda_fla_varlen`` launch needs besides the inputs, all derived from host integers
+    (lengths, exports): fla's varlen metadata, the state rows exported directly (aligned offsets
+    and sequence ends), the exports recomputed from the aligned state before them (``partial``:
+    (p, n, c, r, row or -1)), their tokens' packed positions (``partial_pos`` [P', r_max],
+    clamped; ``partial_inside``: the mask of the real ones) and the permutation putting the
+    exports back in request order."""
     varlen: _Varlen
-    flat: Optional[torch.Tensor]
     direct_rows: Optional[torch.Tensor]
     partial: List[Tuple[int, int, int, int, int]]
+    partial_pos: Optional[torch.Tensor]
+    partial_inside: Optional[torch.Tensor]
     inverse: Optional[torch.Tensor]
 
 
-#: launch metadata by (lengths, T, exports, device): every KDA layer of a microbatch runs the
+#: launch metadata by (lengths, exports, device): every KDA layer of a microbatch runs the
 #: same calls, so only the first layer builds (and copies to the device) what the others reuse
 _META_CACHE: "OrderedDict[tuple, _LaunchMeta]" = OrderedDict()
 _META_CACHE_SIZE = 256
 
 
-def _launch_meta(lens: List[int], T: int, idx: List[int], off: List[int], device) -> _LaunchMeta:
-    key = (tuple(lens), T, tuple(idx), tuple(off), str(device))
+def _launch_meta(lens: List[int], idx: List[int], off: List[int], device) -> _LaunchMeta:
+    key = (tuple(lens), tuple(idx), tuple(off), str(device))
     meta = _META_CACHE.get(key)
     if meta is not None:
         _META_CACHE.move_to_end(key)
@@ -335,10 +343,15 @@ def _launch_meta(lens: List[int], T: int, idx: List[int], off: List[int], device
             c, r = divmod(m, CHUNK)
             partial.append((p, n, c, r, boundary(n, c) if c > 0 else -1))
     vl = _Varlen(lens, keys, device)
-    flat = None
-    if not all(n == T for n in lens):
-        flat = host_to_device(torch.from_numpy(np.concatenate([n * T + np.arange(L) for n, L in enumerate(lens)])),
-                              device)
+    partial_pos = partial_inside = None
+    if partial:
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        r_max = max(r for *_, r, _ in partial)
+        start = np.array([cu[n] + c * CHUNK for _, n, c, _, _ in partial], dtype=np.int64)
+        pos = start[:, None] + np.arange(r_max)[None, :]
+        inside = np.arange(r_max)[None, :] < np.array([r for *_, r, _ in partial])[:, None]
+        partial_pos = host_to_device(torch.from_numpy(np.where(inside, pos, 0)), device)
+        partial_inside = host_to_device(torch.from_numpy(inside), device)
     direct_rows = host_to_device(torch.as_tensor([r for _, r in direct], dtype=torch.long), device) \
         if direct else None
     inverse = None
@@ -347,43 +360,35 @@ def _launch_meta(lens: List[int], T: int, idx: List[int], off: List[int], device
         inv = torch.empty(len(idx), dtype=torch.long)
         inv[torch.as_tensor(order)] = torch.arange(len(idx))
         inverse = host_to_device(inv, device)
-    meta = _LaunchMeta(vl, flat, direct_rows, partial, inverse)
+    meta = _LaunchMeta(vl, direct_rows, partial, partial_pos, partial_inside, inverse)
     _META_CACHE[key] = meta
     if len(_META_CACHE) > _META_CACHE_SIZE:
         _META_CACHE.popitem(last=False)
     return meta
 
 
-def _partial_states(q, k, v, g, beta, initial_state, states_u, partial, scale):
+def _partial_states(q, k, v, g, beta, initial_state, states_u, meta: _LaunchMeta, scale):
     """States after r < 64 tokens of chunk c: the chunk's first r tokens from the aligned state, in torch."""
-    N, T, H, K = q.shape
+    _, H, K = q.shape
     V = v.shape[-1]
-    dev = q.device
-    ns = host_to_device(torch.as_tensor([n for _, n, _, _, _ in partial]), dev)
-    start = host_to_device(torch.as_tensor([c * CHUNK for _, _, c, _, _ in partial]), dev)
-    r_max = max(r for *_, r, _ in partial)
-    pos = start[:, None] + torch.arange(r_max, device=dev)[None, :]             # [P', r_max]
-    inside = pos < T
-    pos = pos.clamp_max(T - 1)
+    pos, inside = meta.partial_pos, meta.partial_inside
 
     def take(x):
-        y = x[ns[:, None], pos]
+        y = x[pos]                                   # [P', r_max, ...]
         m = inside.view(inside.shape + (1,) * (y.dim() - 2))
-        return torch.where(m, y, torch.zeros((), dtype=y.dtype, device=dev))
+        return torch.where(m, y, torch.zeros((), dtype=y.dtype, device=y.device))
 
     zero = q.new_zeros(H, K, V, dtype=torch.float32)
     base = []
-    for _, n, _, _, row in partial:
+    for _, n, _, _, row in meta.partial:
         if row >= 0:
             base.append(states_u[row])
         elif initial_state is not None:
             base.append(initial_state[n].to(torch.float32))
         else:
             base.append(zero)
-    rs = torch.as_tensor([r for *_, r, _ in partial])
+    rs = torch.as_tensor([r for *_, r, _ in meta.partial])
     _, st = kda_chunked(take(q), take(k), take(v), take(g), take(beta), chunk_size=CHUNK, scale=scale,
-                        initial_state=torch.stack(base), state_index=torch.arange(len(partial)), state_offset=rs)
+                        initial_state=torch.stack(base), state_index=torch.arange(len(meta.partial)), state_offset=rs)
     return st
 
-
-kda_fla.accepts_lengths = True

@@ -16,9 +16,17 @@ context rows: ``prev_external[r]`` (index into the context rows, where ``prev[r]
 
 Invariant: for every row r and every trajectory through r, the output equals the
 trajectory's own causal convolution at r's position (tests check forward and backward).
+
+Two backends, one interface.  ``reference`` walks ``prev`` tap by tap.  ``conv`` (the fast
+path) uses that in DFS preorder almost every row's path runs straight up the row order: row r
+reads rows r-1 .. r-K+1.  It runs one ordinary causal depthwise conv over the row order (the
+kernel expanded mode runs on its packed sequences) and recomputes by gather only the few rows
+whose taps leave that straight line (:class:`ConvTaps` ``fix_rows``: the first K-1 rows of a
+segment that does not continue the row above, rows reading context rows).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,9 +34,10 @@ import torch.nn.functional as F
 
 from ..layout import CompactLayout
 
-__all__ = ["path_conv", "build_conv_taps", "ACTIVATIONS"]
+__all__ = ["path_conv", "build_conv_taps", "sequence_conv_taps", "ConvTaps", "ACTIVATIONS", "BACKENDS"]
 
 ACTIVATIONS = ("silu", None)
+BACKENDS = ("conv", "reference")
 
 
 def _check_index(t, name: str, n: int, lo: int, hi: int) -> torch.Tensor:
@@ -61,13 +70,48 @@ def _links(prev: torch.Tensor, prev_external: Optional[torch.Tensor], context_pr
     return torch.cat(parts)
 
 
-def build_conv_taps(layout_or_prev, kernel_size: int = 4, *, prev_external: Optional[torch.Tensor] = None,
-                    context_prev: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Gather index ``[R, kernel_size - 1]``: column j-1 is the joint index (rows, then context
-    rows, then one zero pad row at ``R + Rc``) of the row j steps up each row's path.
+@dataclass(frozen=True)
+class ConvTaps:
+    """Where every row's conv taps read; built once per layout, read by every layer.
 
-    Build it once per layout and pass it to every layer's :func:`path_conv`.  From a
-    CompactLayout the context links are taken from it.
+    ``taps [R, K-1]``: column j-1 is the joint index (rows, then ``num_context_rows`` context
+    rows, then one zero pad row at ``R + Rc``) of the row j steps up the row's path.
+    ``fix_rows [F]`` (sorted): exactly the rows r for which some column differs from the straight
+    line of the row order (row r - j, or the pad row where r - j < 0); a causal conv over the
+    row order is right for every other row.
+    """
+    taps: torch.Tensor
+    fix_rows: torch.Tensor
+    num_context_rows: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.taps.shape[0])
+
+    @property
+    def kernel_size(self) -> int:
+        return int(self.taps.shape[1]) + 1
+
+    def to(self, device) -> "ConvTaps":
+        """The same taps on ``device`` (CPU tensors reach a GPU without stalling the host)."""
+        from ..layout import host_to_device
+        return ConvTaps(host_to_device(self.taps, device), host_to_device(self.fix_rows, device),
+                        self.num_context_rows)
+
+
+def _fix_rows(taps: torch.Tensor, pad: int) -> torch.Tensor:
+    R, J = taps.shape
+    back = torch.arange(R, device=taps.device)[:, None] - torch.arange(1, J + 1, device=taps.device)[None]
+    straight = torch.where(back >= 0, back, torch.full_like(back, pad))
+    return torch.nonzero((taps != straight).any(dim=1)).flatten()
+
+
+def build_conv_taps(layout_or_prev, kernel_size: int = 4, *, prev_external: Optional[torch.Tensor] = None,
+                    context_prev: Optional[torch.Tensor] = None) -> ConvTaps:
+    """The :class:`ConvTaps` of a layout (or of ``prev`` with optional context links).
+
+    Build it once per layout (on the host: it reads values to check them) and pass it to every
+    layer's :func:`path_conv`.  From a CompactLayout the context links are taken from it.
     """
     if isinstance(layout_or_prev, CompactLayout):
         lay = layout_or_prev
@@ -97,35 +141,48 @@ def build_conv_taps(layout_or_prev, kernel_size: int = 4, *, prev_external: Opti
             raise ValueError("prev_external needs context_prev (the context rows' own path links)")
         _check_index(prev_external, "prev_external", R, -1, Rc)
     link = _links(prev, prev_external, context_prev)
-    taps = []
+    cols = []
     cur = torch.arange(R, device=prev.device)
     for _ in range(kernel_size - 1):
         cur = link[cur]
-        taps.append(cur)
-    if not taps:
-        return torch.zeros(R, 0, dtype=torch.int64, device=prev.device)
-    return torch.stack(taps, dim=1)
+        cols.append(cur)
+    taps = torch.stack(cols, dim=1) if cols else torch.zeros(R, 0, dtype=torch.int64, device=prev.device)
+    return ConvTaps(taps, _fix_rows(taps, R + Rc), Rc)
 
 
 def _activate(y, activation):
     return F.silu(y) if activation == "silu" else y
 
 
+def sequence_conv_taps(lengths, kernel_size: int = 4) -> ConvTaps:
+    """The :class:`ConvTaps` of independent sequences packed back to back (expanded mode):
+    each sequence's path is its own rows, so only the first K-1 rows of every sequence after
+    the first are off the straight line (they must not read the sequence before)."""
+    lens = torch.as_tensor([int(n) for n in lengths], dtype=torch.int64)
+    if lens.numel() == 0 or bool((lens < 1).any()):
+        raise ValueError("sequence_conv_taps: every sequence needs at least one row")
+    prev = torch.arange(int(lens.sum()), dtype=torch.int64) - 1
+    prev[lens.cumsum(0)[:-1]] = -1
+    prev[0] = -1
+    return build_conv_taps(prev, kernel_size)
+
+
 def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layout_or_prev, *,
               activation: Optional[str] = "silu", context: Optional[torch.Tensor] = None,
               prev_external: Optional[torch.Tensor] = None, context_prev: Optional[torch.Tensor] = None,
-              taps: Optional[torch.Tensor] = None, backend: str = "gather") -> torch.Tensor:
+              taps: Optional[ConvTaps] = None, backend: str = "conv") -> torch.Tensor:
     """Causal depthwise conv along each row's path: x ``[R, C]``, weight ``[C, K]``, bias ``[C]``.
 
-    ``layout_or_prev``: a CompactLayout or the ``prev`` tensor.  ``context [Rc, C]``: inputs of
+    ``layout_or_prev``: a CompactLayout, the ``prev`` tensor, or None when ``taps`` describe
+    the rows alone (no context; the ``conv`` backend).  ``context [Rc, C]``: inputs of
     the context rows (needed when some row's path continues into them; a CompactLayout
-    supplies ``prev_external``/``context_prev``).  ``backend="gather"`` (default) reads all taps
-    with one gather through ``taps`` (from :func:`build_conv_taps`, built here when omitted);
+    supplies ``prev_external``/``context_prev``).  ``backend="conv"`` (default, module
+    docstring) reads ``taps`` (:func:`build_conv_taps`, built here when omitted);
     ``"reference"`` walks ``prev`` tap by tap.  Returns ``[R, C]``, differentiable in x,
     weight, bias and context.
     """
-    if backend not in ("gather", "reference"):
-        raise ValueError(f"backend must be 'gather' or 'reference', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -137,7 +194,12 @@ def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     K = weight.shape[1]
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (C,)):
         raise ValueError(f"bias must be [{C}] or None")
-    if isinstance(layout_or_prev, CompactLayout):
+    if layout_or_prev is None:
+        if not isinstance(taps, ConvTaps) or backend != "conv" or context is not None:
+            raise ValueError("path_conv without a layout or prev needs taps (ConvTaps), the conv backend and "
+                             "no context")
+        prev = None
+    elif isinstance(layout_or_prev, CompactLayout):
         lay = layout_or_prev
         prev = lay.prev
         if lay.num_context_rows:
@@ -145,7 +207,7 @@ def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
             context_prev = lay.ctx_prev if context_prev is None else context_prev
     else:
         prev = layout_or_prev
-    if not isinstance(prev, torch.Tensor) or prev.dim() != 1 or prev.shape[0] != R:
+    if prev is not None and (not isinstance(prev, torch.Tensor) or prev.dim() != 1 or prev.shape[0] != R):
         raise ValueError(f"prev must be a 1-D tensor with one entry per row of x ({R})")
     Rc = 0 if context_prev is None else context_prev.shape[0]
     if context is not None:
@@ -160,14 +222,21 @@ def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         return _reference(x, weight, bias, prev, prev_external, context_prev, context, activation)
     if taps is None:
         taps = build_conv_taps(prev, K, prev_external=prev_external, context_prev=context_prev)
-    elif not isinstance(taps, torch.Tensor) or tuple(taps.shape) != (R, K - 1):
-        raise ValueError(f"taps must be a [{R}, {K - 1}] tensor from build_conv_taps")
-    parts = [x] + ([context] if context is not None else
-                   [x.new_zeros(Rc, C)] if Rc else []) + [x.new_zeros(1, C)]
-    joint = torch.cat(parts)                                     # [R + Rc + 1, C], last row = 0
-    # column j-1 of taps is j steps back, multiplied by weight[:, K-1-j]
-    past = joint[taps]                                           # [R, K-1, C]
-    y = x * weight[:, K - 1] + torch.einsum("rjc,jc->rc", past, weight[:, :K - 1].flip(1).T)
+    elif not isinstance(taps, ConvTaps) or taps.num_rows != R or taps.kernel_size != K \
+            or taps.num_context_rows != Rc:
+        raise ValueError(f"taps must be the ConvTaps of build_conv_taps for these {R} rows, {Rc} context rows "
+                         f"and kernel size {K}")
+    # every row as if its path ran straight up the row order (zeros before row 0) ...
+    y = F.conv1d(F.pad(x.T.unsqueeze(0), (K - 1, 0)), weight.unsqueeze(1), groups=C)[0].T.contiguous()
+    if taps.fix_rows.numel():
+        # ... then the rows whose path does not, from the rows their taps name
+        fix = taps.fix_rows
+        joint = torch.cat([x] + ([context] if context is not None else
+                                 [x.new_zeros(Rc, C)] if Rc else []) + [x.new_zeros(1, C)])
+        past = joint.index_select(0, taps.taps.index_select(0, fix).flatten()).view(-1, K - 1, C)
+        # column j-1 of taps is j steps back, multiplied by weight[:, K-1-j]
+        y_fix = x.index_select(0, fix) * weight[:, K - 1] + (past * weight[:, :K - 1].flip(1).T).sum(1)
+        y = y.index_copy(0, fix, y_fix)
     if bias is not None:
         y = y + bias
     return _activate(y, activation)

@@ -39,11 +39,13 @@ producer side exports, differentiably, the state after any of its rows
 (``export_rows``), taken from the chunk recurrence of the sequence in which
 that row is semantic (at an aligned position this is a chunk-boundary state).
 
-Backends share this interface: ``reference`` (ops/kda.py ``kda_chunked``, any
-device).  A GPU backend plugs in through ``KDA_BACKENDS``: a function with the
-signature of ``kda_chunked`` (one that sets ``accepts_lengths`` also gets the valid
-length of every padded sequence as ``lengths``).  ``fla`` (ops/kda_fla.py, fla-core's
-GPU kernels) registers itself on first use (``get_kda_backend``).
+Backends share one interface, the varlen form of ``kda_chunked`` (sequences packed
+back to back, host lengths): ``reference`` (ops/kda.py ``kda_chunked_varlen``, any
+device); a GPU backend plugs in through ``KDA_BACKENDS``; ``fla`` (ops/kda_fla.py
+``kda_fla_varlen``, fla-core's GPU kernels) registers itself on first use
+(``get_kda_backend``).  A call gathers its sequences' rows straight into packed order
+(``index_select``: the backward is one ``index_add_``) and scatters the semantic
+outputs straight back (``index_copy``).
 """
 from __future__ import annotations
 
@@ -54,9 +56,9 @@ import numpy as np
 import torch
 
 from ..layout import host_to_device
-from .kda import kda_chunked
+from .kda import kda_chunked_varlen
 
-KDA_BACKENDS: Dict[str, Callable] = {"reference": kda_chunked}
+KDA_BACKENDS: Dict[str, Callable] = {"reference": kda_chunked_varlen}
 
 
 def get_kda_backend(name: str) -> Callable:
@@ -85,25 +87,24 @@ _register_installed_backends()
 
 @dataclass
 class KdaCall:
-    """One packed call: N sequences padded to T positions (a multiple of the chunk size).
+    """One packed call: N sequences back to back, ``lengths[n]`` positions each (replay, then semantic).
 
     The gather/scatter indices live on the compute device; what only the host reads to drive
     the call (states in and out, sequence lengths) stays on the CPU, so running a call never
     waits for the GPU to answer a question the schedule already knows.
     """
-    rows: torch.Tensor          # long [N, T]: row feeding each position (0 at padding)
-    valid: torch.Tensor         # bool [N, T]: inside the sequence (replay or semantic)
-    out_index: torch.Tensor     # long [M]: flat n*T+t of semantic positions
+    rows: torch.Tensor          # long [sum(lengths)]: row feeding each packed position
+    out_pos: torch.Tensor       # long [M]: packed positions of the semantic outputs
     out_rows: torch.Tensor      # long [M]: rows those outputs belong to
     init_slot: torch.Tensor     # CPU long [N]: exported-state slot starting each sequence, -1 = zero state
     init_external: torch.Tensor  # CPU long [N]: external (producer) state starting each sequence, -1 = none
     export_seq: torch.Tensor    # CPU long [P]: sequence (in this call) of each export
     export_offset: torch.Tensor  # CPU long [P]: tokens of that sequence before the exported state
     export_slot: torch.Tensor   # CPU long [P]: global slot of each export
-    lengths: torch.Tensor       # CPU long [N]: valid positions of each sequence (``valid.sum(1)``)
+    lengths: torch.Tensor       # CPU long [N]: positions of each sequence
 
     #: the fields on the compute device; the others stay on the host
-    DEVICE_FIELDS = ("rows", "valid", "out_index", "out_rows")
+    DEVICE_FIELDS = ("rows", "out_pos", "out_rows")
 
     def to(self, device) -> "KdaCall":
         return KdaCall(**{f: host_to_device(getattr(self, f), device) if f in self.DEVICE_FIELDS
@@ -359,25 +360,16 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
                 exp_seq.append(n)
                 exp_off.append(off)
                 exp_slot.append(sl)
-        lengths = [len(r) + len(m) for r, m, _ in row_lists]
-        T = max(lengths)
-        T += (-T) % B
-        N = len(row_lists)
-        rows = np.zeros((N, T), dtype=np.int64)
-        valid = np.zeros((N, T), dtype=bool)
-        out_index, out_rows = [], []
-        for n, (rr, sr, om) in enumerate(row_lists):
-            allr = np.concatenate([rr, sr])
-            rows[n, : len(allr)] = allr
-            valid[n, : len(allr)] = True
-            out_index.append((n * T + len(rr) + np.arange(len(sr)))[om])
-            out_rows.append(sr[om])
-        h = lambda x, dt=torch.long: torch.as_tensor(np.asarray(x), dtype=dt)  # noqa: E731
-        i64 = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
-        call = KdaCall(rows=h(rows), valid=h(valid, torch.bool), out_index=h(np.concatenate(out_index)),
-                       out_rows=h(np.concatenate(out_rows)), init_slot=h(i64(init)),
-                       init_external=h(i64(init_ext)), export_seq=h(i64(exp_seq)),
-                       export_offset=h(i64(exp_off)), export_slot=h(i64(exp_slot)), lengths=h(valid.sum(1)))
+        lengths = np.array([len(r) + len(m) for r, m, _ in row_lists], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        rows = np.concatenate([np.concatenate([rr, sr]) for rr, sr, _ in row_lists])
+        out_pos = np.concatenate([(st + len(rr) + np.arange(len(sr)))[om]
+                                  for st, (rr, sr, om) in zip(starts, row_lists)])
+        out_rows = np.concatenate([sr[om] for rr, sr, om in row_lists])
+        h = lambda x: torch.as_tensor(np.asarray(x, dtype=np.int64))  # noqa: E731
+        call = KdaCall(rows=h(rows), out_pos=h(out_pos), out_rows=h(out_rows), init_slot=h(init),
+                       init_external=h(init_ext), export_seq=h(exp_seq), export_offset=h(exp_off),
+                       export_slot=h(exp_slot), lengths=h(lengths))
         calls.append(call if device is None else call.to(device))
     covered = sum(int(c.out_rows.numel()) for c in calls)
     if covered != num_rows:
@@ -407,7 +399,6 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
     R, H, K = q.shape
     if R != schedule.num_rows:
         raise ValueError(f"inputs have {R} rows, the schedule {schedule.num_rows}")
-    takes_lengths = getattr(run, "accepts_lengths", False)
     V = v.shape[-1]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     needs_external = schedule.num_external_rows > 0 or schedule.num_external_states > 0
@@ -428,27 +419,18 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
     slots: List[Optional[torch.Tensor]] = [None] * schedule.num_slots
     out = v.new_zeros(R, H, V)
     for call in schedule.calls:
-        N, T = call.rows.shape
-        mask = call.valid.unsqueeze(-1).unsqueeze(-1)
-
-        def gather(x):
-            y = x[call.rows]              # [N, T, H, D] or [N, T, H]
-            m = mask if y.dim() == 4 else mask.squeeze(-1)
-            return torch.where(m, y, torch.zeros((), dtype=y.dtype, device=y.device))
-
         init = None
         init_slot, init_external = call.init_slot.tolist(), call.init_external.tolist()
         if any(s >= 0 for s in init_slot) or any(e >= 0 for e in init_external):
             zero = q.new_zeros(H, K, V, dtype=cdt)
             init = torch.stack([slots[s] if s >= 0 else (ext_states[e] if e >= 0 else zero)
                                 for s, e in zip(init_slot, init_external)])
-        extra = {"lengths": call.lengths} if takes_lengths else {}
-        o, states = run(gather(q), gather(k), gather(v), gather(g), gather(beta), chunk_size=schedule.chunk_size,
-                        scale=scale, initial_state=init, state_index=call.export_seq,
-                        state_offset=call.export_offset, **extra)
+        o, states = run(*(x.index_select(0, call.rows) for x in (q, k, v, g, beta)), call.lengths,
+                        chunk_size=schedule.chunk_size, scale=scale, initial_state=init,
+                        state_index=call.export_seq, state_offset=call.export_offset)
         for p, s in enumerate(call.export_slot.tolist()):
             slots[s] = states[p]
-        out = out.index_copy(0, call.out_rows, o.reshape(N * T, H, V)[call.out_index])
+        out = out.index_copy(0, call.out_rows, o.index_select(0, call.out_pos))
     if not return_exports:
         return out
     exported = (torch.stack([slots[int(s)] for s in schedule.export_slots]) if schedule.export_slots.size
