@@ -62,10 +62,10 @@ def model_flags(p, dtype_flag):
             f"--vocab-size {p['vocab']} --untie-embeddings-and-output-weights {dtype_flag}").split()
 
 
-def synthesize(scheme, num_tasks, max_tokens, vocab, seed):
+def synthesize(scheme, num_tasks, max_tokens, vocab, seed, samples_per_task=2):
     from megatron_harts.tree_data import build_forest
     from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
-    cfg = SweConfig(scheme=scheme, num_tasks=num_tasks, samples_per_task=2, max_tokens=max_tokens,
+    cfg = SweConfig(scheme=scheme, num_tasks=num_tasks, samples_per_task=samples_per_task, max_tokens=max_tokens,
                     vocab_size=vocab, seed=seed)
     return build_forest(synthesize_swe(cfg))
 
@@ -273,6 +273,8 @@ def main(argv=None):
                     help="ablations: the tree step (--tree-sharing within) also with these KDA call plans "
                          "(--tree-kda-call-plan; per-depth bucketing, node-wise LA) beside HARTS' plan")
     ap.add_argument("--num-tasks", type=int, default=4, help="rollout tasks per scheme (trees)")
+    ap.add_argument("--samples-per-task", type=int, default=2,
+                    help="rollouts per task (sharing the task's prompt; more gives higher compression)")
     ap.add_argument("--max-tokens", type=int, default=16384, help="trajectory length cap")
     ap.add_argument("--microbatch-tokens", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=3)
@@ -304,7 +306,7 @@ def main(argv=None):
                                 time.strftime("throughput-%Y%m%d-%H%M%S.json"))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     for scheme in a.schemes:
-        forest = synthesize(scheme, a.num_tasks, a.max_tokens, p["vocab"], seed=0)
+        forest = synthesize(scheme, a.num_tasks, a.max_tokens, p["vocab"], seed=0, samples_per_task=a.samples_per_task)
         G = forest.num_trajectories
         common = model_flags(p, dtype_flag) + [
             "--seq-length", str(int(forest.traj_length.max())), "--tree-microbatch-tokens", str(a.microbatch_tokens),
