@@ -203,10 +203,11 @@ namespace {
 using I64In = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 using U8In = py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>;
 
-// megatron_harts.planner.cost_model._exception_targets, the same arrays: per loss-mask exception (t, p, v)
-// at p >= 1, the segment of t's path holding p (its path read once per trajectory, searched by start), the
-// change to t's target count and, where v sets a target the row mask does not, the row predicting it
-// unless the row masks count it already (`last`: a segment's last row counted).
+// megatron_harts.planner.cost_model._exception_targets_python, the same arrays: per loss-mask exception
+// (t, p, v) at p >= 1, the segment of t's path holding p (t's path read once per trajectory, searched by
+// start unless p lies in the segment of the exception before), the change to t's target count and, where v
+// sets a target the row mask does not, the row predicting it, counted once per segment unless the row masks
+// count it already (`last`: a segment's last row counted).
 py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I64In seg_row_a, I64In leaf_a,
                                U8In row_mask_a, I64In last_a, I64In exc_traj_a, I64In exc_pos_a, U8In exc_value_a) {
     const i64 S = parent_a.shape(0), N = leaf_a.shape(0), U = row_mask_a.shape(0), E = exc_traj_a.shape(0);
@@ -218,8 +219,13 @@ py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I6
     const i64 *seg_row = seg_row_a.data(), *leaf = leaf_a.data(), *last = last_a.data();
     const i64 *et = exc_traj_a.data(), *ep = exc_pos_a.data();
     const std::uint8_t *mask = row_mask_a.data(), *ev = exc_value_a.data();
-    std::vector<i64> pred, traj, delta, path;
-    i64 cur = -1;
+    py::array_t<i64> added_a(S), delta_a(N);
+    i64 *added = added_a.mutable_data(), *delta = delta_a.mutable_data();
+    std::fill(added, added + S, 0);
+    std::fill(delta, delta + N, 0);
+    std::vector<std::uint8_t> seen(static_cast<std::size_t>(U), 0);
+    std::vector<i64> path;
+    i64 cur = -1, seg = -1;
     for (i64 i = 0; i < E; ++i) {
         const i64 t = et[i], p = ep[i];
         if (p < 1) continue;
@@ -232,30 +238,31 @@ py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I6
             }
             std::reverse(path.begin(), path.end());
             cur = t;
+            seg = -1;
         }
-        auto it = std::upper_bound(path.begin(), path.end(), p, [&](i64 v, i64 s) { return v < start[s]; });
-        if (it == path.begin()) throw py::value_error("exception position out of range");
-        const i64 seg = *(it - 1);
-        if (p >= start[seg] + length[seg] || seg_row[seg] + p - start[seg] >= U)
-            throw py::value_error("exception position out of range");
+        if (seg < 0 || p < start[seg] || p >= start[seg] + length[seg]) {
+            auto it = std::upper_bound(path.begin(), path.end(), p, [&](i64 v, i64 s) { return v < start[s]; });
+            if (it == path.begin()) throw py::value_error("exception position out of range");
+            seg = *(it - 1);
+            if (p >= start[seg] + length[seg] || seg_row[seg] + length[seg] > U)
+                throw py::value_error("exception position out of range");
+        }
         const i64 row = seg_row[seg] + p - start[seg];
         const bool v = ev[i] != 0, m = mask[row] != 0;
-        traj.push_back(t);
-        delta.push_back(static_cast<i64>(v) - static_cast<i64>(m));
+        delta[t] += static_cast<i64>(v) - static_cast<i64>(m);
         if (!v || m) continue;
-        if (p == start[seg]) {
-            const i64 par = parent[seg];
-            if (last[par] == 0) pred.push_back(seg_row[par] + length[par] - 1);
-        } else {
-            pred.push_back(row - 1);
+        i64 pred = row - 1, at = seg;
+        if (p == start[seg]) {  // the first position of a segment: predicted by its parent's last row
+            at = parent[seg];
+            if (last[at] != 0) continue;
+            pred = seg_row[at] + length[at] - 1;
+        }
+        if (!seen[pred]) {
+            seen[pred] = 1;
+            ++added[at];
         }
     }
-    auto out = [](const std::vector<i64>& v) {
-        py::array_t<i64> a(static_cast<py::ssize_t>(v.size()));
-        std::copy(v.begin(), v.end(), a.mutable_data());
-        return a;
-    };
-    return py::make_tuple(out(pred), out(traj), out(delta));
+    return py::make_tuple(added_a, delta_a);
 }
 
 }  // namespace
@@ -264,8 +271,8 @@ void register_packing(py::module_& m) {
     m.def("l2_exception_targets", &l2_exception_targets, py::arg("parent"), py::arg("start"), py::arg("length"),
           py::arg("seg_row"), py::arg("traj_leaf"), py::arg("row_loss_mask"), py::arg("last"), py::arg("exc_traj"),
           py::arg("exc_pos"), py::arg("exc_value"),
-          "(rows predicting targets only loss-mask exceptions set, trajectory and target-count change per "
-          "exception at a position >= 1): megatron_harts.planner.cost_model._exception_targets_python.");
+          "(per segment its rows predicting targets only loss-mask exceptions set, per trajectory the change to "
+          "its target count): megatron_harts.planner.cost_model._exception_targets_python.");
     py::class_<L2Packing>(m, "L2Packing",
                           "A packing of L2's compiled packers: the sequence (groups, placement, loads, entries) "
                           "the Python packers return as a tuple, each part built on its first read.")

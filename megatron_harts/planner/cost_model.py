@@ -157,12 +157,9 @@ class ForestIndex:
         kids = np.flatnonzero(has_parent)
         np.maximum.at(last, self.parent_arr[kids], first[kids])
         self.seg_logits = interior + last
-        exc_rows, exc_traj, exc_delta = _exception_targets(f, self.parent_arr, st, ln, self.row, last)
-        if exc_rows.size:  # rows that predict a target of some trajectory's exception only
-            hit = np.zeros(f.num_rows, dtype=bool)
-            hit[exc_rows] = True
-            rows = np.flatnonzero(hit)
-            self.seg_logits += np.bincount(np.searchsorted(self.row, rows, side="right") - 1, minlength=S)
+        if f.exc_loss_mask.traj.size:  # rows that predict a target of some trajectory's exception only
+            exc_added, exc_delta = _exception_targets(f, self.parent_arr, st, ln, self.row, last)
+            self.seg_logits += exc_added
         # subtree sums and path sums by plain loops over lists (parents precede children)
         par = self.parent
         children: List[List[int]] = [[] for _ in range(S)]
@@ -194,8 +191,8 @@ class ForestIndex:
         root_of = np.repeat(roots, np.diff(self.tree_offsets))
         leaf = f.traj_leaf.astype(np.int64)
         self.traj_targets = path_mask[leaf] - root_first[root_of[leaf]]
-        if exc_traj.size:
-            np.add.at(self.traj_targets, exc_traj, exc_delta)
+        if f.exc_loss_mask.traj.size:
+            self.traj_targets += exc_delta
         self.traj_length = f.traj_length.astype(np.int64)
         self.expanded_tokens = int(self.traj_length.sum())
         lo = f.seg_traj_lo[roots]
@@ -225,53 +222,42 @@ def _exception_targets(f, parent: np.ndarray, start: np.ndarray, length: np.ndar
 
 def _exception_targets_python(f, parent: np.ndarray, start: np.ndarray, length: np.ndarray, seg_row: np.ndarray,
                               last: np.ndarray):
-    """The loss-mask exceptions' targets: (rows predicting a target only an exception sets (not
-    counted by the row-level masks: ``last[s]`` tells whether the last row of ``s`` is counted),
-    the trajectory and the change to its target count of every exception at a position >= 1).
+    """What the loss-mask exceptions add: (per segment, its rows that predict a target only an
+    exception sets (``last[s]``: whether the row masks count the last row of ``s`` already), per
+    trajectory the change to its target count).
 
-    An exception ``(t, p, v)`` overrides trajectory ``t``'s loss mask at path position ``p``
-    (row mask ``m``): its target count changes by ``(v != 0) - (m != 0)``, and where ``v != 0``
-    the row at position ``p - 1`` of ``t``'s path predicts a target.  A row's own mask is its
-    reference trajectory's (one through it), so an exception never removes a logits row.  The
-    segment holding ``(t, p)``: the last of ``t``'s path segments (sorted by trajectory, then
-    start) starting at or before ``p``."""
+    An exception ``(t, p, v)`` at ``p >= 1`` overrides trajectory ``t``'s loss mask at path
+    position ``p`` (row mask ``m``): its target count changes by ``(v != 0) - (m != 0)``, and
+    where ``v != 0 == m`` the row at position ``p - 1`` of ``t``'s path predicts a target.  A
+    row's own mask is its reference trajectory's (one through it), so an exception never removes
+    a logits row.  The segment holding ``(t, p)``: the last of ``t``'s path segments (sorted by
+    trajectory, then start) starting at or before ``p``."""
     exc = f.exc_loss_mask
-    empty = np.zeros(0, dtype=np.int64)
-    if exc.traj.size == 0:
-        return empty, empty, empty
+    S, N = parent.shape[0], f.traj_leaf.shape[0]
     keep = exc.pos >= 1
     t, p, v = exc.traj[keep].astype(np.int64), exc.pos[keep].astype(np.int64), exc.value[keep]
     lo = f.seg_traj_lo.astype(np.int64)
     cnt = f.seg_traj_hi.astype(np.int64) - lo
-    pair_seg = np.repeat(np.arange(cnt.shape[0], dtype=np.int64), cnt)
+    pair_seg = np.repeat(np.arange(S, dtype=np.int64), cnt)
     pair_traj = np.arange(pair_seg.shape[0], dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt - lo, cnt)
     key = (pair_traj << 32) + start[pair_seg]
     order = np.argsort(key, kind="stable")
     key, pair_seg = key[order], pair_seg[order]
-
-    def lookup(tt, pp):
-        return pair_seg[np.searchsorted(key, (tt << 32) + pp, side="right") - 1]
-
-    # runs of consecutive positions of one trajectory (an action copied into a longer one's
-    # context) looked up once, then the positions past their run's first segment again
-    run = np.ones(t.shape[0], dtype=bool)
-    run[1:] = (t[1:] != t[:-1]) | (p[1:] != p[:-1] + 1)
-    seg = lookup(t[run], p[run])[np.cumsum(run) - 1]
-    out = np.flatnonzero(p >= start[seg] + length[seg])
-    if out.size:
-        seg[out] = lookup(t[out], p[out])
+    seg = pair_seg[np.searchsorted(key, (t << 32) + p, side="right") - 1]
     row = seg_row[seg] + p - start[seg]
-    on = (v != 0) & (f.row_loss_mask[row] == 0)
-    delta = (v != 0).astype(np.int64) - (f.row_loss_mask[row] != 0).astype(np.int64)
+    m = f.row_loss_mask[row] != 0
+    delta = np.bincount(t, weights=(v != 0).astype(np.int64) - m, minlength=N).astype(np.int64)
+    on = (v != 0) & ~m
     seg, row, first = seg[on], row[on], p[on] == start[seg[on]]
-    par = parent[seg[first]]
-    pred = row - 1  # inside a segment: the row before, whose row-level target (row m) is 0
-    # the first position of a segment: its parent's last row, a logits row already when a child's
-    # first row-level mask is set
-    new = np.ones(pred.shape[0], dtype=bool)
+    pred, at = row - 1, seg.copy()  # inside a segment: the row before (its row-level target is m = 0)
+    par = parent[seg[first]]  # a segment's first position: its parent's last row, unless counted already
     pred[first] = seg_row[par] + length[par] - 1
+    at[first] = par
+    new = np.ones(pred.shape[0], dtype=bool)
     new[first] = last[par] == 0
-    return pred[new], t, delta
+    _, one = np.unique(pred[new], return_index=True)
+    added = np.bincount(at[new][one], minlength=S).astype(np.int64)
+    return added, delta
 
 
 def _segment_counts(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
