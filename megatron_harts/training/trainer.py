@@ -22,6 +22,9 @@ Invariants:
   saves; the last good checkpoint stays the latest (``latest_checkpointed_iteration.txt``).
 - ``--exit-signal-handler``: SIGTERM (``--exit-signal``) makes the run save a checkpoint after the
   current iteration and stop with exit code 0.
+- ``close()`` releases the model, its gradient buffers and the optimizer state (once the caller's
+  own references are gone, also when it keeps the closed ``Trainer``): a process may train several
+  runs one after another (benchmarks/bench_throughput.py) without keeping closed runs' memory.
 """
 from __future__ import annotations
 
@@ -68,6 +71,25 @@ def _init_world(backend: str, timeout_minutes: int) -> bool:
     return True
 
 
+def _drop_autograd_graphs(modules) -> None:
+    """Detach the tensors that carry an autograd graph which ``modules``, or plain objects they hold,
+    keep from their last forward (megatron's token dispatchers keep the last microbatch's routing
+    probabilities: ``local_probs``, ``probs``).
+
+    Such a graph holds the AccumulateGrad nodes of the parameters it reaches, and each of those
+    holds (from C++, unseen by the garbage collector) DDP's gradient hook, a closure over the DDP
+    module: the model, its gradient buffers and everything referring to them would stay alive
+    after the run's last reference is gone.
+    """
+    for module in modules:
+        owners = [module] + [v for v in vars(module).values()
+                             if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))]
+        for owner in owners:
+            for name, value in list(vars(owner).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(owner, name, value.detach())
+
+
 class _ExitSignal:
     """Records ``--exit-signal`` (SIGTERM by default) under ``--exit-signal-handler``; the previous
     handler is restored on ``close``."""
@@ -104,6 +126,7 @@ class Trainer:
         self._signal = None
         self._probe_batch = None
         self._probed_at: Optional[int] = None
+        self.model = self.optimizer = self.scheduler = None
         try:
             self.device, backend = _device_and_backend(args)
             if self.device.type == "cpu" and args.use_distributed_optimizer:
@@ -139,6 +162,7 @@ class Trainer:
             from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
             self.model = [DistributedDataParallel(
                 self.config, ddp_config(args, data_parallel_size=data_parallel_size(args, self.world)), model)]
+            self._stack.callback(self._release)
             self.optimizer = get_megatron_optimizer(optimizer_config(args), self.model)
             self.scheduler = OptimizerParamScheduler(self.optimizer, **scheduler_kwargs(args))
             self.objective = ObjectiveConfig.from_args(args)
@@ -407,7 +431,16 @@ class Trainer:
         export_hf_checkpoint(self.model[0].module, self.config, self.vocab_size, path)
 
     # ---- teardown ---------------------------------------------------------------------------------
+    def _release(self) -> None:
+        """Let the model and the optimizer go (``close``; module docstring): no autograd graph of a
+        last forward left on the modules, no reference from this trainer."""
+        for chunk in self.model or ():
+            _drop_autograd_graphs(chunk.modules())
+        self.model = self.optimizer = self.scheduler = None
+
     def close(self) -> None:
+        """End the run: release the model and optimizer, undo the patches, leave megatron's parallel
+        state and the world if this trainer made them.  The trainer is unusable afterwards."""
         self._stack.close()
 
     def __enter__(self) -> "Trainer":
