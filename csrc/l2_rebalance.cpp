@@ -421,7 +421,7 @@ class Bins {
 py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64Array own_off_a, I64Array own_a,
                        I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a, I64Array rep_a,
                        I64Array ent_off_a, I64Array ent_unit_a, I64Array ent_path_a, F64Array ent_cost_a, i64 dp,
-                       i64 M, double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins) {
+                       i64 M, double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins, i64 wide) {
     const i64 nu = l2_check_unit_arrays(ints_a, 7, flts_a, own_off_a, own_a, rec_off_a, rec_a, path_off_a, path_a,
                                         length_a.shape(0), -1);
     const i64 n = rep_a.shape(0);
@@ -568,6 +568,7 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
     auto movable = [&](i64 k) { return U.kind[k] != 0 && U.upper[k] < 0; };
 
     bool moved = false;
+    bool wide_now = false;  // this step's sources: the bins above their slot's mean in every unbalanced slot
     for (i64 it = 0; it < moves; ++it) {
         const i64 n = st.n;
         std::vector<std::vector<i64>> order(dp);
@@ -581,7 +582,7 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         struct Slot {
             double ratio;
             i64 k;
-            std::vector<i64> above;
+            std::vector<i64> above, below;
         };
         std::vector<Slot> slots;
         for (std::size_t k = 0; k < S; ++k) {
@@ -597,9 +598,8 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
             const double ratio = sm / (static_cast<double>(dp) * mx);
             if (ratio < 1.0 - 1e-9) {
                 const double mean = sm / static_cast<double>(dp);
-                Slot s{ratio, static_cast<i64>(k), {}};
-                for (i64 b : bs)
-                    if (load[b] + overhead > mean) s.above.push_back(b);
+                Slot s{ratio, static_cast<i64>(k), {}, {}};
+                for (i64 b : bs) (load[b] + overhead > mean ? s.above : s.below).push_back(b);
                 slots.push_back(std::move(s));
             }
         }
@@ -607,7 +607,7 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
             return a.ratio != b.ratio ? a.ratio < b.ratio : a.k < b.k;
         });
         std::vector<i64> sources;
-        for (std::size_t q = 0; q < slots.size() && static_cast<i64>(q) < n_slots; ++q)
+        for (std::size_t q = 0; q < slots.size() && (wide_now || static_cast<i64>(q) < n_slots); ++q)
             for (i64 b : slots[q].above)
                 if (std::find(sources.begin(), sources.end(), b) == sources.end()) sources.push_back(b);
         std::vector<i64> live;
@@ -619,7 +619,16 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         if (!st.is_prod[light] && std::find(sources.begin(), sources.end(), light) == sources.end())
             sources.push_back(light);
         const bool swaps = static_cast<i64>(live.size()) <= swap_bins;
-        std::vector<i64> dests = live;
+        std::vector<i64> dests;
+        if (wide_now) {  // toward the bins below their slot's mean in the least balanced slots
+            std::vector<char> low(static_cast<std::size_t>(n), 0);
+            for (std::size_t q = 0; q < slots.size() && static_cast<i64>(q) < n_slots; ++q)
+                for (i64 b : slots[q].below) low[b] = 1;
+            for (i64 b : live)
+                if (low[b]) dests.push_back(b);
+        } else {
+            dests = live;
+        }
         dests.insert(dests.end(), spare.begin(), spare.end());
         Best best;
         // a move or swap tried (and still done): offered when its tokens fit the savings so far
@@ -710,7 +719,14 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
                 if (best.beats(f, f_now)) best.set(f, 0, 3, a, c, 0, 0, nullptr);
             }
         }
-        if (best.have && best.kind >= 2) {
+        if (!best.have) {
+            if (wide_now || wide <= 0 || static_cast<i64>(slots.size()) <= n_slots) break;
+            wide_now = true;  // stuck: the next step takes its sources from every unbalanced slot
+            --wide;
+            continue;
+        }
+        wide_now = false;
+        if (best.kind >= 2) {
             f_now = best.f;
             const i64 rx = rep[blocks[best.x][0]];
             const i64 ry = best.kind == 2 ? best.y : rep[blocks[best.y][0]];
@@ -722,7 +738,6 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
             moved = true;
             continue;
         }
-        if (!best.have) break;
         f_now = best.f;
         const i64 rx = rep[best.x];
         const i64 ry = rep[best.y];
@@ -777,7 +792,7 @@ void register_rebalance(py::module_& m) {
           py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("rep"),
           py::arg("ent_off"), py::arg("ent_unit"), py::arg("ent_path"), py::arg("ent_cost"), py::arg("dp"),
           py::arg("M"), py::arg("overhead"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"),
-          py::arg("swap_bins"),
+          py::arg("swap_bins"), py::arg("wide"),
           "L2's balance pass (see megatron_harts.planner.l2_balance.rebalance; _rebalance_python is the reference): "
           "units (kind, tree, window, upper window, owned rows, replay tokens, path rows; cost, replay cost, "
           "path cost; owned / recomputed / path segments as CSR) in bins (replica, entries: unit, path "

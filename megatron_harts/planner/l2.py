@@ -68,7 +68,7 @@ from typing import Optional, Tuple
 from .cost_model import CostModel, ForestIndex
 from .l1 import plan_l1
 from .l2_balance import (BALANCE_MORE_BINS, BALANCE_MOVES, BALANCE_PACKINGS, BALANCE_SLOTS, BALANCE_SWAP_BINS,
-                         BALANCE_WEIGHT, numbered_units, rebalance)
+                         BALANCE_WEIGHT, BALANCE_WIDE, numbered_units, rebalance)
 from .l2_packing import estimate_step, packed_rows
 from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
@@ -78,7 +78,7 @@ from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
 __all__ = ["plan_l2", "plan_harts", "window_units", "split_windows", "pack_windows", "pack_spread", "window_plan",
            "step_cost", "estimate_step", "rebalance", "numbered_units", "unit_arrays", "BALANCE_MOVES",
            "BALANCE_SLOTS", "BALANCE_WEIGHT", "BALANCE_PACKINGS", "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS",
-           "ASSEMBLE_MARGIN"]
+           "BALANCE_WIDE", "ASSEMBLE_MARGIN"]
 
 #: the window packer's slot counts above its row bound, and its microbatch target tolerances
 WINDOW_EXTRA_SLOTS = 2

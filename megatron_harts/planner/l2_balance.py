@@ -18,7 +18,7 @@ from .l2_packing import _after_owners
 from .l2_units import unit_arrays
 
 __all__ = ["rebalance", "numbered_units", "BALANCE_MOVES", "BALANCE_SLOTS", "BALANCE_WEIGHT", "BALANCE_PACKINGS",
-           "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS"]
+           "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS", "BALANCE_WIDE"]
 
 #: the balance pass (``rebalance``): at most ``BALANCE_MOVES`` moves per packing, sources taken
 #: from the ``BALANCE_SLOTS`` least balanced slots; the objective adds ``BALANCE_WEIGHT`` times the
@@ -33,6 +33,10 @@ BALANCE_PACKINGS = (1, 4)
 BALANCE_MORE_BINS = 48
 #: swaps are tried in packings of at most this many microbatches
 BALANCE_SWAP_BINS = 64
+#: when no change lowers the objective, at most this many steps take their sources from every
+#: unbalanced slot (not only the ``BALANCE_SLOTS`` least balanced; their moves go to the microbatches
+#: below their slot's mean in those) before the pass stops
+BALANCE_WIDE = 8
 
 _REBALANCE = compiled("l2_rebalance")
 
@@ -304,7 +308,7 @@ class _Bins:
 
 
 def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float, moves: int, n_slots: int,
-                      weight: float, swap_bins: int):
+                      weight: float, swap_bins: int, wide: int):
     """Reference of ``_C.l2_rebalance`` (``rebalance``'s search): returns (moved, rep, ent)."""
     n = len(rep)
     st = _Bins(units, rep, ent, length, dp)
@@ -389,6 +393,7 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
         return units[k].kind != "core" and units[k].upper < 0
 
     moved = False
+    wide_now = False  # this step's sources: the microbatches above their slot's mean in every unbalanced slot
     for _ in range(moves):
         n = st.n
         order = [sorted((b for b in range(n) if rep[b] == r and ent[b]), key=lambda b: (-load[b], b))
@@ -405,16 +410,21 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
             ratio = sm / (dp * mx)
             if ratio < 1.0 - 1e-9:
                 mean = sm / dp
-                slots.append((ratio, k, [b for b in bs if load[b] + overhead > mean]))
+                slots.append((ratio, k, [b for b in bs if load[b] + overhead > mean],
+                              [b for b in bs if load[b] + overhead <= mean]))
         slots.sort(key=lambda s: (s[0], s[1]))
         sources = []
-        for sl in slots[:n_slots]:
+        for sl in slots[:len(slots) if wide_now else n_slots]:
             sources.extend(b for b in sl[2] if b not in sources)
         live = [b for b in range(n) if ent[b]]
         light = min(live, key=lambda b: (load[b], b))
         if not st.is_prod[light] and light not in sources:
             sources.append(light)
         swaps = len(live) <= swap_bins
+        dests = live + spare
+        if wide_now:  # toward the microbatches below their slot's mean in the least balanced slots
+            low = {b for sl in slots[:n_slots] for b in sl[3]}
+            dests = [b for b in live if b in low] + spare
         best = None
         for x in sources:
             lx = load[x]
@@ -423,7 +433,7 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
                     c_out = 0.0
                     for j in idxs:
                         c_out += units[ent[x][j][0]].cost
-                for y in live + spare:
+                for y in dests:
                     if y == x or (x != light and load[y] + c_out >= lx):
                         continue  # only toward a lighter bin (the lightest: anywhere, to empty it)
                     got = try_move(x, idxs, y)
@@ -491,7 +501,12 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
                 if f < f_now - 1e-12 and (best is None or f < best[0]):
                     best = (f, 0, 3, a, blocks, c)
         if best is None:
-            break
+            if wide_now or wide <= 0 or len(slots) <= n_slots:
+                break
+            wide_now = True  # stuck: the next step takes its sources from every unbalanced slot
+            wide -= 1
+            continue
+        wide_now = False
         f_now, delta, kind, x, arg, y = best
         if kind >= 2:  # x: a block's index in arg (the blocks); y: a replica, or another block
             rx = rep[arg[x][0]]
@@ -548,7 +563,11 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
     ``BALANCE_WEIGHT`` times the mean microbatch cost for every slot's imbalance 1 - mean /
     max: ``_slot_objective``), until none lowers it.  Sources: the microbatches above their
     slot's mean in the ``BALANCE_SLOTS`` least balanced slots (toward lighter microbatches),
-    and the lightest microbatch (anywhere: emptying it saves a microbatch).  Changes: a unit
+    and the lightest microbatch (anywhere: emptying it saves a microbatch); when none of their
+    changes lowers the objective, the next step moves units from the microbatches above their
+    slot's mean in every unbalanced slot to those below it in the ``BALANCE_SLOTS`` least balanced
+    ones (or to a new one; at most ``BALANCE_WIDE`` times: a light tail slot is evened out by
+    units of the heavy microbatches of other slots).  Changes: a unit
     (alone, or a window's path items or a tree's free pieces together) to another microbatch
     or to a new one (each replica keeps an empty microbatch at hand); two units swapping
     microbatches (packings of at most ``BALANCE_SWAP_BINS`` microbatches); a whole block (a
@@ -569,7 +588,7 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
         return None
     units, ent = numbered_units(entries)
     rep = [placement[i][0] for i in range(n)]
-    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT, BALANCE_SWAP_BINS)
+    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT, BALANCE_SWAP_BINS, BALANCE_WIDE)
     out = None
     if _REBALANCE is not None:
         try:
@@ -630,7 +649,7 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
     return groups2, placement2, loads2, entries2
 
 
-def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, weight, swap_bins):
+def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, weight, swap_bins, wide):
     """``_rebalance_python``'s result from ``_C.l2_rebalance`` (the same values)."""
     ints8, flts, own_off, own, rec_off, rec, path_off, path = unit_arrays(units)
     ints = np.ascontiguousarray(ints8[:, :7])
@@ -641,7 +660,7 @@ def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, we
     ent_cost = np.array([c for _, _, c in flat], dtype=np.float64)
     moved, rep2, eo, eu, ep, ec = _REBALANCE(ix.length, ints, flts, own_off, own, rec_off, rec, path_off, path,
                                               np.asarray(rep, dtype=np.int64), ent_off, ent_unit, ent_path,
-                                              ent_cost, dp, M, overhead, moves, n_slots, weight, swap_bins)
+                                              ent_cost, dp, M, overhead, moves, n_slots, weight, swap_bins, wide)
     eo, eu, ep, ec = eo.tolist(), eu.tolist(), ep.tolist(), ec.tolist()
     ent2 = [[(eu[i], bool(ep[i]), ec[i]) for i in range(eo[b], eo[b + 1])] for b in range(len(eo) - 1)]
     return bool(moved), rep2.tolist(), ent2
