@@ -262,11 +262,12 @@ def _exception_targets_python(f, parent: np.ndarray, start: np.ndarray, length: 
 
 def _segment_counts(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """Nonzero entries of a 0/1 row mask per segment (segments are the contiguous row ranges
-    from ``starts``, sorted).  Long segments: one ``count_nonzero`` each (a widening
-    ``reduceat`` over millions of rows costs ten times more); many short ones: ``reduceat``."""
+    from ``starts``, sorted).  Segments of over 1024 rows on average: one ``count_nonzero`` each
+    (a widening ``reduceat`` over millions of rows costs several times more); shorter ones:
+    ``reduceat`` (Step-wise batches, about 700 rows a segment: twice as fast as the loop)."""
     if starts.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if mask.size > 64 * starts.size:
+    if mask.size > 1024 * starts.size:
         ends = starts[1:].tolist() + [mask.size]
         return np.array([np.count_nonzero(mask[a:b]) for a, b in zip(starts.tolist(), ends)], dtype=np.int64)
     return np.add.reduceat(mask, starts, dtype=np.int64)

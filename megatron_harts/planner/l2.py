@@ -177,7 +177,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             cand = assemble(packed)
             if cand is None or cand.tokens_computed > keep_tokens:
                 continue  # not a candidate: the next packing by estimate is assembled instead
-            if id(packed) in refined:  # the balance pass never computes more tokens (exactly)
+            if id(packed) in refined and cand.tokens_computed > packed_rows(ix, refined[id(packed)]):
+                # the balance pass never computes more tokens (exactly; its source's rows bound its tokens)
                 src = assemble(refined[id(packed)])
                 if src is not None and cand.tokens_computed > src.tokens_computed:
                     continue
