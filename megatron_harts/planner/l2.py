@@ -48,9 +48,14 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    load is lowest) adds its own.  Each is estimated from its microbatch loads (per-microbatch
    terms included); on several replicas the best few are also refined by the balance pass
    (``rebalance``: a local search moving and swapping units and whole windows toward even
-   slots, never computing more tokens).  Only the best ``ASSEMBLED`` by that estimate that
-   compute no more tokens than L1 (and a refined one no more than the packing it refines)
-   are judged exactly.
+   slots, never computing more tokens).  On several replicas with few slots of work
+   (``ITEM_CUT_SLOTS``), the units are also made with their items larger than parts
+   ``ITEM_CUTS`` of the row budget cut (L1's split below the item's root, a cut no shorter
+   than its longest path): an item as large as a microbatch otherwise sets its slot's
+   maximum alone.  Per base unit set (the units, and each cut of them, with their split
+   windows), only the best ``ASSEMBLED`` by that estimate that compute no more tokens than
+   L1 (and a refined one no more than the packing it refines) are judged exactly, none
+   estimated over ``ASSEMBLE_MARGIN`` longer than the best plan so far.
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
@@ -78,7 +83,7 @@ from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
 __all__ = ["plan_l2", "plan_harts", "window_units", "split_windows", "pack_windows", "pack_spread", "window_plan",
            "step_cost", "estimate_step", "rebalance", "numbered_units", "unit_arrays", "BALANCE_MOVES",
            "BALANCE_SLOTS", "BALANCE_WEIGHT", "BALANCE_PACKINGS", "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS",
-           "BALANCE_WIDE", "ASSEMBLE_MARGIN"]
+           "BALANCE_WIDE", "ASSEMBLE_MARGIN", "ITEM_CUTS", "ITEM_CUT_SLOTS"]
 
 #: the window packer's slot counts above its row bound, and its microbatch target tolerances
 WINDOW_EXTRA_SLOTS = 2
@@ -93,6 +98,12 @@ ASSEMBLED = 2
 #: a packing estimated longer than the best plan so far (L1's, then the judged ones) by more than
 #: this part is not assembled (estimates err by under 1% on the benchmark batches)
 ASSEMBLE_MARGIN = 0.015
+#: on several replicas the units are also made with every item of more rows than these parts of
+#: the row budget cut (its subtree split as L1 splits pieces, a cut no shorter than its longest
+#: path), when the units' row bound is at most ``ITEM_CUT_SLOTS`` slots (with more microbatches
+#: per replica the whole items balance as well)
+ITEM_CUTS = (0.7,)
+ITEM_CUT_SLOTS = 16
 
 
 @gc_paused
@@ -121,24 +132,33 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     plan, plan_key = keep, (step_cost(keep), keep_tokens)
     units = window_units(ix, l1, model, mpr)
     if dp == 1 or any(u.kind == "core" for u in units):  # one replica: free pieces may fill spare rows
-        unit_sets = [units]
-        n_windows = sum(u.kind == "core" for u in units)
-        if 1 < dp and n_windows <= WINDOW_SPLIT_PER_REPLICA * dp:  # few windows: split the costliest
-            for share in WINDOW_SPLIT_SHARES:
-                split = split_windows(ix, units, model, dp, share)
-                if split is not None:
-                    unit_sets.append(split)
+        bases = [units]  # the units, and on several replicas those with their largest items cut
+        if 1 < dp and math.ceil(math.ceil(sum(u.rows for u in units) / M) / dp) <= ITEM_CUT_SLOTS:
+            largest = max((u.rows for u in units if u.kind == "item"), default=0)
+            for part in ITEM_CUTS:
+                if largest > part * M:
+                    bases.append(window_units(ix, l1, model, mpr, item_rows=int(part * M)))
+        unit_sets = []  # (units, the base they come from)
+        for b, us in enumerate(bases):
+            unit_sets.append((us, b))
+            n_windows = sum(u.kind == "core" for u in us)
+            if 1 < dp and n_windows <= WINDOW_SPLIT_PER_REPLICA * dp:  # few windows: split the costliest
+                for share in WINDOW_SPLIT_SHARES:
+                    split = split_windows(ix, us, model, dp, share)
+                    if split is not None:
+                        unit_sets.append((split, b))
         overhead = model.coefficients.microbatch + model.coefficients.kda_call
         packs = []
         estimates = set()  # the estimates in packs
-        for us in unit_sets:
+        family = {}  # a packing (its id) -> the base of its units
+        for us, base in unit_sets:
             S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
             # one replica: no target (every slot count packs the same); several: the spreading
             # packer too, and a larger tolerance only where the smaller one turned a placement away
             # (split windows: the spreading packer alone; the window packer's plans of them lost
             # to it on every benchmark batch)
             arrays = unit_arrays(us) if dp > 1 else None
-            for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not units else \
+            for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not bases[base] else \
                     (pack_windows, pack_spread):
                 for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1):
                     bound = True
@@ -151,15 +171,25 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                             if est not in estimates:  # the same packing again (tolerance unused)
                                 estimates.add(est)
                                 packs.append((est, len(packs), packed))
+                                family[id(packed)] = base
         packs.sort(key=lambda p: p[:2])
+
+        def of(base):  # the packings of one base's units, best estimate first
+            return [p for p in packs if family[id(p[2])] == base]
+
         refined = {}  # a refined packing -> the packing it refines
-        if dp > 1 and BALANCE_MOVES and packs:  # the best packings evened out per slot
-            k = BALANCE_PACKINGS[len(packs[0][2][0]) >= BALANCE_MORE_BINS]
-            for _, _, packed in packs[:k]:
-                even = rebalance(ix, packed, dp, M, overhead)
-                if even is not None:
-                    refined[id(even)] = packed
-                    packs.append((estimate_step(even, dp, overhead), len(packs), even))
+        if dp > 1 and BALANCE_MOVES and packs:  # each base's best packings evened out per slot
+            for base in range(len(bases)):
+                mine = of(base)
+                if not mine:
+                    continue
+                k = BALANCE_PACKINGS[len(mine[0][2][0]) >= BALANCE_MORE_BINS]
+                for _, _, packed in mine[:k]:
+                    even = rebalance(ix, packed, dp, M, overhead)
+                    if even is not None:
+                        refined[id(even)] = packed
+                        family[id(even)] = base
+                        packs.append((estimate_step(even, dp, overhead), len(packs), even))
             packs.sort(key=lambda p: p[:2])
         assembled = {}
 
@@ -168,24 +198,25 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 assembled[id(packed)] = window_plan(ix, packed, dp=dp, M=M, model=model)
             return assembled[id(packed)]
 
-        judged = 0
-        for est, _, packed in packs[:2 * ASSEMBLED]:
-            if judged == ASSEMBLED or est > plan_key[0] * (1.0 + ASSEMBLE_MARGIN):
-                break  # the rest estimated longer than the best plan by more than estimates err
-            if packed_rows(ix, packed) > keep_tokens:
-                continue  # more rows than L1's tokens: never a candidate (not assembled)
-            cand = assemble(packed)
-            if cand is None or cand.tokens_computed > keep_tokens:
-                continue  # not a candidate: the next packing by estimate is assembled instead
-            if id(packed) in refined and cand.tokens_computed > packed_rows(ix, refined[id(packed)]):
-                # the balance pass never computes more tokens (exactly; its source's rows bound its tokens)
-                src = assemble(refined[id(packed)])
-                if src is not None and cand.tokens_computed > src.tokens_computed:
-                    continue
-            judged += 1
-            key = (step_cost(cand), cand.tokens_computed)
-            if key < plan_key:
-                plan, plan_key = cand, key
+        for base in range(len(bases)):  # each base's best packings by estimate judged exactly
+            judged = 0
+            for est, _, packed in of(base)[:2 * ASSEMBLED]:
+                if judged == ASSEMBLED or est > plan_key[0] * (1.0 + ASSEMBLE_MARGIN):
+                    break  # the rest estimated longer than the best plan by more than estimates err
+                if packed_rows(ix, packed) > keep_tokens:
+                    continue  # more rows than L1's tokens: never a candidate (not assembled)
+                cand = assemble(packed)
+                if cand is None or cand.tokens_computed > keep_tokens:
+                    continue  # not a candidate: the next packing by estimate is assembled instead
+                if id(packed) in refined and cand.tokens_computed > packed_rows(ix, refined[id(packed)]):
+                    # the balance pass never computes more tokens (exactly; its source's rows bound its tokens)
+                    src = assemble(refined[id(packed)])
+                    if src is not None and cand.tokens_computed > src.tokens_computed:
+                        continue
+                judged += 1
+                key = (step_cost(cand), cand.tokens_computed)
+                if key < plan_key:
+                    plan, plan_key = cand, key
     plan.plan_seconds = time.perf_counter() - t0
     return plan
 

@@ -59,7 +59,7 @@ class _Unit:
 
 
 def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
-                 min_producer_rows: int) -> List[_Unit]:
+                 min_producer_rows: int, item_rows: Optional[int] = None) -> List[_Unit]:
     """Cores, items and free pieces of ``l1`` (steps 1-2 of the module docstring).
 
     A tree's shared set ``U`` (segments computed in two or more L1 microbatches) is closed
@@ -68,9 +68,11 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
     into pieces of at most ``M`` rows by L1's split, the core's rows counting as external).  A
     tree is produced when its core has at least ``min_producer_rows`` rows and its core plus
     items compute fewer tokens (replay included) than its L1 pieces; else its L1 pieces are
-    free units."""
+    free units.  ``item_rows``: a subtree of more rows (at most ``M``) is cut into pieces of at
+    most that many rows (or its longest path, when longer), its rows above a cut recomputed."""
     from .l1 import split_piece  # local: l1 imports nothing of l2, the import is cheap
     M = l1.row_budget
+    cut = M if item_rows is None else min(M, int(item_rows))
     S = ix.num_segments
     pieces: Dict[int, List[Tuple[List[int], List[int]]]] = {}
     length, start, par = ix.length_list, ix.start_list, ix.parent
@@ -132,13 +134,16 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
                     x = par[x]
                 path_cost = sum([body_c[x] for x in path])
                 replay = start[s] % B
-                if sub_rows[s] <= M:  # the whole subtree, ids s..e-1 (preorder), nothing recomputed
+                if sub_rows[s] <= cut:  # the whole subtree, ids s..e-1 (preorder), nothing recomputed
                     own_rows = sum(length[s:e])
                     items.append(_Unit("item", t, list(range(s, e)), [], own_rows, own_rows, sum(own_c[s:e]),
                                        rp * replay, path, start[s], path_cost, replay=replay))
                     tokens += own_rows + replay
                     continue
-                for piece in split_piece(ix, list(range(s, e)), [], M + start[s]):
+                budget = M + start[s]
+                if cut < M and sub_rows[s] <= M:  # cut below the budget: at least its longest path
+                    budget = max(cut + start[s], max(start[x] + length[x] for x in range(s, e)))
+                for piece in split_piece(ix, list(range(s, e)), [], budget):
                     own, rec = piece[0], piece[1]
                     own_rows = sum([length[x] for x in own])
                     rows = own_rows + sum([length[x] for x in rec])
