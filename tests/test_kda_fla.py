@@ -345,7 +345,7 @@ def test_padded_equals_varlen(gpu):
 def test_export_equals_split_calls(gpu, cut):
     """Sequences computed as [0, cut) then [cut, L) from the first part's final state, vs one call
     exporting the state at cut: same outputs, states and gradients (cut aligned: same chunks;
-    unaligned: chunks differ, equal to rounding)."""
+    unaligned: chunks differ, equal to fp32 rounding)."""
     H, K, V = FP32_SHAPE
     lens = [300, 250]
     N, T = len(lens), max(lens)
@@ -384,7 +384,11 @@ def test_export_equals_split_calls(gpu, cut):
     errs = {"o": rel(o_a, o_b), "state": rel(s_a, s_b)}
     errs.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), g_a, g_b)})
     report("export_vs_split", cut=cut, **errs)
-    assert all(e < 1e-5 for e in errs.values()), errs
+    # aligned: the same chunks, the same operations (measured 0); unaligned: the second part's
+    # chunks start elsewhere, fp32 rounding over 200 more tokens (measured up to 2.6e-5 on an
+    # H200), held to the fp32 bound of the issue (1e-4 relative)
+    tol = 1e-6 if cut % CHUNK == 0 else 1e-4
+    assert all(e < tol for e in errs.values()), errs
 
 
 # ---------------------------------------------------------------------------

@@ -7,9 +7,10 @@ for the duration of its forward, sliced to this rank's rows under sequence
 parallelism.  ``HybridMoELayer`` is megatron's MoELayer whose selective
 recomputation (``--recompute-modules moe``) re-enters the occurrence counts
 captured at forward time, so the recomputed router (run during backward,
-outside the layer's forward) attaches the same q-weighted aux loss.  ``hybrid_block_spec(config)`` builds the per-layer specs from the
+outside the layer's forward) attaches the same q-weighted aux loss, and whose
+all-gather token dispatcher is ``models.dispatcher.SyncFreeAllGatherDispatcher``.  ``hybrid_block_spec(config)`` builds the per-layer specs from the
 config's layer and MLP patterns; everything else (norms, bias-dropout-add,
-MLP, MoE layer, experts, dispatcher) is megatron-core's.
+MLP, MoE layer, the dispatchers' communication) is megatron-core's.
 """
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from typing import List
 from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules, get_default_pg_collection
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from .dispatcher import SyncFreeAllGatherDispatcher
 from .experts import GroupedSequentialMLP
 from .kda import KDASubmodules, KimiDeltaAttention
 from .mla import MLASubmodules, TreeMLA
@@ -33,7 +35,16 @@ from .router import HybridRouter
 
 
 class HybridMoELayer(MoELayer):
-    """MoELayer whose own activation recomputation keeps the router's tree occurrence counts."""
+    """MoELayer whose own activation recomputation keeps the router's tree occurrence counts, and
+    whose all-gather dispatcher permutes without host synchronization (``models.dispatcher``)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
+        if config.moe_token_dispatcher_type == "allgather":
+            self.token_dispatcher = SyncFreeAllGatherDispatcher(self.num_local_experts, self.local_expert_indices,
+                                                                config=self.config, pg_collection=pg_collection)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         weights = self.router.token_weight_state()
