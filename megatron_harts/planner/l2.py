@@ -52,7 +52,7 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    (``ITEM_CUT_SLOTS``), the units are also made with their items larger than parts
    ``ITEM_CUTS`` of the row budget cut (L1's split below the item's root, a cut no shorter
    than its longest path): an item as large as a microbatch otherwise sets its slot's
-   maximum alone.  Per base unit set (the units, and each cut of them, with their split
+   maximum alone (the balance pass refines only their best packing).  Per base unit set (the units, and each cut of them, with their split
    windows), only the best ``ASSEMBLED`` by that estimate that compute no more tokens than
    L1 (and a refined one no more than the packing it refines) are judged exactly, none
    estimated over ``ASSEMBLE_MARGIN`` longer than the best plan so far.
@@ -183,7 +183,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 mine = of(base)
                 if not mine:
                     continue
-                k = BALANCE_PACKINGS[len(mine[0][2][0]) >= BALANCE_MORE_BINS]
+                k = BALANCE_PACKINGS[base == 0 and len(mine[0][2][0]) >= BALANCE_MORE_BINS]
                 for _, _, packed in mine[:k]:
                     even = rebalance(ix, packed, dp, M, overhead)
                     if even is not None:
