@@ -96,11 +96,12 @@ def visible_pairs(plan):
 
 
 def run_mode(argv, forest, iters, warmup, device, profile=False):
-    """Timed steps of one mode (median after ``warmup``), their metrics, peak memory, the plan, and
-    with ``profile`` the profile of one more step (``profile_step``)."""
+    """Timed steps of one mode (median after ``warmup``), their metrics, the loss of every step (warm-ups
+    included: the first is at the initial weights, the same in every mode up to rounding), peak memory,
+    the plan, and with ``profile`` the profile of one more step (``profile_step``)."""
     from megatron_harts.training.trainer import Trainer
     with Trainer.from_args(argv) as t:
-        times, metrics = [], []
+        times, metrics, losses = [], [], []
         for i in range(warmup + iters):
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -108,6 +109,7 @@ def run_mode(argv, forest, iters, warmup, device, profile=False):
                     torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             m = t.step(forest)
+            losses.append(m["loss"])
             if device == "cuda":
                 torch.cuda.synchronize()
             if i >= warmup:
@@ -116,7 +118,7 @@ def run_mode(argv, forest, iters, warmup, device, profile=False):
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
         plan = t._plan(forest)
         prof = profile_step(t, forest, device) if profile else None
-        return times, metrics, peak, plan, prof
+        return times, metrics, losses, peak, plan, prof
 
 
 #: kernel-name patterns of the profile's categories, first match wins (fla's KDA kernels, FlexAttention's
@@ -320,7 +322,7 @@ def main(argv=None):
             argv_mode = common + ["--tree-sharing", sharing, "--tree-kda-call-plan", call_plan]
             left = release_memory(a.device)
             key = "expanded" if sharing == "off" else f"tree_{sharing}" + ("" if call_plan == "harts" else f"_{call_plan}")
-            times, metrics, peak, plan, prof = run_mode(argv_mode, forest, a.iters, a.warmup, a.device,
+            times, metrics, losses, peak, plan, prof = run_mode(argv_mode, forest, a.iters, a.warmup, a.device,
                                                         profile=bool(a.profile))
             t = statistics.median(times)
             m = metrics[-1]
@@ -332,8 +334,9 @@ def main(argv=None):
                 "compression": m["compression"], "kda_calls": m["kda_calls"], "replay_tokens": m["replay_tokens"],
                 "microbatches": m["microbatches"],
                 "windows": m["windows"], "peak_export_bytes": m["peak_export_bytes"],
-                "peak_memory_gib": peak, "loss": m["loss"], "allocated_at_start_gib": left,
-                # what this mode itself needed: megatron state of earlier modes' trainers is not all freed
+                "peak_memory_gib": peak, "loss": m["loss"], "loss_per_step": losses, "allocated_at_start_gib": left,
+                # what this mode itself needed above what the process held when it started (a closed
+                # Trainer frees its model and optimizer: ~0.06 GiB of caches remain)
                 "peak_memory_above_start_gib": None if peak is None else peak - left,
                 "mfu": flops / (t * peak_flops) if peak_flops else None}
             results["schemes"][scheme] = row
