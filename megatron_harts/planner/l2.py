@@ -96,7 +96,7 @@ WINDOW_SPLIT_PER_REPLICA = 2.5
 #: L1; at most twice as many are assembled)
 ASSEMBLED = 2
 #: a packing estimated longer than the best plan so far (L1's, then the judged ones) by more than
-#: this part is not assembled (estimates err by under 1% on the benchmark batches)
+#: this part is not assembled (estimates err by at most 1.1% on the benchmark batches)
 ASSEMBLE_MARGIN = 0.015
 #: on several replicas the units are also made with every item of more rows than these parts of
 #: the row budget cut (its subtree split as L1 splits pieces, a cut no shorter than its longest
