@@ -152,7 +152,7 @@ def measure_step(trainer, forest, plan, settings, index, *, repeat: int, timer) 
 
     ddp = trainer.model[0]
     device = trainer.device
-    normalizer = forest_normalizer(forest).to(device)
+    normalizer = forest_normalizer(forest)
     counters = {}
     step_fn = make_forward_step(trainer.objective, normalizer, aux_loss_scale=1.0 / max(len(plan.microbatches), 1),
                                 counters=counters)

@@ -162,7 +162,14 @@ def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 class _RowsAndTargets:
-    """What every microbatch batch form shares: row and target counts, moving to a device."""
+    """What every microbatch batch form shares: row and target counts, moving to a device.
+
+    ``host_copy``: on a copy made by :meth:`to` from host (CPU) tensors, that host batch (else
+    None): per-microbatch metadata (conv taps, block masks, loss scales) is built from it on the
+    host, so building it never waits for the device.
+    """
+
+    host_copy = None
 
     @property
     def num_rows(self) -> int:
@@ -178,7 +185,10 @@ class _RowsAndTargets:
         for f in fields(self):
             v = getattr(self, f.name)
             kw[f.name] = host_to_device(v, device) if isinstance(v, torch.Tensor) else v
-        return type(self)(**kw)
+        out = type(self)(**kw)
+        out.host_copy = self.host_copy if self.host_copy is not None else \
+            (self if self.tokens.device.type == "cpu" else None)
+        return out
 
 
 @dataclass

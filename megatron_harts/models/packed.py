@@ -290,7 +290,9 @@ class TreePackedSeqParams(PackedSeqParams):
                              f"trees only, and this layout {role}: --tree-kda-call-plan {call_plan} needs "
                              "--tree-sharing within")
         device = torch.device(device) if device is not None else layout.prev.device
-        taps = build_conv_taps(layout, conv_kernel).to(device)     # built where the layout is (the host)
+        # conv taps and block mask are built on the host (from the layout's host copy) and moved
+        host = layout.host_copy if layout.host_copy is not None else layout
+        taps = build_conv_taps(host, conv_kernel).to(device)
         layout = layout.to(device)
         consumer_index = None
         if layout.num_context_rows:
@@ -356,7 +358,7 @@ class TreePackedSeqParams(PackedSeqParams):
         if attention_backend == "flex":
             from ..ops.tree_attention import build_tree_block_mask
             block_mask = build_tree_block_mask(
-                layout, context_visibility=layout.context_visibility if layout.num_context_rows else None,
+                host, context_visibility=host.context_visibility if host.num_context_rows else None,
                 device=device)
         R = layout.num_rows
         cu = torch.tensor([0, R], dtype=torch.int32, device=device)

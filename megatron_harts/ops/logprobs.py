@@ -165,10 +165,13 @@ class MultiTargetLogprobs(torch.autograd.Function):
             del logp, p
             p0, p1 = pair_bounds[i], pair_bounds[i + 1]
             if p1 > p0:
+                # pairs of another rank's vocabulary shard add an exact zero (no data-dependent
+                # selection: it would read its size back from the device)
                 ok = in_shard[p0:p1]
-                rows = pair_lrow[p0:p1][ok] - c0
-                cols = pair_token[p0:p1][ok] - vocab_start
-                grad_z.index_put_((rows, cols), g[p0:p1][ok], accumulate=True)
+                rows = pair_lrow[p0:p1] - c0
+                cols = torch.where(ok, pair_token[p0:p1] - vocab_start, torch.zeros_like(pair_token[p0:p1]))
+                grad_z.index_put_((rows, cols), torch.where(ok, g[p0:p1], torch.zeros_like(g[p0:p1])),
+                                  accumulate=True)
             gz = grad_z.to(hidden.dtype)
             if need_h:
                 grad_hidden[c0:c1] = gz @ weight
@@ -200,7 +203,7 @@ def _check_inputs(hidden, weight, pair_row, pair_token, chunk_rows, vocab_size):
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool)
                                    or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive integer or None, got {chunk_rows!r}")
-    if pair_row.numel():
+    if pair_row.numel() and pair_row.device.type == "cpu":   # value checks where they cost no device read
         lo, hi = int(pair_row.min()), int(pair_row.max())
         if lo < 0 or hi >= hidden.shape[0]:
             bad = lo if lo < 0 else hi

@@ -32,7 +32,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from ..layout import CompactLayout, Visibility
+from ..layout import CompactLayout, Visibility, host_to_device
 
 __all__ = ["tree_attention", "build_tree_block_mask", "set_flex_compile_mode", "BACKENDS"]
 
@@ -147,7 +147,9 @@ def build_tree_block_mask(visibility: VisibilityLike, *, context_visibility: Opt
     if not isinstance(block_size, int) or block_size < 16 or block_size % 16:
         raise ValueError(f"block_size must be a positive multiple of 16, got {block_size!r}")
     device = torch.device(device) if device is not None else vis.offsets.device
-    starts, ends = _kv_intervals(vis, context_visibility, device)
+    # computed where the intervals live (the host, for a layout from the planner) and moved once
+    work = vis.offsets.device
+    starts, ends = _kv_intervals(vis, context_visibility, work)
     R = vis.num_queries
     K = starts.shape[0]
     bs = block_size
@@ -155,12 +157,12 @@ def build_tree_block_mask(visibility: VisibilityLike, *, context_visibility: Opt
 
     # interval -> (key block, range of touched / fully covered query blocks): difference arrays
     s, e = starts.reshape(-1), ends.reshape(-1)
-    kb = (torch.arange(K, device=device) // bs).repeat_interleave(starts.shape[1])
+    kb = (torch.arange(K, device=work) // bs).repeat_interleave(starts.shape[1])
     real = s < e
     s, e, kb = s[real], e[real], kb[real]
     width = nq + 1
-    touch = torch.zeros(nk * width, dtype=torch.int64, device=device)
-    full = torch.zeros(nk * width, dtype=torch.int64, device=device)
+    touch = torch.zeros(nk * width, dtype=torch.int64, device=work)
+    full = torch.zeros(nk * width, dtype=torch.int64, device=work)
     one = torch.ones_like(s)
     touch.index_add_(0, kb * width + s // bs, one)
     touch.index_add_(0, kb * width + (e - 1) // bs + 1, -one)
@@ -184,6 +186,8 @@ def build_tree_block_mask(visibility: VisibilityLike, *, context_visibility: Opt
     pad = nk * bs - K
     starts_p = torch.cat([starts, starts.new_zeros(pad, starts.shape[1])])
     ends_p = torch.cat([ends, ends.new_zeros(pad, ends.shape[1])])
+    kv_num, kv_idx, full_num, full_idx, starts_p, ends_p = (host_to_device(t, device) for t in (
+        kv_num, kv_idx, full_num, full_idx, starts_p, ends_p))
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
                                     mask_mod=_interval_mask_mod(starts_p, ends_p), seq_lengths=(R, K))
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..layout import host_to_device
 from ..planner.l1 import plan_l1
 from ..planner.l2 import plan_harts
 from ..planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ffd
@@ -205,7 +206,7 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
     """``forward_step_func(data_iterator, model)`` of the schedule for the driver's objective.
 
     The loss of a microbatch: the objective over the targets it owns, each scaled by its
-    global-batch normalization (``normalizer``).  ``counters`` (pass ``{}``; its keys are
+    global-batch normalization (``normalizer``, on the host: the scales are computed there).  ``counters`` (pass ``{}``; its keys are
     filled here) accumulates the step's loss, objective terms, KDA calls, KDA replay tokens and
     q-weighted tokens per expert.
     """
@@ -229,15 +230,18 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
         lp_pairs, entropy_rows = out if need_entropy else (out, None)
         lp = lp_pairs[batch.target_pair]
         entropy = entropy_rows[batch.target_row] if need_entropy else None
-        traj = torch.as_tensor(batch.traj_forest, device=dev)[batch.target_traj]
+        # the targets' loss scales, computed on the host (from the batch's host copy)
+        host = batch.host_copy if batch.host_copy is not None else batch
+        traj = torch.as_tensor(host.traj_forest)[host.target_traj.cpu()]
+        weight = host.target_weight.cpu()
         if mb.owned is None:
-            scale = target_scale(normalizer, traj, batch.target_weight.to(dev), objective.loss_agg_mode)
+            scale = target_scale(normalizer, traj, weight, objective.loss_agg_mode)
         else:       # targets another microbatch owns weigh 0 (and need not belong to this step's normalizer)
-            owned = mb.owned.to(dev)
-            scale = torch.zeros(batch.num_targets, dtype=torch.float64, device=dev)
+            owned = mb.owned.cpu()
+            scale = torch.zeros(batch.num_targets, dtype=torch.float64)
             if bool(owned.any()):
-                scale[owned] = target_scale(normalizer, traj[owned], batch.target_weight.to(dev)[owned],
-                                            objective.loss_agg_mode)
+                scale[owned] = target_scale(normalizer, traj[owned], weight[owned], objective.loss_agg_mode)
+        scale = host_to_device(scale, dev)
         # KDA calls per KDA layer: the tree schedule's, or one varlen call for packed trajectories
         counters["kda_calls"] += len(psp.kda_schedule.calls) if psp.kda_schedule is not None else 1
         counters["replay_tokens"] += int(psp.kda_schedule.replay_tokens) if psp.kda_schedule is not None else 0
@@ -250,9 +254,11 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
             except ObjectiveDataError as e:
                 t = batch.traj_ids[int(batch.target_traj[e.target_index])]
                 raise ObjectiveDataError(f"trajectory {t!r}: {e}", e.field, e.count, e.target_index) from None
+            # summed on the device, read once per step (a read per microbatch would stall the host
+            # between a microbatch's forward and its backward)
             for k, v in terms.items():
-                counters["terms"][k] = counters["terms"].get(k, 0.0) + float(v)
-            counters["loss"] += float(loss.detach())
+                counters["terms"][k] = counters["terms"].get(k, 0.0) + v.detach()
+            counters["loss"] = counters["loss"] + loss.detach()
             return loss, {}
         return lp, loss_func
     return forward_step
@@ -320,7 +326,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     items = replica_microbatches(forest, plan, replica, settings,
                                  aligned=parallel_state.get_expert_model_parallel_world_size() > 1)
     items = [WindowedMicrobatch(mb.layout.to(device), mb.owned, mb.producer, mb.replay, mb.counted) for mb in items]
-    normalizer = forest_normalizer(forest).to(device)
+    normalizer = forest_normalizer(forest)
     total_mbs = len(plan.microbatches)
     counters: Dict[str, Any] = {}
     step_fn = make_forward_step(objective, normalizer, aux_loss_scale=1.0 / max(total_mbs, 1), counters=counters)
@@ -341,8 +347,8 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     if unknown:
         raise RuntimeError(f"objective terms {unknown} are missing from objective_term_names")
     rows = sum(int(mb.layout.num_rows) for mb in items)
-    local = [counters["loss"], float(counters["kda_calls"]), float(rows), float(counters["replay_tokens"])] + \
-        [counters["terms"].get(k, 0.0) for k in term_names]
+    local = [float(counters["loss"]), float(counters["kda_calls"]), float(rows), float(counters["replay_tokens"])] + \
+        [float(counters["terms"].get(k, 0.0)) for k in term_names]
     if not last:
         local = [0.0] * len(local)
     reduced = _all_reduce_sum(local, device)
