@@ -237,18 +237,24 @@ def logit_cosine(argv, forest, device, max_tokens: int = 8192):
     """Logit cosines on ``cosine_sample`` at the initial weights (``models.fidelity.run_bf16``):
     tree vs expanded in the run's dtype (``logit_cosine``), and each of them against the fp32
     oracle, expanded mode on an fp32 copy of the same weights (``logit_cosine_tree_vs_fp32``,
-    ``logit_cosine_expanded_vs_fp32``): bf16 rounding's own size, which tree mode should match."""
+    ``logit_cosine_expanded_vs_fp32``): bf16 rounding's own size, which tree mode should match;
+    also each mode's gradients against the oracle's (``models.fidelity.bf16_verdict``): the
+    largest relative difference, its tensor, and ``sign_step_alignment`` (how much of the first
+    Adam step's first-order loss decrease the mode's gradients keep)."""
     from megatron_harts.layout import build_layout
-    from megatron_harts.models.fidelity import logit_cosine as cosine, run_bf16
+    from megatron_harts.models.fidelity import bf16_verdict, logit_cosine as cosine, run_bf16
     from megatron_harts.training.trainer import Trainer
     one = cosine_sample(forest, max_tokens)
     with Trainer.from_args(argv) as t:
         model = t.model[0].module
         lay = build_layout(one)
         a, b, oracle = run_bf16(model, one, lay, t.config, device=device)
+        v = bf16_verdict(a, b, oracle)
+        grads = {f"{m}_{who}_vs_fp32": v[f"{m}_{who}_vs_fp32"] for who in ("tree", "expanded")
+                 for m in ("max_grad_rel_diff", "worst_grad", "sign_step_alignment")}
         return {"logit_cosine": cosine(a.logits, b.logits),
                 "logit_cosine_tree_vs_fp32": cosine(a.logits, oracle.logits),
-                "logit_cosine_expanded_vs_fp32": cosine(b.logits, oracle.logits),
+                "logit_cosine_expanded_vs_fp32": cosine(b.logits, oracle.logits), **grads,
                 "logit_cosine_sample": {"trajectories": one.num_trajectories,
                                         "expanded_tokens": int(one.traj_length.sum())}}
 

@@ -12,7 +12,8 @@ from tool_runner import assert_one_error, load_tool, run_tool
 KEYS = {"max_logprob_abs_diff", "max_grad_rel_diff", "loss_abs_diff", "aux_loss_abs_diff", "tokens_per_expert_equal",
         "logit_cosine", "oracle_max_logprob_abs_diff"}
 BF16_KEYS = {f"{m}_{who}_vs_fp32" for m in ("logit_cosine", "max_logprob_abs_diff", "mean_logprob_abs_diff",
-                                            "loss_abs_diff", "max_grad_rel_diff") for who in ("tree", "expanded")} | \
+                                            "loss_abs_diff", "max_grad_rel_diff", "worst_grad", "sign_step_alignment")
+             for who in ("tree", "expanded")} | \
     {"loss_fp32", "bf16_min_logit_cosine", "bf16_max_mean_logprob_abs_diff"}
 
 
@@ -129,6 +130,20 @@ def test_bf16_verdict_against_the_fp32_oracle():
     assert verdict["failed"] == [] and verdict["bf16_min_logit_cosine"] == 1 - fidelity.BF16_COSINE_FLOOR
     verdict = bf16_verdict(_noisy(oracle, logits=1e-2, logprobs=1e-4, seed=5), _copy(oracle), oracle)
     assert verdict["failed"] == ["logit_cosine_tree_vs_fp32", "mean_logprob_abs_diff_tree_vs_fp32"]
+
+
+def test_sign_step_alignment_and_worst_gradient():
+    """A run's gradients against the oracle's: the first-order decrease of a sign step along them
+    relative to the oracle's own (1 for the same signs), and the tensor of the largest deviation."""
+    oracle = _run()
+    report = bf16_verdict(_copy(oracle), _copy(oracle), oracle)
+    assert report["sign_step_alignment_tree_vs_fp32"] == 1.0
+    a, b = oracle.grads["a"], oracle.grads["b"]
+    flipped = _copy(oracle, grads={"a": a, "b": -b})       # every sign of "b" wrong
+    report = bf16_verdict(flipped, _copy(oracle), oracle)
+    want = float((a.abs().sum() - b.abs().sum()) / (a.abs().sum() + b.abs().sum()))
+    assert abs(report["sign_step_alignment_tree_vs_fp32"] - want) < 1e-12
+    assert report["worst_grad_tree_vs_fp32"] == "b" and report["max_grad_rel_diff_tree_vs_fp32"] == 2.0
 
 
 def test_bf16_tree_matches_expanded_within_bf16_rounding(capsys):

@@ -195,6 +195,9 @@ def _reset(model):
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
     clear_aux_losses_tracker()
     model.zero_grad(set_to_none=True)
+    for p in model.parameters():        # a module under megatron DDP: its hooks move .grad to main_grad
+        if getattr(p, "main_grad", None) is not None:
+            p.main_grad.zero_()
     for l in model.decoder.layers:
         r = getattr(getattr(l, "mlp", None), "router", None)
         if r is not None and getattr(r, "local_tokens_per_expert", None) is not None:
@@ -205,7 +208,11 @@ def _finish(model, lp, layout, logits) -> ModeRun:
     loss, scale = pg_loss(lp, layout.target_weight.to(lp.device), layout.target_advantage.to(lp.device),
                           layout.target_old_logprob.to(lp.device))
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+        if g is not None:
+            grads[n] = g.detach().clone()
     aux, tpe = _moe_state(model)
     return ModeRun(lp.detach(), loss.detach(), scale, grads, aux, tpe, logits)
 
@@ -321,21 +328,29 @@ def _rel(diff: float, scale: float) -> float:
 
 def _against(run: ModeRun, oracle: ModeRun) -> dict:
     """Deviation of ``run`` from ``oracle``: logit cosine, log-prob max/mean |difference|, loss
-    |difference|, largest relative gradient difference (each tensor to the oracle's largest)."""
+    |difference|, largest relative gradient difference (each tensor to the oracle's largest) and
+    the tensor it occurs in, and ``sign_step_alignment``: sum(g_oracle * sign(g_run)) /
+    sum(|g_oracle|) over all gradients, the first-order loss decrease of a sign step (what Adam's
+    first update is) along the run's gradients relative to one along the oracle's (1 = as good)."""
     d = (run.logprobs.double().cpu() - oracle.logprobs.double().cpu()).abs()
-    grad = 0.0
+    grad, worst, along, best = 0.0, "", 0.0, 0.0
     for n, go in oracle.grads.items():
         g = run.grads.get(n)
         if g is None:
-            grad = float("inf")
+            grad, worst, along = float("inf"), n, float("nan")
             break
-        go = go.double().cpu()
-        grad = max(grad, _rel(float((g.double().cpu() - go).abs().max()), float(go.abs().max())))
+        go, g = go.double().cpu(), g.double().cpu()
+        rel = _rel(float((g - go).abs().max()), float(go.abs().max()))
+        if not worst or rel > grad:
+            grad, worst = rel, n
+        along += float((go * g.sign()).sum())
+        best += float(go.abs().sum())
     return {"logit_cosine": logit_cosine(run.logits, oracle.logits),
             "max_logprob_abs_diff": float(d.max()) if d.numel() else 0.0,
             "mean_logprob_abs_diff": float(d.mean()) if d.numel() else 0.0,
             "loss_abs_diff": abs(float(run.loss) - float(oracle.loss)),
-            "max_grad_rel_diff": grad}
+            "max_grad_rel_diff": grad, "worst_grad": worst,
+            "sign_step_alignment": along / best if best > 0 else float("nan")}
 
 
 def bf16_verdict(tree: ModeRun, expanded: ModeRun, oracle: ModeRun) -> dict:
