@@ -96,12 +96,12 @@ def visible_pairs(plan):
 
 
 def run_mode(argv, forest, iters, warmup, device, profile=False):
-    """Timed steps of one mode (median after ``warmup``), their metrics, the loss of every step (warm-ups
-    included: the first is at the initial weights, the same in every mode up to rounding), peak memory,
-    the plan, and with ``profile`` the profile of one more step (``profile_step``)."""
+    """Timed steps of one mode (median after ``warmup``), their metrics, the loss and gradient norm of
+    every step (warm-ups included: the first at the initial weights, the same in every mode up to
+    rounding), peak memory, the plan, and with ``profile`` the profile of one more step."""
     from megatron_harts.training.trainer import Trainer
     with Trainer.from_args(argv) as t:
-        times, metrics, losses = [], [], []
+        times, metrics, losses = [], [], []   # losses: (loss, grad norm before clipping) of every step
         for i in range(warmup + iters):
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -109,7 +109,7 @@ def run_mode(argv, forest, iters, warmup, device, profile=False):
                     torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             m = t.step(forest)
-            losses.append(m["loss"])
+            losses.append((m["loss"], m["grad_norm"]))
             if device == "cuda":
                 torch.cuda.synchronize()
             if i >= warmup:
@@ -340,7 +340,8 @@ def main(argv=None):
                 "compression": m["compression"], "kda_calls": m["kda_calls"], "replay_tokens": m["replay_tokens"],
                 "microbatches": m["microbatches"],
                 "windows": m["windows"], "peak_export_bytes": m["peak_export_bytes"],
-                "peak_memory_gib": peak, "loss": m["loss"], "loss_per_step": losses, "allocated_at_start_gib": left,
+                "peak_memory_gib": peak, "loss": m["loss"], "loss_per_step": [l for l, _ in losses],
+                "grad_norm_per_step": [g for _, g in losses], "allocated_at_start_gib": left,
                 # what this mode itself needed above what the process held when it started (a closed
                 # Trainer frees its model and optimizer: ~0.06 GiB of caches remain)
                 "peak_memory_above_start_gib": None if peak is None else peak - left,
