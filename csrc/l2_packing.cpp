@@ -268,6 +268,7 @@ py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I6
 }  // namespace
 
 void register_packing(py::module_& m) {
+    register_l1(m);  // L1's core (csrc/l1_plan.cpp): register_l2 (assemble_core.cpp) reaches it through here
     m.def("l2_exception_targets", &l2_exception_targets, py::arg("parent"), py::arg("start"), py::arg("length"),
           py::arg("seg_row"), py::arg("traj_leaf"), py::arg("row_loss_mask"), py::arg("last"), py::arg("exc_traj"),
           py::arg("exc_pos"), py::arg("exc_value"),

@@ -14,6 +14,8 @@ void register_l2(pybind11::module_& m);
 void register_rebalance(pybind11::module_& m);
 void register_spread(pybind11::module_& m);
 void register_windows(pybind11::module_& m);
+// L1's planning core (csrc/l1_plan.cpp), registered by register_packing (csrc/l2_packing.cpp).
+void register_l1(pybind11::module_& m);
 
 // Cost features of one microbatch computing comp[0..m) (sorted, distinct) and owning own[0..mo):
 // out = rows, attention pairs, KDA calls, replay tokens, logits rows, external rows

@@ -16,16 +16,21 @@
 
 The recomputed segments of an L1 plan are exactly the shared prefixes that are candidates for
 producers: L2 decides which of them become producers.
+
+Steps 1-2 with the choice among the ``SPLIT_FACTORS`` variants run in the compiled ``_C.l1_plan``
+when built (``_plan_compiled``); ``_plan_python`` is its reference (tests hold the two equal).
 """
 from __future__ import annotations
 
 import heapq
 import time
+from itertools import accumulate, chain
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .cost_model import CostModel, ForestIndex
+from .compiled import compiled
+from .cost_model import CostFeatures, CostModel, ForestIndex
 from .microbatch import MicrobatchPlan, assemble_plan, check_budget, check_dp, gc_paused, place_sorted
 
 __all__ = ["plan_l1", "split_tree", "pack_pieces", "Piece"]
@@ -37,6 +42,9 @@ Piece = Tuple[List[int], List[int], int]
 #: cost is split; ``None`` splits only to reach ``K`` pieces.  L1 keeps the variant with the
 #: shortest modelled step (sum over slots of the costliest microbatch).
 SPLIT_FACTORS = (None, 1.5, 1.1)
+
+_MB_FEATURES = compiled("microbatch_features")
+_L1_PLAN = compiled("l1_plan")
 
 
 def split_tree(ix: ForestIndex, tree: int, M: int) -> List[Piece]:
@@ -60,8 +68,8 @@ def split_tree(ix: ForestIndex, tree: int, M: int) -> List[Piece]:
 
 def piece_depth(ix: ForestIndex, piece: Piece) -> int:
     """Rows of the longest root path inside a piece (the least budget that can split it)."""
-    segs = np.asarray(piece[0] + piece[1], dtype=np.int64)
-    return int((ix.start[segs] + ix.length[segs]).max())
+    start, length = ix.start_list, ix.length_list
+    return max([start[x] + length[x] for x in chain(piece[0], piece[1])])
 
 
 def split_piece(ix: ForestIndex, owned: List[int], rec: List[int], M: int) -> List[Piece]:
@@ -202,7 +210,31 @@ def _piece_cost(ix: ForestIndex, model: CostModel, piece: Piece) -> float:
 
 
 def _piece_costs(ix: ForestIndex, model: CostModel, pieces: Sequence[Piece]) -> List[float]:
-    """``_piece_cost`` of every piece, the features of all of them in one call (same floats)."""
+    """``_piece_cost`` of every piece, the features of all of them in one call of the compiled
+    ``_C.microbatch_features`` when built (the id lists read into two flat arrays in one pass each),
+    else ``_piece_costs_python`` (the same floats; tests hold them equal)."""
+    global _MB_FEATURES
+    if _MB_FEATURES is not None and pieces:
+        comps = [sorted(p[0] + p[1]) for p in pieces]
+        comp_n = [0, *accumulate(map(len, comps))]
+        own_n = [0, *accumulate([len(p[0]) for p in pieces])]
+        try:
+            out = _MB_FEATURES(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits,
+                               np.array(comp_n, dtype=np.int64),
+                               np.fromiter(chain.from_iterable(comps), dtype=np.int64, count=comp_n[-1]),
+                               np.array(own_n, dtype=np.int64),
+                               np.fromiter(chain.from_iterable([p[0] for p in pieces]), dtype=np.int64,
+                                           count=own_n[-1]), model.chunk_size)
+        except TypeError:  # a different compiled signature: the Python path
+            _MB_FEATURES = None
+        else:
+            mb = model.coefficients.microbatch
+            return [model.cost(CostFeatures(*row)) - mb for row in out.tolist()]
+    return _piece_costs_python(ix, model, pieces)
+
+
+def _piece_costs_python(ix: ForestIndex, model: CostModel, pieces: Sequence[Piece]) -> List[float]:
+    """Reference of ``_piece_costs``: the features of every piece from ``CostModel.features_many``."""
     owns, comps = [], []
     for p in pieces:
         own = np.asarray(p[0], dtype=np.int64)
@@ -269,14 +301,60 @@ def plan_l1(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel]
     ix = index if index is not None else ForestIndex(forest)
     dp = check_dp(dp)
     M = check_budget(ix, row_budget)
+    out = _plan_compiled(ix, model, dp, M)
+    if out is None:
+        out = _plan_python(ix, model, dp, M)
+    groups, placement = out
+    plan = assemble_plan(ix, groups, placement, planner="harts_l1", dp=dp, row_budget=M, cost_model=model)
+    plan.plan_seconds = time.perf_counter() - t0
+    return plan
+
+
+def _compiled_model(model: CostModel) -> bool:
+    """Whether the compiled core computes ``model``'s costs (``CostModel.cost`` on float coefficients)."""
+    c = model.coefficients
+    return type(model).cost is CostModel.cost and all(
+        type(x) is float for x in (c.microbatch, c.row, c.attention_pair, c.kda_call, c.kda_replay_token, c.logits_row))
+
+
+def _plan_compiled(ix: ForestIndex, model: CostModel, dp: int, M: int):
+    """``_plan_python``'s (groups, placement) from ``_C.l1_plan`` (the same values; tests hold them
+    equal), or None when it is not built or does not take ``model``."""
+    global _L1_PLAN
+    if _L1_PLAN is None or not _compiled_model(model):
+        return None
+    c = model.coefficients
+    coef = np.array([c.microbatch, c.row, c.attention_pair, c.kda_call, c.kda_replay_token, c.logits_row],
+                    dtype=np.float64)
+    factors = np.array([-1.0 if f is None else float(f) for f in SPLIT_FACTORS], dtype=np.float64)
+    try:
+        own_off, own, rec_off, rec, place = _L1_PLAN(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits,
+                                                      ix.tree_offsets, coef, model.chunk_size, dp, M, factors)
+    except TypeError:  # a different compiled signature: the Python path
+        _L1_PLAN = None
+        return None
+    oo, ro = own_off.tolist(), rec_off.tolist()
+    groups = [(own[oo[j]:oo[j + 1]], rec[ro[j]:ro[j + 1]]) for j in range(len(oo) - 1)]
+    return groups, [tuple(p) for p in place.tolist()]
+
+
+def _plan_python(ix: ForestIndex, model: CostModel, dp: int, M: int):
+    """Reference of ``_plan_compiled``: steps 1-2 of the module docstring for every variant of
+    ``SPLIT_FACTORS``, the one with the shortest modelled step kept (then the fewest rows);
+    returns its (groups, placement)."""
     base: List[Piece] = []
     for t in range(ix.num_trees):
         base.extend(split_tree(ix, t, M))
     base_costs = _piece_costs(ix, model, base)
     best = None
     memo: dict = {}
+    tried = set()  # the variants' piece lists (by identity: the memo keeps each split's parts)
     for factor in (SPLIT_FACTORS if dp > 1 else (None,)):
         pieces, costs, K = balance_pieces(ix, model, list(base), dp, M, factor, base_costs, memo)
+        ident = tuple(map(id, pieces))
+        if ident in tried:  # the same pieces as an earlier variant: the same bins, not better
+            continue
+        tried.add(ident)
         rows = [p[2] for p in pieces]
         bins = pack_pieces(rows, costs, dp, M, min_bins=K)
         loads = [sum(costs[i] for i in b) + (model.coefficients.microbatch if b else 0.0) for b in bins]
@@ -293,6 +371,4 @@ def plan_l1(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel]
         owned = [x for i in b for x in pieces[i][0]]
         rec = [x for i in b for x in pieces[i][1]]
         groups.append((np.asarray(owned, dtype=np.int64), np.asarray(rec, dtype=np.int64)))
-    plan = assemble_plan(ix, groups, placement, planner="harts_l1", dp=dp, row_budget=M, cost_model=model)
-    plan.plan_seconds = time.perf_counter() - t0
-    return plan
+    return groups, placement
