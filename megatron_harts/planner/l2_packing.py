@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
-
 from .compiled import compiled
 from .l2_units import unit_arrays
 
@@ -77,8 +75,8 @@ def _after_owners(seqs: List[List[int]], after: Dict[int, set]) -> Optional[List
 def packed_rows(ix, packed) -> int:
     """Rows a packing computes (owned and recomputed segments of every microbatch): a lower bound of
     the tokens its plan computes (KDA replay adds to them)."""
-    ids = [np.asarray(g, dtype=np.int64) for own_rec in packed[0] for g in own_rec]
-    return int(ix.length[np.concatenate(ids)].sum()) if ids else 0
+    length = ix.length_list
+    return int(sum([length[x] for own_rec in packed[0] for g in own_rec for x in g]))
 
 
 def estimate_step(packed, dp: int, overhead: float) -> float:

@@ -251,12 +251,13 @@ def unit_arrays(units: List[_Unit]):
     window, owned rows, replay tokens, path rows, rows), float64[units, 3] (cost, replay cost,
     path cost), owned / recomputed / path segments as CSR (offsets, ids)."""
     nu = len(units)
-    ints = np.array([(_KIND[u.kind], u.tree, u.win, u.upper, u.own_rows, u.replay, u.path_rows, u.rows)
-                     for u in units], dtype=np.int64).reshape(nu, 8)
-    flts = np.array([(u.cost, u.replay_cost, u.path_cost) for u in units], dtype=np.float64).reshape(nu, 3)
+    ints = np.fromiter(chain.from_iterable([(_KIND[u.kind], u.tree, u.win, u.upper, u.own_rows, u.replay, u.path_rows,
+                                             u.rows) for u in units]), dtype=np.int64, count=8 * nu).reshape(nu, 8)
+    flts = np.fromiter(chain.from_iterable([(u.cost, u.replay_cost, u.path_cost) for u in units]), dtype=np.float64,
+                       count=3 * nu).reshape(nu, 3)
 
     def csr(lists):
-        off = np.array([0, *accumulate(map(len, lists))], dtype=np.int64)
-        return off, np.array(list(chain.from_iterable(lists)), dtype=np.int64)
+        lens = [0, *accumulate(map(len, lists))]
+        return np.array(lens, dtype=np.int64), np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=lens[-1])
 
     return (ints, flts) + csr([u.owned for u in units]) + csr([u.rec for u in units]) + csr([u.path for u in units])

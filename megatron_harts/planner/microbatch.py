@@ -23,6 +23,7 @@ computed on its own, no sharing, and ``owned``/``recomputed`` are empty.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -395,9 +396,16 @@ _ASSEMBLE = compiled("assemble_core")
 
 
 def _csr(arrays: Sequence) -> Tuple[np.ndarray, np.ndarray]:
-    off = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum([len(a) for a in arrays], out=off[1:])
-    flat = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays]) if arrays else np.zeros(0, np.int64)
+    """``arrays`` (int arrays, or lists / tuples of ints) as CSR (offsets, int64 ids): lists and tuples
+    are read in one pass (``np.fromiter``), arrays concatenated."""
+    lens = [0, *accumulate(map(len, arrays))]
+    off = np.array(lens, dtype=np.int64)
+    if not arrays:
+        return off, np.zeros(0, np.int64)
+    if isinstance(arrays[0], np.ndarray):
+        flat = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays])
+    else:
+        flat = np.fromiter(chain.from_iterable(arrays), dtype=np.int64, count=lens[-1])
     return off, flat.astype(np.int64, copy=False)
 
 
