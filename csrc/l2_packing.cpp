@@ -92,6 +92,23 @@ class L2Packing {
               const std::vector<std::vector<i64>>& rec_l, const std::vector<double>& load,
               const std::vector<std::vector<L2Entry>>& ent, py::list units)
         : units_(std::move(units)) {
+        std::size_t nb = 0, n_own = 0, n_rec = 0, n_ent = 0;  // sizes first: every vector allocated once
+        for (const auto& seq : seqs) {
+            nb += seq.size();
+            for (i64 b : seq) {
+                n_own += own_l[b].size();
+                n_rec += rec_l[b].size();
+                n_ent += ent[b].size();
+            }
+        }
+        per_replica_.reserve(seqs.size());
+        own_.reserve(n_own);
+        rec_.reserve(n_rec);
+        ent_.reserve(n_ent);
+        own_off_.reserve(nb + 1);
+        rec_off_.reserve(nb + 1);
+        ent_off_.reserve(nb + 1);
+        load_.reserve(nb);
         own_off_.push_back(0);
         rec_off_.push_back(0);
         ent_off_.push_back(0);

@@ -519,22 +519,23 @@ py::tuple l2_pack_windows(py::list units, I64Array length_a, I64Array ints_a, F6
 
     py::list out;
     out.append(emit(P, units, has_upper));
-    // variants: leveled; light bins dissolved (they depend on the target); both
-    const auto load0 = P.load;
-    const auto rows0 = P.rows;
-    const auto have0 = P.have;
-    const auto own0 = P.own_l;
-    const auto rec0 = P.rec_l;
-    const auto units0 = P.units_of;
-    const auto total0 = P.total_r;
+    // variants: leveled; light bins dissolved (they depend on the target); both (the state before leveling
+    // kept aside and moved back)
+    auto load0 = P.load;
+    auto rows0 = P.rows;
+    auto have0 = P.have;
+    auto own0 = P.own_l;
+    auto rec0 = P.rec_l;
+    auto units0 = P.units_of;
+    auto total0 = P.total_r;
     if (P.level_all()) out.append(emit(P, units, has_upper));
-    P.load = load0;
-    P.rows = rows0;
-    P.have = have0;
-    P.own_l = own0;
-    P.rec_l = rec0;
-    P.units_of = units0;
-    P.total_r = total0;
+    P.load = std::move(load0);
+    P.rows = std::move(rows0);
+    P.have = std::move(have0);
+    P.own_l = std::move(own0);
+    P.rec_l = std::move(rec0);
+    P.units_of = std::move(units0);
+    P.total_r = std::move(total0);
     const auto tried_emptied = P.dissolve();
     P.bound = P.bound || tried_emptied.first;
     if (tried_emptied.second) {

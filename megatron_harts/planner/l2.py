@@ -68,6 +68,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+
+import numpy as np
 from typing import Optional, Tuple
 
 from .cost_model import CostModel, ForestIndex
@@ -222,9 +224,22 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
 
 
 def step_cost(plan: MicrobatchPlan) -> float:
-    """Modelled step time: sum over slots of the costliest microbatch of the slot."""
-    c = plan.cost_matrix()
-    return float(c.max(axis=0).sum()) if c.size else 0.0
+    """Modelled step time: sum over slots of the costliest microbatch of the slot (an idle replica
+    counting 0.0: the maximum of ``plan.cost_matrix()`` per slot, summed as numpy sums it)."""
+    R, S = plan.slots.shape
+    if R * S == 0:
+        return 0.0
+    top: list = [None] * S
+    count = [0] * S
+    for m in plan.microbatches:
+        k = m.slot
+        count[k] += 1
+        if top[k] is None or m.cost > top[k]:
+            top[k] = m.cost
+    for k in range(S):  # a slot with an idle replica: its 0.0 is in the maximum too
+        if count[k] < R and (top[k] is None or 0.0 > top[k]):
+            top[k] = 0.0
+    return float(np.array(top, dtype=np.float64).sum())
 
 
 def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel] = None,

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from .cost_model import CostModel, ForestIndex
+from .l1 import split_piece
 from .microbatch import MicrobatchPlan
 
 __all__ = ["window_units", "split_windows", "unit_arrays"]
@@ -70,7 +71,6 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
     items compute fewer tokens (replay included) than its L1 pieces; else its L1 pieces are
     free units.  ``item_rows``: a subtree of more rows (at most ``M``) is cut into pieces of at
     most that many rows (or its longest path, when longer), its rows above a cut recomputed."""
-    from .l1 import split_piece  # local: l1 imports nothing of l2, the import is cheap
     M = l1.row_budget
     cut = M if item_rows is None else min(M, int(item_rows))
     S = ix.num_segments
@@ -83,6 +83,9 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
     # count[s]: the L1 microbatches computing s; l1_rows[t]: the rows L1 computes of tree t
     count_a = np.bincount(np.concatenate(ids_all), minlength=S) if ids_all else np.zeros(S, dtype=np.int64)
     count = count_a.tolist()
+    shared: Dict[int, List[int]] = {}  # per tree its segments computed twice or more, in id order
+    for s in np.flatnonzero(count_a >= 2).tolist():
+        shared.setdefault(tree_of[s], []).append(s)
     l1_rows = np.add.reduceat(count_a * ix.length, ix.tree_offsets[:-1]).tolist() if S else []
     for m in mbs:
         # a plan's ids are sorted and a tree's segments are one id range: each tree's ids are a run
@@ -104,9 +107,9 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
     children = ix.children
     units: List[_Unit] = []
     for t in range(ix.num_trees):
-        a, b = offs[t], offs[t + 1]
+        a = offs[t]
         produced = None
-        core = [s for s in range(a, b) if count[s] >= 2]
+        core = shared.get(t, [])
         if core:
             if sum([length[s] for s in core]) > M:  # the most shared top of U that fits
                 core, rows, inset = [], 0, set()
@@ -126,13 +129,17 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
             items: List[_Unit] = []
             tokens = core_rows
             # item roots: the segments outside the core whose parent is in it, in id order
+            paths: Dict[int, Tuple[List[int], float]] = {}  # an item root's parent -> (root path, its cost)
             for s in sorted([c for x in core for c in children[x] if c not in inset]):
                 e = s + sub_size[s]
-                path, x = [], par[s]
-                while x >= 0:
-                    path.append(x)
-                    x = par[x]
-                path_cost = sum([body_c[x] for x in path])
+                got = paths.get(par[s])
+                if got is None:
+                    path, x = [], par[s]
+                    while x >= 0:
+                        path.append(x)
+                        x = par[x]
+                    got = paths[par[s]] = (path, sum([body_c[x] for x in path]))
+                path, path_cost = list(got[0]), got[1]
                 replay = start[s] % B
                 if sub_rows[s] <= cut:  # the whole subtree, ids s..e-1 (preorder), nothing recomputed
                     own_rows = sum(length[s:e])
