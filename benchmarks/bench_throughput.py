@@ -220,17 +220,39 @@ def sync_sites(trainer, forest, top: int = 40):
 
 def cosine_sample(forest, max_tokens: int):
     """The forest of the first trajectories of the smallest tree that hold at most ``max_tokens``
-    expanded tokens (at least two, so the sample has a fork): the fp32 oracle runs expanded mode
-    with the reference KDA, whose chunk-decay tensors grow with the sample's tokens (a whole
-    Tree-Step tree, ~30k tokens, needs more than an H200's memory)."""
+    expanded tokens (at least two, so the sample has a fork; when two are longer, the first and
+    the one leaving its path earliest, cut to ``max_tokens // 2`` tokens each where both keep a
+    target; the fork survives when their shared prefix is shorter): the fp32 oracle runs expanded mode
+    with the reference KDA, whose chunk-decay tensors grow with the sample's tokens (two 8k-token
+    Tree-Step trajectories already need more than an H200's memory)."""
+    import dataclasses
     from megatron_harts.tree_data import build_forest
     sizes = np.diff(forest.tree_offsets)
     one = forest.select([int(np.argmin(sizes))])
     lengths = np.cumsum(one.traj_length)
     n = max(2, int(np.searchsorted(lengths, max_tokens, side="right")))
-    if n >= one.num_trajectories:
+    if n >= one.num_trajectories and lengths[-1] <= max_tokens:
         return one
-    return build_forest([one.expand(t) for t in one.traj_ids[:n]])
+    trajs = [one.expand(t) for t in one.traj_ids[:n]]
+    if sum(len(t) for t in trajs) > max_tokens:
+        # the first trajectory and the one that leaves its path earliest, cut to max_tokens // 2
+        first = one.expand(one.traj_ids[0])
+
+        def shared(t):
+            m = min(len(t), len(first))
+            diff = np.flatnonzero(t.tokens[:m] != first.tokens[:m])
+            return int(diff[0]) if diff.size else m
+        other = min((one.expand(t) for t in one.traj_ids[1:]), key=shared)
+        cut = max_tokens // 2
+
+        def head(t):
+            kw = {f: getattr(t, f)[:cut] for f in ("tokens", "loss_mask", "old_logprobs", "advantage")
+                  if isinstance(getattr(t, f), np.ndarray)}
+            return dataclasses.replace(t, **kw)
+        short = [head(first), head(other)]
+        if all(t.loss_mask[1:].any() for t in short):
+            trajs = short
+    return build_forest(trajs)
 
 
 def logit_cosine(argv, forest, device, max_tokens: int = 8192):

@@ -1,0 +1,61 @@
+"""benchmarks/bench_throughput.py on the CPU: its fidelity sample and a tiny run's record.
+
+The logit-cosine sample (``cosine_sample``) stays within its token cap and keeps shared tokens,
+a branch point and targets: the first trajectories of the smallest tree when they fit, else the first trajectory
+and the one leaving its path earliest, cut to half the cap each (the fork survives when their
+shared prefix is shorter than that: the SWE-like prompts, ~3k tokens, under an 8k cap).  A tiny CPU run records, per
+mode, the loss and gradient norm of every step (the first at the same initial weights in every
+mode) and each mode's gradients against the fp32 oracle.  No wall-clock time is asserted.
+"""
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bt():
+    spec = importlib.util.spec_from_file_location("bench_throughput",
+                                                  os.path.join(ROOT, "benchmarks", "bench_throughput.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("scheme,samples,max_tokens,cap", [("tree-step", 8, 8192, 8192), ("tree-step", 2, 512, 4096),
+                                                           ("step-wise", 2, 2048, 1024)])
+def test_cosine_sample_within_cap_with_a_fork_and_targets(bt, scheme, samples, max_tokens, cap):
+    forest = bt.synthesize(scheme, 1, max_tokens, 512, seed=0, samples_per_task=samples)
+    sample = bt.cosine_sample(forest, cap)
+    stats = sample.stats()
+    # shared tokens and a branch point: a fork (Tree-Step) or a trajectory ending inside another's path
+    assert sample.num_trajectories >= 2 and stats["num_segments"] >= 2 and stats["compression"] > 1
+    if scheme == "tree-step":
+        assert stats["num_segments"] >= 3
+    assert all(np.asarray(sample.expand(t).loss_mask)[1:].any() for t in sample.traj_ids)
+    if stats["expanded_tokens"] > cap:       # only where cutting would drop a trajectory's targets
+        assert scheme == "step-wise" and sample.num_trajectories == 2
+    first = forest.expand(forest.traj_ids[0])
+    assert np.array_equal(sample.expand(sample.traj_ids[0]).tokens, first.tokens[:len(sample.expand(
+        sample.traj_ids[0]).tokens)])
+
+
+def test_tiny_cpu_run_records_losses_norms_and_gradient_fidelity(bt, tmp_path):
+    out = tmp_path / "t.json"
+    bt.main(["--device", "cpu", "--preset", "tiny", "--schemes", "step-wise", "--num-tasks", "1",
+             "--max-tokens", "256", "--microbatch-tokens", "1024", "--iters", "1", "--tree-sharing", "within",
+             "--kda-backend", "reference", "--attention-backend", "reference", "--out", str(out)])
+    row = json.loads(out.read_text())["schemes"]["step-wise"]
+    tree, exp = row["tree_within"], row["expanded"]
+    for m in (tree, exp):
+        assert len(m["loss_per_step"]) == len(m["grad_norm_per_step"]) == 2
+        assert all(g > 0 for g in m["grad_norm_per_step"])
+    assert abs(tree["loss_per_step"][0] - exp["loss_per_step"][0]) < 1e-5           # the same initial weights
+    assert abs(tree["grad_norm_per_step"][0] - exp["grad_norm_per_step"][0]) < 1e-4 * exp["grad_norm_per_step"][0]
+    for who in ("tree", "expanded"):           # fp32 on the CPU: gradients are the oracle's to rounding
+        assert row[f"sign_step_alignment_{who}_vs_fp32"] > 0.999
+        assert row[f"max_grad_rel_diff_{who}_vs_fp32"] < 1e-3
