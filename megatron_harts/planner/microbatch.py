@@ -448,11 +448,12 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
     slot_map = {s: k for k, s in enumerate(used_slots)}
     order = sorted(keep, key=lambda i: (slot_map[placement[i][1]], placement[i][0]))
     S = len(used_slots)
-    slots = np.full((dp, S), -1, dtype=np.int64)
+    grid = [[-1] * S for _ in range(dp)]  # the slots as lists (one array built at the end)
     for new, i in enumerate(order):
         r, s = placement[i][0], slot_map[placement[i][1]]
-        assert slots[r, s] == -1, f"two microbatches at replica {r}, slot {s}"
-        slots[r, s] = new
+        assert grid[r][s] == -1, f"two microbatches at replica {r}, slot {s}"
+        grid[r][s] = new
+    slots = np.array(grid, dtype=np.int64).reshape(dp, S)
     owned_l, rec_l, feats_l, rec_rows, ext_l = _assemble_core(ix, cost_model, [groups[i][0] for i in order],
                                                               [groups[i][1] for i in order])
     consumers: Dict[int, set] = {}
