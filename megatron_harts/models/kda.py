@@ -216,15 +216,15 @@ class KimiDeltaAttention(MegatronModule):
             external = None
             if psp.consumer_index is not None:
                 ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
-                external = KdaExternal(ex["states"][ci.state],
-                                       *(ex[n][ci.replay] for n in ("q", "k", "v", "g", "beta")))
+                external = KdaExternal(ex["states"].index_select(0, ci.state),
+                                       *(ex[n].index_select(0, ci.replay) for n in ("q", "k", "v", "g", "beta")))
             if psp.export_spec is not None:   # producer: record what the window's consumers read
                 o, states = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=self.config.kda_backend,
                                      return_exports=True)
-                conv_rows = psp.export_spec.conv_rows.to(q.device)
-                replay_rows = psp.export_spec.replay_rows.to(q.device)
-                rec = {n: t[conv_rows] for n, t in pre.items()}
-                rec.update({n: t[replay_rows] for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))})
+                conv_rows, replay_rows = psp.export_spec.conv_rows, psp.export_spec.replay_rows
+                rec = {n: t.index_select(0, conv_rows) for n, t in pre.items()}
+                rec.update({n: t.index_select(0, replay_rows)
+                            for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))})
                 rec["states"] = states
                 psp.record_export(self.layer_number, rec)
             else:

@@ -133,10 +133,11 @@ class TreeMLA(MegatronModule):
             context_kv = None
             if psp.consumer_index is not None:   # consumer: the producer's keys/values of the context rows
                 ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
-                context_kv = (ex["k"][ci.ctx], ex["v"][ci.ctx])
+                context_kv = (ex["k"].index_select(0, ci.ctx), ex["v"].index_select(0, ci.ctx))
             if psp.export_spec is not None:      # producer: record what the window's consumers read
-                exp_rows = psp.export_spec.rows.to(k.device)
-                psp.record_export(self.layer_number, {"k": k[exp_rows], "v": v[exp_rows]})
+                exp_rows = psp.export_spec.rows
+                psp.record_export(self.layer_number, {"k": k.index_select(0, exp_rows),
+                                                      "v": v.index_select(0, exp_rows)})
             R = psp.layout.num_rows              # rows after R are padding: zero attention output
             o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale, backend=cfg.tree_attention_backend,
                                block_mask=psp.block_mask, context_kv=context_kv)

@@ -62,6 +62,12 @@ from ..layout import host_to_device
 MODES = ("tree", "expanded")
 
 
+def _host(layout):
+    """The host copy of a device layout (``CompactLayout.host_copy``), else the layout itself:
+    metadata read from it never waits for the device."""
+    return layout.host_copy if getattr(layout, "host_copy", None) is not None else layout
+
+
 def _conv_reach(layout, conv_kernel: int) -> torch.Tensor:
     """Context rows (sorted indices) that some row's conv taps reach."""
     from ..ops.path_conv import build_conv_taps
@@ -98,6 +104,13 @@ class ExportSpec:
     replay: bool
     conv_kernel: int
 
+    def to(self, device) -> "ExportSpec":
+        """The spec with its row indices (what the producer's layers gather) on ``device``."""
+        import dataclasses
+        return dataclasses.replace(self, rows=host_to_device(self.rows, device),
+                                   conv_rows=host_to_device(self.conv_rows, device),
+                                   replay_rows=host_to_device(self.replay_rows, device))
+
     @classmethod
     def for_consumers(cls, producer, consumers: Sequence, *, config=None, chunk_size: int = 64,
                       conv_kernel: int = 4, replay: bool = True) -> "ExportSpec":
@@ -106,6 +119,7 @@ class ExportSpec:
         if config is not None:
             chunk_size = config.kda_chunk_size
             conv_kernel = config.linear_conv_kernel_dim
+        producer, consumers = _host(producer), [_host(c) for c in consumers]
         if producer.num_context_rows:
             raise ValueError("ExportSpec: the producer has context rows of its own (nested producers are not "
                              "supported: a producer must hold whole trees)")
@@ -185,7 +199,7 @@ class ConsumerIndex:
         """The conv input of every context row [Rc, C]: exported where the conv reaches, 0 elsewhere
         (never read)."""
         out = exported.new_zeros(num_context_rows, exported.shape[-1])
-        return out.index_copy(0, self.conv_ctx, exported[self.conv])
+        return out.index_copy(0, self.conv_ctx, exported.index_select(0, self.conv))
 
 
 @dataclass
@@ -291,7 +305,7 @@ class TreePackedSeqParams(PackedSeqParams):
                              "--tree-sharing within")
         device = torch.device(device) if device is not None else layout.prev.device
         # conv taps and block mask are built on the host (from the layout's host copy) and moved
-        host = layout.host_copy if layout.host_copy is not None else layout
+        host = _host(layout)
         taps = build_conv_taps(host, conv_kernel).to(device)
         layout = layout.to(device)
         consumer_index = None
@@ -307,13 +321,13 @@ class TreePackedSeqParams(PackedSeqParams):
                 raise ValueError(f"exports were made for chunk size {spec.chunk_size}, replay={spec.replay}, conv "
                                  f"kernel {spec.conv_kernel}; this consumer runs chunk size {chunk_size}, "
                                  f"replay={replay}, conv kernel {conv_kernel}")
-            src = layout.ctx_source_rows.cpu()
+            src = host.ctx_source_rows.cpu()
             if (src.numel() and int(src.max()) >= spec.producer_rows) or \
-                    not torch.equal(spec.producer_forest_rows[src], layout.ctx_forest_rows.cpu()):
+                    not torch.equal(spec.producer_forest_rows[src], host.ctx_forest_rows.cpu()):
                 raise ValueError("TreePackedSeqParams.for_tree: the consumer's context rows are not the rows of the "
                                  "producer these exports come from")
-            schedule = _kda_consumer_schedule(layout, chunk_size, replay, device)
-            state_rows, replay_rows = consumer_kda_sources(layout, schedule)
+            schedule = _kda_consumer_schedule(host, chunk_size, replay, device)
+            state_rows, replay_rows = consumer_kda_sources(host, schedule)
 
             def index(values, table, what):
                 table = np.asarray(table)
@@ -323,11 +337,11 @@ class TreePackedSeqParams(PackedSeqParams):
                 if not np.all(ok):
                     raise ValueError(f"TreePackedSeqParams.for_tree: the producer's exports lack {what} this "
                                      "consumer needs (ExportSpec.for_consumers was built without it)")
-                return torch.as_tensor(pos, dtype=torch.int64, device=device)
+                return host_to_device(torch.as_tensor(pos, dtype=torch.int64), device)
 
-            reach = _conv_reach(layout, conv_kernel)
+            reach = _conv_reach(host, conv_kernel)
             consumer_index = ConsumerIndex(ctx=index(src.numpy(), spec.rows.numpy(), "context rows"),
-                                           conv_ctx=reach.to(device),
+                                           conv_ctx=host_to_device(reach, device),
                                            conv=index(src.numpy()[reach.numpy()], spec.conv_rows.numpy(),
                                                       "conv context rows"),
                                            replay=index(replay_rows, spec.replay_rows.numpy(), "replay rows"),
@@ -339,7 +353,7 @@ class TreePackedSeqParams(PackedSeqParams):
             export_rows = None
             if export is not None:
                 if export.producer_rows != layout.num_rows or \
-                        not torch.equal(export.producer_forest_rows, layout.forest_rows.cpu()):
+                        not torch.equal(export.producer_forest_rows, host.forest_rows.cpu()):
                     raise ValueError("TreePackedSeqParams.for_tree: export= was made for another producer layout")
                 if (export.chunk_size, export.replay, export.conv_kernel) != \
                         (int(chunk_size), bool(replay), int(conv_kernel)):
@@ -365,7 +379,8 @@ class TreePackedSeqParams(PackedSeqParams):
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=R, max_seqlen_kv=R,
                    mode="tree", layout=layout, kda_schedule=schedule, conv_taps=taps, block_mask=block_mask,
                    token_weight=layout.occurrence.to(torch.float64), position_ids=layout.position_ids,
-                   export_spec=export, exports=exports, consumer_index=consumer_index)
+                   export_spec=None if export is None else export.to(device), exports=exports,
+                   consumer_index=consumer_index)
 
     def padded(self, pad: int) -> "TreePackedSeqParams":
         """These params for the same rows followed by ``pad`` padding rows (module docstring)."""

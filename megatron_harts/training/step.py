@@ -228,8 +228,8 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
         out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp,
                     pair_row=batch.pair_row, pair_token=batch.pair_token, return_entropy=need_entropy)
         lp_pairs, entropy_rows = out if need_entropy else (out, None)
-        lp = lp_pairs[batch.target_pair]
-        entropy = entropy_rows[batch.target_row] if need_entropy else None
+        lp = lp_pairs.index_select(0, batch.target_pair)
+        entropy = entropy_rows.index_select(0, batch.target_row) if need_entropy else None
         # the targets' loss scales, computed on the host (from the batch's host copy)
         host = batch.host_copy if batch.host_copy is not None else batch
         traj = torch.as_tensor(host.traj_forest)[host.target_traj.cpu()]
