@@ -159,6 +159,21 @@ class L2Packing {
         return total;
     }
 
+    // megatron_harts.planner.l2_packing._packed_rows_python of this packing: the rows of every bin's owned and
+    // recomputed segments (length[s] each), without building the groups.
+    i64 rows(const py::array_t<i64, py::array::c_style | py::array::forcecast>& length) const {
+        const i64 n = length.shape(0);
+        const i64* len = length.data();
+        i64 total = 0;
+        for (const auto* v : {&own_, &rec_}) {
+            for (i64 x : *v) {
+                if (x < 0 || x >= n) throw py::value_error("a segment of the packing is out of range");
+                total += len[x];
+            }
+        }
+        return total;
+    }
+
    private:
     py::object build(i64 i) const {
         py::list out;
@@ -303,5 +318,7 @@ void register_packing(py::module_& m) {
              py::arg("s"))
         .def("__iter__", [](L2Packing& p) { return py::iter(p.all()); })
         .def("estimate_step", &L2Packing::estimate_step, py::arg("overhead"),
-             "megatron_harts.planner.l2_packing.estimate_step of this packing (the same floats).");
+             "megatron_harts.planner.l2_packing.estimate_step of this packing (the same floats).")
+        .def("rows", &L2Packing::rows, py::arg("length"),
+             "megatron_harts.planner.l2_packing.packed_rows of this packing (length: the segment lengths).");
 }

@@ -655,12 +655,14 @@ def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, we
     ints = np.ascontiguousarray(ints8[:, :7])
     flat = [e for es in ent for e in es]
     ent_off = np.array([0, *accumulate(map(len, ent))], dtype=np.int64)
-    ent_unit = np.array([k for k, _, _ in flat], dtype=np.int64)
-    ent_path = np.array([p for _, p, _ in flat], dtype=np.int64)
-    ent_cost = np.array([c for _, _, c in flat], dtype=np.float64)
+    cols = list(zip(*flat)) if flat else [(), (), ()]  # (units, path flags, costs)
+    ent_unit = np.array(cols[0], dtype=np.int64)
+    ent_path = np.array(cols[1], dtype=np.int64)
+    ent_cost = np.array(cols[2], dtype=np.float64)
     moved, rep2, eo, eu, ep, ec = _REBALANCE(ix.length, ints, flts, own_off, own, rec_off, rec, path_off, path,
                                               np.asarray(rep, dtype=np.int64), ent_off, ent_unit, ent_path,
                                               ent_cost, dp, M, overhead, moves, n_slots, weight, swap_bins, wide)
     eo, eu, ep, ec = eo.tolist(), eu.tolist(), ep.tolist(), ec.tolist()
-    ent2 = [[(eu[i], bool(ep[i]), ec[i]) for i in range(eo[b], eo[b + 1])] for b in range(len(eo) - 1)]
+    ent2 = [list(zip(eu[eo[b]:eo[b + 1]], map(bool, ep[eo[b]:eo[b + 1]]), ec[eo[b]:eo[b + 1]]))
+            for b in range(len(eo) - 1)]
     return bool(moved), rep2.tolist(), ent2

@@ -74,7 +74,15 @@ def _after_owners(seqs: List[List[int]], after: Dict[int, set]) -> Optional[List
 
 def packed_rows(ix, packed) -> int:
     """Rows a packing computes (owned and recomputed segments of every microbatch): a lower bound of
-    the tokens its plan computes (KDA replay adds to them)."""
+    the tokens its plan computes (KDA replay adds to them).  A compiled packer's packing
+    (``_C.L2Packing``) sums them itself, the same number as ``_packed_rows_python``."""
+    if isinstance(packed, tuple):
+        return _packed_rows_python(ix, packed)
+    return packed.rows(ix.length)
+
+
+def _packed_rows_python(ix, packed) -> int:
+    """Reference of ``packed_rows`` (and of ``_C.L2Packing.rows``)."""
     length = ix.length_list
     return int(sum([length[x] for own_rec in packed[0] for g in own_rec for x in g]))
 
