@@ -25,6 +25,28 @@ using i64 = std::int64_t;
 using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 using F64Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
+// Children lists as CSR: the children of p are ids[off[p]:off[p + 1]] (ascending).
+struct Kids {
+    std::vector<i64> off, ids;
+    const i64* begin(i64 p) const { return ids.data() + off[p]; }
+    const i64* end(i64 p) const { return ids.data() + off[p + 1]; }
+};
+
+// Kids of m positions from par[p] (the parent's position, -1: none; parents precede children).
+Kids kids_of(const std::vector<i64>& par) {
+    const std::size_t m = par.size();
+    Kids k;
+    k.off.assign(m + 1, 0);
+    for (std::size_t p = 0; p < m; ++p)
+        if (par[p] >= 0) ++k.off[par[p] + 1];
+    for (std::size_t p = 0; p < m; ++p) k.off[p + 1] += k.off[p];
+    k.ids.resize(k.off[m]);
+    std::vector<i64> fill(k.off.begin(), k.off.end() - 1);
+    for (std::size_t p = 0; p < m; ++p)
+        if (par[p] >= 0) k.ids[fill[par[p]]++] = static_cast<i64>(p);
+    return k;
+}
+
 // a piece: owned segments, recomputed segments, rows (l1.Piece)
 struct Piece {
     std::vector<i64> own, rec;
@@ -36,13 +58,13 @@ struct L1 {
     i64 n, chunk;
     double mb, row, pair, call, replay, logit;  // CostCoefficients in CostModel.cost's order
     std::vector<i64> sub_rows, sub_size;
-    std::vector<std::vector<i64>> children;  // ascending ids (ForestIndex.children)
+    Kids children;  // ascending ids (ForestIndex.children)
 
     // The bottom-up cut of l1._split over local positions 0..m-1 (segment ids seg[p], ascending), processed
     // in decreasing order, with in-set children kids[p] (positions, ascending), subtree rows subr[p], roots,
     // recomputed flags and whole(p) (the piece of a subtree that fits).
     template <class Whole>
-    std::vector<Piece> split(const std::vector<i64>& seg, const std::vector<std::vector<i64>>& kids,
+    std::vector<Piece> split(const std::vector<i64>& seg, const Kids& kids,
                              const std::vector<i64>& subr, const std::vector<char>& root,
                              const std::vector<char>& recf, Whole whole, i64 M) const {
         const i64 m = static_cast<i64>(seg.size());
@@ -55,7 +77,8 @@ struct L1 {
                 continue;
             }
             std::vector<Piece> items;
-            for (i64 c : kids[p]) {
+            for (const i64* cp = kids.begin(p); cp != kids.end(p); ++cp) {
+                const i64 c = *cp;
                 if (start[seg[c]] + subr[c] <= M) {
                     items.push_back(whole(c));
                 } else {
@@ -120,12 +143,15 @@ struct L1 {
         }
         const i64 m = end - r;
         std::vector<i64> seg(m), subr(m);
-        std::vector<std::vector<i64>> kids(m);
+        Kids kids;  // the tree's slice of the forest's children, as positions
+        kids.off.resize(m + 1);
+        for (i64 p = 0; p <= m; ++p) kids.off[p] = children.off[r + p] - children.off[r];
+        kids.ids.assign(children.begin(r), children.end(end - 1));
+        for (i64& c : kids.ids) c -= r;
         std::vector<char> root(m, 0), recf(m, 0);
         for (i64 p = 0; p < m; ++p) {
             seg[p] = r + p;
             subr[p] = sub_rows[r + p];
-            for (i64 c : children[r + p]) kids[p].push_back(c - r);
         }
         root[0] = 1;
         auto whole = [&](i64 p) {
@@ -144,35 +170,30 @@ struct L1 {
         seg.insert(seg.end(), pc.rec.begin(), pc.rec.end());
         std::sort(seg.begin(), seg.end());
         const i64 m = static_cast<i64>(seg.size());
-        std::unordered_map<i64, i64> pos;
-        pos.reserve(2 * m);
-        for (i64 p = 0; p < m; ++p) pos[seg[p]] = p;
+        auto pos = [&](i64 x) -> i64 {  // the position of segment x in seg (-1: not in the set)
+            auto it = std::lower_bound(seg.begin(), seg.end(), x);
+            return (it != seg.end() && *it == x) ? static_cast<i64>(it - seg.begin()) : -1;
+        };
         std::vector<char> recf(m, 0), root(m, 0);
-        for (i64 x : pc.rec) recf[pos[x]] = 1;
+        for (i64 x : pc.rec) recf[pos(x)] = 1;
         std::vector<i64> subr(m), par(m, -1);
         for (i64 p = 0; p < m; ++p) {
             subr[p] = length[seg[p]];
-            auto it = pos.find(parent[seg[p]]);
-            if (it != pos.end()) par[p] = it->second;
+            if (parent[seg[p]] >= 0) par[p] = pos(parent[seg[p]]);
         }
         for (i64 p = m - 1; p >= 0; --p) {
             if (par[p] >= 0) subr[par[p]] += subr[p];
         }
-        std::vector<std::vector<i64>> kids(m);
-        for (i64 p = 0; p < m; ++p) {
-            if (par[p] >= 0) {
-                kids[par[p]].push_back(p);
-            } else {
-                root[p] = 1;
-            }
-        }
+        const Kids kids = kids_of(par);
+        for (i64 p = 0; p < m; ++p)
+            if (par[p] < 0) root[p] = 1;
         auto whole = [&](i64 p) {
             std::vector<i64> out, stack{p};
             while (!stack.empty()) {
                 const i64 x = stack.back();
                 stack.pop_back();
                 out.push_back(x);
-                stack.insert(stack.end(), kids[x].begin(), kids[x].end());
+                stack.insert(stack.end(), kids.begin(x), kids.end(x));
             }
             Piece q;
             for (i64 x : out) (recf[x] ? q.rec : q.own).push_back(seg[x]);
@@ -270,16 +291,13 @@ py::tuple l1_plan(I64Array parent_a, I64Array start_a, I64Array length_a, I64Arr
     }
     F.sub_rows.assign(F.length, F.length + n);
     F.sub_size.assign(n, 1);
-    F.children.assign(n, {});
     for (i64 s = n - 1; s >= 0; --s) {
         if (F.parent[s] >= 0) {
             F.sub_rows[F.parent[s]] += F.sub_rows[s];
             F.sub_size[F.parent[s]] += F.sub_size[s];
         }
     }
-    for (i64 s = 0; s < n; ++s) {
-        if (F.parent[s] >= 0) F.children[F.parent[s]].push_back(s);
-    }
+    F.children = kids_of(std::vector<i64>(F.parent, F.parent + n));
 
     std::vector<Piece> pool;
     std::vector<double> pool_cost;
