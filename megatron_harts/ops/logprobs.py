@@ -36,6 +36,8 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ..layout import host_to_device
+
 __all__ = [
     "multi_target_logprobs",
     "multi_target_logprobs_reference",
@@ -67,7 +69,8 @@ class MultiTargetLogprobs(torch.autograd.Function):
 
     Inputs: ``hidden`` [M, H] (only the rows that carry pairs), ``weight``
     [V_local, H], ``pair_lrow`` [P] (index into ``hidden``, sorted ascending),
-    ``pair_token`` [P] (global token ids), then non-tensor settings.
+    ``pair_token`` [P] (global token ids), then non-tensor settings, the last
+    ``pair_bounds`` (host ints: the first pair of every ``chunk_rows`` chunk of rows, then P).
     Outputs: log-probs [P] and entropy [M] (an empty tensor when not requested).
 
     Backward, for incoming gradients g (per pair) and gH (per row):
@@ -82,13 +85,10 @@ class MultiTargetLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, pair_lrow, pair_token, with_entropy, group, vocab_start,
-                chunk_rows, reduce_hidden_grad):
+                chunk_rows, reduce_hidden_grad, pair_bounds):
         cdt = _compute_dtype(hidden.dtype)
         num_rows = hidden.shape[0]
         v_local = weight.shape[0]
-        # pairs grouped by chunk (pair_lrow is sorted)
-        starts = torch.arange(0, num_rows, chunk_rows, device=hidden.device)
-        pair_bounds = torch.searchsorted(pair_lrow, starts).tolist() + [pair_lrow.shape[0]]
         local_max = torch.empty(num_rows, dtype=cdt, device=hidden.device)
         # column 0: sum exp(z - m_local); column 1: sum exp(z - m_local) * (z - m_local)
         local_sums = torch.zeros(num_rows, 2, dtype=cdt, device=hidden.device)
@@ -182,7 +182,7 @@ class MultiTargetLogprobs(torch.autograd.Function):
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=group)
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def _check_inputs(hidden, weight, pair_row, pair_token, chunk_rows, vocab_size):
@@ -258,15 +258,22 @@ def multi_target_logprobs(
     tp, rank = _group_size_rank(tp_group)
     v_local = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 0
     _check_inputs(hidden, weight, pair_row, pair_token, chunk_rows, v_local * tp)
+    # the pairs grouped by row, and by chunk of rows, where the indices live: given on the host
+    # (a layout's host copy), this reads nothing back from the device
     pair_row = pair_row.long()
     pair_token = pair_token.long()
     rows, pair_lrow = torch.unique(pair_row, sorted=True, return_inverse=True)
     order = torch.argsort(pair_lrow, stable=True)
+    lrow_sorted, token_sorted = pair_lrow[order], pair_token[order]
     if chunk_rows is None:
         chunk_rows = max(1, _CHUNK_BYTES // (max(1, v_local) * torch.finfo(_compute_dtype(hidden.dtype)).bits // 8))
+    starts = torch.arange(0, rows.shape[0], chunk_rows, device=rows.device)
+    pair_bounds = torch.searchsorted(lrow_sorted, starts).tolist() + [int(lrow_sorted.shape[0])]
+    rows, lrow_sorted, token_sorted, order = (host_to_device(t, hidden.device)
+                                              for t in (rows, lrow_sorted, token_sorted, order))
     lp_sorted, ent_sel = MultiTargetLogprobs.apply(
-        hidden.index_select(0, rows), weight, pair_lrow[order], pair_token[order],
-        bool(return_entropy), tp_group, rank * v_local, int(chunk_rows), bool(reduce_hidden_grad))
+        hidden.index_select(0, rows), weight, lrow_sorted, token_sorted,
+        bool(return_entropy), tp_group, rank * v_local, int(chunk_rows), bool(reduce_hidden_grad), pair_bounds)
     logprobs = torch.empty_like(lp_sorted).index_copy(0, order, lp_sorted) if order.numel() else lp_sorted
     if not return_entropy:
         return logprobs

@@ -225,13 +225,14 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
             out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp)
             _count_experts(model, counters)
             return out, None
+        host = batch.host_copy if batch.host_copy is not None else batch
+        # the (row, token) pairs from the host copy: the log-prob op groups them there
         out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp,
-                    pair_row=batch.pair_row, pair_token=batch.pair_token, return_entropy=need_entropy)
+                    pair_row=host.pair_row, pair_token=host.pair_token, return_entropy=need_entropy)
         lp_pairs, entropy_rows = out if need_entropy else (out, None)
         lp = lp_pairs.index_select(0, batch.target_pair)
         entropy = entropy_rows.index_select(0, batch.target_row) if need_entropy else None
         # the targets' loss scales, computed on the host (from the batch's host copy)
-        host = batch.host_copy if batch.host_copy is not None else batch
         traj = torch.as_tensor(host.traj_forest)[host.target_traj.cpu()]
         weight = host.target_weight.cpu()
         if mb.owned is None:
@@ -338,8 +339,12 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     last = parallel_state.is_pipeline_last_stage()
     costs = microbatch_costs(forest, plan, replica, len(items)) if pp > 1 else None
-    with ddp.no_sync():
-        run_schedule(ddp, items, step_fn, settings, window_stats=window_stats, costs=costs)
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    try:
+        with ddp.no_sync():
+            run_schedule(ddp, items, step_fn, settings, window_stats=window_stats, costs=costs)
+    finally:   # the aux-loss gradient scale is this step's (forward_step sets it); leave megatron's default
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float32, device=device))
     # every rank reduces the same terms: the objective's, known also where no loss ran (stages
     # before the last, a replica without microbatches this step)
     term_names = objective_term_names(objective)
