@@ -7,23 +7,17 @@ shared prefix is shorter than that: the SWE-like prompts, ~3k tokens, under an 8
 mode, the loss and gradient norm of every step (the first at the same initial weights in every
 mode) and each mode's gradients against the fp32 oracle.  No wall-clock time is asserted.
 """
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tool_runner import load_tool
 
 
 @pytest.fixture(scope="module")
 def bt():
-    spec = importlib.util.spec_from_file_location("bench_throughput",
-                                                  os.path.join(ROOT, "benchmarks", "bench_throughput.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_throughput", "benchmarks")
 
 
 @pytest.mark.parametrize("scheme,samples,max_tokens,cap", [("tree-step", 8, 8192, 8192), ("tree-step", 2, 512, 4096),

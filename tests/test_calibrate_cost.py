@@ -8,7 +8,6 @@ coefficients, which holds only if every time is paired with the features of the 
 that produced it; bad input is one ``error:`` line and exit status 2.  No wall-clock time is
 asserted.
 """
-import importlib.util
 import json
 import math
 import os
@@ -20,17 +19,12 @@ import numpy as np
 import pytest
 
 from megatron_harts.planner.cost_model import COEFFICIENT_NAMES, CostFeatures, CostModel, load_calibration
-from tool_runner import run_tool
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tool_runner import load_tool, run_tool
 
 
 @pytest.fixture(scope="module")
 def cc():
-    spec = importlib.util.spec_from_file_location("calibrate_cost", os.path.join(ROOT, "benchmarks", "calibrate_cost.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("calibrate_cost", "benchmarks")
 
 
 def executed_vector(item) -> np.ndarray:

@@ -1,20 +1,14 @@
 """benchmarks/validate_parallel.py's pure parts: which configurations fit a process count, flag
 values, and the log excerpt a failed launch reports."""
-import importlib.util
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tool_runner import load_tool
 
 
 @pytest.fixture(scope="module")
 def vp():
-    spec = importlib.util.spec_from_file_location("validate_parallel",
-                                                  os.path.join(ROOT, "benchmarks", "validate_parallel.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("validate_parallel", "benchmarks")
 
 
 def test_configs_fit_process_counts(vp):

@@ -9,9 +9,9 @@ from megatron_harts.cli import run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_tool(name: str):
-    """The module of ``tools/<name>.py``."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+def load_tool(name: str, folder: str = "tools"):
+    """The module of ``<folder>/<name>.py`` (a tool, or with ``folder="benchmarks"`` a benchmark)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, folder, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -34,14 +34,16 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _check_shapes(q, k, v, g, beta):
-    if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"q, k and g must share the shape [N, T, H, K]; got {tuple(q.shape)}, "
+def _check_shapes(q, k, v, g, beta, lead: str = "N, T"):
+    """q, k, g [*lead, H, K], v [*lead, H, V], beta [*lead, H]: padded (``N, T``) or packed (``L``)."""
+    d = lead.count(",") + 3
+    if q.dim() != d or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k and g must share the shape [{lead}, H, K]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(g.shape)}")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [N, T, H, V] matching q's [N, T, H]; got {tuple(v.shape)}")
-    if beta.shape != q.shape[:3]:
-        raise ValueError(f"beta must be [N, T, H]; got {tuple(beta.shape)}")
+    if v.dim() != d or v.shape[:d - 1] != q.shape[:d - 1]:
+        raise ValueError(f"v must be [{lead}, H, V] matching q's [{lead}, H]; got {tuple(v.shape)}")
+    if beta.shape != q.shape[:d - 1]:
+        raise ValueError(f"beta must be [{lead}, H]; got {tuple(beta.shape)}")
 
 
 def kda_recurrent(q, k, v, g, beta, *, scale: Optional[float] = None,
@@ -166,13 +168,7 @@ def host_lengths(lengths) -> list:
 
 def check_varlen(q, k, v, g, beta, lengths) -> list:
     """Shapes of packed KDA inputs (q, k, g [L, H, K], v [L, H, V], beta [L, H]); the lengths as a list."""
-    if q.dim() != 3 or k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"q, k and g must share the shape [L, H, K]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(g.shape)}")
-    if v.dim() != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"v must be [L, H, V] matching q's [L, H]; got {tuple(v.shape)}")
-    if beta.shape != q.shape[:2]:
-        raise ValueError(f"beta must be [L, H]; got {tuple(beta.shape)}")
+    _check_shapes(q, k, v, g, beta, lead="L")
     lens = host_lengths(lengths)
     if not lens or any(n < 1 for n in lens) or sum(lens) != q.shape[0]:
         raise ValueError(f"lengths must be positive and sum to the {q.shape[0]} packed tokens, got {lens}")
