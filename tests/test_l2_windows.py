@@ -84,12 +84,17 @@ def test_compiled_pack_windows_random_forests(seed, dp, chunk, slack):
         _compare(ix, us, dp, M, (0.0, 0.01, 0.3))
 
 
-def test_compiled_pack_windows_refuses_bad_arrays():
-    # bad input is a ValueError naming what is wrong, never a crash; one replica is the reference's
+def _dp2_units():
+    """(index, row budget, window units) of the second L2 forest planned by L1 for 2 replicas."""
     f, M, model = _l2_forests()[1]
     ix = ForestIndex(f)
     l1 = plan_l1(f, 2, M, cost_model=model, index=ix)
-    us = window_units(ix, l1, model, model.chunk_size)
+    return ix, M, window_units(ix, l1, model, model.chunk_size)
+
+
+def test_compiled_pack_windows_refuses_bad_arrays():
+    # bad input is a ValueError naming what is wrong, never a crash; one replica is the reference's
+    ix, M, us = _dp2_units()
     ints, flts, oo, o, ro, r, po, p = unit_arrays(us)
     with pytest.raises(ValueError, match="dp must be"):
         l2_windows.pack_windows.fast(us, ix.length, ints, flts, oo, o, ro, r, po, p, 1, M, 1, 0.01)
@@ -105,10 +110,7 @@ def test_compiled_pack_windows_refuses_bad_arrays():
 def test_compiled_unit_array_checks_are_shared():
     # the balance pass and both packers check unit_arrays with one routine: the same errors everywhere
     from megatron_harts.planner import l2_balance, l2_spread
-    f, M, model = _l2_forests()[1]
-    ix = ForestIndex(f)
-    l1 = plan_l1(f, 2, M, cost_model=model, index=ix)
-    us = window_units(ix, l1, model, model.chunk_size)
+    ix, M, us = _dp2_units()
     ints, flts, oo, o, ro, r, po, p = unit_arrays(us)
     packers = (l2_windows.pack_windows.fast, l2_spread.pack_spread.fast)
     for fn in packers:

@@ -17,7 +17,7 @@ a slice of the heads):
 from __future__ import annotations
 
 import copy
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -104,33 +104,26 @@ def from_sequence_order(y: torch.Tensor, s: int, b: int) -> torch.Tensor:
     return y.view((b, s) + tuple(y.shape[1:])).transpose(0, 1).reshape((s * b,) + tuple(y.shape[1:]))
 
 
-def to_padded(x: torch.Tensor, lengths: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sequences packed back to back [Ntok, ...] (host ``lengths``) -> ([N, Tmax, ...] zero padded,
-    flat index [Ntok] of the valid positions)."""
-    N, T = len(lengths), max(lengths)
-    flat = host_to_device(torch.cat([n * T + torch.arange(L) for n, L in enumerate(lengths)]), x.device)
-    out = x.new_zeros((N * T,) + tuple(x.shape[1:])).index_copy(0, flat, x)
-    return out.view((N, T) + tuple(x.shape[1:])), flat
-
-
-def from_padded(y: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`to_padded`: [N, T, ...] -> [Ntok, ...]."""
-    return y.reshape((-1,) + tuple(y.shape[2:])).index_select(0, flat)
-
-
-def sequences_view(x_rows: torch.Tensor, s: int, b: int, packed) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Rows [s*b, ...] (s-major, as [s, b] flattens) as padded sequences [N, T, ...].
+def sequences_view(xs: Sequence[torch.Tensor], s: int, b: int,
+                   packed) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
+    """Rows [s*b, ...] of each tensor in ``xs`` as padded sequences [N, T, ...].
 
     ``packed`` None: the b batch columns are the sequences.  Expanded mode: the
-    sequences of the packed params (then b must be 1).  Returns (padded, flat index or None).
+    sequences of the packed params (then b must be 1), zero padded to the longest through one
+    flat index of the valid positions, built once for all of ``xs``.  Returns (padded, flat index
+    or None).
     """
     if packed is None:
-        return x_rows.view((s, b) + tuple(x_rows.shape[1:])).transpose(0, 1), None
-    return to_padded(x_rows, sequence_lengths(packed, s, b))
+        return [x.view((s, b) + tuple(x.shape[1:])).transpose(0, 1) for x in xs], None
+    lengths = sequence_lengths(packed, s, b)
+    N, T = len(lengths), max(lengths)
+    flat = host_to_device(torch.cat([n * T + torch.arange(L) for n, L in enumerate(lengths)]), xs[0].device)
+    return [x.new_zeros((N * T,) + tuple(x.shape[1:])).index_copy(0, flat, x).view((N, T) + tuple(x.shape[1:]))
+            for x in xs], flat
 
 
 def sequences_unview(y: torch.Tensor, flat: Optional[torch.Tensor]) -> torch.Tensor:
     """Back from :func:`sequences_view` to rows [s*b, ...]."""
     if flat is None:
         return y.transpose(0, 1).reshape((-1,) + tuple(y.shape[2:]))
-    return from_padded(y, flat)
+    return y.reshape((-1,) + tuple(y.shape[2:])).index_select(0, flat)

@@ -144,7 +144,7 @@ class TreeMLA(MegatronModule):
             if psp.pad_rows:
                 o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])
         else:
-            (qp, flat), (kp, _), (vp, _) = (sequences_view(t, s, b, packed_seq_params) for t in (q, k, v))
+            (qp, kp, vp), flat = sequences_view((q, k, v), s, b, packed_seq_params)
             op = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                                                 is_causal=True, scale=self.scale)
             o = sequences_unview(op.transpose(1, 2), flat)
