@@ -148,13 +148,13 @@ def measure_step(trainer, forest, plan, settings, index, *, repeat: int, timer) 
     """
     from megatron_harts.rl.objectives import forest_normalizer
     from megatron_harts.schedules.windows import WindowedMicrobatch
-    from megatron_harts.training.step import make_forward_step, run_schedule
+    from megatron_harts.training.step import aux_loss_scale, make_forward_step, run_schedule
 
     ddp = trainer.model[0]
     device = trainer.device
     normalizer = forest_normalizer(forest)
     counters = {}
-    step_fn = make_forward_step(trainer.objective, normalizer, aux_loss_scale=1.0 / max(len(plan.microbatches), 1),
+    step_fn = make_forward_step(trainer.objective, normalizer, aux_loss_scale=aux_loss_scale(plan),
                                 counters=counters)
     records = []
     for item, m, feats, from_plan in paired_microbatches(forest, plan, settings, index):

@@ -130,7 +130,10 @@ class HybridRouter(TopKRouter):
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
             coeff = cfg.moe_z_loss_coeff / self.tp_cp_group.size()
             z = q_z_loss(logits, w, coeff, local_num_tokens=local)
-            logits = MoEAuxLossAutoScaler.apply(logits, z)
+            # as megatron's apply_z_loss: under per-token loss scaling the autoscaler's scale is
+            # 1/tokens, so the microbatch's mean z-loss enters times its (q-weighted) token count
+            z_scaled = z * (local if local is not None else w.sum()) if self.calculate_per_token_loss else z
+            logits = MoEAuxLossAutoScaler.apply(logits, z_scaled)
             save_to_aux_losses_tracker("z_loss", z / coeff, self.layer_number,
                                        cfg.num_layers + (cfg.mtp_num_layers or 0))
         probs, rmap = self._topk(logits)

@@ -22,8 +22,11 @@ Invariants:
   replicas) and ``finalize_model_grads`` gets no token count.
 - tree mode (``within`` / ``windows``) and expanded mode (``off``) give the same loss and
   gradients for the same step (shared/DESIGN.md invariant 1), up to the MoE micro-batch aux
-  losses, which megatron defines per microbatch and so depend on how a step is packed; their
-  gradient scale is ``1 / (microbatches of the step over all replicas)``, megatron's mean.
+  losses, which megatron defines per microbatch and so depend on how a step is packed.  Under
+  per-token loss scaling megatron's routers enter each microbatch's mean aux loss and z-loss
+  times its token count; the step weighs them by ``aux_loss_scale(plan)`` = 1 / (tokens the
+  step routes, all replicas), so the step's aux term is the token-weighted mean of its
+  microbatches' aux losses, whatever the number and size of the microbatches.
 - A non-finite global loss stops the step before the optimizer touches the weights
   (:class:`NonFiniteLoss`, naming the iteration).
 """
@@ -51,7 +54,7 @@ from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forw
                                  windowed_microbatches)
 
 __all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "executed_rows", "replica_microbatches",
-           "microbatch_costs", "run_schedule", "train_step", "StepResult"]
+           "aux_loss_scale", "microbatch_costs", "run_schedule", "train_step", "StepResult"]
 
 SHARING_MODES = ("off", "within", "windows")
 PLANNERS = ("l1", "l1l2", "ffd", "ortools")
@@ -265,6 +268,12 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
     return forward_step
 
 
+def aux_loss_scale(plan) -> float:
+    """The MoE aux-loss gradient scale of a step (module docstring): 1 / the tokens its MoE layers
+    route over all replicas, i.e. its trajectory tokens (a tree row counts its occurrences)."""
+    return 1.0 / max(int(plan.expanded_tokens), 1)
+
+
 def objective_term_names(objective: ObjectiveConfig) -> List[str]:
     """The keys of ``objective_loss``'s terms for this objective (the driver passes entropies when
     ``entropy_coef != 0``), sorted; known on every pipeline stage."""
@@ -330,7 +339,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     normalizer = forest_normalizer(forest)
     total_mbs = len(plan.microbatches)
     counters: Dict[str, Any] = {}
-    step_fn = make_forward_step(objective, normalizer, aux_loss_scale=1.0 / max(total_mbs, 1), counters=counters)
+    step_fn = make_forward_step(objective, normalizer, aux_loss_scale=aux_loss_scale(plan), counters=counters)
 
     for chunk in model:
         chunk.zero_grad_buffer()

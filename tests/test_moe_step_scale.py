@@ -1,0 +1,72 @@
+"""MoE aux-loss and z-loss gradients of a whole driver step (CPU, fp64, world of one).
+
+Megatron's routers enter a microbatch's mean aux loss and z-loss times its token count under
+per-token loss scaling (what the driver's config sets); the step weighs them by 1 / its routed
+tokens (``training.step.aux_loss_scale``), so the step's aux term is the token-weighted mean of
+the microbatches' aux losses:
+
+- a batch and the same batch twice (the copies under other trajectory ids) give the same
+  gradients: the mean of identical statistics (the token count of a microbatch does not scale
+  its aux gradient), in expanded mode and in tree mode (where the copies share rows, q = 2);
+- with the z-loss on, tree mode's gradients are expanded mode's (the tree router's q-weighted
+  z-loss is entered the way megatron's is);
+- splitting a batch into more microbatches changes the aux gradient only through the
+  microbatches' own statistics (small), not by the number of microbatches.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from tool_runner import load_tool
+
+from megatron_harts.tree_data import build_forest
+
+
+@pytest.fixture(scope="module")
+def sf():
+    return load_tool("step_fidelity", "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def forest(sf):
+    return sf.synthesize("tree-step", 1, 384, 512, seed=0, samples_per_task=3)
+
+
+def doubled(forest):
+    trajs = [forest.expand(t) for t in forest.traj_ids]
+    return build_forest(trajs + [dataclasses.replace(t, id=f"copy/{t.id}") for t in trajs])
+
+
+def grads(sf, forest, sharing, tokens=8192, aux=0.01, extra=()):
+    common = sf.driver_argv("tiny", "fp64", forest, device="cpu", aux_loss_coeff=aux, kda_backend="reference",
+                            attention_backend="reference") + list(extra)
+    return sf.run_mode(sf.mode_argv(common, sharing, tokens), forest, 1)
+
+
+def max_rel(a, b):
+    return max(float((a["grads"][n] - g).norm() / g.norm().clamp_min(1e-300)) for n, g in b["grads"].items())
+
+
+@pytest.mark.parametrize("sharing", ["off", "within"])
+def test_aux_gradient_is_a_token_mean(sf, forest, sharing):
+    one, two = grads(sf, forest, sharing), grads(sf, doubled(forest), sharing)
+    assert one["microbatches"] == two["microbatches"] == 1
+    assert max_rel(two, one) < 1e-10
+    # the aux loss takes part: without it the router's gradient is another one
+    assert max_rel(grads(sf, forest, sharing, aux=0.0), one) > 1e-4
+
+
+def test_z_loss_tree_equals_expanded(sf, forest):
+    z = ("--moe-z-loss-coeff", "0.01")
+    ref, tree = grads(sf, forest, "off", aux=0.0, extra=z), grads(sf, forest, "within", aux=0.0, extra=z)
+    assert max_rel(tree, ref) < 1e-10
+    assert max_rel(grads(sf, forest, "off", aux=0.0), ref) > 1e-6      # the z-loss takes part
+
+
+def test_more_microbatches_do_not_scale_the_aux_gradient(sf, forest):
+    one, split = grads(sf, forest, "off"), grads(sf, forest, "off", tokens=512)
+    assert split["microbatches"] > 1
+    g1 = torch.cat([g.flatten() for g in one["grads"].values()])
+    g2 = torch.cat([g.flatten() for g in split["grads"].values()])
+    assert float((g2 - g1).norm() / g1.norm()) < 1e-3
