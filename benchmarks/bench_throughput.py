@@ -44,6 +44,9 @@ PRESETS = {
     # Kimi-Linear-shaped, fits one H200 with bf16 and the driver's default (non-distributed) optimizer
     "h200": dict(layers=12, hidden=1024, heads=16, ffn=4096, experts=32, topk=8, moe_ffn=512, vocab=32000,
                  kv_lora=256, qk=64, rope=32, v=64, lin_head=64),
+    # the same shape at hidden 2048 (~2.6B parameters): more GPU work per row for the same host work
+    "h200-2k": dict(layers=12, hidden=2048, heads=16, ffn=8192, experts=32, topk=8, moe_ffn=1024, vocab=32000,
+                    kv_lora=512, qk=128, rope=64, v=128, lin_head=128),
     "tiny": dict(layers=4, hidden=64, heads=2, ffn=128, experts=4, topk=2, moe_ffn=32, vocab=512,
                  kv_lora=16, qk=16, rope=8, v=16, lin_head=16),
 }
@@ -312,6 +315,8 @@ def main(argv=None):
     ap.add_argument("--kda-backend", default="auto")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--no-cosine", action="store_true")
+    ap.add_argument("--cosine-tokens", type=int, default=8192, help="token cap of the logit-cosine sample (halved "
+                    "while the fp32 oracle runs out of memory, down to 1024)")
     ap.add_argument("--driver-flags", default="", metavar="'FLAGS'",
                     help="more training-driver flags for every mode, e.g. '--tree-triton-max-configs 1'")
     ap.add_argument("--profile", metavar="FILE",
@@ -392,13 +397,17 @@ def main(argv=None):
         harts_calls = harts(forest.seg_parent, forest.seg_start, forest.seg_length, 64)
         bucket = per_depth_bucketing(forest.seg_parent, forest.seg_start, forest.seg_length, 64)
         row["kda_calls_per_layer_whole_forest"] = {"harts": harts_calls, "per_depth_bucketing": bucket}
-        if not a.no_cosine:
+        cap = a.cosine_tokens
+        while not a.no_cosine and cap >= 1024:     # a smaller sample where the fp32 oracle does not fit
             release_memory(a.device)
             try:
-                row.update(logit_cosine(common + ["--tree-sharing", a.tree_sharing[0]], forest, a.device))
+                row.update(logit_cosine(common + ["--tree-sharing", a.tree_sharing[0]], forest, a.device, cap))
+                row.pop("logit_cosine_error", None)
+                break
             except torch.OutOfMemoryError as e:
-                row["logit_cosine_error"] = f"out of memory: {str(e).splitlines()[0]}"
+                row["logit_cosine_error"] = f"out of memory at a {cap}-token cap: {str(e).splitlines()[0]}"
                 print(f"{scheme}: logit cosine not measured ({row['logit_cosine_error']})", flush=True)
+                cap //= 2
         results["schemes"][scheme] = row
         modes = " | ".join(
             f"{k} ({row[k]['planner']}, {row[k]['kda_calls']} KDA calls): compression {row[k]['compression']:.2f}x, "
