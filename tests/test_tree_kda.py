@@ -36,6 +36,30 @@ def test_chunked_equals_recurrent(T, B):
     torch.testing.assert_close(states[offsets.index(T)], s_ref[1], rtol=1e-12, atol=1e-12)
 
 
+def test_intra_chunk_recompute_same_bits_less_saved(monkeypatch):
+    """Above RECOMPUTE_INTRA_CHUNK_ELEMENTS the chunk products are recomputed in the backward:
+    outputs, states and every input gradient are the same bits, and autograd keeps less."""
+    import megatron_harts.ops.kda as kda_mod
+
+    def run(threshold):
+        monkeypatch.setattr(kda_mod, "RECOMPUTE_INTRA_CHUNK_ELEMENTS", threshold)
+        inputs = [x.clone().requires_grad_() for x in random_inputs(2, 40, 2, 8, 4, torch.float32, seed=3)]
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            o, st = kda_chunked(*inputs, chunk_size=8, state_index=[0, 1], state_offset=[40, 13])
+        (o.square().sum() + st.sum()).backward()
+        return o, st, [x.grad for x in inputs], sum(saved)
+
+    kept, recomputed = run(1 << 62), run(0)
+    for a, b in zip(kept[:2] + tuple(kept[2]), recomputed[:2] + tuple(recomputed[2])):
+        assert torch.equal(a, b)
+    assert recomputed[3] < 0.5 * kept[3]
+
+
 def test_varlen_equals_each_sequence_on_its_own():
     """The packed (varlen) form every backend implements: outputs, exported states (inside a
     chunk, on a boundary, at a sequence's end) and gradients equal one call per sequence."""
