@@ -44,10 +44,10 @@ DTYPE_FLAGS = {"bf16": "--bf16", "fp32": "", "fp64": "--fp64"}
 
 def parse_mode(text: str):
     """``SHARING[:TOKENS]`` -> (sharing, tokens or None)."""
-    sharing, _, tokens = text.partition(":")
+    sharing, colon, tokens = text.partition(":")
     if sharing not in ("off", "within", "windows"):
         raise argparse.ArgumentTypeError(f"mode {text!r}: sharing must be off, within or windows")
-    if tokens and not tokens.isdigit():
+    if colon and not (tokens.isdigit() and int(tokens) > 0):
         raise argparse.ArgumentTypeError(f"mode {text!r}: the row budget after ':' must be a positive integer")
     return sharing, int(tokens) if tokens else None
 

@@ -70,3 +70,26 @@ def test_more_microbatches_do_not_scale_the_aux_gradient(sf, forest):
     g1 = torch.cat([g.flatten() for g in one["grads"].values()])
     g2 = torch.cat([g.flatten() for g in split["grads"].values()])
     assert float((g2 - g1).norm() / g1.norm()) < 1e-3
+
+
+def test_step_fidelity_report_fp64(sf, tmp_path, capsys):
+    """The benchmark's report: tree modes against expanded mode, exact in fp64 (one microbatch each)."""
+    out = tmp_path / "sf.json"
+    sf.main(["--device", "cpu", "--preset", "tiny", "--dtype", "fp64", "--scheme", "tree-step", "--num-tasks", "1",
+             "--samples-per-task", "3", "--max-tokens", "384", "--microbatch-tokens", "8192", "--modes", "off",
+             "within", "--kda-backend", "reference", "--attention-backend", "reference", "--out", str(out)])
+    import json
+    runs = json.loads(out.read_text())["runs"]
+    tree = runs["within"]
+    assert tree["grad_rel_diff"] < 1e-10 and tree["sign_agreement"] > 1 - 1e-12
+    assert tree["expert_bias_sign_agreement"] == 1.0
+    assert max(tree["loss_abs_diff_per_step"]) < 1e-12 and len(tree["loss_abs_diff_per_step"]) == 2
+    assert tree["worst_params"] and all(w["rel_diff"] < 1e-10 for w in tree["worst_params"])
+    assert "grads" not in runs["off"] and tree["compression"] > 1
+
+
+@pytest.mark.parametrize("mode", ["expanded", "off:many", "within:", "off:0"])
+def test_step_fidelity_rejects_bad_modes(sf, mode, capsys):
+    with pytest.raises(SystemExit) as e:
+        sf.main(["--device", "cpu", "--preset", "tiny", "--dtype", "fp64", "--modes", "off", mode])
+    assert e.value.code == 2 and "mode" in capsys.readouterr().err
