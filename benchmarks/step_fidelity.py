@@ -131,6 +131,17 @@ def compare(run: Dict, ref: Dict, worst: int) -> Dict:
             "worst_params": per[:worst]}
 
 
+def summary_line(key: str, row: Dict) -> str:
+    """One printed line of a mode's results (the reference has no comparison fields)."""
+    line = (f"{key}: {row['microbatches']} microbatches, losses {['%.6f' % v for v in row['loss_per_step']]}, "
+            f"grad norms {['%.4g' % v for v in row['grad_norm_per_step']]}")
+    if "grad_rel_diff" not in row:
+        return line + " (reference)"
+    worst = row["worst_params"][0] if row["worst_params"] else {"param": None, "rel_diff": 0.0}
+    return (line + f", grad rel diff {row['grad_rel_diff']:.3e}, sign agreement {row['sign_agreement']:.5f}, "
+            f"bias signs {row['expert_bias_sign_agreement']}, worst {worst['param']} {worst['rel_diff']:.3e}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
@@ -178,15 +189,9 @@ def main(argv=None):
         row = {k: v for k, v in run.items() if k not in ("grads", "bias_update")}
         if run is not ref:
             row.update(compare(run, ref, a.worst))
+            del run                  # only the reference's gradients are needed later
         results["runs"][key] = row
-        worst = row.get("worst_params", [{}])[0]
-        print(f"{key}: {row['microbatches']} microbatches, losses {['%.6f' % v for v in row['loss_per_step']]}, "
-              f"grad norms {['%.4g' % v for v in row['grad_norm_per_step']]}"
-              + (f", grad rel diff {row['grad_rel_diff']:.3e}, sign agreement {row['sign_agreement']:.5f}, "
-                 f"bias signs {row['expert_bias_sign_agreement']}, worst {worst.get('param')} "
-                 f"{worst.get('rel_diff', 0):.3e}" if run is not ref else " (reference)"), flush=True)
-        if run is not ref:           # only the reference's gradients are needed later
-            run.pop("grads")
+        print(summary_line(key, row), flush=True)
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:

@@ -30,7 +30,10 @@ def sf():
 
 @pytest.fixture(scope="module")
 def forest(sf):
-    return sf.synthesize("tree-step", 1, 384, 512, seed=0, samples_per_task=3)
+    f = sf.synthesize("tree-step", 1, 512, 512, seed=0, samples_per_task=3)
+    assert sum(int(f.expand(t).loss_mask[1:].sum()) for t in f.traj_ids) > 100      # the loss takes part too
+    assert f.stats()["compression"] > 1.5                                             # and shared rows
+    return f
 
 
 def doubled(forest):
@@ -76,7 +79,7 @@ def test_step_fidelity_report_fp64(sf, tmp_path, capsys):
     """The benchmark's report: tree modes against expanded mode, exact in fp64 (one microbatch each)."""
     out = tmp_path / "sf.json"
     sf.main(["--device", "cpu", "--preset", "tiny", "--dtype", "fp64", "--scheme", "tree-step", "--num-tasks", "1",
-             "--samples-per-task", "3", "--max-tokens", "384", "--microbatch-tokens", "8192", "--modes", "off",
+             "--samples-per-task", "3", "--max-tokens", "512", "--microbatch-tokens", "8192", "--modes", "off",
              "within", "--kda-backend", "reference", "--attention-backend", "reference", "--out", str(out)])
     import json
     runs = json.loads(out.read_text())["runs"]
@@ -84,6 +87,7 @@ def test_step_fidelity_report_fp64(sf, tmp_path, capsys):
     assert tree["grad_rel_diff"] < 1e-10 and tree["sign_agreement"] > 1 - 1e-12
     assert tree["expert_bias_sign_agreement"] == 1.0
     assert max(tree["loss_abs_diff_per_step"]) < 1e-12 and len(tree["loss_abs_diff_per_step"]) == 2
+    assert runs["off"]["loss_per_step"][0] > 1.0 and runs["off"]["loss_per_step"][1] < runs["off"]["loss_per_step"][0]
     assert tree["worst_params"] and all(w["rel_diff"] < 1e-10 for w in tree["worst_params"])
     assert "grads" not in runs["off"] and tree["compression"] > 1
 
