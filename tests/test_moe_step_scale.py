@@ -107,3 +107,23 @@ def test_step_fidelity_rejects_bad_modes(sf, mode, capsys):
     with pytest.raises(SystemExit) as e:
         sf.main(["--device", "cpu", "--preset", "tiny", "--dtype", "fp64", "--modes", "off", mode])
     assert e.value.code == 2 and "mode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sharing,budget", [("within", 48), ("windows", 48), ("windows", 700), ("off", 700)])
+@pytest.mark.parametrize("dp", [1, 3])
+def test_step_token_weights_add_up_to_its_trajectory_tokens(sharing, budget, dp):
+    """aux_loss_scale(plan) = 1 / the step's routed tokens: over all replicas' microbatches the MoE
+    token weights (occurrence counts of the counted rows; 1 per expanded token) sum to them."""
+    from test_training_driver import rollouts
+    from megatron_harts.training.step import SharingSettings, aux_loss_scale, plan_step, replica_microbatches
+    forest = build_forest(rollouts(1))
+    settings = SharingSettings(sharing=sharing, microbatch_tokens=budget,
+                               planner={"off": "ffd", "within": "l1", "windows": "l1l2"}[sharing])
+    plan = plan_step(forest, settings, dp)
+    total = 0.0
+    for r in range(dp):
+        for mb in replica_microbatches(forest, plan, r, settings, aligned=False):
+            occ = getattr(mb.layout, "occurrence", None)
+            w = torch.ones(mb.layout.num_rows, dtype=torch.float64) if occ is None else occ.double()
+            total += float((w if mb.counted is None else w * mb.counted.double()).sum())
+    assert total == int(forest.traj_length.sum()) and aux_loss_scale(plan) == 1.0 / total
