@@ -103,8 +103,9 @@ def run_mode(argv: List[str], forest, steps: int) -> Dict:
             seconds.append(time.perf_counter() - t0)
             losses.append(m["loss"])
             norms.append(m["grad_norm"])
-        return {"loss_per_step": losses, "grad_norm_per_step": norms, "step_seconds": seconds,
-                "microbatches": m["microbatches"], "compression": m["compression"], **captured}
+        last = {k: m[k] for k in ("microbatches", "compression", "kda_calls", "replay_tokens", "windows",
+                                  "moe_load_max_over_mean") if k in m}
+        return {"loss_per_step": losses, "grad_norm_per_step": norms, "step_seconds": seconds, **last, **captured}
 
 
 def compare(run: Dict, ref: Dict, worst: int) -> Dict:

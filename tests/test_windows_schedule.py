@@ -163,3 +163,33 @@ def test_schedule_refusals(cpu_world):
                                  num_microbatches=0, seq_length=0, micro_batch_size=1)
     with pytest.raises(ValueError, match="WindowedMicrobatch"):
         go([prod])
+
+
+def test_recomputed_producers_same_step(cpu_world):
+    """``recompute_producers``: the producers' first forwards run without a graph (exports only), their
+    forwards and backwards at window close; log-probs and every gradient are the plain schedule's bits."""
+    cfg = tiny_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 0)
+    forest = tiny_forest(0)
+    seq, _ = windowed_step(forest, overlap=True)
+    plain = run_step(model, seq)
+    calls = []
+
+    def watched(data_iterator, model):
+        mb, psp = next(data_iterator)
+        out, loss_func = forward_step(iter([(mb, psp)]), model)
+        calls.append((psp.preview, torch.is_grad_enabled(), out.grad_fn is not None))
+        return out, loss_func
+    model.zero_grad(set_to_none=True)
+    stats = {}
+    store = forward_backward_windows(forward_step_func=watched, data_iterator=iter(seq), model=model,
+                                     num_microbatches=len(seq), window_stats=stats, recompute_producers=True)
+    lp = {k: v for s in store for k, v in s["lp"].items()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert lp == plain[0] and set(grads) == set(plain[1])
+    assert all(torch.equal(grads[n], plain[1][n]) for n in grads)
+    assert stats == plain[2]
+    producers = sum(mb.producer is None for mb in seq)
+    # each producer: one graph-free preview, then (at its window close) one forward with its graph
+    assert calls.count((True, False, False)) == producers and len(calls) == len(seq) + producers
+    assert all(grad and out for prev, grad, out in calls if not prev)

@@ -223,6 +223,9 @@ class TreePackedSeqParams(PackedSeqParams):
     exports: Optional[WindowExports] = None   # producer: filled by the forward; consumer: what to read
     consumer_index: Optional[ConsumerIndex] = None  # consumer: where its reads sit in ``exports``
     pad_rows: int = 0                        # rows appended after the real ones (padding, see module docstring)
+    preview: bool = False                    # producer: a forward for its exports only, recomputed at window
+                                             # close (schedules.windows recompute_producers): not the step's
+                                             # statistics
     seq_lengths: Optional[torch.Tensor] = None  # CPU long [N] (expanded mode): the sequences' lengths
     _token_weight_sum: Optional[float] = field(default=None, init=False, repr=False, compare=False)
     _seq_taps: Dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)

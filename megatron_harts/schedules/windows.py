@@ -237,11 +237,19 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                              collect_non_loss_data: bool = False, first_val_step: Optional[bool] = None,
                              adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
                              force_all_reduce: Optional[bool] = False,
-                             window_stats: Optional[Dict[str, Any]] = None) -> List[Any]:
+                             window_stats: Optional[Dict[str, Any]] = None,
+                             recompute_producers: bool = False) -> List[Any]:
     """Run ``num_microbatches`` windowed microbatches (see the module docstring).
 
+    ``recompute_producers``: a producer's first forward runs under ``no_grad`` with
+    ``packed_seq_params.preview`` set (``forward_step_func`` then leaves the step's statistics
+    alone and its loss is not asked for): it keeps only the exports its consumers read, not its
+    activations; at window close the producer's forward runs again, with its loss, and its
+    backward follows at once.  The same gradients (the forward is computed twice the same way) for
+    one more producer forward, and no producer activations alive while its consumers run.
+
     Returns the per-microbatch ``stats`` of ``loss_func``, in execution order (megatron's
-    ``forward_data_store``).  ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``,
+    ``forward_data_store``; with ``recompute_producers`` a producer's come at its window close).  ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``,
     ``first_val_step``, ``adjust_tensor_shapes_fn``, ``p2p_communicator``,
     ``force_all_reduce`` are accepted for signature compatibility and unused, as in
     megatron's ``forward_backward_no_pipelining``.
@@ -275,14 +283,22 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         store.append(stats)
         return loss
 
+    preview = recompute_producers and not forward_only
     for i, mb in enumerate(mbs):
         if i in consumers_of:                       # producer: forward, exports kept, backward deferred
             psp = producer_params(mb, [mbs[c] for c in consumers_of[i]], cfg)
-            with producer_forward(cfg):
-                loss = run(i, mb, psp)
+            if preview:                             # exports only; forward and backward again at close
+                psp.preview = True
+                with torch.no_grad(), producer_forward(cfg):
+                    forward_step_func(iter([(mb, psp)]), model)
+                psp.preview = False
+                loss = None
+            else:
+                with producer_forward(cfg):
+                    loss = run(i, mb, psp)
             leaves = psp.exports.detached()
             nbytes = psp.exports.nbytes()
-            open_windows[i] = {"loss": loss, "exports": psp.exports, "leaves": leaves, "bytes": nbytes}
+            open_windows[i] = {"loss": loss, "psp": psp, "leaves": leaves, "bytes": nbytes}
             live_bytes += nbytes
             peak_bytes = max(peak_bytes, live_bytes)
             continue
@@ -291,9 +307,13 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         if not forward_only:
             loss.backward()
         if mb.producer is not None and last_consumer[int(mb.producer)] == i:   # window close
-            w = open_windows.pop(int(mb.producer))
+            p = int(mb.producer)
+            w = open_windows.pop(p)
+            if preview:                             # the producer's forward again, now with its graph
+                with producer_forward(cfg):
+                    w["loss"] = run(p, mbs[p], w["psp"])
             if not forward_only:
-                w["exports"].close(w["leaves"], loss=w["loss"])
+                w["psp"].exports.close(w["leaves"], loss=w["loss"])
             live_bytes -= w["bytes"]
     if window_stats is not None:
         window_stats["peak_export_bytes"] = peak_bytes

@@ -402,7 +402,7 @@ OWN_FLAGS = frozenset({
     "--tree-cost-calibration", "--tree-dataset-shuffle", "--no-tree-dataset-shuffle",
     "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
     "--loss-agg-mode", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
-    "--tree-logit-probe-oracle", "--tree-triton-max-configs",
+    "--tree-logit-probe-oracle", "--tree-triton-max-configs", "--tree-recompute-producers",
 })
 
 # ---------------------------------------------------------------------------------------------
@@ -953,6 +953,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "consumers in 1F1B order, overlapping windows, each producer backward right after its "
                          "last consumer's), overlap (overlapping windows, backward-first) or non-overlap (each "
                          "window drained before the next)")
+    ts.add_argument("--tree-recompute-producers", action="store_true",
+                    help="with --tree-sharing windows: a producer's first forward keeps only the exports its "
+                         "consumers read; its forward runs again, with its backward, when its window closes "
+                         "(the same gradients; no producer activations alive while its consumers run, for one "
+                         "more producer forward)")
     ts.add_argument("--tree-plan-report", default=None, metavar="PATH",
                     help="append each step's plan metrics to this file (one JSON object per line)")
     ts.add_argument("--tree-logit-probe", default=None, metavar="DIR",
@@ -1306,6 +1311,13 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
                "sharing-window producers and consumers run harts plans only")
         _fail(f"--tree-kda-call-plan {args.tree_kda_call_plan} needs --tree-sharing within (with --tree-sharing "
               f"{args.tree_sharing} {why})")
+    if args.tree_recompute_producers:
+        if args.tree_sharing != "windows":
+            _fail(f"--tree-recompute-producers needs --tree-sharing windows (with --tree-sharing "
+                  f"{args.tree_sharing} there are no producers)")
+        if args.pipeline_model_parallel_size > 1:
+            _fail("--tree-recompute-producers: the pipeline schedules (--pipeline-model-parallel-size "
+                  f"{args.pipeline_model_parallel_size}) keep producers' activations; use pipeline size 1")
     if args.expert_model_parallel_size > 1 and args.num_experts:
         # the replicas of an expert-parallel group exchange tokens in every MoE layer of every microbatch:
         # microbatches of different sizes need the all-to-all dispatcher, and every replica runs the same

@@ -75,6 +75,7 @@ class SharingSettings:
     replay: bool = True
     cost_model: Any = None             # planner.cost_model.CostModel or None (defaults)
     pp_schedule: str = "consumer-1f1b"  # pipeline size > 1: schedules/pipeline.py SCHEDULES
+    recompute_producers: bool = False  # windows: producers' forwards run again at window close
 
     def __post_init__(self):
         if self.sharing not in SHARING_MODES:
@@ -223,10 +224,13 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
         mb, psp = next(data_iterator)
         batch = mb.layout
         dev = batch.tokens.device
+        # a producer's exports-only forward (recomputed with its loss at window close) counts nothing
+        counts = not getattr(psp, "preview", False)
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(aux_loss_scale, dtype=torch.float32, device=dev))
         if not _unwrap(model).post_process:       # a pipeline stage before the last: hidden states out
             out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp)
-            _count_experts(model, counters)
+            if counts:
+                _count_experts(model, counters)
             return out, None
         host = batch.host_copy if batch.host_copy is not None else batch
         # the (row, token) pairs from the host copy: the log-prob op groups them there
@@ -246,10 +250,11 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
             if bool(owned.any()):
                 scale[owned] = target_scale(normalizer, traj[owned], weight[owned], objective.loss_agg_mode)
         scale = host_to_device(scale, dev)
-        # KDA calls per KDA layer: the tree schedule's, or one varlen call for packed trajectories
-        counters["kda_calls"] += len(psp.kda_schedule.calls) if psp.kda_schedule is not None else 1
-        counters["replay_tokens"] += int(psp.kda_schedule.replay_tokens) if psp.kda_schedule is not None else 0
-        _count_experts(model, counters)
+        if counts:
+            # KDA calls per KDA layer: the tree schedule's, or one varlen call for packed trajectories
+            counters["kda_calls"] += len(psp.kda_schedule.calls) if psp.kda_schedule is not None else 1
+            counters["replay_tokens"] += int(psp.kda_schedule.replay_tokens) if psp.kda_schedule is not None else 0
+            _count_experts(model, counters)
 
         def loss_func(lp):
             try:
@@ -319,7 +324,7 @@ def run_schedule(model, items: List[WindowedMicrobatch], forward_step_func: Call
                                                    schedule=settings.pp_schedule, microbatch_costs=costs)
     return forward_backward_windows(forward_step_func=forward_step_func, data_iterator=iter(items), model=model,
                                     num_microbatches=len(items), forward_only=forward_only,
-                                    window_stats=window_stats)
+                                    window_stats=window_stats, recompute_producers=settings.recompute_producers)
 
 
 def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: SharingSettings,

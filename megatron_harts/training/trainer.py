@@ -169,7 +169,8 @@ class Trainer:
             self.settings = SharingSettings(sharing=args.tree_sharing, microbatch_tokens=args.tree_microbatch_tokens,
                                             planner=args.tree_planner, replay=not args.no_tree_replay,
                                             cost_model=cost_model(args),
-                                            pp_schedule=getattr(args, "tree_pp_schedule", "consumer-1f1b"))
+                                            pp_schedule=getattr(args, "tree_pp_schedule", "consumer-1f1b"),
+                                            recompute_producers=getattr(args, "tree_recompute_producers", False))
             from megatron.core import parallel_state
             self.dp = parallel_state.get_data_parallel_world_size()
             self.data_state: Optional[dict] = None

@@ -1,0 +1,48 @@
+"""``--tree-recompute-producers`` through the driver (CPU, fp64, world of one): a windowed step whose
+producers keep only their exports until their windows close gives the plain windowed step's loss,
+gradients, expert-bias update and statistics (KDA calls, replay, MoE load), MoE aux loss on; the
+flag is refused where it has no meaning."""
+import pytest
+
+from tool_runner import load_tool
+
+from megatron_harts.training.arguments import ArgumentsError, parse_args
+from megatron_harts.tree_data import build_forest
+
+from test_training_driver import MODEL, rollouts
+
+
+@pytest.fixture(scope="module")
+def sf():
+    return load_tool("step_fidelity", "benchmarks")
+
+
+def argv(*extra):
+    flags = list(MODEL)
+    flags[flags.index("--moe-aux-loss-coeff") + 1] = "0.01"
+    return flags + ["--global-batch-size", "16", "--train-iters", "10", "--seq-length", "48", "--lr", "3e-3",
+                    "--seed", "7", "--log-interval", "1000", "--rl-objective", "sft", "--tree-sharing", "windows",
+                    "--tree-planner", "l1l2", "--tree-microbatch-tokens", "48", *extra]
+
+
+def test_recomputed_producers_same_step(sf):
+    forest = build_forest(rollouts(0))
+    plain = sf.run_mode(argv(), forest, 2)
+    rec = sf.run_mode(argv("--tree-recompute-producers"), forest, 2)
+    assert plain["windows"] > 0
+    for k in ("loss_per_step", "grad_norm_per_step", "microbatches", "kda_calls", "replay_tokens", "windows",
+              "moe_load_max_over_mean"):
+        assert rec[k] == plain[k], k
+    assert all(float((rec["grads"][n] - g).abs().max()) == 0.0 for n, g in plain["grads"].items())
+    assert all(float((a - b).abs().max()) == 0.0 for a, b in zip(rec["bias_update"], plain["bias_update"]))
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--tree-sharing", "within", "--tree-planner", "l1"], "needs --tree-sharing windows"),
+    (["--pipeline-model-parallel-size", "2"], "pipeline"),
+])
+def test_recompute_producers_refused(extra, needle):
+    parse_args(argv("--tree-recompute-producers"), require_data=False)
+    with pytest.raises(ArgumentsError) as e:
+        parse_args(argv("--tree-recompute-producers") + extra, require_data=False)
+    assert "--tree-recompute-producers" in str(e.value) and needle in str(e.value)
