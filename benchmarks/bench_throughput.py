@@ -312,6 +312,9 @@ def main(argv=None):
     ap.add_argument("--microbatch-tokens", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--recompute-producers", action="store_true",
+                    help="also run windows with --tree-recompute-producers (producers' activations freed "
+                         "until their windows close: peak memory against one more producer forward)")
     ap.add_argument("--kda-backend", default="auto")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--no-cosine", action="store_true")
@@ -350,11 +353,14 @@ def main(argv=None):
             "nccl" if a.device == "cuda" else "gloo", "--tree-kda-backend", a.kda_backend,
             "--tree-attention-backend", a.attention_backend] + a.driver_flags.split()
         row = {"forest": forest.stats()}
-        modes = [(s, "harts") for s in a.tree_sharing] + [("within", p) for p in a.kda_call_plans] + [("off", "harts")]
-        for sharing, call_plan in modes:
-            argv_mode = common + ["--tree-sharing", sharing, "--tree-kda-call-plan", call_plan]
+        modes = [(s, "harts", []) for s in a.tree_sharing] + [("within", p, []) for p in a.kda_call_plans] \
+            + ([("windows", "harts", ["--tree-recompute-producers"])] if a.recompute_producers else []) \
+            + [("off", "harts", [])]
+        for sharing, call_plan, extra in modes:
+            argv_mode = common + ["--tree-sharing", sharing, "--tree-kda-call-plan", call_plan] + extra
             left = release_memory(a.device)
-            key = "expanded" if sharing == "off" else f"tree_{sharing}" + ("" if call_plan == "harts" else f"_{call_plan}")
+            key = "expanded" if sharing == "off" else f"tree_{sharing}" + ("" if call_plan == "harts" else f"_{call_plan}") \
+                + ("_recompute_producers" if extra else "")
             times, metrics, losses, peak, plan, prof = run_mode(argv_mode, forest, a.iters, a.warmup, a.device,
                                                         profile=bool(a.profile))
             t = statistics.median(times)

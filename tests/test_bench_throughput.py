@@ -53,3 +53,16 @@ def test_tiny_cpu_run_records_losses_norms_and_gradient_fidelity(bt, tmp_path):
     for who in ("tree", "expanded"):           # fp32 on the CPU: gradients are the oracle's to rounding
         assert row[f"sign_step_alignment_{who}_vs_fp32"] > 0.999
         assert row[f"max_grad_rel_diff_{who}_vs_fp32"] < 1e-3
+
+
+def test_tiny_cpu_run_with_recomputed_producers(bt, tmp_path):
+    out = tmp_path / "t.json"
+    bt.main(["--device", "cpu", "--preset", "tiny", "--schemes", "tree-step", "--num-tasks", "1", "--samples-per-task",
+             "4", "--max-tokens", "512", "--microbatch-tokens", "512", "--iters", "1", "--tree-sharing", "windows",
+             "--recompute-producers", "--no-cosine", "--kda-backend", "reference", "--attention-backend", "reference",
+             "--out", str(out)])
+    row = json.loads(out.read_text())["schemes"]["tree-step"]
+    win, rec = row["tree_windows"], row["tree_windows_recompute_producers"]
+    assert win["windows"] > 0 and rec["windows"] == win["windows"]
+    assert rec["loss_per_step"] == win["loss_per_step"] and rec["grad_norm_per_step"] == win["grad_norm_per_step"]
+    assert rec["kda_calls"] == win["kda_calls"] and "speedup" in rec
