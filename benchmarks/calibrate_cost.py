@@ -148,7 +148,8 @@ def measure_step(trainer, forest, plan, settings, index, *, repeat: int, timer) 
     """
     from megatron_harts.rl.objectives import forest_normalizer
     from megatron_harts.schedules.windows import WindowedMicrobatch
-    from megatron_harts.training.step import aux_loss_scale, make_forward_step, run_schedule
+    from megatron_harts.training.step import (aux_loss_scale, make_forward_step, megatron_aux_loss_scale_after,
+                                              run_schedule)
 
     ddp = trainer.model[0]
     device = trainer.device
@@ -161,7 +162,7 @@ def measure_step(trainer, forest, plan, settings, index, *, repeat: int, timer) 
         on_device = WindowedMicrobatch(item.layout.to(device), item.owned, item.producer, item.replay, item.counted)
 
         def run_once(mb=on_device):
-            with ddp.no_sync():
+            with ddp.no_sync(), megatron_aux_loss_scale_after(device):
                 run_schedule(ddp, [mb], step_fn, settings)
 
         runs = []

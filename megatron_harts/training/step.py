@@ -32,6 +32,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -54,7 +55,7 @@ from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forw
                                  windowed_microbatches)
 
 __all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "executed_rows", "replica_microbatches",
-           "aux_loss_scale", "microbatch_costs", "run_schedule", "train_step", "StepResult"]
+           "aux_loss_scale", "megatron_aux_loss_scale_after", "microbatch_costs", "run_schedule", "train_step", "StepResult"]
 
 SHARING_MODES = ("off", "within", "windows")
 PLANNERS = ("l1", "l1l2", "ffd", "ortools")
@@ -273,6 +274,18 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
     return forward_step
 
 
+@contextlib.contextmanager
+def megatron_aux_loss_scale_after(device):
+    """megatron's aux-loss gradient scale is a class attribute that ``make_forward_step``'s steps set
+    to their step's (``aux_loss_scale``); after the block it is megatron's default again (1), so a
+    later model in the process (a test, another run) does not inherit it."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float32, device=device))
+
+
 def aux_loss_scale(plan) -> float:
     """The MoE aux-loss gradient scale of a step (module docstring): 1 / the tokens its MoE layers
     route over all replicas, i.e. its trajectory tokens (a tree row counts its occurrences)."""
@@ -353,12 +366,8 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     last = parallel_state.is_pipeline_last_stage()
     costs = microbatch_costs(forest, plan, replica, len(items)) if pp > 1 else None
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    try:
-        with ddp.no_sync():
-            run_schedule(ddp, items, step_fn, settings, window_stats=window_stats, costs=costs)
-    finally:   # the aux-loss gradient scale is this step's (forward_step sets it); leave megatron's default
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float32, device=device))
+    with ddp.no_sync(), megatron_aux_loss_scale_after(device):
+        run_schedule(ddp, items, step_fn, settings, window_stats=window_stats, costs=costs)
     # every rank reduces the same terms: the objective's, known also where no loss ran (stages
     # before the last, a replica without microbatches this step)
     term_names = objective_term_names(objective)
