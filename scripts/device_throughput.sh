@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The single-GPU throughput table (issue 6) in one call of the GPU machine (carry .whl):
+#
+#   bash scripts/device_throughput.sh [SECONDS] [STAGE...]
+#
+# Stages, each its own bench_throughput run with its share of SECONDS (default 540) as a deadline,
+# results as JSON in $OUT (or ./out/throughput):
+#   fidelity    benchmarks/step_fidelity.py: one bf16 step, expanded / expanded repacked / within / windows
+#   step-wise   the paper-level Step-wise batch (46 trajectories, 16k-row microbatches), within and windows
+#               (plain and with --tree-recompute-producers) against expanded
+#   tree-step   the paper-level Tree-Step batch (118 trajectories), the same modes
+#   large       both batches on preset h200-2k (hidden 2048), without the fidelity sample
+# Default: fidelity step-wise tree-step.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SECONDS_LEFT="${1:-540}"
+shift || true
+STAGES=("$@")
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(fidelity step-wise tree-step)
+OUT="${OUT:-out/throughput}"
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi -L
+share=$((SECONDS_LEFT / ${#STAGES[@]}))
+quiet() { grep -v -i -E "warn|Unknown MLP|Rerun"; }
+BENCH=(python3 benchmarks/bench_throughput.py --iters 1 --tree-sharing within windows --recompute-producers
+       --driver-flags "--tree-triton-max-configs 1")
+STEPWISE=(--schemes step-wise --num-tasks 2 --max-tokens 16384 --microbatch-tokens 16384)
+TREESTEP=(--schemes tree-step --num-tasks 1 --samples-per-task 8 --max-tokens 8192 --microbatch-tokens 16384)
+rc=0
+for stage in "${STAGES[@]}"; do
+  case "$stage" in
+    fidelity) timeout "$share" python3 benchmarks/step_fidelity.py --num-tasks 3 --max-tokens 4096 \
+                --microbatch-tokens 8192 --modes off off:4096 within windows \
+                --driver-flags "--tree-triton-max-configs 1" --out "$OUT/step-fidelity.json" 2>&1 | quiet ;;
+    step-wise) timeout "$share" "${BENCH[@]}" "${STEPWISE[@]}" --out "$OUT/step-wise-16k.json" 2>&1 | quiet ;;
+    tree-step) timeout "$share" "${BENCH[@]}" "${TREESTEP[@]}" --out "$OUT/tree-step-16k.json" 2>&1 | quiet ;;
+    large) timeout "$share" "${BENCH[@]}" --preset h200-2k --no-cosine "${STEPWISE[@]}" \
+             --out "$OUT/large-step-wise-16k.json" 2>&1 | quiet
+           timeout "$share" "${BENCH[@]}" --preset h200-2k --no-cosine "${TREESTEP[@]}" \
+             --out "$OUT/large-tree-step-16k.json" 2>&1 | quiet ;;
+    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, large)" >&2; exit 2 ;;
+  esac
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+done
+exit "$rc"
