@@ -25,10 +25,14 @@ def argv(*extra):
                     "--tree-planner", "l1l2", "--tree-microbatch-tokens", "48", *extra]
 
 
-def test_recomputed_producers_same_step(sf):
+RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+
+
+@pytest.mark.parametrize("extra", [(), RECOMPUTE], ids=["plain", "activation-recompute"])
+def test_recomputed_producers_same_step(sf, extra):
     forest = build_forest(rollouts(0))
-    plain = sf.run_mode(argv(), forest, 2)
-    rec = sf.run_mode(argv("--tree-recompute-producers"), forest, 2)
+    plain = sf.run_mode(argv(*extra), forest, 2)
+    rec = sf.run_mode(argv("--tree-recompute-producers", *extra), forest, 2)
     assert plain["windows"] > 0
     for k in ("loss_per_step", "grad_norm_per_step", "microbatches", "kda_calls", "replay_tokens", "windows",
               "moe_load_max_over_mean"):
