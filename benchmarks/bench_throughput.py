@@ -359,8 +359,8 @@ def main(argv=None):
         for sharing, call_plan, extra in modes:
             argv_mode = common + ["--tree-sharing", sharing, "--tree-kda-call-plan", call_plan] + extra
             left = release_memory(a.device)
-            key = "expanded" if sharing == "off" else f"tree_{sharing}" + ("" if call_plan == "harts" else f"_{call_plan}") \
-                + ("_recompute_producers" if extra else "")
+            key = "expanded" if sharing == "off" else f"tree_{sharing}" \
+                + ("" if call_plan == "harts" else f"_{call_plan}") + ("_recompute_producers" if extra else "")
             times, metrics, losses, peak, plan, prof = run_mode(argv_mode, forest, a.iters, a.warmup, a.device,
                                                         profile=bool(a.profile))
             t = statistics.median(times)

@@ -249,7 +249,8 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     one more producer forward, and no producer activations alive while its consumers run.
 
     Returns the per-microbatch ``stats`` of ``loss_func``, in execution order (megatron's
-    ``forward_data_store``; with ``recompute_producers`` a producer's come at its window close).  ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``,
+    ``forward_data_store``; with ``recompute_producers`` a producer's come at its window close).
+    ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``,
     ``first_val_step``, ``adjust_tensor_shapes_fn``, ``p2p_communicator``,
     ``force_all_reduce`` are accepted for signature compatibility and unused, as in
     megatron's ``forward_backward_no_pipelining``.

@@ -55,7 +55,8 @@ from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forw
                                  windowed_microbatches)
 
 __all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "executed_rows", "replica_microbatches",
-           "aux_loss_scale", "megatron_aux_loss_scale_after", "microbatch_costs", "run_schedule", "train_step", "StepResult"]
+           "aux_loss_scale", "megatron_aux_loss_scale_after", "microbatch_costs", "run_schedule", "train_step",
+           "StepResult"]
 
 SHARING_MODES = ("off", "within", "windows")
 PLANNERS = ("l1", "l1l2", "ffd", "ortools")
