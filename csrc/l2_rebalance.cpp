@@ -421,7 +421,8 @@ class Bins {
 py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64Array own_off_a, I64Array own_a,
                        I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a, I64Array rep_a,
                        I64Array ent_off_a, I64Array ent_unit_a, I64Array ent_path_a, F64Array ent_cost_a, i64 dp,
-                       i64 M, double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins, i64 wide) {
+                       i64 M, double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins, i64 wide,
+                       i64 spend) {
     const i64 nu = l2_check_unit_arrays(ints_a, 7, flts_a, own_off_a, own_a, rec_off_a, rec_a, path_off_a, path_a,
                                         length_a.shape(0), -1);
     const i64 n = rep_a.shape(0);
@@ -487,7 +488,8 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         return slot_objective(cs, dp, tau, weight);
     };
     double f_now = objective(0, &costs[0], 0, &costs[0]);
-    i64 slack = 0;
+    if (spend < 0) throw py::value_error("spend must be >= 0");
+    i64 slack = spend;  // tokens the pass may add: the budget given, then what its moves save
     std::vector<i64> spare(dp);
     for (i64 r = 0; r < dp; ++r) spare[r] = st.open(r);
     std::vector<double> score_x, score_y;  // score's costs of the two replicas (storage reused)
@@ -792,7 +794,7 @@ void register_rebalance(py::module_& m) {
           py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("rep"),
           py::arg("ent_off"), py::arg("ent_unit"), py::arg("ent_path"), py::arg("ent_cost"), py::arg("dp"),
           py::arg("M"), py::arg("overhead"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"),
-          py::arg("swap_bins"), py::arg("wide"),
+          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"),
           "L2's balance pass (see megatron_harts.planner.l2_balance.rebalance; _rebalance_python is the reference): "
           "units (kind, tree, window, upper window, owned rows, replay tokens, path rows; cost, replay cost, "
           "path cost; owned / recomputed / path segments as CSR) in bins (replica, entries: unit, path "

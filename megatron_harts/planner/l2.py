@@ -56,6 +56,12 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    windows), only the best ``ASSEMBLED`` by that estimate that compute no more tokens than
    L1 (and a refined one no more than the packing it refines) are judged exactly, none
    estimated over ``ASSEMBLE_MARGIN`` longer than the best plan so far.
+6. *Spending*: where the best plan has few slots (``BALANCE_SPEND_SLOTS``) and enough
+   microbatches (``BALANCE_SPEND_BINS``), its packing (before its balance pass) is refined again
+   by the balance pass allowed to compute parts ``BALANCE_SPEND`` of the tokens the plan saves
+   against L1 more: a slot evened out by a unit whose root path is recomputed, or one no longer
+   read from a producer, can shorten the step; such a plan is judged like the others (no more
+   tokens than L1, the shortest step wins).
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
@@ -106,6 +112,13 @@ ASSEMBLE_MARGIN = 0.015
 #: per replica the whole items balance as well)
 ITEM_CUTS = (0.7,)
 ITEM_CUT_SLOTS = 16
+#: the best plan's packing (before its balance pass) is evened out again by the balance pass allowed
+#: to compute these parts of the tokens the plan saves against L1 more (a slot evened out by a path
+#: recomputed or a unit read from no producer), where the plan has at most ``BALANCE_SPEND_SLOTS``
+#: slots and at least ``BALANCE_SPEND_BINS`` microbatches (smaller: planning time counts more)
+BALANCE_SPEND = (0.1, 0.2)
+BALANCE_SPEND_SLOTS = 16
+BALANCE_SPEND_BINS = 16
 
 
 @gc_paused
@@ -132,6 +145,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                                    microbatches=list(l1.microbatches), slots=l1.slots.copy())
     keep_tokens = keep.tokens_computed
     plan, plan_key = keep, (step_cost(keep), keep_tokens)
+    plan_packed = None  # the packing the best plan so far is assembled from, before the balance pass (None: L1's)
     units = window_units(ix, l1, model, mpr)
     if dp == 1 or any(u.kind == "core" for u in units):  # one replica: free pieces may fill spare rows
         bases = [units]  # the units, and on several replicas those with their largest items cut
@@ -218,7 +232,19 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 judged += 1
                 key = (step_cost(cand), cand.tokens_computed)
                 if key < plan_key:
-                    plan, plan_key = cand, key
+                    plan, plan_key, plan_packed = cand, key, refined.get(id(packed), packed)
+        if plan_packed is not None and plan.num_slots <= BALANCE_SPEND_SLOTS and \
+                len(plan.microbatches) >= BALANCE_SPEND_BINS:
+            # the best plan's packing evened out again, spending parts of what it saves against L1
+            src, saved = plan_packed, keep_tokens - plan_key[1]
+            for part in BALANCE_SPEND:
+                spend = int(part * saved)
+                even = rebalance(ix, src, dp, M, overhead, spend) if spend > 0 else None
+                cand = None if even is None else window_plan(ix, even, dp=dp, M=M, model=model)
+                if cand is not None and cand.tokens_computed <= keep_tokens:
+                    key = (step_cost(cand), cand.tokens_computed)
+                    if key < plan_key:
+                        plan, plan_key = cand, key
     plan.plan_seconds = time.perf_counter() - t0
     return plan
 
