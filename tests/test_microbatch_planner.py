@@ -538,10 +538,10 @@ def _rebalance_inputs():
     for f, M, model in _l2_forests():
         ix = ForestIndex(f)
 
-        def spy(ix, packed, dp, M, overhead, spend=0, model=model):
+        def spy(ix, packed, dp, M, overhead, spend=0, swap_bins=None, model=model):
             if not spend:  # the spending passes refine packings seen here already
                 seen.append((ix, packed, dp, M, overhead, model))
-            return orig(ix, packed, dp, M, overhead, spend)
+            return orig(ix, packed, dp, M, overhead, spend, swap_bins)
 
         l2mod.rebalance = spy
         try:

@@ -117,6 +117,10 @@ ITEM_CUT_SLOTS = 16
 #: recomputed or a unit read from no producer), where the plan has at most ``BALANCE_SPEND_SLOTS``
 #: slots and at least ``BALANCE_SPEND_BINS`` microbatches (smaller: planning time counts more)
 BALANCE_SPEND = (0.1, 0.2)
+#: the balance pass of each base's best packing tries swaps in packings of up to this many microbatches
+#: (the others: ``BALANCE_SWAP_BINS``); more cost time (a swap is tried per pair of entries) and, on
+#: Tree-Step 2048 DP 8 (376 microbatches), gave a packing whose estimate beat better ones
+BALANCE_SWAP_BINS_FIRST = 128
 BALANCE_SPEND_SLOTS = 16
 BALANCE_SPEND_BINS = 16
 
@@ -200,8 +204,9 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 if not mine:
                     continue
                 k = BALANCE_PACKINGS[base == 0 and len(mine[0][2][0]) >= BALANCE_MORE_BINS]
-                for _, _, packed in mine[:k]:
-                    even = rebalance(ix, packed, dp, M, overhead)
+                for j, (_, _, packed) in enumerate(mine[:k]):  # the best one: swaps in more microbatches
+                    even = rebalance(ix, packed, dp, M, overhead,
+                                     swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None)
                     if even is not None:
                         refined[id(even)] = packed
                         family[id(even)] = base

@@ -9,7 +9,7 @@ every window still runs as the schedule runs it.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -555,7 +555,8 @@ def numbered_units(entries):
     return units, ent
 
 
-def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: int = 0):
+def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: int = 0,
+              swap_bins: Optional[int] = None):
     """A packing's microbatches evened out per slot (the balance pass, several replicas).
 
     A local search (``_C.l2_rebalance``; ``_rebalance_python`` its reference, move for move):
@@ -581,7 +582,8 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
     empty is dropped.  Then the order of ``pack_windows`` (costliest first, a producer just
     before its first consumer, split windows' consumers after their path's owner).  Returns
     the packing (``pack_windows``' format) or None when nothing changed (or that order is
-    impossible, or there are fewer microbatches than replicas)."""
+    impossible, or there are fewer microbatches than replicas).  ``swap_bins``: swaps are tried in
+    packings of at most this many microbatches (default ``BALANCE_SWAP_BINS``)."""
     global _REBALANCE
     groups, placement, loads, entries = packed[:4]
     n = len(groups)
@@ -589,8 +591,8 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
         return None
     units, ent = numbered_units(entries)
     rep = [placement[i][0] for i in range(n)]
-    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT, BALANCE_SWAP_BINS, BALANCE_WIDE,
-            max(0, int(spend)))
+    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT,
+            BALANCE_SWAP_BINS if swap_bins is None else int(swap_bins), BALANCE_WIDE, max(0, int(spend)))
     out = None
     if _REBALANCE is not None:
         try:
