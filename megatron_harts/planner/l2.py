@@ -61,7 +61,10 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    by the balance pass allowed to compute parts ``BALANCE_SPEND`` of the tokens the plan saves
    against L1 more: a slot evened out by a unit whose root path is recomputed, or one no longer
    read from a producer, can shorten the step; such a plan is judged like the others (no more
-   tokens than L1, the shortest step wins).
+   tokens than L1, the shortest step wins).  One of these passes, and on packings of at least
+   ``BALANCE_MORE_BINS`` microbatches a second pass over the best packing of step 5, score the
+   slots in the order the plan runs (``rebalance(ordered=True)``: producers before their first
+   consumer, where costliest first alone would misalign a slot that starts a window).
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
@@ -115,8 +118,9 @@ ITEM_CUT_SLOTS = 16
 #: the best plan's packing (before its balance pass) is evened out again by the balance pass allowed
 #: to compute these parts of the tokens the plan saves against L1 more (a slot evened out by a path
 #: recomputed or a unit read from no producer), where the plan has at most ``BALANCE_SPEND_SLOTS``
-#: slots and at least ``BALANCE_SPEND_BINS`` microbatches (smaller: planning time counts more)
-BALANCE_SPEND = (0.1, 0.2)
+#: slots and at least ``BALANCE_SPEND_BINS`` microbatches (smaller: planning time counts more); each
+#: entry (part, ordered): ``ordered`` scores the slots in the order the plan runs (``rebalance``)
+BALANCE_SPEND = ((0.1, False), (0.2, False), (0.2, True))
 #: the balance pass of each base's best packing tries swaps in packings of up to this many microbatches
 #: (the others: ``BALANCE_SWAP_BINS``); more cost time (a swap is tried per pair of entries) and, on
 #: Tree-Step 2048 DP 8 (376 microbatches), gave a packing whose estimate beat better ones
@@ -203,14 +207,18 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 mine = of(base)
                 if not mine:
                     continue
-                k = BALANCE_PACKINGS[base == 0 and len(mine[0][2][0]) >= BALANCE_MORE_BINS]
-                for j, (_, _, packed) in enumerate(mine[:k]):  # the best one: swaps in more microbatches
-                    even = rebalance(ix, packed, dp, M, overhead,
-                                     swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None)
-                    if even is not None:
-                        refined[id(even)] = packed
-                        family[id(even)] = base
-                        packs.append((estimate_step(even, dp, overhead), len(packs), even))
+                many = base == 0 and len(mine[0][2][0]) >= BALANCE_MORE_BINS
+                k = BALANCE_PACKINGS[many]
+                for j, (_, _, packed) in enumerate(mine[:k]):
+                    # the best one: swaps in more microbatches, and with many microbatches also refined
+                    # with the objective in run order (producers first)
+                    for ordered in (False, True) if j == 0 and many else (False,):
+                        even = rebalance(ix, packed, dp, M, overhead,
+                                         swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None, ordered=ordered)
+                        if even is not None:
+                            refined[id(even)] = packed
+                            family[id(even)] = base
+                            packs.append((estimate_step(even, dp, overhead), len(packs), even))
             packs.sort(key=lambda p: p[:2])
         assembled = {}
 
@@ -242,9 +250,9 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 len(plan.microbatches) >= BALANCE_SPEND_BINS:
             # the best plan's packing evened out again, spending parts of what it saves against L1
             src, saved = plan_packed, keep_tokens - plan_key[1]
-            for part in BALANCE_SPEND:
+            for part, ordered in BALANCE_SPEND:
                 spend = int(part * saved)
-                even = rebalance(ix, src, dp, M, overhead, spend) if spend > 0 else None
+                even = rebalance(ix, src, dp, M, overhead, spend, ordered=ordered) if spend > 0 else None
                 cand = None if even is None else window_plan(ix, even, dp=dp, M=M, model=model)
                 if cand is not None and cand.tokens_computed <= keep_tokens:
                     key = (step_cost(cand), cand.tokens_computed)

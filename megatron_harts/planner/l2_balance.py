@@ -69,8 +69,9 @@ class _Bins:
     replay tokens.  ``take`` and ``give`` keep all of it exact (as estimated), so a move is
     tried by doing it and undoing it."""
 
-    def __init__(self, units, rep, ent, length, dp):
+    def __init__(self, units, rep, ent, length, dp, ordered=False):
         n = self.n = len(rep)
+        self.ordered = ordered
         self.units, self.length, self.dp = units, length, dp
         self.rep = list(rep)
         self.ent: List[list] = [[] for _ in range(n)]
@@ -290,8 +291,22 @@ class _Bins:
         return [bs for r, bs in sorted(out.items()) if r not in split]
 
     def costs(self, r, overhead):
+        """Replica ``r``'s microbatch costs (load + ``overhead``) costliest first; when ``ordered``, in the
+        order ``rebalance`` runs them: costliest first, each producer just before its first reader."""
         rep, load, ent = self.rep, self.load, self.ent
-        return sorted((load[b] + overhead for b in range(self.n) if rep[b] == r and ent[b]), reverse=True)
+        if not self.ordered:
+            return sorted((load[b] + overhead for b in range(self.n) if rep[b] == r and ent[b]), reverse=True)
+        out, done = [], set()
+        for b in sorted((b for b in range(self.n) if rep[b] == r and ent[b]), key=lambda b: (-load[b], b)):
+            if b in done:
+                continue
+            for p in sorted(self.reads[b]):
+                if p not in done:
+                    out.append(load[p] + overhead)
+                    done.add(p)
+            out.append(load[b] + overhead)
+            done.add(b)
+        return out
 
     def groups(self, b):
         """What may leave bin ``b``: every entry but cores and split windows' units alone, then
@@ -309,10 +324,10 @@ class _Bins:
 
 
 def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float, moves: int, n_slots: int,
-                      weight: float, swap_bins: int, wide: int, spend: int):
+                      weight: float, swap_bins: int, wide: int, spend: int, ordered: bool = False):
     """Reference of ``_C.l2_rebalance`` (``rebalance``'s search): returns (moved, rep, ent)."""
     n = len(rep)
-    st = _Bins(units, rep, ent, length, dp)
+    st = _Bins(units, rep, ent, length, dp, ordered)
     rep, load, ent, rows, replay = st.rep, st.load, st.ent, st.rows, st.replay
     total = 0.0
     for x in load:
@@ -556,7 +571,7 @@ def numbered_units(entries):
 
 
 def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: int = 0,
-              swap_bins: Optional[int] = None):
+              swap_bins: Optional[int] = None, ordered: bool = False):
     """A packing's microbatches evened out per slot (the balance pass, several replicas).
 
     A local search (``_C.l2_rebalance``; ``_rebalance_python`` its reference, move for move):
@@ -583,7 +598,9 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
     before its first consumer, split windows' consumers after their path's owner).  Returns
     the packing (``pack_windows``' format) or None when nothing changed (or that order is
     impossible, or there are fewer microbatches than replicas).  ``swap_bins``: swaps are tried in
-    packings of at most this many microbatches (default ``BALANCE_SWAP_BINS``)."""
+    packings of at most this many microbatches (default ``BALANCE_SWAP_BINS``).  ``ordered``: the objective
+    reads each replica's microbatches in the order this function returns them (producers moved before
+    their first consumer), not costliest first only."""
     global _REBALANCE
     groups, placement, loads, entries = packed[:4]
     n = len(groups)
@@ -592,7 +609,8 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
     units, ent = numbered_units(entries)
     rep = [placement[i][0] for i in range(n)]
     args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT,
-            BALANCE_SWAP_BINS if swap_bins is None else int(swap_bins), BALANCE_WIDE, max(0, int(spend)))
+            BALANCE_SWAP_BINS if swap_bins is None else int(swap_bins), BALANCE_WIDE, max(0, int(spend)),
+            bool(ordered))
     out = None
     if _REBALANCE is not None:
         try:
@@ -653,7 +671,8 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
     return groups2, placement2, loads2, entries2
 
 
-def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, weight, swap_bins, wide, spend):
+def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, weight, swap_bins, wide, spend,
+                        ordered=False):
     """``_rebalance_python``'s result from ``_C.l2_rebalance`` (the same values)."""
     ints8, flts, own_off, own, rec_off, rec, path_off, path = unit_arrays(units)
     ints = np.ascontiguousarray(ints8[:, :7])
@@ -665,7 +684,8 @@ def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, we
     ent_cost = np.array(cols[2], dtype=np.float64)
     moved, rep2, eo, eu, ep, ec = _REBALANCE(ix.length, ints, flts, own_off, own, rec_off, rec, path_off, path,
                                               np.asarray(rep, dtype=np.int64), ent_off, ent_unit, ent_path,
-                                              ent_cost, dp, M, overhead, moves, n_slots, weight, swap_bins, wide, spend)
+                                              ent_cost, dp, M, overhead, moves, n_slots, weight, swap_bins, wide, spend,
+                                              ordered)
     eo, eu, ep, ec = eo.tolist(), eu.tolist(), ep.tolist(), ec.tolist()
     ent2 = [list(zip(eu[eo[b]:eo[b + 1]], map(bool, ep[eo[b]:eo[b + 1]]), ec[eo[b]:eo[b + 1]]))
             for b in range(len(eo) - 1)]
