@@ -118,7 +118,8 @@ ITEM_CUT_SLOTS = 16
 #: the best plan's packing (before its balance pass) is evened out again by the balance pass allowed
 #: to compute these parts of the tokens the plan saves against L1 more (a slot evened out by a path
 #: recomputed or a unit read from no producer), where the plan has at most ``BALANCE_SPEND_SLOTS``
-#: slots and at least ``BALANCE_SPEND_BINS`` microbatches (smaller: planning time counts more); each
+#: slots and at least ``BALANCE_SPEND_BINS`` microbatches (smaller: planning time counts more, the passes
+#: cost 2-3 ms on Step-wise 512, where OR-Tools+FFD takes 20-36 ms); each
 #: entry (part, ordered): ``ordered`` scores the slots in the order the plan runs (``rebalance``)
 BALANCE_SPEND = ((0.1, False), (0.2, False), (0.2, True))
 #: the balance pass of each base's best packing tries swaps in packings of up to this many microbatches
@@ -126,7 +127,7 @@ BALANCE_SPEND = ((0.1, False), (0.2, False), (0.2, True))
 #: Tree-Step 2048 DP 8 (376 microbatches), gave a packing whose estimate beat better ones
 BALANCE_SWAP_BINS_FIRST = 128
 BALANCE_SPEND_SLOTS = 16
-BALANCE_SPEND_BINS = 16
+BALANCE_SPEND_BINS = 24
 
 
 @gc_paused
