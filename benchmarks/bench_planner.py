@@ -26,7 +26,10 @@ Columns: compression (as planned), executed (compression as the window schedule 
 percentile, step_min (least / most loaded replica over the step), microbatches, peak_rows,
 retention (max slots a producer's exports stay alive), export_peak (most exported rows one
 replica retains at once), plan_s (seconds, forest index included).  Every JSON row also records
-the machine's 1-minute load average after it ran (the timings of a shared machine vary with it).
+the machine's 1-minute load average after it ran (the timings of a shared machine vary with it),
+and ``l1l2_over_l1`` with its ceiling ``l1l2_over_l1_ceiling`` (forest compression / L1
+compression: no plan computes fewer tokens than the forest's unique rows), also printed after
+each batch and DP size.
 
 OR-Tools is the "bench" extra of setup.py; without it the ortools_ffd rows say so.
 """
@@ -175,9 +178,15 @@ def main(argv=None) -> int:
                                      fmt(m, "peak_rows"), fmt(m, "max_retention"), fmt(m, "peak_export_rows"),
                                      fmt(m, "plan_seconds")]),
                           flush=True)
-                results.append({"scheme": scheme, "trajectories": n, "dp": dp, "budget": args.budget,
-                                "forest_compression": st["compression"], "planners": res,
-                                "load_average_1min": os.getloadavg()[0]})
+                row = {"scheme": scheme, "trajectories": n, "dp": dp, "budget": args.budget,
+                       "forest_compression": st["compression"], "planners": res,
+                       "load_average_1min": os.getloadavg()[0]}
+                if res["harts_l1"] is not None:  # no plan computes fewer tokens than the forest's unique rows
+                    row["l1l2_over_l1_ceiling"] = st["compression"] / res["harts_l1"]["compression"]
+                    row["l1l2_over_l1"] = res["harts_l1l2"]["compression"] / res["harts_l1"]["compression"]
+                    print(f"# {scheme} {n} dp{dp}: L1+L2 / L1 compression {row['l1l2_over_l1']:.3f}x, ceiling "
+                          f"forest / L1 {row['l1l2_over_l1_ceiling']:.3f}x", flush=True)
+                results.append(row)
     print("\n# targets")
     fails = 0
 

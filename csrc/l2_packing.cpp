@@ -257,12 +257,15 @@ py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I6
     std::fill(delta, delta + N, 0);
     std::vector<std::uint8_t> seen(static_cast<std::size_t>(U), 0);
     std::vector<i64> path;
-    i64 cur = -1, seg = -1;
+    i64 cur = -1, seg = -1, lo = 0, hi = 0, base = 0;  // seg's positions [lo, hi), its row of position 0: base
+    i64 dt = 0;  // cur's delta, written back when the trajectory changes
     for (i64 i = 0; i < E; ++i) {
         const i64 t = et[i], p = ep[i];
         if (p < 1) continue;
-        if (t < 0 || t >= N) throw py::value_error("exception trajectory out of range");
         if (t != cur) {  // t's path segments, root first (starts increasing)
+            if (t < 0 || t >= N) throw py::value_error("exception trajectory out of range");
+            if (cur >= 0) delta[cur] += dt;
+            dt = 0;
             path.clear();
             for (i64 x = leaf[t]; x >= 0; x = parent[x]) {
                 if (x >= S || static_cast<i64>(path.size()) > S) throw py::value_error("segment out of range");
@@ -272,19 +275,21 @@ py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I6
             cur = t;
             seg = -1;
         }
-        if (seg < 0 || p < start[seg] || p >= start[seg] + length[seg]) {
+        if (seg < 0 || p < lo || p >= hi) {
             auto it = std::upper_bound(path.begin(), path.end(), p, [&](i64 v, i64 s) { return v < start[s]; });
             if (it == path.begin()) throw py::value_error("exception position out of range");
             seg = *(it - 1);
-            if (p >= start[seg] + length[seg] || seg_row[seg] + length[seg] > U)
-                throw py::value_error("exception position out of range");
+            lo = start[seg];
+            hi = lo + length[seg];
+            base = seg_row[seg] - lo;
+            if (p >= hi || seg_row[seg] + length[seg] > U) throw py::value_error("exception position out of range");
         }
-        const i64 row = seg_row[seg] + p - start[seg];
+        const i64 row = base + p;
         const bool v = ev[i] != 0, m = mask[row] != 0;
-        delta[t] += static_cast<i64>(v) - static_cast<i64>(m);
+        dt += static_cast<i64>(v) - static_cast<i64>(m);
         if (!v || m) continue;
         i64 pred = row - 1, at = seg;
-        if (p == start[seg]) {  // the first position of a segment: predicted by its parent's last row
+        if (p == lo) {  // the first position of a segment: predicted by its parent's last row
             at = parent[seg];
             if (last[at] != 0) continue;
             pred = seg_row[at] + length[at] - 1;
@@ -294,6 +299,7 @@ py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I6
             ++added[at];
         }
     }
+    if (cur >= 0) delta[cur] += dt;
     return py::make_tuple(added_a, delta_a);
 }
 

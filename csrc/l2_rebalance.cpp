@@ -373,9 +373,39 @@ class Bins {
     // costs(r, overhead) written into out (its storage reused: the search scores many changes).
     void costs_into(i64 r, double overhead, std::vector<double>& out) const {
         out.clear();
+        if (ordered) {
+            scratch.clear();
+            for (i64 b = 0; b < n; ++b)
+                if (rep[b] == r && !ent[b].empty()) scratch.push_back(b);
+            ordered_costs(scratch, overhead, out);
+            return;
+        }
         for (i64 b = 0; b < n; ++b)
             if (rep[b] == r && !ent[b].empty()) out.push_back(load[b] + overhead);
         std::sort(out.begin(), out.end(), std::greater<double>());
+    }
+
+    // The costs of one replica's bins `bs` (load + overhead) in the order rebalance runs them: costliest
+    // first, each producer just before its first reader (the reference's _Bins.costs with ordered set).
+    void ordered_costs(std::vector<i64>& bs, double overhead, std::vector<double>& out) const {
+        std::sort(bs.begin(), bs.end(), [&](i64 a, i64 b) { return load[a] > load[b] || (load[a] == load[b] && a < b); });
+        if (static_cast<i64>(done.size()) < n) done.resize(n, 0);
+        for (i64 b : bs) {
+            if (done[b]) continue;
+            for (const auto& kv : reads[b]) {
+                const i64 p = kv.first;
+                if (!done[p]) {
+                    out.push_back(load[p] + overhead);
+                    done[p] = 1;
+                }
+            }
+            out.push_back(load[b] + overhead);
+            done[b] = 1;
+        }
+        for (i64 b : bs) {
+            done[b] = 0;
+            for (const auto& kv : reads[b]) done[kv.first] = 0;
+        }
     }
 
     std::vector<std::vector<i64>> groups(i64 b) const {
@@ -415,13 +445,17 @@ class Bins {
     std::unordered_map<i64, i64> prod;
     std::vector<bool> is_prod;
     std::vector<bool> overlap;  // per unit: its recomputed segments and root path share one
+    bool ordered = false;  // costs in the order the plan runs (producers first), not only costliest first
+    mutable std::vector<i64> scratch;
+    mutable std::vector<char> done;
 };
 
 // The search of megatron_harts.planner.l2_balance._rebalance_python, step for step.
 py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64Array own_off_a, I64Array own_a,
                        I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a, I64Array rep_a,
                        I64Array ent_off_a, I64Array ent_unit_a, I64Array ent_path_a, F64Array ent_cost_a, i64 dp,
-                       i64 M, double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins, i64 wide) {
+                       i64 M, double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins, i64 wide,
+                       i64 spend, bool ordered) {
     const i64 nu = l2_check_unit_arrays(ints_a, 7, flts_a, own_off_a, own_a, rec_off_a, rec_a, path_off_a, path_a,
                                         length_a.shape(0), -1);
     const i64 n = rep_a.shape(0);
@@ -466,6 +500,7 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         if (r < 0 || r >= dp) throw py::value_error("rep out of range");
 
     Bins st(U, length_a.data(), num_segments, rep0, ent0, dp);
+    st.ordered = ordered;
     auto& rep = st.rep;
     auto& load = st.load;
     auto& ent = st.ent;
@@ -487,7 +522,8 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         return slot_objective(cs, dp, tau, weight);
     };
     double f_now = objective(0, &costs[0], 0, &costs[0]);
-    i64 slack = 0;
+    if (spend < 0) throw py::value_error("spend must be >= 0");
+    i64 slack = spend;  // tokens the pass may add: the budget given, then what its moves save
     std::vector<i64> spare(dp);
     for (i64 r = 0; r < dp; ++r) spare[r] = st.open(r);
     std::vector<double> score_x, score_y;  // score's costs of the two replicas (storage reused)
@@ -684,8 +720,18 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
         for (i64 b : live) on[rep[b]].push_back(b);
         std::vector<char> mark(st.n, 0);  // 1: a bin of the block leaving, 2: of the block arriving
         std::vector<double> cx, cy;
+        std::vector<i64> block_bins;
         auto block_costs = [&](i64 r, const std::vector<i64>* gain, std::vector<double>& out) {
             out.clear();
+            if (ordered) {
+                block_bins.clear();
+                for (i64 b : on[r])
+                    if (!mark[b]) block_bins.push_back(b);
+                if (gain)
+                    for (i64 b : *gain) block_bins.push_back(b);
+                st.ordered_costs(block_bins, overhead, out);
+                return;
+            }
             for (i64 b : on[r])
                 if (!mark[b]) out.push_back(load[b] + overhead);
             if (gain)
@@ -792,7 +838,7 @@ void register_rebalance(py::module_& m) {
           py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("rep"),
           py::arg("ent_off"), py::arg("ent_unit"), py::arg("ent_path"), py::arg("ent_cost"), py::arg("dp"),
           py::arg("M"), py::arg("overhead"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"),
-          py::arg("swap_bins"), py::arg("wide"),
+          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"), py::arg("ordered"),
           "L2's balance pass (see megatron_harts.planner.l2_balance.rebalance; _rebalance_python is the reference): "
           "units (kind, tree, window, upper window, owned rows, replay tokens, path rows; cost, replay cost, "
           "path cost; owned / recomputed / path segments as CSR) in bins (replica, entries: unit, path "

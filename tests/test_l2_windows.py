@@ -123,7 +123,7 @@ def test_compiled_unit_array_checks_are_shared():
     reb = l2_balance._REBALANCE
     n = 2
     args = (np.zeros(n, dtype=np.int64), np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64),
-            np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 2, M, 0.0, 10, 4, 1.0, 64, 0)
+            np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), 2, M, 0.0, 10, 4, 1.0, 64, 0, 0, False)
     with pytest.raises(ValueError, match=r"ints must be int64\[units, 7\]"):
         reb(ix.length, ints, flts, oo, o, ro, r, po, p, *args)
     bad = o.copy()

@@ -538,9 +538,10 @@ def _rebalance_inputs():
     for f, M, model in _l2_forests():
         ix = ForestIndex(f)
 
-        def spy(ix, packed, dp, M, overhead, model=model):
-            seen.append((ix, packed, dp, M, overhead, model))
-            return orig(ix, packed, dp, M, overhead)
+        def spy(ix, packed, dp, M, overhead, spend=0, swap_bins=None, ordered=False, model=model):
+            if not spend and not ordered:  # the other passes refine packings seen here already
+                seen.append((ix, packed, dp, M, overhead, model))
+            return orig(ix, packed, dp, M, overhead, spend, swap_bins, ordered)
 
         l2mod.rebalance = spy
         try:
@@ -558,23 +559,28 @@ def test_compiled_rebalance_matches_python():
         pytest.skip("the compiled extension is not built")
     cases = _rebalance_inputs()
     assert len(cases) > 20
-    moved = widened = 0
+    moved = widened = spent = ordered = 0
     for ix, packed, dp, M, overhead, _ in cases:
         units, ent = l2mod.numbered_units(packed[3])
         rep = [p[0] for p in packed[1]]
         out = {}
         for limits in ((l2mod.BALANCE_MOVES, l2mod.BALANCE_SLOTS, l2mod.BALANCE_WEIGHT, l2mod.BALANCE_SWAP_BINS,
-                        l2mod.BALANCE_WIDE), (3, 1, 0.5, 0, 0), (200, 8, 2.0, 1000, 0), (200, 1, 1.0, 64, 0),
-                       (200, 1, 1.0, 64, 3)):
+                        l2mod.BALANCE_WIDE, 0), (3, 1, 0.5, 0, 0, 0), (200, 8, 2.0, 1000, 0, 0),
+                       (200, 1, 1.0, 64, 0, 0), (200, 1, 1.0, 64, 3, 0), (200, 1, 1.0, 64, 3, 20000),
+                       (200, 1, 1.0, 64, 3, 20000, True)):
             args = (dp, M, overhead) + limits
             ref = l2_balance._rebalance_python(units, list(rep), [list(e) for e in ent], ix.length_list, *args)
             fast = l2_balance._rebalance_compiled(ix, units, list(rep), [list(e) for e in ent], *args)
             assert fast == ref
             moved += ref[0]
             out[limits] = ref
-        widened += out[(200, 1, 1.0, 64, 0)] != out[(200, 1, 1.0, 64, 3)]  # the wide steps changed something
+        widened += out[(200, 1, 1.0, 64, 0, 0)] != out[(200, 1, 1.0, 64, 3, 0)]  # the wide steps changed something
+        spent += out[(200, 1, 1.0, 64, 3, 0)] != out[(200, 1, 1.0, 64, 3, 20000)]  # a budget to spend changed something
+        ordered += out[(200, 1, 1.0, 64, 3, 20000, True)] != out[(200, 1, 1.0, 64, 3, 20000)]
     assert moved > 10
     assert widened > 0
+    assert spent > 0
+    assert ordered > 0  # the objective in run order changed something
 
 
 def test_rebalance_move_bound():

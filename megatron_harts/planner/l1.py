@@ -41,7 +41,7 @@ Piece = Tuple[List[int], List[int], int]
 #: balance splits L1 tries (dp > 1): a piece costing more than this times the mean microbatch
 #: cost is split; ``None`` splits only to reach ``K`` pieces.  L1 keeps the variant with the
 #: shortest modelled step (sum over slots of the costliest microbatch).
-SPLIT_FACTORS = (None, 1.5, 1.1)
+SPLIT_FACTORS = (None, 1.5, 1.1, 1.05)
 
 _MB_FEATURES = compiled("microbatch_features")
 _L1_PLAN = compiled("l1_plan")

@@ -56,6 +56,15 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    windows), only the best ``ASSEMBLED`` by that estimate that compute no more tokens than
    L1 (and a refined one no more than the packing it refines) are judged exactly, none
    estimated over ``ASSEMBLE_MARGIN`` longer than the best plan so far.
+6. *Spending*: where the best plan has few slots (``BALANCE_SPEND_SLOTS``) and enough
+   microbatches (``BALANCE_SPEND_BINS``), its packing (before its balance pass) is refined again
+   by the balance pass allowed to compute parts ``BALANCE_SPEND`` of the tokens the plan saves
+   against L1 more: a slot evened out by a unit whose root path is recomputed, or one no longer
+   read from a producer, can shorten the step; such a plan is judged like the others (no more
+   tokens than L1, the shortest step wins).  One of these passes, and on packings of at least
+   ``BALANCE_MORE_BINS`` microbatches a second pass over the best packing of step 5, score the
+   slots in the order the plan runs (``rebalance(ordered=True)``: producers before their first
+   consumer, where costliest first alone would misalign a slot that starts a window).
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
@@ -80,6 +89,7 @@ from .l2_packing import estimate_step, packed_rows
 from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
 from .l2_windows import pack_windows
+from .metrics import slot_balance
 from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
 
 __all__ = ["plan_l2", "plan_harts", "window_units", "split_windows", "pack_windows", "pack_spread", "window_plan",
@@ -106,6 +116,22 @@ ASSEMBLE_MARGIN = 0.015
 #: per replica the whole items balance as well)
 ITEM_CUTS = (0.7,)
 ITEM_CUT_SLOTS = 16
+#: the best plan's packing (before its balance pass) is evened out again by the balance pass allowed
+#: to compute these parts of the tokens the plan saves against L1 more (a slot evened out by a path
+#: recomputed or a unit read from no producer), where the plan has at most ``BALANCE_SPEND_SLOTS``
+#: slots and at least ``BALANCE_SPEND_BINS`` microbatches (smaller: planning time counts more, the passes
+#: cost 2-3 ms on Step-wise 512, where OR-Tools+FFD takes 20-36 ms); each
+#: entry (part, ordered): ``ordered`` scores the slots in the order the plan runs (``rebalance``)
+BALANCE_SPEND = ((0.1, False), (0.2, False), (0.2, True))
+#: the balance pass of each base's best packing tries swaps in packings of up to this many microbatches
+#: (the others: ``BALANCE_SWAP_BINS``); more cost time (a swap is tried per pair of entries) and, on
+#: Tree-Step 2048 DP 8 (376 microbatches), gave a packing whose estimate beat better ones
+BALANCE_SWAP_BINS_FIRST = 128
+BALANCE_SPEND_SLOTS = 16
+BALANCE_SPEND_BINS = 24
+#: ... and, below ``BALANCE_MORE_BINS`` microbatches, only when the plan's mean slot balance is below this
+#: (Tree-Step 256 DP 4, 98.6%: its passes found nothing and took 15 of its 37 ms)
+BALANCE_SPEND_BELOW = 0.98
 
 
 @gc_paused
@@ -132,6 +158,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                                    microbatches=list(l1.microbatches), slots=l1.slots.copy())
     keep_tokens = keep.tokens_computed
     plan, plan_key = keep, (step_cost(keep), keep_tokens)
+    plan_packed = None  # the packing the best plan so far is assembled from, before the balance pass (None: L1's)
     units = window_units(ix, l1, model, mpr)
     if dp == 1 or any(u.kind == "core" for u in units):  # one replica: free pieces may fill spare rows
         bases = [units]  # the units, and on several replicas those with their largest items cut
@@ -185,13 +212,18 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 mine = of(base)
                 if not mine:
                     continue
-                k = BALANCE_PACKINGS[base == 0 and len(mine[0][2][0]) >= BALANCE_MORE_BINS]
-                for _, _, packed in mine[:k]:
-                    even = rebalance(ix, packed, dp, M, overhead)
-                    if even is not None:
-                        refined[id(even)] = packed
-                        family[id(even)] = base
-                        packs.append((estimate_step(even, dp, overhead), len(packs), even))
+                many = base == 0 and len(mine[0][2][0]) >= BALANCE_MORE_BINS
+                k = BALANCE_PACKINGS[many]
+                for j, (_, _, packed) in enumerate(mine[:k]):
+                    # the best one: swaps in more microbatches, and with many microbatches also refined
+                    # with the objective in run order (producers first)
+                    for ordered in (False, True) if j == 0 and many else (False,):
+                        even = rebalance(ix, packed, dp, M, overhead,
+                                         swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None, ordered=ordered)
+                        if even is not None:
+                            refined[id(even)] = packed
+                            family[id(even)] = base
+                            packs.append((estimate_step(even, dp, overhead), len(packs), even))
             packs.sort(key=lambda p: p[:2])
         assembled = {}
 
@@ -218,7 +250,20 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 judged += 1
                 key = (step_cost(cand), cand.tokens_computed)
                 if key < plan_key:
-                    plan, plan_key = cand, key
+                    plan, plan_key, plan_packed = cand, key, refined.get(id(packed), packed)
+        n_mb = len(plan.microbatches)
+        if plan_packed is not None and plan.num_slots <= BALANCE_SPEND_SLOTS and n_mb >= BALANCE_SPEND_BINS and \
+                (n_mb >= BALANCE_MORE_BINS or float(slot_balance(plan).mean()) < BALANCE_SPEND_BELOW):
+            # the best plan's packing evened out again, spending parts of what it saves against L1
+            src, saved = plan_packed, keep_tokens - plan_key[1]
+            for part, ordered in BALANCE_SPEND:
+                spend = int(part * saved)
+                even = rebalance(ix, src, dp, M, overhead, spend, ordered=ordered) if spend > 0 else None
+                cand = None if even is None else window_plan(ix, even, dp=dp, M=M, model=model)
+                if cand is not None and cand.tokens_computed <= keep_tokens:
+                    key = (step_cost(cand), cand.tokens_computed)
+                    if key < plan_key:
+                        plan, plan_key = cand, key
     plan.plan_seconds = time.perf_counter() - t0
     return plan
 

@@ -2,13 +2,14 @@
 
 ``_C.l2_rebalance`` is its compiled search; ``_rebalance_python`` (with its state ``_Bins``)
 the reference, move for move (a test holds them equal).  Invariants: no change computes more
-tokens (as estimated) than the changes before it saved, no microbatch passes the row budget,
+tokens (as estimated) than the budget ``spend`` plus what the changes before it saved, no
+microbatch passes the row budget,
 every window still runs as the schedule runs it.
 """
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -68,8 +69,9 @@ class _Bins:
     replay tokens.  ``take`` and ``give`` keep all of it exact (as estimated), so a move is
     tried by doing it and undoing it."""
 
-    def __init__(self, units, rep, ent, length, dp):
+    def __init__(self, units, rep, ent, length, dp, ordered=False):
         n = self.n = len(rep)
+        self.ordered = ordered
         self.units, self.length, self.dp = units, length, dp
         self.rep = list(rep)
         self.ent: List[list] = [[] for _ in range(n)]
@@ -289,8 +291,22 @@ class _Bins:
         return [bs for r, bs in sorted(out.items()) if r not in split]
 
     def costs(self, r, overhead):
+        """Replica ``r``'s microbatch costs (load + ``overhead``) costliest first; when ``ordered``, in the
+        order ``rebalance`` runs them: costliest first, each producer just before its first reader."""
         rep, load, ent = self.rep, self.load, self.ent
-        return sorted((load[b] + overhead for b in range(self.n) if rep[b] == r and ent[b]), reverse=True)
+        if not self.ordered:
+            return sorted((load[b] + overhead for b in range(self.n) if rep[b] == r and ent[b]), reverse=True)
+        out, done = [], set()
+        for b in sorted((b for b in range(self.n) if rep[b] == r and ent[b]), key=lambda b: (-load[b], b)):
+            if b in done:
+                continue
+            for p in sorted(self.reads[b]):
+                if p not in done:
+                    out.append(load[p] + overhead)
+                    done.add(p)
+            out.append(load[b] + overhead)
+            done.add(b)
+        return out
 
     def groups(self, b):
         """What may leave bin ``b``: every entry but cores and split windows' units alone, then
@@ -308,10 +324,10 @@ class _Bins:
 
 
 def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float, moves: int, n_slots: int,
-                      weight: float, swap_bins: int, wide: int):
+                      weight: float, swap_bins: int, wide: int, spend: int, ordered: bool = False):
     """Reference of ``_C.l2_rebalance`` (``rebalance``'s search): returns (moved, rep, ent)."""
     n = len(rep)
-    st = _Bins(units, rep, ent, length, dp)
+    st = _Bins(units, rep, ent, length, dp, ordered)
     rep, load, ent, rows, replay = st.rep, st.load, st.ent, st.rows, st.replay
     total = 0.0
     for x in load:
@@ -320,7 +336,7 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
     tau = total / max(1, dp * max(rep.count(r) for r in range(dp)))
     costs = [st.costs(r, overhead) for r in range(dp)]
     f_now = _slot_objective(costs, dp, tau, weight)
-    slack = 0  # tokens the moves so far saved (a later move may spend them)
+    slack = spend  # tokens the pass may add: the budget given, then what its moves save
     spare = [st.open(r) for r in range(dp)]  # an empty bin per replica: a move may open a bin
 
     def score(rx, ry):
@@ -554,7 +570,8 @@ def numbered_units(entries):
     return units, ent
 
 
-def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
+def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: int = 0,
+              swap_bins: Optional[int] = None, ordered: bool = False):
     """A packing's microbatches evened out per slot (the balance pass, several replicas).
 
     A local search (``_C.l2_rebalance``; ``_rebalance_python`` its reference, move for move):
@@ -575,12 +592,15 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
     window's units) to another replica, or two blocks swapping replicas.  A moved unit takes
     the form its destination allows (``_Bins.mode``: read from its window's producer, or its
     root path recomputed).  No change computes more tokens (rows and KDA replay, as
-    estimated: ``plan_l2`` checks the assembled plan) than the changes before it saved, no
-    microbatch exceeds ``M`` rows.  Cores and split windows' units stay; a microbatch left
-    empty is dropped.  Then the order of ``pack_windows`` (costliest first, a producer just
+    estimated: ``plan_l2`` checks the assembled plan) than ``spend`` (tokens the caller lets the
+    pass add; 0: none) plus what the changes before it saved, no microbatch exceeds ``M`` rows.
+    Cores and split windows' units stay; a microbatch left empty is dropped.  Then the order of ``pack_windows`` (costliest first, a producer just
     before its first consumer, split windows' consumers after their path's owner).  Returns
     the packing (``pack_windows``' format) or None when nothing changed (or that order is
-    impossible, or there are fewer microbatches than replicas)."""
+    impossible, or there are fewer microbatches than replicas).  ``swap_bins``: swaps are tried in
+    packings of at most this many microbatches (default ``BALANCE_SWAP_BINS``).  ``ordered``: the objective
+    reads each replica's microbatches in the order this function returns them (producers moved before
+    their first consumer), not costliest first only."""
     global _REBALANCE
     groups, placement, loads, entries = packed[:4]
     n = len(groups)
@@ -588,7 +608,9 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
         return None
     units, ent = numbered_units(entries)
     rep = [placement[i][0] for i in range(n)]
-    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT, BALANCE_SWAP_BINS, BALANCE_WIDE)
+    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT,
+            BALANCE_SWAP_BINS if swap_bins is None else int(swap_bins), BALANCE_WIDE, max(0, int(spend)),
+            bool(ordered))
     out = None
     if _REBALANCE is not None:
         try:
@@ -649,7 +671,8 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float):
     return groups2, placement2, loads2, entries2
 
 
-def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, weight, swap_bins, wide):
+def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, weight, swap_bins, wide, spend,
+                        ordered=False):
     """``_rebalance_python``'s result from ``_C.l2_rebalance`` (the same values)."""
     ints8, flts, own_off, own, rec_off, rec, path_off, path = unit_arrays(units)
     ints = np.ascontiguousarray(ints8[:, :7])
@@ -661,7 +684,8 @@ def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, we
     ent_cost = np.array(cols[2], dtype=np.float64)
     moved, rep2, eo, eu, ep, ec = _REBALANCE(ix.length, ints, flts, own_off, own, rec_off, rec, path_off, path,
                                               np.asarray(rep, dtype=np.int64), ent_off, ent_unit, ent_path,
-                                              ent_cost, dp, M, overhead, moves, n_slots, weight, swap_bins, wide)
+                                              ent_cost, dp, M, overhead, moves, n_slots, weight, swap_bins, wide, spend,
+                                              ordered)
     eo, eu, ep, ec = eo.tolist(), eu.tolist(), ep.tolist(), ec.tolist()
     ent2 = [list(zip(eu[eo[b]:eo[b + 1]], map(bool, ep[eo[b]:eo[b + 1]]), ec[eo[b]:eo[b + 1]]))
             for b in range(len(eo) - 1)]
