@@ -10,6 +10,9 @@ One run, same device, same dtype, fwd+bwd each:
   they were one sequence: the speed of light for a kernel doing R(R+1)/2 pairs.
 - ``expanded_flex``: what expanded training does: every trajectory's own causal attention,
   packed (document-causal FlexAttention mask) over all trajectories' tokens.
+- ``tree_varlen``: the same with ``backend="varlen"``: bottom-right causal flash-attention varlen
+  kernels over key paths gathered per run of rows (``megatron_harts.ops.key_paths``; their
+  build time is reported separately too).
 - ``expanded_sdpa_loop`` (``--expanded-loop``): one causal SDPA call per trajectory.
 - ``tree_sdpa`` (``--tree-sdpa``, default on CPU): the chunked dense-mask fallback backend.
 
@@ -35,6 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron_harts.layout import Visibility, build_layout  # noqa: E402
+from megatron_harts.ops.key_paths import build_key_paths  # noqa: E402
 from megatron_harts.ops.tree_attention import (build_tree_block_mask, set_flex_compile_mode,  # noqa: E402
                                                 tree_attention)
 from megatron_harts.tree_data import build_forest  # noqa: E402
@@ -209,12 +213,16 @@ def main(argv=None):
     nfull, npart = int(bm.full_kv_num_blocks.sum()), int(bm.kv_num_blocks.sum())
     block_stats = {"full_blocks": nfull, "partial_blocks": npart,
                    "visible_pairs_per_computed_pair": tree_pairs / ((nfull + npart) * args.block_size ** 2)}
+    paths = build_key_paths(layout.visibility, device=device)
+    key_paths_ms = timed(lambda: build_key_paths(layout.visibility, device=device), device, 1,
+                         max(1, args.repeats // 2))
     exp_vis = packed_causal_visibility(lengths).to(device)
     exp_bm = build_tree_block_mask(exp_vis, block_size=args.block_size)
 
     kernel_options = json.loads(args.kernel_options) if args.kernel_options else None
     tree_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="flex", block_mask=bm,
                                                   kernel_options=kernel_options)
+    tree_varlen = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="varlen", key_paths=paths)
     exp_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, exp_vis, scale, backend="flex", block_mask=exp_bm,
                                                  kernel_options=kernel_options)
 
@@ -248,9 +256,16 @@ def main(argv=None):
                 summed = torch.zeros_like(a, dtype=torch.float32).index_add_(0, rows, b.float())
                 check[f"grad_{name}_cosine"] = cosine(a, summed)
                 check[f"grad_{name}_max_abs_err"] = float((a.float() - summed).abs().max())
-        del out_t, out_e
+        out_v = tree_varlen(q, k, v)
+        check["varlen_out_cosine"] = cosine(out_v.detach()[rows], out_e.detach())
+        if grad_ok:
+            gv = torch.autograd.grad(out_v, (q, k, v), g_rows)
+            for name, a, b in zip("qkv", gv, gt):
+                check[f"varlen_grad_{name}_cosine_vs_flex"] = cosine(a, b)
+        del out_t, out_e, out_v
 
     methods = [("tree_flex", tree_flex, (q, k, v), g, tree_pairs, True),
+               ("tree_varlen", tree_varlen, (q, k, v), g, tree_pairs, False),
                ("causal_sdpa", causal, (q, k, v), g, causal_pairs, False),
                ("expanded_flex", exp_flex, (qe, ke, ve), ge, expanded_pairs, True)]
     if args.expanded_loop:
@@ -274,10 +289,12 @@ def main(argv=None):
             ref = base[kind]
             r[kind.replace("_ms", "_per_pair_vs_causal")] = (
                 None if per is None or ref is None else per / (ref / base["pairs"]))
-    tf, ef = results["tree_flex"], results["expanded_flex"]
+    tf, tv, ef = results["tree_flex"], results["tree_varlen"], results["expanded_flex"]
     summary = {
         "tree_flex_per_pair_vs_causal_fwd_bwd": tf["fwd_bwd_per_pair_vs_causal"],
         "tree_flex_per_pair_vs_causal_fwd": tf["fwd_per_pair_vs_causal"],
+        "tree_varlen_per_pair_vs_causal_fwd_bwd": tv["fwd_bwd_per_pair_vs_causal"],
+        "tree_varlen_per_pair_vs_causal_fwd": tv["fwd_per_pair_vs_causal"],
         "target_per_pair_vs_causal": 1.5,
         "speedup_tree_vs_expanded_fwd_bwd": (ef[key] / tf[key]) if tf[key] and ef[key] else None,
         "speedup_tree_vs_expanded_fwd": ef["fwd_ms"] / tf["fwd_ms"],
@@ -290,6 +307,9 @@ def main(argv=None):
         "expanded_tokens": E, "compression": E / R,
         "pairs": {"tree": tree_pairs, "causal": causal_pairs, "expanded": expanded_pairs},
         "block_mask_build_ms": block_mask_ms, "tree_block_mask": block_stats,
+        "key_paths_build_ms": key_paths_ms,
+        "key_paths": {"runs": paths.num_runs, "gathered_keys": paths.gathered_keys, "max_q": paths.max_q,
+                      "max_k": paths.max_k},
         "kernel_options": kernel_options, "compile_mode": args.compile_mode, "check": check, "methods": results, "summary": summary,
         "note": "flex has no backward on CPU: fwd_bwd is null there" if on_cpu else None,
     }
@@ -314,6 +334,9 @@ def main(argv=None):
     sp = s["speedup_tree_vs_expanded_fwd_bwd"] or s["speedup_tree_vs_expanded_fwd"]
     print(f"tree_flex time/pair vs causal SDPA: {rel:.2f}x (target <= 1.5); tree vs expanded: {sp:.2f}x faster"
           + ("  [CPU: forward only]" if on_cpu else ""))
+    relv = s["tree_varlen_per_pair_vs_causal_fwd_bwd"] or s["tree_varlen_per_pair_vs_causal_fwd"]
+    print(f"tree_varlen time/pair vs causal SDPA: {relv:.2f}x; key paths: {paths.num_runs} runs, "
+          f"{paths.gathered_keys} gathered keys, build {key_paths_ms:.2f} ms")
     return report
 
 

@@ -434,10 +434,12 @@ def test_backends_are_resolved_and_checked_at_build_time(no_cuda):
     with pytest.raises(ArgumentsError, match="--tree-attention-backend flex needs CUDA"):
         A.hybrid_config(parse("--tree-attention-backend flex"), device="cpu")
     assert A.hybrid_config(parse("--tree-attention-backend reference")).tree_attention_backend == "reference"
-    # on CUDA, auto picks flex (and fla where fla-core is registered), except with --fp64
+    # on CUDA, auto picks varlen above q/k head dim 128 (here 128 + 64 rope), flex up to it (and fla
+    # where fla-core is registered), except with --fp64
     import importlib.util
     fla = importlib.util.find_spec("fla") is not None
-    assert A.resolved_backends(parse(), cuda=True) == ("fla" if fla else "reference", "flex")
+    assert A.resolved_backends(parse(), cuda=True) == ("fla" if fla else "reference", "varlen")
+    assert A.resolved_backends(parse("--qk-head-dim 64"), cuda=True)[1] == "flex"
     assert A.resolved_backends(parse("--fp64"), cuda=True) == ("reference", "sdpa")
     if not fla:
         with pytest.raises(ArgumentsError, match="fla-core is not installed"):

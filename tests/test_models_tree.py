@@ -74,7 +74,8 @@ def _assert_modes_equal(tree, expanded, rtol=1e-10):
     ({}, None, True),                         # Kimi-Linear: NoPE MLA, no q LoRA, sigmoid group routing
     ({"mla_rope": True, "q_lora_rank": 12, "kda_chunk_size": 8, "kda_mla_ratio": 2, "moe_z_loss_coeff": 1e-2,
       "tree_attention_backend": "sdpa"}, 1, False),
-], ids=["kimi", "rope_qlora_zloss_sdpa_random_forest_no_replay"])
+    ({"mla_rope": True, "tree_attention_backend": "varlen"}, 2, True),
+], ids=["kimi", "rope_qlora_zloss_sdpa_random_forest_no_replay", "rope_varlen_random_forest"])
 def test_tree_equals_expanded_fp64(cpu_world, overrides, forest_seed, replay):
     cfg = tiny_config(**overrides)
     forest = None if forest_seed is None else random_forest(forest_seed)

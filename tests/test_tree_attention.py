@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_harts.layout import Visibility, build_layout
+from megatron_harts.ops.key_paths import build_key_paths
 from megatron_harts.ops.tree_attention import build_tree_block_mask, tree_attention
 from megatron_harts.tree_data import build_forest, make_trajectory
 from test_forest import trajectory_sets
@@ -82,7 +83,8 @@ def compare_with_expanded(forest, layout, backend, H=2, Hk=1, Dqk=3, Dv=2, seed=
 
 
 @settings(max_examples=20, deadline=None)
-@given(trajectory_sets(max_traj=6), st.sampled_from(["reference", "sdpa"]), st.sampled_from([(2, 1), (2, 2)]))
+@given(trajectory_sets(max_traj=6), st.sampled_from(["reference", "sdpa", "varlen"]),
+       st.sampled_from([(2, 1), (2, 2)]))
 def test_whole_trees_equal_expanded_fwd_bwd(trajs, backend, heads):
     f = build_forest(trajs)
     compare_with_expanded(f, build_layout(f), backend, H=heads[0], Hk=heads[1],
@@ -96,7 +98,7 @@ def test_subtree_with_context_equals_expanded(trajs, data):
     producer = build_layout(f)
     roots = non_nested_roots(f, data, max_size=3)
     lay = build_layout(f, roots=roots, context=producer)
-    for backend in ("reference", "sdpa"):
+    for backend in ("reference", "sdpa", "varlen"):
         compare_with_expanded(f, lay, backend, **({"query_block": 2} if backend == "sdpa" else {}))
     compare_with_expanded(f, lay, "flex", grad=False)
 
@@ -114,7 +116,7 @@ def test_mla_head_dims_and_fixed_forks():
         {"id": "a", "tokens": [5, 1, 2, 3]}, {"id": "b", "tokens": [5, 1, 2, 4]},
         {"id": "c", "tokens": [5, 1]}, {"id": "d", "tokens": [9]}]])
     lay = build_layout(f)
-    for backend in ("reference", "sdpa"):
+    for backend in ("reference", "sdpa", "varlen"):
         compare_with_expanded(f, lay, backend, H=4, Hk=4, Dqk=12, Dv=8)
     compare_with_expanded(f, lay, "flex", grad=False, H=4, Hk=4, Dqk=12, Dv=8)
 
@@ -256,6 +258,78 @@ def test_flex_forward_backward_cuda():
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=20, deadline=None)
+@given(trajectory_sets(max_traj=6), st.data())
+def test_key_paths_hold_exactly_the_visible_pairs(trajs, data):
+    """Every run's gathered keys, bottom-right causal, are each row's visible keys (with context)."""
+    f = build_forest(trajs)
+    producer = build_layout(f)
+    roots = non_nested_roots(f, data, max_size=3)
+    for lay in (producer, build_layout(f, roots=roots, context=producer)):
+        Rc, R = lay.num_context_rows, lay.num_rows
+        paths = build_key_paths(lay.visibility, lay.context_visibility if Rc else None)
+        dense = lay.visibility.dense()
+        if Rc:
+            dense = torch.cat([lay.context_visibility.dense(), dense], dim=1)
+        got = torch.zeros(R, Rc + R, dtype=torch.bool)
+        q_off, k_off = paths.q_offsets.tolist(), paths.k_offsets.tolist()
+        for g in range(paths.num_runs):
+            lq, lk = q_off[g + 1] - q_off[g], k_off[g + 1] - k_off[g]
+            keys = paths.key_index[k_off[g]:k_off[g + 1]]
+            assert torch.equal(keys[lk - lq:], torch.arange(q_off[g], q_off[g + 1]) + Rc)
+            for i in range(lq):
+                got[q_off[g] + i, keys[:lk - (lq - 1 - i)]] = True
+        assert torch.equal(got, dense)
+        assert paths.pairs == int(dense.sum())
+
+
+def test_key_paths_refuse_non_tree_visibility():
+    vis = Visibility(offsets=torch.tensor([0, 2, 3, 4]), start=torch.tensor([0, 2, 1, 2]),
+                     end=torch.tensor([1, 3, 3, 3]), num_queries=3).validate()
+    with pytest.raises(ValueError, match="one visible interval per key"):
+        build_key_paths(vis)
+    # one interval per key, but row 2 sees key 0 without seeing key 1 (not a tree's ancestry)
+    odd = Visibility(offsets=torch.tensor([0, 1, 2, 3]), start=torch.tensor([0, 1, 2]),
+                     end=torch.tensor([3, 2, 3]), num_queries=3).validate()
+    assert build_key_paths(odd).pairs == 5           # still a tree: 1 is a leaf under 0, 2 is its sibling
+    bad = Visibility(offsets=torch.tensor([0, 1, 2, 3]), start=torch.tensor([0, 1, 2]),
+                     end=torch.tensor([2, 3, 3]), num_queries=3).validate()
+    with pytest.raises(ValueError, match="not a tree's"):
+        build_key_paths(bad)
+
+
+@pytest.mark.skipif(not CUDA, reason="the flash varlen kernels need CUDA")
+@pytest.mark.parametrize("dims", [(64, 64), (96, 64), (192, 128)])
+def test_varlen_flash_equals_reference_cuda(dims):
+    from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
+    cfg = SweConfig(num_tasks=2, samples_per_task=3, prompt_median=200, action_median=20, observation_median=30,
+                    min_turns=2, max_turns=4, max_tokens=700, seed=2)
+    f = build_forest(synthesize_swe(cfg))
+    producer = build_layout(f)
+    child = int(np.flatnonzero(f.seg_parent >= 0)[0])
+    D, Dv = dims
+    for lay in (producer, build_layout(f, roots=[child], context=producer)):
+        lay = lay.to("cuda")
+        R, Rc = lay.num_rows, lay.num_context_rows
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        make = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+        q, k, v = make(R, 4, D), make(R, 2, D), make(R, 2, Dv)
+        ck, cv = make(Rc, 2, D), make(Rc, 2, Dv)
+        g = torch.randn(R, 4, Dv, device="cuda", generator=gen).to(torch.bfloat16)
+        ctx = (ck, cv) if Rc else None
+        inputs = (q, k, v) + ((ck, cv) if Rc else ())
+        out = tree_attention(q, k, v, lay, backend="varlen", context_kv=ctx)
+        got = torch.autograd.grad((out.float() * g).sum(), inputs)
+        up = [t.detach().double().requires_grad_() for t in inputs]
+        ref = tree_attention(up[0], up[1], up[2], lay, backend="reference",
+                             context_kv=(up[3], up[4]) if Rc else None)
+        want = torch.autograd.grad((ref * g.double()).sum(), up)
+        rel = lambda a, b: float((a.double() - b).norm() / b.norm())
+        assert rel(out, ref) < 1e-2
+        for a, b in zip(got, want):
+            assert rel(a, b) < 2e-2
 
 
 def test_flex_backward_on_cpu_is_refused_clearly():

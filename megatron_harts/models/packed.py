@@ -216,6 +216,7 @@ class TreePackedSeqParams(PackedSeqParams):
     kda_schedule: Any = None                 # ops.tree_kda.KdaSchedule (tree mode)
     conv_taps: Any = None                    # ops.path_conv.ConvTaps (tree mode)
     block_mask: Any = None                   # FlexAttention BlockMask (tree mode, flex backend)
+    key_paths: Any = None                    # ops.key_paths.KeyPaths (tree mode, varlen backend)
     token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode); expanded: None (megatron's
                                                  # statistics) or 1 per counted token, 0 per uncounted/pad token
     position_ids: Optional[torch.Tensor] = None  # [tokens] path depth (tree) / position in sequence
@@ -377,10 +378,16 @@ class TreePackedSeqParams(PackedSeqParams):
             block_mask = build_tree_block_mask(
                 host, context_visibility=host.context_visibility if host.num_context_rows else None,
                 device=device)
+        key_paths = None
+        if attention_backend == "varlen":
+            from ..ops.key_paths import build_key_paths
+            key_paths = build_key_paths(host.visibility, host.context_visibility if host.num_context_rows else None,
+                                        device=device)
         R = layout.num_rows
         cu = torch.tensor([0, R], dtype=torch.int32, device=device)
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=R, max_seqlen_kv=R,
                    mode="tree", layout=layout, kda_schedule=schedule, conv_taps=taps, block_mask=block_mask,
+                   key_paths=key_paths,
                    token_weight=layout.occurrence.to(torch.float64), position_ids=layout.position_ids,
                    export_spec=None if export is None else export.to(device), exports=exports,
                    consumer_index=consumer_index)

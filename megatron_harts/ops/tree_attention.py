@@ -19,6 +19,10 @@ Backends, one interface:
 - ``flex``: FlexAttention with a BlockMask built once per microbatch by
   :func:`build_tree_block_mask` (straight from the intervals, no dense mask) and shared by
   all layers.  On CPU, torch's FlexAttention runs forward only (no backward).
+- ``varlen``: bottom-right causal attention over gathered key paths (:mod:`.key_paths`), with
+  :class:`~megatron_harts.ops.key_paths.KeyPaths` built once per microbatch; on CUDA (fp16/bf16)
+  torch's flash-attention varlen kernels, elsewhere the per-run plain-torch kernel.  Tree
+  visibilities only (one interval per key).
 
 Context keys come first on the key axis: keys ``[0, Rc)`` are context rows, ``[Rc, Rc+R)``
 the layout's rows.
@@ -33,10 +37,11 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import CompactLayout, Visibility, host_to_device
+from .key_paths import KeyPaths, build_key_paths, path_attention
 
 __all__ = ["tree_attention", "build_tree_block_mask", "set_flex_compile_mode", "BACKENDS"]
 
-BACKENDS = ("reference", "sdpa", "flex")
+BACKENDS = ("reference", "sdpa", "flex", "varlen")
 
 VisibilityLike = Union[CompactLayout, Visibility]
 
@@ -255,7 +260,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
                    scale: Optional[float] = None, *, backend: str = "sdpa",
                    context_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                    context_visibility: Optional[Visibility] = None, block_mask=None,
-                   query_block: int = 1024, kernel_options: Optional[dict] = None) -> torch.Tensor:
+                   key_paths: Optional[KeyPaths] = None, query_block: int = 1024,
+                   kernel_options: Optional[dict] = None) -> torch.Tensor:
     """Attention of every row's query over the keys visible to it.
 
     q ``[R, H, Dqk]``, k ``[R, Hk, Dqk]``, v ``[R, Hk, Dv]`` (``H`` a multiple of ``Hk``: GQA),
@@ -264,6 +270,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
     rows outside the microbatch, visible per ``context_visibility`` (default: the layout's).
     ``block_mask``: for ``backend="flex"``, the mask from :func:`build_tree_block_mask`
     (built here when omitted); ``kernel_options`` go to flex_attention unchanged.
+    ``key_paths``: for ``backend="varlen"``, the runs from
+    :func:`~megatron_harts.ops.key_paths.build_key_paths` (built here when omitted).
     A layout with context rows requires ``context_kv``.  Causal visibility (every layout) lets
     every row see itself; with a custom visibility a row that sees no key gets NaN from
     ``reference``/``sdpa`` and 0 from ``flex``.
@@ -294,6 +302,14 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
         if not isinstance(query_block, int) or query_block < 1:
             raise ValueError(f"query_block must be a positive integer, got {query_block!r}")
         return _sdpa(q, k_all, v_all, vis, ctx_vis, n_ctx, scale, query_block)
+    if backend == "varlen":
+        if key_paths is None:
+            key_paths = build_key_paths(vis, ctx_vis, device=q.device)
+        if (key_paths.num_queries, key_paths.num_keys) != (R, R + n_ctx):
+            raise ValueError(f"key_paths are for (queries, keys) = {(key_paths.num_queries, key_paths.num_keys)}, "
+                             f"expected {(R, R + n_ctx)}")
+        fast = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+        return path_attention(q, k_all, v_all, key_paths, scale, kernel="flash" if fast else "reference")
     if block_mask is None:
         block_mask = build_tree_block_mask(vis, context_visibility=ctx_vis, device=q.device)
     if tuple(block_mask.seq_lengths) != (R, R + n_ctx):

@@ -388,7 +388,7 @@ PLANNERS_BY_SHARING = {"off": ("ffd",), "within": ("l1", "ortools"), "windows": 
 KDA_BACKEND_CHOICES = ("auto", "reference", "fla")
 #: KDA call plans (harts, then the ablations; HybridConfig.tree_kda_call_plan); the first is the default
 KDA_CALL_PLAN_CHOICES = CALL_PLANS
-ATTENTION_BACKEND_CHOICES = ("auto", "reference", "sdpa", "flex")
+ATTENTION_BACKEND_CHOICES = ("auto", "reference", "sdpa", "flex", "varlen")
 RL_OBJECTIVES = ("sft", "ppo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 #: pipeline schedules of sharing windows (schedules/pipeline.py SCHEDULES); the first is the default
@@ -942,8 +942,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "replay), per-depth (one call per fork level) or node-wise (one call per segment depth, "
                          "Node-wise LA); the ablations run without replay and need --tree-sharing within")
     ts.add_argument("--tree-attention-backend", choices=ATTENTION_BACKEND_CHOICES, default="auto",
-                    help="MLA tree attention: auto (default: flex on CUDA, sdpa otherwise or with --fp64), "
-                         "sdpa, reference or flex (needs CUDA)")
+                    help="MLA tree attention: auto (default on CUDA: flex up to q/k head dim 128, varlen "
+                         "above; sdpa otherwise or with --fp64), "
+                         "sdpa, reference, flex (needs CUDA) or varlen (flash-attention varlen kernels over "
+                         "gathered key paths on CUDA, their plain-torch reference elsewhere)")
     ts.add_argument("--tree-triton-max-configs", type=_NONNEG_INT, default=0, metavar="N",
                     help="with the fla KDA backend: every Triton autotuner tries at most N configurations "
                          "(default 0: all, ~150 per fla kernel; numerics do not depend on it, the first step's "
@@ -1429,9 +1431,17 @@ def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
     return world_size // (tp * pp * cp)
 
 
+#: the largest MLA q/k head dim (nope + rope) at which ``auto`` takes FlexAttention on CUDA; above it
+#: ``varlen``.  Measured on an H200 (torch 2.11, bf16, 16 heads, ~30k-row SWE trees, fwd+bwd, time per
+#: visible pair over causal SDPA's): q/k 128: flex 1.85-1.90x, varlen 2.07-2.19x; q/k 192 / v 128:
+#: flex 3.77-3.88x (its Triton kernel pads 192 to 256), varlen 2.55-2.70x.
+FLEX_MAX_QK_HEAD_DIM = 128
+
+
 def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) -> Tuple[str, str]:
-    """(KDA backend, tree-attention backend) for this machine; ``auto`` picks fla / flex on CUDA
-    (reference / sdpa with --fp64 or without CUDA).  Refuses fla / flex where they cannot run."""
+    """(KDA backend, tree-attention backend) for this machine; ``auto`` picks fla and flex (q/k head
+    dims up to ``FLEX_MAX_QK_HEAD_DIM``) or varlen (above) on CUDA, reference / sdpa with --fp64 or
+    without CUDA.  Refuses fla / flex / varlen's flash kernel where they cannot run."""
     import importlib.util
 
     from ..ops.tree_kda import KDA_BACKENDS
@@ -1444,7 +1454,8 @@ def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) 
     if kda == "auto":
         kda = "fla" if fast and fla_installed else "reference"
     if attn == "auto":
-        attn = "flex" if fast else "sdpa"
+        qk_dim = (getattr(args, "qk_head_dim", 0) or 0) + (getattr(args, "qk_pos_emb_head_dim", 0) or 0)
+        attn = ("varlen" if qk_dim > FLEX_MAX_QK_HEAD_DIM else "flex") if fast else "sdpa"
     if kda == "fla":
         if not cuda:
             _fail("--tree-kda-backend fla needs CUDA (use reference on the CPU)")

@@ -1,0 +1,232 @@
+"""Tree attention as causal attention over gathered key paths (the ``varlen`` backend).
+
+In DFS order a tree layout's rows fall into *runs*: maximal stretches of consecutive rows
+where each row is the next one's parent.  All rows of a run share the keys visible to its
+first row except the run's own rows, which they see causally.  So tree attention of run g
+is bottom-right-aligned causal attention of its ``Lq`` query rows over a gathered key list:
+the keys visible to the first row other than its own rows (ancestors, context rows), in any
+order, followed by the run's own rows in order.  Row ``i`` of the run sees exactly the first
+``len(keys) - (Lq - 1 - i)`` keys.  A varlen causal kernel (flash-attention's, through torch)
+then runs every run in one call, and each visible (query, key) pair is computed once.
+
+:class:`KeyPaths` holds that decomposition for one microbatch (built once, shared by all
+layers); :func:`path_attention` runs it: ``kernel="flash"`` (CUDA: torch's flash-attention
+varlen kernels, keys/values gathered in the forward and again in the backward, key/value
+gradients summed back in fp32) or ``kernel="reference"`` (plain torch per run, autograd; any
+device and dtype: the readable definition the tests hold the flash kernel to).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..layout import Visibility, host_to_device
+
+__all__ = ["KeyPaths", "build_key_paths", "path_attention", "KERNELS"]
+
+KERNELS = ("flash", "reference")
+
+
+@dataclass
+class KeyPaths:
+    """Runs of query rows and the gathered key list of each.
+
+    Invariant: query rows ``[q_offsets[g], q_offsets[g+1])`` form run g; its keys are
+    ``key_index[k_offsets[g]:k_offsets[g+1]]`` (positions on the key axis: context keys
+    ``[0, num_context)``, then the layout's rows), the last ``Lq_g`` of them the run's own rows
+    in order; row ``q_offsets[g] + i`` sees exactly the first ``P_g - (Lq_g - 1 - i)`` keys of
+    its run (``P_g`` = the run's key count), and these are exactly the keys visible to it.
+    ``pairs`` counts the visible pairs.  Offsets are int32 and on the compute device (what the
+    varlen kernels take); ``q_lengths``/``k_lengths`` stay on the host.
+    """
+    q_offsets: torch.Tensor      # int32 [G+1]
+    k_offsets: torch.Tensor      # int32 [G+1]
+    key_index: torch.Tensor      # int64 [sum P]
+    q_lengths: np.ndarray        # int64 [G]
+    k_lengths: np.ndarray        # int64 [G]
+    num_queries: int
+    num_keys: int                # key axis length: context keys + rows
+    pairs: int
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.q_lengths.shape[0])
+
+    @property
+    def max_q(self) -> int:
+        return int(self.q_lengths.max()) if self.num_runs else 0
+
+    @property
+    def max_k(self) -> int:
+        return int(self.k_lengths.max()) if self.num_runs else 0
+
+    @property
+    def gathered_keys(self) -> int:
+        return int(self.k_lengths.sum())
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy().astype(np.int64, copy=False)
+
+
+def build_key_paths(vis: Visibility, context_visibility: Optional[Visibility] = None, *,
+                    device=None) -> KeyPaths:
+    """The run decomposition of a tree visibility (one interval ``[k, end[k])`` per key).
+
+    Raises ValueError, naming what does not hold, for a visibility that is not a tree's:
+    several intervals for a key, or a key set that the runs would not reproduce (checked by
+    construction: every gathered key is visible to every row of its run, and the runs' pair
+    count equals the visibility's).
+    """
+    device = torch.device(device) if device is not None else vis.offsets.device
+    if not vis.causal:
+        raise ValueError("tree attention backend 'varlen' needs causal (tree) visibility; use 'flex'")
+    R = vis.num_queries
+    off = _host(vis.offsets)
+    if R and not np.array_equal(np.diff(off), np.ones(R, dtype=np.int64)):
+        raise ValueError("tree attention backend 'varlen' needs one visible interval per key (a tree's "
+                         "visibility); this one has keys with several (use backend 'flex')")
+    end = _host(vis.end)
+    n_ctx = 0 if context_visibility is None else context_visibility.num_keys
+    if R == 0:
+        z = torch.zeros(1, dtype=torch.int32)
+        return KeyPaths(host_to_device(z, device), host_to_device(z.clone(), device),
+                        host_to_device(torch.zeros(0, dtype=torch.int64), device),
+                        np.zeros(0, np.int64), np.zeros(0, np.int64), 0, n_ctx, 0)
+    rows = np.arange(R, dtype=np.int64)
+    # row r continues the run of r - 1 iff r - 1 sees r (then r - 1 is r's parent)
+    starts = np.flatnonzero(np.concatenate([[True], end[:-1] <= rows[1:]]))
+    stops = np.append(starts[1:], R)
+    if context_visibility is not None:
+        c_keys = _host(context_visibility.interval_keys())
+        c_s, c_e = _host(context_visibility.start), _host(context_visibility.end)
+    keys: List[np.ndarray] = []
+    stack: List[int] = []            # runs on the path of the current run, outermost first
+    for g, (a, b) in enumerate(zip(starts, stops)):
+        while stack and end[starts[stack[-1]]] <= a:
+            stack.pop()
+        own = np.arange(a, b, dtype=np.int64) + n_ctx
+        if stack:
+            h = stack[-1]
+            run = np.arange(starts[h], stops[h])
+            # the parent: the last row of run h whose subtree holds a (ends do not increase along a run)
+            p = int(run[np.searchsorted(-end[run], -a, side="left") - 1])
+            parent_keys = keys[h]
+            inherited = parent_keys[:parent_keys.shape[0] - (int(stops[h]) - 1 - p)]
+        elif context_visibility is not None:
+            hit = (c_s <= a) & (a < c_e)
+            inherited = c_keys[hit]
+            if inherited.size and int(c_e[hit].min()) < b:
+                raise ValueError(f"context visibility is not a tree's: a context key seen by row {a} is not "
+                                 f"seen by row {b - 1} of the same path")
+        else:
+            inherited = np.zeros(0, dtype=np.int64)
+        keys.append(np.concatenate([inherited, own]))
+        stack.append(g)
+    q_len = (stops - starts).astype(np.int64)
+    k_len = np.array([k.shape[0] for k in keys], dtype=np.int64)
+    key_index = np.concatenate(keys)
+    # every gathered row key is visible to its whole run ...
+    run_stop = np.repeat(stops, k_len)
+    row_key = key_index >= n_ctx
+    if bool((end[key_index[row_key] - n_ctx] < run_stop[row_key]).any()):
+        raise ValueError("visibility is not a tree's: a gathered ancestor key does not see its whole run "
+                         "(use backend 'flex')")
+    # ... and the runs hold exactly the visible pairs
+    pairs = int((q_len * k_len - q_len * (q_len - 1) // 2).sum())
+    expected = int((end - rows).sum())
+    if context_visibility is not None:
+        expected += int((c_e - c_s).sum())
+    if pairs != expected:
+        raise ValueError(f"visibility is not a tree's: its runs cover {pairs} (query, key) pairs, the "
+                         f"visibility {expected} (use backend 'flex')")
+    q_off = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
+    k_off = np.concatenate([[0], np.cumsum(k_len)])
+    if k_off[-1] >= 2 ** 31:
+        raise ValueError(f"tree attention backend 'varlen': {k_off[-1]} gathered keys exceed int32 offsets")
+    return KeyPaths(host_to_device(torch.from_numpy(q_off), device),
+                    host_to_device(torch.from_numpy(k_off.astype(np.int32)), device),
+                    host_to_device(torch.from_numpy(key_index), device), q_len, k_len, R, n_ctx + R, pairs)
+
+
+# ---------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------
+
+def _reference(q, k_all, v_all, paths: KeyPaths, scale: float):
+    """Per run: gathered keys, bottom-right causal mask, explicit softmax."""
+    group = q.shape[1] // k_all.shape[1]
+    kg = k_all.index_select(0, paths.key_index).repeat_interleave(group, dim=1)
+    vg = v_all.index_select(0, paths.key_index).repeat_interleave(group, dim=1)
+    outs, q0, k0 = [], 0, 0
+    for lq, lk in zip(paths.q_lengths.tolist(), paths.k_lengths.tolist()):
+        s = torch.einsum("qhd,khd->hqk", q[q0:q0 + lq], kg[k0:k0 + lk]) * scale
+        i = torch.arange(lq, device=q.device)[:, None]
+        j = torch.arange(lk, device=q.device)[None]
+        s = s.masked_fill(j > i + (lk - lq), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vg[k0:k0 + lk]))
+        q0, k0 = q0 + lq, k0 + lk
+    return torch.cat(outs) if outs else q.new_zeros(q.shape[:2] + v_all.shape[2:])
+
+
+class _FlashPaths(torch.autograd.Function):
+    """Varlen flash attention over the gathered paths.  Gathered keys/values live only inside
+    the forward and the backward (re-gathered); their gradients are summed back in fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k_all, v_all, paths: KeyPaths, scale: float):
+        D, Dv = q.shape[-1], v_all.shape[-1]
+        kg = k_all.index_select(0, paths.key_index)
+        vg = v_all.index_select(0, paths.key_index)
+        if Dv < D:                       # the kernel needs one head dim for q, k and v
+            vg = F.pad(vg, (0, D - Dv))
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, kg, vg, paths.q_offsets, paths.k_offsets, paths.max_q, paths.max_k, 0.0, True, False,
+            scale=scale)
+        ctx.save_for_backward(q, k_all, v_all, out, lse, rng, unused)
+        ctx.paths, ctx.scale = paths, scale
+        return out[..., :Dv] if Dv < D else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_all, v_all, out, lse, rng, unused = ctx.saved_tensors
+        paths = ctx.paths
+        D, Dv = q.shape[-1], v_all.shape[-1]
+        kg = k_all.index_select(0, paths.key_index)
+        vg = v_all.index_select(0, paths.key_index)
+        if Dv < D:
+            vg = F.pad(vg, (0, D - Dv))
+            grad = F.pad(grad, (0, D - Dv))
+        dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, kg, vg, out, lse, paths.q_offsets, paths.k_offsets, paths.max_q, paths.max_k,
+            0.0, True, rng, unused, scale=ctx.scale)
+        dk = torch.zeros(k_all.shape, dtype=torch.float32, device=k_all.device)
+        dk.index_add_(0, paths.key_index, dkg.float())
+        dv = torch.zeros(v_all.shape, dtype=torch.float32, device=v_all.device)
+        dv.index_add_(0, paths.key_index, dvg[..., :Dv].float())
+        return dq, dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
+
+
+def path_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, paths: KeyPaths,
+                   scale: float, kernel: str = "flash") -> torch.Tensor:
+    """Attention of every query row over its run's keys (:class:`KeyPaths` invariant).
+
+    q ``[R, H, D]``, k_all ``[K, Hk, D]``, v_all ``[K, Hk, Dv]`` over the key axis of ``paths``
+    (context keys first).  Differentiable in q, k_all and v_all.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"path_attention kernel must be one of {KERNELS}, got {kernel!r}")
+    if q.shape[0] != paths.num_queries or k_all.shape[0] != paths.num_keys:
+        raise ValueError(f"key paths are for {paths.num_queries} queries over {paths.num_keys} keys, got "
+                         f"{q.shape[0]} queries and {k_all.shape[0]} keys")
+    if kernel == "reference":
+        return _reference(q, k_all, v_all, paths, scale)
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError("path_attention kernel 'flash' needs CUDA fp16/bf16 tensors (use 'reference')")
+    if paths.num_runs == 0:
+        return q.new_zeros(q.shape[:2] + v_all.shape[2:])
+    return _FlashPaths.apply(q.contiguous(), k_all.contiguous(), v_all.contiguous(), paths, scale)
