@@ -101,7 +101,8 @@ def visible_pairs(plan):
 def run_mode(argv, forest, iters, warmup, device, profile=False):
     """Timed steps of one mode (median after ``warmup``), their metrics, the loss and gradient norm of
     every step (warm-ups included: the first at the initial weights, the same in every mode up to
-    rounding), peak memory, the plan, and with ``profile`` the profile of one more step."""
+    rounding), peak memory, the plan, with ``profile`` the profile of one more step, and the
+    backends the driver resolved (``auto`` made concrete)."""
     from megatron_harts.training.trainer import Trainer
     with Trainer.from_args(argv) as t:
         times, metrics, losses = [], [], []   # losses: (loss, grad norm before clipping) of every step
@@ -121,7 +122,8 @@ def run_mode(argv, forest, iters, warmup, device, profile=False):
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
         plan = t._plan(forest)
         prof = profile_step(t, forest, device) if profile else None
-        return times, metrics, losses, peak, plan, prof
+        backends = {"kda_backend": t.config.kda_backend, "attention_backend": t.config.tree_attention_backend}
+        return times, metrics, losses, peak, plan, prof, backends
 
 
 #: kernel-name patterns of the profile's categories, first match wins (fla's KDA kernels, FlexAttention's
@@ -361,14 +363,15 @@ def main(argv=None):
             left = release_memory(a.device)
             key = "expanded" if sharing == "off" else f"tree_{sharing}" \
                 + ("" if call_plan == "harts" else f"_{call_plan}") + ("_recompute_producers" if extra else "")
-            times, metrics, losses, peak, plan, prof = run_mode(argv_mode, forest, a.iters, a.warmup, a.device,
-                                                        profile=bool(a.profile))
+            times, metrics, losses, peak, plan, prof, backends = run_mode(
+                argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile))
             t = statistics.median(times)
             m = metrics[-1]
             flops = step_flops(p, m["computed_tokens"], visible_pairs(plan))
             peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in results["machine"]["device"]), None)
             row[key] = {
-                "sharing": sharing, "kda_call_plan": call_plan, "planner": plan.planner, "step_seconds": t, "step_seconds_all": times,
+                "sharing": sharing, "kda_call_plan": call_plan, "planner": plan.planner, **backends,
+                "step_seconds": t, "step_seconds_all": times,
                 "trajectory_tokens_per_s": m["trajectory_tokens"] / t, "rows_computed": m["computed_tokens"],
                 "compression": m["compression"], "kda_calls": m["kda_calls"], "replay_tokens": m["replay_tokens"],
                 "microbatches": m["microbatches"],

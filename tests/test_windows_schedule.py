@@ -144,6 +144,17 @@ def test_windowed_step_equals_recomputed_and_expanded(cpu_world):
     assert 0 < win[2]["peak_export_bytes"] < win_overlap[2]["peak_export_bytes"]
 
 
+def test_windowed_step_with_varlen_attention_equals_expanded(cpu_world):
+    """Consumers read their producer's keys as context through the key-path (varlen) backend."""
+    cfg = tiny_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+                      tree_attention_backend="varlen")
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 0)
+    forest = tiny_forest(0)
+    seq, _ = windowed_step(forest, overlap=False)
+    assert any(mb.producer is not None for mb in seq)
+    assert_same(run_step(model, seq), expanded_step(model, forest), "windows (varlen) vs expanded")
+
+
 def test_schedule_refusals(cpu_world):
     cfg = tiny_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
     model = build_hybrid_model(cfg, vocab_size=VOCAB)
