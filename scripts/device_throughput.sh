@@ -9,7 +9,8 @@
 #   step-wise   the paper-level Step-wise batch (46 trajectories, 16k-row microbatches), within and windows
 #               (plain and with --tree-recompute-producers) against expanded
 #   tree-step   the paper-level Tree-Step batch (118 trajectories), the same modes
-#   large       both batches on preset h200-2k (hidden 2048), without the fidelity sample
+#   large       both batches on preset h200-2k (hidden 2048), without the logit-cosine sample; Tree-Step
+#               without plain windows (within, windows with producer recomputation)
 # Default: fidelity step-wise tree-step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,9 +37,10 @@ for stage in "${STAGES[@]}"; do
                 --driver-flags "--tree-triton-max-configs 1" --out "$OUT/step-fidelity.json" 2>&1 | quiet ;;
     step-wise) timeout "$share" "${BENCH[@]}" "${STEPWISE[@]}" --out "$OUT/step-wise-16k.json" 2>&1 | quiet ;;
     tree-step) timeout "$share" "${BENCH[@]}" "${TREESTEP[@]}" --out "$OUT/tree-step-16k.json" 2>&1 | quiet ;;
-    large) timeout "$share" "${BENCH[@]}" --preset h200-2k --no-cosine "${STEPWISE[@]}" \
+    large) timeout $((share / 2)) "${BENCH[@]}" --preset h200-2k --no-cosine "${STEPWISE[@]}" \
              --out "$OUT/large-step-wise-16k.json" 2>&1 | quiet
-           timeout "$share" "${BENCH[@]}" --preset h200-2k --no-cosine "${TREESTEP[@]}" \
+           # Tree-Step windows keeps its producers' activations: out of memory at hidden 2048
+           timeout $((share / 2)) "${BENCH[@]}" --preset h200-2k --no-cosine "${TREESTEP[@]}" --tree-sharing within \
              --out "$OUT/large-tree-step-16k.json" 2>&1 | quiet ;;
     *) echo "unknown stage $stage (fidelity, step-wise, tree-step, large)" >&2; exit 2 ;;
   esac
