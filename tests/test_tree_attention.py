@@ -285,6 +285,23 @@ def test_key_paths_hold_exactly_the_visible_pairs(trajs, data):
         assert paths.pairs == int(dense.sum())
 
 
+def test_key_paths_worth_gathering_rejects_many_short_runs():
+    """A chain of long segments gathers little; a deep comb of one-row branches gathers a key per
+    visible pair (the model then takes the block-mask backend for that microbatch)."""
+    long_f = build_forest([make_trajectory({"id": f"t{i}", "tokens": [1] * 400 + [2 + i] * 400})
+                           for i in range(3)])
+    assert build_key_paths(build_layout(long_f).visibility).worth_gathering()
+    trunk = [1, 2, 3, 4, 5, 6, 7, 8] * 20
+    comb = build_forest([make_trajectory({"id": f"t{i}", "tokens": trunk[:i + 1] + [200]}) for i in range(160)])
+    paths = build_key_paths(build_layout(comb).visibility)
+    assert not paths.worth_gathering()
+    from megatron_harts.models.packed import TreePackedSeqParams
+    psp = TreePackedSeqParams.for_tree(build_layout(comb), attention_backend="varlen")
+    assert psp.attention_backend == "sdpa" and psp.key_paths is None
+    psp = TreePackedSeqParams.for_tree(build_layout(long_f), attention_backend="varlen")
+    assert psp.attention_backend == "varlen" and psp.key_paths is not None
+
+
 def test_key_paths_refuse_non_tree_visibility():
     vis = Visibility(offsets=torch.tensor([0, 2, 3, 4]), start=torch.tensor([0, 2, 1, 2]),
                      end=torch.tensor([1, 3, 3, 3]), num_queries=3).validate()

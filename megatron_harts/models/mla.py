@@ -139,7 +139,8 @@ class TreeMLA(MegatronModule):
                 psp.record_export(self.layer_number, {"k": k.index_select(0, exp_rows),
                                                       "v": v.index_select(0, exp_rows)})
             R = psp.layout.num_rows              # rows after R are padding: zero attention output
-            o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale, backend=cfg.tree_attention_backend,
+            o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale,
+                               backend=psp.attention_backend or cfg.tree_attention_backend,
                                block_mask=psp.block_mask, key_paths=psp.key_paths, context_kv=context_kv)
             if psp.pad_rows:
                 o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])

@@ -217,6 +217,8 @@ class TreePackedSeqParams(PackedSeqParams):
     conv_taps: Any = None                    # ops.path_conv.ConvTaps (tree mode)
     block_mask: Any = None                   # FlexAttention BlockMask (tree mode, flex backend)
     key_paths: Any = None                    # ops.key_paths.KeyPaths (tree mode, varlen backend)
+    attention_backend: Optional[str] = None  # tree mode: this microbatch's tree-attention backend (the
+                                             # config's, or the block-mask one where varlen does not pay)
     token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode); expanded: None (megatron's
                                                  # statistics) or 1 per counted token, 0 per uncounted/pad token
     position_ids: Optional[torch.Tensor] = None  # [tokens] path depth (tree) / position in sequence
@@ -372,22 +374,25 @@ class TreePackedSeqParams(PackedSeqParams):
                 plan = BASELINE_PLANS[call_plan](layout.seg_parent, layout.seg_start, layout.seg_length, chunk_size)
             schedule = build_kda_schedule(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row,
                                           plan, export_rows=export_rows, device=device)
+        key_paths = None
+        if attention_backend == "varlen":
+            from ..ops.key_paths import build_key_paths
+            key_paths = build_key_paths(host.visibility, host.context_visibility if host.num_context_rows else None,
+                                        device=device)
+            if not key_paths.worth_gathering():      # many short runs: the block-mask backend instead
+                key_paths = None
+                attention_backend = "flex" if device.type == "cuda" else "sdpa"
         block_mask = None
         if attention_backend == "flex":
             from ..ops.tree_attention import build_tree_block_mask
             block_mask = build_tree_block_mask(
                 host, context_visibility=host.context_visibility if host.num_context_rows else None,
                 device=device)
-        key_paths = None
-        if attention_backend == "varlen":
-            from ..ops.key_paths import build_key_paths
-            key_paths = build_key_paths(host.visibility, host.context_visibility if host.num_context_rows else None,
-                                        device=device)
         R = layout.num_rows
         cu = torch.tensor([0, R], dtype=torch.int32, device=device)
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=R, max_seqlen_kv=R,
                    mode="tree", layout=layout, kda_schedule=schedule, conv_taps=taps, block_mask=block_mask,
-                   key_paths=key_paths,
+                   key_paths=key_paths, attention_backend=attention_backend,
                    token_weight=layout.occurrence.to(torch.float64), position_ids=layout.position_ids,
                    export_spec=None if export is None else export.to(device), exports=exports,
                    consumer_index=consumer_index)

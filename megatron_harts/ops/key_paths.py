@@ -30,6 +30,12 @@ __all__ = ["KeyPaths", "build_key_paths", "path_attention", "KERNELS"]
 
 KERNELS = ("flash", "reference")
 
+#: limits of :meth:`KeyPaths.worth_gathering` (the model falls back to the block-mask backend for
+#: a microbatch outside them).  On the SWE-like batches of the benchmarks runs are hundreds to
+#: thousands of rows long: 2,000-8,000 pairs per gathered key, 1-3 gathered keys per row.
+MIN_PAIRS_PER_GATHERED_KEY = 64
+MAX_GATHER_FACTOR = 16
+
 
 @dataclass
 class KeyPaths:
@@ -67,6 +73,16 @@ class KeyPaths:
     @property
     def gathered_keys(self) -> int:
         return int(self.k_lengths.sum())
+
+    def worth_gathering(self) -> bool:
+        """Whether the varlen kernels suit these runs: on average at least
+        ``MIN_PAIRS_PER_GATHERED_KEY`` query rows read each gathered key (fewer: the flash tiles
+        of 128 query rows run mostly empty and the gathers dominate, as in trees of many short
+        branches), and at most ``MAX_GATHER_FACTOR`` gathered keys per key row (the gathered
+        keys/values are a transient of that size per attention call)."""
+        g = self.gathered_keys
+        return g == 0 or (self.pairs >= MIN_PAIRS_PER_GATHERED_KEY * g
+                          and g <= MAX_GATHER_FACTOR * max(self.num_keys, 1))
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
