@@ -440,6 +440,7 @@ def test_backends_are_resolved_and_checked_at_build_time(no_cuda):
     fla = importlib.util.find_spec("fla") is not None
     assert A.resolved_backends(parse(), cuda=True) == ("fla" if fla else "reference", "varlen")
     assert A.resolved_backends(parse("--qk-head-dim 64"), cuda=True)[1] == "flex"
+    assert A.resolved_backends(parse("--qk-head-dim 256"), cuda=True)[1] == "flex"   # past the flash kernels
     assert A.resolved_backends(parse("--fp64"), cuda=True) == ("reference", "sdpa")
     if not fla:
         with pytest.raises(ArgumentsError, match="fla-core is not installed"):

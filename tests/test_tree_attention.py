@@ -318,7 +318,7 @@ def test_key_paths_refuse_non_tree_visibility():
 
 
 @pytest.mark.skipif(not CUDA, reason="the flash varlen kernels need CUDA")
-@pytest.mark.parametrize("dims", [(64, 64), (96, 64), (192, 128)])
+@pytest.mark.parametrize("dims", [(64, 64), (96, 64), (192, 128), (12, 8), (64, 128)])
 def test_varlen_flash_equals_reference_cuda(dims):
     from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
     cfg = SweConfig(num_tasks=2, samples_per_task=3, prompt_median=200, action_median=20, observation_median=30,

@@ -189,42 +189,53 @@ def _reference(q, k_all, v_all, paths: KeyPaths, scale: float):
     return torch.cat(outs) if outs else q.new_zeros(q.shape[:2] + v_all.shape[2:])
 
 
+#: the flash kernels' head dims: one for q, k and v, a multiple of 8, at most 256
+FLASH_MAX_HEAD_DIM = 256
+
+
+def _flash_head_dim(D: int, Dv: int) -> int:
+    return -(-max(D, Dv) // 8) * 8
+
+
+def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+
+
 class _FlashPaths(torch.autograd.Function):
     """Varlen flash attention over the gathered paths.  Gathered keys/values live only inside
-    the forward and the backward (re-gathered); their gradients are summed back in fp32."""
+    the forward and the backward (re-gathered); their gradients are summed back in fp32.  Head
+    dims are zero-padded to the kernel's (``_flash_head_dim``): zero q/k columns add nothing to
+    the scores (the scale is explicit), zero v columns are cut from the output."""
 
     @staticmethod
     def forward(ctx, q, k_all, v_all, paths: KeyPaths, scale: float):
         D, Dv = q.shape[-1], v_all.shape[-1]
-        kg = k_all.index_select(0, paths.key_index)
-        vg = v_all.index_select(0, paths.key_index)
-        if Dv < D:                       # the kernel needs one head dim for q, k and v
-            vg = F.pad(vg, (0, D - Dv))
+        W = _flash_head_dim(D, Dv)
+        kg = _pad_to(k_all.index_select(0, paths.key_index), W)
+        vg = _pad_to(v_all.index_select(0, paths.key_index), W)
+        qp = _pad_to(q, W)
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, kg, vg, paths.q_offsets, paths.k_offsets, paths.max_q, paths.max_k, 0.0, True, False,
+            qp, kg, vg, paths.q_offsets, paths.k_offsets, paths.max_q, paths.max_k, 0.0, True, False,
             scale=scale)
-        ctx.save_for_backward(q, k_all, v_all, out, lse, rng, unused)
-        ctx.paths, ctx.scale = paths, scale
-        return out[..., :Dv] if Dv < D else out
+        ctx.save_for_backward(qp, k_all, v_all, out, lse, rng, unused)
+        ctx.paths, ctx.scale, ctx.D = paths, scale, D
+        return out[..., :Dv] if Dv < W else out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k_all, v_all, out, lse, rng, unused = ctx.saved_tensors
-        paths = ctx.paths
-        D, Dv = q.shape[-1], v_all.shape[-1]
-        kg = k_all.index_select(0, paths.key_index)
-        vg = v_all.index_select(0, paths.key_index)
-        if Dv < D:
-            vg = F.pad(vg, (0, D - Dv))
-            grad = F.pad(grad, (0, D - Dv))
+        qp, k_all, v_all, out, lse, rng, unused = ctx.saved_tensors
+        paths, D = ctx.paths, ctx.D
+        Dv, W = v_all.shape[-1], qp.shape[-1]
+        kg = _pad_to(k_all.index_select(0, paths.key_index), W)
+        vg = _pad_to(v_all.index_select(0, paths.key_index), W)
         dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, kg, vg, out, lse, paths.q_offsets, paths.k_offsets, paths.max_q, paths.max_k,
-            0.0, True, rng, unused, scale=ctx.scale)
+            _pad_to(grad, W).contiguous(), qp, kg, vg, out, lse, paths.q_offsets, paths.k_offsets,
+            paths.max_q, paths.max_k, 0.0, True, rng, unused, scale=ctx.scale)
         dk = torch.zeros(k_all.shape, dtype=torch.float32, device=k_all.device)
-        dk.index_add_(0, paths.key_index, dkg.float())
+        dk.index_add_(0, paths.key_index, dkg[..., :D].float())
         dv = torch.zeros(v_all.shape, dtype=torch.float32, device=v_all.device)
         dv.index_add_(0, paths.key_index, dvg[..., :Dv].float())
-        return dq, dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
+        return dq[..., :D], dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
 
 
 def path_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, paths: KeyPaths,
@@ -243,6 +254,9 @@ def path_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pa
         return _reference(q, k_all, v_all, paths, scale)
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError("path_attention kernel 'flash' needs CUDA fp16/bf16 tensors (use 'reference')")
+    if _flash_head_dim(q.shape[-1], v_all.shape[-1]) > FLASH_MAX_HEAD_DIM:
+        raise ValueError(f"tree attention backend 'varlen': head dims {q.shape[-1]}/{v_all.shape[-1]} exceed the "
+                         f"flash kernels' {FLASH_MAX_HEAD_DIM} (use backend 'flex')")
     if paths.num_runs == 0:
         return q.new_zeros(q.shape[:2] + v_all.shape[2:])
     return _FlashPaths.apply(q.contiguous(), k_all.contiguous(), v_all.contiguous(), paths, scale)

@@ -97,6 +97,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..cli import CliError
+from ..ops.key_paths import FLASH_MAX_HEAD_DIM
 from ..planner.baselines import CALL_PLANS
 
 __all__ = [
@@ -1434,7 +1435,8 @@ def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
 #: the largest MLA q/k head dim (nope + rope) at which ``auto`` takes FlexAttention on CUDA; above it
 #: ``varlen``.  Measured on an H200 (torch 2.11, bf16, 16 heads, ~30k-row SWE trees, fwd+bwd, time per
 #: visible pair over causal SDPA's): q/k 128: flex 1.85-1.90x, varlen 2.07-2.19x; q/k 192 / v 128:
-#: flex 3.77-3.88x (its Triton kernel pads 192 to 256), varlen 2.55-2.70x.
+#: flex 3.77-3.88x (its Triton kernel pads 192 to 256), varlen 2.55-2.70x.  Head dims beyond the
+#: flash kernels' (``ops.key_paths.FLASH_MAX_HEAD_DIM``) stay on flex.
 FLEX_MAX_QK_HEAD_DIM = 128
 
 
@@ -1455,7 +1457,9 @@ def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) 
         kda = "fla" if fast and fla_installed else "reference"
     if attn == "auto":
         qk_dim = (getattr(args, "qk_head_dim", 0) or 0) + (getattr(args, "qk_pos_emb_head_dim", 0) or 0)
-        attn = ("varlen" if qk_dim > FLEX_MAX_QK_HEAD_DIM else "flex") if fast else "sdpa"
+        v_dim = getattr(args, "v_head_dim", 0) or 0
+        varlen = FLEX_MAX_QK_HEAD_DIM < qk_dim and max(qk_dim, v_dim) <= FLASH_MAX_HEAD_DIM
+        attn = ("varlen" if varlen else "flex") if fast else "sdpa"
     if kda == "fla":
         if not cuda:
             _fail("--tree-kda-backend fla needs CUDA (use reference on the CPU)")
