@@ -50,3 +50,22 @@ def test_recompute_producers_refused(extra, needle):
     with pytest.raises(ArgumentsError) as e:
         parse_args(argv("--tree-recompute-producers") + extra, require_data=False)
     assert "--tree-recompute-producers" in str(e.value) and needle in str(e.value)
+
+
+def test_injected_export_gradients_keep_no_exports():
+    """A recomputed producer's record_export keeps nothing and hands each export its gradient exactly."""
+    import torch
+
+    from megatron_harts.layout import build_layout
+    from megatron_harts.models.packed import TreePackedSeqParams, WindowExports
+    psp = TreePackedSeqParams.for_tree(build_layout(build_forest(rollouts(0))))
+    psp.exports = WindowExports(None, {})
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    k, states = x * 2.0, x[:2].exp()
+    gk, gs = torch.randn(5, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    want = torch.autograd.grad([k, states], [x], [gk, gs], retain_graph=True)[0]
+    psp.inject_grads = {3: {"k": gk, "states": gs}}
+    psp.record_export(3, {"k": k, "states": states, "unread": x + 1.0})
+    assert psp.exports.layers == {}
+    got = torch.autograd.grad(psp.injected, [x])[0]
+    assert torch.equal(got, want)

@@ -178,9 +178,28 @@ class WindowExports:
         if outs:
             torch.autograd.backward(outs, grads, retain_graph=retain_graph)
 
+    def gradients(self) -> Dict[int, Dict[str, torch.Tensor]]:
+        """Of consumer leaves (``detached()``): the gradients accumulated in them, per layer and name
+        (tensors nobody read are left out)."""
+        return {n: {k: t.grad for k, t in d.items() if t.grad is not None} for n, d in self.layers.items()}
+
     def nbytes(self) -> int:
         """Bytes held by the exported tensors (the window's retained export memory)."""
         return sum(t.numel() * t.element_size() for d in self.layers.values() for t in d.values())
+
+
+class _InjectGradient(torch.autograd.Function):
+    """A scalar whose backward hands ``grad`` to ``t`` (the incoming gradient is the loss's 1): the
+    export gradients of a recomputed producer enter its backward without its exports being kept."""
+
+    @staticmethod
+    def forward(ctx, t, grad):
+        ctx.grad = grad
+        return t.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.grad, None
 
 
 @dataclass
@@ -226,6 +245,10 @@ class TreePackedSeqParams(PackedSeqParams):
     exports: Optional[WindowExports] = None   # producer: filled by the forward; consumer: what to read
     consumer_index: Optional[ConsumerIndex] = None  # consumer: where its reads sit in ``exports``
     pad_rows: int = 0                        # rows appended after the real ones (padding, see module docstring)
+    inject_grads: Optional[Dict[int, Dict[str, torch.Tensor]]] = None  # recomputed producer: its exports'
+                                             # gradients (``WindowExports.gradients``); record_export folds
+                                             # them into ``injected`` instead of keeping the exports
+    injected: Optional[torch.Tensor] = None  # the scalar to add to the recomputed producer's loss
     preview: bool = False                    # producer: a forward for its exports only, recomputed at window
                                              # close (schedules.windows recompute_producers): not the step's
                                              # statistics
@@ -249,8 +272,19 @@ class TreePackedSeqParams(PackedSeqParams):
         return self._token_weight_sum
 
     def record_export(self, layer_number: int, tensors: Dict[str, torch.Tensor]) -> None:
-        """Producer: keep one layer's exports (called by the layers during the forward)."""
-        self.exports.layers[int(layer_number)] = tensors
+        """Producer: keep one layer's exports (called by the layers during the forward).  With
+        ``inject_grads`` (a producer recomputed at its window's close) nothing is kept: each export
+        with a gradient adds an :class:`_InjectGradient` scalar to ``injected``, so that
+        ``(loss + injected).backward()`` is the window-close backward of ``WindowExports.close``."""
+        if self.inject_grads is None:
+            self.exports.layers[int(layer_number)] = tensors
+            return
+        grads = self.inject_grads.get(int(layer_number), {})
+        for name, t in tensors.items():
+            g = grads.get(name)
+            if g is not None and t.requires_grad:
+                s = _InjectGradient.apply(t, g)
+                self.injected = s if self.injected is None else self.injected + s
 
     def layer_exports(self, layer_number: int) -> Dict[str, torch.Tensor]:
         """Consumer: the producer's exports of one layer."""

@@ -245,8 +245,10 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     ``packed_seq_params.preview`` set (``forward_step_func`` then leaves the step's statistics
     alone and its loss is not asked for): it keeps only the exports its consumers read, not its
     activations; at window close the producer's forward runs again, with its loss, and its
-    backward follows at once.  The same gradients (the forward is computed twice the same way) for
-    one more producer forward, and no producer activations alive while its consumers run.
+    backward follows at once, the consumers' export gradients entering it through
+    ``TreePackedSeqParams.inject_grads`` (the recomputed exports are not kept).  The same gradients
+    (the forward is computed twice the same way) for one more producer forward, and no producer
+    activations alive while its consumers run.
 
     Returns the per-microbatch ``stats`` of ``loss_func``, in execution order (megatron's
     ``forward_data_store``; with ``recompute_producers`` a producer's come at its window close).
@@ -310,10 +312,17 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         if mb.producer is not None and last_consumer[int(mb.producer)] == i:   # window close
             p = int(mb.producer)
             w = open_windows.pop(p)
-            if preview:                             # the producer's forward again, now with its graph
+            if preview:
+                # the producer's forward again, now with its graph; the consumers' export gradients
+                # enter it as it goes, so neither the preview's exports nor new ones stay alive
+                ppsp = w["psp"]
+                ppsp.inject_grads = w.pop("leaves").gradients()
+                ppsp.exports.layers.clear()
                 with producer_forward(cfg):
-                    w["loss"] = run(p, mbs[p], w["psp"])
-            if not forward_only:
+                    loss = run(p, mbs[p], ppsp)
+                (loss if ppsp.injected is None else loss + ppsp.injected).backward()
+                ppsp.inject_grads = ppsp.injected = None
+            elif not forward_only:
                 w["psp"].exports.close(w["leaves"], loss=w["loss"])
             live_bytes -= w["bytes"]
     if window_stats is not None:
