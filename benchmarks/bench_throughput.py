@@ -265,9 +265,10 @@ def logit_cosine(argv, forest, device, max_tokens: int = 8192):
     tree vs expanded in the run's dtype (``logit_cosine``), and each of them against the fp32
     oracle, expanded mode on an fp32 copy of the same weights (``logit_cosine_tree_vs_fp32``,
     ``logit_cosine_expanded_vs_fp32``): bf16 rounding's own size, which tree mode should match;
-    also each mode's gradients against the oracle's (``models.fidelity.bf16_verdict``): the
-    largest relative difference, its tensor, and ``sign_step_alignment`` (how much of the first
-    Adam step's first-order loss decrease the mode's gradients keep)."""
+    also each mode's gradients and log-probs against the oracle's (``models.fidelity.bf16_verdict``):
+    the largest relative gradient difference, its tensor, ``sign_step_alignment`` (how much of the
+    first Adam step's first-order loss decrease the mode's gradients keep), the mean log-prob
+    difference, and the bf16 rule's thresholds and verdict (``bf16_rule_failed``: empty = met)."""
     from megatron_harts.layout import build_layout
     from megatron_harts.models.fidelity import bf16_verdict, logit_cosine as cosine, run_bf16
     from megatron_harts.training.trainer import Trainer
@@ -278,7 +279,10 @@ def logit_cosine(argv, forest, device, max_tokens: int = 8192):
         a, b, oracle = run_bf16(model, one, lay, t.config, device=device)
         v = bf16_verdict(a, b, oracle)
         grads = {f"{m}_{who}_vs_fp32": v[f"{m}_{who}_vs_fp32"] for who in ("tree", "expanded")
-                 for m in ("max_grad_rel_diff", "worst_grad", "sign_step_alignment")}
+                 for m in ("max_grad_rel_diff", "worst_grad", "sign_step_alignment", "mean_logprob_abs_diff")}
+        # the bf16 rule (models.fidelity): tree mode within a factor of expanded mode's own distance to fp32
+        grads.update({k: v[k] for k in ("bf16_min_logit_cosine", "bf16_max_mean_logprob_abs_diff", "tolerance")})
+        grads["bf16_rule_failed"] = v["failed"]
         return {"logit_cosine": cosine(a.logits, b.logits),
                 "logit_cosine_tree_vs_fp32": cosine(a.logits, oracle.logits),
                 "logit_cosine_expanded_vs_fp32": cosine(b.logits, oracle.logits), **grads,

@@ -53,6 +53,7 @@ def test_tiny_cpu_run_records_losses_norms_and_gradient_fidelity(bt, tmp_path):
     for who in ("tree", "expanded"):           # fp32 on the CPU: gradients are the oracle's to rounding
         assert row[f"sign_step_alignment_{who}_vs_fp32"] > 0.999
         assert row[f"max_grad_rel_diff_{who}_vs_fp32"] < 1e-3
+    assert row["bf16_rule_failed"] == [] and row["logit_cosine_tree_vs_fp32"] >= row["bf16_min_logit_cosine"]
 
 
 def test_tiny_cpu_run_with_recomputed_producers(bt, tmp_path):
