@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Which GPU fast path moves tree mode away from expanded mode?  Tree vs expanded on the same
 weights (``models.fidelity.run_tree`` / ``run_expanded``) for every combination of KDA backend
-(reference, fla), MoE experts (grouped GEMM on / off) and tree attention (sdpa, flex), in one
+(reference, fla), MoE experts (grouped GEMM on / off) and tree attention (sdpa, flex, varlen), in one
 dtype; prints the logit cosine and the largest per-target log-prob difference of each.
 Usage: python3 scripts/device_check_backends.py [--dtype bf16|fp32] [--device cuda|cpu]
 """
@@ -20,7 +20,7 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kda", nargs="+", default=["reference", "fla"])
-    ap.add_argument("--attention", nargs="+", default=["sdpa", "flex"])
+    ap.add_argument("--attention", nargs="+", default=["sdpa", "flex", "varlen"])
     a = ap.parse_args()
     from megatron_harts import patches
     from megatron_harts.layout import build_layout
