@@ -59,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); default = --heads")
     p.add_argument("--head-dim", type=int, default=128, help="q/k and v head dim (ignored with --mla)")
     p.add_argument("--mla", action="store_true", help="MLA-like head dims: q/k 192, v 128")
+    p.add_argument("--dims", type=int, nargs=2, metavar=("QK", "V"), default=None,
+                   help="q/k and v head dims (e.g. 96 64: the h200 preset's MLA); overrides --head-dim/--mla")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--kernel-options", default=None,
@@ -186,7 +188,7 @@ def main(argv=None):
     on_cpu = device.type == "cpu"
     H = args.heads
     Hk = args.kv_heads or H
-    dqk, dv = (192, 128) if args.mla else (args.head_dim, args.head_dim)
+    dqk, dv = tuple(args.dims) if args.dims else (192, 128) if args.mla else (args.head_dim, args.head_dim)
 
     set_flex_compile_mode(args.compile_mode)
     forest = swe_forest(args.rows, args.scheme, args.seed)
