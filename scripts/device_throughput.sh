@@ -9,6 +9,8 @@
 #   step-wise   the paper-level Step-wise batch (46 trajectories, 16k-row microbatches), within and windows
 #               (plain and with --tree-recompute-producers) against expanded
 #   tree-step   the paper-level Tree-Step batch (118 trajectories), the same modes
+#   attention   benchmarks/bench_tree_attention.py (flex and varlen vs causal SDPA) on both schemes at
+#               head dims 128/128, 192/128 (MLA of h200-2k) and 96/64 (MLA of h200)
 #   large       both batches on preset h200-2k (hidden 2048), without the logit-cosine sample; Tree-Step
 #               without plain windows (within, windows with producer recomputation)
 # Default: fidelity step-wise tree-step.
@@ -42,7 +44,14 @@ for stage in "${STAGES[@]}"; do
            # Tree-Step windows keeps its producers' activations: out of memory at hidden 2048
            timeout $((share / 2)) "${BENCH[@]}" --preset h200-2k --no-cosine "${TREESTEP[@]}" --tree-sharing within \
              --out "$OUT/large-tree-step-16k.json" 2>&1 | quiet ;;
-    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, large)" >&2; exit 2 ;;
+    attention) for dims in "128 128" "192 128" "96 64"; do for sc in tree-step step-wise; do
+                 timeout $((share / 6)) python3 benchmarks/bench_tree_attention.py --rows 32768 --scheme "$sc" \
+                   --dims $dims --kernel-options '{"USE_TMA": true}' \
+                   --json > "$OUT/attn-$sc-${dims// /-}.json" 2>/dev/null || rc=1
+                 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['summary'])" \
+                   "$OUT/attn-$sc-${dims// /-}.json" 2>/dev/null
+               done; done; true ;;
+    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, attention, large)" >&2; exit 2 ;;
   esac
   [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
 done
