@@ -192,3 +192,36 @@ def test_schedule_rejects_mismatched_rows():
         tree_kda(x, x, x, x, torch.zeros(5, 1), sched)
     with pytest.raises(ValueError, match="backend"):
         tree_kda(x[:3], x[:3], x[:3], x[:3], torch.zeros(3, 1), sched, backend="nope")
+
+
+@settings(max_examples=25, deadline=None)
+@given(forests(), st.booleans())
+def test_gather_shortcuts_same_bits(fb, replay):
+    """The calls' row flags are right, and the gathers they allow (scatter-back backward, no gather
+    for a call of every row in order) give the index_select path's outputs and gradients bit for bit."""
+    import dataclasses
+    forest, B = fb
+    R = forest.num_rows
+    plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, B, replay=replay)
+    sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan)
+    for c in sched.calls:
+        rows = c.rows.numpy()
+        assert c.rows_unique == (np.unique(rows).size == rows.size)
+        assert c.rows_identity == np.array_equal(rows, np.arange(rows.size))
+        assert c.out_identity == (np.array_equal(c.out_pos.numpy(), np.arange(c.out_pos.numel()))
+                                  and np.array_equal(c.out_rows.numpy(), np.arange(c.out_rows.numel())))
+    plain = dataclasses.replace(sched, calls=[dataclasses.replace(c, rows_unique=False, rows_identity=False,
+                                                                  out_identity=False) for c in sched.calls])
+    leaves = [x[0].requires_grad_(True) for x in random_inputs(1, R, 2, 4, 3, torch.float32, 3)]
+    w = torch.randn(R, 2, 3, generator=torch.Generator().manual_seed(4))
+    got, want = tree_kda(*leaves, sched), tree_kda(*leaves, plain)
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves)):
+        assert torch.equal(a, b)
+
+
+def test_one_call_in_row_order_runs_without_gathers():
+    forest = build_forest([make_trajectory({"id": 0, "tokens": list(range(1, 11))})])
+    plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, 4, replay=True)
+    sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan)
+    assert len(sched.calls) == 1 and sched.calls[0].rows_identity and sched.calls[0].out_identity

@@ -44,8 +44,10 @@ back to back, host lengths): ``reference`` (ops/kda.py ``kda_chunked_varlen``, a
 device); a GPU backend plugs in through ``KDA_BACKENDS``; ``fla`` (ops/kda_fla.py
 ``kda_fla_varlen``, fla-core's GPU kernels) registers itself on first use
 (``get_kda_backend``).  A call gathers its sequences' rows straight into packed order
-(``index_select``: the backward is one ``index_add_``) and scatters the semantic
-outputs straight back (``index_copy``).
+(``index_select``) and scatters the semantic outputs straight back (``index_copy``).  Where a
+call names each row at most once (no replay row shared by two of its sequences) the gathers'
+backward is a plain scatter (``index_copy``, no atomic adds); where a call is every row in order
+(one call over the layout) there is no gather at all.  Both give the same values, bit for bit.
 """
 from __future__ import annotations
 
@@ -102,6 +104,9 @@ class KdaCall:
     export_offset: torch.Tensor  # CPU long [P]: tokens of that sequence before the exported state
     export_slot: torch.Tensor   # CPU long [P]: global slot of each export
     lengths: torch.Tensor       # CPU long [N]: positions of each sequence
+    rows_unique: bool = False   # ``rows`` names each row at most once (the gathers scatter back)
+    rows_identity: bool = False  # ``rows`` is 0, 1, ..., len(rows) - 1
+    out_identity: bool = False  # ``out_pos`` and ``out_rows`` are both 0, 1, ..., M - 1
 
     #: the fields on the compute device; the others stay on the host
     DEVICE_FIELDS = ("rows", "out_pos", "out_rows")
@@ -367,9 +372,12 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
                                   for st, (rr, sr, om) in zip(starts, row_lists)])
         out_rows = np.concatenate([sr[om] for rr, sr, om in row_lists])
         h = lambda x: torch.as_tensor(np.asarray(x, dtype=np.int64))  # noqa: E731
+        in_order = lambda x: bool(np.array_equal(x, np.arange(x.size)))  # noqa: E731
         call = KdaCall(rows=h(rows), out_pos=h(out_pos), out_rows=h(out_rows), init_slot=h(init),
                        init_external=h(init_ext), export_seq=h(exp_seq), export_offset=h(exp_off),
-                       export_slot=h(exp_slot), lengths=h(lengths))
+                       export_slot=h(exp_slot), lengths=h(lengths),
+                       rows_unique=bool(np.unique(rows).size == rows.size), rows_identity=in_order(rows),
+                       out_identity=in_order(out_pos) and in_order(out_rows))
         calls.append(call if device is None else call.to(device))
     covered = sum(int(c.out_rows.numel()) for c in calls)
     if covered != num_rows:
@@ -383,6 +391,30 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
                        external_replay_root=rep_root.astype(np.int64),
                        external_replay_position=rep_pos.astype(np.int64),
                        export_rows=export_rows, export_slots=export_slots)
+
+
+class _GatherUniqueRows(torch.autograd.Function):
+    """``x.index_select(0, rows)`` for ``rows`` without repeats: the backward scatters the
+    gradient with ``index_copy_`` (what index_select's own backward, an ``index_add_`` into
+    zeros, computes for distinct rows, without its atomic adds)."""
+
+    @staticmethod
+    def forward(ctx, x, rows):
+        ctx.save_for_backward(rows)
+        ctx.num_rows = x.shape[0]
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, = ctx.saved_tensors
+        return grad.new_zeros((ctx.num_rows,) + tuple(grad.shape[1:])).index_copy_(0, rows, grad), None
+
+
+def _gather(x: torch.Tensor, rows: torch.Tensor, unique: bool, identity: bool) -> torch.Tensor:
+    """``x.index_select(0, rows)``, the same values, by the cheapest route the flags allow."""
+    if identity and rows.numel() == x.shape[0]:
+        return x
+    return _GatherUniqueRows.apply(x, rows) if unique else x.index_select(0, rows)
 
 
 def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] = None,
@@ -425,12 +457,15 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
             zero = q.new_zeros(H, K, V, dtype=cdt)
             init = torch.stack([slots[s] if s >= 0 else (ext_states[e] if e >= 0 else zero)
                                 for s, e in zip(init_slot, init_external)])
-        o, states = run(*(x.index_select(0, call.rows) for x in (q, k, v, g, beta)), call.lengths,
-                        chunk_size=schedule.chunk_size, scale=scale, initial_state=init,
+        o, states = run(*(_gather(x, call.rows, call.rows_unique, call.rows_identity) for x in (q, k, v, g, beta)),
+                        call.lengths, chunk_size=schedule.chunk_size, scale=scale, initial_state=init,
                         state_index=call.export_seq, state_offset=call.export_offset)
         for p, s in enumerate(call.export_slot.tolist()):
             slots[s] = states[p]
-        out = out.index_copy(0, call.out_rows, o.index_select(0, call.out_pos))
+        if call.out_identity and call.out_rows.numel() == R and o.shape[0] == R and len(schedule.calls) == 1:
+            out = o                             # the one call holds every row, in order
+        else:
+            out = out.index_copy(0, call.out_rows, _gather(o, call.out_pos, True, call.out_identity))
     if not return_exports:
         return out
     exported = (torch.stack([slots[int(s)] for s in schedule.export_slots]) if schedule.export_slots.size
