@@ -39,6 +39,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .fused_adam import use_fused_adam
 from .step import NonFiniteLoss, SharingSettings, StepResult, plan_step, train_step
 
 __all__ = ["Trainer", "TrainingError"]
@@ -164,6 +165,7 @@ class Trainer:
                 self.config, ddp_config(args, data_parallel_size=data_parallel_size(args, self.world)), model)]
             self._stack.callback(self._release)
             self.optimizer = get_megatron_optimizer(optimizer_config(args), self.model)
+            use_fused_adam(self.optimizer)             # CUDA: one pass per step (training/fused_adam.py)
             self.scheduler = OptimizerParamScheduler(self.optimizer, **scheduler_kwargs(args))
             self.objective = ObjectiveConfig.from_args(args)
             self.settings = SharingSettings(sharing=args.tree_sharing, microbatch_tokens=args.tree_microbatch_tokens,
