@@ -90,10 +90,10 @@ from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
 from .l2_windows import pack_windows
 from .metrics import slot_balance
-from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
+from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused, packing_key, slot_step
 
 __all__ = ["plan_l2", "plan_harts", "window_units", "split_windows", "pack_windows", "pack_spread", "window_plan",
-           "step_cost", "estimate_step", "rebalance", "numbered_units", "unit_arrays", "BALANCE_MOVES",
+           "step_cost", "window_key", "estimate_step", "rebalance", "numbered_units", "unit_arrays", "BALANCE_MOVES",
            "BALANCE_SLOTS", "BALANCE_WEIGHT", "BALANCE_PACKINGS", "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS",
            "BALANCE_WIDE", "ASSEMBLE_MARGIN", "ITEM_CUTS", "ITEM_CUT_SLOTS"]
 
@@ -225,45 +225,48 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                             family[id(even)] = base
                             packs.append((estimate_step(even, dp, overhead), len(packs), even))
             packs.sort(key=lambda p: p[:2])
-        assembled = {}
+        keys = {}  # a packing (its id) -> its plan's (step, tokens) or None (over the budget)
 
-        def assemble(packed):
-            if id(packed) not in assembled:
-                assembled[id(packed)] = window_plan(ix, packed, dp=dp, M=M, model=model)
-            return assembled[id(packed)]
+        def judge(packed):
+            if id(packed) not in keys:
+                keys[id(packed)] = window_key(ix, packed, dp=dp, M=M, model=model)
+            return keys[id(packed)]
 
+        best = None  # the packing the best plan so far is assembled from (None: L1's plan)
         for base in range(len(bases)):  # each base's best packings by estimate judged exactly
             judged = 0
             for est, _, packed in of(base)[:2 * ASSEMBLED]:
                 if judged == ASSEMBLED or est > plan_key[0] * (1.0 + ASSEMBLE_MARGIN):
                     break  # the rest estimated longer than the best plan by more than estimates err
                 if packed_rows(ix, packed) > keep_tokens:
-                    continue  # more rows than L1's tokens: never a candidate (not assembled)
-                cand = assemble(packed)
-                if cand is None or cand.tokens_computed > keep_tokens:
-                    continue  # not a candidate: the next packing by estimate is assembled instead
-                if id(packed) in refined and cand.tokens_computed > packed_rows(ix, refined[id(packed)]):
+                    continue  # more rows than L1's tokens: never a candidate (not judged)
+                key = judge(packed)
+                if key is None or key[1] > keep_tokens:
+                    continue  # not a candidate: the next packing by estimate is judged instead
+                if id(packed) in refined and key[1] > packed_rows(ix, refined[id(packed)]):
                     # the balance pass never computes more tokens (exactly; its source's rows bound its tokens)
-                    src = assemble(refined[id(packed)])
-                    if src is not None and cand.tokens_computed > src.tokens_computed:
+                    src = judge(refined[id(packed)])
+                    if src is not None and key[1] > src[1]:
                         continue
                 judged += 1
-                key = (step_cost(cand), cand.tokens_computed)
                 if key < plan_key:
-                    plan, plan_key, plan_packed = cand, key, refined.get(id(packed), packed)
+                    best, plan_key, plan_packed = packed, key, refined.get(id(packed), packed)
+        if best is not None:
+            plan = window_plan(ix, best, dp=dp, M=M, model=model)
         n_mb = len(plan.microbatches)
         if plan_packed is not None and plan.num_slots <= BALANCE_SPEND_SLOTS and n_mb >= BALANCE_SPEND_BINS and \
                 (n_mb >= BALANCE_MORE_BINS or float(slot_balance(plan).mean()) < BALANCE_SPEND_BELOW):
             # the best plan's packing evened out again, spending parts of what it saves against L1
             src, saved = plan_packed, keep_tokens - plan_key[1]
+            best = None
             for part, ordered in BALANCE_SPEND:
                 spend = int(part * saved)
                 even = rebalance(ix, src, dp, M, overhead, spend, ordered=ordered) if spend > 0 else None
-                cand = None if even is None else window_plan(ix, even, dp=dp, M=M, model=model)
-                if cand is not None and cand.tokens_computed <= keep_tokens:
-                    key = (step_cost(cand), cand.tokens_computed)
-                    if key < plan_key:
-                        plan, plan_key = cand, key
+                key = None if even is None else window_key(ix, even, dp=dp, M=M, model=model)
+                if key is not None and key[1] <= keep_tokens and key < plan_key:
+                    best, plan_key = even, key
+            if best is not None:
+                plan = window_plan(ix, best, dp=dp, M=M, model=model)
     plan.plan_seconds = time.perf_counter() - t0
     return plan
 
@@ -272,19 +275,8 @@ def step_cost(plan: MicrobatchPlan) -> float:
     """Modelled step time: sum over slots of the costliest microbatch of the slot (an idle replica
     counting 0.0: the maximum of ``plan.cost_matrix()`` per slot, summed as numpy sums it)."""
     R, S = plan.slots.shape
-    if R * S == 0:
-        return 0.0
-    top: list = [None] * S
-    count = [0] * S
-    for m in plan.microbatches:
-        k = m.slot
-        count[k] += 1
-        if top[k] is None or m.cost > top[k]:
-            top[k] = m.cost
-    for k in range(S):  # a slot with an idle replica: its 0.0 is in the maximum too
-        if count[k] < R and (top[k] is None or 0.0 > top[k]):
-            top[k] = 0.0
-    return float(np.array(top, dtype=np.float64).sum())
+    mbs = plan.microbatches
+    return slot_step(R, S, [m.slot for m in mbs], [m.cost for m in mbs])
 
 
 def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel] = None,
@@ -303,3 +295,9 @@ def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -
         return assemble_plan(ix, packed[0], packed[1], planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
     except PlanningError:
         return None
+
+
+def window_key(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -> Optional[Tuple[float, int]]:
+    """``(step_cost, tokens_computed)`` of ``window_plan``'s plan of a packing without assembling it
+    (``microbatch.packing_key``; None where ``window_plan`` returns None)."""
+    return packing_key(ix, packed[0], packed[1], dp=dp, row_budget=M, cost_model=model)

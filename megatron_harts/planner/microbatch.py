@@ -34,7 +34,7 @@ from .cost_model import CostFeatures, CostModel, ForestIndex, gc_paused
 __all__ = [
     "PlanningError", "ExternalContext", "Microbatch", "SharingWindow", "MicrobatchPlan",
     "check_budget", "check_dp", "assemble_plan", "assemble_expanded_plan", "place_sorted",
-    "ReplicaMicrobatch", "replica_windows", "gc_paused",
+    "ReplicaMicrobatch", "replica_windows", "gc_paused", "packing_key", "slot_step",
 ]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -431,6 +431,75 @@ def _assemble_core(ix: ForestIndex, model: CostModel, owns: Sequence, recs: Sequ
     return _assemble_core_python(ix, model, owns, recs)
 
 
+def _assembly_order(groups: Sequence, placement: Sequence[Tuple[int, int]]):
+    """``assemble_plan``'s numbering: (the groups with owned segments in (slot, replica) order, used
+    slot -> compacted slot, slot count)."""
+    keep = [i for i in range(len(groups)) if len(groups[i][0])]
+    used_slots = sorted({placement[i][1] for i in keep})
+    slot_map = {s: k for k, s in enumerate(used_slots)}
+    order = sorted(keep, key=lambda i: (slot_map[placement[i][1]], placement[i][0]))
+    return order, slot_map, len(used_slots)
+
+
+def _feature_rows(ix: ForestIndex, model: CostModel, owns: Sequence, recs: Sequence) -> List[List[int]]:
+    """Per microbatch the six ``CostFeatures`` numbers ``_assemble_core`` gives it (the compiled core
+    when built, read without building its other outputs; else the reference)."""
+    global _ASSEMBLE
+    if _ASSEMBLE is not None and len(owns):
+        own_off, own = _csr(owns)
+        rec_off, rec = _csr(recs)
+        try:
+            out = _ASSEMBLE(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits, own_off, own,
+                            rec_off, rec, model.chunk_size)
+        except TypeError:  # a different compiled signature: the Python path
+            _ASSEMBLE = None
+        else:
+            return out[4].tolist()
+    feats = _assemble_core_python(ix, model, owns, recs)[2]
+    return [[f.rows, f.attention_pairs, f.kda_calls, f.replay_tokens, f.logits_rows, f.external_rows]
+            for f in feats]
+
+
+def slot_step(num_replicas: int, num_slots: int, slots: Sequence[int], costs: Sequence[float]) -> float:
+    """Modelled step of microbatches at ``slots`` costing ``costs``: per slot the costliest (a slot
+    with fewer than ``num_replicas`` microbatches: an idle replica's 0.0 is in its maximum), summed
+    as numpy sums the maxima (``l2.step_cost`` of a plan: the maximum of ``cost_matrix()`` per slot)."""
+    if num_replicas * num_slots == 0:
+        return 0.0
+    top: list = [None] * num_slots
+    count = [0] * num_slots
+    for k, c in zip(slots, costs):
+        count[k] += 1
+        if top[k] is None or c > top[k]:
+            top[k] = c
+    for k in range(num_slots):
+        if count[k] < num_replicas and (top[k] is None or 0.0 > top[k]):
+            top[k] = 0.0
+    return float(np.array(top, dtype=np.float64).sum())
+
+
+def packing_key(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]],
+                placement: Sequence[Tuple[int, int]], *, dp: int, row_budget: int,
+                cost_model: CostModel) -> Optional[Tuple[float, int]]:
+    """(modelled step, tokens computed) of ``assemble_plan``'s plan of these arguments without
+    building it: ``(slot_step`` of its microbatches, ``tokens_computed)``, the same floats and
+    ints; None where ``assemble_plan`` raises ``PlanningError`` (a microbatch over the budget).
+    Its other checks (two microbatches in one place, a consumer not after its producer) are left
+    to ``assemble_plan``: plans are judged by this key and the chosen one assembled."""
+    order, slot_map, S = _assembly_order(groups, placement)
+    rows = _feature_rows(ix, cost_model, [groups[i][0] for i in order], [groups[i][1] for i in order])
+    c = cost_model.coefficients
+    cm, cr, ca, ck, cy, cl = (c.microbatch, c.row, c.attention_pair, c.kda_call, c.kda_replay_token,
+                              c.logits_row)
+    costs, tokens = [], 0
+    for f in rows:  # CostModel.cost, term for term
+        if f[0] > row_budget:
+            return None
+        costs.append(0.0 if f[0] == 0 else cm + cr * f[0] + ca * f[1] + ck * f[2] + cy * f[3] + cl * f[4])
+        tokens += f[0] + f[3]
+    return slot_step(dp, S, [slot_map[placement[i][1]] for i in order], costs), tokens
+
+
 def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]],
                   placement: Sequence[Tuple[int, int]], *, planner: str, dp: int,
                   row_budget: int, cost_model: CostModel, plan_seconds: float = 0.0) -> MicrobatchPlan:
@@ -442,12 +511,7 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
     Raises ``PlanningError`` if a microbatch exceeds the row budget (never a silent
     over-budget plan) and ``AssertionError`` if a placement puts a consumer before its producer.
     """
-    n = len(groups)
-    keep = [i for i in range(n) if len(groups[i][0])]
-    used_slots = sorted({placement[i][1] for i in keep})
-    slot_map = {s: k for k, s in enumerate(used_slots)}
-    order = sorted(keep, key=lambda i: (slot_map[placement[i][1]], placement[i][0]))
-    S = len(used_slots)
+    order, slot_map, S = _assembly_order(groups, placement)
     grid = [[-1] * S for _ in range(dp)]  # the slots as lists (one array built at the end)
     for new, i in enumerate(order):
         r, s = placement[i][0], slot_map[placement[i][1]]
