@@ -247,65 +247,17 @@ py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I6
         throw py::value_error("segment arrays must have one entry per segment");
     if (exc_pos_a.shape(0) != E || exc_value_a.shape(0) != E)
         throw py::value_error("exception arrays must have one entry per exception");
-    const i64 *parent = parent_a.data(), *start = start_a.data(), *length = length_a.data();
-    const i64 *seg_row = seg_row_a.data(), *leaf = leaf_a.data(), *last = last_a.data();
-    const i64 *et = exc_traj_a.data(), *ep = exc_pos_a.data();
-    const std::uint8_t *mask = row_mask_a.data(), *ev = exc_value_a.data();
     py::array_t<i64> added_a(S), delta_a(N);
-    i64 *added = added_a.mutable_data(), *delta = delta_a.mutable_data();
-    std::fill(added, added + S, 0);
-    std::fill(delta, delta + N, 0);
-    std::vector<std::uint8_t> seen(static_cast<std::size_t>(U), 0);
-    std::vector<i64> path;
-    i64 cur = -1, seg = -1, lo = 0, hi = 0, base = 0;  // seg's positions [lo, hi), its row of position 0: base
-    i64 dt = 0;  // cur's delta, written back when the trajectory changes
-    for (i64 i = 0; i < E; ++i) {
-        const i64 t = et[i], p = ep[i];
-        if (p < 1) continue;
-        if (t != cur) {  // t's path segments, root first (starts increasing)
-            if (t < 0 || t >= N) throw py::value_error("exception trajectory out of range");
-            if (cur >= 0) delta[cur] += dt;
-            dt = 0;
-            path.clear();
-            for (i64 x = leaf[t]; x >= 0; x = parent[x]) {
-                if (x >= S || static_cast<i64>(path.size()) > S) throw py::value_error("segment out of range");
-                path.push_back(x);
-            }
-            std::reverse(path.begin(), path.end());
-            cur = t;
-            seg = -1;
-        }
-        if (seg < 0 || p < lo || p >= hi) {
-            auto it = std::upper_bound(path.begin(), path.end(), p, [&](i64 v, i64 s) { return v < start[s]; });
-            if (it == path.begin()) throw py::value_error("exception position out of range");
-            seg = *(it - 1);
-            lo = start[seg];
-            hi = lo + length[seg];
-            base = seg_row[seg] - lo;
-            if (p >= hi || seg_row[seg] + length[seg] > U) throw py::value_error("exception position out of range");
-        }
-        const i64 row = base + p;
-        const bool v = ev[i] != 0, m = mask[row] != 0;
-        dt += static_cast<i64>(v) - static_cast<i64>(m);
-        if (!v || m) continue;
-        i64 pred = row - 1, at = seg;
-        if (p == lo) {  // the first position of a segment: predicted by its parent's last row
-            at = parent[seg];
-            if (last[at] != 0) continue;
-            pred = seg_row[at] + length[at] - 1;
-        }
-        if (!seen[pred]) {
-            seen[pred] = 1;
-            ++added[at];
-        }
-    }
-    if (cur >= 0) delta[cur] += dt;
+    l2_exception_core(S, N, U, E, parent_a.data(), start_a.data(), length_a.data(), seg_row_a.data(), leaf_a.data(),
+                      row_mask_a.data(), last_a.data(), exc_traj_a.data(), exc_pos_a.data(), exc_value_a.data(),
+                      added_a.mutable_data(), delta_a.mutable_data());
     return py::make_tuple(added_a, delta_a);
 }
 
 }  // namespace
 
 void register_packing(py::module_& m) {
+    register_forest_index(m);  // the forest index (csrc/forest_index.cpp)
     register_l1(m);  // L1's core (csrc/l1_plan.cpp): register_l2 (assemble_core.cpp) reaches it through here
     m.def("l2_exception_targets", &l2_exception_targets, py::arg("parent"), py::arg("start"), py::arg("length"),
           py::arg("seg_row"), py::arg("traj_leaf"), py::arg("row_loss_mask"), py::arg("last"), py::arg("exc_traj"),
