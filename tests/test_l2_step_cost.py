@@ -43,3 +43,50 @@ def test_step_cost_of_a_plan_with_idle_slots_by_hand():  # an idle replica's 0.0
             return c
 
     assert step_cost(_P()) == 0.75 == _reference(_P())
+
+
+def test_packing_key_is_the_assembled_plans_step_and_tokens():
+    # microbatch.packing_key (how L2 judges its candidates) equals (step_cost, tokens_computed) of the
+    # plan assemble_plan builds from the same packing, floats exact, and is None exactly where
+    # assemble_plan refuses a microbatch over the budget
+    import math
+
+    from megatron_harts.planner import microbatch as mb
+    from megatron_harts.planner.cost_model import CostModel
+    from megatron_harts.planner.l1 import plan_l1
+    from megatron_harts.planner.l2 import pack_spread, pack_windows, window_units
+    from megatron_harts.planner.microbatch import PlanningError, assemble_plan, packing_key
+
+    model = CostModel()
+    checked = refused = 0
+    for scheme, samples in (("tree-step", 4), ("step-wise", 8)):
+        forest = build_forest(synthesize_swe(SweConfig(scheme=scheme, num_tasks=2, samples_per_task=samples,
+                                                       seed=3)))
+        ix = ForestIndex(forest)
+        M = int(ix.tree_max_path.max()) + 3000
+        for dp in (1, 2, 4):
+            l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
+            units = window_units(ix, l1, model, model.chunk_size)
+            S = max(1, math.ceil(math.ceil(sum(u.rows for u in units) / M) / dp))
+            for packer in (pack_windows, pack_spread) if dp > 1 else (pack_windows,):
+                for packed in packer(ix, units, dp, M, S, 0.01)[0]:
+                    for budget in (M, M // 2):  # half the budget: some microbatches over it
+                        key = packing_key(ix, packed[0], packed[1], dp=dp, row_budget=budget, cost_model=model)
+                        try:
+                            plan = assemble_plan(ix, packed[0], packed[1], planner="t", dp=dp,
+                                                 row_budget=budget, cost_model=model)
+                        except PlanningError:
+                            assert key is None
+                            refused += 1
+                            continue
+                        assert key == (step_cost(plan), plan.tokens_computed)
+                        checked += 1
+    assert checked >= 10 and refused >= 1
+    # the reference path (no compiled core) gives the same keys
+    saved = mb._ASSEMBLE
+    try:
+        mb._ASSEMBLE = None
+        key = packing_key(ix, packed[0], packed[1], dp=dp, row_budget=M, cost_model=model)
+    finally:
+        mb._ASSEMBLE = saved
+    assert key == packing_key(ix, packed[0], packed[1], dp=dp, row_budget=M, cost_model=model)
