@@ -43,6 +43,25 @@ struct L2Entry {
     double cost;
 };
 
+// Units as L2's balance pass reads them (numbered 0..): per unit its kind (0 core, 1 item, 2 free), tree,
+// window, upper window, owned rows, replay tokens, path rows, cost, replay cost, path cost, and its owned /
+// recomputed / path segments as CSR (offsets per unit into the id arrays).
+struct L2Units {
+    std::vector<std::int64_t> kind, tree, win, upper, own_rows, replay, path_rows;
+    std::vector<double> cost, replay_cost, path_cost;
+    const std::int64_t *own_off, *own, *rec_off, *rec, *path_off, *path;
+};
+
+// The balance pass's search (megatron_harts.planner.l2_balance._rebalance_python, step for step) on bins
+// (replica rep0[b], entries ent0[b]) of units U: returns whether it moved anything, and the bins after it
+// in rep_out / ent_out (bins it opened included; defined in l2_rebalance.cpp).
+bool l2_rebalance_search(const L2Units& U, const std::int64_t* length, std::int64_t num_segments,
+                         const std::vector<std::int64_t>& rep0, const std::vector<std::vector<L2Entry>>& ent0,
+                         std::int64_t dp, std::int64_t M, double overhead, std::int64_t moves,
+                         std::int64_t n_slots, double weight, std::int64_t swap_bins, std::int64_t wide,
+                         std::int64_t spend, bool ordered, std::vector<std::int64_t>& rep_out,
+                         std::vector<std::vector<L2Entry>>& ent_out);
+
 // The entries of bins [0, nb) as flat arrays, the balance pass's output format: (offsets [nb + 1], unit, path
 // (0/1), cost per entry) (defined in l2_rebalance.cpp).
 pybind11::tuple l2_entry_arrays(const std::vector<std::vector<L2Entry>>& ent, std::int64_t nb);

@@ -180,6 +180,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         packs = []
         estimates = set()  # the estimates in packs
         family = {}  # a packing (its id) -> the base of its units
+        arrays_of = {}  # a packer's packing (its id) -> unit_arrays of its units (None: one replica)
         for us, base in unit_sets:
             S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
             # one replica: no target (every slot count packs the same); several: the spreading
@@ -201,6 +202,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                                 estimates.add(est)
                                 packs.append((est, len(packs), packed))
                                 family[id(packed)] = base
+                                arrays_of[id(packed)] = arrays
         packs.sort(key=lambda p: p[:2])
 
         def of(base):  # the packings of one base's units, best estimate first
@@ -219,7 +221,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                     # with the objective in run order (producers first)
                     for ordered in (False, True) if j == 0 and many else (False,):
                         even = rebalance(ix, packed, dp, M, overhead,
-                                         swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None, ordered=ordered)
+                                         swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None, ordered=ordered,
+                                         arrays=arrays_of[id(packed)])
                         if even is not None:
                             refined[id(even)] = packed
                             family[id(even)] = base
@@ -261,7 +264,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             best = None
             for part, ordered in BALANCE_SPEND:
                 spend = int(part * saved)
-                even = rebalance(ix, src, dp, M, overhead, spend, ordered=ordered) if spend > 0 else None
+                even = rebalance(ix, src, dp, M, overhead, spend, ordered=ordered,
+                                 arrays=arrays_of.get(id(src))) if spend > 0 else None
                 key = None if even is None else window_key(ix, even, dp=dp, M=M, model=model)
                 if key is not None and key[1] <= keep_tokens and key < plan_key:
                     best, plan_key = even, key
