@@ -63,7 +63,7 @@ py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64
     using Ent = L2Entry;
     std::vector<i64> rep, rows, reads;
     std::vector<double> load;
-    std::vector<std::unordered_set<i64>> have;
+    std::vector<std::vector<i64>> have;  // b's recomputed segments, no repeats (few: membership by scan)
     std::vector<std::vector<i64>> own_l, rec_l, reads_trees, recomputes;
     std::vector<char> has_core;
     std::vector<std::vector<Ent>> ent;
@@ -89,7 +89,8 @@ py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64
         auto walk = [&](const i64* seq, i64 lo, i64 hi_) {
             for (i64 i = lo; i < hi_; ++i) {
                 const i64 x = seq[i];
-                if (have[b].insert(x).second) {
+                if (!has(have[b], x)) {
+                    have[b].push_back(x);
                     rec_l[b].push_back(x);
                     add += length[x];
                 }
@@ -181,14 +182,14 @@ py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64
                     if (b == p || has(reads_trees[b], tree(k))) continue;
                     i64 extra = 0;
                     for (i64 i = path_off[k]; i < path_off[k + 1]; ++i)
-                        if (!have[b].count(path[i])) extra += length[path[i]];
+                        if (!has(have[b], path[i])) extra += length[path[i]];
                     add = urows(k) + extra;
                     c = cost(k) + path_cost(k) * static_cast<double>(extra) /
                                       static_cast<double>(std::max<i64>(1, path_rows(k)));
                 } else {
                     i64 in = 0;
                     for (i64 i = rec_off[k]; i < rec_off[k + 1]; ++i)
-                        if (have[b].count(rec[i])) in += length[rec[i]];
+                        if (has(have[b], rec[i])) in += length[rec[i]];
                     add = urows(k) - in;
                     c = cost(k);
                 }
