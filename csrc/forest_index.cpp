@@ -19,7 +19,7 @@ void l2_exception_core(i64 S, i64 N, i64 U, i64 E, const i64* parent, const i64*
                        const i64* et, const i64* ep, const std::uint8_t* ev, i64* added, i64* delta) {
     std::fill(added, added + S, 0);
     std::fill(delta, delta + N, 0);
-    std::vector<std::uint8_t> seen(static_cast<std::size_t>(U), 0);
+    std::vector<std::uint8_t> flag(static_cast<std::size_t>(U), 0);  // rows counted in added
     std::vector<i64> path;
     i64 cur = -1, seg = -1, lo = 0, hi = 0, base = 0;  // seg's positions [lo, hi), its row of position 0: base
     i64 dt = 0;  // cur's delta, written back when the trajectory changes
@@ -48,22 +48,41 @@ void l2_exception_core(i64 S, i64 N, i64 U, i64 E, const i64* parent, const i64*
             base = seg_row[seg] - lo;
             if (p >= hi || seg_row[seg] + length[seg] > U) throw py::value_error("exception position out of range");
         }
-        const i64 row = base + p;
-        const bool v = ev[i] != 0, m = mask[row] != 0;
-        dt += static_cast<i64>(v) - static_cast<i64>(m);
-        if (!v || m) continue;
-        i64 pred = row - 1, at = seg;
-        if (p == lo) {  // the first position of a segment: predicted by its parent's last row
-            at = parent[seg];
-            if (last[at] != 0) continue;
-            pred = seg_row[at] + length[at] - 1;
-        }
-        if (!seen[pred]) {
-            seen[pred] = 1;
-            ++added[at];
+        // this exception and the next ones of t inside seg (at positions >= 1), without the checks above;
+        // a row predicting a target only exceptions set is flagged (it lies in the segment it counts for)
+        const i64 first = std::max<i64>(lo, 1);
+        const i64 top_parent = lo > 0 ? parent[seg] : -1;
+        const bool top_counted = top_parent >= 0 && last[top_parent] != 0;  // by the row masks already
+        const i64 top_row = top_parent >= 0 ? seg_row[top_parent] + length[top_parent] - 1 : -1;
+        for (i64 q = p;;) {
+            const i64 row = base + q;
+            const std::uint8_t v = ev[i] != 0, m = mask[row] != 0;
+            dt += static_cast<i64>(v) - static_cast<i64>(m);
+            if (v > m) {
+                if (q != lo)
+                    flag[row - 1] = 1;
+                else if (!top_counted)
+                    flag[top_row] = 1;
+            }
+            if (i + 1 >= E || et[i + 1] != t || ep[i + 1] < first || ep[i + 1] >= hi) break;
+            q = ep[++i];
         }
     }
     if (cur >= 0) delta[cur] += dt;
+    for (i64 s = 0; s < S; ++s) added[s] = l2_count_nonzero(flag.data() + seg_row[s], length[s]);
+}
+
+i64 l2_count_nonzero(const std::uint8_t* m, i64 n) {
+    i64 total = 0;
+    while (n > 0) {  // blocks of at most 255 bytes summed in 8-bit lanes the compiler vectorizes
+        const i64 k = std::min<i64>(n, 255);
+        std::uint8_t c = 0;
+        for (i64 j = 0; j < k; ++j) c += m[j] != 0;
+        total += c;
+        m += k;
+        n -= k;
+    }
+    return total;
 }
 
 namespace {
@@ -120,9 +139,7 @@ py::tuple forest_index(I64In parent_a, I64In start_a, I64In length_a, I64In row_
     for (i64 s = 0; s < S; ++s) {
         const i64 st = start[s], ln = length[s];
         pairs[s] = ln * st + ln * (ln + 1) / 2;
-        i64 c = 0;
-        for (const std::uint8_t *m = mask + row[s], *e = m + ln; m < e; ++m) c += *m != 0;
-        seg_mask[s] = c;
+        seg_mask[s] = l2_count_nonzero(mask + row[s], ln);
         first[s] = mask[row[s]];
     }
     for (i64 s = 0; s < S; ++s)

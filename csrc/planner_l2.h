@@ -17,6 +17,8 @@ void register_windows(pybind11::module_& m);
 // L1's planning core (csrc/l1_plan.cpp), registered by register_packing (csrc/l2_packing.cpp).
 void register_l1(pybind11::module_& m);
 // The forest index (csrc/forest_index.cpp), registered by register_packing.
+// Nonzero bytes of m[0..n) (defined in forest_index.cpp).
+std::int64_t l2_count_nonzero(const std::uint8_t* m, std::int64_t n);
 void register_forest_index(pybind11::module_& m);
 // The loss-mask exceptions' targets (megatron_harts.planner.cost_model._exception_targets_python) of a forest
 // of S segments, N trajectories, U rows and E exceptions (et, ep, ev): added[S] and delta[N] written;
