@@ -174,6 +174,54 @@ class L2Packing {
         return total;
     }
 
+    // megatron_harts.planner.microbatch.plan_order(groups, placement) of this packing, the same tuple: the
+    // bins owning segments ordered by (slot, replica), the slots used renumbered 0.. (replicas and slots as
+    // lists, the slot count, owned and recomputed segments as CSR int64 arrays).
+    py::tuple plan_order() const {
+        std::vector<std::pair<i64, i64>> keys;  // (slot, replica) of each bin owning segments
+        std::vector<std::size_t> bin;
+        std::size_t q = 0;
+        for (std::size_t r = 0; r < per_replica_.size(); ++r)
+            for (i64 k = 0; k < per_replica_[r]; ++k, ++q)
+                if (own_off_[q + 1] > own_off_[q]) {
+                    keys.emplace_back(k, static_cast<i64>(r));
+                    bin.push_back(q);
+                }
+        std::vector<std::size_t> order(keys.size());
+        for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+        std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return keys[a] < keys[b]; });
+        std::vector<i64> used;
+        for (const auto& kr : keys) used.push_back(kr.first);
+        std::sort(used.begin(), used.end());
+        used.erase(std::unique(used.begin(), used.end()), used.end());
+        py::list reps, slots;
+        const auto n = static_cast<py::ssize_t>(order.size());
+        py::array_t<i64> own_off(n + 1), rec_off(n + 1);
+        i64 n_own = 0, n_rec = 0;
+        for (std::size_t i : order) {
+            n_own += static_cast<i64>(own_off_[bin[i] + 1] - own_off_[bin[i]]);
+            n_rec += static_cast<i64>(rec_off_[bin[i] + 1] - rec_off_[bin[i]]);
+        }
+        py::array_t<i64> own(n_own), rec(n_rec);
+        i64 *oo = own_off.mutable_data(), *ro = rec_off.mutable_data(), *ow = own.mutable_data();
+        i64* rw = rec.mutable_data();
+        oo[0] = ro[0] = 0;
+        i64 j = 0;
+        for (std::size_t i : order) {
+            const std::size_t b = bin[i];
+            reps.append(keys[i].second);
+            slots.append(static_cast<i64>(std::lower_bound(used.begin(), used.end(), keys[i].first) - used.begin()));
+            ow = std::copy(own_.begin() + static_cast<std::ptrdiff_t>(own_off_[b]),
+                           own_.begin() + static_cast<std::ptrdiff_t>(own_off_[b + 1]), ow);
+            rw = std::copy(rec_.begin() + static_cast<std::ptrdiff_t>(rec_off_[b]),
+                           rec_.begin() + static_cast<std::ptrdiff_t>(rec_off_[b + 1]), rw);
+            ++j;
+            oo[j] = oo[j - 1] + static_cast<i64>(own_off_[b + 1] - own_off_[b]);
+            ro[j] = ro[j - 1] + static_cast<i64>(rec_off_[b + 1] - rec_off_[b]);
+        }
+        return py::make_tuple(reps, slots, static_cast<i64>(used.size()), own_off, own, rec_off, rec);
+    }
+
    private:
     friend py::object l2_rebalance_packing(const L2Packing& p, const py::array_t<i64, py::array::c_style |
                                            py::array::forcecast>& length_a, const py::array& ints,
@@ -430,6 +478,9 @@ void register_packing(py::module_& m) {
         .def("__iter__", [](L2Packing& p) { return py::iter(p.all()); })
         .def("estimate_step", &L2Packing::estimate_step, py::arg("overhead"),
              "megatron_harts.planner.l2_packing.estimate_step of this packing (the same floats).")
+        .def("plan_order", &L2Packing::plan_order,
+             "megatron_harts.planner.microbatch.plan_order of this packing's groups and placement (the same "
+             "tuple), without building them.")
         .def("rows", &L2Packing::rows, py::arg("length"),
              "megatron_harts.planner.l2_packing.packed_rows of this packing (length: the segment lengths).");
 }

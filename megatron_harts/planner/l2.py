@@ -293,10 +293,18 @@ def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostMod
     return l1, l2
 
 
+def _order(packed):
+    """``plan_order`` of a packing: a compiled packing's own (``_C.L2Packing.plan_order``), else None
+    (``assemble_plan`` and ``packing_key`` then compute it from the groups and placement)."""
+    return None if isinstance(packed, tuple) else packed.plan_order()
+
+
 def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -> Optional[MicrobatchPlan]:
     """``pack_windows``' result assembled (None when a microbatch exceeds the budget)."""
+    order = _order(packed)
     try:
-        return assemble_plan(ix, packed[0], packed[1], planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+        return assemble_plan(ix, None if order else packed[0], None if order else packed[1], planner="harts_l1l2",
+                             dp=dp, row_budget=M, cost_model=model, order=order)
     except PlanningError:
         return None
 
@@ -304,4 +312,6 @@ def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -
 def window_key(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -> Optional[Tuple[float, int]]:
     """``(step_cost, tokens_computed)`` of ``window_plan``'s plan of a packing without assembling it
     (``microbatch.packing_key``; None where ``window_plan`` returns None)."""
-    return packing_key(ix, packed[0], packed[1], dp=dp, row_budget=M, cost_model=model)
+    order = _order(packed)
+    return packing_key(ix, None if order else packed[0], None if order else packed[1], dp=dp, row_budget=M,
+                       cost_model=model, order=order)
