@@ -42,6 +42,22 @@ i64 l2_check_unit_arrays(const py::array& ints, i64 int_cols, const py::array& f
     return nu;
 }
 
+py::list l2_pack_many(const std::function<py::tuple(i64, double)>& pack, const std::vector<i64>& slots,
+                      const std::vector<double>& epss) {
+    py::list out;
+    for (i64 S : slots) {
+        bool bound = true;
+        for (double eps : epss) {
+            if (!bound) break;  // the target turned nothing away: a larger one packs the same
+            const py::tuple got = pack(S, eps);
+            for (const auto& p : py::reinterpret_borrow<py::list>(got[0]))
+                if (!p.is_none()) out.append(p);
+            bound = got[1].cast<bool>();
+        }
+    }
+    return out;
+}
+
 bool l2_after_owners(std::vector<std::vector<i64>>& seqs, const std::unordered_map<i64, std::vector<i64>>& after) {
     if (after.empty()) return true;
     std::unordered_set<i64> lead;

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <functional>
 #include <unordered_map>
 #include <vector>
 
@@ -102,3 +103,10 @@ pybind11::object l2_packing_object(const std::vector<std::vector<std::int64_t>>&
                                    const std::vector<double>& load, const std::vector<std::vector<L2Entry>>& ent,
                                    const pybind11::list& units);
 void register_packing(pybind11::module_& m);
+
+// A packer's packings over slot counts `slots` and tolerances `epss` as plan_l2 asks for them
+// (megatron_harts.planner.l2_packing.CompiledPacker.many): per slot count the tolerances in order, the next
+// one only while the packer's bound flag says a placement was turned away; the packings that are not None,
+// in that order (defined in l2_packing.cpp).
+pybind11::list l2_pack_many(const std::function<pybind11::tuple(std::int64_t, double)>& pack,
+                            const std::vector<std::int64_t>& slots, const std::vector<double>& epss);

@@ -190,19 +190,16 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             arrays = unit_arrays(us) if dp > 1 else None
             for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not bases[base] else \
                     (pack_windows, pack_spread):
-                for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1):
-                    bound = True
-                    for eps in WINDOW_TOLERANCES:
-                        if not bound:
-                            break  # the target turned nothing away: a larger one packs the same
-                        packings, bound = packer(ix, us, dp, M, S, eps, arrays)
-                        for packed in packings:
-                            est = estimate_step(packed, dp, overhead)
-                            if est not in estimates:  # the same packing again (tolerance unused)
-                                estimates.add(est)
-                                packs.append((est, len(packs), packed))
-                                family[id(packed)] = base
-                                arrays_of[id(packed)] = arrays
+                slots = range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1)
+                # per slot count the tolerances in order, a larger one only where the smaller turned a
+                # placement away (else it packs the same)
+                for packed in packer.many(ix, us, dp, M, slots, WINDOW_TOLERANCES, arrays):
+                    est = estimate_step(packed, dp, overhead)
+                    if est not in estimates:  # the same packing again (tolerance unused)
+                        estimates.add(est)
+                        packs.append((est, len(packs), packed))
+                        family[id(packed)] = base
+                        arrays_of[id(packed)] = arrays
         packs.sort(key=lambda p: p[:2])
 
         def of(base):  # the packings of one base's units, best estimate first
