@@ -497,8 +497,9 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
 
     std::vector<std::vector<Entry>> ent_out;
     std::vector<i64> rep_out_v;
-    const bool moved = l2_rebalance_search(U, length_a.data(), num_segments, rep0, ent0, dp, M, overhead, moves,
-                                           n_slots, weight, swap_bins, wide, spend, ordered, rep_out_v, ent_out);
+    const bool moved =
+        l2_rebalance_search(U, length_a.data(), num_segments, rep0, ent0, dp, M, overhead, moves,
+                            n_slots, weight, swap_bins, wide, spend, ordered, rep_out_v, ent_out);
     const i64 nb = static_cast<i64>(rep_out_v.size());
     I64Array rep_out(nb);
     std::copy(rep_out_v.begin(), rep_out_v.end(), rep_out.mutable_data());
@@ -509,10 +510,12 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
 }  // namespace
 
 // The search of megatron_harts.planner.l2_balance._rebalance_python, step for step.
-bool l2_rebalance_search(const L2Units& U, const i64* length, i64 num_segments, const std::vector<i64>& rep0,
-                         const std::vector<std::vector<L2Entry>>& ent0, i64 dp, i64 M, double overhead, i64 moves,
-                         i64 n_slots, double weight, i64 swap_bins, i64 wide, i64 spend, bool ordered,
-                         std::vector<i64>& rep_out, std::vector<std::vector<L2Entry>>& ent_out) {
+bool l2_rebalance_search(const L2Units& U, const i64* length, i64 num_segments,
+                         const std::vector<i64>& rep0,
+                         const std::vector<std::vector<L2Entry>>& ent0, i64 dp, i64 M,
+                         double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins,
+                         i64 wide, i64 spend, bool ordered, std::vector<i64>& rep_out,
+                         std::vector<std::vector<L2Entry>>& ent_out) {
     const i64 n = static_cast<i64>(rep0.size());
     Bins st(U, length, num_segments, rep0, ent0, dp);
     st.ordered = ordered;
@@ -819,7 +822,6 @@ bool l2_rebalance_search(const L2Units& U, const i64* length, i64 num_segments, 
     ent_out.assign(ent.begin(), ent.begin() + nb);
     return moved;
 }
-
 
 py::tuple l2_entry_arrays(const std::vector<std::vector<L2Entry>>& ent, i64 nb) {
     I64Array off(nb + 1);

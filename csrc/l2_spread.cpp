@@ -64,7 +64,8 @@ py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64
     using Ent = L2Entry;
     std::vector<i64> rep, rows, reads;
     std::vector<double> load;
-    std::vector<std::vector<i64>> have;  // b's recomputed segments, no repeats (few: membership by scan)
+    std::vector<std::vector<i64>>
+        have;  // b's recomputed segments, no repeats (few: membership by scan)
     std::vector<std::vector<i64>> own_l, rec_l, reads_trees, recomputes;
     std::vector<char> has_core;
     std::vector<std::vector<Ent>> ent;
@@ -246,20 +247,25 @@ py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64
 
 }  // namespace
 
-py::list l2_pack_spread_many(py::list units, I64Array length_a, I64Array ints_a, F64Array flts_a, I64Array own_off_a,
-                         I64Array own_a, I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a,
-                         i64 dp, i64 M, const std::vector<i64>& slots, const std::vector<double>& epss) {
-    return l2_pack_many([&](i64 S, double eps) {
-        return l2_pack_spread(units, length_a, ints_a, flts_a, own_off_a, own_a, rec_off_a, rec_a, path_off_a, path_a, dp, M,
-                      S, eps);
-    }, slots, epss);
+py::list l2_pack_spread_many(py::list units, I64Array length_a, I64Array ints_a, F64Array flts_a,
+                             I64Array own_off_a, I64Array own_a, I64Array rec_off_a, I64Array rec_a,
+                             I64Array path_off_a, I64Array path_a, i64 dp, i64 M,
+                             const std::vector<i64>& slots, const std::vector<double>& epss) {
+    return l2_pack_many(
+        [&](i64 S, double eps) {
+            return l2_pack_spread(units, length_a, ints_a, flts_a, own_off_a, own_a, rec_off_a,
+                                  rec_a, path_off_a, path_a, dp, M, S, eps);
+        },
+        slots, epss);
 }
 
 void register_spread(py::module_& m) {
-    m.def("l2_pack_spread_many", &l2_pack_spread_many, py::arg("units"), py::arg("length"), py::arg("ints"),
-          py::arg("flts"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"),
-          py::arg("path"), py::arg("dp"), py::arg("M"), py::arg("slots"), py::arg("epss"),
-          "l2_pack_spread over slot counts and tolerances as plan_l2 asks for them (l2_packing.CompiledPacker.many): "
+    m.def("l2_pack_spread_many", &l2_pack_spread_many, py::arg("units"), py::arg("length"),
+          py::arg("ints"), py::arg("flts"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"),
+          py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("dp"), py::arg("M"),
+          py::arg("slots"), py::arg("epss"),
+          "l2_pack_spread over slot counts and tolerances as plan_l2 asks for them "
+          "(l2_packing.CompiledPacker.many): "
           "the packings that are not None, in order.");
     m.def("l2_pack_spread", &l2_pack_spread, py::arg("units"), py::arg("length"), py::arg("ints"), py::arg("flts"),
           py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"),

@@ -46,8 +46,8 @@ def test_step_cost_of_a_plan_with_idle_slots_by_hand():  # an idle replica's 0.0
 
 
 def test_packing_key_is_the_assembled_plans_step_and_tokens():
-    # microbatch.packing_key (how L2 judges its candidates) equals (step_cost, tokens_computed) of the
-    # plan assemble_plan builds from the same packing, floats exact, and is None exactly where
+    # microbatch.packing_key (how L2 judges its candidates) equals (step_cost, tokens_computed) of
+    # the plan assemble_plan builds from the same packing, floats exact, and is None exactly where
     # assemble_plan refuses a microbatch over the budget
     import math
 
@@ -60,7 +60,8 @@ def test_packing_key_is_the_assembled_plans_step_and_tokens():
     model = CostModel()
     checked = refused = 0
     for scheme, samples in (("tree-step", 4), ("step-wise", 8)):
-        forest = build_forest(synthesize_swe(SweConfig(scheme=scheme, num_tasks=2, samples_per_task=samples,
+        forest = build_forest(synthesize_swe(SweConfig(scheme=scheme, num_tasks=2,
+                                                       samples_per_task=samples,
                                                        seed=3)))
         ix = ForestIndex(forest)
         M = int(ix.tree_max_path.max()) + 3000
@@ -71,7 +72,8 @@ def test_packing_key_is_the_assembled_plans_step_and_tokens():
             for packer in (pack_windows, pack_spread) if dp > 1 else (pack_windows,):
                 for packed in packer(ix, units, dp, M, S, 0.01)[0]:
                     for budget in (M, M // 2):  # half the budget: some microbatches over it
-                        key = packing_key(ix, packed[0], packed[1], dp=dp, row_budget=budget, cost_model=model)
+                        key = packing_key(ix, packed[0], packed[1], dp=dp, row_budget=budget,
+                                          cost_model=model)
                         try:
                             plan = assemble_plan(ix, packed[0], packed[1], planner="t", dp=dp,
                                                  row_budget=budget, cost_model=model)
@@ -94,12 +96,14 @@ def test_packing_key_is_the_assembled_plans_step_and_tokens():
 
 def test_compiled_packing_plan_order_matches_python():
     # _C.L2Packing.plan_order gives microbatch.plan_order of the packing's groups and placement (the
-    # microbatches assemble_plan numbers, their replicas, compacted slots and segments), arrays exact
+    # microbatches assemble_plan numbers, their replicas, compacted slots and segments),
+    # arrays exact
     import math
 
     from megatron_harts.planner.cost_model import CostModel
     from megatron_harts.planner.l1 import plan_l1
-    from megatron_harts.planner.l2 import pack_spread, pack_windows, rebalance, unit_arrays, window_units
+    from megatron_harts.planner.l2 import (pack_spread, pack_windows, rebalance, unit_arrays,
+                                           window_units)
     from megatron_harts.planner.microbatch import plan_order
 
     if pack_windows.fast is None:
@@ -108,12 +112,14 @@ def test_compiled_packing_plan_order_matches_python():
     model = CostModel()
     checked = 0
     for scheme, samples in (("tree-step", 4), ("step-wise", 8)):
-        forest = build_forest(synthesize_swe(SweConfig(scheme=scheme, num_tasks=3, samples_per_task=samples,
+        forest = build_forest(synthesize_swe(SweConfig(scheme=scheme, num_tasks=3,
+                                                       samples_per_task=samples,
                                                        seed=4)))
         ix = ForestIndex(forest)
         M = int(ix.tree_max_path.max()) + 2000
         for dp in (2, 3, 8):
-            units = window_units(ix, plan_l1(forest, dp, M, cost_model=model, index=ix), model, model.chunk_size)
+            units = window_units(ix, plan_l1(forest, dp, M, cost_model=model, index=ix), model,
+                                 model.chunk_size)
             arrays = unit_arrays(units)
             S = max(1, math.ceil(math.ceil(sum(u.rows for u in units) / M) / dp))
             for packer in (pack_windows, pack_spread):

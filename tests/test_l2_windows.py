@@ -134,8 +134,8 @@ def test_compiled_unit_array_checks_are_shared():
 
 def test_compiled_pack_many_matches_its_loop():
     # CompiledPacker.many (one call of _C.l2_pack_windows_many / _C.l2_pack_spread_many) gives the
-    # packings of its reference loop (every slot count, a larger tolerance only while a placement was
-    # turned away), the same packings in the same order, on the seeded L2 forests
+    # packings of its reference loop (every slot count, a larger tolerance only while a placement
+    # was turned away), the same packings in the same order, on the seeded L2 forests
     from megatron_harts.planner import l2_spread
     n = 0
     for f, M, model in _l2_forests()[:4]:

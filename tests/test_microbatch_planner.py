@@ -510,8 +510,8 @@ def _l2_forests():
 
 
 def test_plan_l2_compiled_equals_python_reference(monkeypatch):
-    # the whole L2 plan is the same with the compiled cores (forest index, features, assembly, balance
-    # pass, spreading packer, window packer) and without them
+    # the whole L2 plan is the same with the compiled cores (forest index, features, assembly,
+    # balance pass, spreading packer, window packer) and without them
     from megatron_harts.planner import cost_model as cm
     from megatron_harts.planner import microbatch as mbmod
     for f, M, model in _l2_forests()[:4]:
@@ -531,7 +531,7 @@ def test_plan_l2_compiled_equals_python_reference(monkeypatch):
             assert _plan_key(fast) == _plan_key(ref)
 
 
-arrays_seen = {}  # a packing _rebalance_inputs saw (its id) -> the unit arrays plan_l2 passed with it
+arrays_seen = {}  # a packing _rebalance_inputs saw (its id) -> the unit arrays passed with it
 
 
 def _rebalance_inputs():
@@ -542,7 +542,8 @@ def _rebalance_inputs():
     for f, M, model in _l2_forests():
         ix = ForestIndex(f)
 
-        def spy(ix, packed, dp, M, overhead, spend=0, swap_bins=None, ordered=False, arrays=None, model=model):
+        def spy(ix, packed, dp, M, overhead, spend=0, swap_bins=None, ordered=False, arrays=None,
+                model=model):
             if not spend and not ordered:  # the other passes refine packings seen here already
                 seen.append((ix, packed, dp, M, overhead, model))
                 arrays_seen[id(packed)] = arrays
@@ -597,10 +598,11 @@ def _packing_key(packed):
 
 
 def test_compiled_rebalance_packing_matches_python():
-    # _C.l2_rebalance_packing (rebalance of a compiled packing, numbering, search and output order in
-    # C++) gives the packing of rebalance's reference path (numbered_units, the search, the Python
-    # output), floats exact, on every packing the balance pass sees, with the defaults, a token
-    # budget, run-order scoring and other swap limits; the reference path with the Python search too
+    # _C.l2_rebalance_packing (rebalance of a compiled packing: numbering, search and output
+    # order in C++) gives the packing of rebalance's reference path (numbered_units, the search,
+    # the Python output), floats exact, on every packing the balance pass sees, with the
+    # defaults, a token budget, run-order scoring and other swap limits; the reference path with
+    # the Python search too
     if l2_balance._REBALANCE_PACKING is None:
         pytest.skip("the compiled extension is not built")
     cases = _rebalance_inputs()
@@ -609,8 +611,10 @@ def test_compiled_rebalance_packing_matches_python():
     for ix, packed, dp, M, overhead, _ in cases:
         arrays = arrays_seen[id(packed)]
         assert arrays is not None and not isinstance(packed, tuple)
-        for spend, swaps, ordered in ((0, None, False), (20000, None, False), (20000, 8, True), (0, 200, True)):
-            fast = l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps, ordered, arrays=arrays)
+        for spend, swaps, ordered in ((0, None, False), (20000, None, False), (20000, 8, True),
+                                      (0, 200, True)):
+            fast = l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps, ordered,
+                                   arrays=arrays)
             ref = l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps, ordered)
             assert _packing_key(fast) == _packing_key(ref)
             changed += fast is not None

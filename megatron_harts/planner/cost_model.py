@@ -153,16 +153,17 @@ class ForestIndex:
         if compiled_core and _FOREST_INDEX is not None:
             exc = f.exc_loss_mask
             try:
-                out = _FOREST_INDEX(self.parent_arr, self.start, self.length, self.row, self.tree_offsets,
-                                    f.row_loss_mask, f.traj_leaf, self.traj_length, f.seg_traj_lo, f.seg_traj_hi,
-                                    exc.traj, exc.pos, exc.value)
+                out = _FOREST_INDEX(self.parent_arr, self.start, self.length, self.row,
+                                    self.tree_offsets, f.row_loss_mask, f.traj_leaf,
+                                    self.traj_length, f.seg_traj_lo, f.seg_traj_hi, exc.traj,
+                                    exc.pos, exc.value)
             except TypeError:  # a different compiled signature: the Python path
                 _FOREST_INDEX = None
         if out is None:
             self._build_python()
         else:
-            (self.seg_pairs, self.seg_logits, self.sub_rows, self.sub_size, self.traj_targets, self.tree_max_path,
-             longest, self.tree_rows, self.seg_tree, self.children) = out
+            (self.seg_pairs, self.seg_logits, self.sub_rows, self.sub_size, self.traj_targets,
+             self.tree_max_path, longest, self.tree_rows, self.seg_tree, self.children) = out
             self.tree_longest_traj = longest.tolist()
         # list twins of per-segment arrays, for the planners' per-segment Python loops
         self.parent = self.parent_arr.tolist()
@@ -172,9 +173,10 @@ class ForestIndex:
         self.length_list = self.length.tolist()
 
     def _build_python(self):
-        """Reference of ``_C.forest_index``: ``seg_pairs``, ``seg_logits``, ``sub_rows``, ``sub_size``,
-        ``traj_targets``, ``tree_max_path``, ``tree_longest_traj``, ``tree_rows``, ``seg_tree`` and
-        ``children`` (per segment its children, in id order) from the arrays ``__init__`` set."""
+        """Reference of ``_C.forest_index``: ``seg_pairs``, ``seg_logits``, ``sub_rows``,
+        ``sub_size``, ``traj_targets``, ``tree_max_path``, ``tree_longest_traj``, ``tree_rows``,
+        ``seg_tree`` and ``children`` (per segment its children, in id order) from the arrays
+        ``__init__`` set."""
         f = self.forest
         S = self.num_segments
         par = self.parent_arr.tolist()

@@ -90,11 +90,13 @@ from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
 from .l2_windows import pack_windows
 from .metrics import slot_balance
-from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused, packing_key, slot_step
+from .microbatch import (MicrobatchPlan, PlanningError, assemble_plan, gc_paused, packing_key,
+                         slot_step)
 
 __all__ = ["plan_l2", "plan_harts", "window_units", "split_windows", "pack_windows", "pack_spread", "window_plan",
-           "step_cost", "window_key", "estimate_step", "rebalance", "numbered_units", "unit_arrays", "BALANCE_MOVES",
-           "BALANCE_SLOTS", "BALANCE_WEIGHT", "BALANCE_PACKINGS", "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS",
+           "step_cost", "window_key", "estimate_step", "rebalance", "numbered_units", "unit_arrays",
+           "BALANCE_MOVES", "BALANCE_SLOTS", "BALANCE_WEIGHT", "BALANCE_PACKINGS",
+           "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS",
            "BALANCE_WIDE", "ASSEMBLE_MARGIN", "ITEM_CUTS", "ITEM_CUT_SLOTS"]
 
 #: the window packer's slot counts above its row bound, and its microbatch target tolerances
@@ -180,7 +182,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         packs = []
         estimates = set()  # the estimates in packs
         family = {}  # a packing (its id) -> the base of its units
-        arrays_of = {}  # a packer's packing (its id) -> unit_arrays of its units (None: one replica)
+        arrays_of = {}  # a packer's packing (its id) -> unit_arrays of its units (None: DP 1)
         for us, base in unit_sets:
             S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
             # one replica: no target (every slot count packs the same); several: the spreading
@@ -191,8 +193,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not bases[base] else \
                     (pack_windows, pack_spread):
                 slots = range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1)
-                # per slot count the tolerances in order, a larger one only where the smaller turned a
-                # placement away (else it packs the same)
+                # per slot count the tolerances in order, a larger one only where the smaller
+                # turned a placement away (else it packs the same)
                 for packed in packer.many(ix, us, dp, M, slots, WINDOW_TOLERANCES, arrays):
                     est = estimate_step(packed, dp, overhead)
                     if est not in estimates:  # the same packing again (tolerance unused)
@@ -218,8 +220,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                     # with the objective in run order (producers first)
                     for ordered in (False, True) if j == 0 and many else (False,):
                         even = rebalance(ix, packed, dp, M, overhead,
-                                         swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None, ordered=ordered,
-                                         arrays=arrays_of[id(packed)])
+                                         swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None,
+                                         ordered=ordered, arrays=arrays_of[id(packed)])
                         if even is not None:
                             refined[id(even)] = packed
                             family[id(even)] = base
@@ -291,8 +293,8 @@ def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostMod
 
 
 def _order(packed):
-    """``plan_order`` of a packing: a compiled packing's own (``_C.L2Packing.plan_order``), else None
-    (``assemble_plan`` and ``packing_key`` then compute it from the groups and placement)."""
+    """``plan_order`` of a packing: a compiled packing's own (``_C.L2Packing.plan_order``), else
+    None (``assemble_plan`` and ``packing_key`` then compute it from the groups and placement)."""
     return None if isinstance(packed, tuple) else packed.plan_order()
 
 
@@ -300,15 +302,17 @@ def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -
     """``pack_windows``' result assembled (None when a microbatch exceeds the budget)."""
     order = _order(packed)
     try:
-        return assemble_plan(ix, None if order else packed[0], None if order else packed[1], planner="harts_l1l2",
-                             dp=dp, row_budget=M, cost_model=model, order=order)
+        return assemble_plan(ix, None if order else packed[0], None if order else packed[1],
+                             planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model,
+                             order=order)
     except PlanningError:
         return None
 
 
-def window_key(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -> Optional[Tuple[float, int]]:
+def window_key(ix: ForestIndex, packed, *, dp: int, M: int,
+               model: CostModel) -> Optional[Tuple[float, int]]:
     """``(step_cost, tokens_computed)`` of ``window_plan``'s plan of a packing without assembling it
     (``microbatch.packing_key``; None where ``window_plan`` returns None)."""
     order = _order(packed)
-    return packing_key(ix, None if order else packed[0], None if order else packed[1], dp=dp, row_budget=M,
-                       cost_model=model, order=order)
+    return packing_key(ix, None if order else packed[0], None if order else packed[1], dp=dp,
+                       row_budget=M, cost_model=model, order=order)

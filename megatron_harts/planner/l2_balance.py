@@ -608,8 +608,9 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
     swaps = BALANCE_SWAP_BINS if swap_bins is None else int(swap_bins)
     if arrays is not None and _REBALANCE_PACKING is not None and not isinstance(packed, tuple):
         try:
-            return _REBALANCE_PACKING(packed, ix.length, *arrays, dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS,
-                                      BALANCE_WEIGHT, swaps, BALANCE_WIDE, max(0, int(spend)), bool(ordered))
+            return _REBALANCE_PACKING(packed, ix.length, *arrays, dp, M, overhead, BALANCE_MOVES,
+                                      BALANCE_SLOTS, BALANCE_WEIGHT, swaps, BALANCE_WIDE,
+                                      max(0, int(spend)), bool(ordered))
         except TypeError:  # a different compiled signature: the path below
             _REBALANCE_PACKING = None
     groups, placement, loads, entries = packed[:4]

@@ -49,7 +49,8 @@ class CompiledPacker:
         the compiled ``_C.<name>_many`` when built (this loop is its reference)."""
         if self.fast is not None and self.fast_many is not None and dp >= self.min_dp:
             try:
-                return self.fast_many(units, ix.length, *(arrays if arrays is not None else unit_arrays(units)),
+                return self.fast_many(units, ix.length,
+                                      *(arrays if arrays is not None else unit_arrays(units)),
                                       dp, M, list(slots), list(epss))
             except TypeError:  # a different compiled signature: the loop below
                 self.fast_many = None

@@ -426,8 +426,8 @@ def _core_out(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec):
     global _ASSEMBLE
     if _ASSEMBLE is not None and own_off.shape[0] > 1:
         try:
-            return _ASSEMBLE(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits, own_off, own,
-                             rec_off, rec, model.chunk_size)
+            return _ASSEMBLE(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits,
+                             own_off, own, rec_off, rec, model.chunk_size)
         except TypeError:  # a different compiled signature: the Python path
             _ASSEMBLE = None
     return None
@@ -439,41 +439,45 @@ def _assemble_core_csr(ix: ForestIndex, model: CostModel, own_off, own, rec_off,
     if out is None:
         return _assemble_core_python(ix, model, _split_csr(own_off, own), _split_csr(rec_off, rec))
     oo, o, ro, r, feats, rec_rows, eo, ep, eso, es, er = out
-    oo, ro, eo, ep, eso, er = oo.tolist(), ro.tolist(), eo.tolist(), ep.tolist(), eso.tolist(), er.tolist()
+    oo, ro, eo, ep, eso, er = (a.tolist() for a in (oo, ro, eo, ep, eso, er))
     k = len(oo) - 1
-    ext_l = [[(ep[e], es[eso[e]:eso[e + 1]], er[e]) for e in range(eo[j], eo[j + 1])] for j in range(k)]
+    ext_l = [[(ep[e], es[eso[e]:eso[e + 1]], er[e]) for e in range(eo[j], eo[j + 1])]
+             for j in range(k)]
     return ([o[oo[j]:oo[j + 1]] for j in range(k)], [r[ro[j]:ro[j + 1]] for j in range(k)],
             [CostFeatures(*row) for row in feats.tolist()], rec_rows.tolist(), ext_l)
 
 
 def plan_order(groups: Sequence, placement: Sequence[Tuple[int, int]]):
-    """``assemble_plan``'s microbatches in plan order: (replica of each, compacted slot of each, slot
-    count, owned segments as CSR offsets and ids, recomputed segments likewise).  The groups with
-    owned segments are numbered by (slot, replica), the slots used renumbered 0.. in order.  A
+    """``assemble_plan``'s microbatches in plan order: (replica of each, compacted slot of each,
+    slot count, owned segments as CSR offsets and ids, recomputed segments likewise).  The groups
+    with owned segments are numbered by (slot, replica), the slots used renumbered 0.. in order.  A
     compiled packing gives the same tuple itself (``_C.L2Packing.plan_order``)."""
     keep = [i for i in range(len(groups)) if len(groups[i][0])]
     used_slots = sorted({placement[i][1] for i in keep})
     slot_map = {s: k for k, s in enumerate(used_slots)}
     order = sorted(keep, key=lambda i: (slot_map[placement[i][1]], placement[i][0]))
-    return ([placement[i][0] for i in order], [slot_map[placement[i][1]] for i in order], len(used_slots),
-            *_csr([groups[i][0] for i in order]), *_csr([groups[i][1] for i in order]))
+    return ([placement[i][0] for i in order], [slot_map[placement[i][1]] for i in order],
+            len(used_slots), *_csr([groups[i][0] for i in order]),
+            *_csr([groups[i][1] for i in order]))
 
 
 def _feature_rows(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec) -> List[List[int]]:
-    """Per microbatch (CSR) the six ``CostFeatures`` numbers ``_assemble_core`` gives it (the compiled
-    core when built, read without building its other outputs; else the reference)."""
+    """Per microbatch (CSR) the six ``CostFeatures`` numbers ``_assemble_core`` gives it (the
+    compiled core when built, read without building its other outputs; else the reference)."""
     out = _core_out(ix, model, own_off, own, rec_off, rec)
     if out is not None:
         return out[4].tolist()
     feats = _assemble_core_python(ix, model, _split_csr(own_off, own), _split_csr(rec_off, rec))[2]
-    return [[f.rows, f.attention_pairs, f.kda_calls, f.replay_tokens, f.logits_rows, f.external_rows]
-            for f in feats]
+    return [[f.rows, f.attention_pairs, f.kda_calls, f.replay_tokens, f.logits_rows,
+             f.external_rows] for f in feats]
 
 
-def slot_step(num_replicas: int, num_slots: int, slots: Sequence[int], costs: Sequence[float]) -> float:
+def slot_step(num_replicas: int, num_slots: int, slots: Sequence[int],
+              costs: Sequence[float]) -> float:
     """Modelled step of microbatches at ``slots`` costing ``costs``: per slot the costliest (a slot
     with fewer than ``num_replicas`` microbatches: an idle replica's 0.0 is in its maximum), summed
-    as numpy sums the maxima (``l2.step_cost`` of a plan: the maximum of ``cost_matrix()`` per slot)."""
+    as numpy sums the maxima (``l2.step_cost`` of a plan: the maximum of ``cost_matrix()`` per
+    slot)."""
     if num_replicas * num_slots == 0:
         return 0.0
     top: list = [None] * num_slots
@@ -497,7 +501,9 @@ def packing_key(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]]
     Its other checks (two microbatches in one place, a consumer not after its producer) are left
     to ``assemble_plan``: plans are judged by this key and the chosen one assembled.  ``order``:
     ``plan_order(groups, placement)`` when the caller has it (groups and placement then unread)."""
-    _, ks, S, own_off, own, rec_off, rec = order if order is not None else plan_order(groups, placement)
+    if order is None:
+        order = plan_order(groups, placement)
+    _, ks, S, own_off, own, rec_off, rec = order
     rows = _feature_rows(ix, cost_model, own_off, own, rec_off, rec)
     c = cost_model.coefficients
     cm, cr, ca, ck, cy, cl = (c.microbatch, c.row, c.attention_pair, c.kda_call, c.kda_replay_token,
@@ -506,7 +512,8 @@ def packing_key(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]]
     for f in rows:  # CostModel.cost, term for term
         if f[0] > row_budget:
             return None
-        costs.append(0.0 if f[0] == 0 else cm + cr * f[0] + ca * f[1] + ck * f[2] + cy * f[3] + cl * f[4])
+        costs.append(0.0 if f[0] == 0 else
+                     cm + cr * f[0] + ca * f[1] + ck * f[2] + cy * f[3] + cl * f[4])
         tokens += f[0] + f[3]
     return slot_step(dp, S, ks, costs), tokens
 
@@ -524,13 +531,16 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
     Raises ``PlanningError`` if a microbatch exceeds the row budget (never a silent
     over-budget plan) and ``AssertionError`` if a placement puts a consumer before its producer.
     """
-    rs, ks, S, own_off, own, rec_off, rec = order if order is not None else plan_order(groups, placement)
+    if order is None:
+        order = plan_order(groups, placement)
+    rs, ks, S, own_off, own, rec_off, rec = order
     grid = [[-1] * S for _ in range(dp)]  # the slots as lists (one array built at the end)
     for new, (r, s) in enumerate(zip(rs, ks)):
         assert grid[r][s] == -1, f"two microbatches at replica {r}, slot {s}"
         grid[r][s] = new
     slots = np.array(grid, dtype=np.int64).reshape(dp, S)
-    owned_l, rec_l, feats_l, rec_rows, ext_l = _assemble_core_csr(ix, cost_model, own_off, own, rec_off, rec)
+    owned_l, rec_l, feats_l, rec_rows, ext_l = _assemble_core_csr(ix, cost_model, own_off, own,
+                                                                  rec_off, rec)
     consumers: Dict[int, set] = {}
     exported: Dict[int, set] = {}
     mbs: List[Microbatch] = []
