@@ -141,10 +141,11 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
                     got = paths[par[s]] = (path, sum([body_c[x] for x in path]))
                 path, path_cost = list(got[0]), got[1]
                 replay = start[s] % B
-                if sub_rows[s] <= cut:  # the whole subtree, ids s..e-1 (preorder), nothing recomputed
-                    own_rows = sum(length[s:e])
-                    items.append(_Unit("item", t, list(range(s, e)), [], own_rows, own_rows, sum(own_c[s:e]),
-                                       rp * replay, path, start[s], path_cost, replay=replay))
+                own_rows = sub_rows[s]
+                if own_rows <= cut:  # the whole subtree, ids s..e-1 (preorder), nothing recomputed
+                    items.append(_Unit("item", t, list(range(s, e)), [], own_rows, own_rows,
+                                       sum(own_c[s:e]), rp * replay, path, start[s], path_cost, None,
+                                       -1, replay))
                     tokens += own_rows + replay
                     continue
                 budget = M + start[s]
