@@ -82,6 +82,18 @@ def test_packing_key_is_the_assembled_plans_step_and_tokens():
                             refused += 1
                             continue
                         assert key == (step_cost(plan), plan.tokens_computed)
+                        keep = {}  # what judging leaves for the assembly: the same plan from it
+                        assert packing_key(ix, packed[0], packed[1], dp=dp, row_budget=budget,
+                                           cost_model=model, keep=keep) == key
+                        again = assemble_plan(ix, None, None, planner="t", dp=dp, row_budget=budget,
+                                              cost_model=model, keep=keep)
+                        assert [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist(),
+                                 m.features, m.cost, [(e.producer, e.segments.tolist())
+                                                      for e in m.external])
+                                for m in again.microbatches] == \
+                            [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist(), m.features,
+                              m.cost, [(e.producer, e.segments.tolist()) for e in m.external])
+                             for m in plan.microbatches]
                         checked += 1
     assert checked >= 10 and refused >= 1
     # the reference path (no compiled core) gives the same keys

@@ -228,10 +228,12 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                             packs.append((estimate_step(even, dp, overhead), len(packs), even))
             packs.sort(key=lambda p: p[:2])
         keys = {}  # a packing (its id) -> its plan's (step, tokens) or None (over the budget)
+        kept = {}  # a packing (its id) -> what judging it left for its assembly
 
         def judge(packed):
             if id(packed) not in keys:
-                keys[id(packed)] = window_key(ix, packed, dp=dp, M=M, model=model)
+                kept[id(packed)] = keep = {}
+                keys[id(packed)] = window_key(ix, packed, dp=dp, M=M, model=model, keep=keep)
             return keys[id(packed)]
 
         best = None  # the packing the best plan so far is assembled from (None: L1's plan)
@@ -254,7 +256,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 if key < plan_key:
                     best, plan_key, plan_packed = packed, key, refined.get(id(packed), packed)
         if best is not None:
-            plan = window_plan(ix, best, dp=dp, M=M, model=model)
+            plan = window_plan(ix, best, dp=dp, M=M, model=model, keep=kept[id(best)])
         n_mb = len(plan.microbatches)
         if plan_packed is not None and plan.num_slots <= BALANCE_SPEND_SLOTS and n_mb >= BALANCE_SPEND_BINS and \
                 (n_mb >= BALANCE_MORE_BINS or float(slot_balance(plan).mean()) < BALANCE_SPEND_BELOW):
@@ -298,21 +300,24 @@ def _order(packed):
     return None if isinstance(packed, tuple) else packed.plan_order()
 
 
-def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -> Optional[MicrobatchPlan]:
-    """``pack_windows``' result assembled (None when a microbatch exceeds the budget)."""
-    order = _order(packed)
+def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel,
+                keep: Optional[dict] = None) -> Optional[MicrobatchPlan]:
+    """``pack_windows``' result assembled (None when a microbatch exceeds the budget).  ``keep``:
+    what ``window_key(..., keep=keep)`` of the same packing left (reused)."""
+    order = _order(packed) if keep is None else keep["order"]
     try:
         return assemble_plan(ix, None if order else packed[0], None if order else packed[1],
                              planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model,
-                             order=order)
+                             order=order, keep=keep)
     except PlanningError:
         return None
 
 
-def window_key(ix: ForestIndex, packed, *, dp: int, M: int,
-               model: CostModel) -> Optional[Tuple[float, int]]:
+def window_key(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel,
+               keep: Optional[dict] = None) -> Optional[Tuple[float, int]]:
     """``(step_cost, tokens_computed)`` of ``window_plan``'s plan of a packing without assembling it
-    (``microbatch.packing_key``; None where ``window_plan`` returns None)."""
+    (``microbatch.packing_key``; None where ``window_plan`` returns None).  ``keep``: a dict it
+    leaves the plan order and core output in, for ``window_plan`` of the same packing."""
     order = _order(packed)
     return packing_key(ix, None if order else packed[0], None if order else packed[1], dp=dp,
-                       row_budget=M, cost_model=model, order=order)
+                       row_budget=M, cost_model=model, order=order, keep=keep)

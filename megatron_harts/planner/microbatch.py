@@ -433,9 +433,11 @@ def _core_out(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec):
     return None
 
 
-def _assemble_core_csr(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec):
-    """``_assemble_core`` of microbatches given as CSR (owned, recomputed: offsets, ids)."""
-    out = _core_out(ix, model, own_off, own, rec_off, rec)
+def _assemble_core_csr(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec, out=None):
+    """``_assemble_core`` of microbatches given as CSR (owned, recomputed: offsets, ids); ``out``:
+    ``_core_out`` of the same arguments when the caller has it."""
+    if out is None:
+        out = _core_out(ix, model, own_off, own, rec_off, rec)
     if out is None:
         return _assemble_core_python(ix, model, _split_csr(own_off, own), _split_csr(rec_off, rec))
     oo, o, ro, r, feats, rec_rows, eo, ep, eso, es, er = out
@@ -461,10 +463,14 @@ def plan_order(groups: Sequence, placement: Sequence[Tuple[int, int]]):
             *_csr([groups[i][1] for i in order]))
 
 
-def _feature_rows(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec) -> List[List[int]]:
+def _feature_rows(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec,
+                  keep: Optional[dict] = None) -> List[List[int]]:
     """Per microbatch (CSR) the six ``CostFeatures`` numbers ``_assemble_core`` gives it (the
-    compiled core when built, read without building its other outputs; else the reference)."""
+    compiled core when built, read without building its other outputs; else the reference).
+    ``keep``: a dict to leave the compiled core's output in (key ``"core"``)."""
     out = _core_out(ix, model, own_off, own, rec_off, rec)
+    if keep is not None:
+        keep["core"] = out
     if out is not None:
         return out[4].tolist()
     feats = _assemble_core_python(ix, model, _split_csr(own_off, own), _split_csr(rec_off, rec))[2]
@@ -494,17 +500,22 @@ def slot_step(num_replicas: int, num_slots: int, slots: Sequence[int],
 
 def packing_key(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]],
                 placement: Sequence[Tuple[int, int]], *, dp: int, row_budget: int,
-                cost_model: CostModel, order=None) -> Optional[Tuple[float, int]]:
+                cost_model: CostModel, order=None,
+                keep: Optional[dict] = None) -> Optional[Tuple[float, int]]:
     """(modelled step, tokens computed) of ``assemble_plan``'s plan of these arguments without
     building it: ``(slot_step`` of its microbatches, ``tokens_computed)``, the same floats and
     ints; None where ``assemble_plan`` raises ``PlanningError`` (a microbatch over the budget).
     Its other checks (two microbatches in one place, a consumer not after its producer) are left
     to ``assemble_plan``: plans are judged by this key and the chosen one assembled.  ``order``:
-    ``plan_order(groups, placement)`` when the caller has it (groups and placement then unread)."""
+    ``plan_order(groups, placement)`` when the caller has it (groups and placement then unread).
+    ``keep``: a dict this function leaves the plan order and the compiled core's output in, for
+    ``assemble_plan(..., keep=keep)`` of the same arguments to reuse."""
     if order is None:
         order = plan_order(groups, placement)
+    if keep is not None:
+        keep["order"] = order
     _, ks, S, own_off, own, rec_off, rec = order
-    rows = _feature_rows(ix, cost_model, own_off, own, rec_off, rec)
+    rows = _feature_rows(ix, cost_model, own_off, own, rec_off, rec, keep)
     c = cost_model.coefficients
     cm, cr, ca, ck, cy, cl = (c.microbatch, c.row, c.attention_pair, c.kda_call, c.kda_replay_token,
                               c.logits_row)
@@ -521,16 +532,19 @@ def packing_key(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]]
 def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]],
                   placement: Sequence[Tuple[int, int]], *, planner: str, dp: int,
                   row_budget: int, cost_model: CostModel, plan_seconds: float = 0.0,
-                  order=None) -> MicrobatchPlan:
+                  order=None, keep: Optional[dict] = None) -> MicrobatchPlan:
     """Turn ``groups`` (owned, recomputed segment arrays, one per microbatch) placed at
     ``placement`` ((replica, slot) each) into a plan: microbatches numbered by (slot, replica),
     slots compacted (idle slots at the end dropped), external context read from the owners of
     the missing ancestors, sharing windows, exact cost features.  ``order``: ``plan_order(groups,
-    placement)`` when the caller has it (groups and placement then unread).
+    placement)`` when the caller has it (groups and placement then unread); ``keep``: what
+    ``packing_key(..., keep=keep)`` of the same arguments left (its plan order and core output).
 
     Raises ``PlanningError`` if a microbatch exceeds the row budget (never a silent
     over-budget plan) and ``AssertionError`` if a placement puts a consumer before its producer.
     """
+    if keep is not None:
+        order = keep["order"]
     if order is None:
         order = plan_order(groups, placement)
     rs, ks, S, own_off, own, rec_off, rec = order
@@ -539,8 +553,8 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
         assert grid[r][s] == -1, f"two microbatches at replica {r}, slot {s}"
         grid[r][s] = new
     slots = np.array(grid, dtype=np.int64).reshape(dp, S)
-    owned_l, rec_l, feats_l, rec_rows, ext_l = _assemble_core_csr(ix, cost_model, own_off, own,
-                                                                  rec_off, rec)
+    owned_l, rec_l, feats_l, rec_rows, ext_l = _assemble_core_csr(
+        ix, cost_model, own_off, own, rec_off, rec, None if keep is None else keep["core"])
     consumers: Dict[int, set] = {}
     exported: Dict[int, set] = {}
     mbs: List[Microbatch] = []
