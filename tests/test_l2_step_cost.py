@@ -91,7 +91,8 @@ def test_packing_key_is_the_assembled_plans_step_and_tokens():
                                  m.features, m.cost, [(e.producer, e.segments.tolist())
                                                       for e in m.external])
                                 for m in again.microbatches] == \
-                            [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist(), m.features,
+                            [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist(),
+                              m.features,
                               m.cost, [(e.producer, e.segments.tolist()) for e in m.external])
                              for m in plan.microbatches]
                         checked += 1
