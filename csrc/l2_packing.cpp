@@ -42,6 +42,22 @@ i64 l2_check_unit_arrays(const py::array& ints, i64 int_cols, const py::array& f
     return nu;
 }
 
+py::list l2_pack_many(const std::function<py::tuple(i64, double)>& pack,
+                      const std::vector<i64>& slots, const std::vector<double>& epss) {
+    py::list out;
+    for (i64 S : slots) {
+        bool bound = true;
+        for (double eps : epss) {
+            if (!bound) break;  // the target turned nothing away: a larger one packs the same
+            const py::tuple got = pack(S, eps);
+            for (const auto& p : py::reinterpret_borrow<py::list>(got[0]))
+                if (!p.is_none()) out.append(p);
+            bound = got[1].cast<bool>();
+        }
+    }
+    return out;
+}
+
 bool l2_after_owners(std::vector<std::vector<i64>>& seqs, const std::unordered_map<i64, std::vector<i64>>& after) {
     if (after.empty()) return true;
     std::unordered_set<i64> lead;
@@ -174,7 +190,67 @@ class L2Packing {
         return total;
     }
 
+    // megatron_harts.planner.microbatch.plan_order(groups, placement) of this packing, the same
+    // tuple: the bins owning segments ordered by (slot, replica), the slots used renumbered 0..
+    // (replicas and slots as lists, the slot count, owned and recomputed segments as CSR int64
+    // arrays).
+    py::tuple plan_order() const {
+        std::vector<std::pair<i64, i64>> keys;  // (slot, replica) of each bin owning segments
+        std::vector<std::size_t> bin;
+        std::size_t q = 0;
+        for (std::size_t r = 0; r < per_replica_.size(); ++r)
+            for (i64 k = 0; k < per_replica_[r]; ++k, ++q)
+                if (own_off_[q + 1] > own_off_[q]) {
+                    keys.emplace_back(k, static_cast<i64>(r));
+                    bin.push_back(q);
+                }
+        std::vector<std::size_t> order(keys.size());
+        for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+        std::sort(order.begin(), order.end(),
+                  [&](std::size_t a, std::size_t b) { return keys[a] < keys[b]; });
+        std::vector<i64> used;
+        for (const auto& kr : keys) used.push_back(kr.first);
+        std::sort(used.begin(), used.end());
+        used.erase(std::unique(used.begin(), used.end()), used.end());
+        py::list reps, slots;
+        const auto n = static_cast<py::ssize_t>(order.size());
+        py::array_t<i64> own_off(n + 1), rec_off(n + 1);
+        i64 n_own = 0, n_rec = 0;
+        for (std::size_t i : order) {
+            n_own += static_cast<i64>(own_off_[bin[i] + 1] - own_off_[bin[i]]);
+            n_rec += static_cast<i64>(rec_off_[bin[i] + 1] - rec_off_[bin[i]]);
+        }
+        py::array_t<i64> own(n_own), rec(n_rec);
+        i64 *oo = own_off.mutable_data(), *ro = rec_off.mutable_data(), *ow = own.mutable_data();
+        i64* rw = rec.mutable_data();
+        oo[0] = ro[0] = 0;
+        i64 j = 0;
+        for (std::size_t i : order) {
+            const std::size_t b = bin[i];
+            reps.append(keys[i].second);
+            slots.append(static_cast<i64>(
+                std::lower_bound(used.begin(), used.end(), keys[i].first) - used.begin()));
+            ow = std::copy(own_.begin() + static_cast<std::ptrdiff_t>(own_off_[b]),
+                           own_.begin() + static_cast<std::ptrdiff_t>(own_off_[b + 1]), ow);
+            rw = std::copy(rec_.begin() + static_cast<std::ptrdiff_t>(rec_off_[b]),
+                           rec_.begin() + static_cast<std::ptrdiff_t>(rec_off_[b + 1]), rw);
+            ++j;
+            oo[j] = oo[j - 1] + static_cast<i64>(own_off_[b + 1] - own_off_[b]);
+            ro[j] = ro[j - 1] + static_cast<i64>(rec_off_[b + 1] - rec_off_[b]);
+        }
+        return py::make_tuple(reps, slots, static_cast<i64>(used.size()), own_off, own, rec_off,
+                              rec);
+    }
+
    private:
+    friend py::object l2_rebalance_packing(
+        const L2Packing& p,
+        const py::array_t<i64, py::array::c_style | py::array::forcecast>& length_a,
+        const py::array& ints, const py::array& flts, const py::array& own_off,
+        const py::array& own, const py::array& rec_off, const py::array& rec,
+        const py::array& path_off, const py::array& path, i64 dp, i64 M, double overhead, i64 moves,
+        i64 n_slots, double weight, i64 swap_bins, i64 wide, i64 spend, bool ordered);
+
     py::object build(i64 i) const {
         py::list out;
         if (i == 0) {  // groups: (owned, recomputed) per bin in slot order
@@ -233,6 +309,155 @@ py::object l2_packing_object(const std::vector<std::vector<i64>>& seqs, const st
 namespace {
 
 using I64In = py::array_t<i64, py::array::c_style | py::array::forcecast>;
+using F64In = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+// megatron_harts.planner.l2_balance.rebalance of a compiled packer's packing `p` (its units'
+// arrays: unit_arrays of the unit list the packer was given, which p holds), the same packing or
+// None: its units numbered by first appearance (l2_balance.numbered_units), the search
+// (l2_rebalance_search), then the reference's output: per replica its bins costliest first, each
+// producer just before its first reader, split windows' readers after their path's owners
+// (l2_after_owners), owned segments in entry order and recomputed ones (with the recomputed paths)
+// sorted, without what the bin owns.
+py::object l2_rebalance_packing(const L2Packing& p, const I64In& length_a, const py::array& ints_o,
+                                const py::array& flts_o, const py::array& own_off_o,
+                                const py::array& own_o, const py::array& rec_off_o,
+                                const py::array& rec_o, const py::array& path_off_o,
+                                const py::array& path_o, i64 dp, i64 M, double overhead, i64 moves,
+                                i64 n_slots, double weight, i64 swap_bins, i64 wide, i64 spend,
+                                bool ordered) {
+    const i64 nb = static_cast<i64>(p.load_.size());
+    if (nb < 2 || dp < 2 || nb < dp) return py::none();
+    const I64In ints_a(ints_o), own_off_a(own_off_o), own_a(own_o), rec_off_a(rec_off_o),
+        rec_a(rec_o);
+    const I64In path_off_a(path_off_o), path_a(path_o);
+    const F64In flts_a(flts_o);
+    const i64 S = length_a.shape(0);
+    const i64 nu = l2_check_unit_arrays(ints_a, 8, flts_a, own_off_a, own_a, rec_off_a, rec_a,
+                                        path_off_a, path_a, S, static_cast<i64>(p.units_.size()));
+    auto ints = ints_a.unchecked<2>();
+    auto flts = flts_a.unchecked<2>();
+    // number the units by first appearance, one number per unit object (numbered_units)
+    std::unordered_map<PyObject*, i64> number;
+    std::vector<i64> perm;  // number -> the unit's row in the arrays (its index in p.units_)
+    std::vector<i64> rep0(static_cast<std::size_t>(nb));
+    std::vector<std::vector<L2Entry>> ent0(static_cast<std::size_t>(nb));
+    for (i64 q = 0, r = 0, k = 0; q < nb; ++q, ++k) {
+        while (k >= p.per_replica_[r]) {
+            ++r;
+            k = 0;
+        }
+        rep0[q] = r;
+        for (std::size_t x = p.ent_off_[q]; x < p.ent_off_[q + 1]; ++x) {
+            const L2Entry& e = p.ent_[x];
+            if (e.unit < 0 || e.unit >= nu)
+                throw py::value_error("an entry's unit is out of range");
+            auto it =
+                number.emplace(p.units_[static_cast<std::size_t>(e.unit)].ptr(), perm.size()).first;
+            if (it->second == static_cast<i64>(perm.size())) perm.push_back(e.unit);
+            ent0[q].push_back(L2Entry{it->second, e.path, e.cost});
+        }
+    }
+    L2Units U;
+    std::vector<i64> csr[3][2];  // own, rec, path of the numbered units: offsets, ids
+    const i64* src[3][2] = {{own_off_a.data(), own_a.data()},
+                            {rec_off_a.data(), rec_a.data()},
+                            {path_off_a.data(), path_a.data()}};
+    for (auto& c : csr) c[0].push_back(0);
+    for (i64 i : perm) {
+        U.kind.push_back(ints(i, 0));
+        U.tree.push_back(ints(i, 1));
+        U.win.push_back(ints(i, 2));
+        U.upper.push_back(ints(i, 3));
+        U.own_rows.push_back(ints(i, 4));
+        U.replay.push_back(ints(i, 5));
+        U.path_rows.push_back(ints(i, 6));
+        U.cost.push_back(flts(i, 0));
+        U.replay_cost.push_back(flts(i, 1));
+        U.path_cost.push_back(flts(i, 2));
+        for (int c = 0; c < 3; ++c) {
+            csr[c][1].insert(csr[c][1].end(), src[c][1] + src[c][0][i],
+                             src[c][1] + src[c][0][i + 1]);
+            csr[c][0].push_back(static_cast<i64>(csr[c][1].size()));
+        }
+    }
+    U.own_off = csr[0][0].data();
+    U.own = csr[0][1].data();
+    U.rec_off = csr[1][0].data();
+    U.rec = csr[1][1].data();
+    U.path_off = csr[2][0].data();
+    U.path = csr[2][1].data();
+    std::vector<i64> rep;
+    std::vector<std::vector<L2Entry>> ent;
+    if (!l2_rebalance_search(U, length_a.data(), S, rep0, ent0, dp, M, overhead, moves, n_slots,
+                             weight, swap_bins, wide, spend, ordered, rep, ent))
+        return py::none();
+    const i64 n = static_cast<i64>(rep.size());  // bins the pass opened included
+    std::unordered_map<i64, i64> prod;           // a window -> the bin of its core
+    for (i64 b = 0; b < n; ++b)
+        for (const L2Entry& e : ent[b])
+            if (U.kind[e.unit] == 0) prod[U.win[e.unit]] = b;
+    auto producer = [&](i64 win) {
+        auto it = prod.find(win);
+        if (it == prod.end()) throw py::value_error("a window without its core");
+        return it->second;
+    };
+    std::vector<std::vector<i64>> reads(static_cast<std::size_t>(n));
+    std::vector<double> load(static_cast<std::size_t>(n), 0.0);
+    std::unordered_map<i64, std::vector<i64>> after;
+    for (i64 b = 0; b < n; ++b) {
+        for (const L2Entry& e : ent[b]) {
+            load[b] += e.cost;
+            if (U.kind[e.unit] != 1 || e.path) continue;
+            const i64 w = producer(U.win[e.unit]);
+            if (w != b) reads[b].push_back(w);
+            if (U.upper[e.unit] >= 0 && w != b) after[b].push_back(producer(U.upper[e.unit]));
+        }
+        std::sort(reads[b].begin(), reads[b].end());
+        reads[b].erase(std::unique(reads[b].begin(), reads[b].end()), reads[b].end());
+    }
+    std::vector<std::vector<i64>> seqs(static_cast<std::size_t>(dp));
+    for (i64 r = 0; r < dp; ++r) {
+        std::vector<char> done(static_cast<std::size_t>(n), 0);  // per replica, as the reference
+        std::vector<i64> srt;
+        for (i64 b = 0; b < n; ++b)
+            if (rep[b] == r && !ent[b].empty()) srt.push_back(b);
+        std::sort(srt.begin(), srt.end(),
+                  [&](i64 a, i64 c) { return load[a] != load[c] ? load[a] > load[c] : a < c; });
+        for (i64 b : srt) {
+            if (done[b]) continue;
+            for (i64 q : reads[b])
+                if (!done[q]) {
+                    seqs[r].push_back(q);
+                    done[q] = 1;
+                }
+            seqs[r].push_back(b);
+            done[b] = 1;
+        }
+    }
+    if (!l2_after_owners(seqs, after)) return py::none();
+    std::vector<std::vector<i64>> own_l(static_cast<std::size_t>(n)),
+        rec_l(static_cast<std::size_t>(n));
+    std::vector<char> mine(static_cast<std::size_t>(S), 0);
+    for (i64 b = 0; b < n; ++b) {
+        auto& own = own_l[b];
+        auto& rec = rec_l[b];
+        for (const L2Entry& e : ent[b]) {
+            const i64 k = e.unit;
+            own.insert(own.end(), U.own + U.own_off[k], U.own + U.own_off[k + 1]);
+            rec.insert(rec.end(), U.rec + U.rec_off[k], U.rec + U.rec_off[k + 1]);
+            if (e.path) rec.insert(rec.end(), U.path + U.path_off[k], U.path + U.path_off[k + 1]);
+        }
+        for (i64 x : own) mine[x] = 1;
+        std::sort(rec.begin(), rec.end());
+        rec.erase(std::unique(rec.begin(), rec.end()), rec.end());
+        rec.erase(std::remove_if(rec.begin(), rec.end(), [&](i64 x) { return mine[x] != 0; }),
+                  rec.end());
+        for (i64 x : own) mine[x] = 0;
+        for (L2Entry& e : ent[b]) e.unit = perm[e.unit];  // the unit's index in p.units_
+    }
+    return py::cast(L2Packing(seqs, own_l, rec_l, load, ent, p.units_));
+}
+
 using U8In = py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>;
 
 // megatron_harts.planner.cost_model._exception_targets_python, the same arrays: per loss-mask exception
@@ -247,84 +472,49 @@ py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I6
         throw py::value_error("segment arrays must have one entry per segment");
     if (exc_pos_a.shape(0) != E || exc_value_a.shape(0) != E)
         throw py::value_error("exception arrays must have one entry per exception");
-    const i64 *parent = parent_a.data(), *start = start_a.data(), *length = length_a.data();
-    const i64 *seg_row = seg_row_a.data(), *leaf = leaf_a.data(), *last = last_a.data();
-    const i64 *et = exc_traj_a.data(), *ep = exc_pos_a.data();
-    const std::uint8_t *mask = row_mask_a.data(), *ev = exc_value_a.data();
     py::array_t<i64> added_a(S), delta_a(N);
-    i64 *added = added_a.mutable_data(), *delta = delta_a.mutable_data();
-    std::fill(added, added + S, 0);
-    std::fill(delta, delta + N, 0);
-    std::vector<std::uint8_t> seen(static_cast<std::size_t>(U), 0);
-    std::vector<i64> path;
-    i64 cur = -1, seg = -1, lo = 0, hi = 0, base = 0;  // seg's positions [lo, hi), its row of position 0: base
-    i64 dt = 0;  // cur's delta, written back when the trajectory changes
-    for (i64 i = 0; i < E; ++i) {
-        const i64 t = et[i], p = ep[i];
-        if (p < 1) continue;
-        if (t != cur) {  // t's path segments, root first (starts increasing)
-            if (t < 0 || t >= N) throw py::value_error("exception trajectory out of range");
-            if (cur >= 0) delta[cur] += dt;
-            dt = 0;
-            path.clear();
-            for (i64 x = leaf[t]; x >= 0; x = parent[x]) {
-                if (x >= S || static_cast<i64>(path.size()) > S) throw py::value_error("segment out of range");
-                path.push_back(x);
-            }
-            std::reverse(path.begin(), path.end());
-            cur = t;
-            seg = -1;
-        }
-        if (seg < 0 || p < lo || p >= hi) {
-            auto it = std::upper_bound(path.begin(), path.end(), p, [&](i64 v, i64 s) { return v < start[s]; });
-            if (it == path.begin()) throw py::value_error("exception position out of range");
-            seg = *(it - 1);
-            lo = start[seg];
-            hi = lo + length[seg];
-            base = seg_row[seg] - lo;
-            if (p >= hi || seg_row[seg] + length[seg] > U) throw py::value_error("exception position out of range");
-        }
-        const i64 row = base + p;
-        const bool v = ev[i] != 0, m = mask[row] != 0;
-        dt += static_cast<i64>(v) - static_cast<i64>(m);
-        if (!v || m) continue;
-        i64 pred = row - 1, at = seg;
-        if (p == lo) {  // the first position of a segment: predicted by its parent's last row
-            at = parent[seg];
-            if (last[at] != 0) continue;
-            pred = seg_row[at] + length[at] - 1;
-        }
-        if (!seen[pred]) {
-            seen[pred] = 1;
-            ++added[at];
-        }
-    }
-    if (cur >= 0) delta[cur] += dt;
+    l2_exception_core(S, N, U, E, parent_a.data(), start_a.data(), length_a.data(),
+                      seg_row_a.data(), leaf_a.data(), row_mask_a.data(), last_a.data(),
+                      exc_traj_a.data(), exc_pos_a.data(), exc_value_a.data(),
+                      added_a.mutable_data(), delta_a.mutable_data());
     return py::make_tuple(added_a, delta_a);
 }
 
 }  // namespace
 
 void register_packing(py::module_& m) {
+    register_forest_index(m);  // the forest index (csrc/forest_index.cpp)
+    m.def("l2_rebalance_packing", &l2_rebalance_packing, py::arg("packing"), py::arg("length"),
+          py::arg("ints"), py::arg("flts"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"),
+          py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("dp"), py::arg("M"),
+          py::arg("overhead"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"),
+          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"), py::arg("ordered"),
+          "megatron_harts.planner.l2_balance.rebalance of a compiled packer's packing (the arrays: "
+          "unit_arrays "
+          "of its units): the refined packing (an L2Packing) or None.");
     register_l1(m);  // L1's core (csrc/l1_plan.cpp): register_l2 (assemble_core.cpp) reaches it through here
     m.def("l2_exception_targets", &l2_exception_targets, py::arg("parent"), py::arg("start"), py::arg("length"),
           py::arg("seg_row"), py::arg("traj_leaf"), py::arg("row_loss_mask"), py::arg("last"), py::arg("exc_traj"),
           py::arg("exc_pos"), py::arg("exc_value"),
           "(per segment its rows predicting targets only loss-mask exceptions set, per trajectory the change to "
           "its target count): megatron_harts.planner.cost_model._exception_targets_python.");
-    py::class_<L2Packing>(m, "L2Packing",
-                          "A packing of L2's compiled packers: the sequence (groups, placement, loads, entries) "
-                          "the Python packers return as a tuple, each part built on its first read.")
+    py::class_<L2Packing>(
+        m, "L2Packing",
+        "A packing of L2's compiled packers: the sequence (groups, placement, loads, entries) "
+        "the Python packers return as a tuple, each part built on its first read.")
         .def("__len__", [](const L2Packing&) { return 4; })
         .def("__getitem__", &L2Packing::part, py::arg("i"))
-        .def("__getitem__",
-             [](L2Packing& p, const py::slice& sl) {
-                 return py::tuple(p.all()[sl]);
-             },
-             py::arg("s"))
+        .def(
+            "__getitem__", [](L2Packing& p, const py::slice& sl) { return py::tuple(p.all()[sl]); },
+            py::arg("s"))
         .def("__iter__", [](L2Packing& p) { return py::iter(p.all()); })
         .def("estimate_step", &L2Packing::estimate_step, py::arg("overhead"),
              "megatron_harts.planner.l2_packing.estimate_step of this packing (the same floats).")
+        .def("plan_order", &L2Packing::plan_order,
+             "megatron_harts.planner.microbatch.plan_order of this packing's groups and placement "
+             "(the same "
+             "tuple), without building them.")
         .def("rows", &L2Packing::rows, py::arg("length"),
-             "megatron_harts.planner.l2_packing.packed_rows of this packing (length: the segment lengths).");
+             "megatron_harts.planner.l2_packing.packed_rows of this packing (length: the segment "
+             "lengths).");
 }

@@ -24,11 +24,7 @@ using F64Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
 using Entry = L2Entry;
 
-struct Units {
-    std::vector<i64> kind, tree, win, upper, own_rows, replay, path_rows;
-    std::vector<double> cost, replay_cost, path_cost;
-    const i64 *own_off, *own, *rec_off, *rec, *path_off, *path;
-};
+using Units = L2Units;
 
 // Counts keyed by id, entries removed at zero (the reference's dicts): a few keys per bin, kept sorted
 // in one vector (iterated in key order; no allocation per key, as every try adds and removes some).
@@ -499,7 +495,29 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
     for (i64 r : rep0)
         if (r < 0 || r >= dp) throw py::value_error("rep out of range");
 
-    Bins st(U, length_a.data(), num_segments, rep0, ent0, dp);
+    std::vector<std::vector<Entry>> ent_out;
+    std::vector<i64> rep_out_v;
+    const bool moved =
+        l2_rebalance_search(U, length_a.data(), num_segments, rep0, ent0, dp, M, overhead, moves,
+                            n_slots, weight, swap_bins, wide, spend, ordered, rep_out_v, ent_out);
+    const i64 nb = static_cast<i64>(rep_out_v.size());
+    I64Array rep_out(nb);
+    std::copy(rep_out_v.begin(), rep_out_v.end(), rep_out.mutable_data());
+    const py::tuple flat = l2_entry_arrays(ent_out, nb);
+    return py::make_tuple(moved, rep_out, flat[0], flat[1], flat[2], flat[3]);
+}
+
+}  // namespace
+
+// The search of megatron_harts.planner.l2_balance._rebalance_python, step for step.
+bool l2_rebalance_search(const L2Units& U, const i64* length, i64 num_segments,
+                         const std::vector<i64>& rep0,
+                         const std::vector<std::vector<L2Entry>>& ent0, i64 dp, i64 M,
+                         double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins,
+                         i64 wide, i64 spend, bool ordered, std::vector<i64>& rep_out,
+                         std::vector<std::vector<L2Entry>>& ent_out) {
+    const i64 n = static_cast<i64>(rep0.size());
+    Bins st(U, length, num_segments, rep0, ent0, dp);
     st.ordered = ordered;
     auto& rep = st.rep;
     auto& load = st.load;
@@ -800,14 +818,10 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
             if (!ent[spare[r]].empty()) spare[r] = st.open(r);
     }
     const i64 nb = st.n;
-    I64Array rep_out(nb);
-    auto ro = rep_out.mutable_data();
-    for (i64 b = 0; b < nb; ++b) ro[b] = rep[b];
-    const py::tuple flat = l2_entry_arrays(ent, nb);
-    return py::make_tuple(moved, rep_out, flat[0], flat[1], flat[2], flat[3]);
+    rep_out.assign(rep.begin(), rep.begin() + nb);
+    ent_out.assign(ent.begin(), ent.begin() + nb);
+    return moved;
 }
-
-}  // namespace
 
 py::tuple l2_entry_arrays(const std::vector<std::vector<L2Entry>>& ent, i64 nb) {
     I64Array off(nb + 1);

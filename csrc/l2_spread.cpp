@@ -3,6 +3,7 @@
 // included: every floating-point operation below runs in the reference's order).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -63,7 +64,8 @@ py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64
     using Ent = L2Entry;
     std::vector<i64> rep, rows, reads;
     std::vector<double> load;
-    std::vector<std::unordered_set<i64>> have;
+    std::vector<std::vector<i64>>
+        have;  // b's recomputed segments, no repeats (few: membership by scan)
     std::vector<std::vector<i64>> own_l, rec_l, reads_trees, recomputes;
     std::vector<char> has_core;
     std::vector<std::vector<Ent>> ent;
@@ -89,7 +91,8 @@ py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64
         auto walk = [&](const i64* seq, i64 lo, i64 hi_) {
             for (i64 i = lo; i < hi_; ++i) {
                 const i64 x = seq[i];
-                if (have[b].insert(x).second) {
+                if (!has(have[b], x)) {
+                    have[b].push_back(x);
                     rec_l[b].push_back(x);
                     add += length[x];
                 }
@@ -181,14 +184,14 @@ py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64
                     if (b == p || has(reads_trees[b], tree(k))) continue;
                     i64 extra = 0;
                     for (i64 i = path_off[k]; i < path_off[k + 1]; ++i)
-                        if (!have[b].count(path[i])) extra += length[path[i]];
+                        if (!has(have[b], path[i])) extra += length[path[i]];
                     add = urows(k) + extra;
                     c = cost(k) + path_cost(k) * static_cast<double>(extra) /
                                       static_cast<double>(std::max<i64>(1, path_rows(k)));
                 } else {
                     i64 in = 0;
                     for (i64 i = rec_off[k]; i < rec_off[k + 1]; ++i)
-                        if (have[b].count(rec[i])) in += length[rec[i]];
+                        if (has(have[b], rec[i])) in += length[rec[i]];
                     add = urows(k) - in;
                     c = cost(k);
                 }
@@ -244,7 +247,26 @@ py::tuple l2_pack_spread(py::list units, I64Array length_a, I64Array ints_a, F64
 
 }  // namespace
 
+py::list l2_pack_spread_many(py::list units, I64Array length_a, I64Array ints_a, F64Array flts_a,
+                             I64Array own_off_a, I64Array own_a, I64Array rec_off_a, I64Array rec_a,
+                             I64Array path_off_a, I64Array path_a, i64 dp, i64 M,
+                             const std::vector<i64>& slots, const std::vector<double>& epss) {
+    return l2_pack_many(
+        [&](i64 S, double eps) {
+            return l2_pack_spread(units, length_a, ints_a, flts_a, own_off_a, own_a, rec_off_a,
+                                  rec_a, path_off_a, path_a, dp, M, S, eps);
+        },
+        slots, epss);
+}
+
 void register_spread(py::module_& m) {
+    m.def("l2_pack_spread_many", &l2_pack_spread_many, py::arg("units"), py::arg("length"),
+          py::arg("ints"), py::arg("flts"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"),
+          py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("dp"), py::arg("M"),
+          py::arg("slots"), py::arg("epss"),
+          "l2_pack_spread over slot counts and tolerances as plan_l2 asks for them "
+          "(l2_packing.CompiledPacker.many): "
+          "the packings that are not None, in order.");
     m.def("l2_pack_spread", &l2_pack_spread, py::arg("units"), py::arg("length"), py::arg("ints"), py::arg("flts"),
           py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"),
           py::arg("path"), py::arg("dp"), py::arg("M"), py::arg("S"), py::arg("eps"),

@@ -5,6 +5,7 @@
 // stays with the reference.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -547,7 +548,26 @@ py::tuple l2_pack_windows(py::list units, I64Array length_a, I64Array ints_a, F6
 
 }  // namespace
 
+py::list l2_pack_windows_many(py::list units, I64Array length_a, I64Array ints_a, F64Array flts_a,
+                              I64Array own_off_a, I64Array own_a, I64Array rec_off_a,
+                              I64Array rec_a, I64Array path_off_a, I64Array path_a, i64 dp, i64 M,
+                              const std::vector<i64>& slots, const std::vector<double>& epss) {
+    return l2_pack_many(
+        [&](i64 S, double eps) {
+            return l2_pack_windows(units, length_a, ints_a, flts_a, own_off_a, own_a, rec_off_a,
+                                   rec_a, path_off_a, path_a, dp, M, S, eps);
+        },
+        slots, epss);
+}
+
 void register_windows(py::module_& m) {
+    m.def("l2_pack_windows_many", &l2_pack_windows_many, py::arg("units"), py::arg("length"),
+          py::arg("ints"), py::arg("flts"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"),
+          py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("dp"), py::arg("M"),
+          py::arg("slots"), py::arg("epss"),
+          "l2_pack_windows over slot counts and tolerances as plan_l2 asks for them "
+          "(l2_packing.CompiledPacker.many): "
+          "the packings that are not None, in order.");
     m.def("l2_pack_windows", &l2_pack_windows, py::arg("units"), py::arg("length"), py::arg("ints"), py::arg("flts"),
           py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"),
           py::arg("path"), py::arg("dp"), py::arg("M"), py::arg("S"), py::arg("eps"),

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <functional>
 #include <unordered_map>
 #include <vector>
 
@@ -16,6 +17,19 @@ void register_spread(pybind11::module_& m);
 void register_windows(pybind11::module_& m);
 // L1's planning core (csrc/l1_plan.cpp), registered by register_packing (csrc/l2_packing.cpp).
 void register_l1(pybind11::module_& m);
+// The forest index (csrc/forest_index.cpp), registered by register_packing.
+// Nonzero bytes of m[0..n) (defined in forest_index.cpp).
+std::int64_t l2_count_nonzero(const std::uint8_t* m, std::int64_t n);
+void register_forest_index(pybind11::module_& m);
+// The loss-mask exceptions' targets (megatron_harts.planner.cost_model._exception_targets_python)
+// of a forest of S segments, N trajectories, U rows and E exceptions (et, ep, ev): added[S] and
+// delta[N] written; raises ValueError on an exception out of range (defined in forest_index.cpp).
+void l2_exception_core(std::int64_t S, std::int64_t N, std::int64_t U, std::int64_t E,
+                       const std::int64_t* parent, const std::int64_t* start,
+                       const std::int64_t* length, const std::int64_t* seg_row,
+                       const std::int64_t* leaf, const std::uint8_t* mask, const std::int64_t* last,
+                       const std::int64_t* et, const std::int64_t* ep, const std::uint8_t* ev,
+                       std::int64_t* added, std::int64_t* delta);
 
 // Cost features of one microbatch computing comp[0..m) (sorted, distinct) and owning own[0..mo):
 // out = rows, attention pairs, KDA calls, replay tokens, logits rows, external rows
@@ -32,6 +46,26 @@ struct L2Entry {
     bool path;
     double cost;
 };
+
+// Units as L2's balance pass reads them (numbered 0..): per unit its kind (0 core, 1 item, 2 free),
+// tree, window, upper window, owned rows, replay tokens, path rows, cost, replay cost, path cost,
+// and its owned / recomputed / path segments as CSR (offsets per unit into the id arrays).
+struct L2Units {
+    std::vector<std::int64_t> kind, tree, win, upper, own_rows, replay, path_rows;
+    std::vector<double> cost, replay_cost, path_cost;
+    const std::int64_t *own_off, *own, *rec_off, *rec, *path_off, *path;
+};
+
+// The balance pass's search (megatron_harts.planner.l2_balance._rebalance_python, step for step) on
+// bins (replica rep0[b], entries ent0[b]) of units U: returns whether it moved anything, and the
+// bins after it in rep_out / ent_out (bins it opened included; defined in l2_rebalance.cpp).
+bool l2_rebalance_search(const L2Units& U, const std::int64_t* length, std::int64_t num_segments,
+                         const std::vector<std::int64_t>& rep0,
+                         const std::vector<std::vector<L2Entry>>& ent0, std::int64_t dp,
+                         std::int64_t M, double overhead, std::int64_t moves, std::int64_t n_slots,
+                         double weight, std::int64_t swap_bins, std::int64_t wide,
+                         std::int64_t spend, bool ordered, std::vector<std::int64_t>& rep_out,
+                         std::vector<std::vector<L2Entry>>& ent_out);
 
 // The entries of bins [0, nb) as flat arrays, the balance pass's output format: (offsets [nb + 1], unit, path
 // (0/1), cost per entry) (defined in l2_rebalance.cpp).
@@ -71,3 +105,11 @@ pybind11::object l2_packing_object(const std::vector<std::vector<std::int64_t>>&
                                    const std::vector<double>& load, const std::vector<std::vector<L2Entry>>& ent,
                                    const pybind11::list& units);
 void register_packing(pybind11::module_& m);
+
+// A packer's packings over slot counts `slots` and tolerances `epss` as plan_l2 asks for them
+// (megatron_harts.planner.l2_packing.CompiledPacker.many): per slot count the tolerances in order,
+// the next one only while the packer's bound flag says a placement was turned away; the packings
+// that are not None, in that order (defined in l2_packing.cpp).
+pybind11::list l2_pack_many(const std::function<pybind11::tuple(std::int64_t, double)>& pack,
+                            const std::vector<std::int64_t>& slots,
+                            const std::vector<double>& epss);

@@ -130,3 +130,30 @@ def test_compiled_unit_array_checks_are_shared():
     bad[0] = -1
     with pytest.raises(ValueError, match="own: segment out of range"):
         reb(ix.length, np.ascontiguousarray(ints[:, :7]), flts, oo, bad, ro, r, po, p, *args)
+
+
+def test_compiled_pack_many_matches_its_loop():
+    # CompiledPacker.many (one call of _C.l2_pack_windows_many / _C.l2_pack_spread_many) gives the
+    # packings of its reference loop (every slot count, a larger tolerance only while a placement
+    # was turned away), the same packings in the same order, on the seeded L2 forests
+    from megatron_harts.planner import l2_spread
+    n = 0
+    for f, M, model in _l2_forests()[:4]:
+        ix = ForestIndex(f)
+        for dp in (2, 4, 8):
+            for us in _unit_sets(ix, plan_l1(f, dp, M, cost_model=model, index=ix), model, dp):
+                S0 = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
+                arrays = unit_arrays(us)
+                for packer in (l2_windows.pack_windows, l2_spread.pack_spread):
+                    assert packer.fast_many is not None
+                    slots, epss = range(S0, S0 + 3), (0.01, 0.05)
+                    fast = packer.many(ix, us, dp, M, slots, epss, arrays)
+                    saved = packer.fast_many
+                    try:
+                        packer.fast_many = None
+                        ref = packer.many(ix, us, dp, M, slots, epss, arrays)
+                    finally:
+                        packer.fast_many = saved
+                    assert _key((fast, True)) == _key((ref, True))
+                    n += len(ref)
+    assert n > 50

@@ -510,8 +510,8 @@ def _l2_forests():
 
 
 def test_plan_l2_compiled_equals_python_reference(monkeypatch):
-    # the whole L2 plan is the same with the compiled cores (features, assembly, balance pass,
-    # spreading packer, window packer) and without them
+    # the whole L2 plan is the same with the compiled cores (forest index, features, assembly,
+    # balance pass, spreading packer, window packer) and without them
     from megatron_harts.planner import cost_model as cm
     from megatron_harts.planner import microbatch as mbmod
     for f, M, model in _l2_forests()[:4]:
@@ -524,24 +524,30 @@ def test_plan_l2_compiled_equals_python_reference(monkeypatch):
                 mp.setattr(cm, "_MB_KDA", None)
                 mp.setattr(mbmod, "_ASSEMBLE", None)
                 mp.setattr(l2_balance, "_REBALANCE", None)
+                mp.setattr(l2_balance, "_REBALANCE_PACKING", None)
                 mp.setattr(l2_spread.pack_spread, "fast", None)
                 mp.setattr(l2_windows.pack_windows, "fast", None)
-                ref = plan_l2(f, l1, cost_model=model, index=ix)
+                ref = plan_l2(f, l1, cost_model=model, index=ForestIndex(f, compiled_core=False))
             assert _plan_key(fast) == _plan_key(ref)
+
+
+arrays_seen = {}  # a packing _rebalance_inputs saw (its id) -> the unit arrays passed with it
 
 
 def _rebalance_inputs():
     """(index, packing, dp, M, overhead, cost model) of every packing L2's balance pass refines on
-    the seeded L2 forests on DP 2, 4 and 8."""
+    the seeded L2 forests on DP 2, 4 and 8 (``arrays_seen``: the unit arrays passed with each)."""
     seen = []
     orig = l2mod.rebalance
     for f, M, model in _l2_forests():
         ix = ForestIndex(f)
 
-        def spy(ix, packed, dp, M, overhead, spend=0, swap_bins=None, ordered=False, model=model):
+        def spy(ix, packed, dp, M, overhead, spend=0, swap_bins=None, ordered=False, arrays=None,
+                model=model):
             if not spend and not ordered:  # the other passes refine packings seen here already
                 seen.append((ix, packed, dp, M, overhead, model))
-            return orig(ix, packed, dp, M, overhead, spend, swap_bins, ordered)
+                arrays_seen[id(packed)] = arrays
+            return orig(ix, packed, dp, M, overhead, spend, swap_bins, ordered, arrays)
 
         l2mod.rebalance = spy
         try:
@@ -581,6 +587,46 @@ def test_compiled_rebalance_matches_python():
     assert widened > 0
     assert spent > 0
     assert ordered > 0  # the objective in run order changed something
+
+
+def _packing_key(packed):
+    if packed is None:
+        return None
+    g, p, l, e = packed[:4]
+    return ([(tuple(o), tuple(r)) for o, r in g], [tuple(x) for x in p], [list(x) for x in l],
+            [[(id(u), tuple(ex), c) for u, ex, c in es] for es in e])
+
+
+def test_compiled_rebalance_packing_matches_python():
+    # _C.l2_rebalance_packing (rebalance of a compiled packing: numbering, search and output
+    # order in C++) gives the packing of rebalance's reference path (numbered_units, the search,
+    # the Python output), floats exact, on every packing the balance pass sees, with the
+    # defaults, a token budget, run-order scoring and other swap limits; the reference path with
+    # the Python search too
+    if l2_balance._REBALANCE_PACKING is None:
+        pytest.skip("the compiled extension is not built")
+    cases = _rebalance_inputs()
+    assert len(cases) > 20
+    changed = 0
+    for ix, packed, dp, M, overhead, _ in cases:
+        arrays = arrays_seen[id(packed)]
+        assert arrays is not None and not isinstance(packed, tuple)
+        for spend, swaps, ordered in ((0, None, False), (20000, None, False), (20000, 8, True),
+                                      (0, 200, True)):
+            fast = l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps, ordered,
+                                   arrays=arrays)
+            ref = l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps, ordered)
+            assert _packing_key(fast) == _packing_key(ref)
+            changed += fast is not None
+            if spend == 0 and not ordered:
+                saved = l2_balance._REBALANCE
+                try:
+                    l2_balance._REBALANCE = None
+                    assert _packing_key(l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps,
+                                                        ordered)) == _packing_key(ref)
+                finally:
+                    l2_balance._REBALANCE = saved
+    assert changed > 20
 
 
 def test_rebalance_move_bound():

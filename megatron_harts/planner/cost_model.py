@@ -134,18 +134,52 @@ class ForestIndex:
     """
 
     @gc_paused
-    def __init__(self, forest):
+    def __init__(self, forest, compiled_core: bool = True):
+        """``compiled_core``: build the arrays with ``_C.forest_index`` when it is built (the same
+        values as ``_build_python``, the reference; False: the reference)."""
+        global _FOREST_INDEX
         self.forest = forest
         f = forest
-        self.num_segments = S = f.num_segments
+        self.num_segments = f.num_segments
         self.parent_arr = f.seg_parent.astype(np.int64)
-        self.parent = self.parent_arr.tolist()
         self.start = f.seg_start.astype(np.int64)
         self.length = f.seg_length.astype(np.int64)
         self.row = f.seg_row.astype(np.int64)
         self.tree_offsets = f.tree_offsets.astype(np.int64)
         self.num_trees = f.num_trees
-        self.seg_tree = f.seg_tree
+        self.traj_length = f.traj_length.astype(np.int64)
+        self.expanded_tokens = int(self.traj_length.sum())
+        out = None
+        if compiled_core and _FOREST_INDEX is not None:
+            exc = f.exc_loss_mask
+            try:
+                out = _FOREST_INDEX(self.parent_arr, self.start, self.length, self.row,
+                                    self.tree_offsets, f.row_loss_mask, f.traj_leaf,
+                                    self.traj_length, f.seg_traj_lo, f.seg_traj_hi, exc.traj,
+                                    exc.pos, exc.value)
+            except TypeError:  # a different compiled signature: the Python path
+                _FOREST_INDEX = None
+        if out is None:
+            self._build_python()
+        else:
+            (self.seg_pairs, self.seg_logits, self.sub_rows, self.sub_size, self.traj_targets,
+             self.tree_max_path, longest, self.tree_rows, self.seg_tree, self.children) = out
+            self.tree_longest_traj = longest.tolist()
+        # list twins of per-segment arrays, for the planners' per-segment Python loops
+        self.parent = self.parent_arr.tolist()
+        self.sub_rows_list = self.sub_rows.tolist()
+        self.sub_size_list = self.sub_size.tolist()
+        self.start_list = self.start.tolist()
+        self.length_list = self.length.tolist()
+
+    def _build_python(self):
+        """Reference of ``_C.forest_index``: ``seg_pairs``, ``seg_logits``, ``sub_rows``,
+        ``sub_size``, ``traj_targets``, ``tree_max_path``, ``tree_longest_traj``, ``tree_rows``,
+        ``seg_tree`` and ``children`` (per segment its children, in id order) from the arrays
+        ``__init__`` set."""
+        f = self.forest
+        S = self.num_segments
+        par = self.parent_arr.tolist()
         st, ln = self.start, self.length
         self.seg_pairs = ln * st + ln * (ln + 1) // 2
         mask = f.row_loss_mask
@@ -161,7 +195,6 @@ class ForestIndex:
             exc_added, exc_delta = _exception_targets(f, self.parent_arr, st, ln, self.row, last)
             self.seg_logits += exc_added
         # subtree sums and path sums by plain loops over lists (parents precede children)
-        par = self.parent
         children: List[List[int]] = [[] for _ in range(S)]
         sub_rows = ln.tolist()
         sub_size = [1] * S
@@ -175,11 +208,6 @@ class ForestIndex:
         self.children = children
         self.sub_rows = np.array(sub_rows, dtype=np.int64)
         self.sub_size = np.array(sub_size, dtype=np.int64)
-        # list twins of per-segment arrays, for the planners' per-segment Python loops
-        self.sub_rows_list = sub_rows
-        self.sub_size_list = sub_size
-        self.start_list = st.tolist()
-        self.length_list = ln.tolist()
         # per trajectory: targets (positions j >= 1 with loss mask) for expanded packing
         path_mask = seg_mask.tolist()
         for s in kids.tolist():
@@ -193,15 +221,15 @@ class ForestIndex:
         self.traj_targets = path_mask[leaf] - root_first[root_of[leaf]]
         if f.exc_loss_mask.traj.size:
             self.traj_targets += exc_delta
-        self.traj_length = f.traj_length.astype(np.int64)
-        self.expanded_tokens = int(self.traj_length.sum())
         lo = f.seg_traj_lo[roots]
         hi = f.seg_traj_hi[roots]
         self.tree_max_path = np.array([self.traj_length[a:b].max() for a, b in zip(lo, hi)], dtype=np.int64)
         self.tree_longest_traj = [int(a + np.argmax(self.traj_length[a:b])) for a, b in zip(lo, hi)]
         self.tree_rows = np.add.reduceat(ln, roots) if S else np.zeros(0, np.int64)
+        self.seg_tree = f.seg_tree
 
 
+_FOREST_INDEX = compiled("forest_index")  # ForestIndex._build_python, compiled
 _EXC_TARGETS = compiled("l2_exception_targets")  # _exception_targets_python, compiled
 
 

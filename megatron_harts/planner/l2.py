@@ -90,11 +90,13 @@ from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
 from .l2_windows import pack_windows
 from .metrics import slot_balance
-from .microbatch import MicrobatchPlan, PlanningError, assemble_plan, gc_paused
+from .microbatch import (MicrobatchPlan, PlanningError, assemble_plan, gc_paused, packing_key,
+                         slot_step)
 
 __all__ = ["plan_l2", "plan_harts", "window_units", "split_windows", "pack_windows", "pack_spread", "window_plan",
-           "step_cost", "estimate_step", "rebalance", "numbered_units", "unit_arrays", "BALANCE_MOVES",
-           "BALANCE_SLOTS", "BALANCE_WEIGHT", "BALANCE_PACKINGS", "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS",
+           "step_cost", "window_key", "estimate_step", "rebalance", "numbered_units", "unit_arrays",
+           "BALANCE_MOVES", "BALANCE_SLOTS", "BALANCE_WEIGHT", "BALANCE_PACKINGS",
+           "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS",
            "BALANCE_WIDE", "ASSEMBLE_MARGIN", "ITEM_CUTS", "ITEM_CUT_SLOTS"]
 
 #: the window packer's slot counts above its row bound, and its microbatch target tolerances
@@ -180,6 +182,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         packs = []
         estimates = set()  # the estimates in packs
         family = {}  # a packing (its id) -> the base of its units
+        arrays_of = {}  # a packer's packing (its id) -> unit_arrays of its units (None: DP 1)
         for us, base in unit_sets:
             S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
             # one replica: no target (every slot count packs the same); several: the spreading
@@ -189,18 +192,16 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             arrays = unit_arrays(us) if dp > 1 else None
             for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not bases[base] else \
                     (pack_windows, pack_spread):
-                for S in range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1):
-                    bound = True
-                    for eps in WINDOW_TOLERANCES:
-                        if not bound:
-                            break  # the target turned nothing away: a larger one packs the same
-                        packings, bound = packer(ix, us, dp, M, S, eps, arrays)
-                        for packed in packings:
-                            est = estimate_step(packed, dp, overhead)
-                            if est not in estimates:  # the same packing again (tolerance unused)
-                                estimates.add(est)
-                                packs.append((est, len(packs), packed))
-                                family[id(packed)] = base
+                slots = range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1)
+                # per slot count the tolerances in order, a larger one only where the smaller
+                # turned a placement away (else it packs the same)
+                for packed in packer.many(ix, us, dp, M, slots, WINDOW_TOLERANCES, arrays):
+                    est = estimate_step(packed, dp, overhead)
+                    if est not in estimates:  # the same packing again (tolerance unused)
+                        estimates.add(est)
+                        packs.append((est, len(packs), packed))
+                        family[id(packed)] = base
+                        arrays_of[id(packed)] = arrays
         packs.sort(key=lambda p: p[:2])
 
         def of(base):  # the packings of one base's units, best estimate first
@@ -219,51 +220,58 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                     # with the objective in run order (producers first)
                     for ordered in (False, True) if j == 0 and many else (False,):
                         even = rebalance(ix, packed, dp, M, overhead,
-                                         swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None, ordered=ordered)
+                                         swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None,
+                                         ordered=ordered, arrays=arrays_of[id(packed)])
                         if even is not None:
                             refined[id(even)] = packed
                             family[id(even)] = base
                             packs.append((estimate_step(even, dp, overhead), len(packs), even))
             packs.sort(key=lambda p: p[:2])
-        assembled = {}
+        keys = {}  # a packing (its id) -> its plan's (step, tokens) or None (over the budget)
+        kept = {}  # a packing (its id) -> what judging it left for its assembly
 
-        def assemble(packed):
-            if id(packed) not in assembled:
-                assembled[id(packed)] = window_plan(ix, packed, dp=dp, M=M, model=model)
-            return assembled[id(packed)]
+        def judge(packed):
+            if id(packed) not in keys:
+                kept[id(packed)] = keep = {}
+                keys[id(packed)] = window_key(ix, packed, dp=dp, M=M, model=model, keep=keep)
+            return keys[id(packed)]
 
+        best = None  # the packing the best plan so far is assembled from (None: L1's plan)
         for base in range(len(bases)):  # each base's best packings by estimate judged exactly
             judged = 0
             for est, _, packed in of(base)[:2 * ASSEMBLED]:
                 if judged == ASSEMBLED or est > plan_key[0] * (1.0 + ASSEMBLE_MARGIN):
                     break  # the rest estimated longer than the best plan by more than estimates err
                 if packed_rows(ix, packed) > keep_tokens:
-                    continue  # more rows than L1's tokens: never a candidate (not assembled)
-                cand = assemble(packed)
-                if cand is None or cand.tokens_computed > keep_tokens:
-                    continue  # not a candidate: the next packing by estimate is assembled instead
-                if id(packed) in refined and cand.tokens_computed > packed_rows(ix, refined[id(packed)]):
+                    continue  # more rows than L1's tokens: never a candidate (not judged)
+                key = judge(packed)
+                if key is None or key[1] > keep_tokens:
+                    continue  # not a candidate: the next packing by estimate is judged instead
+                if id(packed) in refined and key[1] > packed_rows(ix, refined[id(packed)]):
                     # the balance pass never computes more tokens (exactly; its source's rows bound its tokens)
-                    src = assemble(refined[id(packed)])
-                    if src is not None and cand.tokens_computed > src.tokens_computed:
+                    src = judge(refined[id(packed)])
+                    if src is not None and key[1] > src[1]:
                         continue
                 judged += 1
-                key = (step_cost(cand), cand.tokens_computed)
                 if key < plan_key:
-                    plan, plan_key, plan_packed = cand, key, refined.get(id(packed), packed)
+                    best, plan_key, plan_packed = packed, key, refined.get(id(packed), packed)
+        if best is not None:
+            plan = window_plan(ix, best, dp=dp, M=M, model=model, keep=kept[id(best)])
         n_mb = len(plan.microbatches)
         if plan_packed is not None and plan.num_slots <= BALANCE_SPEND_SLOTS and n_mb >= BALANCE_SPEND_BINS and \
                 (n_mb >= BALANCE_MORE_BINS or float(slot_balance(plan).mean()) < BALANCE_SPEND_BELOW):
             # the best plan's packing evened out again, spending parts of what it saves against L1
             src, saved = plan_packed, keep_tokens - plan_key[1]
+            best = None
             for part, ordered in BALANCE_SPEND:
                 spend = int(part * saved)
-                even = rebalance(ix, src, dp, M, overhead, spend, ordered=ordered) if spend > 0 else None
-                cand = None if even is None else window_plan(ix, even, dp=dp, M=M, model=model)
-                if cand is not None and cand.tokens_computed <= keep_tokens:
-                    key = (step_cost(cand), cand.tokens_computed)
-                    if key < plan_key:
-                        plan, plan_key = cand, key
+                even = rebalance(ix, src, dp, M, overhead, spend, ordered=ordered,
+                                 arrays=arrays_of.get(id(src))) if spend > 0 else None
+                key = None if even is None else window_key(ix, even, dp=dp, M=M, model=model)
+                if key is not None and key[1] <= keep_tokens and key < plan_key:
+                    best, plan_key = even, key
+            if best is not None:
+                plan = window_plan(ix, best, dp=dp, M=M, model=model)
     plan.plan_seconds = time.perf_counter() - t0
     return plan
 
@@ -272,19 +280,8 @@ def step_cost(plan: MicrobatchPlan) -> float:
     """Modelled step time: sum over slots of the costliest microbatch of the slot (an idle replica
     counting 0.0: the maximum of ``plan.cost_matrix()`` per slot, summed as numpy sums it)."""
     R, S = plan.slots.shape
-    if R * S == 0:
-        return 0.0
-    top: list = [None] * S
-    count = [0] * S
-    for m in plan.microbatches:
-        k = m.slot
-        count[k] += 1
-        if top[k] is None or m.cost > top[k]:
-            top[k] = m.cost
-    for k in range(S):  # a slot with an idle replica: its 0.0 is in the maximum too
-        if count[k] < R and (top[k] is None or 0.0 > top[k]):
-            top[k] = 0.0
-    return float(np.array(top, dtype=np.float64).sum())
+    mbs = plan.microbatches
+    return slot_step(R, S, [m.slot for m in mbs], [m.cost for m in mbs])
 
 
 def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel] = None,
@@ -297,9 +294,30 @@ def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostMod
     return l1, l2
 
 
-def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel) -> Optional[MicrobatchPlan]:
-    """``pack_windows``' result assembled (None when a microbatch exceeds the budget)."""
+def _order(packed):
+    """``plan_order`` of a packing: a compiled packing's own (``_C.L2Packing.plan_order``), else
+    None (``assemble_plan`` and ``packing_key`` then compute it from the groups and placement)."""
+    return None if isinstance(packed, tuple) else packed.plan_order()
+
+
+def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel,
+                keep: Optional[dict] = None) -> Optional[MicrobatchPlan]:
+    """``pack_windows``' result assembled (None when a microbatch exceeds the budget).  ``keep``:
+    what ``window_key(..., keep=keep)`` of the same packing left (reused)."""
+    order = _order(packed) if keep is None else keep["order"]
     try:
-        return assemble_plan(ix, packed[0], packed[1], planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+        return assemble_plan(ix, None if order else packed[0], None if order else packed[1],
+                             planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model,
+                             order=order, keep=keep)
     except PlanningError:
         return None
+
+
+def window_key(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel,
+               keep: Optional[dict] = None) -> Optional[Tuple[float, int]]:
+    """``(step_cost, tokens_computed)`` of ``window_plan``'s plan of a packing without assembling it
+    (``microbatch.packing_key``; None where ``window_plan`` returns None).  ``keep``: a dict it
+    leaves the plan order and core output in, for ``window_plan`` of the same packing."""
+    order = _order(packed)
+    return packing_key(ix, None if order else packed[0], None if order else packed[1], dp=dp,
+                       row_budget=M, cost_model=model, order=order, keep=keep)

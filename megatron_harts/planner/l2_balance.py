@@ -40,6 +40,7 @@ BALANCE_SWAP_BINS = 64
 BALANCE_WIDE = 8
 
 _REBALANCE = compiled("l2_rebalance")
+_REBALANCE_PACKING = compiled("l2_rebalance_packing")  # rebalance of a compiled packing, all of it
 
 
 def _slot_objective(seqs_cost: List[List[float]], dp: int, tau: float, weight: float) -> float:
@@ -571,7 +572,7 @@ def numbered_units(entries):
 
 
 def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: int = 0,
-              swap_bins: Optional[int] = None, ordered: bool = False):
+              swap_bins: Optional[int] = None, ordered: bool = False, arrays=None):
     """A packing's microbatches evened out per slot (the balance pass, several replicas).
 
     A local search (``_C.l2_rebalance``; ``_rebalance_python`` its reference, move for move):
@@ -600,17 +601,26 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
     impossible, or there are fewer microbatches than replicas).  ``swap_bins``: swaps are tried in
     packings of at most this many microbatches (default ``BALANCE_SWAP_BINS``).  ``ordered``: the objective
     reads each replica's microbatches in the order this function returns them (producers moved before
-    their first consumer), not costliest first only."""
-    global _REBALANCE
+    their first consumer), not costliest first only.  ``arrays``: ``unit_arrays`` of the units the
+    packer was given, when ``packed`` is a compiled packer's packing (``_C.L2Packing``): then all of
+    this runs in ``_C.l2_rebalance_packing`` (the same packing; the code below is its reference)."""
+    global _REBALANCE, _REBALANCE_PACKING
+    swaps = BALANCE_SWAP_BINS if swap_bins is None else int(swap_bins)
+    if arrays is not None and _REBALANCE_PACKING is not None and not isinstance(packed, tuple):
+        try:
+            return _REBALANCE_PACKING(packed, ix.length, *arrays, dp, M, overhead, BALANCE_MOVES,
+                                      BALANCE_SLOTS, BALANCE_WEIGHT, swaps, BALANCE_WIDE,
+                                      max(0, int(spend)), bool(ordered))
+        except TypeError:  # a different compiled signature: the path below
+            _REBALANCE_PACKING = None
     groups, placement, loads, entries = packed[:4]
     n = len(groups)
     if n < 2 or dp < 2 or n < dp:  # fewer microbatches than replicas: every slot has idle ones
         return None
     units, ent = numbered_units(entries)
     rep = [placement[i][0] for i in range(n)]
-    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT,
-            BALANCE_SWAP_BINS if swap_bins is None else int(swap_bins), BALANCE_WIDE, max(0, int(spend)),
-            bool(ordered))
+    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT, swaps, BALANCE_WIDE,
+            max(0, int(spend)), bool(ordered))
     out = None
     if _REBALANCE is not None:
         try:

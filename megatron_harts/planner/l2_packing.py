@@ -25,6 +25,7 @@ class CompiledPacker:
 
     def __init__(self, name: str, reference: Callable, min_dp: int = 1, doc: str = ""):
         self.fast = compiled(name)
+        self.fast_many = compiled(name + "_many")
         self.reference = reference
         self.min_dp = min_dp
         self.__name__ = reference.__name__.strip("_").replace("_python", "")
@@ -40,6 +41,27 @@ class CompiledPacker:
             else:
                 return [p for p in packings if p is not None], bool(bound)
         return self.reference(ix, units, dp, M, S, eps)
+
+    def many(self, ix, units, dp: int, M: int, slots, epss, arrays=None) -> list:
+        """The packings of ``self(ix, units, dp, M, S, eps, arrays)`` for every ``S`` of ``slots``
+        and, per ``S``, the tolerances ``epss`` in order, the next one only while ``bound`` (a
+        placement turned away: a larger tolerance may pack differently), concatenated: one call of
+        the compiled ``_C.<name>_many`` when built (this loop is its reference)."""
+        if self.fast is not None and self.fast_many is not None and dp >= self.min_dp:
+            try:
+                return self.fast_many(units, ix.length,
+                                      *(arrays if arrays is not None else unit_arrays(units)),
+                                      dp, M, list(slots), list(epss))
+            except TypeError:  # a different compiled signature: the loop below
+                self.fast_many = None
+        out = []
+        for S in slots:
+            for eps in epss:
+                packings, bound = self(ix, units, dp, M, S, eps, arrays)
+                out.extend(packings)
+                if not bound:
+                    break  # the target turned nothing away: a larger one packs the same
+        return out
 
 
 def _after_owners(seqs: List[List[int]], after: Dict[int, set]) -> Optional[List[List[int]]]:

@@ -141,10 +141,11 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
                     got = paths[par[s]] = (path, sum([body_c[x] for x in path]))
                 path, path_cost = list(got[0]), got[1]
                 replay = start[s] % B
-                if sub_rows[s] <= cut:  # the whole subtree, ids s..e-1 (preorder), nothing recomputed
-                    own_rows = sum(length[s:e])
-                    items.append(_Unit("item", t, list(range(s, e)), [], own_rows, own_rows, sum(own_c[s:e]),
-                                       rp * replay, path, start[s], path_cost, replay=replay))
+                own_rows = sub_rows[s]
+                if own_rows <= cut:  # the whole subtree, ids s..e-1 (preorder), nothing recomputed
+                    items.append(_Unit("item", t, list(range(s, e)), [], own_rows, own_rows,
+                                       sum(own_c[s:e]), rp * replay, path, start[s], path_cost, None,
+                                       -1, replay))
                     tokens += own_rows + replay
                     continue
                 budget = M + start[s]
@@ -184,6 +185,8 @@ def split_windows(ix: ForestIndex, units: List[_Unit], model: CostModel, dp: int
     left of the tree's core, each the segment whose window (path included) costs closest to
     the tree's cost over ``k`` (not on an earlier cut's path: every cut's path is owned by the
     first window)."""
+    if all(len(u.owned) < 2 for u in units if u.kind == "core"):
+        return None  # a cut needs a core segment below its root (Step-wise: every core is the prompt)
     total = sum(u.cost + u.replay_cost for u in units)
     limit = share * total / dp
     wins: Dict[int, List[_Unit]] = {}
@@ -192,8 +195,6 @@ def split_windows(ix: ForestIndex, units: List[_Unit], model: CostModel, dp: int
             wins.setdefault(u.win, []).append(u)
     if not any(sum(u.cost + u.replay_cost for u in us) > limit for us in wins.values()):
         return None
-    if all(len(u.owned) < 2 for us in wins.values() for u in us if u.kind == "core"):
-        return None  # a cut needs a core segment below its root (Step-wise: every core is the prompt)
     own_c, body_c = _segment_costs(ix, model)
     length, par, sub_size = ix.length_list, ix.parent, ix.sub_size_list
     out = [u for u in units if u.kind == "free"]

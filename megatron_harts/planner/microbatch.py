@@ -34,7 +34,7 @@ from .cost_model import CostFeatures, CostModel, ForestIndex, gc_paused
 __all__ = [
     "PlanningError", "ExternalContext", "Microbatch", "SharingWindow", "MicrobatchPlan",
     "check_budget", "check_dp", "assemble_plan", "assemble_expanded_plan", "place_sorted",
-    "ReplicaMicrobatch", "replica_windows", "gc_paused",
+    "ReplicaMicrobatch", "replica_windows", "gc_paused", "packing_key", "slot_step", "plan_order",
 ]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -412,55 +412,154 @@ def _csr(arrays: Sequence) -> Tuple[np.ndarray, np.ndarray]:
 def _assemble_core(ix: ForestIndex, model: CostModel, owns: Sequence, recs: Sequence):
     """``_assemble_core_python``'s result from the compiled ``_C.assemble_core`` when built
     (the same values; arrays are views of its outputs)."""
+    return _assemble_core_csr(ix, model, *_csr(owns), *_csr(recs))
+
+
+def _split_csr(off: np.ndarray, ids: np.ndarray) -> List[np.ndarray]:
+    o = off.tolist()
+    return [ids[o[j]:o[j + 1]] for j in range(len(o) - 1)]
+
+
+def _core_out(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec):
+    """The compiled ``_C.assemble_core``'s output for microbatches given as CSR, or None when it
+    is not built (or takes other arguments)."""
     global _ASSEMBLE
-    if _ASSEMBLE is not None and len(owns):
-        own_off, own = _csr(owns)
-        rec_off, rec = _csr(recs)
+    if _ASSEMBLE is not None and own_off.shape[0] > 1:
         try:
-            out = _ASSEMBLE(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits, own_off, own,
-                            rec_off, rec, model.chunk_size)
+            return _ASSEMBLE(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits,
+                             own_off, own, rec_off, rec, model.chunk_size)
         except TypeError:  # a different compiled signature: the Python path
             _ASSEMBLE = None
-        else:
-            oo, o, ro, r, feats, rec_rows, eo, ep, eso, es, er = out
-            oo, ro, eo, ep, eso, er = oo.tolist(), ro.tolist(), eo.tolist(), ep.tolist(), eso.tolist(), er.tolist()
-            k = len(owns)
-            ext_l = [[(ep[e], es[eso[e]:eso[e + 1]], er[e]) for e in range(eo[j], eo[j + 1])] for j in range(k)]
-            return ([o[oo[j]:oo[j + 1]] for j in range(k)], [r[ro[j]:ro[j + 1]] for j in range(k)],
-                    [CostFeatures(*row) for row in feats.tolist()], rec_rows.tolist(), ext_l)
-    return _assemble_core_python(ix, model, owns, recs)
+    return None
+
+
+def _assemble_core_csr(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec, out=None):
+    """``_assemble_core`` of microbatches given as CSR (owned, recomputed: offsets, ids); ``out``:
+    ``_core_out`` of the same arguments when the caller has it."""
+    if out is None:
+        out = _core_out(ix, model, own_off, own, rec_off, rec)
+    if out is None:
+        return _assemble_core_python(ix, model, _split_csr(own_off, own), _split_csr(rec_off, rec))
+    oo, o, ro, r, feats, rec_rows, eo, ep, eso, es, er = out
+    oo, ro, eo, ep, eso, er = (a.tolist() for a in (oo, ro, eo, ep, eso, er))
+    k = len(oo) - 1
+    ext_l = [[(ep[e], es[eso[e]:eso[e + 1]], er[e]) for e in range(eo[j], eo[j + 1])]
+             for j in range(k)]
+    return ([o[oo[j]:oo[j + 1]] for j in range(k)], [r[ro[j]:ro[j + 1]] for j in range(k)],
+            [CostFeatures(*row) for row in feats.tolist()], rec_rows.tolist(), ext_l)
+
+
+def plan_order(groups: Sequence, placement: Sequence[Tuple[int, int]]):
+    """``assemble_plan``'s microbatches in plan order: (replica of each, compacted slot of each,
+    slot count, owned segments as CSR offsets and ids, recomputed segments likewise).  The groups
+    with owned segments are numbered by (slot, replica), the slots used renumbered 0.. in order.  A
+    compiled packing gives the same tuple itself (``_C.L2Packing.plan_order``)."""
+    keep = [i for i in range(len(groups)) if len(groups[i][0])]
+    used_slots = sorted({placement[i][1] for i in keep})
+    slot_map = {s: k for k, s in enumerate(used_slots)}
+    order = sorted(keep, key=lambda i: (slot_map[placement[i][1]], placement[i][0]))
+    return ([placement[i][0] for i in order], [slot_map[placement[i][1]] for i in order],
+            len(used_slots), *_csr([groups[i][0] for i in order]),
+            *_csr([groups[i][1] for i in order]))
+
+
+def _feature_rows(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec,
+                  keep: Optional[dict] = None) -> List[List[int]]:
+    """Per microbatch (CSR) the six ``CostFeatures`` numbers ``_assemble_core`` gives it (the
+    compiled core when built, read without building its other outputs; else the reference).
+    ``keep``: a dict to leave the compiled core's output in (key ``"core"``)."""
+    out = _core_out(ix, model, own_off, own, rec_off, rec)
+    if keep is not None:
+        keep["core"] = out
+    if out is not None:
+        return out[4].tolist()
+    feats = _assemble_core_python(ix, model, _split_csr(own_off, own), _split_csr(rec_off, rec))[2]
+    return [[f.rows, f.attention_pairs, f.kda_calls, f.replay_tokens, f.logits_rows,
+             f.external_rows] for f in feats]
+
+
+def slot_step(num_replicas: int, num_slots: int, slots: Sequence[int],
+              costs: Sequence[float]) -> float:
+    """Modelled step of microbatches at ``slots`` costing ``costs``: per slot the costliest (a slot
+    with fewer than ``num_replicas`` microbatches: an idle replica's 0.0 is in its maximum), summed
+    as numpy sums the maxima (``l2.step_cost`` of a plan: the maximum of ``cost_matrix()`` per
+    slot)."""
+    if num_replicas * num_slots == 0:
+        return 0.0
+    top: list = [None] * num_slots
+    count = [0] * num_slots
+    for k, c in zip(slots, costs):
+        count[k] += 1
+        if top[k] is None or c > top[k]:
+            top[k] = c
+    for k in range(num_slots):
+        if count[k] < num_replicas and (top[k] is None or 0.0 > top[k]):
+            top[k] = 0.0
+    return float(np.array(top, dtype=np.float64).sum())
+
+
+def packing_key(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]],
+                placement: Sequence[Tuple[int, int]], *, dp: int, row_budget: int,
+                cost_model: CostModel, order=None,
+                keep: Optional[dict] = None) -> Optional[Tuple[float, int]]:
+    """(modelled step, tokens computed) of ``assemble_plan``'s plan of these arguments without
+    building it: ``(slot_step`` of its microbatches, ``tokens_computed)``, the same floats and
+    ints; None where ``assemble_plan`` raises ``PlanningError`` (a microbatch over the budget).
+    Its other checks (two microbatches in one place, a consumer not after its producer) are left
+    to ``assemble_plan``: plans are judged by this key and the chosen one assembled.  ``order``:
+    ``plan_order(groups, placement)`` when the caller has it (groups and placement then unread).
+    ``keep``: a dict this function leaves the plan order and the compiled core's output in, for
+    ``assemble_plan(..., keep=keep)`` of the same arguments to reuse."""
+    if order is None:
+        order = plan_order(groups, placement)
+    if keep is not None:
+        keep["order"] = order
+    _, ks, S, own_off, own, rec_off, rec = order
+    rows = _feature_rows(ix, cost_model, own_off, own, rec_off, rec, keep)
+    c = cost_model.coefficients
+    cm, cr, ca, ck, cy, cl = (c.microbatch, c.row, c.attention_pair, c.kda_call, c.kda_replay_token,
+                              c.logits_row)
+    costs, tokens = [], 0
+    for f in rows:  # CostModel.cost, term for term
+        if f[0] > row_budget:
+            return None
+        costs.append(0.0 if f[0] == 0 else
+                     cm + cr * f[0] + ca * f[1] + ck * f[2] + cy * f[3] + cl * f[4])
+        tokens += f[0] + f[3]
+    return slot_step(dp, S, ks, costs), tokens
 
 
 def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]],
                   placement: Sequence[Tuple[int, int]], *, planner: str, dp: int,
-                  row_budget: int, cost_model: CostModel, plan_seconds: float = 0.0) -> MicrobatchPlan:
+                  row_budget: int, cost_model: CostModel, plan_seconds: float = 0.0,
+                  order=None, keep: Optional[dict] = None) -> MicrobatchPlan:
     """Turn ``groups`` (owned, recomputed segment arrays, one per microbatch) placed at
     ``placement`` ((replica, slot) each) into a plan: microbatches numbered by (slot, replica),
     slots compacted (idle slots at the end dropped), external context read from the owners of
-    the missing ancestors, sharing windows, exact cost features.
+    the missing ancestors, sharing windows, exact cost features.  ``order``: ``plan_order(groups,
+    placement)`` when the caller has it (groups and placement then unread); ``keep``: what
+    ``packing_key(..., keep=keep)`` of the same arguments left (its plan order and core output).
 
     Raises ``PlanningError`` if a microbatch exceeds the row budget (never a silent
     over-budget plan) and ``AssertionError`` if a placement puts a consumer before its producer.
     """
-    n = len(groups)
-    keep = [i for i in range(n) if len(groups[i][0])]
-    used_slots = sorted({placement[i][1] for i in keep})
-    slot_map = {s: k for k, s in enumerate(used_slots)}
-    order = sorted(keep, key=lambda i: (slot_map[placement[i][1]], placement[i][0]))
-    S = len(used_slots)
+    if keep is not None:
+        order = keep["order"]
+    if order is None:
+        order = plan_order(groups, placement)
+    rs, ks, S, own_off, own, rec_off, rec = order
     grid = [[-1] * S for _ in range(dp)]  # the slots as lists (one array built at the end)
-    for new, i in enumerate(order):
-        r, s = placement[i][0], slot_map[placement[i][1]]
+    for new, (r, s) in enumerate(zip(rs, ks)):
         assert grid[r][s] == -1, f"two microbatches at replica {r}, slot {s}"
         grid[r][s] = new
     slots = np.array(grid, dtype=np.int64).reshape(dp, S)
-    owned_l, rec_l, feats_l, rec_rows, ext_l = _assemble_core(ix, cost_model, [groups[i][0] for i in order],
-                                                              [groups[i][1] for i in order])
+    owned_l, rec_l, feats_l, rec_rows, ext_l = _assemble_core_csr(
+        ix, cost_model, own_off, own, rec_off, rec, None if keep is None else keep["core"])
     consumers: Dict[int, set] = {}
     exported: Dict[int, set] = {}
     mbs: List[Microbatch] = []
     length = ix.length_list
-    for new, i in enumerate(order):
+    for new in range(len(rs)):
         feats = feats_l[new]
         if feats.rows > row_budget:
             own = owned_l[new]
@@ -472,7 +571,7 @@ def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray
             external.append(ExternalContext(p, segs, rows))
             consumers.setdefault(p, set()).add(new)
             exported.setdefault(p, set()).update(segs.tolist())
-        r, k = placement[i][0], slot_map[placement[i][1]]
+        r, k = rs[new], ks[new]
         mbs.append(Microbatch(index=new, replica=r, slot=k, owned=owned_l[new], recomputed=rec_l[new],
                               external=tuple(external), consumers=(), features=feats, cost=cost_model.cost(feats),
                               recomputed_rows=rec_rows[new]))
