@@ -411,9 +411,10 @@ class _GatherUniqueRows(torch.autograd.Function):
 
 
 def _gather(x: torch.Tensor, rows: torch.Tensor, unique: bool, identity: bool) -> torch.Tensor:
-    """``x.index_select(0, rows)``, the same values, by the cheapest route the flags allow."""
+    """``x.index_select(0, rows)``, the same values (contiguous, as index_select gives them), by the
+    cheapest route the flags allow."""
     if identity and rows.numel() == x.shape[0]:
-        return x
+        return x.contiguous()
     return _GatherUniqueRows.apply(x, rows) if unique else x.index_select(0, rows)
 
 
