@@ -169,9 +169,10 @@ class WindowExports:
         """One producer backward from the gradients the consumers accumulated in ``leaves``
         (plus, when given, the producer's own ``loss``)."""
         outs, grads = ([loss], [torch.ones_like(loss)]) if loss is not None else ([], [])
+        accumulated = leaves.gradients()
         for n, d in self.layers.items():
             for k, t in d.items():
-                g = leaves.layers[n][k].grad
+                g = accumulated[n].get(k)
                 if g is not None and t.requires_grad:
                     outs.append(t)
                     grads.append(g)
