@@ -232,16 +232,21 @@ def test_general_intervals_backends_agree(seed, R):
         torch.testing.assert_close(tree_attention(q, k, v, vis, backend="flex", block_mask=bm, **kw), ref.detach(), **TOL)
 
 
-@pytest.mark.skipif(not CUDA, reason="FlexAttention's backward needs CUDA (torch has none on CPU)")
-def test_flex_forward_backward_cuda():
+def swe_cuda_layouts():
+    """A small SWE-like forest's whole-tree layout and a consumer layout of one of its subtrees
+    (context rows from the first), on the GPU."""
     from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
     cfg = SweConfig(num_tasks=2, samples_per_task=3, prompt_median=200, action_median=20, observation_median=30,
                     min_turns=2, max_turns=4, max_tokens=700, seed=2)
     f = build_forest(synthesize_swe(cfg))
     producer = build_layout(f)
     child = int(np.flatnonzero(f.seg_parent >= 0)[0])
-    for lay in (producer, build_layout(f, roots=[child], context=producer)):
-        lay = lay.to("cuda")
+    return [lay.to("cuda") for lay in (producer, build_layout(f, roots=[child], context=producer))]
+
+
+@pytest.mark.skipif(not CUDA, reason="FlexAttention's backward needs CUDA (torch has none on CPU)")
+def test_flex_forward_backward_cuda():
+    for lay in swe_cuda_layouts():
         R, Rc = lay.num_rows, lay.num_context_rows
         gen = torch.Generator(device="cuda").manual_seed(0)
         make = lambda *s: torch.randn(*s, device="cuda", generator=gen, requires_grad=True)
@@ -320,15 +325,8 @@ def test_key_paths_refuse_non_tree_visibility():
 @pytest.mark.skipif(not CUDA, reason="the flash varlen kernels need CUDA")
 @pytest.mark.parametrize("dims", [(64, 64), (96, 64), (192, 128), (12, 8), (64, 128)])
 def test_varlen_flash_equals_reference_cuda(dims):
-    from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
-    cfg = SweConfig(num_tasks=2, samples_per_task=3, prompt_median=200, action_median=20, observation_median=30,
-                    min_turns=2, max_turns=4, max_tokens=700, seed=2)
-    f = build_forest(synthesize_swe(cfg))
-    producer = build_layout(f)
-    child = int(np.flatnonzero(f.seg_parent >= 0)[0])
     D, Dv = dims
-    for lay in (producer, build_layout(f, roots=[child], context=producer)):
-        lay = lay.to("cuda")
+    for lay in swe_cuda_layouts():
         R, Rc = lay.num_rows, lay.num_context_rows
         gen = torch.Generator(device="cuda").manual_seed(0)
         make = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
