@@ -5,7 +5,8 @@ reference's outputs and the gradients of the inputs, the probs and every expert 
 (fp32 within 1e-5, bf16 within a bf16 tolerance; on CPU ``_grouped_mm`` runs the same
 per-group GEMMs, so these are in fact exact here), with experts that receive no tokens,
 top-k > 1 probs, SwiGLU, fused weighted SwiGLU and a non-gated activation; gradients reach
-megatron-DDP-style grad-accumulator hooks; fp64 and every other fallback is the reference
+megatron-DDP-style grad-accumulator hooks, and under megatron DDP itself the grouped backward's
+own main_grad accumulation equals DDP's per-expert hook adds bitwise; fp64 and every other fallback is the reference
 bitwise; parameters, attributes, state dict and sharded state dict are SequentialMLP's; a
 tiny HybridModel gives the same log-probs and gradients with either expert module.
 """
@@ -272,6 +273,44 @@ def test_hybrid_model_equals_sequential_experts(cpu_world, grouped_calls, monkey
         for k in g_ref:
             assert _rel(g[k], g_ref[k]) <= 1e-5, (short, k, _rel(g[k], g_ref[k]))
 
+
+
+@pytest.mark.parametrize("dtype,fp32_grads", [(torch.float32, False), (torch.bfloat16, False),
+                                              (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-fp32-grads"])
+def test_ddp_main_grads_are_the_unfused_hooks_bitwise(cpu_world, unfused_swiglu, monkeypatch, dtype, fp32_grads):
+    """Under megatron DDP the grouped backward adds the experts' weight gradients into their
+    ``main_grad`` itself (one foreach add) and DDP's post-hooks skip theirs: after two backward
+    passes (accumulation) every main_grad equals, bitwise, what DDP's own per-expert hook adds give."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    cfg = tiny_config(dtype=dtype)
+    inputs = [_routed(cfg, seed) for seed in (0, 1)]
+    foreach = []
+    real_foreach = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda *a, **k: (foreach.append(len(a[0])), real_foreach(*a, **k)))
+
+    def main_grads(fused):
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(experts_mod, "_accumulates_into_main_grad", lambda *a: False)
+            _, new = _pair(cfg)
+            ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=fp32_grads), new)
+            ddp.zero_grad_buffer()
+            for tokens, token_of_row, probs, counts in inputs:
+                y, _ = ddp(tokens[token_of_row], counts, probs)
+                y.float().square().sum().backward()
+            added = [getattr(w, "grad_added_to_main_grad") for w in new.parameters()]
+            assert all(w.grad is None for w in new.parameters())
+            return {n: w.main_grad.clone() for n, w in new.named_parameters()}, added
+
+    want, added = main_grads(fused=False)
+    assert not any(added) and not foreach
+    got, added = main_grads(fused=True)
+    assert all(added) and foreach == [E] * 4          # fc1 and fc2 of each of the two backward passes
+    assert want.keys() == got.keys()
+    for k in want:
+        assert got[k].dtype == (torch.float32 if fp32_grads else dtype)
+        assert torch.equal(got[k], want[k]), k
+        assert got[k].any() or "local_experts.1." in k or "local_experts.6." in k
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

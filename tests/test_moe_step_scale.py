@@ -127,3 +127,35 @@ def test_step_token_weights_add_up_to_its_trajectory_tokens(sharing, budget, dp)
             w = torch.ones(mb.layout.num_rows, dtype=torch.float64) if occ is None else occ.double()
             total += float((w if mb.counted is None else w * mb.counted.double()).sum())
     assert total == int(forest.traj_length.sum()) and aux_loss_scale(plan) == 1.0 / total
+
+
+@pytest.mark.parametrize("sharing,budget", [("within", 48), ("windows", 48), ("off", 48)])
+def test_microbatch_token_weight_total_is_known_on_the_host(cpu_world, sharing, budget):
+    """The packed params of every microbatch the schedule builds (plain, producer, expanded, with
+    rows left uncounted) carry ``token_weight.sum()`` as a host number, so the MoE layers never
+    read it from the device: it equals the device sum exactly, and padding keeps it."""
+    from hybrid_tiny import tiny_config
+    from test_training_driver import rollouts
+    from megatron_harts.schedules.windows import check_windows, microbatch_params, producer_params
+    from megatron_harts.training.step import SharingSettings, plan_step, replica_microbatches
+    forest = build_forest(rollouts(1))
+    cfg = tiny_config(dtype=torch.float64)
+    settings = SharingSettings(sharing=sharing, microbatch_tokens=budget,
+                               planner={"off": "ffd", "within": "l1", "windows": "l1l2"}[sharing])
+    items = replica_microbatches(forest, plan_step(forest, settings, 1), 0, settings)
+    producers = check_windows(items)
+    checked = 0
+    for i, mb in enumerate(items):
+        if mb.producer is not None:          # a consumer's params need its producer's exports
+            continue
+        psp = producer_params(mb, [items[c] for c in producers[i]], cfg) if i in producers \
+            else microbatch_params(mb, cfg)
+        if psp.token_weight is None:         # expanded, every token counted: megatron's statistics,
+            assert mb.counted is None        # until padding weighs the pad tokens 0
+            psp = psp.padded(2)
+        assert psp.token_weight_total is not None
+        assert psp.token_weight_total == float(psp.token_weight.sum()) == psp.token_weight_sum()
+        if not psp.pad_rows:
+            assert psp.padded(3).token_weight_sum() == psp.token_weight_total
+        checked += 1
+    assert checked

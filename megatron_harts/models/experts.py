@@ -14,10 +14,15 @@ loop, a split and a cat), all local experts run in
 with ``offs = cumsum(tokens_per_expert)`` (``torch._grouped_mm``).  The stacked
 weights are built per call from the experts' own parameters (a copy, cheap
 compared with the GEMMs) inside :class:`_GroupedLinear`, an autograd function
-whose inputs are the individual weight parameters: their gradients come back
-through ordinary autograd (``AccumulateGrad`` into ``.grad``, where megatron
-DDP's post-hooks fold them into ``.main_grad``), exactly like the per-expert
-linears' gradients without ``gradient_accumulation_fusion``.  The backward
+whose inputs are the individual weight parameters.  Under megatron DDP (the
+weights carry ``main_grad`` and ``grad_added_to_main_grad``) the backward adds
+the stacked weight gradient into every expert's ``main_grad`` in one foreach
+call and marks them added, so DDP's post-hooks (still fired through each
+weight's grad accumulator) skip their per-expert adds: the same values, bitwise,
+as the per-expert linears' gradients without ``gradient_accumulation_fusion``
+(bf16 wgrad promoted to ``main_grad``'s dtype, then added), with one launch per
+linear instead of one per expert.  Without DDP the gradients come back through
+ordinary autograd into ``.grad``.  The backward
 re-stacks the weights instead of saving the stacked copy, so activation memory
 does not grow by a copy of every expert's weights per MoE layer.
 
@@ -114,8 +119,44 @@ class _GroupedLinear(torch.autograd.Function):
         if any(ctx.needs_input_grad[3:]):
             dw = torch._grouped_mm(dy.t(), x, offs=offs)                      # [G, N, K]
             dw.masked_fill_(empty.view(-1, 1, 1), 0)
+            if _accumulates_into_main_grad(weights, ctx.needs_input_grad[3:]):
+                return (dx, None, None, *_add_to_main_grads(weights, dw))
             dws = [g if need else None for g, need in zip(dw.unbind(0), ctx.needs_input_grad[3:])]
         return (dx, None, None, *dws)
+
+
+def _accumulates_into_main_grad(weights, needs_grad) -> bool:
+    """Whether the weights' gradients go straight into megatron DDP's ``main_grad`` buffers: every
+    weight needs its gradient, has a ``main_grad`` of one dtype and device, carries DDP's
+    ``grad_added_to_main_grad`` flag and no ``zero_out_wgrad`` request."""
+    if not all(needs_grad):
+        return False
+    ref = getattr(weights[0], "main_grad", None)
+    if ref is None:
+        return False
+    for w in weights:
+        g = getattr(w, "main_grad", None)
+        if g is None or g.dtype != ref.dtype or g.device != ref.device or g.shape != w.shape \
+                or not hasattr(w, "grad_added_to_main_grad") or getattr(w, "zero_out_wgrad", False):
+            return False
+    return True
+
+
+def _add_to_main_grads(weights, dw: torch.Tensor) -> List[torch.Tensor]:
+    """Add the stacked weight gradients ``dw`` [G, N, K] into the weights' ``main_grad`` in one
+    multi-tensor launch and return the placeholder gradients DDP's post-hook then skips.
+
+    Invariant: every ``main_grad`` ends bitwise where DDP's hook would put it
+    (``main_grad.add_(grad)`` promotes ``grad`` to ``main_grad``'s dtype before adding; so does this),
+    with one kernel for the conversion and the foreach kernels instead of one add per expert.
+    The placeholders (uninitialized, like megatron's fused linears' ``grad_weight``) only let the
+    weights' grad accumulators run, which fires DDP's hooks (bucket readiness).
+    """
+    mains = [w.main_grad for w in weights]
+    torch._foreach_add_(mains, list(dw.to(mains[0].dtype).unbind(0)))
+    for w in weights:
+        w.grad_added_to_main_grad = True
+    return [torch.empty(w.shape, dtype=dw.dtype, device=dw.device) for w in weights]
 
 
 class GroupedSequentialMLP(SequentialMLP):

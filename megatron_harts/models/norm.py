@@ -10,11 +10,14 @@ all-reduce those gradients over the TP group.
 
 Numerics (Kimi-Linear's ``KimiLinearRMSNorm``): statistics in at least fp32
 (in the input dtype when that is wider), ``y = weight * (x / sqrt(mean(x^2) + eps))``
-cast back to the input dtype before the weight multiplies it.
+cast back to the input dtype before the weight multiplies it.  On CUDA the
+normalization is torch's fused RMSNorm kernel (:func:`rms_normalize`), held to
+the plain-torch :func:`rms_normalize_reference` by tests/test_norm.py.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -24,10 +27,28 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2, -1) + eps)`` computed in >= fp32, returned in x's dtype."""
+def rms_normalize_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps)`` computed in >= fp32, returned in x's dtype (plain torch)."""
     xs = x.to(_stat_dtype(x.dtype))
     return (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+#: input dtypes whose normalization runs torch's fused RMSNorm kernel on CUDA (statistics in fp32,
+#: one rounding to the input dtype, like the reference; fp64 keeps the reference)
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps)`` in x's dtype: on CUDA one fused kernel forward and one
+    backward (``F.rms_norm`` without weight), elsewhere :func:`rms_normalize_reference`.
+
+    Invariant: the two differ only in the order of the fp32 sum of squares (rounding of the last
+    fp32 bit, at most one unit of the output dtype); each row depends on that row alone, so tree
+    and expanded rows of the same token normalize identically on either path.
+    """
+    if x.is_cuda and x.dtype in FUSED_DTYPES:
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+    return rms_normalize_reference(x, eps)
 
 
 class RMSNorm(MegatronModule):

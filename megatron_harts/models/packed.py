@@ -241,6 +241,8 @@ class TreePackedSeqParams(PackedSeqParams):
                                              # config's, or the block-mask one where varlen does not pay)
     token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode); expanded: None (megatron's
                                                  # statistics) or 1 per counted token, 0 per uncounted/pad token
+    token_weight_total: Optional[float] = None   # ``token_weight.sum()`` where the host knows it (else read
+                                                 # from the device once, by token_weight_sum)
     position_ids: Optional[torch.Tensor] = None  # [tokens] path depth (tree) / position in sequence
     export_spec: Optional[ExportSpec] = None  # producer: what to record (tree mode)
     exports: Optional[WindowExports] = None   # producer: filled by the forward; consumer: what to read
@@ -268,6 +270,8 @@ class TreePackedSeqParams(PackedSeqParams):
     def token_weight_sum(self) -> float:
         """``token_weight.sum()`` as a host number, read from the device once per microbatch (every MoE
         layer needs it; reading it per layer would stall the host once per layer)."""
+        if self.token_weight_total is not None:
+            return self.token_weight_total
         if self._token_weight_sum is None:
             self._token_weight_sum = float(self.token_weight.sum())
         return self._token_weight_sum
@@ -424,11 +428,12 @@ class TreePackedSeqParams(PackedSeqParams):
                 host, context_visibility=host.context_visibility if host.num_context_rows else None,
                 device=device)
         R = layout.num_rows
-        cu = torch.tensor([0, R], dtype=torch.int32, device=device)
+        cu = host_to_device(torch.tensor([0, R], dtype=torch.int32), device)
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=R, max_seqlen_kv=R,
                    mode="tree", layout=layout, kda_schedule=schedule, conv_taps=taps, block_mask=block_mask,
                    key_paths=key_paths, attention_backend=attention_backend,
-                   token_weight=layout.occurrence.to(torch.float64), position_ids=layout.position_ids,
+                   token_weight=layout.occurrence.to(torch.float64),
+                   token_weight_total=float(host.occurrence.to(torch.float64).sum()), position_ids=layout.position_ids,
                    export_spec=None if export is None else export.to(device), exports=exports,
                    consumer_index=consumer_index)
 
@@ -453,7 +458,9 @@ class TreePackedSeqParams(PackedSeqParams):
         n = int(lens.sum())
         weight = self.token_weight if self.token_weight is not None else \
             torch.ones(n, dtype=torch.float64, device=cu.device)
-        return dataclasses.replace(out, pad_rows=int(pad), token_weight=torch.cat([weight, weight.new_zeros(pad)]))
+        total = self.token_weight_total if self.token_weight is not None else float(n)
+        return dataclasses.replace(out, pad_rows=int(pad), token_weight=torch.cat([weight, weight.new_zeros(pad)]),
+                                   token_weight_total=total)
 
     @classmethod
     def for_sequences(cls, lengths, *, device=None) -> "TreePackedSeqParams":

@@ -52,6 +52,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
+from ..layout import host_to_device
 from ..models.packed import ExportSpec, TreePackedSeqParams
 from ..planner.microbatch import replica_windows
 
@@ -212,7 +213,15 @@ def _count_rows(mb: WindowedMicrobatch, psp) -> None:
     w = psp.token_weight
     if w is None:                  # expanded: every token weighs 1 (megatron's statistics), uncounted 0
         w = torch.ones(mb.layout.num_rows, dtype=torch.float64, device=mb.layout.tokens.device)
-    psp.token_weight = w * c.to(w.device, w.dtype)
+        total = float(c.sum())
+    else:                          # tree: the layout's occurrence counts, known on the host
+        host = mb.layout.host_copy if mb.layout.host_copy is not None else mb.layout
+        occurrence = getattr(host, "occurrence", None)
+        total = float((occurrence.to(torch.float64) * c.to(torch.float64)).sum()) \
+            if psp.token_weight_total is not None and occurrence is not None and occurrence.device.type == "cpu" \
+            else None
+    psp.token_weight = w * host_to_device(c, w.device).to(w.dtype)
+    psp.token_weight_total = total
 
 
 def _loss_of(loss_func: Callable, output):

@@ -228,7 +228,7 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
         dev = batch.tokens.device
         # a producer's exports-only forward (recomputed with its loss at window close) counts nothing
         counts = not getattr(psp, "preview", False)
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(aux_loss_scale, dtype=torch.float32, device=dev))
+        MoEAuxLossAutoScaler.set_loss_scale(host_to_device(torch.tensor(aux_loss_scale, dtype=torch.float32), dev))
         if not _unwrap(model).post_process:       # a pipeline stage before the last: hidden states out
             out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp)
             if counts:
@@ -284,7 +284,7 @@ def megatron_aux_loss_scale_after(device):
     try:
         yield
     finally:
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float32, device=device))
+        MoEAuxLossAutoScaler.set_loss_scale(host_to_device(torch.tensor(1.0, dtype=torch.float32), device))
 
 
 def aux_loss_scale(plan) -> float:
