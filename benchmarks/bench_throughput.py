@@ -150,11 +150,32 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+def _device_time(e) -> float:
+    v = getattr(e, "self_device_time_total", None)
+    return float(v if v is not None else getattr(e, "self_cuda_time_total", 0.0))
+
+
+def kernel_categories(events) -> dict:
+    """GPU time and launches per ``KERNEL_CATEGORIES`` category of a profile's averaged events.
+
+    Only the GPU's own events count (device type CUDA): a host-side record (an aten op, a custom
+    autograd Function, a Triton launcher) carries the device time of the kernels it launched, which
+    would count them a second time."""
+    from torch.autograd import DeviceType
+    categories = {}
+    for e in events:
+        if e.device_type != DeviceType.CUDA or _device_time(e) <= 0:
+            continue
+        entry = categories.setdefault(kernel_category(e.key), {"seconds": 0.0, "launches": 0})
+        entry["seconds"] += _device_time(e) / 1e6
+        entry["launches"] += int(e.count)
+    return categories
+
+
 def profile_step(trainer, forest, device, top: int = 30):
     """One more step under ``torch.profiler``: wall time, GPU kernel time (summed per kernel, so a
     GPU idle while Python launches shows as wall >> kernel time), kernel time per category
     (``KERNEL_CATEGORIES``), and the text tables of the top kernels and the top CPU operators."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     if device == "cuda":
@@ -166,19 +187,7 @@ def profile_step(trainer, forest, device, top: int = 30):
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     events = prof.key_averages()
-
-    def dev_time(e):
-        v = getattr(e, "self_device_time_total", None)
-        return float(v if v is not None else getattr(e, "self_cuda_time_total", 0.0))
-    # the GPU's own events only: a host-side record (an aten op, a custom autograd Function, a
-    # Triton launcher) carries the device time of the kernels it launched, which would count twice
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and dev_time(e) > 0]
-    categories = {}
-    for e in kernels:
-        c = kernel_category(e.key)
-        entry = categories.setdefault(c, {"seconds": 0.0, "launches": 0})
-        entry["seconds"] += dev_time(e) / 1e6
-        entry["launches"] += int(e.count)
+    categories = kernel_categories(events)
     kernel_s = sum(v["seconds"] for v in categories.values())
     sort_dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     tables = (events.table(sort_by=sort_dev, row_limit=top, max_name_column_width=90) if device == "cuda" else "") \

@@ -67,3 +67,23 @@ def test_tiny_cpu_run_with_recomputed_producers(bt, tmp_path):
     assert win["windows"] > 0 and rec["windows"] == win["windows"]
     assert rec["loss_per_step"] == win["loss_per_step"] and rec["grad_norm_per_step"] == win["grad_norm_per_step"]
     assert rec["kda_calls"] == win["kda_calls"] and "speedup" in rec
+
+
+def test_kernel_categories_count_each_kernel_once(bt):
+    """A host-side record carrying its kernels' device time (a custom Function, FlexAttention's
+    launcher under the kernel's own name) is not counted beside the kernels themselves."""
+    from types import SimpleNamespace
+    from torch.autograd import DeviceType
+
+    def ev(key, device, us, count=1):
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us, count=count)
+    events = [ev("triton_tem_fused_flex_attention_backward_1", DeviceType.CPU, 5000.0),
+              ev("triton_tem_fused_flex_attention_backward_1", DeviceType.CUDA, 5000.0, 2),
+              ev("_ChunkKdaExportBackward", DeviceType.CPU, 3000.0),
+              ev("chunk_kda_bwd_kernel_intra", DeviceType.CUDA, 3000.0, 3),
+              ev("aten::mm", DeviceType.CPU, 700.0),
+              ev("nvjet_sm90_tst_128x256", DeviceType.CUDA, 700.0, 4),
+              ev("cudaLaunchKernel", DeviceType.CPU, 0.0, 9)]
+    cats = bt.kernel_categories(events)
+    assert cats == {"attention": {"seconds": 0.005, "launches": 2}, "kda": {"seconds": 0.003, "launches": 3},
+                    "gemm": {"seconds": 0.0007, "launches": 4}}
