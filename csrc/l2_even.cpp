@@ -29,10 +29,10 @@ class State {
    public:
     State(i64 S, i64 n, const i64* parent, const i64* length, const i64* pairs, const i64* logits,
           const i64* sub_size, double c_row, double c_pair, double c_logit)
-        : S_(S), parent_(parent), length_(length), pairs_(pairs), logits_(logits), sub_size_(sub_size),
-          c_row_(c_row), c_pair_(c_pair), c_logit_(c_logit), st_(static_cast<std::size_t>(S * n), kNone),
-          cc_(static_cast<std::size_t>(S * n), 0), rows(n, 0), pr(n, 0), lg(n, 0), n_own(n, 0), cost(n, 0.0),
-          is_prod(n, false), pinned(static_cast<std::size_t>(S * n), 0), owned(n) {}
+        : rows(n, 0), pr(n, 0), lg(n, 0), n_own(n, 0), cost(n, 0.0), is_prod(n, false),
+          pinned(static_cast<std::size_t>(S * n), 0), owned(n), reads(n, -1), owner(S, -1), S_(S), parent_(parent),
+          length_(length), pairs_(pairs), logits_(logits), sub_size_(sub_size), c_row_(c_row), c_pair_(c_pair),
+          c_logit_(c_logit), st_(static_cast<std::size_t>(S * n), kNone), cc_(static_cast<std::size_t>(S * n), 0) {}
 
     std::int8_t& st(i64 b, i64 s) { return st_[static_cast<std::size_t>(b * S_ + s)]; }
     std::int32_t& cc(i64 b, i64 s) { return cc_[static_cast<std::size_t>(b * S_ + s)]; }
@@ -54,6 +54,7 @@ class State {
             pr[b] += pairs_[s];
         }
         n_own[b] = no;
+        for (i64 i = 0; i < no; ++i) owner[own[i]] = b;
         present.assign(own, own + no);
         present.insert(present.end(), rec, rec + nr);
         std::sort(present.begin(), present.end());
@@ -118,20 +119,28 @@ class State {
         i64 d_rows_y = 0, d_pr_y = 0;
         for (i64 d : seg) {  // children inside the piece, counted on the fly (the piece is in id order)
             set(y, d, kOwn, 0);
+            own_by(d, y);
             d_rows_y += length_[d];
             d_pr_y += pairs_[d];
         }
         for (std::size_t i = 1; i < seg.size(); ++i) ++cc(y, parent_[seg[i]]);
-        for (i64 a = parent_[s]; a >= 0; a = parent_[a]) {
-            const std::int8_t v = st(y, a);
-            if (v != kNone) {
-                set(y, a, v, cc(y, a) + 1);
-                break;
+        missing_.clear();  // the root path's segments y neither computes nor reads, bottom up
+        i64 a = parent_[s];
+        for (; a >= 0 && st(y, a) == kNone; a = parent_[a]) missing_.push_back(a);
+        const i64 p = reads[y];
+        bool read = p >= 0 && (a < 0 || st(y, a) == kExt);
+        for (i64 m : missing_) read = read && owner[m] == p;
+        for (i64 m : missing_) {
+            if (read) {  // read from y's producer, which owns them: they stay there
+                set(y, m, kExt, 1);
+                pin(p, m);
+            } else {
+                set(y, m, kRec, 1);
+                d_rows_y += length_[m];
+                d_pr_y += pairs_[m];
             }
-            set(y, a, kRec, 1);
-            d_rows_y += length_[a];
-            d_pr_y += pairs_[a];
         }
+        if (a >= 0) set(y, a, st(y, a), cc(y, a) + 1);
         if (rows[y] + d_rows_y > M) return false;
         rows[x] += d_rows_x;
         pr[x] += d_pr_x;
@@ -154,7 +163,11 @@ class State {
     void undo(std::size_t mark) {
         while (log_.size() > mark) {
             const Log& e = log_.back();
-            if (e.s < 0) {
+            if (e.b == -1) {
+                owner[e.s] = e.rows;
+            } else if (e.b == -2) {
+                pinned[static_cast<std::size_t>(e.rows * S_ + e.s)] = 0;
+            } else if (e.s < 0) {
                 rows[e.b] = e.rows;
                 pr[e.b] = e.pr;
                 lg[e.b] = e.lg;
@@ -175,6 +188,7 @@ class State {
     std::vector<bool> is_prod;
     std::vector<std::uint8_t> pinned;  // microbatches x segments
     std::vector<std::vector<i64>> owned;
+    std::vector<i64> reads, owner;
 
    private:
     struct Log {
@@ -190,6 +204,18 @@ class State {
         st(b, s) = state;
         cc(b, s) = state == kNone ? 0 : count;
     }
+    // log kinds as the reference's: b == -1 an owner change (rows: the old owner), b == -2 a pin (rows: its
+    // microbatch), s == -1 the scalars of b, else the state and count of (b, s)
+    void own_by(i64 s, i64 b) {
+        log_.push_back(Log{-1, s, 0, 0, owner[s], 0, 0, 0, 0.0});
+        owner[s] = b;
+    }
+    void pin(i64 b, i64 s) {
+        std::uint8_t& v = pinned[static_cast<std::size_t>(b * S_ + s)];
+        if (v) return;
+        log_.push_back(Log{-2, s, 0, 0, b, 0, 0, 0, 0.0});
+        v = 1;
+    }
     void scalars(i64 b) { log_.push_back(Log{b, -1, 0, 0, rows[b], pr[b], lg[b], n_own[b], cost[b]}); }
 
     i64 S_;
@@ -198,6 +224,7 @@ class State {
     std::vector<std::int8_t> st_;
     std::vector<std::int32_t> cc_;
     std::vector<Log> log_;
+    std::vector<i64> missing_;
 };
 
 template <typename A>
@@ -224,7 +251,8 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
                   const I64Array& logits_a, const I64Array& sub_size_a, const I64Array& rep_a,
                   const I64Array& slot_a, const I64Array& own_off_a, const I64Array& own_a,
                   const I64Array& rec_off_a, const I64Array& rec_a, const F64Array& cost_a,
-                  const I64Array& is_prod_a, const I64Array& pin_off_a, const I64Array& pin_a, i64 dp, i64 S,
+                  const I64Array& is_prod_a, const I64Array& pin_off_a, const I64Array& pin_a,
+                  const I64Array& reads_a, i64 dp, i64 S,
                   i64 M, double c_row, double c_pair, double c_logit, i64 moves, i64 n_slots, double weight,
                   i64 spend) {
     const i64 G = parent_a.shape(0);
@@ -244,12 +272,13 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
     const i64* is_prod = vec(is_prod_a, n, "is_prod");
     const i64* pin_off = vec(pin_off_a, n + 1, "pin_off");
     const i64* pin = vec(pin_a, -1, "pin");
+    const i64* reads = vec(reads_a, n, "reads");
     check_csr(own_off, own, own_a.shape(0), n, G, "own");
     check_csr(rec_off, rec, rec_a.shape(0), n, G, "rec");
     check_csr(pin_off, pin, pin_a.shape(0), n, G, "pin");
     if (dp < 1 || S < 1) throw py::value_error("dp and S must be positive");
     for (i64 b = 0; b < n; ++b) {
-        if (rep[b] < 0 || rep[b] >= dp || slot[b] < 0 || slot[b] >= S) {
+        if (rep[b] < 0 || rep[b] >= dp || slot[b] < 0 || slot[b] >= S || reads[b] < -1 || reads[b] >= n) {
             throw py::value_error("microbatch " + std::to_string(b) + ": replica or slot out of range");
         }
     }
@@ -268,6 +297,7 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
         grid[static_cast<std::size_t>(slot[b] * dp + rep[b])] = b;
         st.cost[b] = cost0[b];
         st.is_prod[b] = is_prod[b] != 0;
+        st.reads[b] = reads[b];
         for (i64 i = pin_off[b]; i < pin_off[b + 1]; ++i) st.pinned[static_cast<std::size_t>(b * G + pin[i])] = 1;
         st.load(b, own + own_off[b], own_off[b + 1] - own_off[b], rec + rec_off[b], rec_off[b + 1] - rec_off[b]);
     }
@@ -390,12 +420,14 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
         for (const auto& [x, y] : swaps) {
             const std::vector<Piece>& px = pieces(x);
             const std::vector<Piece>& py = pieces(y);
+            const double gap = st.cost[x] - st.cost[y];
             for (const Piece& p : px) {
                 const i64 s = p.root;
                 for (const Piece& q : py) {
                     const i64 t = q.root;
-                    if (q.rows >= p.rows || (t <= s && s < t + sub_size[t]) || (s <= t && t < s + sub_size[s])) {
-                        continue;  // only a smaller piece back (the heavier entry gives rows), disjoint subtrees
+                    if (q.rows >= p.rows || c_row * static_cast<double>(p.rows - q.rows) >= gap ||
+                        (t <= s && s < t + sub_size[t]) || (s <= t && t < s + sub_size[s])) {
+                        continue;  // x gives rows, less than the gap's worth; disjoint subtrees
                     }
                     const std::size_t m = st.mark();
                     i64 got = 0, got2 = 0;
@@ -449,7 +481,7 @@ void register_even(pybind11::module_& m) {
     m.def("l2_even", &l2_even, py::arg("parent"), py::arg("length"), py::arg("pairs"), py::arg("logits"),
           py::arg("sub_size"), py::arg("rep"), py::arg("slot"), py::arg("own_off"), py::arg("own"),
           py::arg("rec_off"), py::arg("rec"), py::arg("cost"), py::arg("is_prod"), py::arg("pin_off"),
-          py::arg("pin"), py::arg("dp"), py::arg("S"), py::arg("M"), py::arg("c_row"), py::arg("c_pair"),
+          py::arg("pin"), py::arg("reads"), py::arg("dp"), py::arg("S"), py::arg("M"), py::arg("c_row"), py::arg("c_pair"),
           py::arg("c_logit"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"), py::arg("spend"),
           "L2's last pass (megatron_harts.planner.l2_even._even_python, change for change): (moved, owned "
           "segments as CSR offsets and ids, recomputed segments likewise) per microbatch, sorted.");

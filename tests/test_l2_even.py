@@ -31,25 +31,30 @@ def _search_args(ix, plan, model, spend):
     for w in plan.windows:
         pinned[w.producer] = w.segments.tolist()
     c = model.coefficients
+    reads = []
+    for m in mbs:
+        ps = {e.producer for e in m.external if mbs[e.producer].replica == m.replica}
+        reads.append(ps.pop() if len(ps) == 1 else -1)
     return (ix, [m.replica for m in mbs], [m.slot for m in mbs], [m.owned.tolist() for m in mbs],
             [m.recomputed.tolist() for m in mbs], [m.cost for m in mbs], [bool(m.consumers) for m in mbs], pinned,
-            plan.num_replicas, plan.num_slots, plan.row_budget, (c.row, c.attention_pair, c.logits_row), spend)
+            reads, plan.num_replicas, plan.num_slots, plan.row_budget, (c.row, c.attention_pair, c.logits_row), spend)
 
 
-def _python(ix, rep, slot, owns, recs, cost, is_prod, pinned, dp, S, M, coef, spend):
+def _python(ix, rep, slot, owns, recs, cost, is_prod, pinned, reads, dp, S, M, coef, spend):
     return even_mod._even_python(ix.parent, ix.length_list, ix.seg_pairs.tolist(), ix.seg_logits.tolist(),
-                                 ix.sub_size_list, rep, slot, owns, recs, cost, is_prod, pinned, dp, S, M, coef,
+                                 ix.sub_size_list, rep, slot, owns, recs, cost, is_prod, pinned, reads, dp, S, M, coef,
                                  even_mod.EVEN_MOVES, even_mod.EVEN_SLOTS, EVEN_WEIGHT, spend)
 
 
-def _compiled(ix, rep, slot, owns, recs, cost, is_prod, pinned, dp, S, M, coef, spend):
+def _compiled(ix, rep, slot, owns, recs, cost, is_prod, pinned, reads, dp, S, M, coef, spend):
     from megatron_harts.planner.microbatch import _csr
     oo, o = _csr(owns)
     ro, r = _csr(recs)
     po, p = _csr(pinned)
     out = even_mod._EVEN(ix.parent_arr, ix.length, ix.seg_pairs, ix.seg_logits, ix.sub_size,
                          np.asarray(rep, dtype=np.int64), np.asarray(slot, dtype=np.int64), oo, o, ro, r,
-                         np.asarray(cost, dtype=np.float64), np.asarray(is_prod, dtype=np.int64), po, p, dp, S, M,
+                         np.asarray(cost, dtype=np.float64), np.asarray(is_prod, dtype=np.int64), po, p,
+                         np.asarray(reads, dtype=np.int64), dp, S, M,
                          coef[0], coef[1], coef[2], even_mod.EVEN_MOVES, even_mod.EVEN_SLOTS, EVEN_WEIGHT, spend)
     return bool(out[0]), even_mod._split(out[1], out[2]), even_mod._split(out[3], out[4])
 

@@ -10,9 +10,11 @@ swaps two pieces of two microbatches of one slot:
 - ``x`` drops the piece and every recomputed segment (and external read) left without a computed child; a
   producer (a microbatch others read) drops none of its recomputed segments (its consumers may read them):
   a change that would is not tried;
-- ``y`` owns the piece and recomputes the segments of its root path it neither computes nor reads, walking
-  up to the first one it computes or reads: it reads nothing new, so every window runs as before (its
-  externals are unchanged, and nothing it recomputes lies above one of them).
+- ``y`` owns the piece; the segments of its root path it neither computes nor reads (walking up to the
+  first one it computes or reads) it reads from its producer when it reads one (the one of its replica),
+  that producer owns them all and the first one met is read too (they are pinned there from then on);
+  else it recomputes them.  Either way every window runs as before: ``y`` reads from no new producer, and
+  nothing it computes lies above a segment it reads.
 
 The objective is ``l2_balance``'s: per slot the costliest entry plus ``weight`` times the mean microbatch
 cost times its imbalance (1 - mean / max; an idle entry counts 0), costs estimated from each microbatch's
@@ -21,7 +23,8 @@ left as they were).  Each step takes the change that lowers it most, among: piec
 their slot's mean in the ``n_slots`` least balanced slots, to a lighter entry of their slot or to any other
 microbatch of their replica; pieces of any microbatch of the replica of an entry below its slot's mean in
 those slots, to that entry; swaps of a piece of an entry above its slot's mean with a piece of a lighter
-entry of the slot (a piece of fewer rows back, the two subtrees disjoint).  No change computes more rows (as estimated) than ``spend`` minus what the changes
+entry of the slot (a piece of fewer rows back, the rows ``x`` gives worth less than the two entries' cost gap,
+the two subtrees disjoint).  No change computes more rows (as estimated) than ``spend`` minus what the changes
 before it added, none puts a microbatch over ``M`` rows, none empties one.
 
 ``_C.l2_even`` is its compiled search; ``_even_python`` the reference, change for change (a test holds them
@@ -74,7 +77,7 @@ class _State:
     present segment's count of present children, rows, attention pairs, logits rows, estimated cost.
     ``move`` changes all of it exactly and logs what it changed, so ``undo`` restores it."""
 
-    def __init__(self, parent, length, pairs, logits, sub_size, owns, recs, cost, is_prod, pinned, coef):
+    def __init__(self, parent, length, pairs, logits, sub_size, owns, recs, cost, is_prod, pinned, reads, coef):
         self.parent, self.length, self.pairs, self.logits, self.sub_size = parent, length, pairs, logits, sub_size
         self.c_row, self.c_pair, self.c_logit = coef
         n = len(owns)
@@ -87,6 +90,11 @@ class _State:
         self.cost = list(cost)
         self.is_prod = list(is_prod)
         self.pinned = [set(p) for p in pinned]
+        self.reads = list(reads)
+        self.owner = {}
+        for b in range(n):
+            for s in owns[b]:
+                self.owner[s] = b
         for b in range(n):
             st, cc = self.st[b], self.cc[b]
             for s in owns[b]:
@@ -121,6 +129,15 @@ class _State:
 
     def _scalars(self, b):
         self.log.append((b, -1, (self.rows[b], self.pr[b], self.lg[b], self.n_own[b]), self.cost[b]))
+
+    def _own(self, s, b):
+        self.log.append((-1, s, self.owner[s], 0))
+        self.owner[s] = b
+
+    def _pin(self, b, s):
+        if s not in self.pinned[b]:
+            self.log.append((-2, s, b, 0))
+            self.pinned[b].add(s)
 
     def piece(self, x, s) -> Optional[List[int]]:
         """The piece of ``x`` rooted at ``s`` (its segments in id order), None when it is none: ``s``
@@ -178,18 +195,26 @@ class _State:
         d_rows_y = d_pr_y = 0
         for d in seg:
             self._set(y, d, _OWN, kids.get(d, 0))
+            self._own(d, y)
             d_rows_y += length[d]
             d_pr_y += pairs[d]
+        missing = []  # the root path's segments y neither computes nor reads, bottom up
         a = parent[s]
-        while a >= 0:
-            v = self.st[y].get(a, _NONE)
-            if v != _NONE:
-                self._set(y, a, v, self.cc[y].get(a, 0) + 1)
-                break
-            self._set(y, a, _REC, 1)
-            d_rows_y += length[a]
-            d_pr_y += pairs[a]
+        while a >= 0 and self.st[y].get(a, _NONE) == _NONE:
+            missing.append(a)
             a = parent[a]
+        p = self.reads[y]
+        read = p >= 0 and (a < 0 or self.st[y][a] == _EXT) and all(self.owner[m] == p for m in missing)
+        for m in missing:
+            if read:  # read from y's producer, which owns them: they stay there
+                self._set(y, m, _EXT, 1)
+                self._pin(p, m)
+            else:
+                self._set(y, m, _REC, 1)
+                d_rows_y += length[m]
+                d_pr_y += pairs[m]
+        if a >= 0:
+            self._set(y, a, self.st[y][a], self.cc[y].get(a, 0) + 1)
         if self.rows[y] + d_rows_y > M:
             return None
         self.rows[x] += d_rows_x
@@ -211,7 +236,11 @@ class _State:
         """Restore the state as it was when ``mark`` was taken."""
         while len(self.log) > mark:
             b, s, v, c = self.log.pop()
-            if s < 0:
+            if b == -1:
+                self.owner[s] = v
+            elif b == -2:
+                self.pinned[v].discard(s)
+            elif s < 0:
                 self.rows[b], self.pr[b], self.lg[b], self.n_own[b] = v
                 self.cost[b] = c
             elif v == _NONE:
@@ -228,13 +257,13 @@ class _State:
         return sorted(s for s, v in self.st[b].items() if v == _REC)
 
 
-def _even_python(parent, length, pairs, logits, sub_size, rep, slot, owns, recs, cost, is_prod, pinned,
+def _even_python(parent, length, pairs, logits, sub_size, rep, slot, owns, recs, cost, is_prod, pinned, reads,
                  dp: int, S: int, M: int, coef: Tuple[float, float, float], moves: int, n_slots: int,
                  weight: float, spend: int):
     """Reference of ``_C.l2_even`` (the module docstring's search): returns (moved, owned lists,
     recomputed lists), per microbatch sorted."""
     n = len(owns)
-    st = _State(parent, length, pairs, logits, sub_size, owns, recs, cost, is_prod, pinned, coef)
+    st = _State(parent, length, pairs, logits, sub_size, owns, recs, cost, is_prod, pinned, reads, coef)
     total = 0.0
     for c in st.cost:
         total += c
@@ -316,10 +345,12 @@ def _even_python(parent, length, pairs, logits, sub_size, rep, slot, owns, recs,
                         best = (d, x, s, y, -1)
                 st.undo(m)
         for x, y in swaps:
+            gap = st.cost[x] - st.cost[y]
             for s, seg, rows in pieces(x):
                 for t, seg2, rows2 in pieces(y):
-                    if rows2 >= rows or (t <= s < t + sub_size[t]) or (s <= t < s + sub_size[s]):
-                        continue  # only a smaller piece back (the heavier entry gives rows), disjoint subtrees
+                    if rows2 >= rows or coef[0] * (rows - rows2) >= gap or (t <= s < t + sub_size[t]) or \
+                            (s <= t < s + sub_size[s]):
+                        continue  # x gives rows, less than the gap's worth; disjoint subtrees
                     m = st.mark()
                     got = st.move(x, seg, y, M)
                     got2 = None if got is None else st.move(y, seg2, x, M)
@@ -355,6 +386,10 @@ def even_slots(ix: ForestIndex, plan: MicrobatchPlan, model: CostModel, spend: i
         pinned[w.producer] = w.segments.tolist()
     rep = [m.replica for m in mbs]
     slot = [m.slot for m in mbs]
+    reads = []  # the producer of its replica each microbatch reads (-1: none, or several)
+    for m in mbs:
+        ps = {e.producer for e in m.external if mbs[e.producer].replica == m.replica}
+        reads.append(ps.pop() if len(ps) == 1 else -1)
     cost = [m.cost for m in mbs]
     is_prod = [bool(m.consumers) for m in mbs]
     c = model.coefficients
@@ -370,7 +405,8 @@ def even_slots(ix: ForestIndex, plan: MicrobatchPlan, model: CostModel, spend: i
             moved, oo, o, ro, r = _EVEN(ix.parent_arr, ix.length, ix.seg_pairs, ix.seg_logits, ix.sub_size,
                                         np.asarray(rep, dtype=np.int64), np.asarray(slot, dtype=np.int64),
                                         own_off, own, rec_off, rec, np.asarray(cost, dtype=np.float64),
-                                        np.asarray(is_prod, dtype=np.int64), pin_off, pin, dp, S, M,
+                                        np.asarray(is_prod, dtype=np.int64), pin_off, pin,
+                                        np.asarray(reads, dtype=np.int64), dp, S, M,
                                         coef[0], coef[1], coef[2], EVEN_MOVES, EVEN_SLOTS, EVEN_WEIGHT, spend)
             out = (bool(moved), _split(oo, o), _split(ro, r))
         except TypeError:  # a different compiled signature: the reference
@@ -378,7 +414,7 @@ def even_slots(ix: ForestIndex, plan: MicrobatchPlan, model: CostModel, spend: i
     if out is None:
         out = _even_python(ix.parent, ix.length_list, ix.seg_pairs.tolist(), ix.seg_logits.tolist(),
                            ix.sub_size_list, rep, slot, [m.owned.tolist() for m in mbs],
-                           [m.recomputed.tolist() for m in mbs], cost, is_prod, pinned, dp, S, M, coef,
+                           [m.recomputed.tolist() for m in mbs], cost, is_prod, pinned, reads, dp, S, M, coef,
                            EVEN_MOVES, EVEN_SLOTS, EVEN_WEIGHT, spend)
     moved, owns, recs = out
     if not moved:
