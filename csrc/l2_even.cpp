@@ -327,6 +327,20 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
         if (kx == ky) return slot_f(kx) - base[kx];
         return slot_f(kx) - base[kx] + slot_f(ky) - base[ky];
     };
+    auto slot_max = [&](i64 k) {
+        double mx = 0.0;
+        for (i64 r = 0; r < dp; ++r) {
+            const i64 i = grid[static_cast<std::size_t>(k * dp + r)];
+            if (i >= 0 && st.cost[i] > mx) mx = st.cost[i];
+        }
+        return mx;
+    };
+    std::vector<double> base_mx(static_cast<std::size_t>(S));
+    auto shorter = [&](i64 x, i64 y) {  // the change just made shortens the estimated step (the slots' maxima)
+        const i64 kx = slot[x], ky = slot[y];
+        if (kx == ky) return slot_max(kx) < base_mx[kx] - 1e-12;
+        return slot_max(kx) + slot_max(ky) < base_mx[kx] + base_mx[ky] - 1e-12;
+    };
     i64 added = 0;
     bool moved = false;
     std::vector<i64> seg, seg2;
@@ -342,6 +356,7 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
     i64 stamp = -1;
     for (i64 step = 0; step < moves; ++step) {
         for (i64 k = 0; k < S; ++k) base[k] = slot_f(k);
+        for (i64 k = 0; k < S; ++k) base_mx[k] = slot_max(k);
         bal.clear();
         for (i64 k = 0; k < S; ++k) {
             double mx = 0.0, sm = 0.0;
@@ -373,14 +388,18 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
                     }
                 }
                 for (i64 y : by_rep[static_cast<std::size_t>(rep[x])]) {
-                    if (y != x) tries.emplace_back(x, y);
+                    if (y == x) continue;
+                    tries.emplace_back(x, y);
+                    if (st.cost[y] < st.cost[x]) swaps.emplace_back(x, y);
                 }
             }
             for (i64 r = 0; r < dp; ++r) {
                 const i64 y = grid[static_cast<std::size_t>(k * dp + r)];
                 if (y < 0 || st.cost[y] >= mean) continue;
                 for (i64 x : by_rep[static_cast<std::size_t>(rep[y])]) {
-                    if (x != y) tries.emplace_back(x, y);
+                    if (x == y) continue;
+                    tries.emplace_back(x, y);
+                    if (st.cost[x] > st.cost[y]) swaps.emplace_back(x, y);
                 }
             }
         }
@@ -406,7 +425,7 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
             for (const Piece& p : pieces(x)) {
                 const std::size_t m = st.mark();
                 i64 got = 0;
-                if (st.move(x, p.seg, y, M, got) && added + got <= spend) {
+                if (st.move(x, p.seg, y, M, got) && added + got <= spend && (got <= 0 || shorter(x, y))) {
                     const double d = delta(x, y);
                     if (d < -1e-12 && (!found || d < best_d)) {
                         found = true;
@@ -431,7 +450,8 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
                     }
                     const std::size_t m = st.mark();
                     i64 got = 0, got2 = 0;
-                    if (st.move(x, p.seg, y, M, got) && st.move(y, q.seg, x, M, got2) && added + got + got2 <= spend) {
+                    if (st.move(x, p.seg, y, M, got) && st.move(y, q.seg, x, M, got2) && added + got + got2 <= spend &&
+                        (got + got2 <= 0 || shorter(x, y))) {
                         const double d = delta(x, y);
                         if (d < -1e-12 && (!found || d < best_d)) {
                             found = true;

@@ -25,7 +25,9 @@ microbatch of their replica; pieces of any microbatch of the replica of an entry
 those slots, to that entry; swaps of a piece of an entry above its slot's mean with a piece of a lighter
 entry of the slot (a piece of fewer rows back, the rows ``x`` gives worth less than the two entries' cost gap,
 the two subtrees disjoint).  No change computes more rows (as estimated) than ``spend`` minus what the changes
-before it added, none puts a microbatch over ``M`` rows, none empties one.
+before it added, none that adds rows leaves the estimated step (the slots' maxima) as long as it was (rows
+are spent only to shorten it, never to raise a slot's mean alone), none puts a microbatch over ``M`` rows,
+none empties one.
 
 ``_C.l2_even`` is its compiled search; ``_even_python`` the reference, change for change (a test holds them
 equal).  ``even_slots`` assembles the result and keeps it only where its exact objective is lower.
@@ -288,10 +290,24 @@ def _even_python(parent, length, pairs, logits, sub_size, rep, slot, owns, recs,
             return slot_f(kx) - base[kx]
         return slot_f(kx) - base[kx] + slot_f(ky) - base[ky]
 
+    def slot_max(k):
+        mx = 0.0
+        for i in grid[k]:
+            if i >= 0 and st.cost[i] > mx:
+                mx = st.cost[i]
+        return mx
+
+    def shorter(x, y):  # the change just made shortens the estimated step (the slots' maxima)
+        kx, ky = slot[x], slot[y]
+        if kx == ky:
+            return slot_max(kx) < base_mx[kx] - 1e-12
+        return slot_max(kx) + slot_max(ky) < base_mx[kx] + base_mx[ky] - 1e-12
+
     added = 0
     moved = False
     for _ in range(moves):
         base = [slot_f(k) for k in range(S)]
+        base_mx = [slot_max(k) for k in range(S)]
         bal = []
         for k in range(S):
             mx = sm = 0.0
@@ -316,12 +332,16 @@ def _even_python(parent, length, pairs, logits, sub_size, rep, slot, owns, recs,
                 for y in by_rep[rep[x]]:
                     if y != x:
                         tries.append((x, y))
+                        if st.cost[y] < st.cost[x]:
+                            swaps.append((x, y))
             for y in grid[k]:
                 if y < 0 or st.cost[y] >= mean:
                     continue
                 for x in by_rep[rep[y]]:
                     if x != y:
                         tries.append((x, y))
+                        if st.cost[x] > st.cost[y]:
+                            swaps.append((x, y))
         cache = {}  # microbatch -> its pieces this step: (root, segments, rows)
 
         def pieces(b):
@@ -339,7 +359,7 @@ def _even_python(parent, length, pairs, logits, sub_size, rep, slot, owns, recs,
             for s, seg, _ in pieces(x):
                 m = st.mark()
                 got = st.move(x, seg, y, M)
-                if got is not None and added + got <= spend:
+                if got is not None and added + got <= spend and (got <= 0 or shorter(x, y)):
                     d = delta(x, y)
                     if d < -1e-12 and (best is None or d < best[0]):
                         best = (d, x, s, y, -1)
@@ -354,7 +374,7 @@ def _even_python(parent, length, pairs, logits, sub_size, rep, slot, owns, recs,
                     m = st.mark()
                     got = st.move(x, seg, y, M)
                     got2 = None if got is None else st.move(y, seg2, x, M)
-                    if got2 is not None and added + got + got2 <= spend:
+                    if got2 is not None and added + got + got2 <= spend and (got + got2 <= 0 or shorter(x, y)):
                         d = delta(x, y)
                         if d < -1e-12 and (best is None or d < best[0]):
                             best = (d, x, s, y, t)
