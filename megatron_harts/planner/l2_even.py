@@ -4,8 +4,8 @@ The balance pass (``l2_balance.rebalance``) moves whole units of a packing; a sl
 entry nothing fits into, a tail slot of small microbatches, a single slot of free pieces) is evened out here
 at segment granularity.  A **piece** of microbatch ``x`` is an owned segment ``s`` with every segment of its
 subtree that ``x`` computes: all owned by ``x``, none read by another microbatch (no exported segment of a
-window).  A change moves one piece from ``x`` to a microbatch ``y`` that computes nothing of its subtree, or
-swaps two pieces of two microbatches of one slot:
+window).  A change moves one piece from ``x`` to a microbatch ``y`` that computes nothing of its subtree (of
+its slot or of its replica), or swaps two pieces of two such microbatches:
 
 - ``x`` drops the piece and every recomputed segment (and external read) left without a computed child; a
   producer (a microbatch others read) drops none of its recomputed segments (its consumers may read them):
@@ -22,15 +22,17 @@ exact cost plus the rows, attention pairs and logits rows a change adds or remov
 left as they were).  Each step takes the change that lowers it most, among: pieces of the entries above
 their slot's mean in the ``n_slots`` least balanced slots, to a lighter entry of their slot or to any other
 microbatch of their replica; pieces of any microbatch of the replica of an entry below its slot's mean in
-those slots, to that entry; swaps of a piece of an entry above its slot's mean with a piece of a lighter
-entry of the slot (a piece of fewer rows back, the rows ``x`` gives worth less than the two entries' cost gap,
+those slots, to that entry; swaps of a piece of such a heavy entry with a piece of a lighter microbatch of
+its slot or of its replica, and of a piece of a heavier microbatch of a light entry's replica with a piece
+of that entry (a piece of fewer rows back, the rows given worth less than the two microbatches' cost gap,
 the two subtrees disjoint).  No change computes more rows (as estimated) than ``spend`` minus what the changes
 before it added, none that adds rows leaves the estimated step (the slots' maxima) as long as it was (rows
 are spent only to shorten it, never to raise a slot's mean alone), none puts a microbatch over ``M`` rows,
 none empties one.
 
 ``_C.l2_even`` is its compiled search; ``_even_python`` the reference, change for change (a test holds them
-equal).  ``even_slots`` assembles the result and keeps it only where its exact objective is lower.
+equal).  ``even_slots`` assembles the result and keeps it only where its exact objective is lower and, when
+it computes more tokens, its exact modelled step is shorter.
 """
 from __future__ import annotations
 
@@ -396,7 +398,9 @@ def even_slots(ix: ForestIndex, plan: MicrobatchPlan, model: CostModel, spend: i
     """``plan`` (tree mode, several replicas) evened out by the pass of the module docstring, allowed to
     recompute ``spend`` rows more: the plan assembled from its result (same replicas and slots) when its
     exact objective (``even_objective`` with the pass's weight and the plan's mean microbatch cost) is lower
-    than ``plan``'s, else None.  Every window runs as in ``plan``; no microbatch passes the row budget."""
+    than ``plan``'s and, if it computes more tokens than ``plan``, its modelled step (sum over slots of the
+    costliest entry) is shorter; else None.  Every window runs as in ``plan``; no microbatch passes the row
+    budget."""
     mbs = plan.microbatches
     dp, S, M = plan.num_replicas, plan.num_slots, plan.row_budget
     if dp < 2 or not mbs:
@@ -446,9 +450,12 @@ def even_slots(ix: ForestIndex, plan: MicrobatchPlan, model: CostModel, spend: i
     except PlanningError:
         return None
     tau = float(sum(cost)) / (dp * S)
-    if even.num_slots != S or even_objective(even.cost_matrix(), EVEN_WEIGHT, tau) >= \
-            even_objective(plan.cost_matrix(), EVEN_WEIGHT, tau):
+    c_even, c_plan = even.cost_matrix(), plan.cost_matrix()
+    if even.num_slots != S or even_objective(c_even, EVEN_WEIGHT, tau) >= even_objective(c_plan, EVEN_WEIGHT, tau):
         return None
+    if even.tokens_computed > plan.tokens_computed and \
+            float(c_even.max(axis=0).sum()) >= float(c_plan.max(axis=0).sum()):
+        return None  # tokens spent without shortening the step
     return even
 
 
