@@ -143,5 +143,6 @@ void register_l2(pybind11::module_& m) {
     register_rebalance(m);
     register_spread(m);
     register_windows(m);
+    register_even(m);
     register_packing(m);
 }

@@ -1,6 +1,6 @@
 // Plan assembly core (csrc/assemble_core.cpp), registered into megatron_harts._C by call_planner.cpp;
 // register_l2 also registers L2's balance pass (csrc/l2_rebalance.cpp), spreading packer
-// (csrc/l2_spread.cpp) and window packer (csrc/l2_windows.cpp).
+// (csrc/l2_spread.cpp), window packer (csrc/l2_windows.cpp) and last pass (csrc/l2_even.cpp).
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -15,6 +15,7 @@ void register_l2(pybind11::module_& m);
 void register_rebalance(pybind11::module_& m);
 void register_spread(pybind11::module_& m);
 void register_windows(pybind11::module_& m);
+void register_even(pybind11::module_& m);
 // L1's planning core (csrc/l1_plan.cpp), registered by register_packing (csrc/l2_packing.cpp).
 void register_l1(pybind11::module_& m);
 // The forest index (csrc/forest_index.cpp), registered by register_packing.

@@ -85,6 +85,7 @@ from .cost_model import CostModel, ForestIndex
 from .l1 import plan_l1
 from .l2_balance import (BALANCE_MORE_BINS, BALANCE_MOVES, BALANCE_PACKINGS, BALANCE_SLOTS, BALANCE_SWAP_BINS,
                          BALANCE_WEIGHT, BALANCE_WIDE, numbered_units, rebalance)
+from .l2_even import EVEN_BINS, EVEN_SPEND, even_slots
 from .l2_packing import estimate_step, packed_rows
 from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
@@ -272,6 +273,10 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                     best, plan_key = even, key
             if best is not None:
                 plan = window_plan(ix, best, dp=dp, M=M, model=model)
+    if dp > 1 and len(plan.microbatches) >= EVEN_BINS:  # the chosen plan's slots evened out per segment
+        even = even_slots(ix, plan, model, int(EVEN_SPEND * (keep_tokens - plan.tokens_computed)))
+        if even is not None and even.tokens_computed <= keep_tokens and step_cost(even) <= step_cost(keep):
+            plan = even
     plan.plan_seconds = time.perf_counter() - t0
     return plan
 
