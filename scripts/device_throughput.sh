@@ -8,7 +8,9 @@
 #   fidelity    benchmarks/step_fidelity.py: one bf16 step, expanded / expanded repacked / within / windows
 #   step-wise   the paper-level Step-wise batch (46 trajectories, 16k-row microbatches), within and windows
 #               (plain and with --tree-recompute-producers) against expanded
-#   tree-step   the paper-level Tree-Step batch (118 trajectories), the same modes
+#   tree-step   a Tree-Step batch at the paper's within-microbatch compression (116 trajectories, 656k tokens,
+#               L1 3.91x at 16k rows; forest 4.89x), the same modes
+#   tree-step-s9  the Tree-Step batch of the session 7-10 tables (118 trajectories, 873k tokens, L1 3.17x)
 #   attention   benchmarks/bench_tree_attention.py (flex and varlen vs causal SDPA) on both schemes at
 #               head dims 128/128, 192/128 (MLA of h200-2k) and 96/64 (MLA of h200)
 #   large       both batches on preset h200-2k (hidden 2048), without the logit-cosine sample; Tree-Step
@@ -30,7 +32,8 @@ quiet() { grep -v -i -E "warn|Unknown MLP|Rerun"; }
 BENCH=(python3 benchmarks/bench_throughput.py --iters 1 --tree-sharing within windows --recompute-producers
        --driver-flags "--tree-triton-max-configs 1")
 STEPWISE=(--schemes step-wise --num-tasks 2 --max-tokens 16384 --microbatch-tokens 16384)
-TREESTEP=(--schemes tree-step --num-tasks 1 --samples-per-task 8 --max-tokens 8192 --microbatch-tokens 16384)
+TREESTEP=(--schemes tree-step --num-tasks 1 --samples-per-task 12 --max-tokens 6144 --microbatch-tokens 16384)
+TREESTEP_S9=(--schemes tree-step --num-tasks 1 --samples-per-task 8 --max-tokens 8192 --microbatch-tokens 16384)
 rc=0
 for stage in "${STAGES[@]}"; do
   case "$stage" in
@@ -39,6 +42,7 @@ for stage in "${STAGES[@]}"; do
                 --driver-flags "--tree-triton-max-configs 1" --out "$OUT/step-fidelity.json" 2>&1 | quiet ;;
     step-wise) timeout "$share" "${BENCH[@]}" "${STEPWISE[@]}" --out "$OUT/step-wise-16k.json" 2>&1 | quiet ;;
     tree-step) timeout "$share" "${BENCH[@]}" "${TREESTEP[@]}" --out "$OUT/tree-step-16k.json" 2>&1 | quiet ;;
+    tree-step-s9) timeout "$share" "${BENCH[@]}" "${TREESTEP_S9[@]}" --out "$OUT/tree-step-s9-16k.json" 2>&1 | quiet ;;
     large) timeout $((share / 2)) "${BENCH[@]}" --preset h200-2k --no-cosine "${STEPWISE[@]}" \
              --out "$OUT/large-step-wise-16k.json" 2>&1 | quiet
            # Tree-Step windows keeps its producers' activations: out of memory at hidden 2048
@@ -51,7 +55,7 @@ for stage in "${STAGES[@]}"; do
                  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['summary'])" \
                    "$OUT/attn-$sc-${dims// /-}.json" 2>/dev/null
                done; done; true ;;
-    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, attention, large)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, attention, large)" >&2; exit 2 ;;
   esac
   [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
 done
