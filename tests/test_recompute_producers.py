@@ -69,3 +69,29 @@ def test_injected_export_gradients_keep_no_exports():
     assert psp.exports.layers == {}
     got = torch.autograd.grad(psp.injected, [x])[0]
     assert torch.equal(got, want)
+
+
+def test_recomputed_producer_runs_without_the_consumers_export_views(sf, monkeypatch):
+    """At window close only the export gradients stay alive: while the producer's forward runs again,
+    the consumers' leaves (detached views of the preview's exports, which the last consumer's params
+    still reference) are freed."""
+    import gc
+    import weakref
+
+    from megatron_harts.models.packed import TreePackedSeqParams, WindowExports
+    views, checked = [], []
+    gradients, record = WindowExports.gradients, TreePackedSeqParams.record_export
+
+    def watched_gradients(self):
+        views.extend(weakref.ref(t) for d in self.layers.values() for t in d.values())
+        return gradients(self)
+
+    def checked_record(self, layer_number, tensors):
+        if self.inject_grads is not None:
+            gc.collect()
+            checked.append(sum(r() is not None for r in views))
+        return record(self, layer_number, tensors)
+    monkeypatch.setattr(WindowExports, "gradients", watched_gradients)
+    monkeypatch.setattr(TreePackedSeqParams, "record_export", checked_record)
+    out = sf.run_mode(argv("--tree-recompute-producers"), build_forest(rollouts(0)), 1)
+    assert out["windows"] > 0 and views and checked and set(checked) == {0}

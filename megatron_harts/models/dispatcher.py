@@ -16,7 +16,8 @@ tokens and probabilities gathered through them, and the tokens per expert left o
 (the grouped experts, ``models.experts``, read them there; megatron's ``SequentialMLP`` reads them
 back itself).  Invariant: the permuted tokens, probabilities, token counts and the mapping that
 ``combine_preprocess`` un-permutes with are exactly the parent's, so every output and gradient is
-bitwise the parent's.  Other configurations run the parent's method.
+bitwise the parent's.  Other configurations run the parent's method.  After the combine the
+dispatcher keeps nothing of the microbatch (:meth:`SyncFreeAllGatherDispatcher.combine_postprocess`).
 """
 from __future__ import annotations
 
@@ -57,3 +58,15 @@ class SyncFreeAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         self.local_probs = probs.T.contiguous().view(-1).index_select(0, position)
         self.routing_map = None
         return permuted, tokens_per_expert, self.local_probs
+
+    def combine_postprocess(self, hidden_states):
+        """The parent's, then the microbatch's routing state let go.
+
+        Invariant: after a microbatch's MoE layer no dispatcher attribute reaches its autograd graph.
+        The permuted probabilities would (and through its AccumulateGrad nodes the leaves it read:
+        a sharing window's export views, kept alive into the producer's recomputation).
+        """
+        out = super().combine_postprocess(hidden_states)
+        self.local_probs = self.local_map = self.reversed_local_input_permutation_mapping = None
+        return out
+

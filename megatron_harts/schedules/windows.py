@@ -318,6 +318,8 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         loss = run(i, mb, psp)
         if not forward_only:
             loss.backward()
+        # the graph's nodes outlive its backward through ``loss``, and hold the window's leaves
+        loss = psp = None
         if mb.producer is not None and last_consumer[int(mb.producer)] == i:   # window close
             p = int(mb.producer)
             w = open_windows.pop(p)
@@ -325,7 +327,11 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                 # the producer's forward again, now with its graph; the consumers' export gradients
                 # enter it as it goes, so neither the preview's exports nor new ones stay alive
                 ppsp = w["psp"]
-                ppsp.inject_grads = w.pop("leaves").gradients()
+                leaves = w.pop("leaves")
+                ppsp.inject_grads = leaves.gradients()
+                # the consumers' views (the last consumer's params still hold them) and the preview's
+                # exports: neither is read again, only the gradients are
+                leaves.layers.clear()
                 ppsp.exports.layers.clear()
                 with producer_forward(cfg):
                     loss = run(p, mbs[p], ppsp)
