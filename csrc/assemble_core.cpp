@@ -21,14 +21,6 @@ namespace {
 using i64 = std::int64_t;
 using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 
-template <typename T>
-const T* checked(const py::array_t<T, py::array::c_style | py::array::forcecast>& a, i64 size, const char* name) {
-    if (a.ndim() != 1 || a.shape(0) != size) {
-        throw py::value_error(std::string(name) + " must be a 1-D array of " + std::to_string(size) + " entries");
-    }
-    return a.data();
-}
-
 // assemble_plan's per-microbatch work (megatron_harts.planner.microbatch: _assemble_core_python is
 // the reference, a test holds the two equal).  Microbatch j (in plan order) gets the owned ids
 // own[own_off[j]:own_off[j+1]] and recomputed ids rec[...] (any order, duplicates allowed):
@@ -43,17 +35,17 @@ const T* checked(const py::array_t<T, py::array::c_style | py::array::forcecast>
 py::tuple assemble_core(I64Array parent, I64Array start, I64Array length, I64Array pairs, I64Array logits,
                         I64Array own_off, I64Array own, I64Array rec_off, I64Array rec, i64 chunk_size) {
     const i64 S = parent.shape(0);
-    const i64* gp = checked(parent, S, "parent");
-    const i64* gs = checked(start, S, "start");
-    const i64* gl = checked(length, S, "length");
-    const i64* gpairs = checked(pairs, S, "pairs");
-    const i64* glog = checked(logits, S, "logits");
+    const i64* gp = checked_vector(parent, S, "parent");
+    const i64* gs = checked_vector(start, S, "start");
+    const i64* gl = checked_vector(length, S, "length");
+    const i64* gpairs = checked_vector(pairs, S, "pairs");
+    const i64* glog = checked_vector(logits, S, "logits");
     const i64 k = own_off.shape(0) - 1;
     if (k < 0 || rec_off.shape(0) != k + 1) throw py::value_error("own_off and rec_off must be offsets of one size");
-    const i64* oo = checked(own_off, k + 1, "own_off");
-    const i64* ro = checked(rec_off, k + 1, "rec_off");
-    const i64* os = checked(own, own.shape(0), "own");
-    const i64* rs = checked(rec, rec.shape(0), "rec");
+    const i64* oo = checked_vector(own_off, k + 1, "own_off");
+    const i64* ro = checked_vector(rec_off, k + 1, "rec_off");
+    const i64* os = checked_vector(own, own.shape(0), "own");
+    const i64* rs = checked_vector(rec, rec.shape(0), "rec");
     if (chunk_size < 1) throw py::value_error("chunk_size must be >= 1");
     if (oo[0] != 0 || oo[k] != own.shape(0) || ro[0] != 0 || ro[k] != rec.shape(0)) {
         throw py::value_error("own_off / rec_off must be offsets into own / rec");
@@ -123,13 +115,9 @@ py::tuple assemble_core(I64Array parent, I64Array start, I64Array length, I64Arr
         microbatch_feature_row(gp, gs, gl, gpairs, glog, comp.data(), static_cast<i64>(comp.size()), o.data(),
                                static_cast<i64>(o.size()), chunk_size, fo + 6 * j);
     }
-    auto arr = [](const std::vector<i64>& v) {
-        py::array_t<i64> a(static_cast<py::ssize_t>(v.size()));
-        std::copy(v.begin(), v.end(), a.mutable_data());
-        return a;
-    };
-    return py::make_tuple(arr(own_off2), arr(own2), arr(rec_off2), arr(rec2), feats, arr(rec_rows), arr(ext_off),
-                          arr(ext_prod), arr(ext_seg_off), arr(ext_seg), arr(ext_rows));
+    return py::make_tuple(int64_array(own_off2), int64_array(own2), int64_array(rec_off2), int64_array(rec2), feats,
+                          int64_array(rec_rows), int64_array(ext_off), int64_array(ext_prod), int64_array(ext_seg_off),
+                          int64_array(ext_seg), int64_array(ext_rows));
 }
 
 }  // namespace

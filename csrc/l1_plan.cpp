@@ -474,18 +474,13 @@ py::tuple l1_plan(I64Array parent_a, I64Array start_a, I64Array length_a, I64Arr
         own_off.push_back(static_cast<i64>(own.size()));
         rec_off.push_back(static_cast<i64>(rec.size()));
     }
-    auto arr = [](const std::vector<i64>& v) {
-        py::array_t<i64> a(static_cast<py::ssize_t>(v.size()));
-        std::copy(v.begin(), v.end(), a.mutable_data());
-        return a;
-    };
     py::array_t<i64> pl({static_cast<py::ssize_t>(nb), static_cast<py::ssize_t>(2)});
     auto P = pl.mutable_unchecked<2>();
     for (i64 b = 0; b < nb; ++b) {
         P(b, 0) = best_place[b].first;
         P(b, 1) = best_place[b].second;
     }
-    return py::make_tuple(arr(own_off), arr(own), arr(rec_off), arr(rec), pl);
+    return py::make_tuple(int64_array(own_off), int64_array(own), int64_array(rec_off), int64_array(rec), pl);
 }
 
 }  // namespace

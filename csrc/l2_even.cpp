@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "planner_l2.h"
@@ -227,15 +228,6 @@ class State {
     std::vector<i64> missing_;
 };
 
-template <typename A>
-const typename A::value_type* vec(const A& a, i64 size, const char* name) {
-    if (a.ndim() != 1 || (size >= 0 && a.shape(0) != size)) {
-        throw py::value_error(std::string(name) + " must be a 1-D array" +
-                              (size >= 0 ? " of " + std::to_string(size) + " entries" : std::string()));
-    }
-    return a.data();
-}
-
 void check_csr(const i64* off, const i64* ids, i64 size, i64 n, i64 S, const char* name) {
     if (off[0] != 0 || off[n] != size) throw py::value_error(std::string(name) + ": offsets do not match");
     for (i64 i = 1; i <= n; ++i) {
@@ -256,23 +248,23 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
                   i64 M, double c_row, double c_pair, double c_logit, i64 moves, i64 n_slots, double weight,
                   i64 spend) {
     const i64 G = parent_a.shape(0);
-    const i64* parent = vec(parent_a, G, "parent");
-    const i64* length = vec(length_a, G, "length");
-    const i64* pairs = vec(pairs_a, G, "pairs");
-    const i64* logits = vec(logits_a, G, "logits");
-    const i64* sub_size = vec(sub_size_a, G, "sub_size");
+    const i64* parent = checked_vector(parent_a, G, "parent");
+    const i64* length = checked_vector(length_a, G, "length");
+    const i64* pairs = checked_vector(pairs_a, G, "pairs");
+    const i64* logits = checked_vector(logits_a, G, "logits");
+    const i64* sub_size = checked_vector(sub_size_a, G, "sub_size");
     const i64 n = rep_a.shape(0);
-    const i64* rep = vec(rep_a, n, "rep");
-    const i64* slot = vec(slot_a, n, "slot");
-    const i64* own_off = vec(own_off_a, n + 1, "own_off");
-    const i64* own = vec(own_a, -1, "own");
-    const i64* rec_off = vec(rec_off_a, n + 1, "rec_off");
-    const i64* rec = vec(rec_a, -1, "rec");
-    const double* cost0 = vec(cost_a, n, "cost");
-    const i64* is_prod = vec(is_prod_a, n, "is_prod");
-    const i64* pin_off = vec(pin_off_a, n + 1, "pin_off");
-    const i64* pin = vec(pin_a, -1, "pin");
-    const i64* reads = vec(reads_a, n, "reads");
+    const i64* rep = checked_vector(rep_a, n, "rep");
+    const i64* slot = checked_vector(slot_a, n, "slot");
+    const i64* own_off = checked_vector(own_off_a, n + 1, "own_off");
+    const i64* own = checked_vector(own_a, -1, "own");
+    const i64* rec_off = checked_vector(rec_off_a, n + 1, "rec_off");
+    const i64* rec = checked_vector(rec_a, -1, "rec");
+    const double* cost0 = checked_vector(cost_a, n, "cost");
+    const i64* is_prod = checked_vector(is_prod_a, n, "is_prod");
+    const i64* pin_off = checked_vector(pin_off_a, n + 1, "pin_off");
+    const i64* pin = checked_vector(pin_a, -1, "pin");
+    const i64* reads = checked_vector(reads_a, n, "reads");
     check_csr(own_off, own, own_a.shape(0), n, G, "own");
     check_csr(rec_off, rec, rec_a.shape(0), n, G, "rec");
     check_csr(pin_off, pin, pin_a.shape(0), n, G, "pin");
@@ -311,7 +303,7 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
             if (b >= 0) by_rep[static_cast<std::size_t>(r)].push_back(b);
         }
     }
-    auto slot_f = [&](i64 k) {
+    auto slot_stats = [&](i64 k) {  // (costliest entry, summed cost) of slot k; an idle entry counts 0
         double mx = 0.0, sm = 0.0;
         for (i64 r = 0; r < dp; ++r) {
             const i64 i = grid[static_cast<std::size_t>(k * dp + r)];
@@ -319,6 +311,10 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
             sm += v;
             if (v > mx) mx = v;
         }
+        return std::make_pair(mx, sm);
+    };
+    auto slot_f = [&](i64 k) {
+        const auto [mx, sm] = slot_stats(k);
         return mx > 0.0 ? mx + weight * tau * (1.0 - sm / (static_cast<double>(dp) * mx)) : 0.0;
     };
     std::vector<double> base(static_cast<std::size_t>(S));
@@ -327,14 +323,7 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
         if (kx == ky) return slot_f(kx) - base[kx];
         return slot_f(kx) - base[kx] + slot_f(ky) - base[ky];
     };
-    auto slot_max = [&](i64 k) {
-        double mx = 0.0;
-        for (i64 r = 0; r < dp; ++r) {
-            const i64 i = grid[static_cast<std::size_t>(k * dp + r)];
-            if (i >= 0 && st.cost[i] > mx) mx = st.cost[i];
-        }
-        return mx;
-    };
+    auto slot_max = [&](i64 k) { return slot_stats(k).first; };
     std::vector<double> base_mx(static_cast<std::size_t>(S));
     auto shorter = [&](i64 x, i64 y) {  // the change just made shortens the estimated step (the slots' maxima)
         const i64 kx = slot[x], ky = slot[y];
@@ -359,13 +348,7 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
         for (i64 k = 0; k < S; ++k) base_mx[k] = slot_max(k);
         bal.clear();
         for (i64 k = 0; k < S; ++k) {
-            double mx = 0.0, sm = 0.0;
-            for (i64 r = 0; r < dp; ++r) {
-                const i64 i = grid[static_cast<std::size_t>(k * dp + r)];
-                const double v = i < 0 ? 0.0 : st.cost[i];
-                sm += v;
-                if (v > mx) mx = v;
-            }
+            const auto [mx, sm] = slot_stats(k);
             if (mx > 0.0 && sm / (static_cast<double>(dp) * mx) < 1.0 - 1e-9) {
                 bal.emplace_back(sm / (static_cast<double>(dp) * mx), k, sm / static_cast<double>(dp));
             }
@@ -487,12 +470,7 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
         oo.push_back(static_cast<i64>(o.size()));
         ro.push_back(static_cast<i64>(r.size()));
     }
-    auto arr = [](const std::vector<i64>& v) {
-        py::array_t<i64> a(static_cast<py::ssize_t>(v.size()));
-        std::copy(v.begin(), v.end(), a.mutable_data());
-        return a;
-    };
-    return py::make_tuple(moved, arr(oo), arr(o), arr(ro), arr(r));
+    return py::make_tuple(moved, int64_array(oo), int64_array(o), int64_array(ro), int64_array(r));
 }
 
 }  // namespace

@@ -6,10 +6,30 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <unordered_map>
 #include <vector>
+
+// The data of a 1-D array argument of ``size`` entries (size < 0: any length); a ValueError naming
+// the argument otherwise.
+template <typename A>
+inline const typename A::value_type* checked_vector(const A& a, std::int64_t size, const char* name) {
+    if (a.ndim() != 1 || (size >= 0 && a.shape(0) != size)) {
+        throw pybind11::value_error(std::string(name) + " must be a 1-D array" +
+                                    (size >= 0 ? " of " + std::to_string(size) + " entries" : std::string()));
+    }
+    return a.data();
+}
+
+// A new int64 numpy array holding v.
+inline pybind11::array_t<std::int64_t> int64_array(const std::vector<std::int64_t>& v) {
+    pybind11::array_t<std::int64_t> a(static_cast<pybind11::ssize_t>(v.size()));
+    std::copy(v.begin(), v.end(), a.mutable_data());
+    return a;
+}
 
 void register_l2(pybind11::module_& m);
 void register_rebalance(pybind11::module_& m);

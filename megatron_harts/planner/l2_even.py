@@ -124,6 +124,10 @@ class _State:
 
     def _set(self, b, s, state, count):
         self.log.append((b, s, self.st[b].get(s, _NONE), self.cc[b].get(s, 0)))
+        self._put(b, s, state, count)
+
+    def _put(self, b, s, state, count):
+        """Segment ``s`` of microbatch ``b`` in ``state`` with ``count`` computed children (unlogged)."""
         if state == _NONE:
             self.st[b].pop(s, None)
             self.cc[b].pop(s, None)
@@ -247,12 +251,8 @@ class _State:
             elif s < 0:
                 self.rows[b], self.pr[b], self.lg[b], self.n_own[b] = v
                 self.cost[b] = c
-            elif v == _NONE:
-                self.st[b].pop(s, None)
-                self.cc[b].pop(s, None)
             else:
-                self.st[b][s] = v
-                self.cc[b][s] = c
+                self._put(b, s, v, c)
 
     def owned(self, b) -> List[int]:
         return sorted(s for s, v in self.st[b].items() if v == _OWN)
