@@ -241,8 +241,8 @@ class TreePackedSeqParams(PackedSeqParams):
                                              # config's, or the block-mask one where varlen does not pay)
     token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode); expanded: None (megatron's
                                                  # statistics) or 1 per counted token, 0 per uncounted/pad token
-    token_weight_total: Optional[float] = None   # ``token_weight.sum()`` where the host knows it (else read
-                                                 # from the device once, by token_weight_sum)
+    token_weight_total: Optional[float] = None   # ``token_weight.sum()`` as a host number, once known (set
+                                                 # where the host knows it, else read once by token_weight_sum)
     position_ids: Optional[torch.Tensor] = None  # [tokens] path depth (tree) / position in sequence
     export_spec: Optional[ExportSpec] = None  # producer: what to record (tree mode)
     exports: Optional[WindowExports] = None   # producer: filled by the forward; consumer: what to read
@@ -256,7 +256,6 @@ class TreePackedSeqParams(PackedSeqParams):
                                              # close (schedules.windows recompute_producers): not the step's
                                              # statistics
     seq_lengths: Optional[torch.Tensor] = None  # CPU long [N] (expanded mode): the sequences' lengths
-    _token_weight_sum: Optional[float] = field(default=None, init=False, repr=False, compare=False)
     _seq_taps: Dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def sequence_conv_taps(self, kernel_size: int, device):
@@ -268,13 +267,12 @@ class TreePackedSeqParams(PackedSeqParams):
         return self._seq_taps[kernel_size]
 
     def token_weight_sum(self) -> float:
-        """``token_weight.sum()`` as a host number, read from the device once per microbatch (every MoE
-        layer needs it; reading it per layer would stall the host once per layer)."""
-        if self.token_weight_total is not None:
-            return self.token_weight_total
-        if self._token_weight_sum is None:
-            self._token_weight_sum = float(self.token_weight.sum())
-        return self._token_weight_sum
+        """``token_weight.sum()`` as a host number: ``token_weight_total``, read from the device once per
+        microbatch where the host does not know it (every MoE layer needs it; reading it per layer
+        would stall the host once per layer)."""
+        if self.token_weight_total is None:
+            self.token_weight_total = float(self.token_weight.sum())
+        return self.token_weight_total
 
     def record_export(self, layer_number: int, tensors: Dict[str, torch.Tensor]) -> None:
         """Producer: keep one layer's exports (called by the layers during the forward).  With
