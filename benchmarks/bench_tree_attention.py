@@ -11,8 +11,10 @@ One run, same device, same dtype, fwd+bwd each:
 - ``expanded_flex``: what expanded training does: every trajectory's own causal attention,
   packed (document-causal FlexAttention mask) over all trajectories' tokens.
 - ``tree_varlen``: the same with ``backend="varlen"``: bottom-right causal flash-attention varlen
-  kernels over key paths gathered per run of rows (``megatron_harts.ops.key_paths``; their
-  build time is reported separately too).
+  kernels (torch's bundled flash-attention 2) over key paths gathered per run of rows
+  (``megatron_harts.ops.key_paths``; their build time is reported separately too).
+- ``tree_varlen_fa4``: the same key paths through flash-attn-4's Hopper kernels, where
+  flash-attn-4 is installed (``key_paths.fa4_available``).
 - ``expanded_sdpa_loop`` (``--expanded-loop``): one causal SDPA call per trajectory.
 - ``tree_sdpa`` (``--tree-sdpa``, default on CPU): the chunked dense-mask fallback backend.
 
@@ -38,7 +40,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron_harts.layout import Visibility, build_layout  # noqa: E402
-from megatron_harts.ops.key_paths import build_key_paths  # noqa: E402
+from megatron_harts.ops.key_paths import build_key_paths, fa4_available  # noqa: E402
 from megatron_harts.ops.tree_attention import (build_tree_block_mask, set_flex_compile_mode,  # noqa: E402
                                                 tree_attention)
 from megatron_harts.tree_data import build_forest  # noqa: E402
@@ -224,7 +226,11 @@ def main(argv=None):
     kernel_options = json.loads(args.kernel_options) if args.kernel_options else None
     tree_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="flex", block_mask=bm,
                                                   kernel_options=kernel_options)
-    tree_varlen = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="varlen", key_paths=paths)
+    tree_varlen = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="varlen", key_paths=paths,
+                                                    varlen_kernel="flash" if not on_cpu else "reference")
+    with_fa4 = fa4_available(device, (dqk, dv)) and dtype != torch.float32
+    tree_fa4 = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="varlen", key_paths=paths,
+                                                 varlen_kernel="fa4")
     exp_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, exp_vis, scale, backend="flex", block_mask=exp_bm,
                                                  kernel_options=kernel_options)
 
@@ -264,10 +270,19 @@ def main(argv=None):
             gv = torch.autograd.grad(out_v, (q, k, v), g_rows)
             for name, a, b in zip("qkv", gv, gt):
                 check[f"varlen_grad_{name}_cosine_vs_flex"] = cosine(a, b)
+        if with_fa4:
+            out_f = tree_fa4(q, k, v)
+            check["fa4_out_cosine"] = cosine(out_f.detach()[rows], out_e.detach())
+            check["fa4_out_max_abs_err"] = float((out_f.detach()[rows] - out_e.detach()).abs().max())
+            gf = torch.autograd.grad(out_f, (q, k, v), g_rows)
+            for name, a, b in zip("qkv", gf, gt):
+                check[f"fa4_grad_{name}_cosine_vs_flex"] = cosine(a, b)
+            del out_f
         del out_t, out_e, out_v
 
     methods = [("tree_flex", tree_flex, (q, k, v), g, tree_pairs, True),
                ("tree_varlen", tree_varlen, (q, k, v), g, tree_pairs, False),
+               *([("tree_varlen_fa4", tree_fa4, (q, k, v), g, tree_pairs, False)] if with_fa4 else []),
                ("causal_sdpa", causal, (q, k, v), g, causal_pairs, False),
                ("expanded_flex", exp_flex, (qe, ke, ve), ge, expanded_pairs, True)]
     if args.expanded_loop:
@@ -297,6 +312,9 @@ def main(argv=None):
         "tree_flex_per_pair_vs_causal_fwd": tf["fwd_per_pair_vs_causal"],
         "tree_varlen_per_pair_vs_causal_fwd_bwd": tv["fwd_bwd_per_pair_vs_causal"],
         "tree_varlen_per_pair_vs_causal_fwd": tv["fwd_per_pair_vs_causal"],
+        "tree_varlen_fa4_per_pair_vs_causal_fwd_bwd": results.get("tree_varlen_fa4", {}).get(
+            "fwd_bwd_per_pair_vs_causal"),
+        "tree_varlen_fa4_per_pair_vs_causal_fwd": results.get("tree_varlen_fa4", {}).get("fwd_per_pair_vs_causal"),
         "target_per_pair_vs_causal": 1.5,
         "speedup_tree_vs_expanded_fwd_bwd": (ef[key] / tf[key]) if tf[key] and ef[key] else None,
         "speedup_tree_vs_expanded_fwd": ef["fwd_ms"] / tf["fwd_ms"],
@@ -339,6 +357,9 @@ def main(argv=None):
     relv = s["tree_varlen_per_pair_vs_causal_fwd_bwd"] or s["tree_varlen_per_pair_vs_causal_fwd"]
     print(f"tree_varlen time/pair vs causal SDPA: {relv:.2f}x; key paths: {paths.num_runs} runs, "
           f"{paths.gathered_keys} gathered keys, build {key_paths_ms:.2f} ms")
+    if with_fa4:
+        print(f"tree_varlen_fa4 time/pair vs causal SDPA: {s['tree_varlen_fa4_per_pair_vs_causal_fwd_bwd']:.2f}x "
+              f"(target <= 1.5)")
     return report
 
 

@@ -5,11 +5,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_harts.layout import Visibility, build_layout
-from megatron_harts.ops.key_paths import build_key_paths
+from megatron_harts.ops.key_paths import (FA4_VERSION, build_key_paths, default_kernel, fa4_available, path_attention,
+                                         sequence_key_paths)
 from megatron_harts.ops.tree_attention import build_tree_block_mask, tree_attention
 from megatron_harts.tree_data import build_forest, make_trajectory
 from test_forest import trajectory_sets
@@ -323,9 +325,12 @@ def test_key_paths_refuse_non_tree_visibility():
 
 
 @pytest.mark.skipif(not CUDA, reason="the flash varlen kernels need CUDA")
+@pytest.mark.parametrize("kernel", ["flash", "fa4"])
 @pytest.mark.parametrize("dims", [(64, 64), (96, 64), (192, 128), (12, 8), (64, 128)])
-def test_varlen_flash_equals_reference_cuda(dims):
+def test_varlen_fast_kernels_equal_reference_cuda(dims, kernel):
     D, Dv = dims
+    if kernel == "fa4" and not fa4_available("cuda", dims):
+        pytest.skip(f"flash-attn-4=={FA4_VERSION} not installed, not a Hopper GPU, or dims {dims} out of its range")
     for lay in swe_cuda_layouts():
         R, Rc = lay.num_rows, lay.num_context_rows
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -335,7 +340,7 @@ def test_varlen_flash_equals_reference_cuda(dims):
         g = torch.randn(R, 4, Dv, device="cuda", generator=gen).to(torch.bfloat16)
         ctx = (ck, cv) if Rc else None
         inputs = (q, k, v) + ((ck, cv) if Rc else ())
-        out = tree_attention(q, k, v, lay, backend="varlen", context_kv=ctx)
+        out = tree_attention(q, k, v, lay, backend="varlen", context_kv=ctx, varlen_kernel=kernel)
         got = torch.autograd.grad((out.float() * g).sum(), inputs)
         up = [t.detach().double().requires_grad_() for t in inputs]
         ref = tree_attention(up[0], up[1], up[2], lay, backend="reference",
@@ -345,6 +350,67 @@ def test_varlen_flash_equals_reference_cuda(dims):
         assert rel(out, ref) < 1e-2
         for a, b in zip(got, want):
             assert rel(a, b) < 2e-2
+
+
+def test_varlen_kernel_choice_and_refusals_on_cpu():
+    """CPU tensors take the reference kernel; the fast kernels refuse them with a message naming
+    the kernel, and fa4 is never reported available without a Hopper GPU."""
+    lay = build_layout(build_forest([make_trajectory({"id": f"t{i}", "tokens": [1, 2, 3, 4 + i]})
+                                     for i in range(2)]))
+    q = torch.randn(lay.num_rows, 2, 8, dtype=torch.float64)
+    assert default_kernel(q, 8) == "reference"
+    assert not fa4_available("cpu")
+    paths = build_key_paths(lay.visibility)
+    for kernel in ("flash", "fa4"):
+        with pytest.raises(ValueError, match=f"kernel '{kernel}' needs CUDA"):
+            path_attention(q, q, q, paths, 0.5, kernel=kernel)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        path_attention(q, q, q, paths, 0.5, kernel="fa3")
+    ref = tree_attention(q, q, q, lay, backend="reference")
+    torch.testing.assert_close(tree_attention(q, q, q, lay, backend="varlen"), ref)
+
+
+def test_sequence_key_paths_are_causal_sequences():
+    """Expanded mode's packed sequences as key-path runs: the reference kernel over them is causal
+    attention within each sequence, and the runs count each sequence's causal pairs."""
+    lengths = [5, 1, 3]
+    paths = sequence_key_paths(lengths)
+    assert (paths.num_runs, paths.num_queries, paths.num_keys, paths.pairs) == (3, 9, 9, 15 + 1 + 6)
+    assert paths.key_index.tolist() == list(range(9))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(9, 2, d, dtype=torch.float64, generator=gen) for d in (4, 4, 3))
+    got = path_attention(q, k, v, paths, 0.5, kernel="reference")
+    a = 0
+    for n in lengths:
+        s = slice(a, a + n)
+        want = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1),
+                                              is_causal=True, scale=0.5).transpose(0, 1)
+        torch.testing.assert_close(got[s], want)
+        a += n
+    with pytest.raises(ValueError, match="at least one token"):
+        sequence_key_paths([3, 0])
+
+
+@pytest.mark.skipif(not CUDA, reason="flash-attn-4 needs CUDA")
+def test_fa4_over_sequences_equals_sdpa_cuda():
+    """The expanded-mode use of fa4 (MLA's packed sequences): equal to SDPA per sequence."""
+    if not fa4_available("cuda", (96, 64)):
+        pytest.skip(f"flash-attn-4=={FA4_VERSION} not installed or not a Hopper GPU")
+    lengths = [700, 1, 129, 2048]
+    paths = sequence_key_paths(lengths, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda d: torch.randn(sum(lengths), 4, d, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    q, k, v = make(96), make(96), make(64)
+    out = path_attention(q, k, v, paths, 96 ** -0.5, kernel="fa4")
+    g = torch.randn_like(out)
+    got = torch.autograd.grad((out.float() * g).sum(), (q, k, v))
+    up = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = path_attention(*up, paths, 96 ** -0.5, kernel="reference")
+    want = torch.autograd.grad((ref * g.double()).sum(), up)
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm())
+    assert rel(out, ref) < 1e-2
+    for a, b in zip(got, want):
+        assert rel(a, b) < 2e-2
 
 
 def test_flex_backward_on_cpu_is_refused_clearly():

@@ -10,10 +10,14 @@ order, followed by the run's own rows in order.  Row ``i`` of the run sees exact
 then runs every run in one call, and each visible (query, key) pair is computed once.
 
 :class:`KeyPaths` holds that decomposition for one microbatch (built once, shared by all
-layers); :func:`path_attention` runs it: ``kernel="flash"`` (CUDA: torch's flash-attention
-varlen kernels, keys/values gathered in the forward and again in the backward, key/value
-gradients summed back in fp32) or ``kernel="reference"`` (plain torch per run, autograd; any
-device and dtype: the readable definition the tests hold the flash kernel to).
+layers); :func:`path_attention` runs it: ``kernel="flash"`` (CUDA: torch's bundled
+flash-attention 2 varlen kernels), ``kernel="fa4"`` (CUDA, Hopper: flash-attn-4's CuTe kernels, which use
+the chip's own matrix instructions; optional, pinned to ``FA4_VERSION``), or ``kernel="reference"`` (plain torch per run, autograd; any device and dtype:
+the readable definition the tests hold both fast kernels to).  The fast kernels gather the
+keys/values in the forward and again in the backward and sum the key/value gradients back in fp32;
+:func:`default_kernel` picks fa4 where it is installed and runs, else flash.
+:func:`sequence_key_paths` states independent causal sequences (expanded mode) in the same form, so
+that both modes can run the same kernel.
 """
 from __future__ import annotations
 
@@ -26,9 +30,9 @@ import torch.nn.functional as F
 
 from ..layout import Visibility, host_to_device
 
-__all__ = ["KeyPaths", "build_key_paths", "path_attention", "KERNELS"]
+__all__ = ["KeyPaths", "build_key_paths", "sequence_key_paths", "path_attention", "KERNELS", "default_kernel", "fa4_available"]
 
-KERNELS = ("flash", "reference")
+KERNELS = ("flash", "fa4", "reference")
 
 #: limits of :meth:`KeyPaths.worth_gathering` (the model falls back to the block-mask backend for
 #: a microbatch outside them).  The microbatches of the benchmarks' paper-level batches (16k rows):
@@ -170,6 +174,23 @@ def build_key_paths(vis: Visibility, context_visibility: Optional[Visibility] = 
                     host_to_device(torch.from_numpy(key_index), device), q_len, k_len, R, n_ctx + R, pairs)
 
 
+def sequence_key_paths(lengths, *, device=None) -> KeyPaths:
+    """Independent causal sequences packed back to back (expanded mode's THD rows): one run per
+    sequence over its own keys, in place (``key_index`` is the identity)."""
+    device = "cpu" if device is None else device
+    q_len = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if q_len.size and int(q_len.min()) < 1:
+        raise ValueError("sequence_key_paths: every sequence needs at least one token")
+    off = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int64)
+    if off[-1] >= 2 ** 31:
+        raise ValueError(f"sequence_key_paths: {off[-1]} tokens exceed int32 offsets")
+    cu = torch.from_numpy(off.astype(np.int32))
+    n = int(off[-1])
+    return KeyPaths(host_to_device(cu, device), host_to_device(cu.clone(), device),
+                    host_to_device(torch.arange(n, dtype=torch.int64), device), q_len, q_len.copy(), n, n,
+                    int((q_len * (q_len + 1) // 2).sum()))
+
+
 # ---------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------
@@ -239,6 +260,100 @@ class _FlashPaths(torch.autograd.Function):
         return dq[..., :D], dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
 
 
+#: the flash-attn-4 release whose private forward/backward entry points ``_Fa4Paths`` calls
+FA4_VERSION = "4.0.0b36"
+#: fa4's head-dim range on Hopper: q/k and v each in [8, 256], a multiple of 8 (16-byte rows in bf16)
+FA4_MAX_HEAD_DIM = 256
+
+_FA4 = None          # (forward, backward) once imported; False where flash-attn-4 is missing or another release
+
+
+def _fa4_entry_points():
+    """flash-attn-4's varlen forward and backward, or None where the pinned release is not installed."""
+    global _FA4
+    if _FA4 is None:
+        _FA4 = False
+        try:
+            from importlib.metadata import version
+            if version("flash-attn-4") == FA4_VERSION:
+                from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+                _FA4 = (_flash_attn_fwd, _flash_attn_bwd)
+        except Exception:          # not installed, or its CuTe DSL does not load here (no CUDA, no Triton)
+            _FA4 = False
+    return _FA4 or None
+
+
+def fa4_available(device, dims=None) -> bool:
+    """Whether ``kernel="fa4"`` runs on ``device``: CUDA of compute capability 9.x (Hopper), the
+    pinned flash-attn-4 installed, and ``dims = (q/k head dim, v head dim)`` (when given) in its
+    range."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    if dims is not None and not all(8 <= d <= FA4_MAX_HEAD_DIM and d % 8 == 0 for d in dims):
+        return False
+    return _fa4_entry_points() is not None
+
+
+def default_kernel(q: torch.Tensor, v_head_dim: int) -> str:
+    """The kernel :func:`path_attention` should take for these tensors: fa4 where it runs, else
+    torch's flash kernels (CUDA, fp16/bf16), else the reference."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return "reference"
+    return "fa4" if fa4_available(q.device, (q.shape[-1], v_head_dim)) else "flash"
+
+
+def _fa4_gather(q, k_all, v_all, paths: KeyPaths):
+    """The run-ordered keys and values fa4 reads.  fa4's Hopper backward takes grouped key/value
+    heads (GQA) only with equal q/k and v head dims, so with unequal dims each key/value head is
+    repeated for its query heads (query head ``h`` reads key/value head ``h // (H / Hk)``, the
+    grouping of the other kernels)."""
+    kg = k_all.index_select(0, paths.key_index)
+    vg = v_all.index_select(0, paths.key_index)
+    group = q.shape[1] // k_all.shape[1]
+    if group > 1 and q.shape[-1] != v_all.shape[-1]:
+        kg = kg.repeat_interleave(group, dim=1)
+        vg = vg.repeat_interleave(group, dim=1)
+    return kg, vg
+
+
+class _Fa4Paths(torch.autograd.Function):
+    """flash-attn-4's varlen causal kernels (bottom-right aligned) over the gathered paths, any
+    q/k and v head dims in its range (no padding).  As ``_FlashPaths``: gathered keys/values live
+    only inside the forward and the backward, their gradients are summed back in fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k_all, v_all, paths: KeyPaths, scale: float):
+        fwd, _ = _fa4_entry_points()
+        kg, vg = _fa4_gather(q, k_all, v_all, paths)
+        out, lse = fwd(q, kg, vg, cu_seqlens_q=paths.q_offsets, cu_seqlens_k=paths.k_offsets,
+                       max_seqlen_q=paths.max_q, max_seqlen_k=paths.max_k, softmax_scale=scale, causal=True,
+                       return_lse=True)[:2]
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        ctx.paths, ctx.scale = paths, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        paths = ctx.paths
+        _, bwd = _fa4_entry_points()
+        kg, vg = _fa4_gather(q, k_all, v_all, paths)
+        dq, dkg, dvg = bwd(q, kg, vg, out, grad.contiguous(), lse, ctx.scale, True, 0.0,
+                           cu_seqlens_q=paths.q_offsets, cu_seqlens_k=paths.k_offsets,
+                           max_seqlen_q=paths.max_q, max_seqlen_k=paths.max_k)[:3]
+        if dkg.shape[1] != k_all.shape[1]:        # heads repeated by _fa4_gather: sum each group back
+            dkg = dkg.float().unflatten(1, (k_all.shape[1], -1)).sum(2)
+            dvg = dvg.float().unflatten(1, (v_all.shape[1], -1)).sum(2)
+        dk = torch.zeros(k_all.shape, dtype=torch.float32, device=k_all.device)
+        dk.index_add_(0, paths.key_index, dkg.float())
+        dv = torch.zeros(v_all.shape, dtype=torch.float32, device=v_all.device)
+        dv.index_add_(0, paths.key_index, dvg.float())
+        return dq, dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
+
+
 def path_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, paths: KeyPaths,
                    scale: float, kernel: str = "flash") -> torch.Tensor:
     """Attention of every query row over its run's keys (:class:`KeyPaths` invariant).
@@ -254,7 +369,15 @@ def path_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pa
     if kernel == "reference":
         return _reference(q, k_all, v_all, paths, scale)
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError("path_attention kernel 'flash' needs CUDA fp16/bf16 tensors (use 'reference')")
+        raise ValueError(f"path_attention kernel {kernel!r} needs CUDA fp16/bf16 tensors (use 'reference')")
+    if kernel == "fa4":
+        if not fa4_available(q.device, (q.shape[-1], v_all.shape[-1])):
+            raise ValueError(f"path_attention kernel 'fa4' needs flash-attn-4=={FA4_VERSION} on a Hopper GPU and "
+                             f"head dims in [8, {FA4_MAX_HEAD_DIM}], multiples of 8 (got {q.shape[-1]}/"
+                             f"{v_all.shape[-1]}); use 'flash'")
+        if paths.num_runs == 0:
+            return q.new_zeros(q.shape[:2] + v_all.shape[2:])
+        return _Fa4Paths.apply(q.contiguous(), k_all.contiguous(), v_all.contiguous(), paths, scale)
     if _flash_head_dim(q.shape[-1], v_all.shape[-1]) > FLASH_MAX_HEAD_DIM:
         raise ValueError(f"tree attention backend 'varlen': head dims {q.shape[-1]}/{v_all.shape[-1]} exceed the "
                          f"flash kernels' {FLASH_MAX_HEAD_DIM} (use backend 'flex')")

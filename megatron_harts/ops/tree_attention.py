@@ -21,8 +21,8 @@ Backends, one interface:
   all layers.  On CPU, torch's FlexAttention runs forward only (no backward).
 - ``varlen``: bottom-right causal attention over gathered key paths (:mod:`.key_paths`), with
   :class:`~megatron_harts.ops.key_paths.KeyPaths` built once per microbatch; on CUDA (fp16/bf16)
-  torch's flash-attention varlen kernels, elsewhere the per-run plain-torch kernel.  Tree
-  visibilities only (one interval per key).
+  flash-attn-4's Hopper kernels where installed, else torch's flash-attention varlen kernels,
+  elsewhere the per-run plain-torch kernel.  Tree visibilities only (one interval per key).
 
 Context keys come first on the key axis: keys ``[0, Rc)`` are context rows, ``[Rc, Rc+R)``
 the layout's rows.
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import CompactLayout, Visibility, host_to_device
-from .key_paths import KeyPaths, build_key_paths, path_attention
+from .key_paths import KeyPaths, build_key_paths, default_kernel, path_attention
 
 __all__ = ["tree_attention", "build_tree_block_mask", "set_flex_compile_mode", "BACKENDS"]
 
@@ -260,8 +260,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
                    scale: Optional[float] = None, *, backend: str = "sdpa",
                    context_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                    context_visibility: Optional[Visibility] = None, block_mask=None,
-                   key_paths: Optional[KeyPaths] = None, query_block: int = 1024,
-                   kernel_options: Optional[dict] = None) -> torch.Tensor:
+                   key_paths: Optional[KeyPaths] = None, varlen_kernel: Optional[str] = None,
+                   query_block: int = 1024, kernel_options: Optional[dict] = None) -> torch.Tensor:
     """Attention of every row's query over the keys visible to it.
 
     q ``[R, H, Dqk]``, k ``[R, Hk, Dqk]``, v ``[R, Hk, Dv]`` (``H`` a multiple of ``Hk``: GQA),
@@ -271,7 +271,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
     ``block_mask``: for ``backend="flex"``, the mask from :func:`build_tree_block_mask`
     (built here when omitted); ``kernel_options`` go to flex_attention unchanged.
     ``key_paths``: for ``backend="varlen"``, the runs from
-    :func:`~megatron_harts.ops.key_paths.build_key_paths` (built here when omitted).
+    :func:`~megatron_harts.ops.key_paths.build_key_paths` (built here when omitted);
+    ``varlen_kernel`` one of ``key_paths.KERNELS`` (default: ``key_paths.default_kernel``: fa4
+    where flash-attn-4 runs, else torch's flash kernels on CUDA, else the plain-torch reference).
     A layout with context rows requires ``context_kv``.  Causal visibility (every layout) lets
     every row see itself; with a custom visibility a row that sees no key gets NaN from
     ``reference``/``sdpa`` and 0 from ``flex``.
@@ -308,8 +310,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
         if (key_paths.num_queries, key_paths.num_keys) != (R, R + n_ctx):
             raise ValueError(f"key_paths are for (queries, keys) = {(key_paths.num_queries, key_paths.num_keys)}, "
                              f"expected {(R, R + n_ctx)}")
-        fast = q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-        return path_attention(q, k_all, v_all, key_paths, scale, kernel="flash" if fast else "reference")
+        return path_attention(q, k_all, v_all, key_paths, scale,
+                              kernel=varlen_kernel or default_kernel(q, v.shape[-1]))
     if block_mask is None:
         block_mask = build_tree_block_mask(vis, context_visibility=ctx_vis, device=q.device)
     if tuple(block_mask.seq_lengths) != (R, R + n_ctx):
