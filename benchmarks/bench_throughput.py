@@ -360,6 +360,10 @@ def main(argv=None):
         results["machine"]["fla"] = fla.__version__
     except Exception:
         pass
+    from megatron_harts.ops.key_paths import FA4_VERSION, fa4_available
+    # flash-attn-4, where it runs, is the attention kernel of both modes (tree varlen, expanded THD)
+    results["machine"]["flash_attn_4"] = FA4_VERSION if fa4_available(a.device, (p["qk"] + p["rope"], p["v"])) \
+        else None
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                 time.strftime("throughput-%Y%m%d-%H%M%S.json"))
     os.makedirs(os.path.dirname(out), exist_ok=True)

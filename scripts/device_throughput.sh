@@ -15,7 +15,9 @@
 #               head dims 128/128, 192/128 (MLA of h200-2k) and 96/64 (MLA of h200)
 #   large       both batches on preset h200-2k (hidden 2048), without the logit-cosine sample; Tree-Step
 #               without plain windows (within, windows with producer recomputation)
-# Default: fidelity step-wise tree-step.
+# Default: fidelity step-wise tree-step.  With flash-attn-4: `bash scripts/fa4_wheels.sh stash` in one call
+# (carry .fa4a), then `bash scripts/fa4_wheels.sh install && bash scripts/device_throughput.sh ...` in the
+# next (carry .fa4b .whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_LEFT="${1:-540}"
@@ -25,7 +27,9 @@ STAGES=("$@")
 OUT="${OUT:-out/throughput}"
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# the second entry: flash-attn-4's CuTe DSL where scripts/fa4_wheels.sh installed it (then both modes' MLA
+# attention runs its kernels); without it, torch's kernels and FlexAttention
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L
 share=$((SECONDS_LEFT / ${#STAGES[@]}))
 quiet() { grep -v -i -E "warn|Unknown MLP|Rerun"; }

@@ -24,7 +24,10 @@ position id: the path depth in tree mode, the position in the sequence in
 expanded mode, so tree rows get exactly their trajectories' rotations.
 
 Core attention: ``ops.tree_attention`` (a key row is visible to the rows of its
-subtree) in tree mode; causal attention per sequence in expanded/batched mode.
+subtree) in tree mode; causal attention per sequence in expanded/batched mode: packed
+sequences go through flash-attn-4's varlen kernel where it runs (``ops.key_paths``: the kernel
+of tree mode's ``varlen`` backend, so that both modes time the same attention kernel), else
+through SDPA over the sequences zero-padded to the longest.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from megatron.core.parallel_state import get_tensor_model_parallel_group
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from ..ops.key_paths import default_kernel, path_attention
 from ..ops.tree_attention import tree_attention
 from .common import (check_divisible, local_column_linear, rows_linear, sequences_unview, sequences_view, tp_input,
                      tp_replicated, tp_size)
@@ -144,6 +148,10 @@ class TreeMLA(MegatronModule):
                                block_mask=psp.block_mask, key_paths=psp.key_paths, context_kv=context_kv)
             if psp.pad_rows:
                 o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])
+        elif b == 1 and hasattr(packed_seq_params, "sequence_key_paths") and default_kernel(q, dv) == "fa4":
+            # expanded THD rows through the tree mode's fastest varlen kernel (the same one), not padded
+            paths = packed_seq_params.sequence_key_paths(q.device)
+            o = path_attention(q, k, v, paths, self.scale, kernel="fa4")
         else:
             (qp, kp, vp), flat = sequences_view((q, k, v), s, b, packed_seq_params)
             op = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),

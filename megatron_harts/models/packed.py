@@ -236,7 +236,8 @@ class TreePackedSeqParams(PackedSeqParams):
     kda_schedule: Any = None                 # ops.tree_kda.KdaSchedule (tree mode)
     conv_taps: Any = None                    # ops.path_conv.ConvTaps (tree mode)
     block_mask: Any = None                   # FlexAttention BlockMask (tree mode, flex backend)
-    key_paths: Any = None                    # ops.key_paths.KeyPaths (tree mode, varlen backend)
+    key_paths: Any = None                    # ops.key_paths.KeyPaths (tree mode, varlen backend; expanded
+                                             # mode: the sequences, built by sequence_key_paths on first use)
     attention_backend: Optional[str] = None  # tree mode: this microbatch's tree-attention backend (the
                                              # config's, or the block-mask one where varlen does not pay)
     token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode); expanded: None (megatron's
@@ -265,6 +266,16 @@ class TreePackedSeqParams(PackedSeqParams):
             from ..ops.path_conv import sequence_conv_taps
             self._seq_taps[kernel_size] = sequence_conv_taps(self.seq_lengths.tolist(), kernel_size).to(device)
         return self._seq_taps[kernel_size]
+
+    def sequence_key_paths(self, device):
+        """Expanded mode: the packed sequences as key-path runs (``ops.key_paths.sequence_key_paths``),
+        built once per microbatch, shared by every MLA layer."""
+        if self.key_paths is None:
+            from ..ops.key_paths import sequence_key_paths
+            cu = self.cu_seqlens_q
+            lens = self.seq_lengths if self.seq_lengths is not None else (cu[1:] - cu[:-1]).cpu()
+            self.key_paths = sequence_key_paths(lens.numpy(), device=device)
+        return self.key_paths
 
     def token_weight_sum(self) -> float:
         """``token_weight.sum()`` as a host number: ``token_weight_total``, read from the device once per

@@ -262,7 +262,9 @@ class _FlashPaths(torch.autograd.Function):
 
 #: the flash-attn-4 release whose private forward/backward entry points ``_Fa4Paths`` calls
 FA4_VERSION = "4.0.0b36"
-#: fa4's head-dim range on Hopper: q/k and v each in [8, 256], a multiple of 8 (16-byte rows in bf16)
+#: fa4's head-dim range on Hopper: q/k and v each in [8, 256], a multiple of 8 (16-byte rows in bf16),
+#: and v no wider than q/k (4.0.0b36's Hopper backward at q/k 64, v 128 asks for more shared memory
+#: than the chip has: 248,832 of 232,448 bytes, measured on an H200)
 FA4_MAX_HEAD_DIM = 256
 
 _FA4 = None          # (forward, backward) once imported; False where flash-attn-4 is missing or another release
@@ -286,13 +288,14 @@ def _fa4_entry_points():
 def fa4_available(device, dims=None) -> bool:
     """Whether ``kernel="fa4"`` runs on ``device``: CUDA of compute capability 9.x (Hopper), the
     pinned flash-attn-4 installed, and ``dims = (q/k head dim, v head dim)`` (when given) in its
-    range."""
+    range (``FA4_MAX_HEAD_DIM``)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     if torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    if dims is not None and not all(8 <= d <= FA4_MAX_HEAD_DIM and d % 8 == 0 for d in dims):
+    if dims is not None and not (all(8 <= d <= FA4_MAX_HEAD_DIM and d % 8 == 0 for d in dims)
+                                 and dims[-1] <= dims[0]):
         return False
     return _fa4_entry_points() is not None
 
@@ -373,7 +376,7 @@ def path_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pa
     if kernel == "fa4":
         if not fa4_available(q.device, (q.shape[-1], v_all.shape[-1])):
             raise ValueError(f"path_attention kernel 'fa4' needs flash-attn-4=={FA4_VERSION} on a Hopper GPU and "
-                             f"head dims in [8, {FA4_MAX_HEAD_DIM}], multiples of 8 (got {q.shape[-1]}/"
+                             f"head dims in [8, {FA4_MAX_HEAD_DIM}], multiples of 8, v's at most q/k's (got {q.shape[-1]}/"
                              f"{v_all.shape[-1]}); use 'flash'")
         if paths.num_runs == 0:
             return q.new_zeros(q.shape[:2] + v_all.shape[2:])

@@ -97,7 +97,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..cli import CliError
-from ..ops.key_paths import FLASH_MAX_HEAD_DIM
+from ..ops.key_paths import FLASH_MAX_HEAD_DIM, fa4_available
 from ..planner.baselines import CALL_PLANS
 
 __all__ = [
@@ -943,8 +943,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "replay), per-depth (one call per fork level) or node-wise (one call per segment depth, "
                          "Node-wise LA); the ablations run without replay and need --tree-sharing within")
     ts.add_argument("--tree-attention-backend", choices=ATTENTION_BACKEND_CHOICES, default="auto",
-                    help="MLA tree attention: auto (default on CUDA: flex up to q/k head dim 128, varlen "
-                         "above; sdpa otherwise or with --fp64), "
+                    help="MLA tree attention: auto (default on CUDA: varlen where flash-attn-4 runs, else flex "
+                         "up to q/k head dim 128 and varlen above; sdpa otherwise or with --fp64), "
                          "sdpa, reference, flex (needs CUDA) or varlen (flash-attention varlen kernels over "
                          "gathered key paths on CUDA, their plain-torch reference elsewhere)")
     ts.add_argument("--tree-triton-max-configs", type=_NONNEG_INT, default=0, metavar="N",
@@ -1432,17 +1432,19 @@ def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
     return world_size // (tp * pp * cp)
 
 
-#: the largest MLA q/k head dim (nope + rope) at which ``auto`` takes FlexAttention on CUDA; above it
-#: ``varlen``.  Measured on an H200 (torch 2.11, bf16, 16 heads, ~30k-row SWE trees, fwd+bwd, time per
-#: visible pair over causal SDPA's): q/k 128: flex 1.85-1.90x, varlen 2.07-2.19x; q/k 192 / v 128:
-#: flex 3.77-3.88x (its Triton kernel pads 192 to 256), varlen 2.55-2.70x.  Head dims beyond the
-#: flash kernels' (``ops.key_paths.FLASH_MAX_HEAD_DIM``) stay on flex.
+#: the largest MLA q/k head dim (nope + rope) at which ``auto`` takes FlexAttention on CUDA without
+#: flash-attn-4; above it ``varlen``.  Where flash-attn-4 runs (``ops.key_paths.fa4_available``)
+#: ``auto`` takes ``varlen`` at every head dim.  Measured on an H200 (torch 2.11, bf16, 16 heads,
+#: ~30k-row SWE trees, fwd+bwd, time per visible pair over causal SDPA's): q/k 128: flex 1.85-1.95x,
+#: varlen with torch's flash kernels 2.07-2.20x, with flash-attn-4 1.24-1.35x; q/k 192 / v 128: flex
+#: 3.77-3.88x (its Triton kernel pads 192 to 256), varlen 2.53-2.76x, with flash-attn-4 1.26-1.37x.
+#: Head dims beyond the flash kernels' (``ops.key_paths.FLASH_MAX_HEAD_DIM``) stay on flex.
 FLEX_MAX_QK_HEAD_DIM = 128
 
 
 def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) -> Tuple[str, str]:
-    """(KDA backend, tree-attention backend) for this machine; ``auto`` picks fla and flex (q/k head
-    dims up to ``FLEX_MAX_QK_HEAD_DIM``) or varlen (above) on CUDA, reference / sdpa with --fp64 or
+    """(KDA backend, tree-attention backend) for this machine; ``auto`` picks fla and varlen where
+    flash-attn-4 runs, else flex (q/k head dims up to ``FLEX_MAX_QK_HEAD_DIM``) or varlen (above) on CUDA, reference / sdpa with --fp64 or
     without CUDA.  Refuses fla / flex / varlen's flash kernel where they cannot run."""
     import importlib.util
 
@@ -1459,6 +1461,7 @@ def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) 
         qk_dim = (getattr(args, "qk_head_dim", 0) or 0) + (getattr(args, "qk_pos_emb_head_dim", 0) or 0)
         v_dim = getattr(args, "v_head_dim", 0) or 0
         varlen = FLEX_MAX_QK_HEAD_DIM < qk_dim and max(qk_dim, v_dim) <= FLASH_MAX_HEAD_DIM
+        varlen = varlen or (fast and fa4_available("cuda", (qk_dim, v_dim or qk_dim)))
         attn = ("varlen" if varlen else "flex") if fast else "sdpa"
     if kda == "fla":
         if not cuda:
