@@ -154,3 +154,16 @@ def test_sharded_state_dict_covers_every_parameter(cpu_world):
     model = build_hybrid_model(tiny_config(), vocab_size=VOCAB)
     sd = model.sharded_state_dict()
     assert {n for n, _ in model.named_parameters()} <= set(sd)
+
+
+def test_expanded_params_hold_their_sequences_as_key_paths():
+    """Expanded mode's key paths (the fa4 attention of packed sequences) are its sequences, built
+    once per microbatch; padded params get their own, with the padding as one more sequence."""
+    from megatron_harts.models import TreePackedSeqParams
+    psp = TreePackedSeqParams.for_sequences([3, 1, 2])
+    paths = psp.sequence_key_paths("cpu")
+    assert psp.sequence_key_paths("cpu") is paths
+    assert (paths.num_runs, paths.num_queries, paths.pairs) == (3, 6, 6 + 1 + 3)
+    assert paths.q_offsets.tolist() == [0, 3, 4, 6] == paths.k_offsets.tolist()
+    padded = psp.padded(2).sequence_key_paths("cpu")
+    assert (padded.num_runs, padded.num_queries, padded.q_lengths.tolist()) == (4, 8, [3, 1, 2, 2])
