@@ -450,6 +450,24 @@ def test_backends_are_resolved_and_checked_at_build_time(no_cuda):
             A.resolved_backends(parse("--tree-kda-backend fla --tree-chunk-size 32"), cuda=True)
 
 
+def test_auto_attention_takes_varlen_where_fa4_runs(monkeypatch):
+    """Where flash-attn-4 runs (stubbed here: CPU), auto takes varlen at every head dim fa4 takes,
+    flex beyond them, sdpa with --fp64."""
+    from megatron_harts.ops import key_paths
+    calls = []
+
+    def fa4_runs(device, dims):
+        calls.append((str(device), tuple(dims)))
+        return all(8 <= d <= key_paths.FA4_MAX_HEAD_DIM and d % 8 == 0 for d in dims) and dims[-1] <= dims[0]
+
+    monkeypatch.setattr(A, "fa4_available", fa4_runs)
+    assert A.resolved_backends(parse("--qk-head-dim 64"), cuda=True)[1] == "varlen"    # flex without fa4
+    assert calls[-1] == ("cuda", (64 + 64, 128))
+    assert A.resolved_backends(parse("--qk-head-dim 256"), cuda=True)[1] == "flex"    # 320: past fa4 too
+    assert A.resolved_backends(parse("--fp64"), cuda=True)[1] == "sdpa"
+    assert A.resolved_backends(parse("--qk-head-dim 64"), cuda=False)[1] == "sdpa"
+
+
 def test_data_parallel_size():
     args = parse_args(shlex.split(KIMI_LINE))
     assert A.data_parallel_size(args, 16) == 8
