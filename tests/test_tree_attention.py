@@ -370,6 +370,40 @@ def test_varlen_kernel_choice_and_refusals_on_cpu():
     torch.testing.assert_close(tree_attention(q, q, q, lay, backend="varlen"), ref)
 
 
+def test_unusable_fa4_is_reported_once(monkeypatch):
+    """flash-attn-4 absent: no word; another release, or one that does not import: one warning
+    naming it, and the kernels fall back (no entry points)."""
+    import importlib.metadata
+    import sys
+
+    from megatron_harts.ops import key_paths
+
+    def installed(release):
+        def version(name):
+            if name == "flash-attn-4" and release:
+                return release
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version
+
+    monkeypatch.setattr(importlib.metadata, "version", installed(None))
+    monkeypatch.setattr(key_paths, "_FA4", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert key_paths._fa4_entry_points() is None
+    monkeypatch.setattr(importlib.metadata, "version", installed("4.0.0b1"))
+    monkeypatch.setattr(key_paths, "_FA4", None)
+    with pytest.warns(UserWarning, match=f"flash-attn-4 4.0.0b1 is installed; .* {FA4_VERSION}"):
+        assert key_paths._fa4_entry_points() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert key_paths._fa4_entry_points() is None            # reported once
+    monkeypatch.setattr(importlib.metadata, "version", installed(FA4_VERSION))
+    monkeypatch.setattr(key_paths, "_FA4", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)     # an import that fails
+    with pytest.warns(UserWarning, match="does not import"):
+        assert key_paths._fa4_entry_points() is None
+
+
 def test_sequence_key_paths_are_causal_sequences():
     """Expanded mode's packed sequences as key-path runs: the reference kernel over them is causal
     attention within each sequence, and the runs count each sequence's causal pairs."""

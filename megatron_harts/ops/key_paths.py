@@ -21,6 +21,7 @@ that both modes can run the same kernel.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -271,17 +272,27 @@ _FA4 = None          # (forward, backward) once imported; False where flash-attn
 
 
 def _fa4_entry_points():
-    """flash-attn-4's varlen forward and backward, or None where the pinned release is not installed."""
+    """flash-attn-4's varlen forward and backward, or None where the pinned release is not installed.
+    An installed flash-attn-4 that cannot be used (another release, or one that does not import)
+    is reported once, as a warning naming the reason, since the kernels then fall back silently."""
     global _FA4
     if _FA4 is None:
         _FA4 = False
+        from importlib.metadata import PackageNotFoundError, version
         try:
-            from importlib.metadata import version
-            if version("flash-attn-4") == FA4_VERSION:
-                from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
-                _FA4 = (_flash_attn_fwd, _flash_attn_bwd)
-        except Exception:          # not installed, or its CuTe DSL does not load here (no CUDA, no Triton)
-            _FA4 = False
+            installed = version("flash-attn-4")
+        except PackageNotFoundError:
+            return None
+        if installed != FA4_VERSION:
+            warnings.warn(f"flash-attn-4 {installed} is installed; megatron_harts calls {FA4_VERSION}'s entry "
+                          f"points, so tree attention uses torch's kernels (pip install flash-attn-4=={FA4_VERSION})")
+            return None
+        try:
+            from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+            _FA4 = (_flash_attn_fwd, _flash_attn_bwd)
+        except Exception as err:   # its CuTe DSL does not load here (e.g. nvidia-cutlass-dsl not on the path)
+            warnings.warn(f"flash-attn-4 {installed} is installed but does not import ({type(err).__name__}: "
+                          f"{err}); tree attention uses torch's kernels")
     return _FA4 or None
 
 
