@@ -11,9 +11,10 @@ then runs every run in one call, and each visible (query, key) pair is computed 
 
 :class:`KeyPaths` holds that decomposition for one microbatch (built once, shared by all
 layers); :func:`path_attention` runs it: ``kernel="flash"`` (CUDA: torch's bundled
-flash-attention 2 varlen kernels), ``kernel="fa4"`` (CUDA, Hopper: flash-attn-4's CuTe kernels, which use
-the chip's own matrix instructions; optional, pinned to ``FA4_VERSION``), or ``kernel="reference"`` (plain torch per run, autograd; any device and dtype:
-the readable definition the tests hold both fast kernels to).  The fast kernels gather the
+flash-attention 2 varlen kernels), ``kernel="fa4"`` (CUDA, Hopper: flash-attn-4's CuTe kernels,
+which use the chip's own matrix instructions; optional, pinned to ``FA4_VERSION``), or
+``kernel="reference"`` (plain torch per run, autograd; any device and dtype: the readable
+definition the tests hold both fast kernels to).  The fast kernels gather the
 keys/values in the forward and again in the backward and sum the key/value gradients back in fp32;
 :func:`default_kernel` picks fa4 where it is installed and runs, else flash.
 :func:`sequence_key_paths` states independent causal sequences (expanded mode) in the same form, so
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 
 from ..layout import Visibility, host_to_device
 
-__all__ = ["KeyPaths", "build_key_paths", "sequence_key_paths", "path_attention", "KERNELS", "default_kernel", "fa4_available"]
+__all__ = ["KeyPaths", "build_key_paths", "sequence_key_paths", "path_attention", "KERNELS", "default_kernel",
+           "fa4_available"]
 
 KERNELS = ("flash", "fa4", "reference")
 
@@ -224,6 +226,16 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
 
+def _sum_back(k_all, v_all, paths: KeyPaths, dkg, dvg):
+    """Gradients of the gathered keys/values summed onto ``k_all``/``v_all``'s rows in fp32 (a key
+    gathered for several runs gets their sum), in their dtypes."""
+    dk = torch.zeros(k_all.shape, dtype=torch.float32, device=k_all.device)
+    dk.index_add_(0, paths.key_index, dkg.float())
+    dv = torch.zeros(v_all.shape, dtype=torch.float32, device=v_all.device)
+    dv.index_add_(0, paths.key_index, dvg.float())
+    return dk.to(k_all.dtype), dv.to(v_all.dtype)
+
+
 class _FlashPaths(torch.autograd.Function):
     """Varlen flash attention over the gathered paths.  Gathered keys/values live only inside
     the forward and the backward (re-gathered); their gradients are summed back in fp32.  Head
@@ -254,11 +266,8 @@ class _FlashPaths(torch.autograd.Function):
         dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
             _pad_to(grad, W).contiguous(), qp, kg, vg, out, lse, paths.q_offsets, paths.k_offsets,
             paths.max_q, paths.max_k, 0.0, True, rng, unused, scale=ctx.scale)
-        dk = torch.zeros(k_all.shape, dtype=torch.float32, device=k_all.device)
-        dk.index_add_(0, paths.key_index, dkg[..., :D].float())
-        dv = torch.zeros(v_all.shape, dtype=torch.float32, device=v_all.device)
-        dv.index_add_(0, paths.key_index, dvg[..., :Dv].float())
-        return dq[..., :D], dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
+        dk, dv = _sum_back(k_all, v_all, paths, dkg[..., :D], dvg[..., :Dv])
+        return dq[..., :D], dk, dv, None, None
 
 
 #: the flash-attn-4 release whose private forward/backward entry points ``_Fa4Paths`` calls
@@ -361,11 +370,8 @@ class _Fa4Paths(torch.autograd.Function):
         if dkg.shape[1] != k_all.shape[1]:        # heads repeated by _fa4_gather: sum each group back
             dkg = dkg.float().unflatten(1, (k_all.shape[1], -1)).sum(2)
             dvg = dvg.float().unflatten(1, (v_all.shape[1], -1)).sum(2)
-        dk = torch.zeros(k_all.shape, dtype=torch.float32, device=k_all.device)
-        dk.index_add_(0, paths.key_index, dkg.float())
-        dv = torch.zeros(v_all.shape, dtype=torch.float32, device=v_all.device)
-        dv.index_add_(0, paths.key_index, dvg.float())
-        return dq, dk.to(k_all.dtype), dv.to(v_all.dtype), None, None
+        dk, dv = _sum_back(k_all, v_all, paths, dkg, dvg)
+        return dq, dk, dv, None, None
 
 
 def path_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, paths: KeyPaths,
@@ -387,8 +393,8 @@ def path_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, pa
     if kernel == "fa4":
         if not fa4_available(q.device, (q.shape[-1], v_all.shape[-1])):
             raise ValueError(f"path_attention kernel 'fa4' needs flash-attn-4=={FA4_VERSION} on a Hopper GPU and "
-                             f"head dims in [8, {FA4_MAX_HEAD_DIM}], multiples of 8, v's at most q/k's (got {q.shape[-1]}/"
-                             f"{v_all.shape[-1]}); use 'flash'")
+                             f"head dims in [8, {FA4_MAX_HEAD_DIM}], multiples of 8, v's at most q/k's "
+                             f"(got {q.shape[-1]}/{v_all.shape[-1]}); use 'flash'")
         if paths.num_runs == 0:
             return q.new_zeros(q.shape[:2] + v_all.shape[2:])
         return _Fa4Paths.apply(q.contiguous(), k_all.contiguous(), v_all.contiguous(), paths, scale)

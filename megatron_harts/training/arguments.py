@@ -1444,8 +1444,8 @@ FLEX_MAX_QK_HEAD_DIM = 128
 
 def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) -> Tuple[str, str]:
     """(KDA backend, tree-attention backend) for this machine; ``auto`` picks fla and varlen where
-    flash-attn-4 runs, else flex (q/k head dims up to ``FLEX_MAX_QK_HEAD_DIM``) or varlen (above) on CUDA, reference / sdpa with --fp64 or
-    without CUDA.  Refuses fla / flex / varlen's flash kernel where they cannot run."""
+    flash-attn-4 runs, else flex (q/k head dims up to ``FLEX_MAX_QK_HEAD_DIM``) or varlen (above) on
+    CUDA, reference / sdpa with --fp64 or without CUDA.  Refuses fla / flex / varlen's flash kernel where they cannot run."""
     import importlib.util
 
     from ..ops.tree_kda import KDA_BACKENDS
