@@ -272,10 +272,16 @@ class TreePackedSeqParams(PackedSeqParams):
         built once per microbatch, shared by every MLA layer."""
         if self.key_paths is None:
             from ..ops.key_paths import sequence_key_paths
-            cu = self.cu_seqlens_q
-            lens = self.seq_lengths if self.seq_lengths is not None else (cu[1:] - cu[:-1]).cpu()
-            self.key_paths = sequence_key_paths(lens.numpy(), device=device)
+            self.key_paths = sequence_key_paths(self.host_seq_lengths().numpy(), device=device)
         return self.key_paths
+
+    def host_seq_lengths(self) -> torch.Tensor:
+        """Expanded mode: the sequences' lengths (CPU long): ``seq_lengths`` where set, else read from
+        ``cu_seqlens_q``."""
+        if self.seq_lengths is not None:
+            return self.seq_lengths
+        cu = self.cu_seqlens_q
+        return (cu[1:] - cu[:-1]).cpu()
 
     def token_weight_sum(self) -> float:
         """``token_weight.sum()`` as a host number: ``token_weight_total``, read from the device once per
@@ -461,12 +467,11 @@ class TreePackedSeqParams(PackedSeqParams):
                                        token_weight=torch.cat([w, w.new_zeros(pad)]),
                                        position_ids=torch.cat([self.position_ids,
                                                                self.position_ids.new_zeros(pad)]))
-        cu = self.cu_seqlens_q
-        lens = self.seq_lengths if self.seq_lengths is not None else (cu[1:] - cu[:-1]).cpu()
-        out = TreePackedSeqParams.for_sequences(lens.tolist() + [int(pad)], device=cu.device)
+        lens, device = self.host_seq_lengths(), self.cu_seqlens_q.device
+        out = TreePackedSeqParams.for_sequences(lens.tolist() + [int(pad)], device=device)
         n = int(lens.sum())
         weight = self.token_weight if self.token_weight is not None else \
-            torch.ones(n, dtype=torch.float64, device=cu.device)
+            torch.ones(n, dtype=torch.float64, device=device)
         total = self.token_weight_total if self.token_weight is not None else float(n)
         return dataclasses.replace(out, pad_rows=int(pad), token_weight=torch.cat([weight, weight.new_zeros(pad)]),
                                    token_weight_total=total)
