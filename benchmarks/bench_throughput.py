@@ -53,6 +53,8 @@ PRESETS = {
                  kv_lora=16, qk=16, rope=8, v=16, lin_head=16),
 }
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}
+#: a stack frame in these is the project's (profiles name the first such frame as the site)
+PROJECT_ROOTS = (os.sep + "megatron_harts" + os.sep, os.sep + "megatron" + os.sep)
 
 
 def model_flags(p, dtype_flag):
@@ -100,10 +102,11 @@ def visible_pairs(plan):
     return float(sum(m.features.attention_pairs for m in plan.microbatches))
 
 
-def run_mode(argv, forest, iters, warmup, device, profile=False):
+def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False):
     """Timed steps of one mode (median after ``warmup``), their metrics, the loss and gradient norm of
     every step (warm-ups included: the first at the initial weights, the same in every mode up to
-    rounding), peak memory, the plan, with ``profile`` the profile of one more step, and the
+    rounding), peak memory, the plan, with ``profile`` the profile of one more step, with
+    ``memory`` where the bytes live at the peak of one more step (``memory_step``), and the
     backends the driver resolved (``auto`` made concrete)."""
     from megatron_harts.training.trainer import Trainer
     with Trainer.from_args(argv) as t:
@@ -124,8 +127,9 @@ def run_mode(argv, forest, iters, warmup, device, profile=False):
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
         plan = t._plan(forest)
         prof = profile_step(t, forest, device) if profile else None
+        mem = memory_step(t, forest) if memory and device == "cuda" else None
         backends = {"kda_backend": t.config.kda_backend, "attention_backend": t.config.tree_attention_backend}
-        return times, metrics, losses, peak, plan, prof, backends
+        return times, metrics, losses, peak, plan, prof, mem, backends
 
 
 #: kernel-name patterns of the profile's categories, first match wins (fla's KDA kernels, FlexAttention's
@@ -211,14 +215,13 @@ def sync_sites(trainer, forest, top: int = 40):
     import traceback
     import warnings
     counts = {}
-    roots = (os.sep + "megatron_harts" + os.sep, os.sep + "megatron" + os.sep)
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return
         site = "(no project frame)"
         for fr in reversed(traceback.extract_stack()[:-1]):
-            if any(r in fr.filename for r in roots):
+            if any(r in fr.filename for r in PROJECT_ROOTS):
                 site = f"{fr.filename.split(os.sep + 'site' + os.sep)[-1]}:{fr.lineno} ({fr.name})"
                 break
         counts[site] = counts.get(site, 0) + 1
@@ -235,6 +238,70 @@ def sync_sites(trainer, forest, top: int = 40):
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning = shown
     return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:top])
+
+
+def first_project_frame(frames) -> str:
+    """``file:line (function)`` of the innermost frame of megatron_harts or megatron-core in a stack
+    (innermost first, as torch's memory snapshots list them), followed by `` via `` and the innermost
+    megatron_harts frame where the first is megatron-core's (so a megatron linear layer's output
+    names the model code that called it); "(no project frame)" without one."""
+    def where(fr):
+        return f"{fr['filename'].split(os.sep + 'site' + os.sep)[-1]}:{fr['line']} ({fr['name']})"
+    first = next((fr for fr in frames if any(r in fr["filename"] for r in PROJECT_ROOTS)), None)
+    if first is None:
+        return "(no project frame)"
+    if PROJECT_ROOTS[0] in first["filename"]:
+        return where(first)
+    ours = next((fr for fr in frames if PROJECT_ROOTS[0] in fr["filename"]), None)
+    return where(first) + ("" if ours is None else " via " + where(ours))
+
+
+def live_at_peak(trace, top: int = 30) -> dict:
+    """Where the bytes live at the peak of an allocator trace (``torch.cuda.memory._snapshot()``'s
+    ``device_traces[i]``): the trace is replayed (``alloc`` adds a block, ``free_requested`` removes
+    it; a free of a block allocated before the trace began is ignored), its highest point found, and
+    the blocks alive there summed by their allocation site (``first_project_frame``).  Returns the
+    peak above the trace's start (bytes), the event index of the peak, and ``{site: bytes}`` of the
+    ``top`` largest sites, the rest summed under "(other sites)"."""
+    live, total, peak, at = {}, 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > peak:
+                peak, at = total, i
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            total -= live.pop(e["addr"])
+    sites, live = {}, {}
+    for e in trace[:at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            live.pop(e["addr"], None)
+    for e in live.values():
+        site = first_project_frame(e.get("frames", ()))
+        sites[site] = sites.get(site, 0) + e["size"]
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])
+    out = dict(ranked[:top])
+    if len(ranked) > top:
+        out["(other sites)"] = sum(v for _, v in ranked[top:])
+    return {"peak_bytes": peak, "peak_event": at, "sites": out}
+
+
+def memory_step(trainer, forest) -> dict:
+    """One more step under the CUDA allocator's history (Python stacks): ``live_at_peak`` of the
+    step, plus what was allocated when it started (model, gradients, optimizer state)."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+    try:
+        trainer.step(forest)
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][torch.cuda.current_device()]
+    return {"allocated_at_start_bytes": start, "trace_events": len(trace), **live_at_peak(trace)}
 
 
 def cosine_sample(forest, max_tokens: int):
@@ -345,6 +412,9 @@ def main(argv=None):
     ap.add_argument("--profile", metavar="FILE",
                     help="profile one extra step of every mode (torch.profiler): kernel time per category into "
                          "the results JSON, the top kernels and CPU operators of each mode into FILE (text)")
+    ap.add_argument("--memory-profile", action="store_true",
+                    help="one extra step of every mode under the CUDA allocator's history: the bytes alive "
+                         "at the step's peak by allocation site (first project frame), into the results JSON")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/throughput-<time>.json)")
     ap.add_argument("--json", action="store_true", help="print the results JSON")
     a = ap.parse_args(argv)
@@ -385,8 +455,8 @@ def main(argv=None):
             left = release_memory(a.device)
             key = "expanded" if sharing == "off" else f"tree_{sharing}" \
                 + ("" if call_plan == "harts" else f"_{call_plan}") + ("_recompute_producers" if extra else "")
-            times, metrics, losses, peak, plan, prof, backends = run_mode(
-                argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile))
+            times, metrics, losses, peak, plan, prof, mem, backends = run_mode(
+                argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile), memory=a.memory_profile)
             t = statistics.median(times)
             m = metrics[-1]
             flops = step_flops(p, m["computed_tokens"], visible_pairs(plan))
@@ -409,6 +479,11 @@ def main(argv=None):
                 json.dump(results, f, indent=2, default=float)
             print(f"{scheme} {key}: {row[key]['step_seconds']:.3f} s, {row[key]['kda_calls']} KDA calls, "
                   f"compression {row[key]['compression']:.3f}x, peak {peak}", flush=True)
+            if mem is not None:
+                row[key]["memory_at_peak"] = mem
+                print(f"{scheme} {key}: {mem['peak_bytes'] / 2 ** 30:.3f} GiB above the step's start at its "
+                      f"peak, by site:\n" + "".join(f"  {v / 2 ** 30:8.3f}  {k}\n"
+                                                   for k, v in list(mem["sites"].items())[:15]), flush=True)
             if prof is not None:
                 summary, tables = prof
                 row[key]["profile"] = summary

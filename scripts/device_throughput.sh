@@ -13,6 +13,8 @@
 #   tree-step-s9  the Tree-Step batch of the session 7-10 tables (118 trajectories, 873k tokens, L1 3.17x)
 #   attention   benchmarks/bench_tree_attention.py (flex and varlen vs causal SDPA) on both schemes at
 #               head dims 128/128, 192/128 (MLA of h200-2k) and 96/64 (MLA of h200)
+#   memory      the Tree-Step batch within vs expanded at both presets with --memory-profile (the bytes
+#               alive at each mode's peak by allocation site), without the logit-cosine sample
 #   large       both batches on preset h200-2k (hidden 2048), without the logit-cosine sample; Tree-Step
 #               without plain windows (within, windows with producer recomputation)
 # Default: fidelity step-wise tree-step.  With flash-attn-4: `bash scripts/fa4_wheels.sh stash` in one call
@@ -52,6 +54,11 @@ for stage in "${STAGES[@]}"; do
            # Tree-Step windows keeps its producers' activations: out of memory at hidden 2048
            timeout $((share / 2)) "${BENCH[@]}" --preset h200-2k --no-cosine "${TREESTEP[@]}" --tree-sharing within \
              --out "$OUT/large-tree-step-16k.json" 2>&1 | quiet ;;
+    memory) for preset in h200 h200-2k; do
+              timeout $((share / 2)) python3 benchmarks/bench_throughput.py --iters 1 --tree-sharing within \
+                --driver-flags "--tree-triton-max-configs 1" --no-cosine --memory-profile --preset "$preset" \
+                "${TREESTEP[@]}" --out "$OUT/memory-$preset-tree-step-16k.json" 2>&1 | quiet
+            done ;;
     attention) for dims in "128 128" "192 128" "96 64"; do for sc in tree-step step-wise; do
                  timeout $((share / 6)) python3 benchmarks/bench_tree_attention.py --rows 32768 --scheme "$sc" \
                    --dims $dims --kernel-options '{"USE_TMA": true}' \
@@ -59,7 +66,7 @@ for stage in "${STAGES[@]}"; do
                  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['summary'])" \
                    "$OUT/attn-$sc-${dims// /-}.json" 2>/dev/null
                done; done; true ;;
-    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, attention, large)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, memory, attention, large)" >&2; exit 2 ;;
   esac
   [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
 done

@@ -87,3 +87,28 @@ def test_kernel_categories_count_each_kernel_once(bt):
     cats = bt.kernel_categories(events)
     assert cats == {"attention": {"seconds": 0.005, "launches": 2}, "kda": {"seconds": 0.003, "launches": 3},
                     "gemm": {"seconds": 0.0007, "launches": 4}}
+
+
+def test_live_at_peak_sums_the_blocks_alive_at_the_trace_peak_by_site(bt):
+    """The peak is the trace's highest point above its start; the blocks alive there are summed by
+    their innermost project frame (megatron-core's named with the model code that called it);
+    a free of a block from before the trace and blocks freed before the peak do not count."""
+    def fr(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+    kda = [fr("/x/torch/functional.py", 9, "f"), fr("/s/site/megatron_harts/ops/kda.py", 10, "fwd")]
+    lin = [fr("/s/site/megatron/core/layers.py", 5, "linear"), fr("/s/site/megatron_harts/models/mla.py", 7, "q")]
+    trace = [{"action": "free_requested", "addr": 99, "size": 1000},        # allocated before the trace
+             {"action": "alloc", "addr": 1, "size": 100, "frames": kda},
+             {"action": "alloc", "addr": 2, "size": 300, "frames": lin},
+             {"action": "free_requested", "addr": 2, "size": 300},
+             {"action": "alloc", "addr": 3, "size": 50, "frames": lin},
+             {"action": "alloc", "addr": 4, "size": 200, "frames": []},
+             {"action": "free_requested", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 5, "size": 10, "frames": kda}]
+    out = bt.live_at_peak(trace, top=2)
+    assert out["peak_bytes"] == 400 and out["peak_event"] == 2
+    assert out["sites"] == {"megatron/core/layers.py:5 (linear) via megatron_harts/models/mla.py:7 (q)": 300,
+                            "megatron_harts/ops/kda.py:10 (fwd)": 100}
+    later = bt.live_at_peak(trace[:2] + trace[3:], top=1)      # block 2 never allocated: peak after block 4
+    assert later["peak_bytes"] == 350 and later["peak_event"] == 4
+    assert later["sites"] == {"(no project frame)": 200, "(other sites)": 150}
