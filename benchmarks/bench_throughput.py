@@ -261,8 +261,9 @@ def live_at_peak(trace, top: int = 30) -> dict:
     ``device_traces[i]``): the trace is replayed (``alloc`` adds a block, ``free_requested`` removes
     it; a free of a block allocated before the trace began is ignored), its highest point found, and
     the blocks alive there summed by their allocation site (``first_project_frame``).  Returns the
-    peak above the trace's start (bytes), the event index of the peak, and ``{site: bytes}`` of the
-    ``top`` largest sites, the rest summed under "(other sites)"."""
+    peak above the trace's start (bytes), the event index of the peak and the site of the block
+    that made it, ``sites``: ``{site: bytes}`` of the ``top`` largest sites, the rest summed under
+    "(other sites)", and ``blocks``: ``{site: {block bytes: count}}`` of those sites."""
     live, total, peak, at = {}, 0, 0, -1
     for i, e in enumerate(trace):
         if e["action"] == "alloc":
@@ -272,7 +273,7 @@ def live_at_peak(trace, top: int = 30) -> dict:
                 peak, at = total, i
         elif e["action"] == "free_requested" and e["addr"] in live:
             total -= live.pop(e["addr"])
-    sites, live = {}, {}
+    sites, blocks, live = {}, {}, {}
     for e in trace[:at + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = e
@@ -281,11 +282,15 @@ def live_at_peak(trace, top: int = 30) -> dict:
     for e in live.values():
         site = first_project_frame(e.get("frames", ()))
         sites[site] = sites.get(site, 0) + e["size"]
+        sizes = blocks.setdefault(site, {})
+        sizes[e["size"]] = sizes.get(e["size"], 0) + 1
     ranked = sorted(sites.items(), key=lambda kv: -kv[1])
     out = dict(ranked[:top])
     if len(ranked) > top:
         out["(other sites)"] = sum(v for _, v in ranked[top:])
-    return {"peak_bytes": peak, "peak_event": at, "sites": out}
+    return {"peak_bytes": peak, "peak_event": at,
+            "peak_site": first_project_frame(trace[at].get("frames", ())) if at >= 0 else None, "sites": out,
+            "blocks": {k: dict(sorted(blocks[k].items(), key=lambda kv: -kv[0] * kv[1])) for k, _ in ranked[:top]}}
 
 
 def memory_step(trainer, forest) -> dict:
@@ -301,7 +306,7 @@ def memory_step(trainer, forest) -> dict:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][torch.cuda.current_device()]
-    return {"allocated_at_start_bytes": start, "trace_events": len(trace), **live_at_peak(trace)}
+    return {"allocated_at_start_bytes": start, "trace_events": len(trace), **live_at_peak(trace, top=80)}
 
 
 def cosine_sample(forest, max_tokens: int):

@@ -106,7 +106,8 @@ def test_live_at_peak_sums_the_blocks_alive_at_the_trace_peak_by_site(bt):
              {"action": "free_requested", "addr": 1, "size": 100},
              {"action": "alloc", "addr": 5, "size": 10, "frames": kda}]
     out = bt.live_at_peak(trace, top=2)
-    assert out["peak_bytes"] == 400 and out["peak_event"] == 2
+    assert out["peak_bytes"] == 400 and out["peak_event"] == 2 and out["peak_site"] == next(iter(out["sites"]))
+    assert out["blocks"]["megatron_harts/ops/kda.py:10 (fwd)"] == {100: 1}
     assert out["sites"] == {"megatron/core/layers.py:5 (linear) via megatron_harts/models/mla.py:7 (q)": 300,
                             "megatron_harts/ops/kda.py:10 (fwd)": 100}
     later = bt.live_at_peak(trace[:2] + trace[3:], top=1)      # block 2 never allocated: peak after block 4

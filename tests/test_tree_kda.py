@@ -225,3 +225,30 @@ def test_one_call_in_row_order_runs_without_gathers():
     plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, 4, replay=True)
     sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan)
     assert len(sched.calls) == 1 and sched.calls[0].rows_identity and sched.calls[0].out_identity
+
+
+def test_call_outputs_are_not_kept_for_the_backward():
+    """Assembling the rows' outputs from several calls saves no tensor of the calls' outputs (only
+    index tensors on the context): peak memory holds the rows' outputs once, as one call does.
+    Outputs and gradients are those of a plain out-of-place index_copy chain, bit for bit."""
+    from megatron_harts.ops.tree_kda import _ScatterCallOutputs
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, 50, 90).tolist()
+    forest = build_forest([make_trajectory({"id": i, "tokens": base[:20 + 30 * i] + rng.integers(50, 99, 25).tolist()})
+                           for i in range(3)])
+    plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, 8, replay=True)
+    sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan)
+    assert len(sched.calls) > 1 and any(not c.out_identity for c in sched.calls)
+    R = forest.num_rows
+    outs = [torch.randn(int(c.lengths.sum()), 2, 3, dtype=torch.float64, requires_grad=True) for c in sched.calls]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        got = _ScatterCallOutputs.apply(sched.calls, R, *outs)
+    assert saved == []
+    want = torch.zeros(R, 2, 3, dtype=torch.float64)
+    for c, o in zip(sched.calls, outs):
+        want = want.index_copy(0, c.out_rows, o.index_select(0, c.out_pos))
+    assert torch.equal(got, want)
+    w = torch.randn(R, 2, 3, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), outs), torch.autograd.grad((want * w).sum(), outs)):
+        assert torch.equal(a, b)

@@ -334,7 +334,7 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
         q = int(plan.segment_sequence[t])
         end = int(a_start[t]) + (r - int(seg_row[sg])) + 1
         extra.setdefault(q, []).append((end - int(plan.seq_start[q]), int(export_slots[j])))
-    calls = []
+    calls, out_rows_host = [], []
     for c in range(int(plan.num_calls)):
         seqs = range(int(plan.call_offsets[c]), int(plan.call_offsets[c + 1]))
         row_lists, init, init_ext, exp_seq, exp_off, exp_slot = [], [], [], [], [], []
@@ -379,9 +379,11 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
                        rows_unique=bool(np.unique(rows).size == rows.size), rows_identity=in_order(rows),
                        out_identity=in_order(out_pos) and in_order(out_rows))
         calls.append(call if device is None else call.to(device))
-    covered = sum(int(c.out_rows.numel()) for c in calls)
-    if covered != num_rows:
-        raise ValueError(f"plan covers {covered} rows, the layout has {num_rows}")
+        out_rows_host.append(out_rows)
+    covered = np.sort(np.concatenate(out_rows_host)) if out_rows_host else np.zeros(0, dtype=np.int64)
+    if not np.array_equal(covered, np.arange(num_rows)):
+        raise ValueError(f"plan's calls output {covered.size} rows ({np.unique(covered).size} distinct), the "
+                         f"layout has {num_rows}: every row must be output by exactly one call")
     has_state = state_pos > 0
     return KdaSchedule(calls=calls, chunk_size=B, num_rows=num_rows,
                        num_slots=num_plan_slots + int(export_rows.size), replay_tokens=replay_tokens,
@@ -408,6 +410,33 @@ class _GatherUniqueRows(torch.autograd.Function):
     def backward(ctx, grad):
         rows, = ctx.saved_tensors
         return grad.new_zeros((ctx.num_rows,) + tuple(grad.shape[1:])).index_copy_(0, rows, grad), None
+
+
+class _ScatterCallOutputs(torch.autograd.Function):
+    """The rows' outputs ``out[R, ...]`` from the calls' packed outputs: ``out[call.out_rows] =
+    o[call.out_pos]`` for every call (their ``out_rows`` partition 0..R-1, which the schedule
+    checks).  Only the index tensors are kept for the backward, which hands each call the
+    gradient of its output rows (zero at its replay positions); an out-of-place ``index_copy``
+    chain would keep every call's output alive until the backward instead."""
+
+    @staticmethod
+    def forward(ctx, calls, num_rows, *outputs):
+        out = outputs[0].new_empty((num_rows,) + tuple(outputs[0].shape[1:]))
+        for call, o in zip(calls, outputs):
+            out.index_copy_(0, call.out_rows, o if call.out_identity and o.shape[0] == call.out_rows.numel()
+                            else o.index_select(0, call.out_pos))
+        ctx.calls, ctx.positions = calls, [o.shape[0] for o in outputs]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = []
+        for call, n in zip(ctx.calls, ctx.positions):
+            g = grad.index_select(0, call.out_rows)
+            if not (call.out_identity and n == call.out_rows.numel()):
+                g = g.new_zeros((n,) + tuple(g.shape[1:])).index_copy_(0, call.out_pos, g)
+            grads.append(g)
+        return (None, None, *grads)
 
 
 def _gather(x: torch.Tensor, rows: torch.Tensor, unique: bool, identity: bool) -> torch.Tensor:
@@ -450,7 +479,7 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
         raise ValueError("external: this schedule reads no producer state (a layout of whole trees), got "
                          f"{external.initial_states.shape[0]} states and {external.q.shape[0]} replay rows")
     slots: List[Optional[torch.Tensor]] = [None] * schedule.num_slots
-    out = v.new_zeros(R, H, V)
+    outputs = []
     for call in schedule.calls:
         init = None
         init_slot, init_external = call.init_slot.tolist(), call.init_external.tolist()
@@ -463,10 +492,14 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
                         state_index=call.export_seq, state_offset=call.export_offset)
         for p, s in enumerate(call.export_slot.tolist()):
             slots[s] = states[p]
-        if call.out_identity and call.out_rows.numel() == R and o.shape[0] == R and len(schedule.calls) == 1:
-            out = o                             # the one call holds every row, in order
-        else:
-            out = out.index_copy(0, call.out_rows, _gather(o, call.out_pos, True, call.out_identity))
+        outputs.append(o)
+    only = schedule.calls[0] if len(schedule.calls) == 1 else None
+    if only is not None and only.out_identity and only.out_rows.numel() == R and outputs[0].shape[0] == R:
+        out = outputs[0]                        # the one call holds every row, in order
+    elif outputs:
+        out = _ScatterCallOutputs.apply(schedule.calls, R, *outputs)
+    else:
+        out = v.new_zeros(R, H, V)
     if not return_exports:
         return out
     exported = (torch.stack([slots[int(s)] for s in schedule.export_slots]) if schedule.export_slots.size
