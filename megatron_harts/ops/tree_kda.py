@@ -412,6 +412,12 @@ class _GatherUniqueRows(torch.autograd.Function):
         return grad.new_zeros((ctx.num_rows,) + tuple(grad.shape[1:])).index_copy_(0, rows, grad), None
 
 
+def _outputs_in_order(call: KdaCall, positions: int) -> bool:
+    """A call's ``positions`` packed outputs are its output rows' values in order (no replay
+    position before them, nothing to gather)."""
+    return call.out_identity and positions == call.out_rows.numel()
+
+
 class _ScatterCallOutputs(torch.autograd.Function):
     """The rows' outputs ``out[R, ...]`` from the calls' packed outputs: ``out[call.out_rows] =
     o[call.out_pos]`` for every call (their ``out_rows`` partition 0..R-1, which the schedule
@@ -423,7 +429,7 @@ class _ScatterCallOutputs(torch.autograd.Function):
     def forward(ctx, calls, num_rows, *outputs):
         out = outputs[0].new_empty((num_rows,) + tuple(outputs[0].shape[1:]))
         for call, o in zip(calls, outputs):
-            out.index_copy_(0, call.out_rows, o if call.out_identity and o.shape[0] == call.out_rows.numel()
+            out.index_copy_(0, call.out_rows, o if _outputs_in_order(call, o.shape[0])
                             else o.index_select(0, call.out_pos))
         ctx.calls, ctx.positions = calls, [o.shape[0] for o in outputs]
         return out
@@ -433,7 +439,7 @@ class _ScatterCallOutputs(torch.autograd.Function):
         grads = []
         for call, n in zip(ctx.calls, ctx.positions):
             g = grad.index_select(0, call.out_rows)
-            if not (call.out_identity and n == call.out_rows.numel()):
+            if not _outputs_in_order(call, n):
                 g = g.new_zeros((n,) + tuple(g.shape[1:])).index_copy_(0, call.out_pos, g)
             grads.append(g)
         return (None, None, *grads)
@@ -493,8 +499,7 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
         for p, s in enumerate(call.export_slot.tolist()):
             slots[s] = states[p]
         outputs.append(o)
-    only = schedule.calls[0] if len(schedule.calls) == 1 else None
-    if only is not None and only.out_identity and only.out_rows.numel() == R and outputs[0].shape[0] == R:
+    if len(outputs) == 1 and outputs[0].shape[0] == R and _outputs_in_order(schedule.calls[0], R):
         out = outputs[0]                        # the one call holds every row, in order
     elif outputs:
         out = _ScatterCallOutputs.apply(schedule.calls, R, *outputs)
