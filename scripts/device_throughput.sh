@@ -13,6 +13,9 @@
 #   tree-step-s9  the Tree-Step batch of the session 7-10 tables (118 trajectories, 873k tokens, L1 3.17x)
 #   attention   benchmarks/bench_tree_attention.py (flex and varlen vs causal SDPA) on both schemes at
 #               head dims 128/128, 192/128 (MLA of h200-2k) and 96/64 (MLA of h200)
+#   tests       the device-side tests (fla KDA, tree attention incl. flash-attn-4, fused norm, grouped experts),
+#               Triton autotuning capped at one config (KDA_FLA_TEST_MAX_CONFIGS=1: minutes of compiles less;
+#               results do not depend on the config); pytest's summary into $OUT/device-tests.txt
 #   memory      the Tree-Step batch within vs expanded at both presets with --memory-profile (the bytes
 #               alive at each mode's peak by allocation site), without the logit-cosine sample
 #   large       both batches on preset h200-2k (hidden 2048), without the logit-cosine sample; Tree-Step
@@ -54,6 +57,9 @@ for stage in "${STAGES[@]}"; do
            # Tree-Step windows keeps its producers' activations: out of memory at hidden 2048
            timeout $((share / 2)) "${BENCH[@]}" --preset h200-2k --no-cosine "${TREESTEP[@]}" --tree-sharing within \
              --out "$OUT/large-tree-step-16k.json" 2>&1 | quiet ;;
+    tests) KDA_FLA_TEST_MAX_CONFIGS=1 timeout "$share" python3 -m pytest -q -rs -p no:cacheprovider -W ignore \
+             tests/test_kda_fla.py tests/test_tree_attention.py tests/test_norm.py tests/test_grouped_experts.py \
+             2>&1 | grep -v "^  " | tee "$OUT/device-tests.txt" | tail -25 ;;
     memory) for preset in h200 h200-2k; do
               timeout $((share / 2)) python3 benchmarks/bench_throughput.py --iters 1 --tree-sharing within \
                 --driver-flags "--tree-triton-max-configs 1" --no-cosine --memory-profile --preset "$preset" \
@@ -66,7 +72,7 @@ for stage in "${STAGES[@]}"; do
                  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['summary'])" \
                    "$OUT/attn-$sc-${dims// /-}.json" 2>/dev/null
                done; done; true ;;
-    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, memory, attention, large)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, tests, memory, attention, large)" >&2; exit 2 ;;
   esac
   [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
 done
