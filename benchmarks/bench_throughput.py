@@ -240,27 +240,29 @@ def sync_sites(trainer, forest, top: int = 40):
     return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:top])
 
 
-def first_project_frame(frames) -> str:
-    """``file:line (function)`` of the innermost frame of megatron_harts or megatron-core in a stack
-    (innermost first, as torch's memory snapshots list them), followed by `` via `` and the innermost
-    megatron_harts frame where the first is megatron-core's (so a megatron linear layer's output
-    names the model code that called it); "(no project frame)" without one."""
+def allocation_site(frames, depth: int = 1) -> str:
+    """Where a block was allocated: ``file:line (function)`` of the innermost ``depth`` frames of
+    megatron_harts or megatron-core in its stack (innermost first, as torch's memory snapshots list
+    them; joined by `` < ``, so a shared helper names its caller), followed by `` via `` and the
+    innermost megatron_harts frame where none of those is ours (so a megatron linear layer's output
+    names the model code that called it); "(no project frame)" without any."""
     def where(fr):
         return f"{fr['filename'].split(os.sep + 'site' + os.sep)[-1]}:{fr['line']} ({fr['name']})"
-    first = next((fr for fr in frames if any(r in fr["filename"] for r in PROJECT_ROOTS)), None)
-    if first is None:
+    ours = [fr for fr in frames if any(r in fr["filename"] for r in PROJECT_ROOTS)]
+    if not ours:
         return "(no project frame)"
-    if PROJECT_ROOTS[0] in first["filename"]:
-        return where(first)
-    ours = next((fr for fr in frames if PROJECT_ROOTS[0] in fr["filename"]), None)
-    return where(first) + ("" if ours is None else " via " + where(ours))
+    site = " < ".join(where(fr) for fr in ours[:depth])
+    if any(PROJECT_ROOTS[0] in fr["filename"] for fr in ours[:depth]):
+        return site
+    mine = next((fr for fr in ours if PROJECT_ROOTS[0] in fr["filename"]), None)
+    return site + ("" if mine is None else " via " + where(mine))
 
 
-def live_at_peak(trace, top: int = 30) -> dict:
+def live_at_peak(trace, top: int = 30, depth: int = 1) -> dict:
     """Where the bytes live at the peak of an allocator trace (``torch.cuda.memory._snapshot()``'s
     ``device_traces[i]``): the trace is replayed (``alloc`` adds a block, ``free_requested`` removes
     it; a free of a block allocated before the trace began is ignored), its highest point found, and
-    the blocks alive there summed by their allocation site (``first_project_frame``).  Returns the
+    the blocks alive there summed by their allocation site (``allocation_site`` of ``depth`` frames).  Returns the
     peak above the trace's start (bytes), the event index of the peak and the site of the block
     that made it, ``sites``: ``{site: bytes}`` of the ``top`` largest sites, the rest summed under
     "(other sites)", and ``blocks``: ``{site: {block bytes: count}}`` of those sites."""
@@ -280,7 +282,7 @@ def live_at_peak(trace, top: int = 30) -> dict:
         elif e["action"] == "free_requested":
             live.pop(e["addr"], None)
     for e in live.values():
-        site = first_project_frame(e.get("frames", ()))
+        site = allocation_site(e.get("frames", ()), depth)
         sites[site] = sites.get(site, 0) + e["size"]
         sizes = blocks.setdefault(site, {})
         sizes[e["size"]] = sizes.get(e["size"], 0) + 1
@@ -289,7 +291,7 @@ def live_at_peak(trace, top: int = 30) -> dict:
     if len(ranked) > top:
         out["(other sites)"] = sum(v for _, v in ranked[top:])
     return {"peak_bytes": peak, "peak_event": at,
-            "peak_site": first_project_frame(trace[at].get("frames", ())) if at >= 0 else None, "sites": out,
+            "peak_site": allocation_site(trace[at].get("frames", ()), depth) if at >= 0 else None, "sites": out,
             "blocks": {k: dict(sorted(blocks[k].items(), key=lambda kv: -kv[0] * kv[1])) for k, _ in ranked[:top]}}
 
 
@@ -306,7 +308,7 @@ def memory_step(trainer, forest) -> dict:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][torch.cuda.current_device()]
-    return {"allocated_at_start_bytes": start, "trace_events": len(trace), **live_at_peak(trace, top=80)}
+    return {"allocated_at_start_bytes": start, "trace_events": len(trace), **live_at_peak(trace, top=80, depth=2)}
 
 
 def cosine_sample(forest, max_tokens: int):

@@ -91,7 +91,7 @@ def test_kernel_categories_count_each_kernel_once(bt):
 
 def test_live_at_peak_sums_the_blocks_alive_at_the_trace_peak_by_site(bt):
     """The peak is the trace's highest point above its start; the blocks alive there are summed by
-    their innermost project frame (megatron-core's named with the model code that called it);
+    their innermost project frames (megatron-core's named with the model code that called it);
     a free of a block from before the trace and blocks freed before the peak do not count."""
     def fr(path, line, name):
         return {"filename": path, "line": line, "name": name}
@@ -113,3 +113,6 @@ def test_live_at_peak_sums_the_blocks_alive_at_the_trace_peak_by_site(bt):
     later = bt.live_at_peak(trace[:2] + trace[3:], top=1)      # block 2 never allocated: peak after block 4
     assert later["peak_bytes"] == 350 and later["peak_event"] == 4
     assert later["sites"] == {"(no project frame)": 200, "(other sites)": 150}
+    deeper = bt.live_at_peak(trace, top=2, depth=2)            # a helper's site names its caller
+    assert set(deeper["sites"]) == {"megatron/core/layers.py:5 (linear) < megatron_harts/models/mla.py:7 (q)",
+                                    "megatron_harts/ops/kda.py:10 (fwd)"}
