@@ -356,9 +356,11 @@ def logit_cosine(argv, forest, device, max_tokens: int = 8192):
     also each mode's gradients and log-probs against the oracle's (``models.fidelity.bf16_verdict``):
     the largest relative gradient difference, its tensor, ``sign_step_alignment`` (how much of the
     first Adam step's first-order loss decrease the mode's gradients keep), the mean log-prob
-    difference, and the bf16 rule's thresholds and verdict (``bf16_rule_failed``: empty = met)."""
+    difference, and the bf16 rule's thresholds and verdict (``bf16_rule_failed``: empty = met); and
+    where the bf16 rounding grows (``bf16_per_layer``, ``models.fidelity.layer_errors``: per decoder
+    layer, each mode's relative error against the oracle and its MoE routing flips)."""
     from megatron_harts.layout import build_layout
-    from megatron_harts.models.fidelity import bf16_verdict, logit_cosine as cosine, run_bf16
+    from megatron_harts.models.fidelity import bf16_verdict, layer_errors, logit_cosine as cosine, run_bf16
     from megatron_harts.training.trainer import Trainer
     one = cosine_sample(forest, max_tokens)
     with Trainer.from_args(argv) as t:
@@ -371,6 +373,7 @@ def logit_cosine(argv, forest, device, max_tokens: int = 8192):
         # the bf16 rule (models.fidelity): tree mode within a factor of expanded mode's own distance to fp32
         grads.update({k: v[k] for k in ("bf16_min_logit_cosine", "bf16_max_mean_logprob_abs_diff", "tolerance")})
         grads["bf16_rule_failed"] = v["failed"]
+        grads["bf16_per_layer"] = layer_errors(model, one, lay, t.config, device=device)
         return {"logit_cosine": cosine(a.logits, b.logits),
                 "logit_cosine_tree_vs_fp32": cosine(a.logits, oracle.logits),
                 "logit_cosine_expanded_vs_fp32": cosine(b.logits, oracle.logits), **grads,

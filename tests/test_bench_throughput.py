@@ -54,6 +54,10 @@ def test_tiny_cpu_run_records_losses_norms_and_gradient_fidelity(bt, tmp_path):
         assert row[f"sign_step_alignment_{who}_vs_fp32"] > 0.999
         assert row[f"max_grad_rel_diff_{who}_vs_fp32"] < 1e-3
     assert row["bf16_rule_failed"] == [] and row["logit_cosine_tree_vs_fp32"] >= row["bf16_min_logit_cosine"]
+    per_layer = row["bf16_per_layer"]       # fp32 here: every layer at the oracle to rounding, no routing flip
+    for who in ("tree", "expanded"):
+        assert [e["layer"] for e in per_layer[who]] == [0, 1, 2, 3, "logits"]
+        assert all(e["output"] < 1e-4 and e.get("routing_flips", 0.0) == 0.0 for e in per_layer[who])
 
 
 def test_tiny_cpu_run_with_recomputed_producers(bt, tmp_path):

@@ -163,6 +163,48 @@ def test_bf16_tree_matches_expanded_within_bf16_rounding(capsys):
     assert 0.999 < report["logit_cosine"] < 1.0
 
 
+def test_bf16_per_layer_errors(capsys):
+    """--per-layer: every decoder layer's attention, MLP and output error and each MoE layer's routing
+    flips against the fp32 oracle, tree and expanded side by side, then the logits."""
+    code, out, err = verify(capsys, "--synthetic", "--dtype", "bfloat16", "--per-layer", "--json")
+    per_layer = json.loads(out)["per_layer"]
+    assert code == 0, err
+    for mode in ("tree", "expanded"):
+        rows = per_layer[mode]
+        assert [e["layer"] for e in rows] == [0, 1, 2, 3, "logits"]
+        for e in rows[:-1]:
+            assert all(1e-5 < e[k] < 1.0 for k in ("attention", "mlp", "output"))      # bf16-sized, not exact
+            assert ("routing_flips" in e) == (e["layer"] >= 1)                        # first_k_dense_replace=1
+            assert 0.0 <= e.get("routing_flips", 0.0) <= 1.0
+        assert 1e-5 < rows[-1]["output"] < 0.1
+    code, out, err = verify(capsys, "--synthetic", "--dtype", "bfloat16", "--per-layer")
+    assert code == 0 and "routing flips" in out and "logits" in out
+
+
+def test_layer_errors_of_an_fp32_model_are_rounding_only():
+    """An fp32 model against its own fp32 oracle: tree rows land on their trajectories' positions
+    (an error there would be of order 1) and no expert set differs."""
+    import megatron_harts.patches as patches
+    from megatron_harts.layout import build_layout
+    from megatron_harts.models import build_hybrid_model
+    from megatron_harts.models.cpu_runtime import single_process_megatron
+    from megatron_harts.tree_data import build_forest
+    forest = build_forest(TOOL.synthetic_trajectories(32, 0))
+    cfg, vocab = fidelity.preset_config("tiny", torch.float32)
+    patches.apply()
+    try:
+        with single_process_megatron("cpu", seed=0):
+            model = build_hybrid_model(cfg, vocab_size=vocab)
+            fidelity.initialize_weights(model, "megatron", 0)
+            errors = fidelity.layer_errors(model, forest, build_layout(forest), cfg)
+    finally:
+        patches.undo()
+    for mode in ("tree", "expanded"):
+        for e in errors[mode]:
+            assert all(e[k] < 1e-5 for k in ("attention", "mlp", "output") if k in e), (mode, e)
+            assert e.get("routing_flips", 0.0) == 0.0
+
+
 def test_bf16_perturbed_tree_fails(capsys, monkeypatch):
     """A tree run with errors well above bf16 rounding (noise on its logits and log-probs): exit 1."""
     real = fidelity.run_tree
@@ -203,6 +245,7 @@ def test_bad_input_exit_2(tmp_path, capsys):
     assert_one_error(*verify(capsys, "--synthetic", "--dtype", "float16")[::2], "--dtype", "float16")
     assert_one_error(*verify(capsys, "--synthetic", "--oracle", "vllm")[::2], "--oracle")
     assert_one_error(*verify(capsys, "--synthetic", "--init", "xavier")[::2], "--init", "xavier")
+    assert_one_error(*verify(capsys, "--synthetic", "--per-layer")[::2], "--per-layer", "bfloat16")
     assert_one_error(*verify(capsys, "--synthetic", "--init", "random", "--hf-checkpoint", tmp_path)[::2], "--init",
                      "--hf-checkpoint")
     assert_one_error(*verify(capsys, "--synthetic", "--hf-checkpoint", tmp_path)[::2], "config.json")

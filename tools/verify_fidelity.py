@@ -81,6 +81,10 @@ def main(argv=None) -> int:
     ap.add_argument("--init", default=None, metavar="megatron|random",
                     help="preset weights (default: random for float64/float32, megatron for bfloat16)")
     ap.add_argument("--seed", type=int, default=0, help="weights (presets) and synthetic data seed")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="with --dtype bfloat16: also where the rounding grows, per decoder layer: the relative "
+                         "error of the attention, MLP and layer outputs and the fraction of positions whose MoE "
+                         "experts differ from the fp32 oracle's, for tree and expanded mode (report key per_layer)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     quiet_libraries()
@@ -92,6 +96,9 @@ def main(argv=None) -> int:
         raise CliError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     if args.device not in DEVICES:
         raise CliError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.per_layer and args.dtype != "bfloat16":
+        raise CliError(f"--per-layer compares bf16 rounding with an fp32 oracle: it needs --dtype bfloat16, got "
+                       f"{args.dtype}")
     if args.oracle not in (None, "hf"):
         raise CliError(f"--oracle must be hf, got {args.oracle!r}")
     if args.init is not None and args.init not in INITS:
@@ -162,6 +169,8 @@ def main(argv=None) -> int:
                 oracle = fidelity.oracle_logprobs(model, cfg, vocab, forest, layout, dtype)
             report = fidelity.fidelity_report(tree, expanded, args.dtype, fp32_oracle=fp32_oracle,
                                               oracle_logprobs=oracle)
+            if args.per_layer:
+                report["per_layer"] = fidelity.layer_errors(model, forest, layout, cfg, args.device)
     finally:
         patches.undo()
     report.update(model=preset or args.hf_checkpoint, init=init, device=args.device,
@@ -170,9 +179,19 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(_json_safe(report), indent=2, sort_keys=True))
     else:
+        per_layer = report.pop("per_layer", None)
         rows = [(k, (f"{v:.8f}" if "cosine" in k else f"{v:.3e}") if isinstance(v, float) else v)
                 for k, v in sorted(report.items())]
         print_table(rows, header=("measure", "value"))
+        if per_layer is not None:
+            def pair(e, x, key):
+                return "" if key not in e else f"{e[key]:.4f} / {x[key]:.4f}"
+            print()
+            print_table([(e["layer"], *(pair(e, x, key) for key in ("attention", "mlp", "output", "routing_flips")))
+                         for e, x in zip(per_layer["tree"], per_layer["expanded"])],
+                        header=("layer", "attention", "mlp", "output", "routing flips"))
+            print("(tree / expanded, each against the fp32 oracle: relative error; fraction of positions "
+                  "whose experts differ)")
         print("PASS" if report["pass"] else f"FAIL: {', '.join(report['failed'])}")
     return 0 if report["pass"] else 1
 

@@ -315,6 +315,80 @@ def run_bf16(model, forest, layout, config, device="cpu"):
     return tree, expanded, oracle
 
 
+def _capture_layers(model, forward) -> Dict[str, torch.Tensor]:
+    """``forward()`` (no grad) with every decoder layer's attention, MLP and layer outputs and each
+    MoE router's routing map recorded, flattened to ``[rows, ...]``, plus ``forward()``'s result
+    as ``"logits"``.  Keys: ``"{i}.attention"``, ``"{i}.mlp"``, ``"{i}.output"``, ``"{i}.routing"``."""
+    cap, hooks = {}, []
+
+    def keep(name, pick=0):
+        def hook(module, args, out):
+            t = out[pick] if isinstance(out, tuple) else out
+            cap[name] = t.detach().reshape(-1, t.shape[-1])
+        return hook
+    for i, layer in enumerate(model.decoder.layers):
+        hooks.append(layer.self_attention.register_forward_hook(keep(f"{i}.attention")))
+        hooks.append(layer.mlp.register_forward_hook(keep(f"{i}.mlp")))
+        hooks.append(layer.register_forward_hook(keep(f"{i}.output")))
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:       # (probs, routing map [tokens, experts])
+            hooks.append(router.register_forward_hook(keep(f"{i}.routing", pick=1)))
+    try:
+        with torch.no_grad():
+            logits = forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    cap["logits"] = logits.detach().reshape(-1, logits.shape[-1])
+    return cap
+
+
+def layer_errors(model, forest, layout, config, device="cpu") -> Dict[str, list]:
+    """Where a bf16 model's rounding grows: per decoder layer, the relative error of the attention,
+    MLP and layer outputs (``||x - x_fp32|| / ||x_fp32||`` over every trajectory position) and the
+    fraction of positions whose MoE expert set differs from the fp32 oracle's (``routing_flips``),
+    for tree mode and expanded mode in the model's dtype against expanded mode on an fp32 copy of the
+    weights (the oracle of :func:`run_bf16`); the last entry of each list is the logits.
+
+    ``layout`` must hold whole trajectories (``build_layout(forest)``): tree rows are compared at
+    their trajectories' positions (``traj_rows``), in the expanded batch's order."""
+    from .packed import TreePackedSeqParams
+    tokens, lengths, _ = expanded_batch(forest, layout)
+    tokens = tokens.to(device)
+    seq = TreePackedSeqParams.for_sequences(lengths, device=device)
+    lay = layout.to(device)
+    if lay.num_expanded_tokens != tokens.numel():
+        raise ValueError("layer_errors: the layout must hold whole trajectories (build_layout(forest))")
+    tree_psp = TreePackedSeqParams.for_tree(lay, config=config, device=device)
+    runs = {"tree": _capture_layers(model, lambda: model(lay.tokens[None], lay.position_ids[None],
+                                                         packed_seq_params=tree_psp)),
+            "expanded": _capture_layers(model, lambda: model(tokens[None], seq.position_ids[None],
+                                                             packed_seq_params=seq))}
+    at_positions = lay.traj_rows.to(device)
+    runs["tree"] = {k: v.index_select(0, at_positions) for k, v in runs["tree"].items()}
+    up, cfg32 = upcast_model(model, config, torch.float32, kda_backend="reference")
+    with full_fp32_matmuls():
+        oracle = _capture_layers(up, lambda: up(tokens[None], seq.position_ids[None], packed_seq_params=seq))
+    del up
+
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return float((a - b).norm() / b.norm().clamp_min(1e-300))
+    out = {}
+    for mode, cap in runs.items():
+        rows = []
+        for i in range(len(model.decoder.layers)):
+            entry = {"layer": i, **{part: rel(cap[f"{i}.{part}"], oracle[f"{i}.{part}"])
+                                    for part in ("attention", "mlp", "output")}}
+            if f"{i}.routing" in cap:
+                entry["routing_flips"] = float((cap[f"{i}.routing"] != oracle[f"{i}.routing"]).any(-1)
+                                               .double().mean())
+            rows.append(entry)
+        rows.append({"layer": "logits", "output": rel(cap["logits"], oracle["logits"])})
+        out[mode] = rows
+    return out
+
+
 def logit_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     """Mean over positions of the cosine between the two runs' logit vectors at that position."""
     return float(F.cosine_similarity(a.double(), b.double(), dim=-1).mean())
