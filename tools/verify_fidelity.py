@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tree mode vs expanded mode on the same weights (DESIGN invariant 1), optionally vs transformers.
 
-Builds the hybrid model from a preset (--preset tiny|small, weights from --init and --seed) or
+Builds the hybrid model from a preset (--preset tiny|small|h200, weights from --init and --seed) or
 from a transformers Kimi-Linear checkpoint directory (--hf-checkpoint DIR, converted on the fly),
 reads trajectories (--input FILE, JSONL/Parquet) or generates a small SWE-like set (--synthetic,
 the repo's generator scaled to the model's vocabulary), runs expanded mode and tree mode, and
@@ -69,7 +69,8 @@ def _json_safe(report):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, metavar="tiny|small", help="model preset (default tiny)")
+    src.add_argument("--preset", default=None, metavar="tiny|small|h200",
+                     help="model preset (default tiny; h200: the throughput benchmark's model, ~15 GB on a CPU)")
     src.add_argument("--hf-checkpoint", default=None, metavar="DIR", help="transformers kimi_linear checkpoint")
     data = ap.add_mutually_exclusive_group(required=True)
     data.add_argument("--input", default=None, metavar="FILE", help="trajectories (.jsonl, .jsonl.gz, .parquet)")

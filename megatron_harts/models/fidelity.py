@@ -96,6 +96,12 @@ PRESETS = {
                   qk_rope_head_dim=8, v_head_dim=16, kda_mla_ratio=3, num_moe_experts=8, moe_router_topk=2,
                   moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_router_num_groups=4,
                   moe_router_group_topk=2),
+    # benchmarks/bench_throughput.py's h200 model (hidden 1024, 12 layers, 32 experts top-8, no routing
+    # groups): where its bf16 logit cosine comes from (--per-layer); ~15 GB and minutes on a CPU
+    "h200": dict(vocab_size=32000, num_layers=12, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096,
+                 linear_num_heads=16, linear_head_dim=64, kda_chunk_size=64, kv_lora_rank=256, qk_nope_head_dim=64,
+                 qk_rope_head_dim=32, v_head_dim=64, kda_mla_ratio=3, num_moe_experts=32, moe_router_topk=8,
+                 moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=512),
 }
 
 
