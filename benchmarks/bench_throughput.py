@@ -58,6 +58,9 @@ PROJECT_ROOTS = (os.sep + "megatron_harts" + os.sep, os.sep + "megatron" + os.se
 
 
 def model_flags(p, dtype_flag):
+    """Driver flags of a preset's model.  The router computes in fp32 (``--moe-router-dtype fp32``),
+    as Kimi-Linear's gate does (``hf_convert`` sets the same), except under ``--fp64`` (fp64 throughout)."""
+    router = "" if "--fp64" in dtype_flag else " --moe-router-dtype fp32"
     return (f"--num-layers {p['layers']} --hidden-size {p['hidden']} --num-attention-heads {p['heads']} "
             f"--ffn-hidden-size {p['ffn']} --swiglu --disable-bias-linear --multi-latent-attention "
             f"--kv-lora-rank {p['kv_lora']} --qk-head-dim {p['qk']} --qk-pos-emb-head-dim {p['rope']} "
@@ -66,7 +69,7 @@ def model_flags(p, dtype_flag):
             f"--moe-ffn-hidden-size {p['moe_ffn']} --moe-shared-expert-intermediate-size {p['moe_ffn']} "
             f"--moe-layer-freq ([0]+[1]*{p['layers'] - 1}) --moe-router-score-function sigmoid "
             f"--moe-router-enable-expert-bias --moe-router-topk-scaling-factor 2.5 --moe-aux-loss-coeff 0.001 "
-            f"--vocab-size {p['vocab']} --untie-embeddings-and-output-weights {dtype_flag}").split()
+            f"--vocab-size {p['vocab']} --untie-embeddings-and-output-weights {dtype_flag}{router}").split()
 
 
 def synthesize(scheme, num_tasks, max_tokens, vocab, seed, samples_per_task=2):
