@@ -13,6 +13,8 @@ Used by tools/verify_fidelity.py.  Pieces:
   targets are read in the layout's target order, so the two runs line up entry by entry.
 - :func:`run_bf16`: for a bf16 model, tree and expanded mode in bf16 plus the fp32 oracle:
   expanded mode on an fp32 copy of the same weights (:func:`upcast_model`).
+- :func:`layer_errors`: where a bf16 run's rounding grows, layer by layer (errors against the
+  fp32 oracle, MoE routing flips), for both modes.
 - :func:`fidelity_report`: differences and the verdict.  Relative differences are relative to
   the reference's scale: log-probs and each gradient tensor to their largest magnitude, the loss
   to ``loss_scale`` (sum of |term| / number of targets: a loss near 0 from cancelling advantages
@@ -372,7 +374,7 @@ def layer_errors(model, forest, layout, config, device="cpu") -> Dict[str, list]
                                                              packed_seq_params=seq))}
     at_positions = lay.traj_rows.to(device)
     runs["tree"] = {k: v.index_select(0, at_positions) for k, v in runs["tree"].items()}
-    up, cfg32 = upcast_model(model, config, torch.float32, kda_backend="reference")
+    up, _ = upcast_model(model, config, torch.float32, kda_backend="reference")
     with full_fp32_matmuls():
         oracle = _capture_layers(up, lambda: up(tokens[None], seq.position_ids[None], packed_seq_params=seq))
     del up
