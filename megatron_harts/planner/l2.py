@@ -86,6 +86,7 @@ from .l1 import plan_l1
 from .l2_balance import (BALANCE_MORE_BINS, BALANCE_MOVES, BALANCE_PACKINGS, BALANCE_SLOTS, BALANCE_SWAP_BINS,
                          BALANCE_WEIGHT, BALANCE_WIDE, numbered_units, rebalance)
 from .l2_even import EVEN_BINS, EVEN_SPEND, even_slots
+from .l2_oneslot import pack_one_slot
 from .l2_packing import estimate_step, packed_rows
 from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
@@ -184,6 +185,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         estimates = set()  # the estimates in packs
         family = {}  # a packing (its id) -> the base of its units
         arrays_of = {}  # a packer's packing (its id) -> unit_arrays of its units (None: DP 1)
+        searched = set()  # the one-slot packings (their ids): a local search's optimum, not refined again
         for us, base in unit_sets:
             S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
             # one replica: no target (every slot count packs the same); several: the spreading
@@ -203,6 +205,13 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                         packs.append((est, len(packs), packed))
                         family[id(packed)] = base
                         arrays_of[id(packed)] = arrays
+            if 1 < dp and S_w == 1 and us is bases[base]:  # one slot: the assignment searched directly
+                packed = pack_one_slot(ix, us, dp, M, model, keep_tokens, arrays)
+                if packed is not None:  # judged even where a packer's has its estimate (it may compute less)
+                    packs.append((estimate_step(packed, dp, overhead), len(packs), packed))
+                    family[id(packed)] = base
+                    arrays_of[id(packed)] = None
+                    searched.add(id(packed))
         packs.sort(key=lambda p: p[:2])
 
         def of(base):  # the packings of one base's units, best estimate first
@@ -212,8 +221,9 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         if dp > 1 and BALANCE_MOVES and packs:  # each base's best packings evened out per slot
             for base in range(len(bases)):
                 mine = of(base)
-                if not mine:
-                    continue
+                if not mine or id(mine[0][2]) in searched:
+                    continue  # the one-slot search's packing leads: a finer search than the pass already ran
+                mine = [p for p in mine if id(p[2]) not in searched]
                 many = base == 0 and len(mine[0][2][0]) >= BALANCE_MORE_BINS
                 k = BALANCE_PACKINGS[many]
                 for j, (_, _, packed) in enumerate(mine[:k]):
