@@ -4,10 +4,12 @@ unit; its descent never ends worse than its start; its packings assemble into va
 plan no longer than the packing's and never more tokens than L1."""
 import math
 
+import numpy as np
 import pytest
 
 from test_l2_executed import CASES, _swe, check_executes_as_planned
 
+import megatron_harts.planner.l2 as l2
 import megatron_harts.planner.l2_oneslot as one
 from megatron_harts.planner.cost_model import CostModel, ForestIndex
 from megatron_harts.planner.l1 import plan_l1
@@ -41,15 +43,16 @@ def _search_args(ix, units, model):
     ints, flts, _, _, _, _, path_off, path = unit_arrays(units)
     c = model.coefficients
     body = c.row * ix.length + c.attention_pair * ix.seg_pairs
-    return ints[:, 0], ints[:, 2], flts[:, 0], ints[:, 7], path_off, path, ix.length, body
+    return ints[:, 0], ints[:, 2], flts[:, 0], ints[:, 7], flts[:, 1], path_off, path, ix.length, body
 
 
-def _python(args, dp, M, max_rows, steps=one.ONE_SLOT_STEPS):
-    return one._one_slot_python(*(a.tolist() for a in args), dp, M, max_rows, steps)
+def _python(args, dp, M, max_rows, steps=one.ONE_SLOT_STEPS, S=1, start=None):
+    return one._search_python(*(a.tolist() for a in args), dp, S, M, max_rows, steps, start)
 
 
-def _compiled(args, dp, M, max_rows):
-    off, units = one._ONE_SLOT(*args, dp, M, max_rows, one.ONE_SLOT_STEPS)
+def _compiled(args, dp, M, max_rows, S=1, start=None):
+    off, units = one._SEARCH(*args, dp, S, M, max_rows, one.ONE_SLOT_STEPS,
+                             np.asarray([] if start is None else start, dtype=np.int64))
     off, units = off.tolist(), units.tolist()
     return None if len(off) == 1 else [units[off[b]:off[b + 1]] for b in range(len(off) - 1)]
 
@@ -59,7 +62,7 @@ ALL = [(n, f, M, model, dp) for n, f, M, model in CASES for dp in (2, 8)] + ONE_
 
 @pytest.mark.parametrize("name,forest,M,model,dp", ALL, ids=[c[0] + f"dp{c[4]}" for c in ALL])
 def test_compiled_equals_reference(name, forest, M, model, dp):
-    if one._ONE_SLOT is None:
+    if one._SEARCH is None:
         pytest.skip("megatron_harts._C not built")
     ix, l1, units = _setup(forest, M, model, dp)
     args = _search_args(ix, units, model)
@@ -72,8 +75,8 @@ def test_compiled_equals_reference(name, forest, M, model, dp):
 
 
 def _key(args, ent, max_rows):
-    """(rows over max_rows, step, sum of squares) of an assignment, as the reference measures it."""
-    kind, win, cost, rows, path_off, path, length, body = (a.tolist() for a in args)
+    """(rows over max_rows, step, sum of squares) of a one-slot assignment, as the reference measures it."""
+    kind, win, cost, rows, _, path_off, path, length, body = (a.tolist() for a in args)
     loads, total = [], 0
     for lst in ent:
         cores = {win[u] for u in lst if kind[u] == 0}
@@ -131,3 +134,63 @@ def test_plan_l2_takes_the_one_slot_packing_when_shorter(name, forest, M, model,
     key = window_key(ix, packed, dp=dp, M=M, model=model)
     if key is not None and key[1] <= l1.tokens_computed:
         assert (step_cost(l2), l2.tokens_computed) <= key
+
+
+def _captured_search(forest, M, model, dp, monkeypatch):
+    """plan_l2's call of search_slots on this batch (its arguments; None where the chosen plan has other than
+    2..SEARCH_SLOTS slots) and plan_l2's plan."""
+    got = {}
+    real = l2.search_slots
+
+    def spy(*args):
+        got["args"] = args
+        return real(*args)
+
+    monkeypatch.setattr(l2, "search_slots", spy)
+    ix = ForestIndex(forest)
+    l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
+    plan = plan_l2(forest, l1, cost_model=model, index=ix)
+    monkeypatch.undo()
+    return got.get("args"), l1, plan
+
+
+FEW = [(n, f, M, model, dp) for n, f, M, model in CASES for dp in (2, 4, 8)] + \
+      [(n, f, M, model, dp // 2) for n, f, M, model, dp in ONE_SLOT]
+
+
+@pytest.mark.parametrize("name,forest,M,model,dp", FEW, ids=[c[0] + f"dp{c[4]}" for c in FEW])
+def test_search_slots_compiled_equals_reference_and_runs_as_planned(name, forest, M, model, dp, monkeypatch):
+    args, l1, plan = _captured_search(forest, M, model, dp, monkeypatch)
+    plan.validate(forest)
+    check_executes_as_planned(forest, plan)
+    assert plan.tokens_computed <= l1.tokens_computed and step_cost(plan) <= step_cost(l1)
+    if args is None:
+        return
+    ix, units, chosen, _, max_rows, _ = args
+    assert 1 < chosen.num_slots <= l2.SEARCH_SLOTS
+    out = one.search_slots(*args)
+    if one._SEARCH is not None:
+        monkeypatch.setattr(one, "_SEARCH", None)
+        assert one.search_slots(*args) == out, name  # the reference, from the wrapper down
+        monkeypatch.undo()
+    if out is None:
+        return
+    got = window_plan(ix, out, dp=dp, M=M, model=model)
+    assert got is not None
+    got.validate(forest)
+    check_executes_as_planned(forest, got)  # every read the search counted is a window the schedule runs
+    assert sorted(s for own, _ in out[0] for s in own) == list(range(forest.num_segments))
+    key = window_key(ix, out, dp=dp, M=M, model=model)
+    if key[1] <= l1.tokens_computed:  # a candidate: plan_l2 keeps the better of it and the plan it refines
+        assert (step_cost(plan), plan.tokens_computed) <= min(key, (step_cost(chosen), chosen.tokens_computed))
+
+
+def test_search_slots_runs_on_some_cases(monkeypatch):
+    """The cases above reach the few-slot search, and it changes some plans (else its tests would pass idly)."""
+    ran = changed = 0
+    for name, forest, M, model, dp in FEW:
+        args, _, _ = _captured_search(forest, M, model, dp, monkeypatch)
+        if args is not None:
+            ran += 1
+            changed += one.search_slots(*args) is not None
+    assert ran >= 3 and changed >= 1
