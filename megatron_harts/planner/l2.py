@@ -65,6 +65,12 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    ``BALANCE_MORE_BINS`` microbatches a second pass over the best packing of step 5, score the
    slots in the order the plan runs (``rebalance(ordered=True)``: producers before their first
    consumer, where costliest first alone would misalign a slot that starts a window).
+7. *One slot, few slots* (``l2_oneslot``): where a base's units fit in one slot (several replicas),
+   ``pack_one_slot`` searches their assignment to the ``dp`` microbatches directly (every item away
+   from its core recomputes its root path there) and its packing is judged with the others (a base
+   it leads is not refined by the balance pass); the chosen plan of 2..``SEARCH_SLOTS`` slots is
+   searched again unit by unit from its own assignment (``search_slots``: cores stay, items read
+   their producers where the schedule would), kept where its exact (step, tokens) is lower.
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
@@ -297,9 +303,10 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         if plan_units is not None and dp > 1 and 1 < plan.num_slots <= SEARCH_SLOTS:
             # few slots: the plan's units searched again, every slot at once (the one-slot packer's descent)
             packed = search_slots(ix, plan_units, plan, model, keep_tokens, arrays_by.get(id(plan_units)))
-            key = None if packed is None else window_key(ix, packed, dp=dp, M=M, model=model)
+            judged = {}
+            key = None if packed is None else window_key(ix, packed, dp=dp, M=M, model=model, keep=judged)
             if key is not None and key[1] <= keep_tokens and key < plan_key:
-                got = window_plan(ix, packed, dp=dp, M=M, model=model)
+                got = window_plan(ix, packed, dp=dp, M=M, model=model, keep=judged)
                 if got is not None:
                     plan, plan_key = got, key
     if dp > 1 and len(plan.microbatches) >= EVEN_BINS:  # the chosen plan's slots evened out per segment
