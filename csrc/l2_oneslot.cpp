@@ -85,6 +85,19 @@ struct Search {
     }
 };
 
+// A change's measured costs and rows (st: 0 not measured, 1 measured, 2 a microbatch over the budget).
+struct Eval {
+    double lx = 0.0, ly = 0.0;
+    i64 rx = 0, ry = 0;
+    char st = 0;
+};
+
+// The changes between microbatches x and y, measured at versions (vx, vy) of the two.
+struct PairCache {
+    i64 vx = -1, vy = -1;
+    std::vector<Eval> ev;
+};
+
 using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 using F64Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
@@ -190,6 +203,8 @@ static py::tuple l2_slot_search(I64Array kind_a, I64Array win_a, F64Array cost_a
             std::vector<std::vector<i64>> top(S);
             std::vector<double> csum(nb), gcost, mk(S);
             std::vector<char> in_g(n, 0);
+            std::vector<i64> ver(nb, 0);  // a microbatch's version: changed by each step that changes it
+            std::vector<PairCache> pc(nb * nb);
             for (i64 it = 0; it < steps; ++it) {
                 i64 total = 0;
                 for (i64 r2 : nrows) total += r2;
@@ -282,6 +297,12 @@ static py::tuple l2_slot_search(I64Array kind_a, I64Array win_a, F64Array cost_a
                         }
                         const std::vector<i64>& ey = ent[y];
                         const i64 ny = static_cast<i64>(ey.size());
+                        PairCache& pcache = pc[x * nb + y];
+                        if (pcache.vx != ver[x] || pcache.vy != ver[y]) {
+                            pcache.vx = ver[x];
+                            pcache.vy = ver[y];
+                            pcache.ev.assign(ng * (ny + 1), Eval());
+                        }
                         for (std::size_t gi = 0; gi < ng; ++gi) {
                             const std::vector<i64>& g = groups[gi];
                             const std::vector<i64>& rest = rests[gi];
@@ -305,23 +326,26 @@ static py::tuple l2_slot_search(I64Array kind_a, I64Array win_a, F64Array cost_a
                                     if (tsb > cap + kPrune || (tsb >= step - kEps + kPrune && tqb >= sq - kEps + kPrune))
                                         continue;
                                 }
-                                double lx, ly;
-                                i64 rx, ry;
-                                if (j < 0) {
-                                    if (!o.measure(x, rest, none, none, cap, lx, rx)) continue;
-                                } else {
-                                    one[0] = ey[j];
-                                    if (!o.measure(x, rest, one, none, cap, lx, rx)) continue;
+                                // the change's exact costs and rows, measured once while x and y stay as they are
+                                // (a cost past cap is refused here as the reference's measure refuses it)
+                                Eval& e = pcache.ev[gi * (ny + 1) + (j + 1)];
+                                if (e.st == 0) {
+                                    if (j >= 0) one[0] = ey[j];
+                                    o.measure(x, rest, j < 0 ? none : one, none, kInf, e.lx, e.rx);
+                                    if (e.rx > M) {
+                                        e.st = 2;
+                                    } else {
+                                        if (j >= 0) {
+                                            yrest.assign(ey.begin(), ey.begin() + j);
+                                            yrest.insert(yrest.end(), ey.begin() + j + 1, ey.end());
+                                        }
+                                        o.measure(y, j < 0 ? ey : yrest, g, none, kInf, e.ly, e.ry);
+                                        e.st = e.ry > M ? 2 : 1;
+                                    }
                                 }
-                                if (rx > M) continue;
-                                if (j < 0) {
-                                    if (!o.measure(y, ey, g, none, cap, ly, ry)) continue;
-                                } else {
-                                    yrest.assign(ey.begin(), ey.begin() + j);
-                                    yrest.insert(yrest.end(), ey.begin() + j + 1, ey.end());
-                                    if (!o.measure(y, yrest, g, none, cap, ly, ry)) continue;
-                                }
-                                if (ry > M) continue;
+                                if (e.st == 2 || e.lx > cap || e.ly > cap) continue;
+                                const double lx = e.lx, ly = e.ly;
+                                const i64 rx = e.rx, ry = e.ry;
                                 double nx = ox > lx ? ox : lx, ts;
                                 if (ky == kx) {
                                     nx = nx > ly ? nx : ly;
@@ -350,7 +374,8 @@ static py::tuple l2_slot_search(I64Array kind_a, I64Array win_a, F64Array cost_a
                                         best_y_list = ey;
                                     } else {
                                         best_x_list.push_back(ey[j]);
-                                        best_y_list = yrest;
+                                        best_y_list.assign(ey.begin(), ey.begin() + j);
+                                        best_y_list.insert(best_y_list.end(), ey.begin() + j + 1, ey.end());
                                     }
                                     best_y_list.insert(best_y_list.end(), g.begin(), g.end());
                                 }
@@ -361,6 +386,8 @@ static py::tuple l2_slot_search(I64Array kind_a, I64Array win_a, F64Array cost_a
                 if (!found) break;
                 ent[b_x] = best_x_list;
                 ent[b_y] = best_y_list;
+                ++ver[b_x];
+                ++ver[b_y];
                 load[b_x] = b_lx;
                 load[b_y] = b_ly;
                 nrows[b_x] = b_rx;

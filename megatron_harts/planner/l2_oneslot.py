@@ -256,20 +256,26 @@ def search_slots(ix, units, plan, model, max_rows: int, arrays=None):
     (groups, placement) when the search changed something, else None (also where a unit's segments lie in
     several microbatches or a unit belongs to a split window)."""
     dp, S = plan.num_replicas, plan.num_slots
-    if dp < 2 or not units or any(u.upper >= 0 for u in units):
+    if dp < 2 or not units:
         return None
-    where = [-1] * ix.num_segments  # each owned segment's microbatch
+    if arrays is None:
+        arrays = unit_arrays(units)
+    ints, own_off, own = arrays[0], arrays[2], arrays[3]
+    if (ints[:, 3] >= 0).any():
+        return None  # a split window's unit
+    where = np.full(ix.num_segments, -1, dtype=np.int64)  # each owned segment's microbatch
     for m in plan.microbatches:
-        b = m.replica * S + m.slot
-        for x in m.owned.tolist():
-            where[x] = b
-    start = []
+        where[m.owned] = m.replica * S + m.slot
+    lens = np.diff(own_off)
+    if (lens == 0).any():
+        return None
+    at = where[own]
+    first = at[own_off[:-1]]
+    if (first < 0).any() or not np.array_equal(at, np.repeat(first, lens)):
+        return None  # a unit's segments in several microbatches
+    start = first.tolist()
     init: List[List[int]] = [[] for _ in range(dp * S)]
-    for k, u in enumerate(units):
-        b = where[u.owned[0]] if len(u.owned) else -1
-        if b < 0 or any(where[x] != b for x in u.owned):
-            return None
-        start.append(b)
+    for k, b in enumerate(start):
         init[b].append(k)
     ent, _ = _search(ix, units, model, dp, S, plan.row_budget, max_rows, arrays, start)
     if ent is None or ent == init:
