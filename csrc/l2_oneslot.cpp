@@ -85,11 +85,12 @@ struct Search {
     }
 };
 
-// A change's measured costs and rows (st: 0 not measured, 1 measured, 2 a microbatch over the budget).
+// A change's measured costs and rows, x's and y's side each: 0 not measured, 1 measured (exact), 2 its cost
+// passed the cap xcap / ycap (then it passes any lower cap too; a higher cap measures again).
 struct Eval {
-    double lx = 0.0, ly = 0.0;
+    double lx = 0.0, ly = 0.0, xcap = 0.0, ycap = 0.0;
     i64 rx = 0, ry = 0;
-    char st = 0;
+    char xs = 0, ys = 0;
 };
 
 // The changes between microbatches x and y, measured at versions (vx, vy) of the two.
@@ -327,23 +328,32 @@ static py::tuple l2_slot_search(I64Array kind_a, I64Array win_a, F64Array cost_a
                                         continue;
                                 }
                                 // the change's exact costs and rows, measured once while x and y stay as they are
-                                // (a cost past cap is refused here as the reference's measure refuses it)
+                                // (a cost past cap is refused as the reference's measure refuses it: measure stops
+                                // only where its cost passes the cap, so a value it returned is exact)
                                 Eval& e = pcache.ev[gi * (ny + 1) + (j + 1)];
-                                if (e.st == 0) {
+                                if (e.xs == 0 || (e.xs == 2 && cap > e.xcap)) {
                                     if (j >= 0) one[0] = ey[j];
-                                    o.measure(x, rest, j < 0 ? none : one, none, kInf, e.lx, e.rx);
-                                    if (e.rx > M) {
-                                        e.st = 2;
+                                    if (o.measure(x, rest, j < 0 ? none : one, none, cap, e.lx, e.rx)) {
+                                        e.xs = 1;
                                     } else {
-                                        if (j >= 0) {
-                                            yrest.assign(ey.begin(), ey.begin() + j);
-                                            yrest.insert(yrest.end(), ey.begin() + j + 1, ey.end());
-                                        }
-                                        o.measure(y, j < 0 ? ey : yrest, g, none, kInf, e.ly, e.ry);
-                                        e.st = e.ry > M ? 2 : 1;
+                                        e.xs = 2;
+                                        e.xcap = cap;
                                     }
                                 }
-                                if (e.st == 2 || e.lx > cap || e.ly > cap) continue;
+                                if (e.xs == 2 || e.rx > M || e.lx > cap) continue;
+                                if (e.ys == 0 || (e.ys == 2 && cap > e.ycap)) {
+                                    if (j >= 0) {
+                                        yrest.assign(ey.begin(), ey.begin() + j);
+                                        yrest.insert(yrest.end(), ey.begin() + j + 1, ey.end());
+                                    }
+                                    if (o.measure(y, j < 0 ? ey : yrest, g, none, cap, e.ly, e.ry)) {
+                                        e.ys = 1;
+                                    } else {
+                                        e.ys = 2;
+                                        e.ycap = cap;
+                                    }
+                                }
+                                if (e.ys == 2 || e.ry > M || e.ly > cap) continue;
                                 const double lx = e.lx, ly = e.ly;
                                 const i64 rx = e.rx, ry = e.ry;
                                 double nx = ox > lx ? ox : lx, ts;
