@@ -67,10 +67,11 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    consumer, where costliest first alone would misalign a slot that starts a window).
 7. *One slot, few slots* (``l2_oneslot``): where a base's units fit in one slot (several replicas),
    ``pack_one_slot`` searches their assignment to the ``dp`` microbatches directly (every item away
-   from its core recomputes its root path there) and its packing is judged with the others (a base
-   it leads is not refined by the balance pass); the chosen plan of 2..``SEARCH_SLOTS`` slots is
-   searched again unit by unit from its own assignment (``search_slots``: cores stay, items read
-   their producers where the schedule would), kept where its exact (step, tokens) is lower.
+   from its core recomputes its root path there; the packers then try 2 and 3 slots only) and its
+   packing is judged with the others (a base it leads is not refined by the balance pass); the
+   chosen plan of 2..``SEARCH_SLOTS`` slots is searched again unit by unit from its own assignment
+   (``search_slots``: cores stay, items read their producers where the schedule would), kept where
+   its exact (step, tokens) is lower.
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
@@ -205,9 +206,20 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             # to it on every benchmark batch)
             arrays = unit_arrays(us) if dp > 1 else None
             arrays_by[id(us)] = arrays
+            one_slot = None  # one slot: the assignment searched directly (the packers then try 2 and 3 slots)
+            if 1 < dp and S_w == 1 and us is bases[base]:
+                one_slot = pack_one_slot(ix, us, dp, M, model, keep_tokens, arrays)
+                if one_slot is not None:  # judged even where a packer's has its estimate (it may compute less)
+                    packs.append((estimate_step(one_slot, dp, overhead), len(packs), one_slot))
+                    family[id(one_slot)] = base
+                    arrays_of[id(one_slot)] = None
+                    units_of[id(one_slot)] = us
+                    searched.add(id(one_slot))
             for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not bases[base] else \
                     (pack_windows, pack_spread):
                 slots = range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1)
+                if one_slot is not None:
+                    slots = range(2, 2 + WINDOW_EXTRA_SLOTS)
                 # per slot count the tolerances in order, a larger one only where the smaller
                 # turned a placement away (else it packs the same)
                 for packed in packer.many(ix, us, dp, M, slots, WINDOW_TOLERANCES, arrays):
@@ -218,14 +230,6 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                         family[id(packed)] = base
                         arrays_of[id(packed)] = arrays
                         units_of[id(packed)] = us
-            if 1 < dp and S_w == 1 and us is bases[base]:  # one slot: the assignment searched directly
-                packed = pack_one_slot(ix, us, dp, M, model, keep_tokens, arrays)
-                if packed is not None:  # judged even where a packer's has its estimate (it may compute less)
-                    packs.append((estimate_step(packed, dp, overhead), len(packs), packed))
-                    family[id(packed)] = base
-                    arrays_of[id(packed)] = None
-                    units_of[id(packed)] = us
-                    searched.add(id(packed))
         packs.sort(key=lambda p: p[:2])
 
         def of(base):  # the packings of one base's units, best estimate first
