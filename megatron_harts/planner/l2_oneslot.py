@@ -40,7 +40,7 @@ import numpy as np
 from .compiled import compiled
 from .l2_units import unit_arrays
 
-__all__ = ["pack_one_slot", "ONE_SLOT_STEPS"]
+__all__ = ["pack_one_slot", "search_slots", "ONE_SLOT_STEPS"]
 
 #: at most this many descent steps
 ONE_SLOT_STEPS = 200
