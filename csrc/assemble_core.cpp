@@ -132,5 +132,6 @@ void register_l2(pybind11::module_& m) {
     register_spread(m);
     register_windows(m);
     register_even(m);
+    register_one_slot(m);
     register_packing(m);
 }

@@ -1,6 +1,7 @@
 // Plan assembly core (csrc/assemble_core.cpp), registered into megatron_harts._C by call_planner.cpp;
 // register_l2 also registers L2's balance pass (csrc/l2_rebalance.cpp), spreading packer
-// (csrc/l2_spread.cpp), window packer (csrc/l2_windows.cpp) and last pass (csrc/l2_even.cpp).
+// (csrc/l2_spread.cpp), window packer (csrc/l2_windows.cpp), last pass (csrc/l2_even.cpp) and one-slot
+// packer (csrc/l2_oneslot.cpp).
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -36,6 +37,8 @@ void register_rebalance(pybind11::module_& m);
 void register_spread(pybind11::module_& m);
 void register_windows(pybind11::module_& m);
 void register_even(pybind11::module_& m);
+// L2's one-slot packer search (csrc/l2_oneslot.cpp), registered by register_l2.
+void register_one_slot(pybind11::module_& m);
 // L1's planning core (csrc/l1_plan.cpp), registered by register_packing (csrc/l2_packing.cpp).
 void register_l1(pybind11::module_& m);
 // The forest index (csrc/forest_index.cpp), registered by register_packing.

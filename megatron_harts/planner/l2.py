@@ -65,6 +65,13 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    ``BALANCE_MORE_BINS`` microbatches a second pass over the best packing of step 5, score the
    slots in the order the plan runs (``rebalance(ordered=True)``: producers before their first
    consumer, where costliest first alone would misalign a slot that starts a window).
+7. *One slot, few slots* (``l2_oneslot``): where a base's units fit in one slot (several replicas),
+   ``pack_one_slot`` searches their assignment to the ``dp`` microbatches directly (every item away
+   from its core recomputes its root path there; the packers then try 2 and 3 slots only) and its
+   packing is judged with the others (a base it leads is not refined by the balance pass); the
+   chosen plan of 2..``SEARCH_SLOTS`` slots is searched again unit by unit from its own assignment
+   (``search_slots``: cores stay, items read their producers where the schedule would), kept where
+   its exact (step, tokens) is lower.
 
 L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
 step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
@@ -86,6 +93,7 @@ from .l1 import plan_l1
 from .l2_balance import (BALANCE_MORE_BINS, BALANCE_MOVES, BALANCE_PACKINGS, BALANCE_SLOTS, BALANCE_SWAP_BINS,
                          BALANCE_WEIGHT, BALANCE_WIDE, numbered_units, rebalance)
 from .l2_even import EVEN_BINS, EVEN_SPEND, even_slots
+from .l2_oneslot import pack_one_slot, search_slots
 from .l2_packing import estimate_step, packed_rows
 from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
@@ -135,6 +143,9 @@ BALANCE_SPEND_BINS = 24
 #: ... and, below ``BALANCE_MORE_BINS`` microbatches, only when the plan's mean slot balance is below this
 #: (Tree-Step 256 DP 4, 98.6%: its passes found nothing and took 15 of its 37 ms)
 BALANCE_SPEND_BELOW = 0.98
+#: the chosen plan of at most this many slots (more than one) has its units searched again, every slot at once
+#: (``l2_oneslot.search_slots``)
+SEARCH_SLOTS = 2
 
 
 @gc_paused
@@ -184,6 +195,9 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         estimates = set()  # the estimates in packs
         family = {}  # a packing (its id) -> the base of its units
         arrays_of = {}  # a packer's packing (its id) -> unit_arrays of its units (None: DP 1)
+        searched = set()  # the one-slot packings (their ids): a local search's optimum, not refined again
+        units_of = {}  # a packing (its id) -> the units it packs
+        arrays_by = {}  # a unit list (its id) -> its unit_arrays (DP > 1)
         for us, base in unit_sets:
             S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
             # one replica: no target (every slot count packs the same); several: the spreading
@@ -191,9 +205,21 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             # (split windows: the spreading packer alone; the window packer's plans of them lost
             # to it on every benchmark batch)
             arrays = unit_arrays(us) if dp > 1 else None
+            arrays_by[id(us)] = arrays
+            one_slot = None  # one slot: the assignment searched directly (the packers then try 2 and 3 slots)
+            if 1 < dp and S_w == 1 and us is bases[base]:
+                one_slot = pack_one_slot(ix, us, dp, M, model, keep_tokens, arrays)
+                if one_slot is not None:  # judged even where a packer's has its estimate (it may compute less)
+                    packs.append((estimate_step(one_slot, dp, overhead), len(packs), one_slot))
+                    family[id(one_slot)] = base
+                    arrays_of[id(one_slot)] = None
+                    units_of[id(one_slot)] = us
+                    searched.add(id(one_slot))
             for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not bases[base] else \
                     (pack_windows, pack_spread):
                 slots = range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1)
+                if one_slot is not None:
+                    slots = range(2, 2 + WINDOW_EXTRA_SLOTS)
                 # per slot count the tolerances in order, a larger one only where the smaller
                 # turned a placement away (else it packs the same)
                 for packed in packer.many(ix, us, dp, M, slots, WINDOW_TOLERANCES, arrays):
@@ -203,6 +229,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                         packs.append((est, len(packs), packed))
                         family[id(packed)] = base
                         arrays_of[id(packed)] = arrays
+                        units_of[id(packed)] = us
         packs.sort(key=lambda p: p[:2])
 
         def of(base):  # the packings of one base's units, best estimate first
@@ -212,8 +239,9 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         if dp > 1 and BALANCE_MOVES and packs:  # each base's best packings evened out per slot
             for base in range(len(bases)):
                 mine = of(base)
-                if not mine:
-                    continue
+                if not mine or id(mine[0][2]) in searched:
+                    continue  # the one-slot search's packing leads: a finer search than the pass already ran
+                mine = [p for p in mine if id(p[2]) not in searched]
                 many = base == 0 and len(mine[0][2][0]) >= BALANCE_MORE_BINS
                 k = BALANCE_PACKINGS[many]
                 for j, (_, _, packed) in enumerate(mine[:k]):
@@ -226,6 +254,7 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                         if even is not None:
                             refined[id(even)] = packed
                             family[id(even)] = base
+                            units_of[id(even)] = units_of[id(packed)]
                             packs.append((estimate_step(even, dp, overhead), len(packs), even))
             packs.sort(key=lambda p: p[:2])
         keys = {}  # a packing (its id) -> its plan's (step, tokens) or None (over the budget)
@@ -256,8 +285,10 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 judged += 1
                 if key < plan_key:
                     best, plan_key, plan_packed = packed, key, refined.get(id(packed), packed)
+        plan_units = None  # the units the best plan packs (None: L1's plan)
         if best is not None:
             plan = window_plan(ix, best, dp=dp, M=M, model=model, keep=kept[id(best)])
+            plan_units = units_of[id(best)]
         n_mb = len(plan.microbatches)
         if plan_packed is not None and plan.num_slots <= BALANCE_SPEND_SLOTS and n_mb >= BALANCE_SPEND_BINS and \
                 (n_mb >= BALANCE_MORE_BINS or float(slot_balance(plan).mean()) < BALANCE_SPEND_BELOW):
@@ -273,6 +304,15 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                     best, plan_key = even, key
             if best is not None:
                 plan = window_plan(ix, best, dp=dp, M=M, model=model)
+        if plan_units is not None and dp > 1 and 1 < plan.num_slots <= SEARCH_SLOTS:
+            # few slots: the plan's units searched again, every slot at once (the one-slot packer's descent)
+            packed = search_slots(ix, plan_units, plan, model, keep_tokens, arrays_by.get(id(plan_units)))
+            judged = {}
+            key = None if packed is None else window_key(ix, packed, dp=dp, M=M, model=model, keep=judged)
+            if key is not None and key[1] <= keep_tokens and key < plan_key:
+                got = window_plan(ix, packed, dp=dp, M=M, model=model, keep=judged)
+                if got is not None:
+                    plan, plan_key = got, key
     if dp > 1 and len(plan.microbatches) >= EVEN_BINS:  # the chosen plan's slots evened out per segment
         even = even_slots(ix, plan, model, int(EVEN_SPEND * (keep_tokens - plan.tokens_computed)))
         if even is not None and even.tokens_computed <= keep_tokens and step_cost(even) <= step_cost(keep):
