@@ -20,7 +20,9 @@ calls instead of HARTS' plan.  ``--profile FILE`` profiles one more step of ever
 time against GPU kernel time (a GPU waiting for the host shows as wall >> kernels), kernel time
 per category, the host synchronizations by source line, and per tree mode ``kernel_speedup``
 (expanded's kernel time over the mode's: the speedup a host fast enough to keep the GPU busy
-would show; the step times of a host-bound run move with the host's speed).
+would show; the step times of a host-bound run move with the host's speed).  ``--memory-profile``
+records one more step of every mode under the CUDA allocator's history: the bytes alive at the
+step's peak by allocation site (``memory_at_peak``).
 
 Targets (issue 6): speedup >= 0.8 x compression; Step-wise >= 7x and Tree-Step >= 3.9x at the
 paper's compression levels; logit cosine >= 0.9997; tree-mode peak memory <= expanded.
@@ -427,7 +429,7 @@ def main(argv=None):
                          "the results JSON, the top kernels and CPU operators of each mode into FILE (text)")
     ap.add_argument("--memory-profile", action="store_true",
                     help="one extra step of every mode under the CUDA allocator's history: the bytes alive "
-                         "at the step's peak by allocation site (first project frame), into the results JSON")
+                         "at the step's peak by allocation site (innermost project frames), into the results JSON")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/throughput-<time>.json)")
     ap.add_argument("--json", action="store_true", help="print the results JSON")
     a = ap.parse_args(argv)
