@@ -298,6 +298,18 @@ static py::tuple l2_slot_search(I64Array kind_a, I64Array win_a, F64Array cost_a
                         }
                         const std::vector<i64>& ey = ent[y];
                         const i64 ny = static_cast<i64>(ey.size());
+                        // the step and the sum of squared costs once x costs lx and y costs ly
+                        const auto after = [&](double lx, double ly, double& ts, double& tq) {
+                            double nx = ox > lx ? ox : lx;
+                            if (ky == kx) {
+                                nx = nx > ly ? nx : ly;
+                                ts = step - mk[kx] + nx;
+                            } else {
+                                const double nyc = oy > ly ? oy : ly;
+                                ts = step - mk[kx] - mk[ky] + nx + nyc;
+                            }
+                            tq = sq - load[x] * load[x] - load[y] * load[y] + lx * lx + ly * ly;
+                        };
                         PairCache& pcache = pc[x * nb + y];
                         if (pcache.vx != ver[x] || pcache.vy != ver[y]) {
                             pcache.vx = ver[x];
@@ -314,16 +326,8 @@ static py::tuple l2_slot_search(I64Array kind_a, I64Array win_a, F64Array cost_a
                                 const double cap = over > 0 ? kInf : (!found || b_st > step ? step : b_st) + kEps;
                                 if (over == 0) {
                                     const double cv = j < 0 ? 0.0 : o.cost[ey[j]];
-                                    const double lxb = csum[x] - cg + cv, lyb = csum[y] - cv + cg;
-                                    double nxb = ox > lxb ? ox : lxb, tsb;
-                                    if (ky == kx) {
-                                        nxb = nxb > lyb ? nxb : lyb;
-                                        tsb = step - mk[kx] + nxb;
-                                    } else {
-                                        const double nyb = oy > lyb ? oy : lyb;
-                                        tsb = step - mk[kx] - mk[ky] + nxb + nyb;
-                                    }
-                                    const double tqb = sq - load[x] * load[x] - load[y] * load[y] + lxb * lxb + lyb * lyb;
+                                    double tsb, tqb;
+                                    after(csum[x] - cg + cv, csum[y] - cv + cg, tsb, tqb);
                                     if (tsb > cap + kPrune || (tsb >= step - kEps + kPrune && tqb >= sq - kEps + kPrune))
                                         continue;
                                 }
@@ -354,17 +358,9 @@ static py::tuple l2_slot_search(I64Array kind_a, I64Array win_a, F64Array cost_a
                                     }
                                 }
                                 if (e.ys == 2 || e.ry > M || e.ly > cap) continue;
-                                const double lx = e.lx, ly = e.ly;
                                 const i64 rx = e.rx, ry = e.ry;
-                                double nx = ox > lx ? ox : lx, ts;
-                                if (ky == kx) {
-                                    nx = nx > ly ? nx : ly;
-                                    ts = step - mk[kx] + nx;
-                                } else {
-                                    const double nyv = oy > ly ? oy : ly;
-                                    ts = step - mk[kx] - mk[ky] + nx + nyv;
-                                }
-                                const double tq = sq - load[x] * load[x] - load[y] * load[y] + lx * lx + ly * ly;
+                                double ts, tq;
+                                after(e.lx, e.ly, ts, tq);
                                 i64 to = total - nrows[x] - nrows[y] + rx + ry - max_rows;
                                 to = to > 0 ? to : 0;
                                 if (better(to, ts, tq, over, step, sq) &&
@@ -375,8 +371,8 @@ static py::tuple l2_slot_search(I64Array kind_a, I64Array win_a, F64Array cost_a
                                     b_sq = tq;
                                     b_x = x;
                                     b_y = y;
-                                    b_lx = lx;
-                                    b_ly = ly;
+                                    b_lx = e.lx;
+                                    b_ly = e.ly;
                                     b_rx = rx;
                                     b_ry = ry;
                                     best_x_list = rest;
