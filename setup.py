@@ -12,7 +12,8 @@ with pybind11.  Dependencies and why each is here:
 - psutil: megatron-core's dist-checkpoint writer imports it (not declared by
   megatron-core); tools/convert_hf_checkpoint.py --format dist needs it.
 - extra "gpu": fla-core==0.6.0, KDA Triton kernels; imported lazily on GPU only.
-- extra "test": pytest, hypothesis (property tests), transformers>=5.6 (the
+- extra "test": pytest, pytest-xdist (scripts/run_tests.sh runs the suite on two worker processes),
+  hypothesis (property tests), transformers>=5.6 (the
   Kimi-Linear oracle of invariant 4; also the weight export to transformers' format),
   tensorboard (the driver's --tensorboard-dir writer, torch.utils.tensorboard; optional
   at run time: the driver names it when missing).
@@ -59,7 +60,7 @@ setup(
     ],
     extras_require={
         "gpu": ["fla-core==0.6.0"],
-        "test": ["pytest>=8", "hypothesis>=6.100", "transformers>=5.6", "tensorboard>=2.15"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "transformers>=5.6", "tensorboard>=2.15"],
         "bench": ["ortools>=9.10"],
     },
     entry_points={"console_scripts": ["harts-pretrain = megatron_harts.training.pretrain:console_main"]},

@@ -1,8 +1,16 @@
 """Shared fixtures of the test suite."""
+import os
+
 import pytest
+import torch
 
 import megatron_harts.patches as patches
 from megatron_cpu import megatron_cpu
+
+# under pytest-xdist each worker process takes one core: two workers with torch's default of a thread
+# per core would oversubscribe the CI machine's two cores
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
