@@ -147,7 +147,7 @@ def measure_step(trainer, forest, plan, settings, index, *, repeat: int, timer) 
     (through ``timer`` too) precedes the timed ones.
     """
     from megatron_harts.rl.objectives import forest_normalizer
-    from megatron_harts.schedules.windows import WindowedMicrobatch
+    from megatron_harts.schedules.windows import microbatch_on
     from megatron_harts.training.step import (aux_loss_scale, make_forward_step, megatron_aux_loss_scale_after,
                                               run_schedule)
 
@@ -159,7 +159,7 @@ def measure_step(trainer, forest, plan, settings, index, *, repeat: int, timer) 
                                 counters=counters)
     records = []
     for item, m, feats, from_plan in paired_microbatches(forest, plan, settings, index):
-        on_device = WindowedMicrobatch(item.layout.to(device), item.owned, item.producer, item.replay, item.counted)
+        on_device = microbatch_on(item, device)      # moved once: the timed runs copy nothing
 
         def run_once(mb=on_device):
             with ddp.no_sync(), megatron_aux_loss_scale_after(device):

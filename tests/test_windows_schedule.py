@@ -9,7 +9,7 @@ import torch
 from megatron_harts.layout import build_layout
 from megatron_harts.models.model import build_hybrid_model
 from megatron_harts.models.packed import TreePackedSeqParams
-from megatron_harts.schedules.windows import WindowedMicrobatch, forward_backward_windows
+from megatron_harts.schedules.windows import WindowedMicrobatch, forward_backward_windows, microbatch_on
 
 from hybrid_tiny import VOCAB, randomize_, tiny_config, tiny_forest
 
@@ -204,3 +204,34 @@ def test_recomputed_producers_same_step(cpu_world):
     # each producer: one graph-free preview, then (at its window close) one forward with its graph
     assert calls.count((True, False, False)) == producers and len(calls) == len(seq) + producers
     assert all(grad and out for prev, grad, out in calls if not prev)
+
+
+class _MetaModel(torch.nn.Module):
+    """A model chunk whose parameters live on the meta device (the schedule reads only its device and config)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.empty(1, device="meta"))
+
+
+def test_schedule_moves_each_microbatch_to_the_model_device_as_it_runs(cpu_world):
+    """Host microbatches reach ``forward_step_func`` on the model's device, each moved as it runs (its
+    host layout kept as ``host_copy``); the step's host items are left on the host."""
+    forest = tiny_forest(0)
+    seq, _ = windowed_step(forest, overlap=False)
+    assert any(mb.producer is not None for mb in seq)
+    model = _MetaModel(tiny_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none"))
+    seen = []
+
+    def step(data_iterator, model):
+        mb, psp = next(data_iterator)
+        seen.append(mb.layout)
+        return torch.zeros((), device="meta"), lambda out: (out, {})
+    forward_backward_windows(forward_step_func=step, data_iterator=iter(seq), model=model,
+                             num_microbatches=len(seq), forward_only=True)
+    assert [lay.host_copy for lay in seen] == [mb.layout for mb in seq]
+    assert all(lay.tokens.device.type == "meta" and lay.traj_rows.device.type == "meta" for lay in seen)
+    assert all(mb.layout.tokens.device.type == "cpu" and mb.layout.host_copy is None for mb in seq)
+    on_cpu = seq[0]
+    assert microbatch_on(on_cpu, "cpu") is on_cpu

@@ -81,8 +81,8 @@ import torch
 import torch.distributed as dist
 
 from .simulator import _check_producers, _check_stages, schedule_ops
-from .windows import (WindowedMicrobatch, _loss_of, _model_config, check_windows, microbatch_params,
-                      producer_forward, producer_params)
+from .windows import (WindowedMicrobatch, _loss_of, _model_config, check_windows, microbatch_on,
+                      microbatch_params, model_device, producer_forward, producer_params)
 
 __all__ = ["SCHEDULES", "stage_orders", "check_stage_orders", "forward_backward_pipelining_windows",
            "build_stage_model"]
@@ -378,9 +378,11 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
                                           recv_next=False, tensor_shape=None, wait_on_reqs=False)
         pending.append((t, reqs))
 
+    device = model_device(model)
     for kind, i in orders:
         mb = mbs[i]
         if kind == "F":
+            mb = microbatch_on(mb, device)
             if i in consumers_of:
                 psp = producer_params(mb, [mbs[c] for c in consumers_of[i]], cfg)
             else:

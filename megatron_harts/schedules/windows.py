@@ -28,7 +28,9 @@ planned step equals the recomputed step and expanded training).
 ``forward_step_func(data_iterator, model)`` is called once per microbatch with an iterator
 yielding ``(microbatch, packed_seq_params)`` and returns ``(output, loss_func)``;
 ``loss_func(output)`` returns ``(loss, stats)`` or ``(loss, num_tokens, stats)`` as in
-megatron.  Peak retained export memory (bytes of live exports, maximum over the step) is
+megatron.  Microbatches may come on the host: each schedule moves a microbatch's layout to the
+model's device as it runs it (:func:`microbatch_on`), so the device holds the layouts of the
+microbatches in flight and of open windows' producers, not the whole step's.  Peak retained export memory (bytes of live exports, maximum over the step) is
 reported in ``window_stats`` when a dict is passed.
 
 Activation recomputation (``recompute_granularity="full"``): producers run their forward without
@@ -46,6 +48,7 @@ caller's (``finalize_model_grads``), as with megatron's schedules.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -57,7 +60,8 @@ from ..models.packed import ExportSpec, TreePackedSeqParams
 from ..planner.microbatch import replica_windows
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
-           "microbatch_params", "producer_forward", "producer_params", "windowed_microbatches"]
+           "microbatch_on", "microbatch_params", "model_device", "producer_forward", "producer_params",
+           "windowed_microbatches"]
 
 
 @dataclass
@@ -79,6 +83,20 @@ class WindowedMicrobatch:
     producer: Optional[int] = None
     replay: bool = True
     counted: Optional[torch.Tensor] = None
+
+
+def microbatch_on(mb: WindowedMicrobatch, device) -> WindowedMicrobatch:
+    """``mb`` with its layout's tensors on ``device`` (``mb`` itself when they are there already).
+    A layout moved from the host keeps it as ``host_copy``, which the packed params read their
+    metadata from; the host microbatch is unchanged, so a schedule can move it again."""
+    if mb.layout.tokens.device == torch.device(device):
+        return mb
+    return dataclasses.replace(mb, layout=mb.layout.to(device))
+
+
+def model_device(model) -> torch.device:
+    """The device of the model chunk's parameters (where a schedule moves its microbatches)."""
+    return next(iter(model.parameters())).device
 
 
 def _check_plan(plan, mode: str, replica, caller: str) -> None:
@@ -281,6 +299,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     if pp != 1:
         raise ValueError(f"forward_backward_windows runs pipeline size 1, got {pp}")
     cfg = _model_config(model)
+    device = model_device(model)
     mbs: List[WindowedMicrobatch] = [next(data_iterator) for _ in range(int(num_microbatches))]
     consumers_of = check_windows(mbs)
     last_consumer = {p: cs[-1] for p, cs in consumers_of.items()}
@@ -297,6 +316,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
 
     preview = recompute_producers and not forward_only
     for i, mb in enumerate(mbs):
+        mb = microbatch_on(mb, device)
         if i in consumers_of:                       # producer: forward, exports kept, backward deferred
             psp = producer_params(mb, [mbs[c] for c in consumers_of[i]], cfg)
             if preview:                             # exports only; forward and backward again at close
@@ -310,7 +330,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                     loss = run(i, mb, psp)
             leaves = psp.exports.detached()
             nbytes = psp.exports.nbytes()
-            open_windows[i] = {"loss": loss, "psp": psp, "leaves": leaves, "bytes": nbytes}
+            open_windows[i] = {"loss": loss, "psp": psp, "leaves": leaves, "bytes": nbytes, "mb": mb}
             live_bytes += nbytes
             peak_bytes = max(peak_bytes, live_bytes)
             continue
@@ -334,7 +354,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                 leaves.layers.clear()
                 ppsp.exports.layers.clear()
                 with producer_forward(cfg):
-                    loss = run(p, mbs[p], ppsp)
+                    loss = run(p, w["mb"], ppsp)
                 (loss if ppsp.injected is None else loss + ppsp.injected).backward()
                 ppsp.inject_grads = ppsp.injected = None
             elif not forward_only:

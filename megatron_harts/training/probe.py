@@ -92,7 +92,7 @@ def _probe_step(stride: int, captured: Dict[Tuple[Any, int], torch.Tensor]):
     return forward_step
 
 
-def probe_logits(model: list, forest, plan, settings, *, device,
+def probe_logits(model: list, forest, plan, settings, *,
                  max_tokens: int = 1024) -> Dict[Tuple[Any, int], torch.Tensor]:
     """This rank's probe of a planned global batch (module docstring): {(trajectory id, position): logits}.
 
@@ -102,13 +102,11 @@ def probe_logits(model: list, forest, plan, settings, *, device,
     from megatron.core import parallel_state
 
     from ..rl.objectives import forest_normalizer
-    from ..schedules.windows import WindowedMicrobatch
     from .step import replica_microbatches, run_schedule
 
     replica = parallel_state.get_data_parallel_rank()
     items = replica_microbatches(forest, plan, replica, settings,
                                  aligned=parallel_state.get_expert_model_parallel_world_size() > 1)
-    items = [WindowedMicrobatch(mb.layout.to(device), mb.owned, mb.producer, mb.replay, mb.counted) for mb in items]
     stride = sample_stride(forest_normalizer(forest).num_tokens, max_tokens)
     captured: Dict[Tuple[Any, int], torch.Tensor] = {}
     chunk = model[0]
@@ -127,7 +125,7 @@ def oracle_dtype(params_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if params_dtype in (torch.bfloat16, torch.float16) else torch.float64
 
 
-def oracle_logits(module, config, forest, plan, settings, *, device, max_tokens: int = 1024):
+def oracle_logits(module, config, forest, plan, settings, *, max_tokens: int = 1024):
     """The probe of the same tokens by an upcast copy of ``module``'s weights (``models.fidelity.upcast_model``:
     exact copy in :func:`oracle_dtype`, plain-torch KDA and SDPA tree attention, no TF32), in the run's own
     mode and layout: the reference that bf16 rounding is measured against (shared/DESIGN.md invariant 1;
@@ -148,7 +146,7 @@ def oracle_logits(module, config, forest, plan, settings, *, device, max_tokens:
                          moe_router_dtype="fp64" if dtype == torch.float64 else "fp32")
     try:
         with full_fp32_matmuls():
-            return probe_logits([up], forest, plan, settings, device=device, max_tokens=max_tokens)
+            return probe_logits([up], forest, plan, settings, max_tokens=max_tokens)
     finally:
         del up
         if torch.cuda.is_available():

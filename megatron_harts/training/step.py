@@ -354,7 +354,6 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     replica = parallel_state.get_data_parallel_rank()
     items = replica_microbatches(forest, plan, replica, settings,
                                  aligned=parallel_state.get_expert_model_parallel_world_size() > 1)
-    items = [WindowedMicrobatch(mb.layout.to(device), mb.owned, mb.producer, mb.replay, mb.counted) for mb in items]
     normalizer = forest_normalizer(forest)
     total_mbs = len(plan.microbatches)
     counters: Dict[str, Any] = {}

@@ -278,12 +278,11 @@ class Trainer:
         from .probe import ORACLE_DIR, oracle_logits, probe_logits, write_probe
         b = self._probe_batch
         a = self.args
-        captured = probe_logits(self.model, b.forest, b.plan, self.settings, device=self.device,
-                                max_tokens=a.tree_logit_probe_tokens)
+        captured = probe_logits(self.model, b.forest, b.plan, self.settings, max_tokens=a.tree_logit_probe_tokens)
         write_probe(a.tree_logit_probe, self.iteration, captured)
         if a.tree_logit_probe_oracle and self._probed_at is None:
             oracle = oracle_logits(self.model[0].module, self.config, b.forest, b.plan, self.settings,
-                                   device=self.device, max_tokens=a.tree_logit_probe_tokens)
+                                   max_tokens=a.tree_logit_probe_tokens)
             write_probe(os.path.join(a.tree_logit_probe, ORACLE_DIR), self.iteration, oracle)
         dist.barrier()
         self._probed_at = self.iteration
