@@ -30,8 +30,9 @@ yielding ``(microbatch, packed_seq_params)`` and returns ``(output, loss_func)``
 ``loss_func(output)`` returns ``(loss, stats)`` or ``(loss, num_tokens, stats)`` as in
 megatron.  Microbatches may come on the host: each schedule moves a microbatch's layout to the
 model's device as it runs it (:func:`microbatch_on`), so the device holds the layouts of the
-microbatches in flight and of open windows' producers, not the whole step's.  Peak retained export memory (bytes of live exports, maximum over the step) is
-reported in ``window_stats`` when a dict is passed.
+microbatches in flight and of open windows' producers, not the whole step's.  Peak retained
+export memory (bytes of live exports, maximum over the step) is reported in ``window_stats``
+when a dict is passed.
 
 Activation recomputation (``recompute_granularity="full"``): producers run their forward without
 it (:func:`producer_forward`: megatron's checkpointed forward runs under ``no_grad``, which would
