@@ -147,6 +147,7 @@ def measure_step(trainer, forest, plan, settings, index, *, repeat: int, timer) 
     (through ``timer`` too) precedes the timed ones.
     """
     from megatron_harts.rl.objectives import forest_normalizer
+    from megatron_harts.models.experts import expert_grad_hooks_off
     from megatron_harts.schedules.windows import microbatch_on
     from megatron_harts.training.step import (aux_loss_scale, make_forward_step, megatron_aux_loss_scale_after,
                                               run_schedule)
@@ -162,7 +163,7 @@ def measure_step(trainer, forest, plan, settings, index, *, repeat: int, timer) 
         on_device = microbatch_on(item, device)      # moved once: the timed runs copy nothing
 
         def run_once(mb=on_device):
-            with ddp.no_sync(), megatron_aux_loss_scale_after(device):
+            with ddp.no_sync(), expert_grad_hooks_off(ddp), megatron_aux_loss_scale_after(device):
                 run_schedule(ddp, [mb], step_fn, settings)
 
         runs = []

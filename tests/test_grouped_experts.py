@@ -10,6 +10,8 @@ own main_grad accumulation equals DDP's per-expert hook adds bitwise; fp64 and e
 bitwise; parameters, attributes, state dict and sharded state dict are SequentialMLP's; a
 tiny HybridModel gives the same log-probs and gradients with either expert module.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -288,28 +290,43 @@ def test_ddp_main_grads_are_the_unfused_hooks_bitwise(cpu_world, unfused_swiglu,
     real_foreach = torch._foreach_add_
     monkeypatch.setattr(torch, "_foreach_add_", lambda *a, **k: (foreach.append(len(a[0])), real_foreach(*a, **k)))
 
-    def main_grads(fused):
+    def main_grads(fused, hooks_off=False, x_grad=True):
         with monkeypatch.context() as m:
             if not fused:
                 m.setattr(experts_mod, "_accumulates_into_main_grad", lambda *a: False)
             _, new = _pair(cfg)
             ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=fp32_grads), new)
             ddp.zero_grad_buffer()
-            for tokens, token_of_row, probs, counts in inputs:
-                y, _ = ddp(tokens[token_of_row], counts, probs)
-                y.float().square().sum().backward()
+            accumulated = []
+            for w in new.parameters():
+                w.register_post_accumulate_grad_hook(lambda w: accumulated.append(w))
+            with ddp.no_sync(), (experts_mod.expert_grad_hooks_off(ddp) if hooks_off else contextlib.nullcontext()):
+                for tokens, token_of_row, probs, counts in inputs:     # hidden states in the graph, as in a model
+                    y, _ = ddp(tokens[token_of_row].requires_grad_(x_grad), counts, probs)
+                    y.float().square().sum().backward()
+            assert all(m.weight_grad_hooks for m in new.modules() if isinstance(m, GroupedSequentialMLP))
             added = [getattr(w, "grad_added_to_main_grad") for w in new.parameters()]
             assert all(w.grad is None for w in new.parameters())
-            return {n: w.main_grad.clone() for n, w in new.named_parameters()}, added
+            return {n: w.main_grad.clone() for n, w in new.named_parameters()}, added, len(accumulated)
 
-    want, added = main_grads(fused=False)
-    assert not any(added) and not foreach
-    got, added = main_grads(fused=True)
+    want, added, accumulated = main_grads(fused=False)
+    assert not any(added) and not foreach and accumulated == 2 * 2 * E
+    got, added, accumulated = main_grads(fused=True)
     assert all(added) and foreach == [E] * 4          # fc1 and fc2 of each of the two backward passes
-    assert want.keys() == got.keys()
+    assert accumulated == 2 * 2 * E                   # placeholders: every weight's accumulator ran
+    foreach.clear()
+    # expert_grad_hooks_off (under no_sync): the same main_grads, and no weight's accumulator runs
+    quiet, added, accumulated = main_grads(fused=True, hooks_off=True)
+    assert all(added) and foreach == [E] * 4 and accumulated == 0
+    # ... but not where the input is out of the graph (no backward would add the weight gradients):
+    # fc1 then keeps its weights' accumulators (E per pass), fc2's input is in the graph through fc1's
+    unhooked, _, accumulated = main_grads(fused=True, hooks_off=True, x_grad=False)
+    assert accumulated == 2 * E and all(torch.equal(unhooked[k], got[k]) for k in got)
+    assert want.keys() == got.keys() == quiet.keys()
     for k in want:
         assert got[k].dtype == (torch.float32 if fp32_grads else dtype)
         assert torch.equal(got[k], want[k]), k
+        assert torch.equal(quiet[k], want[k]), k
         assert got[k].any() or "local_experts.1." in k or "local_experts.6." in k
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -321,7 +338,7 @@ def test_grouped_linear_on_gpu(dtype):
     x = torch.randn(int(counts.sum()), 64, generator=gen).to("cuda", dtype).requires_grad_()
     ws = [torch.randn(96, 64, generator=gen).to("cuda", dtype).requires_grad_() for _ in counts]
     offs = torch.cumsum(counts, 0, dtype=torch.int32).cuda()
-    y = _GroupedLinear.apply(x, offs, (counts == 0).cuda(), *ws)
+    y = _GroupedLinear.apply(x, offs, (counts == 0).cuda(), None, *ws)
     gy = torch.randn(y.shape, generator=gen).to("cuda", dtype)
     grads = torch.autograd.grad(y, [x, *ws], gy)
     xr = x.detach().double().requires_grad_()

@@ -68,6 +68,7 @@ bitwise there), so only the GPU kernel's summation order can differ from the ref
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -97,15 +98,23 @@ class _GroupedLinear(torch.autograd.Function):
     """``y[rows of e] = x[rows of e] @ W_e^T`` for all experts e in one ``_grouped_mm``.
 
     Inputs: ``x`` [M, K] (rows grouped by expert), ``offs`` [G] int32 (cumulative row
-    counts, ``offs[-1] == M``), ``empty`` [G] bool (experts with no rows), then the G
-    weights [N, K].  Gradients: ``dx = grouped_mm(dy, W)``, ``dW = grouped_mm(dy^T, x)``
-    (2d x 2d over the row groups), empty experts' ``dW`` exactly zero.
+    counts, ``offs[-1] == M``), ``empty`` [G] bool (experts with no rows), ``main_grad_only``,
+    then the G weights [N, K] as autograd inputs.  Gradients: ``dx = grouped_mm(dy, W)``,
+    ``dW = grouped_mm(dy^T, x)`` (2d x 2d over the row groups), empty experts' ``dW`` exactly zero.
+
+    ``main_grad_only``: None, or the G weights as a tuple, *not* autograd inputs (no weight after
+    it): their gradients go only into their ``main_grad`` (:func:`_add_to_main_grads`), so the
+    backward creates no gradient for them and autograd runs no grad accumulator (nor DDP hook) of
+    any expert weight (:func:`expert_grad_hooks_off` says when that is right).
     """
 
     @staticmethod
-    def forward(ctx, x, offs, empty, *weights):
+    def forward(ctx, x, offs, empty, main_grad_only, *weights):
+        if main_grad_only is not None:
+            weights = main_grad_only
         w = torch.stack(weights)                                   # [G, N, K]
         ctx.save_for_backward(x, offs, empty, *weights)
+        ctx.main_grad_only = main_grad_only is not None
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # [M, N]
 
     @staticmethod
@@ -115,14 +124,18 @@ class _GroupedLinear(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch._grouped_mm(dy, torch.stack(weights), offs=offs)      # [M, K]
-        dws = [None] * len(weights)
-        if any(ctx.needs_input_grad[3:]):
+        weight_needs = [True] * len(weights) if ctx.main_grad_only else ctx.needs_input_grad[4:]
+        dws = [None] * (0 if ctx.main_grad_only else len(weights))
+        if any(weight_needs):
             dw = torch._grouped_mm(dy.t(), x, offs=offs)                      # [G, N, K]
             dw.masked_fill_(empty.view(-1, 1, 1), 0)
-            if _accumulates_into_main_grad(weights, ctx.needs_input_grad[3:]):
-                return (dx, None, None, *_add_to_main_grads(weights, dw))
-            dws = [g if need else None for g, need in zip(dw.unbind(0), ctx.needs_input_grad[3:])]
-        return (dx, None, None, *dws)
+            if ctx.main_grad_only:
+                _add_to_main_grads(weights, dw)
+            elif _accumulates_into_main_grad(weights, weight_needs):
+                dws = _add_to_main_grads(weights, dw)
+            else:
+                dws = [g if need else None for g, need in zip(dw.unbind(0), weight_needs)]
+        return (dx, None, None, None, *dws)
 
 
 def _accumulates_into_main_grad(weights, needs_grad) -> bool:
@@ -159,6 +172,28 @@ def _add_to_main_grads(weights, dw: torch.Tensor) -> List[torch.Tensor]:
     return [torch.empty(w.shape, dtype=dw.dtype, device=dw.device) for w in weights]
 
 
+@contextlib.contextmanager
+def expert_grad_hooks_off(model):
+    """Within the block the grouped experts of ``model`` whose weights have DDP's ``main_grad`` add
+    their weight gradients there and take no further part in autograd (``_GroupedLinear``'s
+    ``main_grad_only``): per backward no grad accumulator, no placeholder gradient and no DDP hook per
+    expert weight.  For backward passes inside DDP's ``no_sync`` only: there the hooks of a weight
+    already added into ``main_grad`` only clear its ``.grad`` (bucket readiness is counted on the last
+    microbatch, outside ``no_sync``).  The flags are restored after the block."""
+    mlps = [m for m in model.modules() if isinstance(m, GroupedSequentialMLP)]
+    saved = [m.__dict__.get("weight_grad_hooks") for m in mlps]
+    for m in mlps:
+        m.weight_grad_hooks = False
+    try:
+        yield
+    finally:
+        for m, v in zip(mlps, saved):
+            if v is None:
+                del m.weight_grad_hooks
+            else:
+                m.weight_grad_hooks = v
+
+
 class GroupedSequentialMLP(SequentialMLP):
     """SequentialMLP (same parameters and checkpoints) whose forward uses two grouped GEMMs.
 
@@ -167,6 +202,8 @@ class GroupedSequentialMLP(SequentialMLP):
     """
 
     use_grouped_mm: bool = True
+    #: weights added into DDP's ``main_grad`` still get placeholder gradients (``expert_grad_hooks_off``)
+    weight_grad_hooks: bool = True
 
     # ------------------------------------------------------------------ dispatch
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -253,6 +290,15 @@ class GroupedSequentialMLP(SequentialMLP):
         a = a * probs.unsqueeze(-1)
         return a.to(original_dtype)
 
+    def _linear(self, x, offs, empty, weights: List[torch.Tensor]) -> torch.Tensor:
+        """One grouped linear; its weights out of autograd (``main_grad_only``) where
+        :func:`expert_grad_hooks_off` asks for it, every weight accumulates into ``main_grad`` and the
+        input takes part in autograd (the output's backward, which adds the weight gradients, runs)."""
+        if not self.weight_grad_hooks and torch.is_grad_enabled() and x.requires_grad and \
+                _accumulates_into_main_grad(weights, [w.requires_grad for w in weights]):
+            return _GroupedLinear.apply(x, offs, empty, tuple(weights))
+        return _GroupedLinear.apply(x, offs, empty, None, *weights)
+
     def grouped_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         """All local experts in two grouped GEMMs (call only when ``fallback_reason`` is None)."""
         x = _dense(permuted_local_hidden_states)
@@ -262,7 +308,7 @@ class GroupedSequentialMLP(SequentialMLP):
         empty = (tokens_per_expert == 0).to(x.device, non_blocking=True)
         fc1: List[torch.Tensor] = [e.linear_fc1.weight for e in self.local_experts]
         fc2: List[torch.Tensor] = [e.linear_fc2.weight for e in self.local_experts]
-        h = _GroupedLinear.apply(x, offs, empty, *fc1)
+        h = self._linear(x, offs, empty, fc1)
         a = _dense(self._activation(h, permuted_probs))
-        y = _GroupedLinear.apply(a, offs, empty, *fc2)
+        y = self._linear(a, offs, empty, fc2)
         return y, None

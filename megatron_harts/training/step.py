@@ -7,10 +7,11 @@ The flow, top to bottom (``train_step``):
 2. the objective's normalizer is computed once from the whole step's forest, so the loss of
    a microbatch is its owned targets' share of the *global-batch* loss;
 3. the sharing-window schedule runs the microbatches (windows, recomputed prefixes or
-   expanded trajectories: one schedule), every backward inside DDP's ``no_sync``; with pipeline
-   size > 1 the pipeline schedule ``--tree-pp-schedule`` of ``schedules/pipeline.py`` on this
-   stage's model chunk (the loss and the objective's terms are known on the last stage and
-   reduced so that every rank reports the same numbers);
+   expanded trajectories: one schedule), every backward inside DDP's ``no_sync`` (where the
+   grouped experts add their weight gradients into ``main_grad`` outside autograd:
+   ``expert_grad_hooks_off``); with pipeline size > 1 the pipeline schedule ``--tree-pp-schedule``
+   of ``schedules/pipeline.py`` on this stage's model chunk (the loss and the objective's terms
+   are known on the last stage and reduced so that every rank reports the same numbers);
 4. ``finalize_model_grads`` reduces gradients over replicas, then the optimizer and the LR
    scheduler step.
 
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import host_to_device
+from ..models.experts import expert_grad_hooks_off
 from ..planner.l1 import plan_l1
 from ..planner.l2 import plan_harts
 from ..planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ffd
@@ -366,7 +368,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     last = parallel_state.is_pipeline_last_stage()
     costs = microbatch_costs(forest, plan, replica, len(items)) if pp > 1 else None
-    with ddp.no_sync(), megatron_aux_loss_scale_after(device):
+    with ddp.no_sync(), expert_grad_hooks_off(ddp), megatron_aux_loss_scale_after(device):
         run_schedule(ddp, items, step_fn, settings, window_stats=window_stats, costs=costs)
     # every rank reduces the same terms: the objective's, known also where no loss ran (stages
     # before the last, a replica without microbatches this step)
