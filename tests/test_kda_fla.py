@@ -391,6 +391,38 @@ def test_export_equals_split_calls(gpu, cut):
     assert all(e < tol for e in errs.values()), errs
 
 
+def test_distinct_initial_states_equal_per_sequence(gpu):
+    """``initial_state_index`` (sequences forking from one state get it once): the outputs, states and
+    input gradients of the per-sequence states, the shared state's gradient their sum, an export
+    inside a chunk read from the right state, and less kept for backward."""
+    H, K, V = FP32_SHAPE
+    lens, index = [200, 77, 129, 64], [1, 0, 1, 1]
+    x = row_inputs(sum(lens), H, K, V, gpu, seed=6)
+    distinct = torch.randn(2, H, K, V, generator=torch.Generator().manual_seed(6)).to(gpu)
+    kw = dict(chunk_size=CHUNK, state_index=[0, 2, 3, 1], state_offset=[128, 100, 64, 77])
+
+    def run(h0, idx):
+        leaves = [t.clone().requires_grad_() for t in x + [h0]]
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            o, st = kda_fla_varlen(*leaves[:5], lens, initial_state=leaves[5], initial_state_index=idx, **kw)
+        grads = torch.autograd.grad(o.square().sum() + st.sum(), leaves)
+        return o, st, grads, sum(saved)
+
+    o1, s1, g1, kept1 = run(distinct, index)
+    o2, s2, g2, kept2 = run(distinct[index], None)
+    errs = {"o": rel(o1, o2), "states": rel(s1, s2)}
+    errs.update({f"d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta"), g1[:5], g2[:5])})
+    errs["dh0"] = rel(g1[5], torch.zeros_like(distinct).index_add_(0, torch.tensor(index, device=gpu), g2[5]))
+    report("distinct_initial_states", kept_bytes=kept1, per_sequence_bytes=kept2, **errs)
+    assert all(e < 1e-5 for e in errs.values()), errs
+    assert kept2 - kept1 == 2 * H * K * V * 4          # two of the four states not kept
+
+
 # ---------------------------------------------------------------------------
 # (d) bf16
 # ---------------------------------------------------------------------------

@@ -97,6 +97,54 @@ def test_varlen_equals_each_sequence_on_its_own():
         kda_chunked_varlen(*leaves, lens, chunk_size=B, state_index=[1], state_offset=[2])
 
 
+def test_varlen_distinct_initial_states_equal_one_per_sequence():
+    """``initial_state_index``: M distinct starting states shared by N sequences give the outputs,
+    states and gradients of the N per-sequence states (a shared state's gradient is the sum over
+    the sequences starting from it); a bad index is refused."""
+    lens, B, index = [5, 7, 3, 9], 4, [1, 0, 1, 1]
+    leaves = [x.reshape((-1,) + tuple(x.shape[2:])).requires_grad_()
+              for x in random_inputs(1, sum(lens), 2, 3, 2, torch.float64, seed=8)]
+    distinct = torch.randn(2, 2, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(9),
+                           requires_grad=True)
+    per_seq = distinct.detach()[index].clone().requires_grad_()
+    kw = dict(chunk_size=B, state_index=[0, 3, 2], state_offset=[5, 6, 3])
+    o1, s1 = kda_chunked_varlen(*leaves, lens, initial_state=distinct, initial_state_index=index, **kw)
+    o2, s2 = kda_chunked_varlen(*leaves, lens, initial_state=per_seq, **kw)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    g1 = torch.autograd.grad(o1.sum() + s1.square().sum(), leaves + [distinct])
+    g2 = torch.autograd.grad(o2.sum() + s2.square().sum(), leaves + [per_seq])
+    for a, b in zip(g1[:5], g2[:5]):
+        assert torch.equal(a, b)
+    want = torch.zeros_like(distinct).index_add_(0, torch.tensor(index), g2[5])
+    torch.testing.assert_close(g1[5], want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="initial_state_index"):
+        kda_chunked_varlen(*leaves, lens, initial_state=distinct, initial_state_index=[0, 1, 2, 0], **kw)
+    with pytest.raises(ValueError, match="initial_state_index"):
+        kda_chunked_varlen(*leaves, lens, initial_state=distinct, initial_state_index=[0, 1], **kw)
+
+
+def test_forks_pass_each_distinct_state_once(monkeypatch):
+    """Siblings forking from one state in one call: the backend gets that state once, with an index
+    (what a GPU backend keeps for backward shrinks by the fan-out), and the outputs are unchanged."""
+    import megatron_harts.ops.tree_kda as tk
+    forest = build_forest([make_trajectory({"id": i, "tokens": [1] * 8 + [2 + i] * (5 + i)}) for i in range(4)])
+    B = 4
+    plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, B, replay=True)
+    sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan)
+    x = [t.reshape((-1,) + tuple(t.shape[2:])) for t in random_inputs(1, forest.num_rows, 2, 3, 2,
+                                                                      torch.float64, seed=2)]
+    seen = []
+
+    def recording(*args, **kw):
+        if kw.get("initial_state") is not None:
+            seen.append((kw["initial_state"].shape[0], kw.get("initial_state_index")))
+        return kda_chunked_varlen(*args, **kw)
+    monkeypatch.setitem(tk.KDA_BACKENDS, "recording", recording)
+    got = tree_kda(*x, sched, backend="recording")
+    assert any(idx is not None and m < len(idx) for m, idx in seen), seen
+    assert torch.equal(got, tree_kda(*x, sched, backend="reference"))
+
+
 def test_recurrent_matches_transformers_kimi_linear():
     """Our recurrence is Kimi-Linear's (transformers' pure-torch fallback, an external oracle)."""
     mod = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")

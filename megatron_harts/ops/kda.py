@@ -185,6 +185,29 @@ def host_lengths(lengths) -> list:
     return [int(n) for n in lengths]
 
 
+def check_initial_state_index(initial_state, initial_state_index, num_seqs: int) -> Optional[list]:
+    """``initial_state_index`` as a host list of ``num_seqs`` rows of ``initial_state`` (None: one state per
+    sequence, in order)."""
+    if initial_state_index is None:
+        return None
+    if initial_state is None:
+        raise ValueError("initial_state_index needs initial_state (the distinct starting states)")
+    idx = host_lengths(initial_state_index)
+    M = initial_state.shape[0]
+    if len(idx) != num_seqs or any(not 0 <= i < M for i in idx):
+        raise ValueError(f"initial_state_index must name one of the {M} initial states for each of the "
+                         f"{num_seqs} sequences, got {idx}")
+    return idx
+
+
+def expand_initial_state(initial_state, initial_state_index, num_seqs: int):
+    """One starting state per sequence (``initial_state`` itself without an index)."""
+    idx = check_initial_state_index(initial_state, initial_state_index, num_seqs)
+    if idx is None:
+        return initial_state
+    return initial_state.index_select(0, torch.as_tensor(idx, dtype=torch.long, device=initial_state.device))
+
+
 def check_varlen(q, k, v, g, beta, lengths) -> list:
     """Shapes of packed KDA inputs (q, k, g [L, H, K], v [L, H, V], beta [L, H]); the lengths as a list."""
     _check_shapes(q, k, v, g, beta, lead="L")
@@ -197,14 +220,20 @@ def check_varlen(q, k, v, g, beta, lengths) -> list:
 def kda_chunked_varlen(q, k, v, g, beta, lengths, *, chunk_size: int = 64, scale: Optional[float] = None,
                        initial_state: Optional[torch.Tensor] = None,
                        state_index: Optional[torch.Tensor] = None,
-                       state_offset: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                       state_offset: Optional[torch.Tensor] = None,
+                       initial_state_index=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``kda_chunked`` on N sequences packed back to back (the varlen form of every backend).
 
     Returns (outputs [L, H, V], states [P, H, K, V]); ``state_offset[p]`` lies in
-    [1, lengths[state_index[p]]].  The reference pads the sequences with zeros to the longest
-    and runs :func:`kda_chunked`, which leaves every valid position as the unpadded sequence has it.
+    [1, lengths[state_index[p]]].  ``initial_state``: [N, H, K, V], one per sequence, or with
+    ``initial_state_index`` (host ints, one per sequence) the M distinct starting states
+    [M, H, K, V], sequence n starting from ``initial_state[initial_state_index[n]]`` (sequences
+    forking from one state share its row, which a backend keeps for backward once).  The
+    reference pads the sequences with zeros to the longest and runs :func:`kda_chunked`, which
+    leaves every valid position as the unpadded sequence has it.
     """
     lens = check_varlen(q, k, v, g, beta, lengths)
+    initial_state = expand_initial_state(initial_state, initial_state_index, len(lens))
     N, T, L = len(lens), max(lens), q.shape[0]
     dev = q.device
     starts = torch.tensor([0] + lens[:-1], dtype=torch.long).cumsum(0)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ..layout import host_to_device
-from .kda import _check_shapes, check_varlen, kda_chunked
+from .kda import _check_shapes, check_initial_state_index, check_varlen, kda_chunked
 
 FLA_VERSION = "0.6.0"
 CHUNK = 64
@@ -168,12 +168,14 @@ class _ChunkKdaExport(torch.autograd.Function):
     """fla chunked KDA over packed sequences, exporting chunk-boundary states differentiably.
 
     Inputs (contiguous, batch 1): q, k, g [1, T, H, K], v [1, T, H, V], beta [1, T, H],
-    h0 [N, H, K, V] fp32 or None.  Returns (o [1, T, H, V], states [U, H, K, V] fp32), U =
-    ``vl.num_exports``.
+    h0 [N, H, K, V] fp32 or None, or with ``h0_index`` [N] (device int64) the distinct starting
+    states [M, H, K, V], sequence n starting from ``h0[h0_index[n]]``: backward keeps only those M
+    (the per-sequence states are gathered again when it runs).  Returns (o [1, T, H, V], states
+    [U, H, K, V] fp32), U = ``vl.num_exports``.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, vl: _Varlen, scale: float):
+    def forward(ctx, q, k, v, g, beta, h0, vl: _Varlen, scale: float, h0_index: Optional[torch.Tensor]):
         f = _fla()
         cu, ci = vl.cu_seqlens, vl.chunk_indices
         g_cum = f.cumsum(g, chunk_size=CHUNK, scale=f.RCP_LN2, cu_seqlens=cu, chunk_indices=ci)
@@ -181,7 +183,7 @@ class _ChunkKdaExport(torch.autograd.Function):
                                             chunk_size=CHUNK, chunk_indices=ci, safe_gate=False,
                                             disable_recompute=False)
         state_dtype = torch.float32 if vl.has_inner else kg.dtype
-        h, v_new, ht = _fwd_states(f, kg, w, u, g_cum, h0, vl, state_dtype)
+        h, v_new, ht = _fwd_states(f, kg, w, u, g_cum, _per_sequence(h0, h0_index), vl, state_dtype)
         states = q.new_empty(vl.num_exports, *h.shape[2:], dtype=torch.float32)
         if vl.has_inner:
             states[vl.inner_rows] = h[0, vl.inner_src]
@@ -192,15 +194,16 @@ class _ChunkKdaExport(torch.autograd.Function):
         o = f.fwd_o(q=q, v=v_new, g=g_cum, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=CHUNK,
                     chunk_indices=ci)
         ctx.save_for_backward(q, k, v, g_cum, beta, Aqk, Akk, h0)
-        ctx.vl, ctx.scale, ctx.g_dtype = vl, scale, g.dtype
+        ctx.vl, ctx.scale, ctx.g_dtype, ctx.h0_index = vl, scale, g.dtype, h0_index
         return o.to(q.dtype), states
 
     @staticmethod
     def backward(ctx, do, dstates):
         from .kda_state_grad import kda_state_grad
         f = _fla()
-        q, k, v, g_cum, beta, Aqk, Akk, h0 = ctx.saved_tensors
-        vl, scale = ctx.vl, ctx.scale
+        q, k, v, g_cum, beta, Aqk, Akk, h0_distinct = ctx.saved_tensors
+        vl, scale, h0_index = ctx.vl, ctx.scale, ctx.h0_index
+        h0 = _per_sequence(h0_distinct, h0_index)
         cu, ci, co = vl.cu_seqlens, vl.chunk_indices, vl.chunk_offsets
         do = torch.zeros_like(v) if do is None else do.to(v.dtype).contiguous()
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
@@ -220,8 +223,15 @@ class _ChunkKdaExport(torch.autograd.Function):
         dq, dk, db, dg = f.bwd_intra(q=q, k=k, g=g_cum, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
                                      dg=dg, cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK, safe_gate=False)
         dg = f.cumsum(dg, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
+        if dh0 is not None and h0_index is not None:
+            dh0 = torch.zeros_like(h0_distinct).index_add_(0, h0_index, dh0)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), db.to(beta.dtype), dh0,
-                None, None)
+                None, None, None)
+
+
+def _per_sequence(h0: Optional[torch.Tensor], h0_index: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One starting state per sequence: ``h0`` itself, or its rows ``h0_index``."""
+    return h0 if h0 is None or h0_index is None else h0.index_select(0, h0_index)
 
 
 def _host_list(x) -> List[int]:
@@ -234,12 +244,13 @@ def _host_list(x) -> List[int]:
 
 def kda_fla_varlen(q, k, v, g, beta, lengths, *, chunk_size: int = 64, scale: Optional[float] = None,
                    initial_state: Optional[torch.Tensor] = None, state_index=None,
-                   state_offset=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                   state_offset=None, initial_state_index=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``kda_chunked_varlen`` on fla's kernels, one varlen launch: (outputs [L, H, V], states [P, H, K, V] fp32).
 
     Inputs packed back to back (q, k, g [L, H, K], v [L, H, V], beta [L, H]); ``lengths``,
-    ``state_index`` and ``state_offset`` are host integers (lists or CPU tensors), so a call
-    never waits for the GPU.
+    ``state_index``, ``state_offset`` and ``initial_state_index`` are host integers (lists or CPU
+    tensors), so a call never waits for the GPU.  With ``initial_state_index`` the launch keeps
+    for backward only the distinct starting states ``initial_state`` [M, H, K, V].
     """
     lens = check_varlen(q, k, v, g, beta, lengths)
     if chunk_size != CHUNK:
@@ -259,16 +270,18 @@ def kda_fla_varlen(q, k, v, g, beta, lengths, *, chunk_size: int = 64, scale: Op
     off = _host_list(state_offset)
     if len(idx) != len(off):
         raise ValueError("state_index and state_offset must have the same length")
-    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(f"initial_state must be [{N}, {H}, {K}, {V}], got {tuple(initial_state.shape)}")
+    init_idx = check_initial_state_index(initial_state, initial_state_index, N)
+    M = N if init_idx is None else (initial_state.shape[0] if initial_state is not None else 0)
+    if initial_state is not None and tuple(initial_state.shape) != (M, H, K, V):
+        raise ValueError(f"initial_state must be [{M}, {H}, {K}, {V}], got {tuple(initial_state.shape)}")
     for n, m in zip(idx, off):
         if not 0 <= n < N or not 1 <= m <= lens[n]:
             raise ValueError(f"export (sequence {n}, offset {m}): offsets must lie in [1, length of the sequence]")
 
-    meta = _launch_meta(lens, idx, off, q.device)
+    meta = _launch_meta(lens, idx, off, q.device, init_idx)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     o, states_u = _ChunkKdaExport.apply(*(x.unsqueeze(0).contiguous() for x in (q, k, v, g, beta)), h0,
-                                        meta.varlen, scale)
+                                        meta.varlen, scale, meta.h0_index)
     o = o[0]
     P = len(idx)
     if P == 0:
@@ -305,14 +318,17 @@ class _LaunchMeta:
     (lengths, exports): fla's varlen metadata, the state rows exported directly (aligned offsets
     and sequence ends), the exports recomputed from the aligned state before them (``partial``:
     (p, n, c, r, row or -1)), their tokens' packed positions (``partial_pos`` [P', r_max],
-    clamped; ``partial_inside``: the mask of the real ones) and the permutation putting the
-    exports back in request order."""
+    clamped; ``partial_inside``: the mask of the real ones), the permutation putting the
+    exports back in request order, and each sequence's row of the distinct initial states
+    (``h0_rows`` host, ``h0_index`` device; None when there is one state per sequence)."""
     varlen: _Varlen
     direct_rows: Optional[torch.Tensor]
     partial: List[Tuple[int, int, int, int, int]]
     partial_pos: Optional[torch.Tensor]
     partial_inside: Optional[torch.Tensor]
     inverse: Optional[torch.Tensor]
+    h0_rows: Optional[List[int]]
+    h0_index: Optional[torch.Tensor]
 
 
 #: launch metadata by (lengths, exports, device): every KDA layer of a microbatch runs the
@@ -321,8 +337,9 @@ _META_CACHE: "OrderedDict[tuple, _LaunchMeta]" = OrderedDict()
 _META_CACHE_SIZE = 256
 
 
-def _launch_meta(lens: List[int], idx: List[int], off: List[int], device) -> _LaunchMeta:
-    key = (tuple(lens), tuple(idx), tuple(off), str(device))
+def _launch_meta(lens: List[int], idx: List[int], off: List[int], device,
+                 init_idx: Optional[List[int]] = None) -> _LaunchMeta:
+    key = (tuple(lens), tuple(idx), tuple(off), str(device), None if init_idx is None else tuple(init_idx))
     meta = _META_CACHE.get(key)
     if meta is not None:
         _META_CACHE.move_to_end(key)
@@ -360,7 +377,8 @@ def _launch_meta(lens: List[int], idx: List[int], off: List[int], device) -> _La
         inv = torch.empty(len(idx), dtype=torch.long)
         inv[torch.as_tensor(order)] = torch.arange(len(idx))
         inverse = host_to_device(inv, device)
-    meta = _LaunchMeta(vl, direct_rows, partial, partial_pos, partial_inside, inverse)
+    h0_index = None if init_idx is None else host_to_device(torch.as_tensor(init_idx, dtype=torch.long), device)
+    meta = _LaunchMeta(vl, direct_rows, partial, partial_pos, partial_inside, inverse, init_idx, h0_index)
     _META_CACHE[key] = meta
     if len(_META_CACHE) > _META_CACHE_SIZE:
         _META_CACHE.popitem(last=False)
@@ -384,7 +402,7 @@ def _partial_states(q, k, v, g, beta, initial_state, states_u, meta: _LaunchMeta
         if row >= 0:
             base.append(states_u[row])
         elif initial_state is not None:
-            base.append(initial_state[n].to(torch.float32))
+            base.append(initial_state[n if meta.h0_rows is None else meta.h0_rows[n]].to(torch.float32))
         else:
             base.append(zero)
     rs = torch.as_tensor([r for *_, r, _ in meta.partial])

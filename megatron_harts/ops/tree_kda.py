@@ -453,6 +453,20 @@ def _gather(x: torch.Tensor, rows: torch.Tensor, unique: bool, identity: bool) -
     return _GatherUniqueRows.apply(x, rows) if unique else x.index_select(0, rows)
 
 
+def _initial_states(call, slots, ext_states, zero):
+    """A call's starting states as the backends take them: ``(None, None)`` when every sequence starts
+    from zero, else ``(states, index)``, the distinct states [M, H, K, V] (a state forked by several
+    sequences once: what the backend keeps for backward) and each sequence's row of them (None when
+    the rows are the sequences, in order)."""
+    keys = list(zip(call.init_slot.tolist(), call.init_external.tolist()))
+    if all(s < 0 and e < 0 for s, e in keys):
+        return None, None
+    row: Dict[tuple, int] = {}
+    index = [row.setdefault(key, len(row)) for key in keys]
+    states = torch.stack([slots[s] if s >= 0 else (ext_states[e] if e >= 0 else zero) for s, e in row])
+    return states, (None if len(row) == len(keys) else index)
+
+
 def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] = None,
              backend: str = "reference", external: Optional[KdaExternal] = None,
              return_exports: bool = False):
@@ -487,15 +501,10 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
     slots: List[Optional[torch.Tensor]] = [None] * schedule.num_slots
     outputs = []
     for call in schedule.calls:
-        init = None
-        init_slot, init_external = call.init_slot.tolist(), call.init_external.tolist()
-        if any(s >= 0 for s in init_slot) or any(e >= 0 for e in init_external):
-            zero = q.new_zeros(H, K, V, dtype=cdt)
-            init = torch.stack([slots[s] if s >= 0 else (ext_states[e] if e >= 0 else zero)
-                                for s, e in zip(init_slot, init_external)])
+        init, init_index = _initial_states(call, slots, ext_states, q.new_zeros(H, K, V, dtype=cdt))
         o, states = run(*(_gather(x, call.rows, call.rows_unique, call.rows_identity) for x in (q, k, v, g, beta)),
                         call.lengths, chunk_size=schedule.chunk_size, scale=scale, initial_state=init,
-                        state_index=call.export_seq, state_offset=call.export_offset)
+                        state_index=call.export_seq, state_offset=call.export_offset, initial_state_index=init_index)
         for p, s in enumerate(call.export_slot.tolist()):
             slots[s] = states[p]
         outputs.append(o)
