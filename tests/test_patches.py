@@ -88,3 +88,61 @@ def test_grad_norm_on_device_equals_upstream_norm():
     assert clip_grads.l2_norm_impl is grad_norm_on_device.device_multi_tensor_l2_norm
     patches.undo()
     assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+
+
+def test_foreach_param_copy_equals_upstream_copy():
+    """The bf16 optimizer's main -> model parameter copy: the same bits as upstream's loop (fp32 into
+    bf16 and into fp32), one multi-tensor copy once applied, upstream's path with an overflow buffer."""
+    from megatron.core.optimizer import optimizer as opt
+    from megatron_harts.patches import foreach_param_copy
+    patches.undo()
+    upstream = opt._multi_tensor_copy_this_to_that
+    g = torch.Generator().manual_seed(0)
+    this = [torch.randn(*s, generator=g) for s in ((7,), (3, 5), (1,), (64, 2))]
+    for dtype in (torch.bfloat16, torch.float32):
+        want = [torch.zeros(t.shape, dtype=dtype) for t in this]
+        got = [torch.zeros(t.shape, dtype=dtype) for t in this]
+        upstream(this, want)
+        foreach_param_copy.foreach_copy_this_to_that(this, got)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert patches.apply() and foreach_param_copy.is_applied()
+    assert opt._multi_tensor_copy_this_to_that is foreach_param_copy.foreach_copy_this_to_that
+    calls = []
+    monkey = foreach_param_copy._state["original"]
+    foreach_param_copy._state["original"] = lambda *a: calls.append(a)
+    try:
+        foreach_param_copy.foreach_copy_this_to_that(this, this, torch.zeros(1, dtype=torch.int))
+    finally:
+        foreach_param_copy._state["original"] = monkey
+    assert len(calls) == 1                     # fp16's overflow-buffer path stays upstream's
+    with pytest.raises(ValueError, match="4 tensors into 3"):
+        foreach_param_copy.foreach_copy_this_to_that(this, this[:3])
+    patches.undo()
+    assert opt._multi_tensor_copy_this_to_that is upstream
+
+
+def test_foreach_multi_tensor_scale_equals_upstream_scale():
+    """Clipping's scale without Apex/TE: the same bits as upstream's loop, in place and into other
+    tensors; installed where upstream's fallback was, and undone."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron_harts.patches import foreach_multi_tensor_scale as fms
+    patches.undo()
+    if not fms.needed():
+        pytest.skip("Apex or Transformer Engine installed: clip_grads uses its fused scale")
+    g = torch.Generator().manual_seed(1)
+    src = [torch.randn(*s, generator=g) for s in ((7,), (3, 5), (1,), (64, 2))]
+    for scale in (0.37, 1.0):
+        want, got = [t.clone() for t in src], [t.clone() for t in src]
+        utils.local_multi_tensor_scale(2048 * 32, None, [want, want], scale)
+        fms.foreach_multi_tensor_scale(2048 * 32, None, [got, got], scale)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        want = [torch.zeros(t.shape, dtype=torch.bfloat16) for t in src]
+        got = [torch.zeros(t.shape, dtype=torch.bfloat16) for t in src]
+        utils.local_multi_tensor_scale(2048 * 32, None, [src, want], scale)
+        fms.foreach_multi_tensor_scale(2048 * 32, None, [src, got], scale)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    patches.apply()
+    assert clip_grads.multi_tensor_scale_impl is fms.foreach_multi_tensor_scale
+    patches.undo()
+    assert clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale
