@@ -107,7 +107,7 @@ def visible_pairs(plan):
     return float(sum(m.features.attention_pairs for m in plan.microbatches))
 
 
-def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False):
+def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, stacks=False):
     """Timed steps of one mode (median after ``warmup``), their metrics, the loss and gradient norm of
     every step (warm-ups included: the first at the initial weights, the same in every mode up to
     rounding), peak memory, the plan, with ``profile`` the profile of one more step, with
@@ -131,7 +131,7 @@ def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False):
                 metrics.append(m)
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
         plan = t._plan(forest)
-        prof = profile_step(t, forest, device) if profile else None
+        prof = profile_step(t, forest, device, stacks=stacks) if profile else None
         mem = memory_step(t, forest) if memory and device == "cuda" else None
         backends = {"kda_backend": t.config.kda_backend, "attention_backend": t.config.tree_attention_backend}
         return times, metrics, losses, peak, plan, prof, mem, backends
@@ -181,10 +181,11 @@ def kernel_categories(events) -> dict:
     return categories
 
 
-def profile_step(trainer, forest, device, top: int = 30):
+def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False):
     """One more step under ``torch.profiler``: wall time, GPU kernel time (summed per kernel, so a
     GPU idle while Python launches shows as wall >> kernel time), kernel time per category
-    (``KERNEL_CATEGORIES``), and the text tables of the top kernels and the top CPU operators."""
+    (``KERNEL_CATEGORIES``), and the text tables of the top kernels and the top CPU operators;
+    with ``stacks`` also the operators one more step dispatches, by call site (``op_sites``)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     if device == "cuda":
@@ -202,6 +203,13 @@ def profile_step(trainer, forest, device, top: int = 30):
     tables = (events.table(sort_by=sort_dev, row_limit=top, max_name_column_width=90) if device == "cuda" else "") \
         + "\n" + events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=90) \
         + "\n" + events.table(sort_by="count", row_limit=top, max_name_column_width=90)
+    if stacks:
+        tables += "\nOperators dispatched by the host thread, by first project frame (one step; the autograd " \
+                  "engine's backward threads not included):\n"
+        try:
+            tables += "".join(f"{n:>8}  {site}  [{ops}]\n" for site, (n, ops) in op_sites(trainer, forest).items())
+        except Exception as e:       # an operator that refuses dispatch modes (torch.compile'd kernels)
+            tables += f"    not counted: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
     syncs = sync_sites(trainer, forest) if device == "cuda" else {}
     tables += "\nCUDA synchronizations by first project frame (one step):\n" + "".join(
         f"{n:>8}  {site}\n" for site, n in syncs.items())
@@ -209,6 +217,40 @@ def profile_step(trainer, forest, device, top: int = 30):
             "kernel_launches": sum(v["launches"] for v in categories.values()),
             "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]["seconds"])),
             "synchronizations": sum(syncs.values())}, tables
+
+
+def _project_site(skip: int = 1) -> str:
+    """``file:line (function)`` of the innermost megatron_harts or megatron-core frame of the caller's stack."""
+    import traceback
+    for fr in reversed(traceback.extract_stack()[:-skip]):
+        if any(r in fr.filename for r in PROJECT_ROOTS):
+            return f"{fr.filename.split(os.sep + 'site' + os.sep)[-1]}:{fr.lineno} ({fr.name})"
+    return "(no project frame)"
+
+
+def op_sites(trainer, forest, top: int = 40) -> dict:
+    """One more step under a dispatch mode that counts every ATen operator the host thread runs at
+    its innermost project frame: ``{site: (count, "op xN, ...")}``, most operators first.  Host time
+    of a launch-bound step goes with the operator count, so this names the code to slim."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    counts = {}
+
+    class Count(TorchDispatchMode):
+        supports_higher_order_operators = True      # flex_attention: counted as one, run as it is
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            site = _project_site(2)
+            per_op = counts.setdefault(site, {})
+            name = func.name() if isinstance(func, torch._ops.HigherOrderOperator) else \
+                str(func.overloadpacket.__name__)
+            per_op[name] = per_op.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        trainer.step(forest)
+    rows = sorted(counts.items(), key=lambda kv: -sum(kv[1].values()))[:top]
+    return {site: (sum(ops.values()), ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6]))
+            for site, ops in rows}
 
 
 def sync_sites(trainer, forest, top: int = 40):
@@ -427,6 +469,9 @@ def main(argv=None):
     ap.add_argument("--profile", metavar="FILE",
                     help="profile one extra step of every mode (torch.profiler): kernel time per category into "
                          "the results JSON, the top kernels and CPU operators of each mode into FILE (text)")
+    ap.add_argument("--profile-stacks", action="store_true",
+                    help="with --profile: one more step per mode counting the operators the host dispatches by "
+                         "call site (the innermost project frame), into FILE")
     ap.add_argument("--memory-profile", action="store_true",
                     help="one extra step of every mode under the CUDA allocator's history: the bytes alive "
                          "at the step's peak by allocation site (innermost project frames), into the results JSON")
@@ -471,7 +516,8 @@ def main(argv=None):
             key = "expanded" if sharing == "off" else f"tree_{sharing}" \
                 + ("" if call_plan == "harts" else f"_{call_plan}") + ("_recompute_producers" if extra else "")
             times, metrics, losses, peak, plan, prof, mem, backends = run_mode(
-                argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile), memory=a.memory_profile)
+                argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile), memory=a.memory_profile,
+                stacks=a.profile_stacks)
             t = statistics.median(times)
             m = metrics[-1]
             flops = step_flops(p, m["computed_tokens"], visible_pairs(plan))
