@@ -488,7 +488,7 @@ void register_packing(py::module_& m) {
           py::arg("ints"), py::arg("flts"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"),
           py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("dp"), py::arg("M"),
           py::arg("overhead"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"),
-          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"), py::arg("ordered"), py::arg("split"),
+          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"), py::arg("ordered"), py::arg("split") = false,
           "megatron_harts.planner.l2_balance.rebalance of a compiled packer's packing (the arrays: "
           "unit_arrays "
           "of its units): the refined packing (an L2Packing) or None.");

@@ -854,7 +854,7 @@ void register_rebalance(py::module_& m) {
           py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("rep"),
           py::arg("ent_off"), py::arg("ent_unit"), py::arg("ent_path"), py::arg("ent_cost"), py::arg("dp"),
           py::arg("M"), py::arg("overhead"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"),
-          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"), py::arg("ordered"), py::arg("split"),
+          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"), py::arg("ordered"), py::arg("split") = false,
           "L2's balance pass (see megatron_harts.planner.l2_balance.rebalance; _rebalance_python is the reference): "
           "units (kind, tree, window, upper window, owned rows, replay tokens, path rows; cost, replay cost, "
           "path cost; owned / recomputed / path segments as CSR) in bins (replica, entries: unit, path "
