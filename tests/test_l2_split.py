@@ -140,3 +140,34 @@ def test_rebalance_moves_split_items():
                     plans += 1
     assert moved > 0 and plans > 0
     assert compared > 0 or l2_balance._REBALANCE_PACKING is None
+
+
+@pytest.mark.parametrize("seed,M", [(1, 2500), (1, 3000), (2, 3000)])
+def test_plan_l2_spends_on_split_items(seed, M, monkeypatch):
+    # DP 8, one huge tree split over replicas: plan_l2's spending passes include the one that moves split
+    # windows' items (BALANCE_SPLIT); its plan is valid and runs as planned, and the whole L2 plan is the
+    # same with the balance pass compiled and with its Python reference
+    from megatron_harts.planner import l2_balance
+    f = huge_forest(seed)
+    model = CostModel(chunk_size=64)
+    ix = ForestIndex(f)
+    tried = []
+    orig = l2_module.rebalance
+
+    def spy(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        if kwargs.get("split"):
+            tried.append(out is not None)
+        return out
+
+    monkeypatch.setattr(l2_module, "rebalance", spy)
+    l1, fast = plan_harts(f, 8, M, cost_model=model, index=ix)
+    assert any(tried)
+    fast.validate(f)
+    check_executes_as_planned(f, fast)
+    assert fast.tokens_computed <= l1.tokens_computed
+    monkeypatch.setattr(l2_balance, "_REBALANCE", None)
+    monkeypatch.setattr(l2_balance, "_REBALANCE_PACKING", None)
+    _, ref = plan_harts(f, 8, M, cost_model=model, index=ix)
+    assert [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist()) for m in fast.microbatches] == \
+        [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist()) for m in ref.microbatches]
