@@ -65,7 +65,8 @@ and recomputes any other, so L2 plans only such windows (every window runs as pl
    by the pass that moves their items too (``rebalance(split=True)``, ``BALANCE_SPLIT``: they stay
    in their window, in a microbatch that reads their producer; the other passes leave them where the
    packer put them), its slots' imbalance weighed more; where its plan wins, the plan it beat is
-   evened out by the last pass too, and the split pass's plan is kept only where it still wins.  One of these passes, and on packings of at least
+   evened out by the last pass too, and the split pass's plan is kept only where it still wins.
+   One of these passes, and on packings of at least
    ``BALANCE_MORE_BINS`` microbatches a second pass over the best packing of step 5, score the
    slots in the order the plan runs (``rebalance(ordered=True)``: producers before their first
    consumer, where costliest first alone would misalign a slot that starts a window).
@@ -331,9 +332,12 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                 got = window_plan(ix, packed, dp=dp, M=M, model=model, keep=judged)
                 if got is not None:
                     plan, plan_key, rival = got, key, None
-    if dp > 1 and len(plan.microbatches) >= EVEN_BINS:  # the chosen plan's slots evened out per segment
+    if dp > 1 and max(len(p.microbatches) for p in (plan, rival or plan)) >= EVEN_BINS:
+        # the chosen plan's slots evened out per segment
 
         def evened(p):
+            if len(p.microbatches) < EVEN_BINS:
+                return p
             even = even_slots(ix, p, model, int(EVEN_SPEND * (keep_tokens - p.tokens_computed)))
             if even is not None and even.tokens_computed <= keep_tokens and step_cost(even) <= step_cost(keep):
                 return even

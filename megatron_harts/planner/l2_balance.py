@@ -599,10 +599,11 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
     root path recomputed).  No change computes more tokens (rows and KDA replay, as
     estimated: ``plan_l2`` checks the assembled plan) than ``spend`` (tokens the caller lets the
     pass add; 0: none) plus what the changes before it saved, no microbatch exceeds ``M`` rows.
-    Cores stay, and split windows' units too unless ``split``; a microbatch left empty is dropped.  Then the order of ``pack_windows`` (costliest first, a producer just
-    before its first consumer, split windows' consumers after their path's owner).  Returns
-    the packing (``pack_windows``' format) or None when nothing changed (or that order is
-    impossible, or there are fewer microbatches than replicas).  ``swap_bins``: swaps are tried in
+    Cores stay, and split windows' units too unless ``split``; a microbatch left empty is dropped.
+    Then the order of ``pack_windows`` (costliest first, a producer just before its first
+    consumer, split windows' consumers after their path's owner).  Returns the packing
+    (``pack_windows``' format) or None when nothing changed (or that order is impossible, or
+    there are fewer microbatches than replicas).  ``swap_bins``: swaps are tried in
     packings of at most this many microbatches (default ``BALANCE_SWAP_BINS``).  ``ordered``: the objective
     reads each replica's microbatches in the order this function returns them (producers moved before
     their first consumer), not costliest first only.  ``arrays``: ``unit_arrays`` of the units the
