@@ -249,7 +249,7 @@ class L2Packing {
         const py::array& ints, const py::array& flts, const py::array& own_off,
         const py::array& own, const py::array& rec_off, const py::array& rec,
         const py::array& path_off, const py::array& path, i64 dp, i64 M, double overhead, i64 moves,
-        i64 n_slots, double weight, i64 swap_bins, i64 wide, i64 spend, bool ordered);
+        i64 n_slots, double weight, i64 swap_bins, i64 wide, i64 spend, bool ordered, bool split);
 
     py::object build(i64 i) const {
         py::list out;
@@ -324,7 +324,7 @@ py::object l2_rebalance_packing(const L2Packing& p, const I64In& length_a, const
                                 const py::array& rec_o, const py::array& path_off_o,
                                 const py::array& path_o, i64 dp, i64 M, double overhead, i64 moves,
                                 i64 n_slots, double weight, i64 swap_bins, i64 wide, i64 spend,
-                                bool ordered) {
+                                bool ordered, bool split) {
     const i64 nb = static_cast<i64>(p.load_.size());
     if (nb < 2 || dp < 2 || nb < dp) return py::none();
     const I64In ints_a(ints_o), own_off_a(own_off_o), own_a(own_o), rec_off_a(rec_off_o),
@@ -389,7 +389,7 @@ py::object l2_rebalance_packing(const L2Packing& p, const I64In& length_a, const
     std::vector<i64> rep;
     std::vector<std::vector<L2Entry>> ent;
     if (!l2_rebalance_search(U, length_a.data(), S, rep0, ent0, dp, M, overhead, moves, n_slots,
-                             weight, swap_bins, wide, spend, ordered, rep, ent))
+                             weight, swap_bins, wide, spend, ordered, split, rep, ent))
         return py::none();
     const i64 n = static_cast<i64>(rep.size());  // bins the pass opened included
     std::unordered_map<i64, i64> prod;           // a window -> the bin of its core
@@ -488,7 +488,7 @@ void register_packing(py::module_& m) {
           py::arg("ints"), py::arg("flts"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"),
           py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("dp"), py::arg("M"),
           py::arg("overhead"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"),
-          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"), py::arg("ordered"),
+          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"), py::arg("ordered"), py::arg("split") = false,
           "megatron_harts.planner.l2_balance.rebalance of a compiled packer's packing (the arrays: "
           "unit_arrays "
           "of its units): the refined packing (an L2Packing) or None.");

@@ -410,7 +410,7 @@ class Bins {
         for (i64 j = 0; j < static_cast<i64>(ent[b].size()); ++j) {
             const Entry& e = ent[b][j];
             const i64 k = e.unit;
-            if (U.kind[k] == 0 || U.upper[k] >= 0) continue;
+            if (U.kind[k] == 0 || (U.upper[k] >= 0 && !split)) continue;
             out.push_back({j});
             if (U.kind[k] == 2 || e.path) {
                 const std::pair<bool, i64> key{U.kind[k] == 2, U.win[k]};
@@ -442,6 +442,7 @@ class Bins {
     std::vector<bool> is_prod;
     std::vector<bool> overlap;  // per unit: its recomputed segments and root path share one
     bool ordered = false;  // costs in the order the plan runs (producers first), not only costliest first
+    bool split = false;    // split windows' items may leave their bins too (groups)
     mutable std::vector<i64> scratch;
     mutable std::vector<char> done;
 };
@@ -451,7 +452,7 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
                        I64Array rec_off_a, I64Array rec_a, I64Array path_off_a, I64Array path_a, I64Array rep_a,
                        I64Array ent_off_a, I64Array ent_unit_a, I64Array ent_path_a, F64Array ent_cost_a, i64 dp,
                        i64 M, double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins, i64 wide,
-                       i64 spend, bool ordered) {
+                       i64 spend, bool ordered, bool split) {
     const i64 nu = l2_check_unit_arrays(ints_a, 7, flts_a, own_off_a, own_a, rec_off_a, rec_a, path_off_a, path_a,
                                         length_a.shape(0), -1);
     const i64 n = rep_a.shape(0);
@@ -499,7 +500,7 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
     std::vector<i64> rep_out_v;
     const bool moved =
         l2_rebalance_search(U, length_a.data(), num_segments, rep0, ent0, dp, M, overhead, moves,
-                            n_slots, weight, swap_bins, wide, spend, ordered, rep_out_v, ent_out);
+                            n_slots, weight, swap_bins, wide, spend, ordered, split, rep_out_v, ent_out);
     const i64 nb = static_cast<i64>(rep_out_v.size());
     I64Array rep_out(nb);
     std::copy(rep_out_v.begin(), rep_out_v.end(), rep_out.mutable_data());
@@ -514,11 +515,12 @@ bool l2_rebalance_search(const L2Units& U, const i64* length, i64 num_segments,
                          const std::vector<i64>& rep0,
                          const std::vector<std::vector<L2Entry>>& ent0, i64 dp, i64 M,
                          double overhead, i64 moves, i64 n_slots, double weight, i64 swap_bins,
-                         i64 wide, i64 spend, bool ordered, std::vector<i64>& rep_out,
+                         i64 wide, i64 spend, bool ordered, bool split, std::vector<i64>& rep_out,
                          std::vector<std::vector<L2Entry>>& ent_out) {
     const i64 n = static_cast<i64>(rep0.size());
     Bins st(U, length, num_segments, rep0, ent0, dp);
     st.ordered = ordered;
+    st.split = split;
     auto& rep = st.rep;
     auto& load = st.load;
     auto& ent = st.ent;
@@ -619,7 +621,7 @@ bool l2_rebalance_search(const L2Units& U, const i64* length, i64 num_segments,
         delta = tok(x, y) - before;
         return true;
     };
-    auto movable = [&](i64 k) { return U.kind[k] != 0 && U.upper[k] < 0; };
+    auto movable = [&](i64 k) { return U.kind[k] != 0 && (split || U.upper[k] < 0); };
 
     bool moved = false;
     bool wide_now = false;  // this step's sources: the bins above their slot's mean in every unbalanced slot
@@ -852,7 +854,7 @@ void register_rebalance(py::module_& m) {
           py::arg("own"), py::arg("rec_off"), py::arg("rec"), py::arg("path_off"), py::arg("path"), py::arg("rep"),
           py::arg("ent_off"), py::arg("ent_unit"), py::arg("ent_path"), py::arg("ent_cost"), py::arg("dp"),
           py::arg("M"), py::arg("overhead"), py::arg("moves"), py::arg("n_slots"), py::arg("weight"),
-          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"), py::arg("ordered"),
+          py::arg("swap_bins"), py::arg("wide"), py::arg("spend"), py::arg("ordered"), py::arg("split") = false,
           "L2's balance pass (see megatron_harts.planner.l2_balance.rebalance; _rebalance_python is the reference): "
           "units (kind, tree, window, upper window, owned rows, replay tokens, path rows; cost, replay cost, "
           "path cost; owned / recomputed / path segments as CSR) in bins (replica, entries: unit, path "

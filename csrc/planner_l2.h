@@ -88,7 +88,7 @@ bool l2_rebalance_search(const L2Units& U, const std::int64_t* length, std::int6
                          const std::vector<std::vector<L2Entry>>& ent0, std::int64_t dp,
                          std::int64_t M, double overhead, std::int64_t moves, std::int64_t n_slots,
                          double weight, std::int64_t swap_bins, std::int64_t wide,
-                         std::int64_t spend, bool ordered, std::vector<std::int64_t>& rep_out,
+                         std::int64_t spend, bool ordered, bool split, std::vector<std::int64_t>& rep_out,
                          std::vector<std::vector<L2Entry>>& ent_out);
 
 // The entries of bins [0, nb) as flat arrays, the balance pass's output format: (offsets [nb + 1], unit, path

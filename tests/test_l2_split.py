@@ -71,3 +71,103 @@ def test_packers_run_split_windows_as_planned(packer):
             check_executes_as_planned(f, plan)
             plans += bool(split_producers(plan))
     assert plans
+
+
+def _split_items(packed):
+    """Per split window's item (its id): (the cores and split windows' items of its microbatch (ids),
+    whether its root path is recomputed there)."""
+    out = {}
+    for es in packed[3]:
+        ids = frozenset(id(u) for u, _, _ in es if u.kind == "core" or (u.kind == "item" and u.upper >= 0))
+        for u, ex, _ in es:
+            if u.kind == "item" and u.upper >= 0:
+                out[id(u)] = (ids, bool(len(ex)))
+    return out
+
+
+def _packing_key(packed):
+    if packed is None:
+        return None
+    g, p, l, e = packed[:4]
+    return ([(tuple(o), tuple(r)) for o, r in g], [tuple(x) for x in p], [list(x) for x in l],
+            [[(id(u), tuple(ex), c) for u, ex, c in es] for es in e])
+
+
+def test_rebalance_moves_split_items():
+    # rebalance(split=True) also moves split windows' items, never into a microbatch that recomputes
+    # their root path (one the packer placed so may leave it); the compiled pass equals its Python
+    # reference (a compiled packing against the reference's numbering and search), every plan it gives
+    # is valid and runs as planned; without split those items stay with the cores and split windows' items
+    # they were packed with
+    from megatron_harts.planner import l2_balance
+    from megatron_harts.planner.l2_units import unit_arrays
+    f = huge_forest(2)
+    ix = ForestIndex(f)
+    model = CostModel(chunk_size=64)
+    overhead = model.coefficients.microbatch + model.coefficients.kda_call
+    moved = compared = plans = 0
+    for dp, M, share in ((4, 4000, 0.5), (8, 4000, 0.35)):
+        l1, _ = plan_harts(f, dp, M, cost_model=model, index=ix)
+        parts = split_windows(ix, window_units(ix, l1, model, 64), model, dp, share)
+        arrays = unit_arrays(parts)
+        for S in (2, 3, 6):
+            for packed in pack_spread(ix, parts, dp, M, S, 0.05, arrays)[0]:
+                start = _split_items(packed)
+                for spend, ordered, weight in ((0, False, 1.0), (20000, False, 4.0), (20000, True, 2.0)):
+                    plain = l2_balance.rebalance(ix, packed, dp, M, overhead, spend, ordered=ordered, arrays=arrays,
+                                                 weight=weight)
+                    if plain is not None:
+                        assert _split_items(plain) == start
+                    fast = l2_balance.rebalance(ix, packed, dp, M, overhead, spend, ordered=ordered, arrays=arrays,
+                                                weight=weight, split=True)
+                    if l2_balance._REBALANCE_PACKING is not None:
+                        ref = l2_balance.rebalance(ix, packed, dp, M, overhead, spend, ordered=ordered,
+                                                   weight=weight, split=True)
+                        assert _packing_key(fast) == _packing_key(ref)
+                        compared += 1
+                    if fast is None:
+                        continue
+                    after = _split_items(fast)
+                    assert after.keys() == start.keys()
+                    for k, (mates, path) in after.items():
+                        assert not path or start[k] == (mates, True)  # recomputed only where the packer put it
+                        moved += mates != start[k][0]
+                    plan = window_plan(ix, fast, dp=dp, M=M, model=model)
+                    if plan is None:
+                        continue
+                    plan.validate(f)
+                    check_executes_as_planned(f, plan)
+                    plans += 1
+    assert moved > 0 and plans > 0
+    assert compared > 0 or l2_balance._REBALANCE_PACKING is None
+
+
+@pytest.mark.parametrize("seed,M", [(1, 2500), (1, 3000), (2, 3000)])
+def test_plan_l2_spends_on_split_items(seed, M, monkeypatch):
+    # DP 8, one huge tree split over replicas: plan_l2's spending passes include the one that moves split
+    # windows' items (BALANCE_SPLIT); its plan is valid and runs as planned, and the whole L2 plan is the
+    # same with the balance pass compiled and with its Python reference
+    from megatron_harts.planner import l2_balance
+    f = huge_forest(seed)
+    model = CostModel(chunk_size=64)
+    ix = ForestIndex(f)
+    tried = []
+    orig = l2_module.rebalance
+
+    def spy(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        if kwargs.get("split"):
+            tried.append(out is not None)
+        return out
+
+    monkeypatch.setattr(l2_module, "rebalance", spy)
+    l1, fast = plan_harts(f, 8, M, cost_model=model, index=ix)
+    assert any(tried)
+    fast.validate(f)
+    check_executes_as_planned(f, fast)
+    assert fast.tokens_computed <= l1.tokens_computed
+    monkeypatch.setattr(l2_balance, "_REBALANCE", None)
+    monkeypatch.setattr(l2_balance, "_REBALANCE_PACKING", None)
+    _, ref = plan_harts(f, 8, M, cost_model=model, index=ix)
+    assert [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist()) for m in fast.microbatches] == \
+        [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist()) for m in ref.microbatches]

@@ -543,11 +543,11 @@ def _rebalance_inputs():
         ix = ForestIndex(f)
 
         def spy(ix, packed, dp, M, overhead, spend=0, swap_bins=None, ordered=False, arrays=None,
-                model=model):
+                model=model, **options):
             if not spend and not ordered:  # the other passes refine packings seen here already
                 seen.append((ix, packed, dp, M, overhead, model))
                 arrays_seen[id(packed)] = arrays
-            return orig(ix, packed, dp, M, overhead, spend, swap_bins, ordered, arrays)
+            return orig(ix, packed, dp, M, overhead, spend, swap_bins, ordered, arrays, **options)
 
         l2mod.rebalance = spy
         try:
@@ -573,7 +573,9 @@ def test_compiled_rebalance_matches_python():
         for limits in ((l2mod.BALANCE_MOVES, l2mod.BALANCE_SLOTS, l2mod.BALANCE_WEIGHT, l2mod.BALANCE_SWAP_BINS,
                         l2mod.BALANCE_WIDE, 0), (3, 1, 0.5, 0, 0, 0), (200, 8, 2.0, 1000, 0, 0),
                        (200, 1, 1.0, 64, 0, 0), (200, 1, 1.0, 64, 3, 0), (200, 1, 1.0, 64, 3, 20000),
-                       (200, 1, 1.0, 64, 3, 20000, True)):
+                       (200, 1, 1.0, 64, 3, 20000, True), (200, 1, 4.0, 64, 3, 20000, False, True),
+                       (l2mod.BALANCE_MOVES, l2mod.BALANCE_SLOTS, 2.0, l2mod.BALANCE_SWAP_BINS, l2mod.BALANCE_WIDE, 0,
+                        True, True)):
             args = (dp, M, overhead) + limits
             ref = l2_balance._rebalance_python(units, list(rep), [list(e) for e in ent], ix.length_list, *args)
             fast = l2_balance._rebalance_compiled(ix, units, list(rep), [list(e) for e in ent], *args)
@@ -611,14 +613,15 @@ def test_compiled_rebalance_packing_matches_python():
     for ix, packed, dp, M, overhead, _ in cases:
         arrays = arrays_seen[id(packed)]
         assert arrays is not None and not isinstance(packed, tuple)
-        for spend, swaps, ordered in ((0, None, False), (20000, None, False), (20000, 8, True),
-                                      (0, 200, True)):
+        for spend, swaps, ordered, weight, split in ((0, None, False, None, False), (20000, None, False, None, False),
+                                                     (20000, 8, True, None, False), (0, 200, True, None, False),
+                                                     (20000, None, False, 4.0, True), (0, None, True, 2.0, True)):
             fast = l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps, ordered,
-                                   arrays=arrays)
-            ref = l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps, ordered)
+                                   arrays=arrays, weight=weight, split=split)
+            ref = l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps, ordered, weight=weight, split=split)
             assert _packing_key(fast) == _packing_key(ref)
             changed += fast is not None
-            if spend == 0 and not ordered:
+            if spend == 0 and not ordered and not split:
                 saved = l2_balance._REBALANCE
                 try:
                     l2_balance._REBALANCE = None

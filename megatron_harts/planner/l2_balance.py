@@ -70,9 +70,10 @@ class _Bins:
     replay tokens.  ``take`` and ``give`` keep all of it exact (as estimated), so a move is
     tried by doing it and undoing it."""
 
-    def __init__(self, units, rep, ent, length, dp, ordered=False):
+    def __init__(self, units, rep, ent, length, dp, ordered=False, split=False):
         n = self.n = len(rep)
         self.ordered = ordered
+        self.split = split  # split windows' items may leave their bins too (``groups``)
         self.units, self.length, self.dp = units, length, dp
         self.rep = list(rep)
         self.ent: List[list] = [[] for _ in range(n)]
@@ -310,12 +311,13 @@ class _Bins:
         return out
 
     def groups(self, b):
-        """What may leave bin ``b``: every entry but cores and split windows' units alone, then
-        all path items of one window (free pieces of one tree) together (shared rows)."""
+        """What may leave bin ``b``: every entry but cores and split windows' units (those too when
+        ``split``) alone, then all path items of one window (free pieces of one tree) together
+        (shared rows)."""
         out, by = [], {}
         for j, (k, path, _) in enumerate(self.ent[b]):
             u = self.units[k]
-            if u.kind == "core" or u.upper >= 0:
+            if u.kind == "core" or (u.upper >= 0 and not self.split):
                 continue
             out.append((j,))
             if u.kind == "free" or path:
@@ -325,10 +327,11 @@ class _Bins:
 
 
 def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float, moves: int, n_slots: int,
-                      weight: float, swap_bins: int, wide: int, spend: int, ordered: bool = False):
+                      weight: float, swap_bins: int, wide: int, spend: int, ordered: bool = False,
+                      split: bool = False):
     """Reference of ``_C.l2_rebalance`` (``rebalance``'s search): returns (moved, rep, ent)."""
     n = len(rep)
-    st = _Bins(units, rep, ent, length, dp, ordered)
+    st = _Bins(units, rep, ent, length, dp, ordered, split)
     rep, load, ent, rows, replay = st.rep, st.load, st.ent, st.rows, st.replay
     total = 0.0
     for x in load:
@@ -407,7 +410,7 @@ def _rebalance_python(units, rep, ent, length, dp: int, M: int, overhead: float,
         return rows[x] + replay[x] + rows[y] + replay[y] - before, undo
 
     def movable(k):
-        return units[k].kind != "core" and units[k].upper < 0
+        return units[k].kind != "core" and (split or units[k].upper < 0)
 
     moved = False
     wide_now = False  # this step's sources: the microbatches above their slot's mean in every unbalanced slot
@@ -572,7 +575,8 @@ def numbered_units(entries):
 
 
 def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: int = 0,
-              swap_bins: Optional[int] = None, ordered: bool = False, arrays=None):
+              swap_bins: Optional[int] = None, ordered: bool = False, arrays=None,
+              weight: Optional[float] = None, split: bool = False):
     """A packing's microbatches evened out per slot (the balance pass, several replicas).
 
     A local search (``_C.l2_rebalance``; ``_rebalance_python`` its reference, move for move):
@@ -595,22 +599,28 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
     root path recomputed).  No change computes more tokens (rows and KDA replay, as
     estimated: ``plan_l2`` checks the assembled plan) than ``spend`` (tokens the caller lets the
     pass add; 0: none) plus what the changes before it saved, no microbatch exceeds ``M`` rows.
-    Cores and split windows' units stay; a microbatch left empty is dropped.  Then the order of ``pack_windows`` (costliest first, a producer just
-    before its first consumer, split windows' consumers after their path's owner).  Returns
-    the packing (``pack_windows``' format) or None when nothing changed (or that order is
-    impossible, or there are fewer microbatches than replicas).  ``swap_bins``: swaps are tried in
+    Cores stay, and split windows' units too unless ``split``; a microbatch left empty is dropped.
+    Then the order of ``pack_windows`` (costliest first, a producer just before its first
+    consumer, split windows' consumers after their path's owner).  Returns the packing
+    (``pack_windows``' format) or None when nothing changed (or that order is impossible, or
+    there are fewer microbatches than replicas).  ``swap_bins``: swaps are tried in
     packings of at most this many microbatches (default ``BALANCE_SWAP_BINS``).  ``ordered``: the objective
     reads each replica's microbatches in the order this function returns them (producers moved before
     their first consumer), not costliest first only.  ``arrays``: ``unit_arrays`` of the units the
     packer was given, when ``packed`` is a compiled packer's packing (``_C.L2Packing``): then all of
-    this runs in ``_C.l2_rebalance_packing`` (the same packing; the code below is its reference)."""
+    this runs in ``_C.l2_rebalance_packing`` (the same packing; the code below is its reference).
+    ``weight``: the objective's weight of the slots' imbalance (default ``BALANCE_WEIGHT``).  ``split``:
+    split windows' items move too, alone (to their window's producer or to a microbatch of its replica
+    that reads that producer alone; never with their root path recomputed), their consumers placed after
+    their path's owner as the packers place them (otherwise they stay where the packer put them)."""
     global _REBALANCE, _REBALANCE_PACKING
     swaps = BALANCE_SWAP_BINS if swap_bins is None else int(swap_bins)
+    weight = BALANCE_WEIGHT if weight is None else float(weight)
     if arrays is not None and _REBALANCE_PACKING is not None and not isinstance(packed, tuple):
         try:
             return _REBALANCE_PACKING(packed, ix.length, *arrays, dp, M, overhead, BALANCE_MOVES,
-                                      BALANCE_SLOTS, BALANCE_WEIGHT, swaps, BALANCE_WIDE,
-                                      max(0, int(spend)), bool(ordered))
+                                      BALANCE_SLOTS, weight, swaps, BALANCE_WIDE,
+                                      max(0, int(spend)), bool(ordered), bool(split))
         except TypeError:  # a different compiled signature: the path below
             _REBALANCE_PACKING = None
     groups, placement, loads, entries = packed[:4]
@@ -619,8 +629,8 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
         return None
     units, ent = numbered_units(entries)
     rep = [placement[i][0] for i in range(n)]
-    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, BALANCE_WEIGHT, swaps, BALANCE_WIDE,
-            max(0, int(spend)), bool(ordered))
+    args = (dp, M, overhead, BALANCE_MOVES, BALANCE_SLOTS, weight, swaps, BALANCE_WIDE,
+            max(0, int(spend)), bool(ordered), bool(split))
     out = None
     if _REBALANCE is not None:
         try:
@@ -682,7 +692,7 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
 
 
 def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, weight, swap_bins, wide, spend,
-                        ordered=False):
+                        ordered=False, split=False):
     """``_rebalance_python``'s result from ``_C.l2_rebalance`` (the same values)."""
     ints8, flts, own_off, own, rec_off, rec, path_off, path = unit_arrays(units)
     ints = np.ascontiguousarray(ints8[:, :7])
@@ -695,7 +705,7 @@ def _rebalance_compiled(ix, units, rep, ent, dp, M, overhead, moves, n_slots, we
     moved, rep2, eo, eu, ep, ec = _REBALANCE(ix.length, ints, flts, own_off, own, rec_off, rec, path_off, path,
                                               np.asarray(rep, dtype=np.int64), ent_off, ent_unit, ent_path,
                                               ent_cost, dp, M, overhead, moves, n_slots, weight, swap_bins, wide, spend,
-                                              ordered)
+                                              ordered, split)
     eo, eu, ep, ec = eo.tolist(), eu.tolist(), ep.tolist(), ec.tolist()
     ent2 = [list(zip(eu[eo[b]:eo[b + 1]], map(bool, ep[eo[b]:eo[b + 1]]), ec[eo[b]:eo[b + 1]]))
             for b in range(len(eo) - 1)]
