@@ -279,196 +279,199 @@ py::tuple l2_even(const I64Array& parent_a, const I64Array& length_a, const I64A
             throw py::value_error("segment " + std::to_string(s) + ": not in preorder");
         }
     }
-    State st(G, n, parent, length, pairs, logits, sub_size, c_row, c_pair, c_logit);
-    std::vector<i64> grid(static_cast<std::size_t>(S * dp), -1);
-    for (i64 b = 0; b < n; ++b) {
-        if (grid[static_cast<std::size_t>(slot[b] * dp + rep[b])] >= 0) {
-            throw py::value_error("two microbatches at replica " + std::to_string(rep[b]) + ", slot " +
-                                  std::to_string(slot[b]));
-        }
-        grid[static_cast<std::size_t>(slot[b] * dp + rep[b])] = b;
-        st.cost[b] = cost0[b];
-        st.is_prod[b] = is_prod[b] != 0;
-        st.reads[b] = reads[b];
-        for (i64 i = pin_off[b]; i < pin_off[b + 1]; ++i) st.pinned[static_cast<std::size_t>(b * G + pin[i])] = 1;
-        st.load(b, own + own_off[b], own_off[b + 1] - own_off[b], rec + rec_off[b], rec_off[b + 1] - rec_off[b]);
-    }
-    double total = 0.0;
-    for (i64 b = 0; b < n; ++b) total += st.cost[b];
-    const double tau = total / static_cast<double>(dp * S);
-    std::vector<std::vector<i64>> by_rep(static_cast<std::size_t>(dp));
-    for (i64 k = 0; k < S; ++k) {
-        for (i64 r = 0; r < dp; ++r) {
-            const i64 b = grid[static_cast<std::size_t>(k * dp + r)];
-            if (b >= 0) by_rep[static_cast<std::size_t>(r)].push_back(b);
-        }
-    }
-    auto slot_stats = [&](i64 k) {  // (costliest entry, summed cost) of slot k; an idle entry counts 0
-        double mx = 0.0, sm = 0.0;
-        for (i64 r = 0; r < dp; ++r) {
-            const i64 i = grid[static_cast<std::size_t>(k * dp + r)];
-            const double v = i < 0 ? 0.0 : st.cost[i];
-            sm += v;
-            if (v > mx) mx = v;
-        }
-        return std::make_pair(mx, sm);
-    };
-    auto slot_f = [&](i64 k) {
-        const auto [mx, sm] = slot_stats(k);
-        return mx > 0.0 ? mx + weight * tau * (1.0 - sm / (static_cast<double>(dp) * mx)) : 0.0;
-    };
-    std::vector<double> base(static_cast<std::size_t>(S));
-    auto delta = [&](i64 x, i64 y) {
-        const i64 kx = slot[x], ky = slot[y];
-        if (kx == ky) return slot_f(kx) - base[kx];
-        return slot_f(kx) - base[kx] + slot_f(ky) - base[ky];
-    };
-    auto slot_max = [&](i64 k) { return slot_stats(k).first; };
-    std::vector<double> base_mx(static_cast<std::size_t>(S));
-    auto shorter = [&](i64 x, i64 y) {  // the change just made shortens the estimated step (the slots' maxima)
-        const i64 kx = slot[x], ky = slot[y];
-        if (kx == ky) return slot_max(kx) < base_mx[kx] - 1e-12;
-        return slot_max(kx) + slot_max(ky) < base_mx[kx] + base_mx[ky] - 1e-12;
-    };
-    i64 added = 0;
+    std::vector<i64> oo(1, 0), o, ro(1, 0), r;  // the result: owned and recomputed segments, CSR
     bool moved = false;
-    std::vector<i64> seg, seg2;
-    std::vector<std::pair<i64, i64>> tries, swaps;
-    std::vector<std::tuple<double, i64, double>> bal;
-    struct Piece {
-        i64 root;
-        std::vector<i64> seg;
-        i64 rows;
-    };
-    std::vector<std::vector<Piece>> cache(static_cast<std::size_t>(n));
-    std::vector<i64> cache_stamp(static_cast<std::size_t>(n), -1);
-    i64 stamp = -1;
-    for (i64 step = 0; step < moves; ++step) {
-        for (i64 k = 0; k < S; ++k) base[k] = slot_f(k);
-        for (i64 k = 0; k < S; ++k) base_mx[k] = slot_max(k);
-        bal.clear();
+    {
+        py::gil_scoped_release release;  // the search reads its own state and the inputs' buffers only
+        State st(G, n, parent, length, pairs, logits, sub_size, c_row, c_pair, c_logit);
+        std::vector<i64> grid(static_cast<std::size_t>(S * dp), -1);
+        for (i64 b = 0; b < n; ++b) {
+            if (grid[static_cast<std::size_t>(slot[b] * dp + rep[b])] >= 0) {
+                throw py::value_error("two microbatches at replica " + std::to_string(rep[b]) + ", slot " +
+                                      std::to_string(slot[b]));
+            }
+            grid[static_cast<std::size_t>(slot[b] * dp + rep[b])] = b;
+            st.cost[b] = cost0[b];
+            st.is_prod[b] = is_prod[b] != 0;
+            st.reads[b] = reads[b];
+            for (i64 i = pin_off[b]; i < pin_off[b + 1]; ++i) st.pinned[static_cast<std::size_t>(b * G + pin[i])] = 1;
+            st.load(b, own + own_off[b], own_off[b + 1] - own_off[b], rec + rec_off[b], rec_off[b + 1] - rec_off[b]);
+        }
+        double total = 0.0;
+        for (i64 b = 0; b < n; ++b) total += st.cost[b];
+        const double tau = total / static_cast<double>(dp * S);
+        std::vector<std::vector<i64>> by_rep(static_cast<std::size_t>(dp));
         for (i64 k = 0; k < S; ++k) {
-            const auto [mx, sm] = slot_stats(k);
-            if (mx > 0.0 && sm / (static_cast<double>(dp) * mx) < 1.0 - 1e-9) {
-                bal.emplace_back(sm / (static_cast<double>(dp) * mx), k, sm / static_cast<double>(dp));
+            for (i64 r = 0; r < dp; ++r) {
+                const i64 b = grid[static_cast<std::size_t>(k * dp + r)];
+                if (b >= 0) by_rep[static_cast<std::size_t>(r)].push_back(b);
             }
         }
-        std::sort(bal.begin(), bal.end());
-        tries.clear();
-        swaps.clear();
-        const std::size_t nb = std::min(bal.size(), static_cast<std::size_t>(std::max<i64>(0, n_slots)));
-        for (std::size_t q = 0; q < nb; ++q) {
-            const i64 k = std::get<1>(bal[q]);
-            const double mean = std::get<2>(bal[q]);
+        auto slot_stats = [&](i64 k) {  // (costliest entry, summed cost) of slot k; an idle entry counts 0
+            double mx = 0.0, sm = 0.0;
             for (i64 r = 0; r < dp; ++r) {
-                const i64 x = grid[static_cast<std::size_t>(k * dp + r)];
-                if (x < 0 || st.cost[x] <= mean) continue;
-                for (i64 r2 = 0; r2 < dp; ++r2) {
-                    const i64 y = grid[static_cast<std::size_t>(k * dp + r2)];
-                    if (y >= 0 && y != x && st.cost[y] < st.cost[x]) {
-                        tries.emplace_back(x, y);
-                        swaps.emplace_back(x, y);
-                    }
-                }
-                for (i64 y : by_rep[static_cast<std::size_t>(rep[x])]) {
-                    if (y == x) continue;
-                    tries.emplace_back(x, y);
-                    if (st.cost[y] < st.cost[x]) swaps.emplace_back(x, y);
-                }
+                const i64 i = grid[static_cast<std::size_t>(k * dp + r)];
+                const double v = i < 0 ? 0.0 : st.cost[i];
+                sm += v;
+                if (v > mx) mx = v;
             }
-            for (i64 r = 0; r < dp; ++r) {
-                const i64 y = grid[static_cast<std::size_t>(k * dp + r)];
-                if (y < 0 || st.cost[y] >= mean) continue;
-                for (i64 x : by_rep[static_cast<std::size_t>(rep[y])]) {
-                    if (x == y) continue;
-                    tries.emplace_back(x, y);
-                    if (st.cost[x] > st.cost[y]) swaps.emplace_back(x, y);
-                }
-            }
-        }
-        // each microbatch's pieces this step (root, segments, rows), built on first use
-        ++stamp;
-        auto pieces = [&](i64 b) -> const std::vector<Piece>& {
-            if (cache_stamp[b] != stamp) {
-                cache_stamp[b] = stamp;
-                cache[b].clear();
-                for (i64 s : st.owned[b]) {
-                    if (!st.piece(b, s, seg)) continue;
-                    i64 rows = 0;
-                    for (i64 d : seg) rows += length[d];
-                    cache[b].push_back(Piece{s, seg, rows});
-                }
-            }
-            return cache[b];
+            return std::make_pair(mx, sm);
         };
-        bool found = false;
-        double best_d = 0.0;
-        i64 bx = -1, bs = -1, by = -1, bt = -1;
-        for (const auto& [x, y] : tries) {
-            for (const Piece& p : pieces(x)) {
-                const std::size_t m = st.mark();
-                i64 got = 0;
-                if (st.move(x, p.seg, y, M, got) && added + got <= spend && (got <= 0 || shorter(x, y))) {
-                    const double d = delta(x, y);
-                    if (d < -1e-12 && (!found || d < best_d)) {
-                        found = true;
-                        best_d = d;
-                        bx = x, bs = p.root, by = y, bt = -1;
+        auto slot_f = [&](i64 k) {
+            const auto [mx, sm] = slot_stats(k);
+            return mx > 0.0 ? mx + weight * tau * (1.0 - sm / (static_cast<double>(dp) * mx)) : 0.0;
+        };
+        std::vector<double> base(static_cast<std::size_t>(S));
+        auto delta = [&](i64 x, i64 y) {
+            const i64 kx = slot[x], ky = slot[y];
+            if (kx == ky) return slot_f(kx) - base[kx];
+            return slot_f(kx) - base[kx] + slot_f(ky) - base[ky];
+        };
+        auto slot_max = [&](i64 k) { return slot_stats(k).first; };
+        std::vector<double> base_mx(static_cast<std::size_t>(S));
+        auto shorter = [&](i64 x, i64 y) {  // the change just made shortens the estimated step (the slots' maxima)
+            const i64 kx = slot[x], ky = slot[y];
+            if (kx == ky) return slot_max(kx) < base_mx[kx] - 1e-12;
+            return slot_max(kx) + slot_max(ky) < base_mx[kx] + base_mx[ky] - 1e-12;
+        };
+        i64 added = 0;
+        std::vector<i64> seg, seg2;
+        std::vector<std::pair<i64, i64>> tries, swaps;
+        std::vector<std::tuple<double, i64, double>> bal;
+        struct Piece {
+            i64 root;
+            std::vector<i64> seg;
+            i64 rows;
+        };
+        std::vector<std::vector<Piece>> cache(static_cast<std::size_t>(n));
+        std::vector<i64> cache_stamp(static_cast<std::size_t>(n), -1);
+        i64 stamp = -1;
+        for (i64 step = 0; step < moves; ++step) {
+            for (i64 k = 0; k < S; ++k) base[k] = slot_f(k);
+            for (i64 k = 0; k < S; ++k) base_mx[k] = slot_max(k);
+            bal.clear();
+            for (i64 k = 0; k < S; ++k) {
+                const auto [mx, sm] = slot_stats(k);
+                if (mx > 0.0 && sm / (static_cast<double>(dp) * mx) < 1.0 - 1e-9) {
+                    bal.emplace_back(sm / (static_cast<double>(dp) * mx), k, sm / static_cast<double>(dp));
+                }
+            }
+            std::sort(bal.begin(), bal.end());
+            tries.clear();
+            swaps.clear();
+            const std::size_t nb = std::min(bal.size(), static_cast<std::size_t>(std::max<i64>(0, n_slots)));
+            for (std::size_t q = 0; q < nb; ++q) {
+                const i64 k = std::get<1>(bal[q]);
+                const double mean = std::get<2>(bal[q]);
+                for (i64 r = 0; r < dp; ++r) {
+                    const i64 x = grid[static_cast<std::size_t>(k * dp + r)];
+                    if (x < 0 || st.cost[x] <= mean) continue;
+                    for (i64 r2 = 0; r2 < dp; ++r2) {
+                        const i64 y = grid[static_cast<std::size_t>(k * dp + r2)];
+                        if (y >= 0 && y != x && st.cost[y] < st.cost[x]) {
+                            tries.emplace_back(x, y);
+                            swaps.emplace_back(x, y);
+                        }
+                    }
+                    for (i64 y : by_rep[static_cast<std::size_t>(rep[x])]) {
+                        if (y == x) continue;
+                        tries.emplace_back(x, y);
+                        if (st.cost[y] < st.cost[x]) swaps.emplace_back(x, y);
                     }
                 }
-                st.undo(m);
-            }
-        }
-        for (const auto& [x, y] : swaps) {
-            const std::vector<Piece>& px = pieces(x);
-            const std::vector<Piece>& py = pieces(y);
-            const double gap = st.cost[x] - st.cost[y];
-            for (const Piece& p : px) {
-                const i64 s = p.root;
-                for (const Piece& q : py) {
-                    const i64 t = q.root;
-                    if (q.rows >= p.rows || c_row * static_cast<double>(p.rows - q.rows) >= gap ||
-                        (t <= s && s < t + sub_size[t]) || (s <= t && t < s + sub_size[s])) {
-                        continue;  // x gives rows, less than the gap's worth; disjoint subtrees
+                for (i64 r = 0; r < dp; ++r) {
+                    const i64 y = grid[static_cast<std::size_t>(k * dp + r)];
+                    if (y < 0 || st.cost[y] >= mean) continue;
+                    for (i64 x : by_rep[static_cast<std::size_t>(rep[y])]) {
+                        if (x == y) continue;
+                        tries.emplace_back(x, y);
+                        if (st.cost[x] > st.cost[y]) swaps.emplace_back(x, y);
                     }
+                }
+            }
+            // each microbatch's pieces this step (root, segments, rows), built on first use
+            ++stamp;
+            auto pieces = [&](i64 b) -> const std::vector<Piece>& {
+                if (cache_stamp[b] != stamp) {
+                    cache_stamp[b] = stamp;
+                    cache[b].clear();
+                    for (i64 s : st.owned[b]) {
+                        if (!st.piece(b, s, seg)) continue;
+                        i64 rows = 0;
+                        for (i64 d : seg) rows += length[d];
+                        cache[b].push_back(Piece{s, seg, rows});
+                    }
+                }
+                return cache[b];
+            };
+            bool found = false;
+            double best_d = 0.0;
+            i64 bx = -1, bs = -1, by = -1, bt = -1;
+            for (const auto& [x, y] : tries) {
+                for (const Piece& p : pieces(x)) {
                     const std::size_t m = st.mark();
-                    i64 got = 0, got2 = 0;
-                    if (st.move(x, p.seg, y, M, got) && st.move(y, q.seg, x, M, got2) && added + got + got2 <= spend &&
-                        (got + got2 <= 0 || shorter(x, y))) {
+                    i64 got = 0;
+                    if (st.move(x, p.seg, y, M, got) && added + got <= spend && (got <= 0 || shorter(x, y))) {
                         const double d = delta(x, y);
                         if (d < -1e-12 && (!found || d < best_d)) {
                             found = true;
                             best_d = d;
-                            bx = x, bs = s, by = y, bt = t;
+                            bx = x, bs = p.root, by = y, bt = -1;
                         }
                     }
                     st.undo(m);
                 }
             }
-        }
-        if (!found) break;
-        st.piece(bx, bs, seg);
-        const bool two = bt >= 0 && st.piece(by, bt, seg2);
-        i64 got = 0;
-        st.move(bx, seg, by, M, got);
-        added += got;
-        if (two) {
-            st.move(by, seg2, bx, M, got);
+            for (const auto& [x, y] : swaps) {
+                const std::vector<Piece>& px = pieces(x);
+                const std::vector<Piece>& py = pieces(y);
+                const double gap = st.cost[x] - st.cost[y];
+                for (const Piece& p : px) {
+                    const i64 s = p.root;
+                    for (const Piece& q : py) {
+                        const i64 t = q.root;
+                        if (q.rows >= p.rows || c_row * static_cast<double>(p.rows - q.rows) >= gap ||
+                            (t <= s && s < t + sub_size[t]) || (s <= t && t < s + sub_size[s])) {
+                            continue;  // x gives rows, less than the gap's worth; disjoint subtrees
+                        }
+                        const std::size_t m = st.mark();
+                        i64 got = 0, got2 = 0;
+                        if (st.move(x, p.seg, y, M, got) && st.move(y, q.seg, x, M, got2) &&
+                            added + got + got2 <= spend && (got + got2 <= 0 || shorter(x, y))) {
+                            const double d = delta(x, y);
+                            if (d < -1e-12 && (!found || d < best_d)) {
+                                found = true;
+                                best_d = d;
+                                bx = x, bs = s, by = y, bt = t;
+                            }
+                        }
+                        st.undo(m);
+                    }
+                }
+            }
+            if (!found) break;
+            st.piece(bx, bs, seg);
+            const bool two = bt >= 0 && st.piece(by, bt, seg2);
+            i64 got = 0;
+            st.move(bx, seg, by, M, got);
             added += got;
+            if (two) {
+                st.move(by, seg2, bx, M, got);
+                added += got;
+            }
+            st.forget();
+            st.refresh(bx);
+            st.refresh(by);
+            moved = true;
         }
-        st.forget();
-        st.refresh(bx);
-        st.refresh(by);
-        moved = true;
-    }
-    std::vector<i64> oo(1, 0), o, ro(1, 0), r;
-    for (i64 b = 0; b < n; ++b) {
-        for (i64 s = 0; s < G; ++s) {
-            if (st.st(b, s) == kOwn) o.push_back(s);
-            if (st.st(b, s) == kRec) r.push_back(s);
+        for (i64 b = 0; b < n; ++b) {
+            for (i64 s = 0; s < G; ++s) {
+                if (st.st(b, s) == kOwn) o.push_back(s);
+                if (st.st(b, s) == kRec) r.push_back(s);
+            }
+            oo.push_back(static_cast<i64>(o.size()));
+            ro.push_back(static_cast<i64>(r.size()));
         }
-        oo.push_back(static_cast<i64>(o.size()));
-        ro.push_back(static_cast<i64>(r.size()));
     }
     return py::make_tuple(moved, int64_array(oo), int64_array(o), int64_array(ro), int64_array(r));
 }

@@ -388,9 +388,14 @@ py::object l2_rebalance_packing(const L2Packing& p, const I64In& length_a, const
     U.path = csr[2][1].data();
     std::vector<i64> rep;
     std::vector<std::vector<L2Entry>> ent;
-    if (!l2_rebalance_search(U, length_a.data(), S, rep0, ent0, dp, M, overhead, moves, n_slots,
-                             weight, swap_bins, wide, spend, ordered, split, rep, ent))
-        return py::none();
+    const i64* length = length_a.data();
+    bool moved;
+    {
+        py::gil_scoped_release release;  // the search reads C++ copies and the lengths' buffer only
+        moved = l2_rebalance_search(U, length, S, rep0, ent0, dp, M, overhead, moves, n_slots,
+                                    weight, swap_bins, wide, spend, ordered, split, rep, ent);
+    }
+    if (!moved) return py::none();
     const i64 n = static_cast<i64>(rep.size());  // bins the pass opened included
     std::unordered_map<i64, i64> prod;           // a window -> the bin of its core
     for (i64 b = 0; b < n; ++b)

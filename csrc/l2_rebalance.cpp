@@ -498,9 +498,13 @@ py::tuple l2_rebalance(I64Array length_a, I64Array ints_a, F64Array flts_a, I64A
 
     std::vector<std::vector<Entry>> ent_out;
     std::vector<i64> rep_out_v;
-    const bool moved =
-        l2_rebalance_search(U, length_a.data(), num_segments, rep0, ent0, dp, M, overhead, moves,
-                            n_slots, weight, swap_bins, wide, spend, ordered, split, rep_out_v, ent_out);
+    const i64* length = length_a.data();
+    bool moved;
+    {
+        py::gil_scoped_release release;  // the search reads C++ copies and the lengths' buffer only
+        moved = l2_rebalance_search(U, length, num_segments, rep0, ent0, dp, M, overhead, moves,
+                                    n_slots, weight, swap_bins, wide, spend, ordered, split, rep_out_v, ent_out);
+    }
     const i64 nb = static_cast<i64>(rep_out_v.size());
     I64Array rep_out(nb);
     std::copy(rep_out_v.begin(), rep_out_v.end(), rep_out.mutable_data());

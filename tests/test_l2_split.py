@@ -171,3 +171,31 @@ def test_plan_l2_spends_on_split_items(seed, M, monkeypatch):
     _, ref = plan_harts(f, 8, M, cost_model=model, index=ix)
     assert [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist()) for m in fast.microbatches] == \
         [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist()) for m in ref.microbatches]
+
+
+def test_passes_side_by_side_plan_as_one_after_another(monkeypatch):
+    # plan_l2 runs its independent spending passes on threads (``concurrently``; the compiled searches
+    # release the GIL): the plan is the one the passes give one after another
+    f = huge_forest(1)
+    model = CostModel(chunk_size=64)
+    sizes = []
+    run = l2_module.concurrently
+
+    def recorded(fn, items):
+        items = list(items)
+        sizes.append(len(items))
+        return run(fn, items)
+    monkeypatch.setattr(l2_module, "concurrently", recorded)
+    plans = []
+    for threads in (1, 2):
+        monkeypatch.setattr(l2_module, "PLAN_THREADS", threads)
+        plans.append(plan_harts(f, 8, 3000, cost_model=model)[1])
+    assert max(sizes) > 1 and l2_module.plan_threads(max(sizes)) == 2
+    one, two = plans
+
+    def content(p):
+        return (p.slots.tolist(), [(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist(), m.cost,
+                                    [(e.producer, e.segments.tolist()) for e in m.external])
+                                   for m in p.microbatches])
+    assert content(one) == content(two)
+    two.validate(f)

@@ -88,7 +88,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from typing import Optional, Tuple
@@ -145,6 +147,8 @@ BALANCE_SPEND = ((0.1, False), (0.2, False), (0.2, True))
 #: items theirs): step 10.451 -> 10.329, balance 97.45/96.17 -> 98.19/97.41%, compression 2.033 -> 2.042; weights
 #: 1 and 2 gave a packing judged 10.447 / 10.442 (10.402 at 4), spending 0.2 one of 10.614
 BALANCE_SPLIT = ((0.1, False, 4.0),)
+#: threads of the passes ``plan_l2`` runs side by side (``concurrently``; None: the machine's cores)
+PLAN_THREADS: Optional[int] = None
 #: the balance pass of each base's best packing tries swaps in packings of up to this many microbatches
 #: (the others: ``BALANCE_SWAP_BINS``); more cost time (a swap is tried per pair of entries) and, on
 #: Tree-Step 2048 DP 8 (376 microbatches), gave a packing whose estimate beat better ones
@@ -160,6 +164,23 @@ SEARCH_SLOTS = 2
 
 
 @gc_paused
+def plan_threads(tasks: int) -> int:
+    """Threads for ``tasks`` independent passes: ``PLAN_THREADS``, else the machine's cores, at most ``tasks``."""
+    return max(1, min(tasks, PLAN_THREADS or os.cpu_count() or 1))
+
+
+def concurrently(fn, items) -> list:
+    """``[fn(x) for x in items]``, on up to ``plan_threads`` threads: the compiled passes (balance, even
+    slots) release the GIL while they search, so independent passes over one packing run side by
+    side on a machine's cores.  Each result depends on its item only: the same list either way."""
+    items = list(items)
+    workers = plan_threads(len(items))
+    if workers < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))
+
+
 def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = None,
             index: Optional[ForestIndex] = None, min_producer_rows: Optional[int] = None) -> MicrobatchPlan:
     """Refine an L1 plan (module docstring).  ``plan_seconds`` counts L2 alone.
@@ -310,10 +331,14 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             if any(u.upper >= 0 for u in units_of[id(src)]):
                 tries += [(part, ordered, weight, True) for part, ordered, weight in BALANCE_SPLIT]
             found = {False: (None, plan_key), True: (None, plan_key)}  # per split: the best packing and its key
-            for part, ordered, weight, split in tries:
+
+            def spent(t):
+                part, ordered, weight, split = t
                 spend = int(part * saved)
-                even = rebalance(ix, src, dp, M, overhead, spend, ordered=ordered, arrays=arrays_of.get(id(src)),
+                return rebalance(ix, src, dp, M, overhead, spend, ordered=ordered, arrays=arrays_of.get(id(src)),
                                  weight=weight, split=split) if spend > 0 else None
+
+            for (part, ordered, weight, split), even in zip(tries, concurrently(spent, tries)):
                 key = None if even is None else window_key(ix, even, dp=dp, M=M, model=model)
                 if key is not None and key[1] <= keep_tokens and key < found[split][1]:
                     found[split] = (even, key)
@@ -346,9 +371,15 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         if rival is None:
             plan = evened(plan)
         else:  # the split windows' pass gave the plan: kept where it beats the plan it beat once both are evened out
-            rival = evened(rival)  # (the plan as it is evened out only where it beats the evened rival already)
+            # (the plan as it is evened out only where it beats the evened rival already; with threads to
+            # spare both are evened out side by side)
+            plan_even = None
+            if plan_threads(2) > 1:
+                rival, plan_even = concurrently(evened, [rival, plan])
+            else:
+                rival = evened(rival)
             beats = (step_cost(plan), plan.tokens_computed) < (step_cost(rival), rival.tokens_computed)
-            plan = evened(plan) if beats else rival
+            plan = (plan_even if plan_even is not None else evened(plan)) if beats else rival
             if (step_cost(rival), rival.tokens_computed) < (step_cost(plan), plan.tokens_computed):
                 plan = rival
     plan.plan_seconds = time.perf_counter() - t0
