@@ -269,7 +269,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
             return [p for p in packs if family[id(p[2])] == base]
 
         refined = {}  # a refined packing -> the packing it refines
-        if dp > 1 and BALANCE_MOVES and packs:  # each base's best packings evened out per slot
+        if dp > 1 and BALANCE_MOVES and packs:  # each base's best packings evened out per slot (side by side)
+            jobs = []  # (base, packing, swap_bins, ordered)
             for base in range(len(bases)):
                 mine = of(base)
                 if not mine or id(mine[0][2]) in searched:
@@ -281,14 +282,19 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
                     # the best one: swaps in more microbatches, and with many microbatches also refined
                     # with the objective in run order (producers first)
                     for ordered in (False, True) if j == 0 and many else (False,):
-                        even = rebalance(ix, packed, dp, M, overhead,
-                                         swap_bins=BALANCE_SWAP_BINS_FIRST if j == 0 else None,
-                                         ordered=ordered, arrays=arrays_of[id(packed)])
-                        if even is not None:
-                            refined[id(even)] = packed
-                            family[id(even)] = base
-                            units_of[id(even)] = units_of[id(packed)]
-                            packs.append((estimate_step(even, dp, overhead), len(packs), even))
+                        jobs.append((base, packed, BALANCE_SWAP_BINS_FIRST if j == 0 else None, ordered))
+
+            def balanced(job):
+                _, packed, swap_bins, ordered = job
+                return rebalance(ix, packed, dp, M, overhead, swap_bins=swap_bins, ordered=ordered,
+                                 arrays=arrays_of[id(packed)])
+
+            for (base, packed, _, _), even in zip(jobs, concurrently(balanced, jobs)):
+                if even is not None:
+                    refined[id(even)] = packed
+                    family[id(even)] = base
+                    units_of[id(even)] = units_of[id(packed)]
+                    packs.append((estimate_step(even, dp, overhead), len(packs), even))
             packs.sort(key=lambda p: p[:2])
         keys = {}  # a packing (its id) -> its plan's (step, tokens) or None (over the budget)
         kept = {}  # a packing (its id) -> what judging it left for its assembly
