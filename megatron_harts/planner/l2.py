@@ -83,6 +83,11 @@ step (sum over slots of the costliest microbatch) than L1's: the candidate with 
 modelled step (then the fewest tokens) among those computing no more tokens than L1 wins,
 else (tiny trees where replay outweighs the rows saved; batches so small that a window on one
 replica idles the others) the L1 microbatches are returned with L1's placement.
+
+Independent passes over packings (each base's balance passes, the spending passes, the rival's
+last pass) run side by side on up to ``PLAN_THREADS`` threads (``concurrently``; the compiled
+searches release the GIL); their results are taken in the order one after another would give them,
+so the plan does not depend on the thread count.
 """
 from __future__ import annotations
 
