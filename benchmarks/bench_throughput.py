@@ -220,7 +220,8 @@ def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False):
 
 
 def _project_site(skip: int = 1) -> str:
-    """``file:line (function)`` of the innermost megatron_harts or megatron-core frame of the caller's stack."""
+    """``file:line (function)`` of the innermost megatron_harts or megatron-core frame of the stack, the
+    innermost ``skip`` frames (this function's, and its callers' that are hooks) left out."""
     import traceback
     for fr in reversed(traceback.extract_stack()[:-skip]):
         if any(r in fr.filename for r in PROJECT_ROOTS):
@@ -259,18 +260,13 @@ def sync_sites(trainer, forest, top: int = 40):
     megatron_harts or megatron-core on its Python stack (``{"file:line (function)": count}``,
     most frequent first).  Synchronizations inside the autograd engine's backward thread show the
     custom Function's backward when there is one."""
-    import traceback
     import warnings
     counts = {}
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return
-        site = "(no project frame)"
-        for fr in reversed(traceback.extract_stack()[:-1]):
-            if any(r in fr.filename for r in PROJECT_ROOTS):
-                site = f"{fr.filename.split(os.sep + 'site' + os.sep)[-1]}:{fr.lineno} ({fr.name})"
-                break
+        site = _project_site(2)
         counts[site] = counts.get(site, 0) + 1
 
     shown = warnings.showwarning

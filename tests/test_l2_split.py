@@ -5,6 +5,7 @@ replicas where whole windows cannot."""
 import pytest
 
 from test_l2_executed import check_executes_as_planned, huge_forest, split_producers
+from test_microbatch_planner import _packing_key
 
 from megatron_harts.planner import l2 as l2_module
 from megatron_harts.planner.cost_model import CostModel, ForestIndex
@@ -83,14 +84,6 @@ def _split_items(packed):
             if u.kind == "item" and u.upper >= 0:
                 out[id(u)] = (ids, bool(len(ex)))
     return out
-
-
-def _packing_key(packed):
-    if packed is None:
-        return None
-    g, p, l, e = packed[:4]
-    return ([(tuple(o), tuple(r)) for o, r in g], [tuple(x) for x in p], [list(x) for x in l],
-            [[(id(u), tuple(ex), c) for u, ex, c in es] for es in e])
 
 
 def test_rebalance_moves_split_items():

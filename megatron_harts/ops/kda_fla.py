@@ -271,7 +271,7 @@ def kda_fla_varlen(q, k, v, g, beta, lengths, *, chunk_size: int = 64, scale: Op
     if len(idx) != len(off):
         raise ValueError("state_index and state_offset must have the same length")
     init_idx = check_initial_state_index(initial_state, initial_state_index, N)
-    M = N if init_idx is None else (initial_state.shape[0] if initial_state is not None else 0)
+    M = N if init_idx is None else initial_state.shape[0]    # an index comes with initial_state (checked)
     if initial_state is not None and tuple(initial_state.shape) != (M, H, K, V):
         raise ValueError(f"initial_state must be [{M}, {H}, {K}, {V}], got {tuple(initial_state.shape)}")
     for n, m in zip(idx, off):
