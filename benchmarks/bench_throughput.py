@@ -185,7 +185,8 @@ def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False):
     """One more step under ``torch.profiler``: wall time, GPU kernel time (summed per kernel, so a
     GPU idle while Python launches shows as wall >> kernel time), kernel time per category
     (``KERNEL_CATEGORIES``), and the text tables of the top kernels and the top CPU operators;
-    with ``stacks`` also the operators one more step dispatches, by call site (``op_sites``)."""
+    with ``stacks`` also the operators one more step dispatches, by call site (``op_sites``), and the host
+    time of another by operator and Python stack (``host_time_by_stack``)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     if device == "cuda":
@@ -210,6 +211,8 @@ def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False):
             tables += "".join(f"{n:>8}  {site}  [{ops}]\n" for site, (n, ops) in op_sites(trainer, forest).items())
         except Exception as e:       # an operator that refuses dispatch modes (torch.compile'd kernels)
             tables += f"    not counted: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
+        tables += "\nHost time by operator and innermost project frame (one more step; the host thread's operators):\n" \
+            + host_time_by_stack(trainer, forest, acts, top)
     syncs = sync_sites(trainer, forest) if device == "cuda" else {}
     tables += "\nCUDA synchronizations by first project frame (one step):\n" + "".join(
         f"{n:>8}  {site}\n" for site, n in syncs.items())
@@ -227,6 +230,39 @@ def _project_site(skip: int = 1) -> str:
         if any(r in fr.filename for r in PROJECT_ROOTS):
             return f"{fr.filename.split(os.sep + 'site' + os.sep)[-1]}:{fr.lineno} ({fr.name})"
     return "(no project frame)"
+
+
+def host_time_by_stack(trainer, forest, activities, top: int = 30) -> str:
+    """One more step profiled with Python stacks, its host time by operator and call site
+    (``host_time_by_site``) as text, most first."""
+    from torch.profiler import profile
+    with profile(activities=activities, with_stack=True) as prof:
+        trainer.step(forest)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return "".join(f"{us / 1e3:>10.2f} ms {n:>7}  {op:<28} {site}\n"
+                   for (op, site), (us, n) in host_time_by_site(prof.events(), top).items())
+
+
+def host_time_by_site(events, top: int = 30) -> dict:
+    """``{(operator, frame): (host microseconds, calls)}`` for the operators Python code called (not
+    those dispatched inside another operator), each with its CPU total (the operators inside it
+    included), at its innermost project frame (the profiler's Python function events name the
+    function at its ``def`` line); most time first.  Names the line behind an operator whose host time
+    per call is far above its kernels' (a host copy, a blocking wait).  Operators the autograd engine
+    runs on its device thread sit under no project frame, except inside a custom Function's backward."""
+    sites = {}
+    for e in events:
+        parent = e.cpu_parent
+        if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+            continue
+        frame = parent
+        while frame is not None and not any(r.strip(os.sep) + "/" in frame.name for r in PROJECT_ROOTS):
+            frame = frame.cpu_parent
+        key = (e.name, frame.name if frame is not None else "(no project frame)")
+        us, n = sites.get(key, (0.0, 0))
+        sites[key] = (us + e.cpu_time_total, n + 1)
+    return dict(sorted(sites.items(), key=lambda kv: -kv[1][0])[:top])
 
 
 def op_sites(trainer, forest, top: int = 40) -> dict:
@@ -466,8 +502,8 @@ def main(argv=None):
                     help="profile one extra step of every mode (torch.profiler): kernel time per category into "
                          "the results JSON, the top kernels and CPU operators of each mode into FILE (text)")
     ap.add_argument("--profile-stacks", action="store_true",
-                    help="with --profile: one more step per mode counting the operators the host dispatches by "
-                         "call site (the innermost project frame), into FILE")
+                    help="with --profile: two more steps per mode, one counting the operators the host dispatches "
+                         "by call site (the innermost project frame), one timing them by Python stack, into FILE")
     ap.add_argument("--memory-profile", action="store_true",
                     help="one extra step of every mode under the CUDA allocator's history: the bytes alive "
                          "at the step's peak by allocation site (innermost project frames), into the results JSON")

@@ -120,3 +120,27 @@ def test_live_at_peak_sums_the_blocks_alive_at_the_trace_peak_by_site(bt):
     deeper = bt.live_at_peak(trace, top=2, depth=2)            # a helper's site names its caller
     assert set(deeper["sites"]) == {"megatron/core/layers.py:5 (linear) < megatron_harts/models/mla.py:7 (q)",
                                     "megatron_harts/ops/kda.py:10 (fwd)"}
+
+
+def test_host_time_by_site_counts_each_python_call_once_at_its_innermost_project_frame(bt):
+    """An operator's host time is its CPU total (the operators it dispatches included, not counted
+    again) at the innermost megatron_harts/megatron frame above it; operators without one (the
+    autograd engine's thread) are grouped apart."""
+    from types import SimpleNamespace
+
+    def ev(name, parent=None, us=0.0):
+        return SimpleNamespace(name=name, cpu_parent=parent, cpu_time_total=us)
+    step = ev("megatron_harts/training/step.py(200): train_step")
+    helper = ev("torch/functional.py(10): unique", ev("megatron_harts/ops/logprobs.py(250): multi_target_logprobs",
+                                                      step))
+    index = ev("aten::index", helper, 1900.0)
+    inner = ev("aten::copy_", index, 1800.0)
+    mm = ev("aten::mm", step, 50.0)
+    mm2 = ev("aten::mm", step, 30.0)
+    engine = ev("aten::mul", ev("autograd::engine::evaluate_function: MulBackward0"), 20.0)
+    out = bt.host_time_by_site([step, index, inner, mm, mm2, engine])
+    assert out == {("aten::index", "megatron_harts/ops/logprobs.py(250): multi_target_logprobs"): (1900.0, 1),
+                   ("aten::mm", "megatron_harts/training/step.py(200): train_step"): (80.0, 2),
+                   ("aten::mul", "(no project frame)"): (20.0, 1)}
+    assert list(bt.host_time_by_site([step, index, inner, mm, mm2, engine], top=1)) == [
+        ("aten::index", "megatron_harts/ops/logprobs.py(250): multi_target_logprobs")]
