@@ -185,8 +185,7 @@ def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False):
     """One more step under ``torch.profiler``: wall time, GPU kernel time (summed per kernel, so a
     GPU idle while Python launches shows as wall >> kernel time), kernel time per category
     (``KERNEL_CATEGORIES``), and the text tables of the top kernels and the top CPU operators;
-    with ``stacks`` also the operators one more step dispatches, by call site (``op_sites``), and the host
-    time of another by operator and Python stack (``host_time_by_stack``)."""
+    with ``stacks`` also the operators one more step dispatches, counted and timed by call site (``op_sites``)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     if device == "cuda":
@@ -205,14 +204,12 @@ def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False):
         + "\n" + events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=90) \
         + "\n" + events.table(sort_by="count", row_limit=top, max_name_column_width=90)
     if stacks:
-        tables += "\nOperators dispatched by the host thread, by first project frame (one step; the autograd " \
-                  "engine's backward threads not included):\n"
+        tables += "\nOperators dispatched, by innermost project frame (one step; the autograd engine's device " \
+                  "thread's under no project frame):\n"
         try:
-            tables += "".join(f"{n:>8}  {site}  [{ops}]\n" for site, (n, ops) in op_sites(trainer, forest).items())
+            tables += op_site_tables(op_sites(trainer, forest))
         except Exception as e:       # an operator that refuses dispatch modes (torch.compile'd kernels)
             tables += f"    not counted: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
-        tables += "\nHost time by operator and innermost project frame (one more step; the host thread's operators):\n" \
-            + host_time_by_stack(trainer, forest, acts, top)
     syncs = sync_sites(trainer, forest) if device == "cuda" else {}
     tables += "\nCUDA synchronizations by first project frame (one step):\n" + "".join(
         f"{n:>8}  {site}\n" for site, n in syncs.items())
@@ -232,62 +229,47 @@ def _project_site(skip: int = 1) -> str:
     return "(no project frame)"
 
 
-def host_time_by_stack(trainer, forest, activities, top: int = 30) -> str:
-    """One more step profiled with Python stacks, its host time by operator and call site
-    (``host_time_by_site``) as text, most first."""
-    from torch.profiler import profile
-    with profile(activities=activities, with_stack=True) as prof:
-        trainer.step(forest)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    return "".join(f"{us / 1e3:>10.2f} ms {n:>7}  {op:<28} {site}\n"
-                   for (op, site), (us, n) in host_time_by_site(prof.events(), top).items())
-
-
-def host_time_by_site(events, top: int = 30) -> dict:
-    """``{(operator, frame): (host microseconds, calls)}`` for the operators Python code called (not
-    those dispatched inside another operator), each with its CPU total (the operators inside it
-    included), at its innermost project frame (the profiler's Python function events name the
-    function at its ``def`` line); most time first.  Names the line behind an operator whose host time
-    per call is far above its kernels' (a host copy, a blocking wait).  Operators the autograd engine
-    runs on its device thread sit under no project frame, except inside a custom Function's backward."""
-    sites = {}
-    for e in events:
-        parent = e.cpu_parent
-        if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
-            continue
-        frame = parent
-        while frame is not None and not any(r.strip(os.sep) + "/" in frame.name for r in PROJECT_ROOTS):
-            frame = frame.cpu_parent
-        key = (e.name, frame.name if frame is not None else "(no project frame)")
-        us, n = sites.get(key, (0.0, 0))
-        sites[key] = (us + e.cpu_time_total, n + 1)
-    return dict(sorted(sites.items(), key=lambda kv: -kv[1][0])[:top])
-
-
-def op_sites(trainer, forest, top: int = 40) -> dict:
-    """One more step under a dispatch mode that counts every ATen operator the host thread runs at
-    its innermost project frame: ``{site: (count, "op xN, ...")}``, most operators first.  Host time
-    of a launch-bound step goes with the operator count, so this names the code to slim."""
+def op_sites(trainer, forest) -> dict:
+    """One more step under a dispatch mode that counts and times every ATen operator the host runs, at
+    its innermost project frame: ``{(site, operator): [calls, host seconds]}``.  Host time of a
+    launch-bound step goes with the operator count; an operator whose host time per call is far above
+    its kernels' (a host copy, a blocking wait) shows its seconds.  Operators the autograd engine runs
+    on its device thread have no project frame, except inside a custom Function's backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    counts = {}
+    sites = {}
 
     class Count(TorchDispatchMode):
         supports_higher_order_operators = True      # flex_attention: counted as one, run as it is
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            site = _project_site(2)
-            per_op = counts.setdefault(site, {})
             name = func.name() if isinstance(func, torch._ops.HigherOrderOperator) else \
                 str(func.overloadpacket.__name__)
-            per_op[name] = per_op.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
+            entry = sites.setdefault((_project_site(2), name), [0, 0.0])
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            entry[1] += time.perf_counter() - t0
+            entry[0] += 1
+            return out
 
     with Count():
         trainer.step(forest)
-    rows = sorted(counts.items(), key=lambda kv: -sum(kv[1].values()))[:top]
-    return {site: (sum(ops.values()), ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6]))
-            for site, ops in rows}
+    return sites
+
+
+def op_site_tables(sites: dict, top: int = 40) -> str:
+    """``op_sites``' record as text: the sites by operator count (each with its most frequent
+    operators), then the (site, operator) pairs by host time."""
+    per_site = {}
+    for (site, op), (n, _) in sites.items():
+        per_site.setdefault(site, {})[op] = n
+    rows = sorted(per_site.items(), key=lambda kv: -sum(kv[1].values()))[:top]
+    text = "".join(f"{sum(ops.values()):>8}  {site}  ["
+                   + ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:6]) + "]\n"
+                   for site, ops in rows)
+    text += "\nHost time by operator and innermost project frame (the same step; the time of each call as " \
+            "the host thread saw it, a wait for the device included):\n"
+    by_time = sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]
+    return text + "".join(f"{sec * 1e3:>10.2f} ms {n:>7}  {op:<24} {site}\n" for (site, op), (n, sec) in by_time)
 
 
 def sync_sites(trainer, forest, top: int = 40):
@@ -502,8 +484,8 @@ def main(argv=None):
                     help="profile one extra step of every mode (torch.profiler): kernel time per category into "
                          "the results JSON, the top kernels and CPU operators of each mode into FILE (text)")
     ap.add_argument("--profile-stacks", action="store_true",
-                    help="with --profile: two more steps per mode, one counting the operators the host dispatches "
-                         "by call site (the innermost project frame), one timing them by Python stack, into FILE")
+                    help="with --profile: one more step per mode counting and timing the operators the host "
+                         "dispatches by call site (the innermost project frame), into FILE")
     ap.add_argument("--memory-profile", action="store_true",
                     help="one extra step of every mode under the CUDA allocator's history: the bytes alive "
                          "at the step's peak by allocation site (innermost project frames), into the results JSON")

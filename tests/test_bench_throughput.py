@@ -122,25 +122,30 @@ def test_live_at_peak_sums_the_blocks_alive_at_the_trace_peak_by_site(bt):
                                     "megatron_harts/ops/kda.py:10 (fwd)"}
 
 
-def test_host_time_by_site_counts_each_python_call_once_at_its_innermost_project_frame(bt):
-    """An operator's host time is its CPU total (the operators it dispatches included, not counted
-    again) at the innermost megatron_harts/megatron frame above it; operators without one (the
-    autograd engine's thread) are grouped apart."""
-    from types import SimpleNamespace
 
-    def ev(name, parent=None, us=0.0):
-        return SimpleNamespace(name=name, cpu_parent=parent, cpu_time_total=us)
-    step = ev("megatron_harts/training/step.py(200): train_step")
-    helper = ev("torch/functional.py(10): unique", ev("megatron_harts/ops/logprobs.py(250): multi_target_logprobs",
-                                                      step))
-    index = ev("aten::index", helper, 1900.0)
-    inner = ev("aten::copy_", index, 1800.0)
-    mm = ev("aten::mm", step, 50.0)
-    mm2 = ev("aten::mm", step, 30.0)
-    engine = ev("aten::mul", ev("autograd::engine::evaluate_function: MulBackward0"), 20.0)
-    out = bt.host_time_by_site([step, index, inner, mm, mm2, engine])
-    assert out == {("aten::index", "megatron_harts/ops/logprobs.py(250): multi_target_logprobs"): (1900.0, 1),
-                   ("aten::mm", "megatron_harts/training/step.py(200): train_step"): (80.0, 2),
-                   ("aten::mul", "(no project frame)"): (20.0, 1)}
-    assert list(bt.host_time_by_site([step, index, inner, mm, mm2, engine], top=1)) == [
-        ("aten::index", "megatron_harts/ops/logprobs.py(250): multi_target_logprobs")]
+def test_op_sites_count_and_time_each_operator_at_its_innermost_project_frame(bt, tmp_path):
+    """Operators are counted where project code (a megatron_harts or megatron file) called them, the
+    operators an operator dispatches inside it not again; the text tables name each site's operators
+    by count and the (site, operator) pairs by host time."""
+    import torch
+    pkg = tmp_path / "megatron_harts"
+    pkg.mkdir()
+    (pkg / "fake_step.py").write_text("def step(x):\n    y = x.index_select(0, x.new_zeros(2, dtype=int))\n"
+                                      "    return (y * 2).sum()\n")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fake_step", pkg / "fake_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Trainer:
+        def step(self, forest):
+            return mod.step(forest) + forest.sum()          # the last operator's frame is this test's
+    sites = bt.op_sites(Trainer(), torch.ones(4))
+    here = {op: v for (site, op), v in sites.items() if site.endswith("fake_step.py:2 (step)")}
+    assert set(here) == {"new_zeros", "index_select"} and all(n == 1 and sec >= 0 for n, sec in here.values())
+    assert {op for (site, op) in sites if site.endswith("fake_step.py:3 (step)")} == {"mul", "sum"}
+    assert sites[("(no project frame)", "add")][0] == 1
+    text = bt.op_site_tables(sites, top=2)
+    lines = text.splitlines()
+    assert lines[0].split()[0] == "2" and "fake_step.py" in lines[0] and lines[2] == "" and len(lines) == 6
+    assert all(line.split()[1] == "ms" and line.split()[2] == "1" for line in lines[4:])

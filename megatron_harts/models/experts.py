@@ -132,7 +132,8 @@ class _GroupedLinear(torch.autograd.Function):
             if ctx.main_grad_only:
                 _add_to_main_grads(weights, dw)
             elif _accumulates_into_main_grad(weights, weight_needs):
-                dws = _add_to_main_grads(weights, dw)
+                _add_to_main_grads(weights, dw)
+                dws = _placeholder_grads(weights, dw)
             else:
                 dws = [g if need else None for g, need in zip(dw.unbind(0), weight_needs)]
         return (dx, None, None, None, *dws)
@@ -155,20 +156,24 @@ def _accumulates_into_main_grad(weights, needs_grad) -> bool:
     return True
 
 
-def _add_to_main_grads(weights, dw: torch.Tensor) -> List[torch.Tensor]:
+def _add_to_main_grads(weights, dw: torch.Tensor) -> None:
     """Add the stacked weight gradients ``dw`` [G, N, K] into the weights' ``main_grad`` in one
-    multi-tensor launch and return the placeholder gradients DDP's post-hook then skips.
+    multi-tensor launch.
 
     Invariant: every ``main_grad`` ends bitwise where DDP's hook would put it
     (``main_grad.add_(grad)`` promotes ``grad`` to ``main_grad``'s dtype before adding; so does this),
     with one kernel for the conversion and the foreach kernels instead of one add per expert.
-    The placeholders (uninitialized, like megatron's fused linears' ``grad_weight``) only let the
-    weights' grad accumulators run, which fires DDP's hooks (bucket readiness).
     """
     mains = [w.main_grad for w in weights]
     torch._foreach_add_(mains, list(dw.to(mains[0].dtype).unbind(0)))
     for w in weights:
         w.grad_added_to_main_grad = True
+
+
+def _placeholder_grads(weights, dw: torch.Tensor) -> List[torch.Tensor]:
+    """Gradients for weights whose gradients are already in ``main_grad``: uninitialized, like
+    megatron's fused linears' ``grad_weight``; they only let the weights' grad accumulators run,
+    which fires DDP's hooks (bucket readiness), and the hooks skip them."""
     return [torch.empty(w.shape, dtype=dw.dtype, device=dw.device) for w in weights]
 
 
