@@ -2,6 +2,8 @@
 producer on another replica recomputes the top of the tree's shared prefix and owns a lower part,
 its consumers read only it.  On one huge tree and a few small ones, DP 4, that balances the
 replicas where whole windows cannot."""
+import gc
+
 import pytest
 
 from test_l2_executed import check_executes_as_planned, huge_forest, split_producers
@@ -174,9 +176,12 @@ def test_passes_side_by_side_plan_as_one_after_another(monkeypatch):
     sizes = []
     run = l2_module.concurrently
 
+    gc_on = []
+
     def recorded(fn, items):
         items = list(items)
         sizes.append(len(items))
+        gc_on.append(gc.isenabled())
         return run(fn, items)
     monkeypatch.setattr(l2_module, "concurrently", recorded)
     plans = []
@@ -184,6 +189,7 @@ def test_passes_side_by_side_plan_as_one_after_another(monkeypatch):
         monkeypatch.setattr(l2_module, "PLAN_THREADS", threads)
         plans.append(plan_harts(f, 8, 3000, cost_model=model)[1])
     assert max(sizes) > 1 and l2_module.plan_threads(max(sizes)) == 2
+    assert gc.isenabled() and not any(gc_on)      # planning runs with the cyclic collector paused (gc_paused)
     one, two = plans
 
     def content(p):
