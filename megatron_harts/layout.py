@@ -139,8 +139,8 @@ class Visibility:
         return diff.cumsum(0)[:nq] > 0
 
     def to(self, device) -> "Visibility":
-        return Visibility(host_to_device(self.offsets, device), host_to_device(self.start, device),
-                          host_to_device(self.end, device), self.num_queries, self.causal)
+        return Visibility(*host_to_device_many([self.offsets, self.start, self.end], device), self.num_queries,
+                          self.causal)
 
 
 def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -155,6 +155,56 @@ def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+#: byte alignment of each tensor in ``host_to_device_many``'s staging buffer (any dtype's element size)
+_STAGE_ALIGN = 16
+
+
+def stage_bytes(tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, List[int]]:
+    """The tensors' bytes back to back in one uint8 host buffer (pinned on a machine with a GPU), each
+    at an offset aligned to ``_STAGE_ALIGN``: ``(buffer, offsets)``.  ``unstage_bytes`` gives the
+    tensors back, bit for bit."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _STAGE_ALIGN) * _STAGE_ALIGN
+    pin = torch.cuda.is_available() and all(t.device.type == "cpu" for t in tensors)
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    for t, o in zip(tensors, offsets):
+        if t.numel():
+            buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+    return buf, offsets
+
+
+def unstage_bytes(buf: torch.Tensor, offsets: Sequence[int], like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The tensors ``stage_bytes`` put into ``buf`` (on ``buf``'s device), shaped and typed as ``like``:
+    views of ``buf`` (contiguous)."""
+    out = []
+    for t, o in zip(like, offsets):
+        if t.numel() == 0:
+            out.append(torch.empty(t.shape, dtype=t.dtype, device=buf.device))
+        else:
+            out.append(buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+    return out
+
+
+def host_to_device_many(tensors: Sequence[torch.Tensor], device) -> List[torch.Tensor]:
+    """``[host_to_device(t, device) for t in tensors]`` with one pinned staging buffer and one
+    copy for all the CPU tensors bound for a GPU (their values, dtypes and shapes, contiguous),
+    instead of a pinned block and a copy each: a microbatch's dozens of small index tensors cost
+    the host one transfer.  The results are views of one device buffer, alive while any of them is."""
+    device = torch.device(device)
+    tensors = list(tensors)
+    host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+    if device.type != "cuda" or len(host) < 2:
+        return [host_to_device(t, device) for t in tensors]
+    out = [t if t.device.type == "cpu" else t.to(device) for t in tensors]
+    buf, offsets = stage_bytes([tensors[i] for i in host])
+    moved = unstage_bytes(buf.to(device, non_blocking=True), offsets, [tensors[i] for i in host])
+    for i, t in zip(host, moved):
+        out[i] = t
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -181,10 +231,9 @@ class _RowsAndTargets:
 
     def to(self, device):
         """A copy with every torch tensor on ``device`` (numpy tables and lists are shared)."""
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = host_to_device(v, device) if isinstance(v, torch.Tensor) else v
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        names = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
+        kw.update(zip(names, host_to_device_many([kw[k] for k in names], device)))
         out = type(self)(**kw)
         out.host_copy = self.host_copy if self.host_copy is not None else \
             (self if self.tokens.device.type == "cpu" else None)

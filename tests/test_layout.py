@@ -451,3 +451,43 @@ def test_segment_set_refusals():
         build_layout(f, segments=[0, 3], context=producer)   # 2 external below the computed 0
     lay = build_layout(f, segments=[1, 3], context=producer)
     check_segment_layout(f, lay, {1, 3}, {1, 3})
+
+
+def _mixed_tensors():
+    base = torch.arange(24, dtype=torch.int64).view(4, 6)
+    return [base[:, ::2],                                      # not contiguous
+            torch.tensor(7, dtype=torch.int32),                # 0-d
+            torch.zeros(0, 3, dtype=torch.float64),            # empty
+            torch.tensor([True, False, True]),
+            torch.tensor([1.5, float("nan"), -0.0], dtype=torch.float64),
+            torch.arange(5, dtype=torch.int16),
+            torch.randn(3, 2, dtype=torch.bfloat16)]
+
+
+def _bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_staged_bytes_give_the_tensors_back_bit_for_bit():
+    """``stage_bytes`` puts tensors of any dtype, shape and stride at aligned offsets of one buffer;
+    ``unstage_bytes`` views them back: the same dtypes, shapes and bits (NaN and -0.0 included)."""
+    from megatron_harts.layout import _STAGE_ALIGN, stage_bytes, unstage_bytes
+    ts = _mixed_tensors()
+    buf, offsets = stage_bytes(ts)
+    assert buf.dtype == torch.uint8 and all(o % _STAGE_ALIGN == 0 for o in offsets)
+    assert offsets == sorted(offsets) and buf.numel() >= sum(t.numel() * t.element_size() for t in ts)
+    back = unstage_bytes(buf, offsets, ts)
+    for t, b in zip(ts, back):
+        assert b.dtype == t.dtype and b.shape == t.shape and b.is_contiguous()
+        assert torch.equal(_bits(b), _bits(t))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_to_device_many_equals_one_copy_each():
+    from megatron_harts.layout import host_to_device, host_to_device_many
+    ts = _mixed_tensors() + [torch.ones(2, device="cuda")]
+    many = host_to_device_many(ts, "cuda")
+    for t, m in zip(ts, many):
+        one = host_to_device(t, "cuda")
+        assert m.device.type == "cuda" and m.dtype == one.dtype and m.shape == one.shape
+        assert torch.equal(_bits(m.cpu()), _bits(one.cpu()))

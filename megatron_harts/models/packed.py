@@ -57,7 +57,7 @@ import torch
 
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..layout import host_to_device
+from ..layout import host_to_device, host_to_device_many
 
 MODES = ("tree", "expanded")
 
@@ -107,9 +107,8 @@ class ExportSpec:
     def to(self, device) -> "ExportSpec":
         """The spec with its row indices (what the producer's layers gather) on ``device``."""
         import dataclasses
-        return dataclasses.replace(self, rows=host_to_device(self.rows, device),
-                                   conv_rows=host_to_device(self.conv_rows, device),
-                                   replay_rows=host_to_device(self.replay_rows, device))
+        rows, conv_rows, replay_rows = host_to_device_many((self.rows, self.conv_rows, self.replay_rows), device)
+        return dataclasses.replace(self, rows=rows, conv_rows=conv_rows, replay_rows=replay_rows)
 
     @classmethod
     def for_consumers(cls, producer, consumers: Sequence, *, config=None, chunk_size: int = 64,
@@ -486,7 +485,7 @@ class TreePackedSeqParams(PackedSeqParams):
         cu[1:] = lengths.cumsum(0)
         pos = torch.cat([torch.arange(int(n)) for n in lengths])
         if device is not None:
-            cu, pos = host_to_device(cu, device), host_to_device(pos, device)
+            cu, pos = host_to_device_many((cu, pos), device)
         m = int(lengths.max())
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m,
                    mode="expanded", position_ids=pos, seq_lengths=lengths)

@@ -44,7 +44,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..layout import host_to_device
+from ..layout import host_to_device_many
 from .kda import _check_shapes, check_initial_state_index, check_varlen, kda_chunked
 
 FLA_VERSION = "0.6.0"
@@ -119,9 +119,6 @@ class _Varlen:
         seg = np.repeat(np.arange(L.size), nch)
         idx = np.arange(self.num_chunks) - co[:-1][seg]
         self.cu_seqlens_cpu = torch.from_numpy(cu)
-        self.cu_seqlens = host_to_device(self.cu_seqlens_cpu, device)
-        self.chunk_indices = host_to_device(torch.from_numpy(np.stack([seg, idx], 1)), device)
-        self.chunk_offsets = host_to_device(torch.from_numpy(co), device)
         self.num_exports = len(boundaries)
         inj = np.full(self.num_chunks, -1, dtype=np.int32)
         inner_rows, inner_src, final_rows, final_src = [], [], [], []
@@ -134,10 +131,11 @@ class _Varlen:
             else:
                 final_rows.append(u)
                 final_src.append(n)
-        t = lambda x: host_to_device(torch.as_tensor(np.asarray(x, dtype=np.int64)), device)  # noqa: E731
-        self.inj_map = host_to_device(torch.from_numpy(inj), device)
-        self.inner_rows, self.inner_src = t(inner_rows), t(inner_src)
-        self.final_rows, self.final_src = t(final_rows), t(final_src)
+        t = lambda x: torch.as_tensor(np.asarray(x, dtype=np.int64))  # noqa: E731
+        (self.cu_seqlens, self.chunk_indices, self.chunk_offsets, self.inj_map, self.inner_rows, self.inner_src,
+         self.final_rows, self.final_src) = host_to_device_many(
+            [self.cu_seqlens_cpu, torch.from_numpy(np.stack([seg, idx], 1)), torch.from_numpy(co),
+             torch.from_numpy(inj), t(inner_rows), t(inner_src), t(final_rows), t(final_src)], device)
         self.has_inner, self.has_final = bool(inner_rows), bool(final_rows)
 
 
@@ -367,17 +365,20 @@ def _launch_meta(lens: List[int], idx: List[int], off: List[int], device,
         start = np.array([cu[n] + c * CHUNK for _, n, c, _, _ in partial], dtype=np.int64)
         pos = start[:, None] + np.arange(r_max)[None, :]
         inside = np.arange(r_max)[None, :] < np.array([r for *_, r, _ in partial])[:, None]
-        partial_pos = host_to_device(torch.from_numpy(np.where(inside, pos, 0)), device)
-        partial_inside = host_to_device(torch.from_numpy(inside), device)
-    direct_rows = host_to_device(torch.as_tensor([r for _, r in direct], dtype=torch.long), device) \
-        if direct else None
+        partial_pos = torch.from_numpy(np.where(inside, pos, 0))
+        partial_inside = torch.from_numpy(inside)
+    direct_rows = torch.as_tensor([r for _, r in direct], dtype=torch.long) if direct else None
     inverse = None
     if idx:
         order = [p for p, _ in direct] + [p for p, *_ in partial]
-        inv = torch.empty(len(idx), dtype=torch.long)
-        inv[torch.as_tensor(order)] = torch.arange(len(idx))
-        inverse = host_to_device(inv, device)
-    h0_index = None if init_idx is None else host_to_device(torch.as_tensor(init_idx, dtype=torch.long), device)
+        inverse = torch.empty(len(idx), dtype=torch.long)
+        inverse[torch.as_tensor(order)] = torch.arange(len(idx))
+    h0_index = None if init_idx is None else torch.as_tensor(init_idx, dtype=torch.long)
+    host = [partial_pos, partial_inside, direct_rows, inverse, h0_index]       # one transfer for those there are
+    there = [i for i, t in enumerate(host) if t is not None]
+    for i, t in zip(there, host_to_device_many([host[i] for i in there], device)):
+        host[i] = t
+    partial_pos, partial_inside, direct_rows, inverse, h0_index = host
     meta = _LaunchMeta(vl, direct_rows, partial, partial_pos, partial_inside, inverse, init_idx, h0_index)
     _META_CACHE[key] = meta
     if len(_META_CACHE) > _META_CACHE_SIZE:

@@ -36,7 +36,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..layout import host_to_device
+from ..layout import host_to_device_many
 
 __all__ = [
     "multi_target_logprobs",
@@ -269,8 +269,8 @@ def multi_target_logprobs(
         chunk_rows = max(1, _CHUNK_BYTES // (max(1, v_local) * torch.finfo(_compute_dtype(hidden.dtype)).bits // 8))
     starts = torch.arange(0, rows.shape[0], chunk_rows, device=rows.device)
     pair_bounds = torch.searchsorted(lrow_sorted, starts).tolist() + [int(lrow_sorted.shape[0])]
-    rows, lrow_sorted, token_sorted, order = (host_to_device(t, hidden.device)
-                                              for t in (rows, lrow_sorted, token_sorted, order))
+    rows, lrow_sorted, token_sorted, order = host_to_device_many((rows, lrow_sorted, token_sorted, order),
+                                                                 hidden.device)
     lp_sorted, ent_sel = MultiTargetLogprobs.apply(
         hidden.index_select(0, rows), weight, lrow_sorted, token_sorted,
         bool(return_entropy), tp_group, rank * v_local, int(chunk_rows), bool(reduce_hidden_grad), pair_bounds)

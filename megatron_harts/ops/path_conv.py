@@ -94,9 +94,8 @@ class ConvTaps:
 
     def to(self, device) -> "ConvTaps":
         """The same taps on ``device`` (CPU tensors reach a GPU without stalling the host)."""
-        from ..layout import host_to_device
-        return ConvTaps(host_to_device(self.taps, device), host_to_device(self.fix_rows, device),
-                        self.num_context_rows)
+        from ..layout import host_to_device_many
+        return ConvTaps(*host_to_device_many([self.taps, self.fix_rows], device), self.num_context_rows)
 
 
 def _fix_rows(taps: torch.Tensor, pad: int) -> torch.Tensor:

@@ -57,7 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..layout import host_to_device
+from ..layout import host_to_device_many
 from .kda import kda_chunked_varlen
 
 KDA_BACKENDS: Dict[str, Callable] = {"reference": kda_chunked_varlen}
@@ -112,8 +112,9 @@ class KdaCall:
     DEVICE_FIELDS = ("rows", "out_pos", "out_rows")
 
     def to(self, device) -> "KdaCall":
-        return KdaCall(**{f: host_to_device(getattr(self, f), device) if f in self.DEVICE_FIELDS
-                          else getattr(self, f) for f in self.__dataclass_fields__})
+        kw = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        kw.update(zip(self.DEVICE_FIELDS, host_to_device_many([kw[f] for f in self.DEVICE_FIELDS], device)))
+        return KdaCall(**kw)
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
