@@ -145,8 +145,8 @@ ITEM_CUT_SLOTS = 16
 #: slots and at least ``BALANCE_SPEND_BINS`` microbatches (smaller: planning time counts more, the passes
 #: cost 2-3 ms on Step-wise 512, where OR-Tools+FFD takes 20-36 ms); each
 #: entry (part, ordered): ``ordered`` scores the slots in the order the plan runs (``rebalance``).  A third
-#: entry (0.2, False) gave the same plan on every benchmark batch (DP 2/4/8, 256-2048 trajectories, v17)
-#: and cost Tree-Step 256 DP 8 a 7 ms pass
+#: entry (0.2, False) changed no benchmark plan's step, compression or balance (DP 8 at 256-2048 trajectories,
+#: DP 2/4 at 256 and 1024, both schemes) and cost Tree-Step 256 DP 8 a 7 ms pass
 BALANCE_SPEND = ((0.1, False), (0.2, True))
 #: ... and, where that packing has split windows, by the balance pass that moves their items too
 #: (``rebalance(split=True)``; the passes above leave them where the packer put them): entries (part, ordered,
