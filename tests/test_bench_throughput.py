@@ -122,7 +122,6 @@ def test_live_at_peak_sums_the_blocks_alive_at_the_trace_peak_by_site(bt):
                                     "megatron_harts/ops/kda.py:10 (fwd)"}
 
 
-
 def test_op_sites_count_and_time_each_operator_at_its_innermost_project_frame(bt, tmp_path):
     """Operators are counted where project code (a megatron_harts or megatron file) called them, the
     operators an operator dispatches inside it not again; the text tables name each site's operators

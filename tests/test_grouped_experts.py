@@ -250,16 +250,12 @@ def _model_run(model, cfg, short):
         torch.stack([r.last_tokens_per_expert for r in routers])
 
 
+# megatron's torch.compile'd helpers (the router's expert-bias update) run eagerly: both models call the
+# same ones, and torch 2.11's dynamo fails compiling a CPU graph in a process with CUDA unused (the GPU
+# machine: "list indices must be integers or slices, not str" in get_device_properties).  Through the
+# config's own patch: monkeypatch's undo leaves torch 2.13's config without the key.
+@torch._dynamo.config.patch(disable=True)
 def test_hybrid_model_equals_sequential_experts(cpu_world, grouped_calls, monkeypatch):
-    # megatron's torch.compile'd helpers (the router's expert-bias update) run eagerly: both models call
-    # the same ones, and torch 2.11's dynamo fails compiling a CPU graph in a process with CUDA unused
-    # (the GPU machine: "list indices must be integers or slices, not str" in get_device_properties).
-    # Through the config's own patch (monkeypatch's undo leaves torch 2.13's config without the key).
-    with torch._dynamo.config.patch(disable=True):
-        _hybrid_model_equals_sequential_experts(grouped_calls, monkeypatch)
-
-
-def _hybrid_model_equals_sequential_experts(grouped_calls, monkeypatch):
     from megatron.core.transformer.moe.experts import SequentialMLP
     cfg = tiny_config(dtype=torch.float32)
     model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 2)
