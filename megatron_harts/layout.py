@@ -189,17 +189,18 @@ def unstage_bytes(buf: torch.Tensor, offsets: Sequence[int], like: Sequence[torc
     return out
 
 
-def host_to_device_many(tensors: Sequence[torch.Tensor], device) -> List[torch.Tensor]:
-    """``[host_to_device(t, device) for t in tensors]`` with one pinned staging buffer and one
-    copy for all the CPU tensors bound for a GPU (their values, dtypes and shapes, contiguous),
-    instead of a pinned block and a copy each: a microbatch's dozens of small index tensors cost
-    the host one transfer.  The results are views of one device buffer, alive while any of them is."""
+def host_to_device_many(tensors: Sequence[Optional[torch.Tensor]], device) -> List[Optional[torch.Tensor]]:
+    """``[host_to_device(t, device) for t in tensors]`` (a None stays None) with one pinned staging
+    buffer and one copy for all the CPU tensors bound for a GPU (their values, dtypes and shapes,
+    contiguous), instead of a pinned block and a copy each: a microbatch's dozens of small index
+    tensors cost the host one transfer.  The results are views of one device buffer, alive while any
+    of them is."""
     device = torch.device(device)
     tensors = list(tensors)
-    host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+    host = [i for i, t in enumerate(tensors) if t is not None and t.device.type == "cpu"]
     if device.type != "cuda" or len(host) < 2:
-        return [host_to_device(t, device) for t in tensors]
-    out = [t if t.device.type == "cpu" else t.to(device) for t in tensors]
+        return [None if t is None else host_to_device(t, device) for t in tensors]
+    out = [t if t is None or t.device.type == "cpu" else t.to(device) for t in tensors]
     buf, offsets = stage_bytes([tensors[i] for i in host])
     moved = unstage_bytes(buf.to(device, non_blocking=True), offsets, [tensors[i] for i in host])
     for i, t in zip(host, moved):

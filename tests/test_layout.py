@@ -486,8 +486,16 @@ def test_staged_bytes_give_the_tensors_back_bit_for_bit():
 def test_host_to_device_many_equals_one_copy_each():
     from megatron_harts.layout import host_to_device, host_to_device_many
     ts = _mixed_tensors() + [torch.ones(2, device="cuda")]
-    many = host_to_device_many(ts, "cuda")
+    many = host_to_device_many(ts + [None], "cuda")
+    assert len(many) == len(ts) + 1 and many[-1] is None
     for t, m in zip(ts, many):
         one = host_to_device(t, "cuda")
         assert m.device.type == "cuda" and m.dtype == one.dtype and m.shape == one.shape
         assert torch.equal(_bits(m.cpu()), _bits(one.cpu()))
+
+
+def test_host_to_device_many_passes_none_through():
+    from megatron_harts.layout import host_to_device_many
+    a, b = torch.arange(3), torch.ones(2, dtype=torch.bool)
+    out = host_to_device_many([a, None, b, None], "cpu")
+    assert out[1] is None and out[3] is None and torch.equal(out[0], a) and torch.equal(out[2], b)

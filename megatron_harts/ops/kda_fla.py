@@ -374,11 +374,8 @@ def _launch_meta(lens: List[int], idx: List[int], off: List[int], device,
         inverse = torch.empty(len(idx), dtype=torch.long)
         inverse[torch.as_tensor(order)] = torch.arange(len(idx))
     h0_index = None if init_idx is None else torch.as_tensor(init_idx, dtype=torch.long)
-    host = [partial_pos, partial_inside, direct_rows, inverse, h0_index]       # one transfer for those there are
-    there = [i for i, t in enumerate(host) if t is not None]
-    for i, t in zip(there, host_to_device_many([host[i] for i in there], device)):
-        host[i] = t
-    partial_pos, partial_inside, direct_rows, inverse, h0_index = host
+    partial_pos, partial_inside, direct_rows, inverse, h0_index = host_to_device_many(
+        [partial_pos, partial_inside, direct_rows, inverse, h0_index], device)
     meta = _LaunchMeta(vl, direct_rows, partial, partial_pos, partial_inside, inverse, init_idx, h0_index)
     _META_CACHE[key] = meta
     if len(_META_CACHE) > _META_CACHE_SIZE:
