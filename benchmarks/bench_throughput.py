@@ -203,6 +203,9 @@ def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False):
     tables = (events.table(sort_by=sort_dev, row_limit=top, max_name_column_width=90) if device == "cuda" else "") \
         + "\n" + events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=90) \
         + "\n" + events.table(sort_by="count", row_limit=top, max_name_column_width=90)
+    syncs = sync_sites(trainer, forest) if device == "cuda" else {}
+    tables += "\nCUDA synchronizations by first project frame (one step):\n" + "".join(
+        f"{n:>8}  {site}\n" for site, n in syncs.items())
     if stacks:
         tables += "\nOperators dispatched, by innermost project frame (one step; the autograd engine's device " \
                   "thread's under no project frame):\n"
@@ -210,9 +213,6 @@ def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False):
             tables += op_site_tables(op_sites(trainer, forest))
         except Exception as e:       # an operator that refuses dispatch modes (torch.compile'd kernels)
             tables += f"    not counted: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
-    syncs = sync_sites(trainer, forest) if device == "cuda" else {}
-    tables += "\nCUDA synchronizations by first project frame (one step):\n" + "".join(
-        f"{n:>8}  {site}\n" for site, n in syncs.items())
     return {"wall_seconds": wall, "kernel_seconds": kernel_s,
             "kernel_launches": sum(v["launches"] for v in categories.values()),
             "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]["seconds"])),

@@ -300,3 +300,58 @@ def test_call_outputs_are_not_kept_for_the_backward():
     w = torch.randn(R, 2, 3, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((got * w).sum(), outs), torch.autograd.grad((want * w).sum(), outs)):
         assert torch.equal(a, b)
+
+
+def test_handed_off_states_reach_later_calls_through_one_gather_per_source(monkeypatch):
+    """States exported by a call reach the calls that start from them through one row gather of
+    that call's states (no per-state select, whose backward writes a zero tensor of all the call's
+    states for each state), planned once per schedule; the outputs, exported states and gradients
+    are those of per-state indexing, bit for bit."""
+    import megatron_harts.ops.tree_kda as tk
+    rng = np.random.default_rng(3)
+    root, a, b, *ends = (rng.integers(1, 99, 10).tolist() for _ in range(7))   # a binary tree of depth 3
+    forest = build_forest([make_trajectory({"id": i, "tokens": root + (a if i < 2 else b) + ends[i]})
+                           for i in range(4)])
+    B = 4
+    plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, B, replay=True)
+    sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan,
+                               export_rows=np.array([20, 3, 40], dtype=np.int64))
+    assert len(sched.calls) == 3 and all((c.init_slot >= 0).all() for c in sched.calls[1:])
+    leaves = [x[0].requires_grad_(True) for x in random_inputs(1, forest.num_rows, 2, 3, 2, torch.float64, 6)]
+    handed = []
+
+    def recording(*args, **kw):
+        if kw.get("initial_state") is not None:
+            handed.append(type(kw["initial_state"].grad_fn).__name__)
+        return kda_chunked_varlen(*args, **kw)
+    monkeypatch.setitem(tk.KDA_BACKENDS, "recording", recording)
+    out, exported = tree_kda(*leaves, sched, backend="recording", return_exports=True)
+    assert handed == ["IndexSelectBackward0", "IndexSelectBackward0"]
+    assert type(exported.grad_fn).__name__ in ("CatBackward0", "IndexSelectBackward0")
+    assert list(sched.state_gathers) == ["cpu"]
+    again = tree_kda(*leaves, sched)
+    assert torch.equal(again, out) and list(sched.state_gathers) == ["cpu"]
+
+    # the same calls with the states handed on one by one (what the gathers replace)
+    slots = [None] * sched.num_slots
+    outs = []
+    for call in sched.calls:
+        init, index = None, None
+        keys = list(zip(call.init_slot.tolist(), call.init_external.tolist()))
+        if any(s >= 0 for s, _ in keys):
+            init = torch.stack([slots[s] if s >= 0 else torch.zeros(2, 3, 2, dtype=torch.float64) for s, _ in keys])
+        o, st = kda_chunked_varlen(*(x[call.rows] for x in leaves), call.lengths, chunk_size=B, initial_state=init,
+                                   state_index=call.export_seq, state_offset=call.export_offset)
+        for p, s in enumerate(call.export_slot.tolist()):
+            slots[s] = st[p]
+        outs.append(o)
+    want = torch.zeros_like(out)
+    for call, o in zip(sched.calls, outs):
+        want = want.index_copy(0, call.out_rows, o[call.out_pos])
+    want_exported = torch.stack([slots[int(s)] for s in sched.export_slots])
+    assert torch.equal(out, want) and torch.equal(exported, want_exported)
+    w = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    got_g = torch.autograd.grad((out * w).sum() + exported.square().sum(), leaves)
+    want_g = torch.autograd.grad((want * w).sum() + want_exported.square().sum(), leaves)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)

@@ -285,12 +285,12 @@ def kda_fla_varlen(q, k, v, g, beta, lengths, *, chunk_size: int = 64, scale: Op
     if P == 0:
         return o, q.new_zeros(0, H, K, V, dtype=torch.float32)
     parts = []
-    if meta.direct_rows is not None:
-        parts.append(states_u[meta.direct_rows])
+    if meta.num_direct:
+        parts.append(states_u if meta.direct_rows is None else states_u.index_select(0, meta.direct_rows))
     if meta.partial:
         parts.append(_partial_states(q, k, v, g, beta, initial_state, states_u, meta, scale))
     stacked = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return o, stacked[meta.inverse]
+    return o, stacked if meta.inverse is None else stacked.index_select(0, meta.inverse)
 
 
 def kda_fla(q, k, v, g, beta, *, chunk_size: int = 64, scale: Optional[float] = None,
@@ -318,8 +318,11 @@ class _LaunchMeta:
     (p, n, c, r, row or -1)), their tokens' packed positions (``partial_pos`` [P', r_max],
     clamped; ``partial_inside``: the mask of the real ones), the permutation putting the
     exports back in request order, and each sequence's row of the distinct initial states
-    (``h0_rows`` host, ``h0_index`` device; None when there is one state per sequence)."""
+    (``h0_rows`` host, ``h0_index`` device; None when there is one state per sequence).
+    ``direct_rows`` None: the ``num_direct`` direct exports are the state rows in order;
+    ``inverse`` None: the request order is the direct exports', then the partial ones'."""
     varlen: _Varlen
+    num_direct: int
     direct_rows: Optional[torch.Tensor]
     partial: List[Tuple[int, int, int, int, int]]
     partial_pos: Optional[torch.Tensor]
@@ -367,16 +370,17 @@ def _launch_meta(lens: List[int], idx: List[int], off: List[int], device,
         inside = np.arange(r_max)[None, :] < np.array([r for *_, r, _ in partial])[:, None]
         partial_pos = torch.from_numpy(np.where(inside, pos, 0))
         partial_inside = torch.from_numpy(inside)
-    direct_rows = torch.as_tensor([r for _, r in direct], dtype=torch.long) if direct else None
+    rows = [r for _, r in direct]
+    direct_rows = None if rows == list(range(vl.num_exports)) else torch.as_tensor(rows, dtype=torch.long)
     inverse = None
-    if idx:
-        order = [p for p, _ in direct] + [p for p, *_ in partial]
+    order = [p for p, _ in direct] + [p for p, *_ in partial]
+    if order != list(range(len(idx))):
         inverse = torch.empty(len(idx), dtype=torch.long)
         inverse[torch.as_tensor(order)] = torch.arange(len(idx))
     h0_index = None if init_idx is None else torch.as_tensor(init_idx, dtype=torch.long)
     partial_pos, partial_inside, direct_rows, inverse, h0_index = host_to_device_many(
         [partial_pos, partial_inside, direct_rows, inverse, h0_index], device)
-    meta = _LaunchMeta(vl, direct_rows, partial, partial_pos, partial_inside, inverse, init_idx, h0_index)
+    meta = _LaunchMeta(vl, len(direct), direct_rows, partial, partial_pos, partial_inside, inverse, init_idx, h0_index)
     _META_CACHE[key] = meta
     if len(_META_CACHE) > _META_CACHE_SIZE:
         _META_CACHE.popitem(last=False)

@@ -144,6 +144,8 @@ class KdaSchedule:
     external_replay_position: np.ndarray = field(default_factory=lambda: _EMPTY)
     export_rows: np.ndarray = field(default_factory=lambda: _EMPTY)
     export_slots: np.ndarray = field(default_factory=lambda: _EMPTY)
+    #: ``_state_gathers``' plans by device, built on the first run
+    state_gathers: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_external_states(self) -> int:
@@ -454,18 +456,90 @@ def _gather(x: torch.Tensor, rows: torch.Tensor, unique: bool, identity: bool) -
     return _GatherUniqueRows.apply(x, rows) if unique else x.index_select(0, rows)
 
 
-def _initial_states(call, slots, ext_states, zero):
-    """A call's starting states as the backends take them: ``(None, None)`` when every sequence starts
-    from zero, else ``(states, index)``, the distinct states [M, H, K, V] (a state forked by several
-    sequences once: what the backend keeps for backward) and each sequence's row of them (None when
-    the rows are the sequences, in order)."""
-    keys = list(zip(call.init_slot.tolist(), call.init_external.tolist()))
-    if all(s < 0 and e < 0 for s, e in keys):
-        return None, None
-    row: Dict[tuple, int] = {}
-    index = [row.setdefault(key, len(row)) for key in keys]
-    states = torch.stack([slots[s] if s >= 0 else (ext_states[e] if e >= 0 else zero) for s, e in row])
-    return states, (None if len(row) == len(keys) else index)
+@dataclass
+class _StateGather:
+    """How a list of states is assembled from where the states live: ``parts`` concatenated in
+    order, each ``(source, rows)`` with source ``("call", c)`` (the states call c exported, in its
+    export order), ``("external", 0)`` (the producer's states) or ``("zero", 0)`` (one zero state),
+    and ``rows`` the device index of the rows taken (None: all of the source's rows, in order).
+    Entry i of the list is row ``index[i]`` of the concatenation (``index`` None: row i).  Every
+    distinct state is taken once, so a state's gradient arrives through one gather of its source."""
+    parts: List[tuple]
+    index: Optional[List[int]]
+    host_rows: List[Optional[np.ndarray]] = field(default_factory=list, repr=False)
+    order: Optional[torch.Tensor] = None    # ``index`` on the device (the exported states' gather)
+
+    def assemble(self, call_states: List[torch.Tensor], ext_states: Optional[torch.Tensor],
+                 like: torch.Tensor) -> torch.Tensor:
+        pieces = []
+        for (kind, c), rows in self.parts:
+            if kind == "zero":
+                pieces.append(like.new_zeros((1,) + tuple(like.shape[1:])))
+                continue
+            src = call_states[c] if kind == "call" else ext_states
+            pieces.append(src if rows is None else src.index_select(0, rows))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _plan_state_gather(keys, slot_source, source_sizes) -> _StateGather:
+    """``keys`` (slot, external) per entry, as a call names its starting states (slot -1 and external
+    -1: the zero state); ``slot_source[s] = (call, row)``: where slot s was exported;
+    ``source_sizes[source]``: the rows a source holds.  Rows are grouped by source, each group in
+    first-appearance order."""
+    groups: Dict[tuple, List[int]] = {}
+    for s, e in keys:
+        src, r = (("call", slot_source[s][0]), slot_source[s][1]) if s >= 0 else \
+            ((("external", 0), e) if e >= 0 else (("zero", 0), 0))
+        rows = groups.setdefault(src, [])
+        if r not in rows:
+            rows.append(r)
+    offset, position = 0, {}
+    for src, rows in groups.items():
+        position.update({(src, r): offset + i for i, r in enumerate(rows)})
+        offset += len(rows)
+    index = []
+    for s, e in keys:
+        src, r = (("call", slot_source[s][0]), slot_source[s][1]) if s >= 0 else \
+            ((("external", 0), e) if e >= 0 else (("zero", 0), 0))
+        index.append(position[(src, r)])
+    host_rows = [None if src[0] == "zero" or rows == list(range(source_sizes[src])) else np.asarray(rows, np.int64)
+                 for src, rows in groups.items()]
+    return _StateGather(parts=[(src, None) for src in groups], host_rows=host_rows,
+                        index=None if index == list(range(len(keys))) else index)
+
+
+def _state_gathers(schedule: KdaSchedule, num_external_states: int, device):
+    """Per call, its starting states as a ``_StateGather`` (None: every sequence starts from zero),
+    and the exported states' (``schedule.export_slots``); built once per schedule and device (every
+    KDA layer of a microbatch runs the same schedule), index tensors copied in one transfer."""
+    key = str(device)
+    cached = schedule.state_gathers.get(key)
+    if cached is not None:
+        return cached
+    slot_source = {}
+    sizes = {("external", 0): num_external_states}
+    for c, call in enumerate(schedule.calls):
+        slots = call.export_slot.tolist()
+        sizes[("call", c)] = len(slots)
+        slot_source.update({s: (c, p) for p, s in enumerate(slots)})
+    per_call = []
+    for call in schedule.calls:
+        keys = list(zip(call.init_slot.tolist(), call.init_external.tolist()))
+        per_call.append(None if all(s < 0 and e < 0 for s, e in keys) else _plan_state_gather(keys, slot_source, sizes))
+    exported = (_plan_state_gather([(int(s), -1) for s in schedule.export_slots], slot_source, sizes)
+                if schedule.export_slots.size else None)
+    plans = [g for g in per_call + [exported] if g is not None]
+    order = None if exported is None or exported.index is None else torch.as_tensor(exported.index)
+    *rows, order = host_to_device_many([torch.from_numpy(r) if r is not None else None
+                                        for g in plans for r in g.host_rows] + [order], device)
+    i = 0
+    for g in plans:
+        g.parts = [(src, rows[i + j]) for j, (src, _) in enumerate(g.parts)]
+        i += len(g.parts)
+    if exported is not None:
+        exported.order = order
+    schedule.state_gathers[key] = (per_call, exported)
+    return per_call, exported
 
 
 def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] = None,
@@ -499,15 +573,17 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
     elif external is not None and (external.q.shape[0] or external.initial_states.shape[0]):
         raise ValueError("external: this schedule reads no producer state (a layout of whole trees), got "
                          f"{external.initial_states.shape[0]} states and {external.q.shape[0]} replay rows")
-    slots: List[Optional[torch.Tensor]] = [None] * schedule.num_slots
+    per_call, export_gather = _state_gathers(schedule, 0 if ext_states is None else ext_states.shape[0], q.device)
+    zero_like = q.new_empty((0, H, K, V), dtype=cdt)
+    call_states: List[torch.Tensor] = []
     outputs = []
-    for call in schedule.calls:
-        init, init_index = _initial_states(call, slots, ext_states, q.new_zeros(H, K, V, dtype=cdt))
+    for call, gather in zip(schedule.calls, per_call):
+        init = None if gather is None else gather.assemble(call_states, ext_states, zero_like)
         o, states = run(*(_gather(x, call.rows, call.rows_unique, call.rows_identity) for x in (q, k, v, g, beta)),
                         call.lengths, chunk_size=schedule.chunk_size, scale=scale, initial_state=init,
-                        state_index=call.export_seq, state_offset=call.export_offset, initial_state_index=init_index)
-        for p, s in enumerate(call.export_slot.tolist()):
-            slots[s] = states[p]
+                        state_index=call.export_seq, state_offset=call.export_offset,
+                        initial_state_index=None if gather is None else gather.index)
+        call_states.append(states)
         outputs.append(o)
     if len(outputs) == 1 and outputs[0].shape[0] == R and _outputs_in_order(schedule.calls[0], R):
         out = outputs[0]                        # the one call holds every row, in order
@@ -517,9 +593,10 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
         out = v.new_zeros(R, H, V)
     if not return_exports:
         return out
-    exported = (torch.stack([slots[int(s)] for s in schedule.export_slots]) if schedule.export_slots.size
-                else q.new_zeros(0, H, K, V, dtype=cdt))
-    return out, exported
+    if export_gather is None:
+        return out, zero_like
+    exported = export_gather.assemble(call_states, ext_states, zero_like)
+    return out, (exported if export_gather.order is None else exported.index_select(0, export_gather.order))
 
 
 def consumer_kda_sources(layout, schedule: KdaSchedule):
