@@ -1,4 +1,6 @@
 """KDA core and the tree executor against expanded per-trajectory KDA (invariants 1 and 2)."""
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -150,7 +152,10 @@ def test_recurrent_matches_transformers_kimi_linear():
     mod = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
     q, k, v, g, beta = random_inputs(2, 19, 2, 8, 4, torch.float32)
     o, s = kda_recurrent(q, k, v, g, beta)
-    o_hf, s_hf = mod.chunk_kimi_delta_attention(q, k, v, g, beta, chunk_size=8, output_final_state=True)
+    # the torch function under transformers' kernel wrapper (with fla installed the wrapper calls fla's
+    # GPU kernel, which takes no CPU tensors)
+    torch_path = inspect.unwrap(mod.chunk_kimi_delta_attention)
+    o_hf, s_hf = torch_path(q, k, v, g, beta, chunk_size=8, output_final_state=True)
     torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s, s_hf, rtol=1e-5, atol=1e-5)
     o_c, _ = kda_chunked(q, k, v, g, beta, chunk_size=8)
