@@ -408,27 +408,42 @@ def _local_subtree_ends(parent: np.ndarray) -> np.ndarray:
     return np.asarray(end, dtype=np.int64)
 
 
-def _overlay(flat: np.ndarray, exc, traj_local: np.ndarray, flat_offsets: np.ndarray,
-             traj_start: np.ndarray, flat_lengths: Optional[np.ndarray] = None) -> np.ndarray:
+def _overlay(values: np.ndarray, exc, traj_local: np.ndarray, flat_offsets: np.ndarray,
+             traj_start: np.ndarray, flat_lengths: np.ndarray, at: Optional[np.ndarray] = None) -> np.ndarray:
     """Apply per-(forest trajectory, position) exceptions onto expanded flat values.
 
-    Trajectory t's flat values are its positions ``traj_start[t] ...``: all the rest of its
-    path, or ``flat_lengths[t]`` of them when given."""
-    if exc.traj.shape[0] == 0 or traj_local.shape[0] == 0:
-        return flat
+    Trajectory t's flat values are ``flat_lengths[t]`` of its positions from ``traj_start[t]``, at
+    flat indices ``flat_offsets[t] ...``.  ``values`` are the values at every flat index, or with
+    ``at`` (ascending flat indices) at those only; the result has the shape of ``values``."""
+    if exc.traj.shape[0] == 0 or traj_local.shape[0] == 0 or values.shape[0] == 0:
+        return values
     # exceptions are sorted by trajectory: keep those of our trajectories
     idx = np.searchsorted(traj_local, exc.traj)
     idx_c = np.minimum(idx, traj_local.shape[0] - 1)
     ours = traj_local[idx_c] == exc.traj
     t = idx_c[ours]
     pos = exc.pos[ours]
-    keep = pos >= traj_start[t]
-    if flat_lengths is not None:
-        keep &= pos < traj_start[t] + flat_lengths[t]
-    t, pos = t[keep], pos[keep]
-    out = flat.copy()
-    out[flat_offsets[t] + pos - traj_start[t]] = exc.value[ours][keep]
+    keep = (pos >= traj_start[t]) & (pos < traj_start[t] + flat_lengths[t])
+    t, pos, value = t[keep], pos[keep], exc.value[ours][keep]
+    flat = flat_offsets[t] + pos - traj_start[t]
+    if at is not None:
+        j = np.minimum(np.searchsorted(at, flat), at.shape[0] - 1)
+        hit = at[j] == flat
+        flat, value = j[hit], value[hit]
+    out = values.copy()
+    out[flat] = value
     return out
+
+
+def _target_order(row: np.ndarray, token: np.ndarray, traj: np.ndarray) -> np.ndarray:
+    """The targets sorted by (row, token, trajectory): one sort of a combined key where it fits 63
+    bits, else a three-key lexsort (the same order: the keys are non-negative)."""
+    if row.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    n_tok, n_traj = int(token.max()) + 1, int(traj.max()) + 1
+    if (int(row.max()) + 1) * n_tok * n_traj < 2 ** 63:
+        return np.argsort((row * n_tok + token) * n_traj + traj, kind="stable")
+    return np.lexsort((traj, token, row))
 
 
 def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
@@ -577,33 +592,23 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
     ext_len = local_len + has_exit
     ext_offsets = np.zeros(N + 1, dtype=np.int64)
     np.cumsum(ext_len, out=ext_offsets[1:])
-    ext_traj = np.repeat(np.arange(N, dtype=np.int64), ext_len)
-    ext_k = np.arange(ext_offsets[-1], dtype=np.int64) - ext_offsets[ext_traj]
-    ext_held = ext_k < local_len[ext_traj]
-    ext_row = np.full(ext_offsets[-1], -1, dtype=np.int64)       # layout row, -1 at an exit position
-    ext_row[ext_held] = traj_rows
-    ext_frow = np.where(ext_held, forest_rows[np.maximum(ext_row, 0)], exit_frow[ext_traj]) \
-        if ext_row.size else np.zeros(0, dtype=np.int64)
-
-    # per-token metadata at every expanded position held here (and at exits)
-    E = ext_row.shape[0]
-    flat_traj = ext_traj
-    flat_frow = ext_frow
-    lm = _overlay(forest.row_loss_mask[flat_frow], forest.exc_loss_mask, traj_forest, ext_offsets,
-                  traj_start, ext_len)
-    old_lp = _overlay(forest.row_old_logprobs[flat_frow], forest.exc_old_logprobs, traj_forest,
-                      ext_offsets, traj_start, ext_len)
-    old_lp = np.where(forest.traj_has_old_logprobs[traj_forest][flat_traj], old_lp, np.nan)
-    adv_tok = _overlay(forest.row_advantage[flat_frow], forest.exc_advantage, traj_forest,
-                       ext_offsets, traj_start, ext_len)
-    kind = forest.traj_adv_kind[traj_forest][flat_traj]
-    adv = np.where(kind == ADV_TOKEN, adv_tok,
-                   np.where(kind == ADV_SCALAR, forest.traj_advantage[traj_forest][flat_traj], np.nan))
-    weight = forest.traj_weight[traj_forest]
-    weight = np.where(np.isnan(weight), 1.0, weight)
+    if has_exit.any():      # an exit is the last position of its trajectory's run
+        exit_pos = ext_offsets[1:][has_exit] - 1
+        ext_held = np.ones(int(ext_offsets[-1]), dtype=bool)
+        ext_held[exit_pos] = False
+        ext_row = np.full(ext_held.shape[0], -1, dtype=np.int64)     # layout row, -1 at an exit position
+        ext_row[ext_held] = traj_rows
+        ext_frow = np.empty(ext_held.shape[0], dtype=np.int64)
+        ext_frow[ext_held] = forest_rows[traj_rows]
+        ext_frow[exit_pos] = exit_frow[has_exit]
+    else:
+        ext_row, ext_frow = traj_rows, forest_rows[traj_rows]
 
     # targets: expanded position i >= 1 (not the first held position) with loss mask 1, whose
     # predicting row (the previous position, always held) lies in an owned segment
+    E = ext_row.shape[0]
+    lm = _overlay(forest.row_loss_mask[ext_frow], forest.exc_loss_mask, traj_forest, ext_offsets, traj_start,
+                  ext_len)
     is_first = np.zeros(E, dtype=bool)
     is_first[ext_offsets[:-1][ext_len > 0]] = True
     tgt = np.flatnonzero((lm == 1) & ~is_first)
@@ -611,11 +616,25 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
     if owned_f is not None:
         keep = np.isin(seg_f[row_seg[target_row]], owned_f)
         tgt, target_row = tgt[keep], target_row[keep]
-    target_traj = flat_traj[tgt]
-    target_token = forest.tokens[flat_frow[tgt]]
-    order = np.lexsort((target_traj, target_token, target_row))
-    tgt = tgt[order]
+    target_traj = np.searchsorted(ext_offsets, tgt, side="right") - 1
+    target_frow = ext_frow[tgt]
+    target_token = forest.tokens[target_frow]
+
+    # the targets' old log-probs and advantages (per-token values with the trajectories' exceptions)
+    weight = forest.traj_weight[traj_forest]
+    weight = np.where(np.isnan(weight), 1.0, weight)
+    traj_of = traj_forest[target_traj]
+    old_lp = _overlay(forest.row_old_logprobs[target_frow], forest.exc_old_logprobs, traj_forest, ext_offsets,
+                      traj_start, ext_len, at=tgt)
+    old_lp = np.where(forest.traj_has_old_logprobs[traj_of], old_lp, np.nan)
+    adv_tok = _overlay(forest.row_advantage[target_frow], forest.exc_advantage, traj_forest, ext_offsets,
+                       traj_start, ext_len, at=tgt)
+    kind = forest.traj_adv_kind[traj_of]
+    adv = np.where(kind == ADV_TOKEN, adv_tok, np.where(kind == ADV_SCALAR, forest.traj_advantage[traj_of], np.nan))
+
+    order = _target_order(target_row, target_token, target_traj)
     target_row, target_traj, target_token = target_row[order], target_traj[order], target_token[order]
+    old_lp, adv = old_lp[order], adv[order]
     target_position = position_ids[target_row] + 1
     new_pair = np.ones(tgt.shape[0], dtype=bool)
     new_pair[1:] = (target_row[1:] != target_row[:-1]) | (target_token[1:] != target_token[:-1])
@@ -635,7 +654,7 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
         vis_offsets=T(np.arange(R + 1, dtype=np.int64)), vis_start=T(rows.copy()), vis_end=T(vis_end),
         target_row=T(target_row), target_traj=T(target_traj), target_token=T(target_token.astype(np.int64)),
         target_position=T(target_position), target_weight=T(weight[target_traj].astype(np.float64)),
-        target_old_logprob=T(old_lp[tgt].astype(np.float64)), target_advantage=T(adv[tgt].astype(np.float64)),
+        target_old_logprob=T(old_lp.astype(np.float64)), target_advantage=T(adv.astype(np.float64)),
         target_pair=T(target_pair.astype(np.int64)), pair_row=T(pair_row), pair_token=T(pair_token.astype(np.int64)),
         traj_ids=[forest.traj_ids[i] for i in traj_forest.tolist()], traj_forest=traj_forest,
         traj_length=T(traj_length.astype(np.int64)), traj_start=T(traj_start),

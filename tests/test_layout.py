@@ -499,3 +499,34 @@ def test_host_to_device_many_passes_none_through():
     a, b = torch.arange(3), torch.ones(2, dtype=torch.bool)
     out = host_to_device_many([a, None, b, None], "cpu")
     assert out[1] is None and out[3] is None and torch.equal(out[0], a) and torch.equal(out[2], b)
+
+
+def test_target_order_is_lexsorted_with_or_without_the_combined_key():
+    """Targets sort by (row, token, trajectory): the one-key sort where the key fits 63 bits, the
+    three-key lexsort where it would not; both give lexsort's order."""
+    from megatron_harts.layout import _target_order
+    rng = np.random.default_rng(0)
+    for hi_tok in (50, 2 ** 40):            # the second overflows the combined key
+        row = rng.integers(0, 30, 500)
+        token = rng.integers(0, hi_tok, 500)
+        traj = rng.permutation(500)
+        want = np.lexsort((traj, token, row))
+        np.testing.assert_array_equal(_target_order(row, token, traj), want)
+    assert _target_order(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)).size == 0
+
+
+def test_overlay_at_some_positions_equals_the_whole_overlay_there():
+    from megatron_harts.layout import _overlay
+    from megatron_harts.tree_data.forest import Exceptions
+    rng = np.random.default_rng(1)
+    lengths = np.array([5, 0, 7, 3])
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    start = np.array([2, 0, 0, 4])
+    traj_local = np.array([1, 3, 4, 9])
+    exc = Exceptions(traj=np.array([0, 1, 1, 4, 4, 4, 9, 9]), pos=np.array([3, 2, 6, 0, 6, 9, 4, 6]),
+                     value=np.arange(8, dtype=np.float64) + 100)
+    values = rng.normal(size=int(offsets[-1]))
+    whole = _overlay(values, exc, traj_local, offsets, start, lengths)
+    assert (whole != values).sum() == 6           # all but trajectory 0's (not ours) and (4, 9) (past the run)
+    at = np.array([0, 4, 5, 9, 11, 12])
+    np.testing.assert_array_equal(_overlay(values[at], exc, traj_local, offsets, start, lengths, at=at), whole[at])
