@@ -379,7 +379,7 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
         call = KdaCall(rows=h(rows), out_pos=h(out_pos), out_rows=h(out_rows), init_slot=h(init),
                        init_external=h(init_ext), export_seq=h(exp_seq), export_offset=h(exp_off),
                        export_slot=h(exp_slot), lengths=h(lengths),
-                       rows_unique=bool(np.unique(rows).size == rows.size), rows_identity=in_order(rows),
+                       rows_unique=bool(rows.size == 0 or np.bincount(rows).max() <= 1), rows_identity=in_order(rows),
                        out_identity=in_order(out_pos) and in_order(out_rows))
         calls.append(call if device is None else call.to(device))
         out_rows_host.append(out_rows)
