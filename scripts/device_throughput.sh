@@ -4,7 +4,7 @@
 #   bash scripts/device_throughput.sh [SECONDS] [STAGE...]
 #
 # Stages, each its own bench_throughput run with its share of SECONDS (default 540) as a deadline,
-# results as JSON in $OUT (or ./out/throughput):
+# results as JSON in $OUT (or ./out/throughput); $ITERS timed steps per mode (default 1):
 #   fidelity    benchmarks/step_fidelity.py: one bf16 step, expanded / expanded repacked / within / windows
 #   step-wise   the paper-level Step-wise batch (46 trajectories, 16k-row microbatches), within and windows
 #               (plain and with --tree-recompute-producers) against expanded
@@ -30,6 +30,7 @@ shift || true
 STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=(fidelity step-wise tree-step)
 OUT="${OUT:-out/throughput}"
+ITERS="${ITERS:-1}"     # timed steps per mode (median); single steps of a host-bound step move by ~15%
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
 # the second entry: flash-attn-4's CuTe DSL where scripts/fa4_wheels.sh installed it (then both modes' MLA
@@ -38,7 +39,7 @@ export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHO
 nvidia-smi -L
 share=$((SECONDS_LEFT / ${#STAGES[@]}))
 quiet() { grep -v -i -E "warn|Unknown MLP|Rerun"; }
-BENCH=(python3 benchmarks/bench_throughput.py --iters 1 --tree-sharing within windows --recompute-producers
+BENCH=(python3 benchmarks/bench_throughput.py --iters "$ITERS" --tree-sharing within windows --recompute-producers
        --driver-flags "--tree-triton-max-configs 1")
 STEPWISE=(--schemes step-wise --num-tasks 2 --max-tokens 16384 --microbatch-tokens 16384)
 TREESTEP=(--schemes tree-step --num-tasks 1 --samples-per-task 12 --max-tokens 6144 --microbatch-tokens 16384)
@@ -61,7 +62,7 @@ for stage in "${STAGES[@]}"; do
              tests/test_kda_fla.py tests/test_tree_attention.py tests/test_norm.py tests/test_grouped_experts.py \
              2>&1 | grep -v "^  " | tee "$OUT/device-tests.txt" | tail -25 ;;
     memory) for preset in h200 h200-2k; do
-              timeout $((share / 2)) python3 benchmarks/bench_throughput.py --iters 1 --tree-sharing within \
+              timeout $((share / 2)) python3 benchmarks/bench_throughput.py --iters "$ITERS" --tree-sharing within \
                 --driver-flags "--tree-triton-max-configs 1" --no-cosine --memory-profile --preset "$preset" \
                 "${TREESTEP[@]}" --out "$OUT/memory-$preset-tree-step-16k.json" 2>&1 | quiet
             done ;;
