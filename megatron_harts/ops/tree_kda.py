@@ -486,29 +486,28 @@ def _plan_state_gather(keys, slot_source, source_sizes) -> _StateGather:
     -1: the zero state); ``slot_source[s] = (call, row)``: where slot s was exported;
     ``source_sizes[source]``: the rows a source holds.  Rows are grouped by source, each group in
     first-appearance order."""
-    groups: Dict[tuple, List[int]] = {}
-    for s, e in keys:
-        src, r = (("call", slot_source[s][0]), slot_source[s][1]) if s >= 0 else \
-            ((("external", 0), e) if e >= 0 else (("zero", 0), 0))
-        rows = groups.setdefault(src, [])
-        if r not in rows:
-            rows.append(r)
+    def locate(s, e):
+        if s >= 0:
+            return ("call", slot_source[s][0]), slot_source[s][1]
+        return (("external", 0), e) if e >= 0 else (("zero", 0), 0)
+
+    located = [locate(s, e) for s, e in keys]
+    distinct: Dict[tuple, Dict[int, None]] = {}      # source -> its rows, an ordered set
+    for src, r in located:
+        distinct.setdefault(src, {})[r] = None
+    groups = {src: list(rows) for src, rows in distinct.items()}
     offset, position = 0, {}
     for src, rows in groups.items():
         position.update({(src, r): offset + i for i, r in enumerate(rows)})
         offset += len(rows)
-    index = []
-    for s, e in keys:
-        src, r = (("call", slot_source[s][0]), slot_source[s][1]) if s >= 0 else \
-            ((("external", 0), e) if e >= 0 else (("zero", 0), 0))
-        index.append(position[(src, r)])
+    index = [position[entry] for entry in located]
     host_rows = [None if src[0] == "zero" or rows == list(range(source_sizes[src])) else np.asarray(rows, np.int64)
                  for src, rows in groups.items()]
     return _StateGather(parts=[(src, None) for src in groups], host_rows=host_rows,
                         index=None if index == list(range(len(keys))) else index)
 
 
-def _state_gathers(schedule: KdaSchedule, num_external_states: int, device):
+def _state_gathers(schedule: KdaSchedule, device):
     """Per call, its starting states as a ``_StateGather`` (None: every sequence starts from zero),
     and the exported states' (``schedule.export_slots``); built once per schedule and device (every
     KDA layer of a microbatch runs the same schedule), index tensors copied in one transfer."""
@@ -517,7 +516,7 @@ def _state_gathers(schedule: KdaSchedule, num_external_states: int, device):
     if cached is not None:
         return cached
     slot_source = {}
-    sizes = {("external", 0): num_external_states}
+    sizes = {("external", 0): schedule.num_external_states}
     for c, call in enumerate(schedule.calls):
         slots = call.export_slot.tolist()
         sizes[("call", c)] = len(slots)
@@ -525,7 +524,8 @@ def _state_gathers(schedule: KdaSchedule, num_external_states: int, device):
     per_call = []
     for call in schedule.calls:
         keys = list(zip(call.init_slot.tolist(), call.init_external.tolist()))
-        per_call.append(None if all(s < 0 and e < 0 for s, e in keys) else _plan_state_gather(keys, slot_source, sizes))
+        starts_from_zero = all(s < 0 and e < 0 for s, e in keys)
+        per_call.append(None if starts_from_zero else _plan_state_gather(keys, slot_source, sizes))
     exported = (_plan_state_gather([(int(s), -1) for s in schedule.export_slots], slot_source, sizes)
                 if schedule.export_slots.size else None)
     plans = [g for g in per_call + [exported] if g is not None]
@@ -573,7 +573,7 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
     elif external is not None and (external.q.shape[0] or external.initial_states.shape[0]):
         raise ValueError("external: this schedule reads no producer state (a layout of whole trees), got "
                          f"{external.initial_states.shape[0]} states and {external.q.shape[0]} replay rows")
-    per_call, export_gather = _state_gathers(schedule, 0 if ext_states is None else ext_states.shape[0], q.device)
+    per_call, export_gather = _state_gathers(schedule, q.device)
     zero_like = q.new_empty((0, H, K, V), dtype=cdt)
     call_states: List[torch.Tensor] = []
     outputs = []
