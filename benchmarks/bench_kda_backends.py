@@ -55,6 +55,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-configs", type=int, default=0, help="let every Triton autotuner try at most this "
                    "many configs (fewest stages first; 0 = all): compile time vs tuned timings")
+    p.add_argument("--full-launch", action="store_true",
+                   help="also time tree_fla and expanded_fla with every Triton launch through the autotuners "
+                        "(ops/triton_launch.py's fast path undone): *_full_launch")
+    p.add_argument("--host-profile", metavar="FILE", help="cProfile of --repeats runs of tree_fla and of "
+                   "expanded_fla (after the timings): the host's functions by own time, into FILE (text)")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     if args.rows < 64 or args.heads < 1 or args.head_dim < 16 or args.repeats < 1 or args.warmup < 0:
@@ -63,25 +68,29 @@ def parse_args(argv=None):
 
 
 def timed(fn, warmup, repeats, device):
-    """Median milliseconds of fn() (CUDA events) after ``warmup`` runs; and peak memory (GiB) of one run."""
+    """Median milliseconds of fn() (CUDA events) after ``warmup`` runs, peak memory (GiB) of one run, and
+    the median host milliseconds of fn() (until it returns, the device not waited for)."""
     if device.type != "cuda":   # smoke run
         t0 = time.perf_counter()
         fn()
-        return (time.perf_counter() - t0) * 1e3, 0.0
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, 0.0, ms
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    times = []
+    times, host = [], []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e3)
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2 ** 30, statistics.median(host)
 
 
 def rel(a, b):
@@ -171,8 +180,33 @@ def main(argv=None):
                ("expanded_chunk_kda", run_chunk_kda)]
     if not args.skip_reference:
         methods.append(("tree_reference", run_tree("reference")))
+    res["host_ms"] = {}
     for name, fn in methods:
-        res["ms"][name], res["peak_gib"][name] = timed(fn, args.warmup, args.repeats, dev)
+        res["ms"][name], res["peak_gib"][name], res["host_ms"][name] = timed(fn, args.warmup, args.repeats, dev)
+    if args.full_launch:
+        from megatron_harts.ops.triton_launch import fast_autotuned_launches
+        fast_autotuned_launches()()          # every launch through the autotuners, then back
+        for name, fn in methods[:2]:
+            key = f"{name}_full_launch"
+            res["ms"][key], res["peak_gib"][key], res["host_ms"][key] = timed(fn, args.warmup, args.repeats, dev)
+        fast_autotuned_launches()
+
+    if args.host_profile:
+        import cProfile
+        import io
+        import pstats
+        with open(args.host_profile, "w") as f:
+            for name, fn in methods[:2]:
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(args.repeats):
+                    fn()
+                prof.disable()
+                torch.cuda.synchronize() if dev.type == "cuda" else None
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+                f.write(f"===== {name}: {args.repeats} runs, {len(sched.calls) if name == 'tree_fla' else 1} "
+                        f"KDA call(s) each\n{buf.getvalue()}\n")
 
     # the state-gradient recurrence alone, on the expanded tokens
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
@@ -195,7 +229,7 @@ def main(argv=None):
     a, b = ours(), theirs()
     res["state_grad_ours_vs_fla_rel"] = {n: rel(x, y) for n, x, y in zip(("dh", "dh0", "dv2"), a, b)}
     for name, fn in (("state_grad_ours", ours), ("state_grad_fla", theirs)):
-        res["ms"][name], res["peak_gib"][name] = timed(fn, args.warmup, args.repeats, dev)
+        res["ms"][name], res["peak_gib"][name], res["host_ms"][name] = timed(fn, args.warmup, args.repeats, dev)
 
     ms = res["ms"]
     res["speedup_fla_over_reference_tree"] = (ms["tree_reference"] / ms["tree_fla"]) if "tree_reference" in ms else None
@@ -205,9 +239,9 @@ def main(argv=None):
         with open(args.out, "w") as f:
             f.write(text + "\n")
     print(text)
-    print(f"\n{'method':<22}{'ms':>10}{'peak GiB':>10}")
+    print(f"\n{'method':<30}{'ms':>10}{'host ms':>10}{'peak GiB':>10}")
     for name in ms:
-        print(f"{name:<22}{ms[name]:>10.3f}{res['peak_gib'][name]:>10.2f}")
+        print(f"{name:<30}{ms[name]:>10.3f}{res['host_ms'][name]:>10.3f}{res['peak_gib'][name]:>10.2f}")
 
 
 if __name__ == "__main__":

@@ -471,6 +471,37 @@ def test_bf16_tree_as_close_as_expanded(gpu):
         assert f["tree_bf16"] <= 1.25 * f["expanded_bf16"] + 1e-3, (n, f)
 
 
+def test_fast_launches_equal_the_autotuners_path_bitwise(gpu):
+    """ops/triton_launch.py: with the fast path installed (``_fla`` does it) a tuned key launches without
+    the autotuners; outputs, exported states and every gradient are bitwise those of the full path."""
+    from megatron_harts.ops import triton_launch
+    H, K, V = BF16_SHAPE
+    lens = [300, 64, 129]
+    x0 = row_inputs(sum(lens), H, K, V, gpu, dtype=torch.bfloat16, seed=11)
+    h0 = torch.randn(len(lens), H, K, V, generator=torch.Generator().manual_seed(11)).to(gpu)
+    kw = dict(chunk_size=CHUNK, initial_state=h0, state_index=[0, 0, 2], state_offset=[128, 300, 100])
+
+    def run():
+        x = [t.clone().requires_grad_() for t in x0]
+        o, st = kda_fla_varlen(*x, lens, **kw)
+        ((o.float() ** 2).sum() + st.sum()).backward()
+        return [o, st] + [t.grad for t in x]
+
+    run()                                         # every key tuned
+    triton_launch.FAST_LAUNCH_STATS["fast"] = 0
+    fast = run()
+    assert triton_launch.FAST_LAUNCH_STATS["fast"] >= 10      # forward and backward launches took it
+    triton_launch.fast_autotuned_launches()()     # undone: every launch through the autotuners
+    try:
+        triton_launch.FAST_LAUNCH_STATS["fast"] = 0
+        full = run()
+        assert not triton_launch._PATCHED and triton_launch.FAST_LAUNCH_STATS["fast"] == 0
+    finally:
+        triton_launch.fast_autotuned_launches()
+    for a, b in zip(fast, full):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------
 # argument checks (CPU too)
 # ---------------------------------------------------------------------------

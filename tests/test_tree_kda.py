@@ -250,21 +250,25 @@ def test_schedule_rejects_mismatched_rows():
 @settings(max_examples=25, deadline=None)
 @given(forests(), st.booleans())
 def test_gather_shortcuts_same_bits(fb, replay):
-    """The calls' row flags are right, and the gathers they allow (scatter-back backward, no gather
-    for a call of every row in order) give the index_select path's outputs and gradients bit for bit."""
+    """The calls' row flags are right, and the shortcuts they allow (scatter-back backward, no gather
+    for a call of every row in order) give the index_add path's outputs and gradients bit for bit."""
     import dataclasses
     forest, B = fb
     R = forest.num_rows
     plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, B, replay=replay)
     sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan)
+    named = set()
     for c in sched.calls:
         rows = c.rows.numpy()
-        assert c.rows_unique == (np.unique(rows).size == rows.size)
+        assert c.rows_fresh == (np.unique(rows).size == rows.size and not named & set(rows.tolist()))
+        named |= set(rows.tolist())
         assert c.rows_identity == np.array_equal(rows, np.arange(rows.size))
         assert c.out_identity == (np.array_equal(c.out_pos.numpy(), np.arange(c.out_pos.numel()))
                                   and np.array_equal(c.out_rows.numpy(), np.arange(c.out_rows.numel())))
-    plain = dataclasses.replace(sched, calls=[dataclasses.replace(c, rows_unique=False, rows_identity=False,
-                                                                  out_identity=False) for c in sched.calls])
+    assert (sched.call_rows is None) == (len(sched.calls) == 1 and sched.calls[0].rows_identity)
+    plain = dataclasses.replace(sched, call_rows=torch.cat([c.rows for c in sched.calls]),
+                                calls=[dataclasses.replace(c, rows_fresh=False, rows_identity=False,
+                                                           out_identity=False) for c in sched.calls])
     leaves = [x[0].requires_grad_(True) for x in random_inputs(1, R, 2, 4, 3, torch.float32, 3)]
     w = torch.randn(R, 2, 3, generator=torch.Generator().manual_seed(4))
     got, want = tree_kda(*leaves, sched), tree_kda(*leaves, plain)
@@ -296,7 +300,7 @@ def test_call_outputs_are_not_kept_for_the_backward():
     outs = [torch.randn(int(c.lengths.sum()), 2, 3, dtype=torch.float64, requires_grad=True) for c in sched.calls]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        got = _ScatterCallOutputs.apply(sched.calls, R, *outs)
+        got = _ScatterCallOutputs.apply(sched.calls, sched.out_index, *outs)
     assert saved == []
     want = torch.zeros(R, 2, 3, dtype=torch.float64)
     for c, o in zip(sched.calls, outs):
@@ -305,6 +309,49 @@ def test_call_outputs_are_not_kept_for_the_backward():
     w = torch.randn(R, 2, 3, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((got * w).sum(), outs), torch.autograd.grad((want * w).sum(), outs)):
         assert torch.equal(a, b)
+
+
+def test_call_inputs_come_from_one_gather_and_one_buffer_per_input():
+    """All calls' inputs come from one gather per input; the backward fills one zero buffer per input
+    (not one per call, summed): the values and fp64 gradients of a per-call index_select."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from megatron_harts.ops.tree_kda import _call_inputs
+    rng = np.random.default_rng(5)
+    root, a, b, *ends = (rng.integers(1, 99, 13).tolist() for _ in range(7))
+    forest = build_forest([make_trajectory({"id": i, "tokens": root + (a if i < 2 else b) + ends[i]})
+                           for i in range(4)])
+    plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, 4, replay=True)
+    sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan)
+    R = forest.num_rows
+    sizes = [c.rows.numel() for c in sched.calls]
+    assert len(sched.calls) == 3 and R not in sizes
+    assert not all(c.rows_fresh for c in sched.calls) and sched.calls[0].rows_fresh   # replay rows repeat
+    x = torch.randn(R, 2, 3, dtype=torch.float64, requires_grad=True)
+    ws = [torch.randn(n, 2, 3, dtype=torch.float64) for n in sizes]
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.ops.append((func.__name__.split(".")[0], tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+            return out
+
+    with Count() as fwd:
+        got = _call_inputs(x, sched)
+    assert [op for op, _ in fwd.ops].count("index_select") == 1
+    loss = sum((o * w).sum() for o, w in zip(got, ws))
+    with Count() as bwd:
+        (gx,) = torch.autograd.grad(loss, [x])
+    full = [op for op, shape in bwd.ops if shape == (R, 2, 3)]
+    assert sum(op in ("new_zeros", "zeros", "zeros_like") for op in full) == 1 and "add" not in full
+    want = [x.index_select(0, c.rows) for c in sched.calls]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and a.is_contiguous()
+    (gw,) = torch.autograd.grad(sum((o * w).sum() for o, w in zip(want, ws)), [x])
+    torch.testing.assert_close(gx, gw, rtol=1e-14, atol=1e-14)
 
 
 def test_handed_off_states_reach_later_calls_through_one_gather_per_source(monkeypatch):

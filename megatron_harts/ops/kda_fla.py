@@ -29,6 +29,10 @@ Precision: fp32 inputs run fla in fp32, but Triton computes fp32 dot products in
 tf32 unless ``TRITON_F32_DEFAULT=ieee`` is set before the first kernel compiles;
 the 1e-4 agreement with the reference backend (tests/test_kda_fla.py) needs it.
 
+Host cost: the first use installs ``ops/triton_launch.fast_autotuned_launches`` (a tuned kernel
+launches with its chosen configuration without the two autotuners' key building; the same kernels,
+bitwise the same results), about half of the host time of each of a call's 13 Triton launches.
+
 fla's internals are pinned to fla-core 0.6.0 (``FLA_VERSION``); importing this
 module never imports fla or Triton (CPU machines have neither).
 """
@@ -91,6 +95,9 @@ def _fla():
     from fla.ops.kda.wy_fast import recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
+
+    from .triton_launch import fast_autotuned_launches
+    fast_autotuned_launches()      # fla's tuners and ours: a tuned key launches without the tuners' key work
     return SimpleNamespace(triton=triton, fwd_h=chunk_gated_delta_rule_fwd_h,
                            fwd_h_kernel=chunk_gated_delta_rule_fwd_kernel_h_blockdim64, fwd_o=chunk_gla_fwd_o_gk,
                            bwd_dAv=chunk_kda_bwd_dAv, bwd_wy=chunk_kda_bwd_wy_dqkg_fused, bwd_intra=chunk_kda_bwd_intra,

@@ -43,14 +43,16 @@ Backends share one interface, the varlen form of ``kda_chunked`` (sequences pack
 back to back, host lengths): ``reference`` (ops/kda.py ``kda_chunked_varlen``, any
 device); a GPU backend plugs in through ``KDA_BACKENDS``; ``fla`` (ops/kda_fla.py
 ``kda_fla_varlen``, fla-core's GPU kernels) registers itself on first use
-(``get_kda_backend``).  A call gathers its sequences' rows straight into packed order
-(``index_select``) and scatters the semantic outputs straight back (``index_copy``).  Where a
-call names each row at most once (no replay row shared by two of its sequences) the gathers'
-backward is a plain scatter (``index_copy``, no atomic adds); where a call is every row in order
-(one call over the layout) there is no gather at all.  Both give the same values, bit for bit.
+(``get_kda_backend``).  All calls' inputs come from one gather per input (``index_select`` of
+the calls' rows back to back, split per call) and the rows' outputs from one gather of the calls'
+outputs back to back: launches per layer do not grow with the number of calls.  The inputs'
+backward fills one buffer per input, call by call: a plain scatter (``index_copy``, no atomic adds)
+where a call is the first to name its rows, each once; where one call reads every row in order
+there is no gather at all.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -98,23 +100,20 @@ class KdaCall:
     rows: torch.Tensor          # long [sum(lengths)]: row feeding each packed position
     out_pos: torch.Tensor       # long [M]: packed positions of the semantic outputs
     out_rows: torch.Tensor      # long [M]: rows those outputs belong to
+    grad_rows: torch.Tensor     # long [sum(lengths)]: the output row of each packed position, num_rows for
+    #                             a position whose output is dropped (replay)
     init_slot: torch.Tensor     # CPU long [N]: exported-state slot starting each sequence, -1 = zero state
     init_external: torch.Tensor  # CPU long [N]: external (producer) state starting each sequence, -1 = none
     export_seq: torch.Tensor    # CPU long [P]: sequence (in this call) of each export
     export_offset: torch.Tensor  # CPU long [P]: tokens of that sequence before the exported state
     export_slot: torch.Tensor   # CPU long [P]: global slot of each export
     lengths: torch.Tensor       # CPU long [N]: positions of each sequence
-    rows_unique: bool = False   # ``rows`` names each row at most once (the gathers scatter back)
+    rows_fresh: bool = False    # ``rows`` names each row at most once, none named by an earlier call
     rows_identity: bool = False  # ``rows`` is 0, 1, ..., len(rows) - 1
     out_identity: bool = False  # ``out_pos`` and ``out_rows`` are both 0, 1, ..., M - 1
 
-    #: the fields on the compute device; the others stay on the host
-    DEVICE_FIELDS = ("rows", "out_pos", "out_rows")
-
-    def to(self, device) -> "KdaCall":
-        kw = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        kw.update(zip(self.DEVICE_FIELDS, host_to_device_many([kw[f] for f in self.DEVICE_FIELDS], device)))
-        return KdaCall(**kw)
+    #: the fields on the compute device (``KdaSchedule.to`` moves them); the others stay on the host
+    DEVICE_FIELDS = ("rows", "out_pos", "out_rows", "grad_rows")
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -137,6 +136,10 @@ class KdaSchedule:
     num_slots: int
     replay_tokens: int
     replay: bool
+    #: the calls' ``rows`` back to back (None: one call reading every row in order), on the compute device
+    call_rows: Optional[torch.Tensor] = None
+    #: [num_rows]: where each row's output sits in the calls' outputs back to back, on the compute device
+    out_index: Optional[torch.Tensor] = None
     num_external_rows: int = 0
     external_state_root: np.ndarray = field(default_factory=lambda: _EMPTY)
     external_state_position: np.ndarray = field(default_factory=lambda: _EMPTY)
@@ -152,11 +155,17 @@ class KdaSchedule:
         return int(self.external_state_root.size)
 
     def to(self, device) -> "KdaSchedule":
-        calls = [c.to(device) for c in self.calls]
+        """This schedule with its index tensors on ``device`` (one host-to-device copy for all of them)."""
+        n = len(KdaCall.DEVICE_FIELDS)
+        moved = host_to_device_many([getattr(c, f) for c in self.calls for f in KdaCall.DEVICE_FIELDS]
+                                    + [self.call_rows, self.out_index], device)
+        calls = [dataclasses.replace(c, **dict(zip(KdaCall.DEVICE_FIELDS, moved[i * n:(i + 1) * n])))
+                 for i, c in enumerate(self.calls)]
+        call_rows, out_index = moved[-2:]
         return KdaSchedule(calls, self.chunk_size, self.num_rows, self.num_slots, self.replay_tokens, self.replay,
-                           self.num_external_rows, self.external_state_root, self.external_state_position,
-                           self.external_replay_root, self.external_replay_position, self.export_rows,
-                           self.export_slots)
+                           call_rows, out_index, self.num_external_rows, self.external_state_root,
+                           self.external_state_position, self.external_replay_root, self.external_replay_position,
+                           self.export_rows, self.export_slots)
 
 
 @dataclass
@@ -337,7 +346,7 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
         q = int(plan.segment_sequence[t])
         end = int(a_start[t]) + (r - int(seg_row[sg])) + 1
         extra.setdefault(q, []).append((end - int(plan.seq_start[q]), int(export_slots[j])))
-    calls, out_rows_host = [], []
+    calls, host_calls = [], []
     for c in range(int(plan.num_calls)):
         seqs = range(int(plan.call_offsets[c]), int(plan.call_offsets[c + 1]))
         row_lists, init, init_ext, exp_seq, exp_off, exp_slot = [], [], [], [], [], []
@@ -374,45 +383,73 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
         out_pos = np.concatenate([(st + len(rr) + np.arange(len(sr)))[om]
                                   for st, (rr, sr, om) in zip(starts, row_lists)])
         out_rows = np.concatenate([sr[om] for rr, sr, om in row_lists])
-        h = lambda x: torch.as_tensor(np.asarray(x, dtype=np.int64))  # noqa: E731
-        in_order = lambda x: bool(np.array_equal(x, np.arange(x.size)))  # noqa: E731
-        call = KdaCall(rows=h(rows), out_pos=h(out_pos), out_rows=h(out_rows), init_slot=h(init),
-                       init_external=h(init_ext), export_seq=h(exp_seq), export_offset=h(exp_off),
-                       export_slot=h(exp_slot), lengths=h(lengths),
-                       rows_unique=bool(rows.size == 0 or np.bincount(rows).max() <= 1), rows_identity=in_order(rows),
-                       out_identity=in_order(out_pos) and in_order(out_rows))
-        calls.append(call if device is None else call.to(device))
-        out_rows_host.append(out_rows)
-    covered = np.sort(np.concatenate(out_rows_host)) if out_rows_host else np.zeros(0, dtype=np.int64)
+        host_calls.append((rows, out_pos, out_rows, init, init_ext, exp_seq, exp_off, exp_slot, lengths))
+    out_rows_all = [c[2] for c in host_calls]
+    covered = np.sort(np.concatenate(out_rows_all)) if out_rows_all else np.zeros(0, dtype=np.int64)
     if not np.array_equal(covered, np.arange(num_rows)):
         raise ValueError(f"plan's calls output {covered.size} rows ({np.unique(covered).size} distinct), the "
                          f"layout has {num_rows}: every row must be output by exactly one call")
+    h = lambda x: torch.as_tensor(np.asarray(x, dtype=np.int64))  # noqa: E731
+    in_order = lambda x: bool(np.array_equal(x, np.arange(x.size)))  # noqa: E731
+    named = np.zeros(num_rows + num_ext_rows, dtype=bool)      # rows named by an earlier call
+    out_index = np.zeros(num_rows, dtype=np.int64)
+    offset = 0
+    for rows, out_pos, out_rows, init, init_ext, exp_seq, exp_off, exp_slot, lengths in host_calls:
+        fresh = bool(rows.size == 0 or (np.bincount(rows).max() <= 1 and not named[rows].any()))
+        named[rows] = True
+        grad_rows = np.full(rows.size, num_rows, dtype=np.int64)
+        grad_rows[out_pos] = out_rows
+        out_index[out_rows] = offset + out_pos
+        offset += rows.size
+        call = KdaCall(rows=h(rows), out_pos=h(out_pos), out_rows=h(out_rows), grad_rows=h(grad_rows),
+                       init_slot=h(init), init_external=h(init_ext), export_seq=h(exp_seq),
+                       export_offset=h(exp_off), export_slot=h(exp_slot), lengths=h(lengths),
+                       rows_fresh=fresh, rows_identity=in_order(rows),
+                       out_identity=in_order(out_pos) and in_order(out_rows))
+        calls.append(call)
+    call_rows = None if len(host_calls) == 1 and calls[0].rows_identity else \
+        h(np.concatenate([c[0] for c in host_calls]) if host_calls else _EMPTY)
     has_state = state_pos > 0
-    return KdaSchedule(calls=calls, chunk_size=B, num_rows=num_rows,
-                       num_slots=num_plan_slots + int(export_rows.size), replay_tokens=replay_tokens,
-                       replay=bool(plan.replay), num_external_rows=num_ext_rows,
-                       external_state_root=roots[has_state].astype(np.int64),
-                       external_state_position=state_pos[has_state].astype(np.int64),
-                       external_replay_root=rep_root.astype(np.int64),
-                       external_replay_position=rep_pos.astype(np.int64),
-                       export_rows=export_rows, export_slots=export_slots)
+    schedule = KdaSchedule(calls=calls, chunk_size=B, num_rows=num_rows, call_rows=call_rows,
+                           out_index=h(out_index), num_slots=num_plan_slots + int(export_rows.size),
+                           replay_tokens=replay_tokens, replay=bool(plan.replay), num_external_rows=num_ext_rows,
+                           external_state_root=roots[has_state].astype(np.int64),
+                           external_state_position=state_pos[has_state].astype(np.int64),
+                           external_replay_root=rep_root.astype(np.int64),
+                           external_replay_position=rep_pos.astype(np.int64),
+                           export_rows=export_rows, export_slots=export_slots)
+    return schedule if device is None else schedule.to(device)
 
 
-class _GatherUniqueRows(torch.autograd.Function):
-    """``x.index_select(0, rows)`` for ``rows`` without repeats: the backward scatters the
-    gradient with ``index_copy_`` (what index_select's own backward, an ``index_add_`` into
-    zeros, computes for distinct rows, without its atomic adds)."""
+class _GatherCallRows(torch.autograd.Function):
+    """Every call's packed inputs from the rows' ``x``: one ``index_select`` of the calls' rows back
+    to back (``schedule.call_rows``), split into one contiguous view per call.
+
+    The backward fills one zero buffer with each call's gradient at the call's rows, in call order:
+    ``index_copy_`` where the call is the first to name its rows, each once (``rows_fresh``), else
+    ``index_add_``.  A row's gradient is thus its calls' gradients summed in call order, with no
+    full-size buffer per call and no adds of such buffers (what one ``index_select`` per call costs)."""
 
     @staticmethod
-    def forward(ctx, x, rows):
-        ctx.save_for_backward(rows)
-        ctx.num_rows = x.shape[0]
-        return x.index_select(0, rows)
+    def forward(ctx, x, calls, call_rows):
+        ctx.calls, ctx.num_rows = calls, x.shape[0]
+        return tuple(x.index_select(0, call_rows).split([c.rows.numel() for c in calls]))
 
     @staticmethod
-    def backward(ctx, grad):
-        rows, = ctx.saved_tensors
-        return grad.new_zeros((ctx.num_rows,) + tuple(grad.shape[1:])).index_copy_(0, rows, grad), None
+    def backward(ctx, *grads):
+        out = grads[0].new_zeros((ctx.num_rows,) + tuple(grads[0].shape[1:]))
+        for call, g in zip(ctx.calls, grads):
+            (out.index_copy_ if call.rows_fresh else out.index_add_)(0, call.rows, g)
+        return out, None, None
+
+
+def _call_inputs(x: torch.Tensor, schedule: KdaSchedule) -> tuple:
+    """Each call's packed rows of ``x`` (``x.index_select(0, call.rows)`` per call, the same values)."""
+    if schedule.call_rows is None:            # one call reading every row in order
+        return (x.contiguous(),)
+    if not schedule.calls:
+        return ()
+    return _GatherCallRows.apply(x, schedule.calls, schedule.call_rows)
 
 
 def _outputs_in_order(call: KdaCall, positions: int) -> bool:
@@ -424,36 +461,20 @@ def _outputs_in_order(call: KdaCall, positions: int) -> bool:
 class _ScatterCallOutputs(torch.autograd.Function):
     """The rows' outputs ``out[R, ...]`` from the calls' packed outputs: ``out[call.out_rows] =
     o[call.out_pos]`` for every call (their ``out_rows`` partition 0..R-1, which the schedule
-    checks).  Only the index tensors are kept for the backward, which hands each call the
-    gradient of its output rows (zero at its replay positions); an out-of-place ``index_copy``
-    chain would keep every call's output alive until the backward instead."""
+    checks), as one gather of the outputs back to back (``schedule.out_index``).  Only index tensors
+    are kept for the backward, which hands each call the gradient at its positions' rows (zero at its
+    replay positions: ``grad_rows`` names the zero row appended to the gradient); an out-of-place
+    ``index_copy`` chain would keep every call's output alive until the backward instead."""
 
     @staticmethod
-    def forward(ctx, calls, num_rows, *outputs):
-        out = outputs[0].new_empty((num_rows,) + tuple(outputs[0].shape[1:]))
-        for call, o in zip(calls, outputs):
-            out.index_copy_(0, call.out_rows, o if _outputs_in_order(call, o.shape[0])
-                            else o.index_select(0, call.out_pos))
-        ctx.calls, ctx.positions = calls, [o.shape[0] for o in outputs]
-        return out
+    def forward(ctx, calls, out_index, *outputs):
+        ctx.calls = calls
+        return torch.cat(outputs).index_select(0, out_index)
 
     @staticmethod
     def backward(ctx, grad):
-        grads = []
-        for call, n in zip(ctx.calls, ctx.positions):
-            g = grad.index_select(0, call.out_rows)
-            if not _outputs_in_order(call, n):
-                g = g.new_zeros((n,) + tuple(g.shape[1:])).index_copy_(0, call.out_pos, g)
-            grads.append(g)
-        return (None, None, *grads)
-
-
-def _gather(x: torch.Tensor, rows: torch.Tensor, unique: bool, identity: bool) -> torch.Tensor:
-    """``x.index_select(0, rows)``, the same values (contiguous, as index_select gives them), by the
-    cheapest route the flags allow."""
-    if identity and rows.numel() == x.shape[0]:
-        return x.contiguous()
-    return _GatherUniqueRows.apply(x, rows) if unique else x.index_select(0, rows)
+        padded = torch.cat([grad, grad.new_zeros((1,) + tuple(grad.shape[1:]))])
+        return (None, None, *(padded.index_select(0, call.grad_rows) for call in ctx.calls))
 
 
 @dataclass
@@ -577,10 +598,10 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
     zero_like = q.new_empty((0, H, K, V), dtype=cdt)
     call_states: List[torch.Tensor] = []
     outputs = []
-    for call, gather in zip(schedule.calls, per_call):
+    inputs = list(zip(*(_call_inputs(x, schedule) for x in (q, k, v, g, beta))))
+    for c, (call, gather) in enumerate(zip(schedule.calls, per_call)):
         init = None if gather is None else gather.assemble(call_states, ext_states, zero_like)
-        o, states = run(*(_gather(x, call.rows, call.rows_unique, call.rows_identity) for x in (q, k, v, g, beta)),
-                        call.lengths, chunk_size=schedule.chunk_size, scale=scale, initial_state=init,
+        o, states = run(*inputs[c], call.lengths, chunk_size=schedule.chunk_size, scale=scale, initial_state=init,
                         state_index=call.export_seq, state_offset=call.export_offset,
                         initial_state_index=None if gather is None else gather.index)
         call_states.append(states)
@@ -588,7 +609,7 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
     if len(outputs) == 1 and outputs[0].shape[0] == R and _outputs_in_order(schedule.calls[0], R):
         out = outputs[0]                        # the one call holds every row, in order
     elif outputs:
-        out = _ScatterCallOutputs.apply(schedule.calls, R, *outputs)
+        out = _ScatterCallOutputs.apply(schedule.calls, schedule.out_index, *outputs)
     else:
         out = v.new_zeros(R, H, V)
     if not return_exports:
