@@ -135,8 +135,6 @@ def test_what_takes_the_full_path(fake_triton):
     fast_autotuned_launches()                                 # idempotent: one wrapper
     assert Autotuner.run.__wrapped__ is not None and not hasattr(Autotuner.run.__wrapped__, "__wrapped__")
     hooked = []
-    one = fake_triton(NAMES, ["T"], [Config(8)])
-    launch(one, 3), launch(one, 3)                          # one config: nothing to look up
     hook = fake_triton(NAMES, ["T"], [Config(8, pre_hook=hooked.append), Config(16)])
     launch(hook, 3), launch(hook, 3)                        # a config with a pre-hook: the hook runs each time
     pos = fake_triton(NAMES, ["T"], CONFIGS)
@@ -144,6 +142,14 @@ def test_what_takes_the_full_path(fake_triton):
     pos.run(Tensor("bf16"), None, 7, 4, 0.5, grid=(1,), warmup=False)  # positional arguments
     assert FAST_LAUNCH_STATS["fast"] == 0
     assert len(hooked) == 2 and pos.benchmarked == [(7, "bf16")]
+
+
+def test_one_config_launches_directly(fake_triton):
+    plain, fast = fake_triton(NAMES, ["T"], [Config(8)]), fake_triton(NAMES, ["T"], [Config(8)])
+    launch(plain, 3), launch(plain, 4)
+    fast_autotuned_launches()
+    launch(fast, 3), launch(fast, 4)
+    assert fast.fn.launches == plain.fn.launches and FAST_LAUNCH_STATS["fast"] == 2
 
 
 class FlaCacheMode(enum.Enum):

@@ -11,9 +11,11 @@ host-bound step that is time the GPU waits.
 fla's ``CachedAutotuner`` where fla is imported) by a wrapper that computes the same key in one
 pass and, when the tuner already holds a configuration for it, launches the kernel with that
 configuration directly (``self.fn.run(**args, **config.all_kwargs())``, what the full path ends
-with).  Everything else takes the full path unchanged: the first launch of a key (benchmarking,
-fla's config files), positional arguments, single-config tuners, configurations with a
-``pre_hook``, and fla's ``FLA_CACHE_MODE=ALWAYS`` (which re-reads its files on every launch).
+with).  A tuner of one configuration (``ops/triton_tuning.limit_autotuning(1)`` makes every tuner one)
+launches it directly, as Triton's ``run`` does.  Everything else takes the full path unchanged:
+the first launch of a key (benchmarking, fla's config files), positional arguments,
+configurations with a ``pre_hook``, and fla's ``FLA_CACHE_MODE=ALWAYS`` (which re-reads its
+files on every launch).
 
 Invariant: the fast path launches the same compiled kernel with the same configuration as the
 full path, so results are bitwise those of the full path (tests/test_kda_fla.py holds them equal
@@ -44,12 +46,15 @@ def tuning_key(keys, arg_names: frozenset, kwargs: dict) -> Tuple:
 
 def _fast_run(original: Callable) -> Callable:
     def run(self, *args, **kwargs):
-        if args or len(self.configs) <= 1:
+        if args or not self.configs:
             return original(self, *args, **kwargs)
-        names = self.__dict__.get("_harts_arg_set")
-        if names is None:
-            names = self._harts_arg_set = frozenset(self.arg_names)
-        config = self.cache.get(tuning_key(self.keys, names, kwargs))
+        if len(self.configs) == 1:             # Triton's run launches it whatever the cache holds
+            config = self.configs[0]
+        else:
+            names = self.__dict__.get("_harts_arg_set")
+            if names is None:
+                names = self._harts_arg_set = frozenset(self.arg_names)
+            config = self.cache.get(tuning_key(self.keys, names, kwargs))
         if config is None or config.pre_hook is not None:
             return original(self, *args, **kwargs)
         FAST_LAUNCH_STATS["fast"] += 1
