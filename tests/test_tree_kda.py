@@ -407,3 +407,27 @@ def test_handed_off_states_reach_later_calls_through_one_gather_per_source(monke
     want_g = torch.autograd.grad((want * w).sum() + want_exported.square().sum(), leaves)
     for a, b in zip(got_g, want_g):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_schedule_to_device_keeps_every_field():
+    """``KdaSchedule.to`` (one host-to-device copy for all index tensors) keeps every call's and the
+    schedule's fields; what only the host reads stays the same objects."""
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 50, 70).tolist()
+    forest = build_forest([make_trajectory({"id": i, "tokens": base[:15 + 20 * i] + rng.integers(50, 99, 9).tolist()})
+                           for i in range(3)])
+    plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, 8, replay=True)
+    sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan,
+                               export_rows=np.array([5, 30], dtype=np.int64))
+    moved = sched.to("cpu")
+    assert len(sched.calls) > 1 and moved.state_gathers == {}
+    for name in ("call_rows", "out_index"):
+        assert torch.equal(getattr(moved, name), getattr(sched, name))
+    for a, b in zip(moved.calls, sched.calls):
+        for f in a.__dataclass_fields__:
+            x, y = getattr(a, f), getattr(b, f)
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f
+    for f in ("chunk_size", "num_rows", "num_slots", "replay_tokens", "replay", "num_external_rows"):
+        assert getattr(moved, f) == getattr(sched, f)
+    for f in ("export_rows", "export_slots", "external_state_root"):
+        assert np.array_equal(getattr(moved, f), getattr(sched, f))
