@@ -265,7 +265,8 @@ def test_gather_shortcuts_same_bits(fb, replay):
         assert c.rows_identity == np.array_equal(rows, np.arange(rows.size))
         assert c.out_identity == (np.array_equal(c.out_pos.numpy(), np.arange(c.out_pos.numel()))
                                   and np.array_equal(c.out_rows.numpy(), np.arange(c.out_rows.numel())))
-    assert (sched.call_rows is None) == (len(sched.calls) == 1 and sched.calls[0].rows_identity)
+    assert (sched.call_rows is None) == (len(sched.calls) == 1 and sched.calls[0].rows_identity
+                                         and sched.calls[0].rows.numel() == R)
     plain = dataclasses.replace(sched, call_rows=torch.cat([c.rows for c in sched.calls]),
                                 calls=[dataclasses.replace(c, rows_fresh=False, rows_identity=False,
                                                            out_identity=False) for c in sched.calls])

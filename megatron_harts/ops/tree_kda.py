@@ -136,7 +136,8 @@ class KdaSchedule:
     num_slots: int
     replay_tokens: int
     replay: bool
-    #: the calls' ``rows`` back to back (None: one call reading every row in order), on the compute device
+    #: the calls' ``rows`` back to back (None: one call reading every row, external rows included, in
+    #: order), on the compute device
     call_rows: Optional[torch.Tensor] = None
     #: [num_rows]: where each row's output sits in the calls' outputs back to back, on the compute device
     out_index: Optional[torch.Tensor] = None
@@ -407,7 +408,9 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
                        rows_fresh=fresh, rows_identity=in_order(rows),
                        out_identity=in_order(out_pos) and in_order(out_rows))
         calls.append(call)
-    call_rows = None if len(host_calls) == 1 and calls[0].rows_identity else \
+    every_row_in_order = len(host_calls) == 1 and calls[0].rows_identity and \
+        host_calls[0][0].size == num_rows + num_ext_rows
+    call_rows = None if every_row_in_order else \
         h(np.concatenate([c[0] for c in host_calls]) if host_calls else _EMPTY)
     has_state = state_pos > 0
     schedule = KdaSchedule(calls=calls, chunk_size=B, num_rows=num_rows, call_rows=call_rows,
@@ -469,7 +472,7 @@ class _ScatterCallOutputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, calls, out_index, *outputs):
         ctx.calls = calls
-        return torch.cat(outputs).index_select(0, out_index)
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).index_select(0, out_index)
 
     @staticmethod
     def backward(ctx, grad):
