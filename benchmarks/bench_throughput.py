@@ -107,7 +107,7 @@ def visible_pairs(plan):
     return float(sum(m.features.attention_pairs for m in plan.microbatches))
 
 
-def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, stacks=False):
+def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, stacks=False, op_names=()):
     """Timed steps of one mode (median after ``warmup``), their metrics, the loss and gradient norm of
     every step (warm-ups included: the first at the initial weights, the same in every mode up to
     rounding), peak memory, the plan, with ``profile`` the profile of one more step, with
@@ -131,7 +131,7 @@ def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, s
                 metrics.append(m)
         peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
         plan = t._plan(forest)
-        prof = profile_step(t, forest, device, stacks=stacks) if profile else None
+        prof = profile_step(t, forest, device, stacks=stacks, op_names=op_names) if profile else None
         mem = memory_step(t, forest) if memory and device == "cuda" else None
         backends = {"kda_backend": t.config.kda_backend, "attention_backend": t.config.tree_attention_backend}
         return times, metrics, losses, peak, plan, prof, mem, backends
@@ -181,11 +181,35 @@ def kernel_categories(events) -> dict:
     return categories
 
 
-def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False):
+def op_stacks(trainer, forest, names, top: int = 6, depth: int = 12) -> str:
+    """One more step under ``torch.profiler`` with Python stacks: for each operator in ``names``
+    (``aten::gather``), its calls grouped by their innermost ``depth`` Python frames (object addresses
+    and layer numbers dropped, so the layers' calls group together), the ``top`` stacks by count.  It finds operators that no project frame dispatches (compiled graphs, library
+    code); a call from the autograd engine's thread has no Python frames unless a Python backward runs it."""
+    from torch.profiler import ProfilerActivity, profile
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)    # Python frames in the events' stacks
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, experimental_config=verbose) as prof:
+        trainer.step(forest)
+    counts = {name: {} for name in names}     # name -> stack (frames, object addresses dropped) -> calls
+    for e in prof.key_averages(group_by_stack_n=depth):
+        if e.key in counts:
+            stack = tuple(re.sub(r"(nn\.Module: \w+?)_\d+$", r"\1", re.sub(r" at 0x[0-9a-f]+", "", f))
+                          for f in (e.stack or []) if f) or ("(no Python frame)",)
+            counts[e.key][stack] = counts[e.key].get(stack, 0) + e.count
+    out = []
+    for name, by_stack in counts.items():
+        out.append(f"{name}: {sum(by_stack.values())} calls, {len(by_stack)} distinct stacks\n")
+        for stack, n in sorted(by_stack.items(), key=lambda kv: -kv[1])[:top]:
+            out.append(f"  {n:>7}  " + "\n           ".join(stack) + "\n")
+    return "".join(out)
+
+
+def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False, op_names=()):
     """One more step under ``torch.profiler``: wall time, GPU kernel time (summed per kernel, so a
     GPU idle while Python launches shows as wall >> kernel time), kernel time per category
     (``KERNEL_CATEGORIES``), and the text tables of the top kernels and the top CPU operators;
-    with ``stacks`` also the operators one more step dispatches, counted and timed by call site (``op_sites``)."""
+    with ``stacks`` also the operators one more step dispatches, counted and timed by call site (``op_sites``);
+    with ``op_names`` the Python stacks of those operators' calls in one more step (``op_stacks``)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     if device == "cuda":
@@ -206,6 +230,9 @@ def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False):
     syncs = sync_sites(trainer, forest) if device == "cuda" else {}
     tables += "\nCUDA synchronizations by first project frame (one step):\n" + "".join(
         f"{n:>8}  {site}\n" for site, n in syncs.items())
+    if op_names:
+        tables += "\nPython stacks of " + ", ".join(op_names) + " (one step, innermost frames first):\n" \
+            + op_stacks(trainer, forest, list(op_names))
     if stacks:
         tables += "\nOperators dispatched, by innermost project frame (one step; the autograd engine's device " \
                   "thread's under no project frame):\n"
@@ -486,12 +513,18 @@ def main(argv=None):
     ap.add_argument("--profile-stacks", action="store_true",
                     help="with --profile: one more step per mode counting and timing the operators the host "
                          "dispatches by call site (the innermost project frame), into FILE")
+    ap.add_argument("--profile-op-stacks", nargs="+", default=[], metavar="OP",
+                    help="with --profile: one more step per mode recording the Python stacks of these operators' "
+                         "calls (profiler names, e.g. aten::gather), the most frequent stacks into FILE")
     ap.add_argument("--memory-profile", action="store_true",
                     help="one extra step of every mode under the CUDA allocator's history: the bytes alive "
                          "at the step's peak by allocation site (innermost project frames), into the results JSON")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/throughput-<time>.json)")
     ap.add_argument("--json", action="store_true", help="print the results JSON")
     a = ap.parse_args(argv)
+    for flag, given in (("--profile-stacks", a.profile_stacks), ("--profile-op-stacks", a.profile_op_stacks)):
+        if given and not a.profile:
+            ap.error(f"{flag} needs --profile FILE (its tables go there)")
     p = PRESETS[a.preset]
     dtype_flag = "--bf16" if a.device == "cuda" else ""
     results = {"machine": {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor(),
@@ -531,7 +564,7 @@ def main(argv=None):
                 + ("" if call_plan == "harts" else f"_{call_plan}") + ("_recompute_producers" if extra else "")
             times, metrics, losses, peak, plan, prof, mem, backends = run_mode(
                 argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile), memory=a.memory_profile,
-                stacks=a.profile_stacks)
+                stacks=a.profile_stacks, op_names=tuple(a.profile_op_stacks))
             t = statistics.median(times)
             m = metrics[-1]
             flops = step_flops(p, m["computed_tokens"], visible_pairs(plan))

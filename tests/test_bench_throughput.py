@@ -8,6 +8,7 @@ mode, the loss and gradient norm of every step (the first at the same initial we
 mode) and each mode's gradients against the fp32 oracle.  No wall-clock time is asserted.
 """
 import json
+import re
 
 import numpy as np
 import pytest
@@ -148,3 +149,21 @@ def test_op_sites_count_and_time_each_operator_at_its_innermost_project_frame(bt
     lines = text.splitlines()
     assert lines[0].split()[0] == "2" and "fake_step.py" in lines[0] and lines[2] == "" and len(lines) == 6
     assert all(line.split()[1] == "ms" and line.split()[2] == "1" for line in lines[4:])
+
+
+def test_profile_op_stacks_name_where_an_operator_runs(bt, tmp_path):
+    """--profile-op-stacks: the Python stacks of an operator's calls in one more step, most frequent
+    first; tree mode's KDA input gathers show up at tree_kda.  Without --profile: a clear error."""
+    prof = tmp_path / "p.txt"
+    bt.main(["--device", "cpu", "--preset", "tiny", "--schemes", "tree-step", "--num-tasks", "1",
+             "--samples-per-task", "3", "--max-tokens", "256", "--microbatch-tokens", "1024", "--iters", "1",
+             "--warmup", "0", "--tree-sharing", "within", "--no-cosine", "--kda-backend", "reference",
+             "--attention-backend", "reference", "--profile", str(prof), "--profile-op-stacks", "aten::index_select",
+             "--out", str(tmp_path / "t.json")])
+    text = prof.read_text()
+    tree = text.split("===== tree-step / tree_within")[1].split("=====")[0]
+    section = tree.split("Python stacks of aten::index_select")[1]
+    assert re.search(r"aten::index_select: [1-9]\d* calls", section)
+    assert "megatron_harts/ops/tree_kda.py" in section
+    with pytest.raises(SystemExit):
+        bt.main(["--device", "cpu", "--preset", "tiny", "--profile-op-stacks", "aten::gather"])
