@@ -151,19 +151,29 @@ def test_op_sites_count_and_time_each_operator_at_its_innermost_project_frame(bt
     assert all(line.split()[1] == "ms" and line.split()[2] == "1" for line in lines[4:])
 
 
-def test_profile_op_stacks_name_where_an_operator_runs(bt, tmp_path):
-    """--profile-op-stacks: the Python stacks of an operator's calls in one more step, most frequent
-    first; tree mode's KDA input gathers show up at tree_kda.  Without --profile: a clear error."""
-    prof = tmp_path / "p.txt"
-    bt.main(["--device", "cpu", "--preset", "tiny", "--schemes", "tree-step", "--num-tasks", "1",
-             "--samples-per-task", "3", "--max-tokens", "256", "--microbatch-tokens", "1024", "--iters", "1",
-             "--warmup", "0", "--tree-sharing", "within", "--no-cosine", "--kda-backend", "reference",
-             "--attention-backend", "reference", "--profile", str(prof), "--profile-op-stacks", "aten::index_select",
-             "--out", str(tmp_path / "t.json")])
-    text = prof.read_text()
-    tree = text.split("===== tree-step / tree_within")[1].split("=====")[0]
-    section = tree.split("Python stacks of aten::index_select")[1]
-    assert re.search(r"aten::index_select: [1-9]\d* calls", section)
-    assert "megatron_harts/ops/tree_kda.py" in section
+def test_op_stacks_group_an_operators_calls_by_python_stack(bt):
+    """--profile-op-stacks' table: an operator's calls grouped by their Python frames (object addresses
+    dropped, so repeated calls from one line group together), most frequent first."""
+    import torch
+
+    def inner(x):
+        return x.index_select(0, torch.zeros(2, dtype=torch.long))
+
+    def outer(x):
+        return inner(x) + inner(x) + inner(x)      # one stack, three calls
+
+    class Trainer:
+        def step(self, forest):
+            return outer(forest).sum() + forest.index_select(0, torch.ones(1, dtype=torch.long)).sum()
+
+    text = bt.op_stacks(Trainer(), torch.ones(4, 2), ["aten::index_select", "aten::gather"])
+    lines = text.splitlines()
+    assert lines[0] == "aten::index_select: 4 calls, 2 distinct stacks"
+    assert lines[1].split()[0] == "3" and " at 0x" not in text
+    assert "index_select" in lines[1] and lines[2].endswith(": inner") and lines[3].endswith(": outer")
+    assert "aten::gather: 0 calls, 0 distinct stacks" in text
+
+
+def test_profile_op_stacks_needs_profile(bt):
     with pytest.raises(SystemExit):
         bt.main(["--device", "cpu", "--preset", "tiny", "--profile-op-stacks", "aten::gather"])
