@@ -202,7 +202,8 @@ def main(argv=None):
                 for _ in range(args.repeats):
                     fn()
                 prof.disable()
-                torch.cuda.synchronize() if dev.type == "cuda" else None
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
                 buf = io.StringIO()
                 pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
                 f.write(f"===== {name}: {args.repeats} runs, {len(sched.calls) if name == 'tree_fla' else 1} "

@@ -3,8 +3,9 @@
 Every launch of an autotuned kernel (``kernel[grid](**args)``) first goes through the autotuner:
 Triton's ``Autotuner.run`` rebuilds the tuning key from the arguments (dict merges filtered by
 list membership over ~30 argument names), and fla's ``CachedAutotuner.run`` builds the same key
-once more (``AutotuneKey.build``) before calling it.  Measured on the H200 host: about 65 us of
-the ~130 us a KDA launch costs the host, 13 launches per fla KDA call (forward + backward).  In a
+once more (``AutotuneKey.build``) before calling it: about 65 us of the ~130 us a KDA launch costs
+the H200's host under cProfile, 13 launches per fla KDA call (forward + backward).  Without them a
+call takes 0.4-0.6 ms less host time (``benchmarks/bench_kda_backends.py --full-launch``); in a
 host-bound step that is time the GPU waits.
 
 ``fast_autotuned_launches()`` replaces ``run`` of ``triton.runtime.autotuner.Autotuner`` (and of
