@@ -262,14 +262,14 @@ def test_gather_shortcuts_same_bits(fb, replay):
         rows = c.rows.numpy()
         assert c.rows_fresh == (np.unique(rows).size == rows.size and not named & set(rows.tolist()))
         named |= set(rows.tolist())
-        assert c.rows_identity == np.array_equal(rows, np.arange(rows.size))
         assert c.out_identity == (np.array_equal(c.out_pos.numpy(), np.arange(c.out_pos.numel()))
                                   and np.array_equal(c.out_rows.numpy(), np.arange(c.out_rows.numel())))
-    assert (sched.call_rows is None) == (len(sched.calls) == 1 and sched.calls[0].rows_identity
-                                         and sched.calls[0].rows.numel() == R)
+    rows0 = sched.calls[0].rows.numpy()
+    assert (sched.call_rows is None) == (len(sched.calls) == 1 and np.array_equal(rows0, np.arange(rows0.size))
+                                         and rows0.size == R)
     plain = dataclasses.replace(sched, call_rows=torch.cat([c.rows for c in sched.calls]),
-                                calls=[dataclasses.replace(c, rows_fresh=False, rows_identity=False,
-                                                           out_identity=False) for c in sched.calls])
+                                calls=[dataclasses.replace(c, rows_fresh=False, out_identity=False)
+                                       for c in sched.calls])
     leaves = [x[0].requires_grad_(True) for x in random_inputs(1, R, 2, 4, 3, torch.float32, 3)]
     w = torch.randn(R, 2, 3, generator=torch.Generator().manual_seed(4))
     got, want = tree_kda(*leaves, sched), tree_kda(*leaves, plain)
@@ -282,7 +282,7 @@ def test_one_call_in_row_order_runs_without_gathers():
     forest = build_forest([make_trajectory({"id": 0, "tokens": list(range(1, 11))})])
     plan = plan_calls(forest.seg_parent, forest.seg_start, forest.seg_length, 4, replay=True)
     sched = build_kda_schedule(forest.seg_parent, forest.seg_start, forest.seg_length, forest.seg_row, plan)
-    assert len(sched.calls) == 1 and sched.calls[0].rows_identity and sched.calls[0].out_identity
+    assert len(sched.calls) == 1 and sched.call_rows is None and sched.calls[0].out_identity
 
 
 def test_call_outputs_are_not_kept_for_the_backward():

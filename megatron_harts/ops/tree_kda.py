@@ -109,7 +109,6 @@ class KdaCall:
     export_slot: torch.Tensor   # CPU long [P]: global slot of each export
     lengths: torch.Tensor       # CPU long [N]: positions of each sequence
     rows_fresh: bool = False    # ``rows`` names each row at most once, none named by an earlier call
-    rows_identity: bool = False  # ``rows`` is 0, 1, ..., len(rows) - 1
     out_identity: bool = False  # ``out_pos`` and ``out_rows`` are both 0, 1, ..., M - 1
 
     #: the fields on the compute device (``KdaSchedule.to`` moves them); the others stay on the host
@@ -162,11 +161,7 @@ class KdaSchedule:
                                     + [self.call_rows, self.out_index], device)
         calls = [dataclasses.replace(c, **dict(zip(KdaCall.DEVICE_FIELDS, moved[i * n:(i + 1) * n])))
                  for i, c in enumerate(self.calls)]
-        call_rows, out_index = moved[-2:]
-        return KdaSchedule(calls, self.chunk_size, self.num_rows, self.num_slots, self.replay_tokens, self.replay,
-                           call_rows, out_index, self.num_external_rows, self.external_state_root,
-                           self.external_state_position, self.external_replay_root, self.external_replay_position,
-                           self.export_rows, self.export_slots)
+        return dataclasses.replace(self, calls=calls, call_rows=moved[-2], out_index=moved[-1], state_gathers={})
 
 
 @dataclass
@@ -405,10 +400,9 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
         call = KdaCall(rows=h(rows), out_pos=h(out_pos), out_rows=h(out_rows), grad_rows=h(grad_rows),
                        init_slot=h(init), init_external=h(init_ext), export_seq=h(exp_seq),
                        export_offset=h(exp_off), export_slot=h(exp_slot), lengths=h(lengths),
-                       rows_fresh=fresh, rows_identity=in_order(rows),
-                       out_identity=in_order(out_pos) and in_order(out_rows))
+                       rows_fresh=fresh, out_identity=in_order(out_pos) and in_order(out_rows))
         calls.append(call)
-    every_row_in_order = len(host_calls) == 1 and calls[0].rows_identity and \
+    every_row_in_order = len(host_calls) == 1 and in_order(host_calls[0][0]) and \
         host_calls[0][0].size == num_rows + num_ext_rows
     call_rows = None if every_row_in_order else \
         h(np.concatenate([c[0] for c in host_calls]) if host_calls else _EMPTY)
@@ -602,9 +596,9 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
     call_states: List[torch.Tensor] = []
     outputs = []
     inputs = list(zip(*(_call_inputs(x, schedule) for x in (q, k, v, g, beta))))
-    for c, (call, gather) in enumerate(zip(schedule.calls, per_call)):
+    for call, gather, xs in zip(schedule.calls, per_call, inputs):
         init = None if gather is None else gather.assemble(call_states, ext_states, zero_like)
-        o, states = run(*inputs[c], call.lengths, chunk_size=schedule.chunk_size, scale=scale, initial_state=init,
+        o, states = run(*xs, call.lengths, chunk_size=schedule.chunk_size, scale=scale, initial_state=init,
                         state_index=call.export_seq, state_offset=call.export_offset,
                         initial_state_index=None if gather is None else gather.index)
         call_states.append(states)
