@@ -184,8 +184,9 @@ def kernel_categories(events) -> dict:
 def op_stacks(trainer, forest, names, top: int = 6, depth: int = 12) -> str:
     """One more step under ``torch.profiler`` with Python stacks: for each operator in ``names``
     (``aten::gather``), its calls grouped by their innermost ``depth`` Python frames (object addresses
-    and layer numbers dropped, so the layers' calls group together), the ``top`` stacks by count.  It finds operators that no project frame dispatches (compiled graphs, library
-    code); a call from the autograd engine's thread has no Python frames unless a Python backward runs it."""
+    and layer numbers dropped, so the layers' calls group together), the ``top`` stacks by count.  It
+    finds operators that no project frame dispatches (compiled graphs, library code); a call from the
+    autograd engine's thread has no Python frames unless a Python backward runs it."""
     from torch.profiler import ProfilerActivity, profile
     verbose = torch._C._profiler._ExperimentalConfig(verbose=True)    # Python frames in the events' stacks
     with profile(activities=[ProfilerActivity.CPU], with_stack=True, experimental_config=verbose) as prof:
