@@ -182,26 +182,37 @@ def kernel_categories(events) -> dict:
 
 
 def op_stacks(trainer, forest, names, top: int = 6, depth: int = 12) -> str:
-    """One more step under ``torch.profiler`` with Python stacks: for each operator in ``names``
-    (``aten::gather``), its calls grouped by their innermost ``depth`` Python frames (object addresses
-    and layer numbers dropped, so the layers' calls group together), the ``top`` stacks by count.  It
-    finds operators that no project frame dispatches (compiled graphs, library code); a call from the
-    autograd engine's thread has no Python frames unless a Python backward runs it."""
+    """One more step under ``torch.profiler`` with Python stacks and input shapes: for each operator in
+    ``names`` (``aten::gather``), its calls grouped by their innermost ``depth`` Python frames (object
+    addresses and layer numbers dropped, so the layers' calls group together), the operators that
+    enclose them (an autograd engine's ``evaluate_function: XBackward0`` names the forward operator
+    whose backward runs it) and their input shapes, the ``top`` groups by count.  It finds operators
+    that no project frame dispatches (compiled graphs, library code, the autograd engine's thread,
+    which has no Python frames unless a Python backward runs it)."""
     from torch.profiler import ProfilerActivity, profile
     verbose = torch._C._profiler._ExperimentalConfig(verbose=True)    # Python frames in the events' stacks
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True, experimental_config=verbose) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, record_shapes=True,
+                 experimental_config=verbose) as prof:
         trainer.step(forest)
-    counts = {name: {} for name in names}     # name -> stack (frames, object addresses dropped) -> calls
-    for e in prof.key_averages(group_by_stack_n=depth):
-        if e.key in counts:
-            stack = tuple(re.sub(r"(nn\.Module: \w+?)_\d+$", r"\1", re.sub(r" at 0x[0-9a-f]+", "", f))
-                          for f in (e.stack or []) if f) or ("(no Python frame)",)
-            counts[e.key][stack] = counts[e.key].get(stack, 0) + e.count
+    counts = {name: {} for name in names}     # name -> (frames, enclosing ops, shapes) -> calls
+    for e in prof.events():
+        if e.name not in counts:
+            continue
+        frames = tuple(re.sub(r"(nn\.Module: \w+?)_\d+$", r"\1", re.sub(r" at 0x[0-9a-f]+", "", f))
+                       for f in (e.stack or [])[:depth] if f) or ("(no Python frame)",)
+        parents, p = [], e.cpu_parent
+        while p is not None and len(parents) < 3:
+            if not re.search(r"^<|\(\d+\): ", p.name):      # operators and autograd nodes, not Python frames
+                parents.append(p.name)
+            p = p.cpu_parent
+        key = (frames, " < ".join(parents) or "(top level)", str(e.input_shapes))
+        counts[e.name][key] = counts[e.name].get(key, 0) + 1
     out = []
-    for name, by_stack in counts.items():
-        out.append(f"{name}: {sum(by_stack.values())} calls, {len(by_stack)} distinct stacks\n")
-        for stack, n in sorted(by_stack.items(), key=lambda kv: -kv[1])[:top]:
-            out.append(f"  {n:>7}  " + "\n           ".join(stack) + "\n")
+    for name, groups in counts.items():
+        out.append(f"{name}: {sum(groups.values())} calls, {len(groups)} distinct stacks\n")
+        for (frames, parents, shapes), n in sorted(groups.items(), key=lambda kv: -kv[1])[:top]:
+            out.append(f"  {n:>7}  " + "\n           ".join(frames) + f"\n           in: {parents}"
+                       f"\n           shapes: {shapes}\n")
     return "".join(out)
 
 

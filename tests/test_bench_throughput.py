@@ -164,14 +164,20 @@ def test_op_stacks_group_an_operators_calls_by_python_stack(bt):
 
     class Trainer:
         def step(self, forest):
+            x = forest.clone().requires_grad_()
+            torch.gather(x, 0, torch.zeros(1, 2, dtype=torch.long)).sum().backward()
             return outer(forest).sum() + forest.index_select(0, torch.ones(1, dtype=torch.long)).sum()
 
-    text = bt.op_stacks(Trainer(), torch.ones(4, 2), ["aten::index_select", "aten::gather"])
+    text = bt.op_stacks(Trainer(), torch.ones(4, 2), ["aten::index_select", "aten::scatter_add_", "aten::cumsum"])
     lines = text.splitlines()
     assert lines[0] == "aten::index_select: 4 calls, 2 distinct stacks"
     assert lines[1].split()[0] == "3" and " at 0x" not in text
     assert "index_select" in lines[1] and lines[2].endswith(": inner") and lines[3].endswith(": outer")
-    assert "aten::gather: 0 calls, 0 distinct stacks" in text
+    assert "shapes: [[4, 2], [], [2]]" in text
+    # a backward's operator: the autograd node that runs it names the forward operator
+    scatter = text[text.index("aten::scatter_add_:"):text.index("aten::cumsum:")].splitlines()
+    assert scatter[0].startswith("aten::scatter_add_: 1 calls") and "GatherBackward0" in scatter[-2]
+    assert "aten::cumsum: 0 calls, 0 distinct stacks" in text
 
 
 def test_profile_op_stacks_needs_profile(bt):
