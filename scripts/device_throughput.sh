@@ -9,7 +9,8 @@
 #   step-wise   the paper-level Step-wise batch (46 trajectories, 16k-row microbatches), within and windows
 #               (plain and with --tree-recompute-producers) against expanded
 #   tree-step   a Tree-Step batch at the paper's within-microbatch compression (116 trajectories, 656k tokens,
-#               L1 3.91x at 16k rows; forest 4.89x), the same modes
+#               L1 3.91x at 16k rows; forest 4.89x), the same modes, and within with the KDA call plans of the
+#               ablation (--kda-call-plans per-depth node-wise)
 #   tree-step-s9  the Tree-Step batch of the session 7-10 tables (118 trajectories, 873k tokens, L1 3.17x)
 #   attention   benchmarks/bench_tree_attention.py (flex and varlen vs causal SDPA) on both schemes at
 #               head dims 128/128, 192/128 (MLA of h200-2k) and 96/64 (MLA of h200)
@@ -51,7 +52,9 @@ for stage in "${STAGES[@]}"; do
                 --microbatch-tokens 8192 --modes off off:4096 within windows \
                 --driver-flags "--tree-triton-max-configs 1" --out "$OUT/step-fidelity.json" 2>&1 | quiet ;;
     step-wise) timeout "$share" "${BENCH[@]}" "${STEPWISE[@]}" --out "$OUT/step-wise-16k.json" 2>&1 | quiet ;;
-    tree-step) timeout "$share" "${BENCH[@]}" "${TREESTEP[@]}" --out "$OUT/tree-step-16k.json" 2>&1 | quiet ;;
+    # with the ablation of the KDA call plans (per-depth bucketing, node-wise) on the same batch, same run
+    tree-step) timeout "$share" "${BENCH[@]}" "${TREESTEP[@]}" --kda-call-plans per-depth node-wise \
+                 --out "$OUT/tree-step-16k.json" 2>&1 | quiet ;;
     tree-step-s9) timeout "$share" "${BENCH[@]}" "${TREESTEP_S9[@]}" --out "$OUT/tree-step-s9-16k.json" 2>&1 | quiet ;;
     large) timeout $((share / 2)) "${BENCH[@]}" --preset h200-2k --no-cosine "${STEPWISE[@]}" \
              --out "$OUT/large-step-wise-16k.json" 2>&1 | quiet
@@ -59,7 +62,8 @@ for stage in "${STAGES[@]}"; do
            timeout $((share / 2)) "${BENCH[@]}" --preset h200-2k --no-cosine "${TREESTEP[@]}" --tree-sharing within \
              --out "$OUT/large-tree-step-16k.json" 2>&1 | quiet ;;
     tests) KDA_FLA_TEST_MAX_CONFIGS=1 timeout "$share" python3 -m pytest -q -rs -p no:cacheprovider -W ignore \
-             tests/test_kda_fla.py tests/test_tree_attention.py tests/test_norm.py tests/test_grouped_experts.py \
+             tests/test_kda_fla.py tests/test_tree_kda.py tests/test_triton_launch.py tests/test_tree_attention.py \
+             tests/test_norm.py tests/test_grouped_experts.py \
              2>&1 | grep -v "^  " | tee "$OUT/device-tests.txt" | tail -25 ;;
     memory) for preset in h200 h200-2k; do
               timeout $((share / 2)) python3 benchmarks/bench_throughput.py --iters "$ITERS" --tree-sharing within \
