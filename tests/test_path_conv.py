@@ -73,6 +73,54 @@ def test_subtree_with_context_equals_expanded(trajs, data):
         compare_with_expanded(f, lay, backend)
 
 
+@settings(max_examples=30, deadline=None)
+@given(trajectory_sets(max_traj=8), st.data())
+def test_taps_reading_a_table_equal_the_context_rows(trajs, data):
+    """A consumer's conv reading its producer's exported rows through ``ConvTaps.reading_table``
+    equals the conv over the assembled context rows, forward and every gradient, bitwise; the
+    table rows no tap reads get no gradient."""
+    f = build_forest(trajs)
+    producer = build_layout(f)
+    roots = non_nested_roots(f, data, max_size=3)
+    lay = build_layout(f, roots=roots, context=producer)
+    R, Rc, C = lay.num_rows, lay.num_context_rows, 3
+    taps = build_conv_taps(lay, 4)
+    hit = taps.taps[(taps.taps >= R) & (taps.taps < R + Rc)] - R
+    reached = torch.unique(hit)
+    extra = data.draw(st.integers(0, 3))            # table rows nobody reads, spread among the read ones
+    n = int(reached.numel()) + extra
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(len(trajs)))
+    position = torch.full((Rc,), -1, dtype=torch.int64)
+    position[reached] = order[:reached.numel()]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(R, C, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(C, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    table = torch.randn(n, C, dtype=torch.float64, generator=gen, requires_grad=True)
+    ctx = torch.randn(Rc, C, dtype=torch.float64, generator=gen)
+    ctx[reached] = table.detach()[position[reached]]
+    ctx.requires_grad_(True)
+    g = torch.randn(R, C, dtype=torch.float64, generator=gen)
+    want = path_conv(x, w, None, lay, context=ctx if Rc else None, taps=taps)
+    got = path_conv(x, w, None, None, context=table if n else None, taps=taps.reading_table(position, n))
+    assert torch.equal(got, want)
+    gw = torch.autograd.grad((want * g).sum(), (x, w) + ((ctx,) if Rc else ()))
+    gg = torch.autograd.grad((got * g).sum(), (x, w) + ((table,) if n else ()), allow_unused=True)
+    assert torch.equal(gg[0], gw[0]) and torch.equal(gg[1], gw[1])
+    if n:
+        expect = torch.zeros_like(table)
+        if reached.numel():
+            expect[position[reached]] = gw[2][reached]
+        assert torch.equal(gg[2] if gg[2] is not None else torch.zeros_like(table), expect)
+    # every context row some tap reads needs a place in the table
+    if reached.numel():
+        bad = position.clone()
+        bad[reached[0]] = -1
+        with pytest.raises(ValueError, match="position is -1"):
+            taps.reading_table(bad, n)
+        with pytest.raises(ValueError, match="context"):
+            path_conv(x, w, None, None, taps=taps.reading_table(position, n))
+
+
 def test_single_token_segments_and_ends_inside():
     # chain of one-token segments: every token is a fork or an end
     f = build_forest([make_trajectory({"id": i, "tokens": [1, 2, 3, 4, 5][:i + 1] + [9]}) for i in range(5)]

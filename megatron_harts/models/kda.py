@@ -185,12 +185,9 @@ class KimiDeltaAttention(MegatronModule):
                 prev = packed_seq_params.layout.prev
                 q, k, v = (path_conv(t, w, None, prev, activation="silu", taps=taps)
                            for t, w in ((q, wq), (k, wk), (v, wv)))
-            else:   # consumer: the conv reads the producer's inputs of the context rows
+            else:   # consumer: the conv taps read the producer's exported inputs of the context rows
                 ex = packed_seq_params.layer_exports(self.layer_number)
-                lay = packed_seq_params.layout
-                Rc = lay.num_context_rows
-                q, k, v = (path_conv(t, w, None, lay, activation="silu", taps=taps,
-                                     context=ci.conv_context(ex[n], Rc))
+                q, k, v = (path_conv(t, w, None, None, activation="silu", taps=taps, context=ex[n])
                            for t, w, n in ((q, wq, "conv_q"), (k, wk, "conv_k"), (v, wv, "conv_v")))
         else:   # expanded: the sequences' conv over their rows packed back to back
             lens = sequence_lengths(packed_seq_params, s, b)

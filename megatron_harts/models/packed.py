@@ -34,7 +34,8 @@ the replay rows (``spec.replay_rows``) and KDA's recurrent states after
 ``spec.state_rows``.  A *consumer*
 layout (subtrees whose ancestors are the producer's rows) runs with
 ``for_tree(consumer, exports=...)``: MLA attends to the context rows' keys and
-values, the conv reads the context rows' inputs, KDA starts its subtree roots
+values, the conv reads the context rows' inputs where the producer exported them (its
+taps index ``spec.conv_rows``: ``ConvTaps.reading_table``), KDA starts its subtree roots
 from the producer's boundary states and replays the producer's rows.  Pass
 ``exports.detached()`` to every consumer of a window (shared leaves: export
 gradients accumulate), then ``exports.close(leaves)`` runs the one producer
@@ -205,20 +206,12 @@ class _InjectGradient(torch.autograd.Function):
 @dataclass
 class ConsumerIndex:
     """Where a consumer's reads sit in its producer's exports: ``ctx`` (each context row's
-    index in ``spec.rows``), ``conv_ctx`` (the context rows its conv reaches) and ``conv`` (their
-    indices in ``spec.conv_rows``), ``replay`` (each KDA replay row's index in
-    ``spec.replay_rows``), ``state`` (each external KDA state's index in ``spec.state_rows``)."""
+    index in ``spec.rows``), ``replay`` (each KDA replay row's index in ``spec.replay_rows``),
+    ``state`` (each external KDA state's index in ``spec.state_rows``).  The conv reads
+    ``spec.conv_rows`` through the consumer's conv taps (``ConvTaps.reading_table``)."""
     ctx: torch.Tensor
-    conv_ctx: torch.Tensor
-    conv: torch.Tensor
     replay: torch.Tensor
     state: torch.Tensor
-
-    def conv_context(self, exported: torch.Tensor, num_context_rows: int) -> torch.Tensor:
-        """The conv input of every context row [Rc, C]: exported where the conv reaches, 0 elsewhere
-        (never read)."""
-        out = exported.new_zeros(num_context_rows, exported.shape[-1])
-        return out.index_copy(0, self.conv_ctx, exported.index_select(0, self.conv))
 
 
 @dataclass
@@ -365,7 +358,7 @@ class TreePackedSeqParams(PackedSeqParams):
         device = torch.device(device) if device is not None else layout.prev.device
         # conv taps and block mask are built on the host (from the layout's host copy) and moved
         host = _host(layout)
-        taps = build_conv_taps(host, conv_kernel).to(device)
+        taps = build_conv_taps(host, conv_kernel)
         layout = layout.to(device)
         consumer_index = None
         if layout.num_context_rows:
@@ -388,7 +381,7 @@ class TreePackedSeqParams(PackedSeqParams):
             schedule = _kda_consumer_schedule(host, chunk_size, replay, device)
             state_rows, replay_rows = consumer_kda_sources(host, schedule)
 
-            def index(values, table, what):
+            def position(values, table, what) -> np.ndarray:
                 table = np.asarray(table)
                 pos = np.searchsorted(table, values)
                 ok = (pos < table.size) & (table[np.minimum(pos, max(table.size - 1, 0))] == values) \
@@ -396,15 +389,18 @@ class TreePackedSeqParams(PackedSeqParams):
                 if not np.all(ok):
                     raise ValueError(f"TreePackedSeqParams.for_tree: the producer's exports lack {what} this "
                                      "consumer needs (ExportSpec.for_consumers was built without it)")
-                return host_to_device(torch.as_tensor(pos, dtype=torch.int64), device)
+                return pos.astype(np.int64)
 
-            reach = _conv_reach(host, conv_kernel)
-            consumer_index = ConsumerIndex(ctx=index(src.numpy(), spec.rows.numpy(), "context rows"),
-                                           conv_ctx=host_to_device(reach, device),
-                                           conv=index(src.numpy()[reach.numpy()], spec.conv_rows.numpy(),
-                                                      "conv context rows"),
-                                           replay=index(replay_rows, spec.replay_rows.numpy(), "replay rows"),
-                                           state=index(state_rows, spec.state_rows, "KDA states"))
+            # the conv reads its context rows straight from the exported conv rows
+            reach = _conv_reach(host, conv_kernel).numpy()
+            conv_pos = np.full(host.num_context_rows, -1, dtype=np.int64)
+            conv_pos[reach] = position(src.numpy()[reach], spec.conv_rows.numpy(), "conv context rows")
+            taps = taps.reading_table(torch.from_numpy(conv_pos), int(spec.conv_rows.numel()))
+            ctx, rep, st = host_to_device_many([torch.from_numpy(position(v, t, what)) for v, t, what in (
+                (src.numpy(), spec.rows.numpy(), "context rows"),
+                (replay_rows, spec.replay_rows.numpy(), "replay rows"),
+                (state_rows, spec.state_rows, "KDA states"))], device)
+            consumer_index = ConsumerIndex(ctx=ctx, replay=rep, state=st)
         else:
             if exports is not None:
                 raise ValueError("TreePackedSeqParams.for_tree: exports= is for consumer layouts (with context "
@@ -441,6 +437,7 @@ class TreePackedSeqParams(PackedSeqParams):
             block_mask = build_tree_block_mask(
                 host, context_visibility=host.context_visibility if host.num_context_rows else None,
                 device=device)
+        taps = taps.to(device)
         R = layout.num_rows
         cu = host_to_device(torch.tensor([0, R], dtype=torch.int32), device)
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=R, max_seqlen_kv=R,

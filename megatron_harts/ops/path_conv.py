@@ -97,6 +97,31 @@ class ConvTaps:
         from ..layout import host_to_device_many
         return ConvTaps(*host_to_device_many([self.taps, self.fix_rows], device), self.num_context_rows)
 
+    def reading_table(self, position: torch.Tensor, table_rows: int) -> "ConvTaps":
+        """These taps with their context rows read from a table of ``table_rows`` rows instead:
+        context row c is row ``position[c]`` of the table (``position[c] = -1``: a row no tap
+        reaches).  ``path_conv(x, w, b, None, taps=t.reading_table(p, n), context=table)``
+        equals ``path_conv(x, w, b, layout, taps=t, context=ctx)`` wherever ``ctx[c] =
+        table[p[c]]`` for the reached rows, bitwise; a consumer's conv so reads its producer's
+        exported rows without assembling all its context rows.  Host-side (it checks the values)."""
+        position = torch.as_tensor(position, dtype=torch.int64).cpu()
+        R, Rc = self.num_rows, self.num_context_rows
+        if position.shape != (Rc,):
+            raise ValueError(f"reading_table: position needs one entry per context row ({Rc}), got "
+                             f"{tuple(position.shape)}")
+        if not isinstance(table_rows, int) or table_rows < 0:
+            raise ValueError(f"reading_table: table_rows must be a non-negative integer, got {table_rows!r}")
+        if position.numel() and (int(position.min()) < -1 or int(position.max()) >= table_rows):
+            raise ValueError(f"reading_table: positions must lie in [-1, {table_rows})")
+        taps = self.taps.cpu()
+        in_ctx = (taps >= R) & (taps < R + Rc)
+        moved = position[(taps[in_ctx] - R)]
+        if bool((moved < 0).any()):
+            raise ValueError("reading_table: a tap reaches a context row whose position is -1")
+        out = torch.where(taps >= R + Rc, torch.full_like(taps, R + table_rows), taps)   # the zero pad row
+        out[in_ctx] = R + moved
+        return ConvTaps(out, self.fix_rows.cpu(), int(table_rows))
+
 
 def _fix_rows(taps: torch.Tensor, pad: int) -> torch.Tensor:
     R, J = taps.shape
@@ -173,9 +198,10 @@ def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     """Causal depthwise conv along each row's path: x ``[R, C]``, weight ``[C, K]``, bias ``[C]``.
 
     ``layout_or_prev``: a CompactLayout, the ``prev`` tensor, or None when ``taps`` describe
-    the rows alone (no context; the ``conv`` backend).  ``context [Rc, C]``: inputs of
-    the context rows (needed when some row's path continues into them; a CompactLayout
-    supplies ``prev_external``/``context_prev``).  ``backend="conv"`` (default, module
+    the rows alone (the ``conv`` backend; ``context`` is then the table of
+    ``taps.num_context_rows`` rows the taps read, e.g. from :meth:`ConvTaps.reading_table`).
+    ``context [Rc, C]``: inputs of the context rows (needed when some row's path continues into
+    them; a CompactLayout supplies ``prev_external``/``context_prev``).  ``backend="conv"`` (default, module
     docstring) reads ``taps`` (:func:`build_conv_taps`, built here when omitted);
     ``"reference"`` walks ``prev`` tap by tap.  Returns ``[R, C]``, differentiable in x,
     weight, bias and context.
@@ -194,9 +220,11 @@ def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (C,)):
         raise ValueError(f"bias must be [{C}] or None")
     if layout_or_prev is None:
-        if not isinstance(taps, ConvTaps) or backend != "conv" or context is not None:
-            raise ValueError("path_conv without a layout or prev needs taps (ConvTaps), the conv backend and "
-                             "no context")
+        if not isinstance(taps, ConvTaps) or backend != "conv":
+            raise ValueError("path_conv without a layout or prev needs taps (ConvTaps) and the conv backend")
+        if (context is None) != (taps.num_context_rows == 0):
+            raise ValueError(f"path_conv without a layout: the taps read {taps.num_context_rows} context rows, so "
+                             f"context must be {'given' if taps.num_context_rows else 'None'}")
         prev = None
     elif isinstance(layout_or_prev, CompactLayout):
         lay = layout_or_prev
@@ -209,11 +237,14 @@ def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     if prev is not None and (not isinstance(prev, torch.Tensor) or prev.dim() != 1 or prev.shape[0] != R):
         raise ValueError(f"prev must be a 1-D tensor with one entry per row of x ({R})")
     Rc = 0 if context_prev is None else context_prev.shape[0]
+    if layout_or_prev is None:
+        Rc = taps.num_context_rows           # the taps' own context table
     if context is not None:
         if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.shape[1] != C:
             raise ValueError(f"context must be a [context rows, {C}] tensor")
         if context.shape[0] != Rc:
-            raise ValueError(f"context has {context.shape[0]} rows but context_prev has {Rc}")
+            raise ValueError(f"context has {context.shape[0]} rows but "
+                             f"{'the taps read' if layout_or_prev is None else 'context_prev has'} {Rc}")
     elif prev_external is not None and bool((prev_external >= 0).any()):
         raise ValueError("context: some rows continue into context rows (prev_external), "
                          "so their inputs must be given")
