@@ -69,15 +69,6 @@ def _host(layout):
     return layout.host_copy if getattr(layout, "host_copy", None) is not None else layout
 
 
-def _conv_reach(layout, conv_kernel: int) -> torch.Tensor:
-    """Context rows (sorted indices) that some row's conv taps reach."""
-    from ..ops.path_conv import build_conv_taps
-    taps = build_conv_taps(layout, conv_kernel).taps.cpu()
-    R = layout.num_rows
-    hit = taps[(taps >= R) & (taps < R + layout.num_context_rows)] - R
-    return torch.unique(hit)
-
-
 def _kda_consumer_schedule(layout, chunk_size: int, replay: bool, device=None):
     from ..ops.tree_kda import build_kda_schedule, plan_subtree_calls
     sp = plan_subtree_calls(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row, chunk_size,
@@ -115,6 +106,7 @@ class ExportSpec:
     def for_consumers(cls, producer, consumers: Sequence, *, config=None, chunk_size: int = 64,
                       conv_kernel: int = 4, replay: bool = True) -> "ExportSpec":
         """The exports ``consumers`` (layouts built with ``context=producer``) need from ``producer``."""
+        from ..ops.path_conv import build_conv_taps
         from ..ops.tree_kda import consumer_kda_sources
         if config is not None:
             chunk_size = config.kda_chunk_size
@@ -137,7 +129,7 @@ class ExportSpec:
             sched = _kda_consumer_schedule(c, chunk_size, replay)
             state_rows, replay_rows = consumer_kda_sources(c, sched)
             rows.append(src.numpy())
-            conv.append(src.numpy()[_conv_reach(c, conv_kernel).numpy()])
+            conv.append(src.numpy()[build_conv_taps(c, conv_kernel).context_rows_read().numpy()])
             replays.append(replay_rows)
             states.append(state_rows)
 
@@ -392,7 +384,7 @@ class TreePackedSeqParams(PackedSeqParams):
                 return pos.astype(np.int64)
 
             # the conv reads its context rows straight from the exported conv rows
-            reach = _conv_reach(host, conv_kernel).numpy()
+            reach = taps.context_rows_read().numpy()
             conv_pos = np.full(host.num_context_rows, -1, dtype=np.int64)
             conv_pos[reach] = position(src.numpy()[reach], spec.conv_rows.numpy(), "conv context rows")
             taps = taps.reading_table(torch.from_numpy(conv_pos), int(spec.conv_rows.numel()))

@@ -97,6 +97,12 @@ class ConvTaps:
         from ..layout import host_to_device_many
         return ConvTaps(*host_to_device_many([self.taps, self.fix_rows], device), self.num_context_rows)
 
+    def context_rows_read(self) -> torch.Tensor:
+        """The context rows some tap reads (sorted, unique; CPU long)."""
+        taps = self.taps.cpu()
+        R = self.num_rows
+        return torch.unique(taps[(taps >= R) & (taps < R + self.num_context_rows)] - R)
+
     def reading_table(self, position: torch.Tensor, table_rows: int) -> "ConvTaps":
         """These taps with their context rows read from a table of ``table_rows`` rows instead:
         context row c is row ``position[c]`` of the table (``position[c] = -1``: a row no tap
