@@ -221,7 +221,7 @@ def profile_step(trainer, forest, device, top: int = 30, stacks: bool = False, o
     GPU idle while Python launches shows as wall >> kernel time), kernel time per category
     (``KERNEL_CATEGORIES``), and the text tables of the top kernels and the top CPU operators;
     with ``stacks`` also the operators one more step dispatches, counted and timed by call site (``op_sites``);
-    with ``op_names`` the Python stacks of those operators' calls in one more step (``op_stacks``)."""
+    with ``op_names`` where those operators' calls run in one more step (``op_stacks``)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     if device == "cuda":
@@ -526,8 +526,9 @@ def main(argv=None):
                     help="with --profile: one more step per mode counting and timing the operators the host "
                          "dispatches by call site (the innermost project frame), into FILE")
     ap.add_argument("--profile-op-stacks", nargs="+", default=[], metavar="OP",
-                    help="with --profile: one more step per mode recording the Python stacks of these operators' "
-                         "calls (profiler names, e.g. aten::gather), the most frequent stacks into FILE")
+                    help="with --profile: one more step per mode recording the Python stacks, enclosing operators "
+                         "and input shapes of these operators' calls (profiler names, e.g. aten::gather), the most "
+                         "frequent into FILE")
     ap.add_argument("--memory-profile", action="store_true",
                     help="one extra step of every mode under the CUDA allocator's history: the bytes alive "
                          "at the step's peak by allocation site (innermost project frames), into the results JSON")
