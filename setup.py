@@ -8,7 +8,7 @@ with pybind11.  Dependencies and why each is here:
 - torch: tensors and autograd for layout, ops and models (CI installs the CPU
   build torch==2.13.0 before this package).
 - megatron-core==0.16.1: the model building blocks and parallel state; the last
-  release that runs on Python 3.11 (shared/DESIGN.md).
+  release that runs on Python 3.11 (docs/design.md).
 - psutil: megatron-core's dist-checkpoint writer imports it (not declared by
   megatron-core); tools/convert_hf_checkpoint.py --format dist needs it.
 - extra "gpu": fla-core==0.6.0, KDA Triton kernels; imported lazily on GPU only.

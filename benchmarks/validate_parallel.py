@@ -24,7 +24,7 @@ global batch before the first step and after the last (``--tree-logit-probe``). 
 iteration, and each run's median step throughput.  Targets: tree cosine no more than 1e-5 below
 the rerun's, |loss difference| < 2e-4.  MoE auxiliary losses are off (load balancing through the
 router's expert bias): megatron defines them per microbatch, so they differ with the packing and
-no two packings of one batch give the same loss (shared/DESIGN.md invariant 1).
+no two packings of one batch give the same loss (docs/design.md invariant 1).
 
 With a bf16 or fp32 model the ``expanded`` run also probes an upcast copy of the initial weights
 (``--tree-logit-probe-oracle``: fp32 for bf16, fp64 for fp32, plain-torch kernels): each run's

@@ -1,4 +1,4 @@
-"""CPU shim for megatron-core in tests (shared/DESIGN.md, "Running megatron-core on CPU").
+"""CPU shim for megatron-core in tests (docs/design.md, "Running megatron-core on CPU").
 
 The shim is the product's explicit helper ``megatron_harts.models.cpu_runtime.megatron_cpu_runtime``
 (tools that run the model on CPU apply the same context manager), so tests and tools share one

@@ -2,7 +2,7 @@
 
 A consumer layout holds subtrees whose ancestors live in a producer layout.  Its sequences start
 at aligned positions from the producer's exported boundary states, replaying producer rows
-(shared/DESIGN.md: sequence, replay, boundary state).  Oracle: the whole-tree executor, itself
+(docs/design.md: sequence, replay, boundary state).  Oracle: the whole-tree executor, itself
 pinned against expanded KDA by tests/test_tree_kda.py.
 """
 import numpy as np

@@ -4,7 +4,7 @@ A producer layout records per-layer exports (MLA keys/values, KDA conv inputs, K
 boundary states); consumer layouts (subtrees whose ancestors are producer rows) read them.
 Consumers run forward+backward into detached export leaves (gradients accumulate over the window's
 consumers), then one producer backward closes the window.  fp64 on CPU: per-(trajectory, position)
-log-probs and every parameter gradient equal the whole-tree run's to 1e-10 (shared/DESIGN.md,
+log-probs and every parameter gradient equal the whole-tree run's to 1e-10 (docs/design.md,
 invariant 1; the whole-tree run is pinned against expanded mode by tests/test_models_tree.py).
 """
 import numpy as np

@@ -12,7 +12,7 @@ counted from each sequence's start (the WY/UT form fla uses): expanded
 training chunks a trajectory at multiples of B from position 0, and the tree
 executor (tree_kda.py) calls this very function on sequences that start at
 multiples of B, so both perform the same floating-point operations on every
-chunk (shared/DESIGN.md, invariant 2).  The chunk recurrence also returns the
+chunk (docs/design.md, invariant 2).  The chunk recurrence also returns the
 state after any requested number of tokens of a sequence: at chunk boundaries
 from the chunk update itself, inside a chunk (the ``--no-tree-replay``
 ablation) from the partial-chunk form of the same update.

@@ -1,4 +1,4 @@
-"""Multi-target log-probabilities over compact rows (shared/DESIGN.md, glossary "targets").
+"""Multi-target log-probabilities over compact rows (docs/design.md, glossary "targets").
 
 A row of the compact layout can carry several targets: one per trajectory
 through it, and at a fork row several distinct next tokens.  The logits of a

@@ -1,4 +1,4 @@
-"""MoE router statistics with occurrence counts (shared/DESIGN.md, glossary "occurrence count").
+"""MoE router statistics with occurrence counts (docs/design.md, glossary "occurrence count").
 
 In expanded mode every trajectory carries its own copy of a shared prefix row,
 so megatron-core's router counts that row once per trajectory through it.  In

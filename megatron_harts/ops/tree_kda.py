@@ -18,7 +18,7 @@ Invariants kept:
   after its token s-1, computed in an earlier call; with replay s is aligned
   and its chunks are [s, s+B), [s+B, s+2B)..., which are the chunks of
   expanded per-trajectory training, so the reference backend reproduces
-  expanded outputs bitwise (shared/DESIGN.md, invariant 2).  Without replay
+  expanded outputs bitwise (docs/design.md, invariant 2).  Without replay
   (``--no-tree-replay``, and the per-depth / node-wise baseline plans of
   ``planner/baselines.py``) s is the fork position, often unaligned, and the
   state is read inside or at the end of the source sequence (for the

@@ -1,4 +1,4 @@
-"""Runtime patches of megatron-core (shared/DESIGN.md, "Dependency decisions").
+"""Runtime patches of megatron-core (docs/design.md, "Dependency decisions").
 
 Every change megatron_harts makes to megatron-core at run time lives in its own
 module here, with

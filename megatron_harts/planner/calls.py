@@ -1,6 +1,6 @@
 """KDA call planner: optimal packed chunkwise-call plans for a forest of segments.
 
-The model (``shared/DESIGN.md``, "the packed chunkwise-call model, exactly"): every segment is
+The model (``docs/design.md``, "the packed chunkwise-call model, exactly"): every segment is
 semantic in exactly one *sequence*, a chain of segments each the child of the one before.  A
 sequence whose first segment starts at ``p`` starts at ``s = floor(p/B)*B`` (replay ``p - s``);
 when ``s > 0`` it runs in a call later than the call of the sequence holding token ``s - 1`` of

@@ -2,7 +2,7 @@
 
 It knows nothing of the planner's algorithm: it enumerates every continuation choice (each
 segment continues one of its children or none), builds the sequences straight from the model's
-definition (``shared/DESIGN.md``, "the packed chunkwise-call model, exactly"), and finds the
+definition (``docs/design.md``, "the packed chunkwise-call model, exactly"), and finds the
 fewest calls for that choice, either as the longest chain of producer -> consumer sequences or,
 with ``exhaustive_calls=True``, by trying every assignment of calls to sequences.  The answer is
 the lexicographic minimum of (calls, total replay) over all choices.

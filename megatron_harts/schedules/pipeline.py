@@ -3,7 +3,7 @@
 :func:`forward_backward_pipelining_windows` has megatron-core's schedule signature and runs one
 step of :class:`~megatron_harts.schedules.windows.WindowedMicrobatch` items (the same items, in
 the same order, as ``forward_backward_windows`` on pipeline size 1) on pipeline size >= 2
-(non-interleaved; virtual stages are refused).  Vocabulary (shared/DESIGN.md): a microbatch is a
+(non-interleaved; virtual stages are refused).  Vocabulary (docs/design.md): a microbatch is a
 *producer* when a later one names it, a *consumer* when it names one, *plain* otherwise.  Per
 stage the operations are:
 

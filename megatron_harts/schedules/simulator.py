@@ -3,7 +3,7 @@
 A *step* is a list of :class:`StepMicrobatch` entries in execution order (the order of a
 replica's slots): each has a forward and a backward cost (seconds of the whole model, all
 layers), a role and, for a producer, the bytes of its exports (all layers).  Roles
-(shared/DESIGN.md: producer / consumer / sharing window):
+(docs/design.md: producer / consumer / sharing window):
 
 - *consumer of p*: ``producer = p`` (an earlier entry) — it reads p's exports;
 - *producer*: an entry some consumer names; it runs as PF (forward, exports kept) and PB (one

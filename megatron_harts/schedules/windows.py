@@ -2,7 +2,7 @@
 
 ``forward_backward_windows`` has megatron-core's schedule signature
 (``forward_backward_no_pipelining``'s keywords) and runs one step of microbatches some of which
-form sharing windows (shared/DESIGN.md: producer / consumer / sharing window):
+form sharing windows (docs/design.md: producer / consumer / sharing window):
 
 - a *producer* (a microbatch that some later microbatch names as its producer) runs its
   forward with per-layer exports recorded (``TreePackedSeqParams.for_tree(export=...)``); its

@@ -22,7 +22,7 @@ Invariants:
   the model config has ``calculate_per_token_loss`` (DDP scales by 1, i.e. sums over
   replicas) and ``finalize_model_grads`` gets no token count.
 - tree mode (``within`` / ``windows``) and expanded mode (``off``) give the same loss and
-  gradients for the same step (shared/DESIGN.md invariant 1), up to the MoE micro-batch aux
+  gradients for the same step (docs/design.md invariant 1), up to the MoE micro-batch aux
   losses, which megatron defines per microbatch and so depend on how a step is packed.  Under
   per-token loss scaling megatron's routers enter each microbatch's mean aux loss and z-loss
   times its token count; the step weighs them by ``aux_loss_scale(plan)`` = 1 / (tokens the

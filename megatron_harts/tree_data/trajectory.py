@@ -1,6 +1,6 @@
 """One trajectory: tokens and per-token RL metadata, validated on construction.
 
-Field semantics (shared/DESIGN.md, glossary "trajectory"):
+Field semantics (docs/design.md, glossary "trajectory"):
 
 - ``tokens``: int64 token ids, at least one.
 - ``loss_mask``: uint8 0/1 per token; token j is a training target predicted
