@@ -34,7 +34,8 @@ def test_synthesize_convert_stats(tmp_path):
     assert r1.returncode == r2.returncode == 0
     assert json.loads(r1.stdout) == json.loads(r2.stdout) == conv
     assert set(conv) == {"num_trajectories", "num_trees", "num_segments", "expanded_tokens", "unique_tokens",
-                         "compression", "max_depth", "max_trajectory_tokens"}
+                         "compression", "max_depth", "max_trajectory_tokens", "compaction_events",
+                         "compaction_events_tree", "visible_pairs_tree", "visible_pairs_expanded"}
     r = tool("tree_stats.py", "--input", src)
     assert r.returncode == 0 and "compression" in r.stdout
 

@@ -1,8 +1,8 @@
 """Memory-mapped indexed forest dataset: ``PREFIX.bin`` + ``PREFIX.idx``.
 
 ``.bin``: 16-byte header (magic ``HARTSBIN``, u32 version, u32 0), then the
-row-level arrays (tokens, per-row fields) and the exception tables, each at a
-64-byte aligned offset.  It is only ever memory-mapped: reading tree ``i``
+row-level arrays (tokens, per-row fields), the exception tables and the compaction
+events (per segment and per trajectory), each at a 64-byte aligned offset.  It is only ever memory-mapped: reading tree ``i``
 touches that tree's bytes alone.
 
 ``.idx``: magic ``HARTSIDX``, u32 version, u64 length of a JSON header, the
@@ -12,6 +12,9 @@ CRC32 of everything before it.  Each tree has its own CRC32 over its slices of
 the .bin, checked when the tree is read, so corruption is found without
 reading the whole file; a truncated .bin is found on open (its size is in the
 header).
+
+Versions: 2 adds the compaction events (``seg_evt_offsets`` and ``traj_evt_offsets`` in the
+index, the event arrays in the .bin); version 1 files (no events) are still read.
 
 Writes are atomic: both files go to temporary names, are fsynced, then renamed
 (.bin first; a stale .idx cannot pass with a new .bin since sizes and CRCs
@@ -31,7 +34,8 @@ from .errors import TreeFormatError
 from .forest import Exceptions, Forest, build_forest
 from .readers import read_trajectories
 
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
 BIN_MAGIC = b"HARTSBIN"
 IDX_MAGIC = b"HARTSIDX"
 _ALIGN = 64
@@ -41,6 +45,8 @@ _EXC_FIELDS = ("exc_loss_mask", "exc_old_logprobs", "exc_advantage")
 _SEG_ARRAYS = ("seg_parent", "seg_start", "seg_length", "seg_row", "seg_traj_lo", "seg_traj_hi")
 _TRAJ_ARRAYS = ("traj_leaf", "traj_length", "traj_has_old_logprobs", "traj_adv_kind", "traj_advantage",
                 "traj_reward", "traj_weight")
+_EVT_OFFSETS = ("seg_evt_offsets", "traj_evt_offsets")      # index tables (version 2)
+_EVT_ARRAYS = ("evt_at", "evt_start", "evt_end", "traj_evt")  # .bin arrays (version 2)
 
 
 def dataset_paths(prefix: str):
@@ -80,7 +86,7 @@ class _Writer:
 
 
 def _tree_crc(f: Forest, tokens: np.ndarray, i: int) -> int:
-    """CRC32 of tree ``i``'s slices of the row arrays and exception tables."""
+    """CRC32 of tree ``i``'s slices of the row arrays, exception tables and compaction events."""
     s0, s1 = int(f.tree_offsets[i]), int(f.tree_offsets[i + 1])
     r0 = int(f.seg_row[s0])
     r1 = int(f.seg_row[s1 - 1] + f.seg_length[s1 - 1])
@@ -93,6 +99,12 @@ def _tree_crc(f: Forest, tokens: np.ndarray, i: int) -> int:
         a, b = np.searchsorted(exc.traj, [t0, t1])
         for arr in (exc.traj, exc.pos, exc.value):
             crc = zlib.crc32(np.ascontiguousarray(arr[a:b]).tobytes(), crc)
+    if f.has_compactions or f.traj_evt.shape[0]:
+        e0, e1 = int(f.seg_evt_offsets[s0]), int(f.seg_evt_offsets[s1])
+        for arr in (f.evt_at, f.evt_start, f.evt_end):
+            crc = zlib.crc32(np.ascontiguousarray(arr[e0:e1]).tobytes(), crc)
+        a, b = int(f.traj_evt_offsets[t0]), int(f.traj_evt_offsets[t1])
+        crc = zlib.crc32(np.ascontiguousarray(f.traj_evt[a:b]).tobytes(), crc)
     return crc
 
 
@@ -115,12 +127,14 @@ def write_dataset(forest: Forest, prefix: str) -> None:
                 w.add(name + ".traj", exc.traj)
                 w.add(name + ".pos", exc.pos)
                 w.add(name + ".value", exc.value)
+            for name in _EVT_ARRAYS:
+                w.add(name, getattr(forest, name))
             fh.flush()
             os.fsync(fh.fileno())
             bin_size = w.pos
             bin_dir = w.directory
 
-        tables = {name: getattr(forest, name) for name in _SEG_ARRAYS + _TRAJ_ARRAYS}
+        tables = {name: getattr(forest, name) for name in _SEG_ARRAYS + _TRAJ_ARRAYS + _EVT_OFFSETS}
         tables["tree_offsets"] = forest.tree_offsets
         tables["tree_crc"] = np.array([_tree_crc(forest, tokens, i) for i in range(forest.num_trees)],
                                       dtype=np.uint32)
@@ -178,8 +192,10 @@ class TreeDataset:
         if len(blob) < 24 or blob[:8] != IDX_MAGIC:
             raise self._fail("not a megatron_harts index (bad magic)", field="header")
         version, hlen = struct.unpack_from("<IQ", blob, 8)
-        if version != VERSION:
-            raise self._fail(f"unsupported version {version} (this build reads {VERSION})", field="version")
+        if version not in READS:
+            raise self._fail(f"unsupported version {version} (this build reads versions "
+                             f"{', '.join(map(str, READS))})", field="version")
+        self.version = version
         (crc,) = struct.unpack_from("<I", blob, len(blob) - 4)
         if zlib.crc32(blob[:-4]) != crc:
             raise self._fail("index is corrupt or truncated (CRC32 mismatch)")
@@ -200,7 +216,7 @@ class TreeDataset:
                              "(truncated or from another write)", file=self.bin_path)
         with open(self.bin_path, "rb") as fh:
             head = fh.read(16)
-        if head[:8] != BIN_MAGIC or struct.unpack_from("<I", head, 8)[0] != VERSION:
+        if head[:8] != BIN_MAGIC or struct.unpack_from("<I", head, 8)[0] != self.version:
             raise self._fail("not a megatron_harts data file (bad magic or version)", file=self.bin_path,
                              field="header")
         mm = np.memmap(self.bin_path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
@@ -225,6 +241,9 @@ class TreeDataset:
         a = self._arrays
         ex = {name: Exceptions(a[name + ".traj"], a[name + ".pos"], a[name + ".value"])
               for name in _EXC_FIELDS}
+        if self.version >= 2:
+            ex.update({name: t[name] for name in _EVT_OFFSETS})
+            ex.update({name: a[name] for name in _EVT_ARRAYS})
         return Forest(
             tokens=a["tokens"], row_loss_mask=a["row_loss_mask"], row_old_logprobs=a["row_old_logprobs"],
             row_advantage=a["row_advantage"],

@@ -16,6 +16,12 @@ Layout invariants every consumer may rely on (tests pin them):
 - Per-token metadata is stored once per row (``row_*``) with per-(trajectory,
   position) exceptions where a trajectory's value differs from its row's, so
   ``expand`` returns every trajectory's metadata exactly as given.
+- Compaction (KV-eviction) events: two trajectories share a position only if their
+  tokens and their events with ``at`` up to that position agree, so the events at a
+  path position belong to the one segment holding it.  ``seg_evt_*`` lists each
+  segment's events (CSR over segments, each segment's sorted by (at, start, end),
+  without repeats; ``seg_start[s] <= at < seg_start[s] + seg_length[s]``); ``traj_evt``
+  keeps every trajectory's events as given (CSR over trajectories), for ``expand``.
 """
 from __future__ import annotations
 
@@ -83,7 +89,22 @@ class Forest:
     exc_loss_mask: Exceptions
     exc_old_logprobs: Exceptions
     exc_advantage: Exceptions
+    # compaction events (empty when no trajectory has any)
+    seg_evt_offsets: Optional[np.ndarray] = None   # int64[S+1]
+    evt_at: Optional[np.ndarray] = None            # int64[E], path position of the event
+    evt_start: Optional[np.ndarray] = None         # int64[E], evicted span [start, end)
+    evt_end: Optional[np.ndarray] = None           # int64[E]
+    traj_evt_offsets: Optional[np.ndarray] = None  # int64[N+1]
+    traj_evt: Optional[np.ndarray] = None          # int64[E', 3]: (at, start, end) as given
     _id_index: Optional[Dict[TrajectoryId, int]] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.seg_evt_offsets is None:
+            self.seg_evt_offsets = np.zeros(self.num_segments + 1, dtype=np.int64)
+            self.evt_at = self.evt_start = self.evt_end = np.zeros(0, dtype=np.int64)
+        if self.traj_evt_offsets is None:
+            self.traj_evt_offsets = np.zeros(self.num_trajectories + 1, dtype=np.int64)
+            self.traj_evt = np.zeros((0, 3), dtype=np.int64)
 
     # ---- sizes -------------------------------------------------------------
     @property
@@ -101,6 +122,53 @@ class Forest:
     @property
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def num_events(self) -> int:
+        """Compaction events of the forest, each counted once per segment holding it."""
+        return int(self.evt_at.shape[0])
+
+    @property
+    def has_compactions(self) -> bool:
+        return self.num_events > 0
+
+    def segment_events(self, s: int) -> np.ndarray:
+        """Events of segment ``s`` as an int64 ``[e, 3]`` array of (at, start, end)."""
+        a, b = int(self.seg_evt_offsets[s]), int(self.seg_evt_offsets[s + 1])
+        return np.stack([self.evt_at[a:b], self.evt_start[a:b], self.evt_end[a:b]], axis=1)
+
+    def row_evicted(self) -> np.ndarray:
+        """int64[U]: how many of row r's ancestor-or-self rows r no longer sees.
+
+        Row r at position p sees ``p + 1 - row_evicted()[r]`` keys in full attention: its
+        root path minus the union of the spans of every event on that path with ``at <= p``.
+        One pass over the segments in preorder (parents first) carries the union of spans
+        down each path; segments without events inherit their parent's.
+        """
+        out = np.zeros(self.num_rows, dtype=np.int64)
+        if not self.has_compactions:
+            return out
+        S = self.num_segments
+        end_spans: List[List[tuple]] = [None] * S      # union at the end of s: sorted disjoint spans
+        end_count = np.zeros(S, dtype=np.int64)
+        off = self.seg_evt_offsets
+        for s in range(S):
+            p = int(self.seg_parent[s])
+            spans = end_spans[p] if p >= 0 else []
+            count = int(end_count[p]) if p >= 0 else 0
+            r0, L, st = int(self.seg_row[s]), int(self.seg_length[s]), int(self.seg_start[s])
+            a, b = int(off[s]), int(off[s + 1])
+            out[r0: r0 + L] = count
+            if a < b:
+                spans = list(spans)
+                for e in range(a, b):
+                    spans = _add_span(spans, int(self.evt_start[e]), int(self.evt_end[e]))
+                    if e + 1 == b or self.evt_at[e + 1] != self.evt_at[e]:
+                        count = sum(hi - lo for lo, hi in spans)
+                        out[r0 + int(self.evt_at[e]) - st: r0 + L] = count
+            end_spans[s] = spans
+            end_count[s] = count
+        return out
 
     @property
     def seg_tree(self) -> np.ndarray:
@@ -180,10 +248,12 @@ class Forest:
             advantage = self.exc_advantage.apply(t, self.row_advantage[rows])
         reward = None if np.isnan(self.traj_reward[t]) else float(self.traj_reward[t])
         weight = None if np.isnan(self.traj_weight[t]) else float(self.traj_weight[t])
+        a, b = int(self.traj_evt_offsets[t]), int(self.traj_evt_offsets[t + 1])
+        compactions = np.array(self.traj_evt[a:b], dtype=np.int64) if b > a else None
         return Trajectory(id=self.traj_ids[t], tokens=self.tokens[rows].astype(np.int64),
                           loss_mask=loss_mask.astype(np.uint8), old_logprobs=old_logprobs,
                           advantage=advantage, reward=reward, weight=weight,
-                          group=self.traj_group[t], parent=self.traj_parent[t])
+                          group=self.traj_group[t], parent=self.traj_parent[t], compactions=compactions)
 
     # ---- per-tree views -------------------------------------------------------
     def tree(self, i: int) -> "Forest":
@@ -264,13 +334,25 @@ class Forest:
             exc_loss_mask=_select_exceptions(self.exc_loss_mask, t0, t1, new_t0),
             exc_old_logprobs=_select_exceptions(self.exc_old_logprobs, t0, t1, new_t0),
             exc_advantage=_select_exceptions(self.exc_advantage, t0, t1, new_t0),
+            **_select_events(self, s0, s1, t0, t1),
         )
 
     # ---- statistics -----------------------------------------------------------
     def stats(self) -> dict:
-        """Sharing statistics.  ``max_depth`` counts segments on the deepest path."""
+        """Sharing statistics.  ``max_depth`` counts segments on the deepest path.
+
+        ``visible_pairs_tree`` / ``visible_pairs_expanded``: the (query, key) pairs full
+        attention computes over the compact rows / over every trajectory on its own, compaction
+        events applied.  ``compaction_events``: events over all trajectories;
+        ``compaction_events_tree``: each shared event once.
+        """
         expanded = int(self.traj_length.sum())
         unique = self.num_rows
+        seg_of_row = np.repeat(np.arange(self.num_segments, dtype=np.int64), self.seg_length)
+        position = (np.arange(unique, dtype=np.int64) - np.repeat(self.seg_row, self.seg_length)
+                    + self.seg_start[seg_of_row])
+        seen = position + 1 - self.row_evicted()
+        occurrence = (self.seg_traj_hi - self.seg_traj_lo)[seg_of_row]
         return {
             "num_trajectories": self.num_trajectories,
             "num_trees": self.num_trees,
@@ -280,6 +362,10 @@ class Forest:
             "compression": expanded / unique if unique else 0.0,
             "max_depth": int(self.seg_depth.max()) if self.num_segments else 0,
             "max_trajectory_tokens": int(self.traj_length.max()) if self.num_trajectories else 0,
+            "compaction_events": int(self.traj_evt.shape[0]),
+            "compaction_events_tree": self.num_events,
+            "visible_pairs_tree": int(seen.sum()),
+            "visible_pairs_expanded": int((seen * occurrence).sum()),
         }
 
 
@@ -298,6 +384,38 @@ def _ranges(lo: np.ndarray, hi: np.ndarray):
     total = int(lengths.sum())
     sel = np.arange(total, dtype=np.int64) + np.repeat(lo.astype(np.int64) - starts, lengths)
     return sel, lengths, starts
+
+
+def _add_span(spans: List[tuple], lo: int, hi: int) -> List[tuple]:
+    """The sorted disjoint spans ``spans`` united with ``[lo, hi)`` (a new list)."""
+    out = []
+    for a, b in spans:
+        if b < lo or a > hi:
+            out.append((a, b))
+        else:
+            lo, hi = min(lo, a), max(hi, b)
+    out.append((lo, hi))
+    out.sort()
+    return out
+
+
+def _select_csr(offsets: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """Entries of CSR items ``[lo[k], hi[k])`` in that order: (new offsets, entry selector)."""
+    item_sel, _, _ = _ranges(lo, hi)
+    counts = np.diff(offsets.astype(np.int64))[item_sel]
+    new_off = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=new_off[1:])
+    off = offsets.astype(np.int64)
+    entry_sel, _, _ = _ranges(off[lo], off[hi])
+    return new_off, entry_sel
+
+
+def _select_events(f: "Forest", s0, s1, t0, t1) -> dict:
+    """The compaction-event fields of segments ``[s0[k], s1[k])`` and trajectories ``[t0[k], t1[k])``."""
+    seg_off, e = _select_csr(f.seg_evt_offsets, s0, s1)
+    traj_off, te = _select_csr(f.traj_evt_offsets, t0, t1)
+    return {"seg_evt_offsets": seg_off, "evt_at": f.evt_at[e], "evt_start": f.evt_start[e],
+            "evt_end": f.evt_end[e], "traj_evt_offsets": traj_off, "traj_evt": f.traj_evt[te]}
 
 
 def _select_exceptions(exc: Exceptions, t0: np.ndarray, t1: np.ndarray, new_t0: np.ndarray) -> Exceptions:
@@ -396,13 +514,37 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return m
 
 
-def _lexicographic_order(trajs: Sequence[Trajectory], scopes: np.ndarray) -> List[int]:
-    """Trajectory indices sorted by (scope, token sequence); a prefix sorts before its extensions.
+def _merge_keys(trajs: Sequence[Trajectory]) -> List[np.ndarray]:
+    """Per trajectory the sequence prefixes are merged on: its tokens, or, where any trajectory
+    has compaction events, ``token << 32 | event-set id`` per position (0: no event there).
 
-    Big-endian uint32 bytes compare (memcmp) exactly like the id sequences they encode.
+    Two trajectories share positions ``[0, i]`` iff these keys agree on them: the same tokens
+    and the same events at every position up to i (the set of events at a position, so their
+    order and repeats in the input do not matter).
     """
-    keys = [t.tokens.astype(">u4").tobytes() for t in trajs]
-    return sorted(range(len(trajs)), key=lambda i: (scopes[i], keys[i]))
+    if all(t.compactions is None for t in trajs):
+        return [t.tokens for t in trajs]
+    set_ids: Dict[tuple, int] = {}
+    keys = []
+    for t in trajs:
+        key = t.tokens.astype(np.uint64) << np.uint64(32)
+        if t.compactions is not None:
+            ev = np.unique(t.compactions, axis=0)       # sorted by (at, start, end), no repeats
+            for p in np.unique(ev[:, 0]).tolist():
+                spans = tuple(map(tuple, ev[ev[:, 0] == p, 1:].tolist()))
+                key[p] |= np.uint64(set_ids.setdefault(spans, len(set_ids) + 1))
+        keys.append(key)
+    return keys
+
+
+def _lexicographic_order(keys: Sequence[np.ndarray], scopes: np.ndarray) -> List[int]:
+    """Trajectory indices sorted by (scope, key sequence); a prefix sorts before its extensions.
+
+    Big-endian bytes of unsigned keys compare (memcmp) exactly like the sequences they encode.
+    """
+    width = ">u8" if keys and keys[0].dtype == np.uint64 else ">u4"
+    enc = [k.astype(width).tobytes() for k in keys]
+    return sorted(range(len(keys)), key=lambda i: (scopes[i], enc[i]))
 
 
 def build_forest(trajectories: Sequence[Trajectory]) -> Forest:
@@ -421,7 +563,8 @@ def build_forest(trajectories: Sequence[Trajectory]) -> Forest:
     for t in trajs:
         if t.tokens.size and t.tokens.max() > np.iinfo(np.uint32).max:
             raise t.error("tokens", "token id does not fit in 32 bits")
-    order = _lexicographic_order(trajs, scopes)
+    keys = _merge_keys(trajs)
+    order = _lexicographic_order(keys, scopes)
     lengths = np.array([len(trajs[i]) for i in order], dtype=np.int64)
 
     # one stack pass over the sorted trajectories builds the trie of nodes
@@ -434,7 +577,7 @@ def build_forest(trajectories: Sequence[Trajectory]) -> Forest:
     stack = [0]
     prev = None
     for rank, i in enumerate(order):
-        cur = trajs[i].tokens
+        cur = keys[i]
         if prev is None or scopes[order[rank - 1]] != scopes[i]:
             ell = 0
         else:
@@ -512,7 +655,7 @@ def build_forest(trajectories: Sequence[Trajectory]) -> Forest:
         if t.weight is not None:
             weight[k] = t.weight
     return Forest(
-        tokens=tokens, **fields["rows"],
+        tokens=tokens, **fields["rows"], **_store_events(sorted_trajs, seg_start, seg_length, seg_traj_lo),
         seg_parent=seg_parent, seg_start=seg_start, seg_length=seg_length, seg_row=seg_row,
         seg_traj_lo=seg_traj_lo, seg_traj_hi=seg_traj_hi, tree_offsets=tree_offsets,
         traj_ids=[t.id for t in sorted_trajs], traj_leaf=traj_leaf, traj_length=lengths,
@@ -521,6 +664,36 @@ def build_forest(trajectories: Sequence[Trajectory]) -> Forest:
         traj_group=[t.group for t in sorted_trajs], traj_parent=[t.parent for t in sorted_trajs],
         **fields["exceptions"],
     )
+
+
+def _store_events(trajs: Sequence[Trajectory], seg_start, seg_length, seg_traj_lo) -> dict:
+    """The compaction-event fields of a forest whose trajectories (in forest order) are ``trajs``.
+
+    A segment's events are read from its first trajectory: every trajectory through it has the
+    same events at its positions (the merge keys include them).
+    """
+    S, N = seg_start.shape[0], len(trajs)
+    traj_off = np.zeros(N + 1, dtype=np.int64)
+    np.cumsum([0 if t.compactions is None else t.compactions.shape[0] for t in trajs], out=traj_off[1:])
+    if traj_off[-1] == 0:
+        return {}
+    traj_evt = np.concatenate([t.compactions for t in trajs if t.compactions is not None]).astype(np.int64)
+    seg_off = np.zeros(S + 1, dtype=np.int64)
+    parts = []
+    for s in range(S):
+        ev = trajs[int(seg_traj_lo[s])].compactions
+        if ev is not None:
+            a = int(seg_start[s])
+            ev = ev[(ev[:, 0] >= a) & (ev[:, 0] < a + int(seg_length[s]))]
+            if ev.shape[0]:
+                ev = np.unique(ev, axis=0)
+                parts.append(ev)
+                seg_off[s + 1] = ev.shape[0]
+    np.cumsum(seg_off, out=seg_off)
+    evt = np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int64)
+    return {"seg_evt_offsets": seg_off, "evt_at": np.ascontiguousarray(evt[:, 0]),
+            "evt_start": np.ascontiguousarray(evt[:, 1]), "evt_end": np.ascontiguousarray(evt[:, 2]),
+            "traj_evt_offsets": traj_off, "traj_evt": traj_evt}
 
 
 def _token_field(trajs, get, seg_start, seg_length, seg_row, seg_traj_lo, seg_traj_hi, num_rows,

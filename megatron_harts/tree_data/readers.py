@@ -18,7 +18,8 @@ from .errors import TreeFormatError
 from .trajectory import Trajectory, make_trajectory
 
 KNOWN_FIELDS = frozenset(
-    ["id", "tokens", "loss_mask", "old_logprobs", "advantage", "reward", "weight", "group", "parent"])
+    ["id", "tokens", "loss_mask", "old_logprobs", "advantage", "reward", "weight", "group", "parent",
+     "compactions"])
 
 
 class UnknownFieldsWarning(UserWarning):
@@ -42,12 +43,24 @@ def _parse_lines(path: str, first_line: int, lines: Sequence[str], vocab_size: O
         try:
             rec = json.loads(text)
         except json.JSONDecodeError as e:
-            raise TreeFormatError(f"malformed JSON: {e.msg} (column {e.colno})", file=path, line=line) from None
+            raise TreeFormatError(_json_error(text, e), file=path, line=line) from None
         if not isinstance(rec, dict):
             raise TreeFormatError(f"expected a JSON object, got {type(rec).__name__}", file=path, line=line)
         unknown.update(k2 for k2 in rec if k2 not in KNOWN_FIELDS)
         out.append(make_trajectory(rec, file=path, line=line, vocab_size=vocab_size))
     return out, unknown
+
+
+def _json_error(text: str, e: json.JSONDecodeError) -> str:
+    """Where a JSON line breaks: a line cut short says so, with its length; otherwise the
+    column and the text around it."""
+    body = text.rstrip("\r\n")
+    if e.pos >= len(body.rstrip()):
+        return (f"malformed JSON: the line ends after {len(body)} characters before the object is "
+                f"complete ({e.msg}): truncated line?")
+    lo = max(0, e.pos - 20)
+    near = body[lo: e.pos + 20]
+    return f"malformed JSON at column {e.colno}: {e.msg}, near {near!r}"
 
 
 def _parse_chunk(args):
@@ -138,6 +151,8 @@ def trajectory_record(t: Trajectory) -> dict:
             rec[name] = getattr(t, name)
     if t.parent is not None:
         rec["parent"] = {"id": t.parent[0], "at": t.parent[1]}
+    if t.compactions is not None:
+        rec["compactions"] = [{"at": int(p), "start": int(a), "end": int(b)} for p, a, b in t.compactions]
     return rec
 
 

@@ -14,6 +14,10 @@ Field semantics (docs/design.md, glossary "trajectory"):
 - ``group``: optional string; prefixes are merged only within a group.
 - ``parent``: optional ``(parent_id, at)``: an explicit fork, ``tokens[:at]``
   equals the parent's.
+- ``compactions``: optional int64 ``[E, 3]`` array of KV-eviction events
+  ``(at, start, end)`` in the order given (None when the record has none): every
+  token at index >= ``at`` no longer attends to tokens ``[start, end)`` in
+  full-attention layers; ``0 <= start < end <= at < len(tokens)``.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class Trajectory:
     weight: Optional[float] = None
     group: Optional[str] = None
     parent: Optional[Tuple[TrajectoryId, int]] = None
+    compactions: Optional[np.ndarray] = None
     source: Tuple[Optional[str], Optional[int]] = field(default=(None, None), compare=False, repr=False)
 
     def __len__(self) -> int:
@@ -203,6 +208,52 @@ def make_trajectory(record: dict, *, file: Optional[str] = None, line: Optional[
             raise where("parent", f"'at' is {at!r}: must be an integer in [0, {n}]")
         parent = (pid, int(at))
 
+    compactions = None
+    if record.get("compactions") is not None:
+        compactions = parse_compactions(record["compactions"], n, where)
+
     return Trajectory(id=tid, tokens=tokens, loss_mask=loss_mask, old_logprobs=old_logprobs,
                       advantage=advantage, reward=reward, weight=weight, group=group,
-                      parent=parent, source=(file, line))
+                      parent=parent, compactions=compactions, source=(file, line))
+
+
+COMPACTION_KEYS = ("at", "start", "end")
+
+
+def parse_compactions(events, n: int, where) -> Optional[np.ndarray]:
+    """``[{"at": p, "start": a, "end": b}, ...]`` as an int64 ``[E, 3]`` array in the order given.
+
+    Every event satisfies ``0 <= a < b <= p < n``; an empty list gives None.  ``where(field,
+    message)`` builds the error, which names the event by its index in the list.
+    """
+    if not isinstance(events, (list, tuple)):
+        raise where("compactions", f'must be a list of objects {{"at": p, "start": a, "end": b}}, '
+                                   f"got {type(events).__name__}")
+    if not events:
+        return None
+    out = np.empty((len(events), 3), dtype=np.int64)
+    for i, ev in enumerate(events):
+        if not isinstance(ev, dict):
+            raise where("compactions", f'event {i} is {ev!r}, not an object {{"at": p, "start": a, "end": b}}')
+        for j, key in enumerate(COMPACTION_KEYS):
+            if key not in ev or ev[key] is None:
+                raise where("compactions", f"event {i} has no '{key}'")
+            v = ev[key]
+            if not _is_int(v):
+                raise where("compactions", f"event {i}: '{key}' is {v!r}, not an integer")
+            out[i, j] = v
+        extra = sorted(set(ev) - set(COMPACTION_KEYS))
+        if extra:
+            raise where("compactions", f"event {i} has unknown keys {', '.join(map(repr, extra))} "
+                                       f"(an event is {{\"at\", \"start\", \"end\"}})")
+        p, a, b = (int(x) for x in out[i])
+        if a < 0:
+            raise where("compactions", f"event {i}: start {a} is negative")
+        if b <= a:
+            raise where("compactions", f"event {i}: end {b} must be greater than start {a} (an empty span)")
+        if b > p:
+            raise where("compactions", f"event {i}: end {b} is after at {p}: a token can only be evicted "
+                                       f"for the tokens after it")
+        if p >= n:
+            raise where("compactions", f"event {i}: at {p} is not a token index: the trajectory has {n} tokens")
+    return out
