@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The fla KDA backend on the GPU machine: its tests and the backend timing.
+# The fla KDA backend on a GPU node: its tests and the backend timing.
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD && bash scripts/device_check_kda_fla.sh [all|fp32|bf16|bench]
 #
-# (.whl carries fla-core 0.6.0; call with carry [".whl"].)  Results go to $OUT (or ./out/kda_fla):
+# (.whl/ holds the wheel of fla-core 0.6.0 on a node without network.)  Results go to $OUT (or ./out/kda_fla):
 # tests_fp32.log, tests_bf16.log (pytest), figures.jsonl (the accuracy figures the tests report),
 # bench.json and bench.log (timing).
 #

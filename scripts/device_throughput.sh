@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The single-GPU throughput table (issue 6) in one call of the GPU machine (carry .whl):
+# The single-GPU throughput table, on a GPU node (megatron-core and fla-core installed, or their wheels in .whl/):
 #
 #   bash scripts/device_throughput.sh [SECONDS] [STAGE...]
 #
@@ -11,7 +11,7 @@
 #   tree-step   a Tree-Step batch at the paper's within-microbatch compression (116 trajectories, 656k tokens,
 #               L1 3.91x at 16k rows; forest 4.89x), the same modes, and within with the KDA call plans of the
 #               ablation (--kda-call-plans per-depth node-wise)
-#   tree-step-s9  the Tree-Step batch of the session 7-10 tables (118 trajectories, 873k tokens, L1 3.17x)
+#   tree-step-s9  a larger Tree-Step batch (118 trajectories, 873k tokens, L1 3.17x)
 #   attention   benchmarks/bench_tree_attention.py (flex and varlen vs causal SDPA) on both schemes at
 #               head dims 128/128, 192/128 (MLA of h200-2k) and 96/64 (MLA of h200)
 #   tests       the device-side tests (fla KDA, tree attention incl. flash-attn-4, fused norm, grouped experts),
@@ -21,9 +21,8 @@
 #               alive at each mode's peak by allocation site), without the logit-cosine sample
 #   large       both batches on preset h200-2k (hidden 2048), without the logit-cosine sample; Tree-Step
 #               without plain windows (within, windows with producer recomputation)
-# Default: fidelity step-wise tree-step.  With flash-attn-4: `bash scripts/fa4_wheels.sh stash` in one call
-# (carry .fa4a), then `bash scripts/fa4_wheels.sh install && bash scripts/device_throughput.sh ...` in the
-# next (carry .fa4b .whl).
+# Default: fidelity step-wise tree-step.  With flash-attn-4 installed (docs/gpu_setup.md), MLA runs its
+# varlen kernels in both modes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_LEFT="${1:-540}"
@@ -34,7 +33,7 @@ OUT="${OUT:-out/throughput}"
 ITERS="${ITERS:-1}"     # timed steps per mode (median); single steps of a host-bound step move by ~15%
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-# the second entry: flash-attn-4's CuTe DSL where scripts/fa4_wheels.sh installed it (then both modes' MLA
+# the second entry: flash-attn-4's CuTe DSL where it was installed into /tmp/site (then both modes' MLA
 # attention runs its kernels); without it, torch's kernels and FlexAttention
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L

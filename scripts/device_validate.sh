@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The multi-GPU validation (benchmarks/validate_parallel.py) as one call of the GPU machine.
+# The multi-GPU validation (benchmarks/validate_parallel.py) in one command on a GPU node.
 #
 #   bash scripts/device_validate.sh PRESET NPROC SECONDS CONFIG...
-#   e.g. (device tool, carry [".whl"], on nvidia-h200-x4):
+#   e.g. on a node of 4 GPUs:
 #   bash scripts/device_validate.sh h200-fp32 4 540 dp tp-sp ep tp-sp-ep pp pp4 tp-sp-pp
 #   VALIDATE_FLAGS=--schedules-only bash scripts/device_validate.sh h200-pp 4 540 pp4   # + NPROC 2: pp
 #
-# Installs the carried wheels (.whl: megatron-core 0.16.1, fla-core 0.6.0), then runs the
+# Installs the wheels in .whl/ (megatron-core 0.16.1, fla-core 0.6.0; for a node without network), then runs the
 # configurations with one Triton/TorchInductor cache for all launches (kernels compile and
 # autotune once per machine, not once per configuration; a cold machine still spends minutes on
 # the first configuration), finishing within SECONDS (configurations that would start with under a
@@ -14,7 +14,7 @@
 # numerics do not depend on it); VALIDATE_FLAGS adds flags (e.g. "--schedules-only"), DRIVER_FLAGS
 # adds training-driver flags to every run (e.g. "--tree-kda-backend reference").  Results: $OUT/<preset>/multi_gpu_<preset>_<config>.json (one per
 # configuration, failed runs with the first error of their log) and $OUT/logs.tgz (every launch
-# log): nine files at most, so at most 7 configurations per call (the device tool returns 8 files).
+# log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ $# -lt 4 ]]; then

@@ -4,7 +4,9 @@ interface, and tests pinning equality with per-trajectory (expanded) computation
 Modules (import from them directly; this package re-exports nothing, so that a module and
 the function it is named after never shadow each other):
 
-- ``tree_attention``: full attention over visible rows (reference / chunked SDPA / FlexAttention).
+- ``tree_attention``: full attention over visible rows (reference / chunked SDPA / FlexAttention /
+  varlen over key paths).
+- ``key_paths``: the varlen backend's runs of rows and their gathered keys.
 - ``path_conv``: KDA's causal short convolution along each row's path.
 - ``kda`` and ``tree_kda``: the KDA core and its executor over a call plan.
 - ``logprobs``: multi-target log-probs from (vocab-parallel) output layers.
