@@ -1,6 +1,6 @@
 """Multi-target log-probs (megatron_harts/ops/logprobs.py) against full-vocab references,
 expanded per-trajectory computation, megatron-core's vocab_parallel_cross_entropy (TP=1)
-and a real two-process vocab-parallel run (gloo).  DESIGN invariant 1."""
+and a real two-process vocab-parallel run (gloo).  docs/design.md invariant 1."""
 import os
 import socket
 

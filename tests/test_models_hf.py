@@ -1,4 +1,4 @@
-"""Expanded mode == transformers' KimiLinearForCausalLM per trajectory (DESIGN invariant 4), and the
+"""Expanded mode == transformers' KimiLinearForCausalLM per trajectory (docs/design.md invariant 4), and the
 weight mapping both ways."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Hybrid model (KDA + MLA + MoE on megatron-core): tree mode == expanded mode (DESIGN invariant 1).
+"""Hybrid model (KDA + MLA + MoE on megatron-core): tree mode == expanded mode (docs/design.md invariant 1).
 
 Tiny fp64 model on CPU (tests/megatron_cpu.py shim): per-target log-probs, the
 loss (with the MoE aux loss attached), every parameter gradient, aux-loss

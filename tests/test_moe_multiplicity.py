@@ -4,7 +4,7 @@ Three levels of oracle: the module's expanded references (megatron's own loss
 functions on replicated rows), a literal [seq, batch] reshape as
 TopKRouter._apply_seq_aux_loss does it, and megatron's TopKRouter.routing run
 on the expanded micro-batch (aux, seq_aux, global_aux, z-loss, expert-bias
-token counts), forward and gradient.  fp64, 1e-10.  DESIGN invariant 1.
+token counts), forward and gradient.  fp64, 1e-10.  docs/design.md invariant 1.
 """
 import os
 import socket
@@ -94,7 +94,7 @@ def _free_port():
 
 @pytest.fixture
 def megatron_cpu(monkeypatch):
-    """gloo world of 1, megatron parallel state (TP=1, PP=1), the CPU shims of DESIGN.md; undone after."""
+    """gloo world of 1, megatron parallel state (TP=1, PP=1), the CPU shims of docs/design.md; undone after."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import moe_utils
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")

@@ -11,7 +11,7 @@ computed ``chunk_rows`` rows at a time, so the [rows, vocab] logits never exist
 whole (a 163840-token vocabulary times thousands of rows would not fit).  The
 backward pass recomputes each chunk's logits instead of saving the softmax.
 
-Invariant kept (DESIGN invariant 1): for every (row, token) pair the value
+Invariant kept (docs/design.md invariant 1): for every (row, token) pair the value
 equals ``log_softmax(hidden[row] @ weight.T)[token]``, i.e. the log-probability
 that expanded mode computes at every (trajectory, position) whose row is
 ``row``; the gradient of any weighted sum of pair log-probabilities equals the

@@ -7,7 +7,7 @@ routing is a deterministic function of the row (no capacity dropping, no
 batch-dependent routing, no noise), every copy routes identically and each
 expanded statistic is the q-weighted compact statistic.
 
-Invariant kept by every ``q_*`` function (DESIGN invariant 1): its value, and
+Invariant kept by every ``q_*`` function (docs/design.md invariant 1): its value, and
 its gradient with respect to the per-row scores or logits, equal those of the
 megatron-core 0.16.1 computation it names run on the expanded rows (every
 trajectory's rows, in order, concatenated), with the gradient of all copies of a
