@@ -27,8 +27,8 @@ The driver must therefore *sum* the microbatch losses (and gradients) over micro
 data-parallel ranks, never average them: megatron-core's DDP divides gradients by the
 data-parallel size by default, which the driver has to undo or turn off.
 
-Per-token losses (``logp`` = current log-prob of the target token, ``old`` = behaviour log-prob
-from the data, ``A`` = advantage from the data, scalar per trajectory broadcast or per token):
+Per-token losses (``logp`` = current log-prob of the target token, ``old`` = behaviour log-prob,
+below, ``A`` = advantage from the data, scalar per trajectory broadcast or per token):
 
 - ``sft``: ``-logp``; advantages and old log-probs are ignored.
 - ``ppo``: ``ratio = exp(logp - old)``,
@@ -41,6 +41,15 @@ from the data, ``A`` = advantage from the data, scalar per trajectory broadcast 
   and a low-variance approximation otherwise).
 - either kind, ``entropy_coef != 0``: ``- entropy_coef * H`` with ``H`` the entropy of the
   distribution of the row that predicts the target (an entropy bonus).
+
+``old`` comes from ``ObjectiveConfig.old_logprobs`` (``--rl-old-logprobs``):
+
+- ``data`` (default): the data's ``old_logprobs``; a target without one is an error.
+- ``current``: ``logp`` itself, detached (on-policy data, e.g. GRPO rollouts used for one update:
+  the ratio is exactly 1 and its gradient is the policy gradient ``-A * grad logp``).  No extra
+  forward: the log-probs of the same forward, so tree mode keeps its cost and equals expanded
+  mode exactly as with ``data``.  The k3 KL would then be 0 in value and gradient, so
+  ``current`` refuses ``kl_coef > 0``; it applies to ``ppo`` only (``sft`` reads no ``old``).
 
 :func:`objective_loss_reference` computes the same global-batch loss trajectory by trajectory
 from expanded per-position arrays with padded [batch, length] masks; tests use it as the oracle.
@@ -59,12 +68,14 @@ from ..tree_data.forest import Forest
 from ..tree_data.trajectory import Trajectory
 
 __all__ = [
-    "OBJECTIVE_KINDS", "LOSS_AGG_MODES", "ObjectiveConfig", "ObjectiveDataError", "BatchNormalizer",
-    "batch_normalizer", "forest_normalizer", "target_scale", "layout_target_scale", "validate_targets",
-    "objective_loss", "objective_loss_reference",
+    "OBJECTIVE_KINDS", "LOSS_AGG_MODES", "OLD_LOGPROBS_SOURCES", "ObjectiveConfig", "ObjectiveDataError",
+    "BatchNormalizer", "batch_normalizer", "forest_normalizer", "target_scale", "layout_target_scale",
+    "validate_targets", "objective_loss", "objective_loss_reference",
 ]
 
 OBJECTIVE_KINDS = ("sft", "ppo")
+#: where the PPO ratio's old log-probs come from (module docstring)
+OLD_LOGPROBS_SOURCES = ("data", "current")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 # ObjectiveConfig field -> the training driver's command-line flag
@@ -75,6 +86,7 @@ _FLAGS = {
     "kl_coef": "--kl-coef",
     "entropy_coef": "--entropy-coef",
     "loss_agg_mode": "--loss-agg-mode",
+    "old_logprobs": "--rl-old-logprobs",
 }
 # ObjectiveConfig field -> argparse destination of its flag
 _ARG_DEST = {name: flag[2:].replace("-", "_") for name, flag in _FLAGS.items()}
@@ -100,8 +112,9 @@ class ObjectiveConfig:
     ``kind``: "sft" or "ppo".  ``clip_ratio_low`` in [0, 1) and ``clip_ratio_high`` >= 0 clip
     the PPO ratio to ``[1 - low, 1 + high]`` (asymmetric like DAPO's 0.2 / 0.28).  ``kl_coef``
     >= 0 weighs the k3 KL to the old log-probs; ``entropy_coef`` >= 0 weighs the entropy bonus.
-    ``loss_agg_mode``: one of :data:`LOSS_AGG_MODES`.  Errors name the driver's flag for the
-    field (:meth:`flag`) and the field.
+    ``loss_agg_mode``: one of :data:`LOSS_AGG_MODES`.  ``old_logprobs``: one of
+    :data:`OLD_LOGPROBS_SOURCES` ("current" needs ``kind`` "ppo" and ``kl_coef`` 0).  Errors name
+    the driver's flag for the field (:meth:`flag`) and the field.
     """
     kind: str = "ppo"
     clip_ratio_low: float = 0.2
@@ -109,6 +122,7 @@ class ObjectiveConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     loss_agg_mode: str = "token-mean"
+    old_logprobs: str = "data"
 
     def __post_init__(self):
         if self.kind not in OBJECTIVE_KINDS:
@@ -126,6 +140,18 @@ class ObjectiveConfig:
                 raise ValueError(f"{_FLAGS[name]} must be >= 0, got {v} (ObjectiveConfig.{name})")
             object.__setattr__(self, name, v)
         object.__setattr__(self, "clip_ratio_low", low)
+        if self.old_logprobs not in OLD_LOGPROBS_SOURCES:
+            raise ValueError(f"--rl-old-logprobs must be one of {', '.join(OLD_LOGPROBS_SOURCES)}, got "
+                             f"{self.old_logprobs!r} (ObjectiveConfig.old_logprobs)")
+        if self.old_logprobs == "current":
+            if self.kind != "ppo":
+                raise ValueError(f"--rl-old-logprobs current only applies to --rl-objective ppo, got "
+                                 f"--rl-objective {self.kind} (ObjectiveConfig.old_logprobs)")
+            if self.kl_coef > 0:
+                raise ValueError(f"--kl-coef {self.kl_coef} with --rl-old-logprobs current: the KL to the old "
+                                 f"log-probs would be 0 in value and gradient (old = the current log-probs, "
+                                 f"detached); a KL penalty needs `old_logprobs` in the data and --rl-old-logprobs "
+                                 f"data (ObjectiveConfig.old_logprobs)")
 
     @staticmethod
     def flag(name: str) -> str:
@@ -280,27 +306,37 @@ def layout_target_scale(normalizer: BatchNormalizer, layout: CompactLayout, loss
 # the loss
 # ---------------------------------------------------------------------------
 
-def _first_missing(values: torch.Tensor, field: str, why: str) -> None:
+#: what to do about data without old log-probs (on-policy rollouts; not with a KL penalty)
+_OLD_LOGPROBS_HINT = "; for on-policy data, --rl-old-logprobs current uses the policy's own log-probs, detached"
+
+
+def _old_logprobs_hint(config: ObjectiveConfig) -> str:
+    return _OLD_LOGPROBS_HINT if config.kind == "ppo" and config.kl_coef == 0 else ""
+
+
+def _first_missing(values: torch.Tensor, field: str, why: str, hint: str = "") -> None:
     missing = torch.isnan(values)
     count = int(missing.sum())
     if count:
         i = int(torch.nonzero(missing)[0])
         raise ObjectiveDataError(
             f"{count} of {values.shape[0]} targets have no {field} (NaN, first: target {i}), but {why}: the "
-            f"data lacks `{field}` for their trajectories", field, count, i)
+            f"data lacks `{field}` for their trajectories{hint}", field, count, i)
 
 
 def validate_targets(config: ObjectiveConfig, old_logprobs: torch.Tensor, advantage: torch.Tensor,
                      entropy: Optional[torch.Tensor] = None) -> None:
     """Raise unless the targets carry what ``config`` needs.
 
-    ``ppo`` needs an advantage and an old log-prob per target, ``kl_coef > 0`` old log-probs,
-    ``entropy_coef != 0`` per-target entropies.  Missing data raises :class:`ObjectiveDataError`
-    with the index of the first offending target.
+    ``ppo`` needs an advantage and (``old_logprobs`` "data") an old log-prob per target,
+    ``kl_coef > 0`` old log-probs, ``entropy_coef != 0`` per-target entropies.  Missing data raises
+    :class:`ObjectiveDataError` with the index of the first offending target.
     """
     if config.kind == "ppo":
         _first_missing(advantage, "advantage", "--rl-objective ppo needs one per target")
-        _first_missing(old_logprobs, "old_logprobs", "--rl-objective ppo needs one per target")
+        if config.old_logprobs == "data":
+            _first_missing(old_logprobs, "old_logprobs", "--rl-objective ppo needs one per target",
+                           _old_logprobs_hint(config))
     if config.kl_coef > 0:
         _first_missing(old_logprobs, "old_logprobs", f"--kl-coef {config.kl_coef} needs one per target")
     if config.entropy_coef != 0 and entropy is None:
@@ -318,7 +354,9 @@ def objective_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
 
     ``logprobs`` [T]: differentiable current log-probs of the targets; ``old_logprobs`` and
     ``advantage`` [T]: from the layout (``target_old_logprob``, ``target_advantage``; NaN =
-    absent); ``scale`` [T]: from :func:`target_scale`; ``entropy`` [T] (differentiable or not):
+    absent; ``old_logprobs`` is not read when ``config.old_logprobs`` is "current": the old
+    log-probs are then ``logprobs.detach()``); ``scale`` [T]: from :func:`target_scale`;
+    ``entropy`` [T] (differentiable or not):
     entropy of each target's row distribution, required when ``entropy_coef != 0``.
 
     Invariant: with ``scale`` from the whole step's normalizer, the sum of ``loss`` (and of its
@@ -352,7 +390,7 @@ def objective_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
         per_token = -logp
         terms["sft_loss"] = (c * per_token).sum()
     else:
-        old = old_logprobs.to(device=logp.device, dtype=dt)
+        old = logp.detach() if config.old_logprobs == "current" else old_logprobs.to(device=logp.device, dtype=dt)
         adv = advantage.to(device=logp.device, dtype=dt)
         ratio = torch.exp(logp - old)
         unclipped = -ratio * adv
@@ -399,8 +437,9 @@ def objective_loss_reference(trajectories_logprobs: Sequence[torch.Tensor], traj
     non-target positions are ignored, NaN allowed); ``trajectories_entropy[b][j]``: entropy of
     the distribution that predicts token j (ignored likewise).  Builds padded [batch, length]
     arrays and a loss mask (``loss_mask[j] == 1``, ``j >= 1``) and aggregates like
-    ``loss_agg_mode`` says, weighting each trajectory by its ``weight`` (1.0 when absent).
-    Returns ``(loss, terms)`` with the keys of :func:`objective_loss`.
+    ``loss_agg_mode`` says, weighting each trajectory by its ``weight`` (1.0 when absent); with
+    ``old_logprobs`` "current" the old log-probs are the given log-probs, detached.  Returns
+    ``(loss, terms)`` with the keys of :func:`objective_loss`.
     """
     B = len(trajectories)
     if len(trajectories_logprobs) != B or (trajectories_entropy is not None and len(trajectories_entropy) != B):
@@ -424,12 +463,15 @@ def objective_loss_reference(trajectories_logprobs: Sequence[torch.Tensor], traj
             adv = torch.full((n,), math.nan if tr.advantage is None else float(tr.advantage), dtype=torch.float64)
         needs = []
         if config.kind == "ppo":
-            needs += [("advantage", adv), ("old_logprobs", old)]
+            needs.append(("advantage", adv))
+            if config.old_logprobs == "data":
+                needs.append(("old_logprobs", old))
         if config.kl_coef > 0:
             needs.append(("old_logprobs", old))
         for field, v in needs:
             if bool(torch.isnan(v[m]).any()):
-                raise ValueError(f"trajectory {tr.id!r}: the data lacks `{field}` at a target")
+                hint = _old_logprobs_hint(config) if field == "old_logprobs" else ""
+                raise ValueError(f"trajectory {tr.id!r}: the data lacks `{field}` at a target{hint}")
         old_rows.append(torch.where(m, old, torch.zeros_like(old)))
         adv_rows.append(torch.where(m, adv, torch.zeros_like(adv)))
         weights.append(1.0 if tr.weight is None else float(tr.weight))
@@ -437,7 +479,7 @@ def objective_loss_reference(trajectories_logprobs: Sequence[torch.Tensor], traj
     # non-target positions are replaced (not multiplied) by 0, so NaN there never reaches a gradient
     logp = _padded([torch.where(m.to(dev), lp.to(dt), torch.zeros((), dtype=dt, device=dev))
                     for m, lp in zip(mask_rows, trajectories_logprobs)], L, dt, dev)
-    old = _padded(old_rows, L, dt, dev)
+    old = logp.detach() if config.old_logprobs == "current" else _padded(old_rows, L, dt, dev)
     adv = _padded(adv_rows, L, dt, dev)
     fmask = mask.to(dt)
     weight = torch.tensor(weights, dtype=dt, device=dev)

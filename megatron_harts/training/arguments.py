@@ -70,7 +70,8 @@ dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linea
 ``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``, ``tree_logit_probe_oracle``,
 ``tree_triton_max_configs``,
 ``tree_dataset_shuffle``, ``rl_objective``, ``clip_ratio_low``, ``clip_ratio_high``,
-``kl_coef``, ``entropy_coef``, ``loss_agg_mode`` (``objective_kwargs`` gathers the last six).
+``kl_coef``, ``entropy_coef``, ``loss_agg_mode``, ``rl_old_logprobs`` (``objective_kwargs`` gathers
+the last seven).
 Resolved like Megatron-LM does: ``ffn_hidden_size``, ``moe_ffn_hidden_size``,
 ``expert_tensor_parallel_size``, ``lr_decay_iters``, ``start_weight_decay``/``end_weight_decay``,
 ``max_position_embeddings``, ``num_experts`` (0 -> None), single-entry
@@ -99,6 +100,7 @@ import torch
 from ..cli import CliError
 from ..ops.key_paths import FLASH_MAX_HEAD_DIM, fa4_available
 from ..planner.baselines import CALL_PLANS
+from ..rl.objectives import LOSS_AGG_MODES, OLD_LOGPROBS_SOURCES
 
 __all__ = [
     "ArgumentsError", "ArgumentsWarning", "MEGATRON_LM_FLAGS", "OWN_FLAGS", "TREE_SHARING_MODES",
@@ -391,7 +393,6 @@ KDA_BACKEND_CHOICES = ("auto", "reference", "fla")
 KDA_CALL_PLAN_CHOICES = CALL_PLANS
 ATTENTION_BACKEND_CHOICES = ("auto", "reference", "sdpa", "flex", "varlen")
 RL_OBJECTIVES = ("sft", "ppo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 #: pipeline schedules of sharing windows (schedules/pipeline.py SCHEDULES); the first is the default
 TREE_PP_SCHEDULES = ("consumer-1f1b", "overlap", "non-overlap")
 
@@ -402,7 +403,7 @@ OWN_FLAGS = frozenset({
     "--tree-plan-report",
     "--tree-cost-calibration", "--tree-dataset-shuffle", "--no-tree-dataset-shuffle",
     "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
-    "--loss-agg-mode", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
+    "--loss-agg-mode", "--rl-old-logprobs", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
     "--tree-logit-probe-oracle", "--tree-triton-max-configs", "--tree-recompute-producers",
 })
 
@@ -990,6 +991,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     rl.add_argument("--entropy-coef", type=_FLOAT, default=0.0, help="weight of the entropy bonus (default 0)")
     rl.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean",
                     help="loss aggregation over the global batch (default token-mean)")
+    rl.add_argument("--rl-old-logprobs", choices=OLD_LOGPROBS_SOURCES, default="data",
+                    help="ppo: the old log-probs of the importance ratio. data (default): the trajectories' "
+                         "old_logprobs (required); current: the policy's own log-probs from the same forward, "
+                         "detached (on-policy data without old_logprobs, e.g. GRPO: ratio 1, the gradient is "
+                         "the policy gradient; no extra forward, tree mode stays exact). current excludes "
+                         "--kl-coef > 0 (the KL to the old log-probs would be 0)")
 
     cm = g["Megatron-LM compatibility"]
     cm.add_argument("--use-mcore-models", dest="deprecated_use_mcore_models", action="store_true",
@@ -1368,6 +1375,13 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
         if given:
             _fail(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to --rl-objective ppo")
         args.clip_ratio_low = args.clip_ratio_high = 0.2     # unused by sft; keeps the objective config complete
+    if args.rl_old_logprobs == "current":
+        if args.rl_objective != "ppo":
+            _fail("--rl-old-logprobs current only applies to --rl-objective ppo (sft reads no old log-probs)")
+        if args.kl_coef > 0:
+            _fail(f"--kl-coef {args.kl_coef} with --rl-old-logprobs current: the KL to the old log-probs would be 0 "
+                  "(old = the current log-probs, detached); drop --kl-coef, or use --rl-old-logprobs data with "
+                  "old_logprobs in the data")
 
 
 def _warmup_steps(args: argparse.Namespace) -> float:
@@ -1639,4 +1653,5 @@ def cost_model(args: argparse.Namespace):
 def objective_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments of ``rl.objectives.ObjectiveConfig``."""
     return dict(kind=args.rl_objective, clip_ratio_low=args.clip_ratio_low, clip_ratio_high=args.clip_ratio_high,
-                kl_coef=args.kl_coef, entropy_coef=args.entropy_coef, loss_agg_mode=args.loss_agg_mode)
+                kl_coef=args.kl_coef, entropy_coef=args.entropy_coef, loss_agg_mode=args.loss_agg_mode,
+                old_logprobs=args.rl_old_logprobs)
