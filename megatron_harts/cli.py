@@ -2,10 +2,13 @@
 
 A tool's ``main(argv)`` raises TreeFormatError (or ``CliError`` for bad flags)
 on bad input; ``run`` turns that into one line on stderr and exit status 2,
-never a traceback.  Warnings print as one ``warning:`` line each.
+never a traceback.  Its parser is ``ArgumentParser``, whose own refusals (an
+unknown flag, a missing or malformed value) end the same way.  Warnings print as
+one ``warning:`` line each.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -20,11 +23,48 @@ class CliError(Exception):
     """A bad flag or argument; the message names it."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose refusals are one ``error: <message>`` line on stderr and exit status 2
+    (no usage block); ``--help`` still prints the flags and exits 0."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def require_path(path: str, flag: str, *, kind: str = "file") -> str:
+    """``path`` when it exists; else ``CliError`` naming ``flag`` and the path.  ``kind="dir"``
+    requires a directory, ``kind="prefix"`` a file or a dataset prefix (``PREFIX.idx``)."""
+    if kind == "dir":
+        ok = os.path.isdir(path)
+    elif kind == "prefix":
+        ok = os.path.isfile(path) or os.path.isfile(path + ".idx")
+    else:
+        ok = os.path.isfile(path)
+    if not ok:
+        what = {"dir": "no such directory", "prefix": "no such file or dataset prefix"}.get(kind, "no such file")
+        raise CliError(f"{flag} {path}: {what}")
+    return path
+
+
+def output_path(path: str, flag: str) -> str:
+    """``path`` when a file can be written there (its directory exists and it is no directory);
+    else ``CliError`` naming ``flag``.  Checked before a long run, so that it fails at once."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CliError(f"{flag} {path}: is a directory; name a file")
+    if not os.path.isdir(folder):
+        raise CliError(f"{flag} {path}: the directory {folder} does not exist")
+    return path
+
+
 def _one_line_warning(message, category, filename, lineno, file=None, line=None):
     print(f"warning: {message}", file=sys.stderr)
 
 
-def run(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None) -> None:
+def run(main: Callable[[Optional[Sequence[str]]], object], argv: Optional[Sequence[str]] = None) -> None:
+    """Run ``main(argv)`` as a command: its int return is the exit status (None or a results
+    object: 0); bad input it raises is one ``error:`` line and exit status 2."""
     warnings.showwarning = _one_line_warning
     try:
         code = main(argv)
@@ -37,7 +77,7 @@ def run(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
-    sys.exit(code or 0)
+    sys.exit(code if isinstance(code, int) else 0)    # a main that returns its results succeeded
 
 
 def print_json(obj) -> None:

@@ -3,6 +3,14 @@
 
 Writes PREFIX.bin and PREFIX.idx atomically; on bad input prints one error line
 naming file, line, trajectory and field, exits 2 and writes nothing.
+
+--compaction keep (default) stores compaction events as given (KV eviction in place,
+one continuous trace per trajectory).  --compaction reprefill stores instead the split
+samples trainers without in-place eviction build: a trajectory with events at the distinct
+times p1 < p2 < ... becomes samples ID/r0 (tokens [0, p1)), ID/r1, ID/r2, ...; sample
+ID/rk re-emits the tokens still visible at pk as context (loss mask 0) and continues with
+tokens [pk, p(k+1)).  Every target is a target in exactly one sample; trajectories without
+events pass unchanged; a target at pk with every token before it evicted is an error.
 """
 import argparse
 import os
@@ -11,38 +19,57 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.cli import CliError, Progress, print_json, run  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, Progress, output_path, print_json, run  # noqa: E402
 from megatron_harts.tree_data import build_forest, read_trajectories, write_dataset  # noqa: E402
+from megatron_harts.tree_data.reprefill import reprefill, reprefill_tokens  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, nargs="+", metavar="FILE", help="trajectory files")
     ap.add_argument("--output", required=True, metavar="PREFIX", help="dataset prefix (PREFIX.bin, PREFIX.idx)")
     ap.add_argument("--vocab-size", type=int, default=None, metavar="N", help="reject token ids >= N")
     ap.add_argument("--workers", type=int, default=1, metavar="N", help="parallel JSONL parsing processes")
-    ap.add_argument("--json", action="store_true", help="print the dataset's stats as JSON")
+    ap.add_argument("--compaction", choices=("keep", "reprefill"), default="keep",
+                    help="keep: store compaction events as given (default); reprefill: store the split "
+                         "samples ID/r0, ID/r1, ... (see above)")
+    ap.add_argument("--json", action="store_true",
+                    help="print the dataset's stats as JSON (with --compaction reprefill, plus 'reprefill': "
+                         "input trajectories and tokens, re-prefilled tokens)")
     args = ap.parse_args(argv)
     if args.workers < 1:
         raise CliError(f"--workers must be >= 1, got {args.workers}")
     if args.vocab_size is not None and args.vocab_size < 1:
         raise CliError(f"--vocab-size must be >= 1, got {args.vocab_size}")
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        raise CliError(f"--output: directory {out_dir} does not exist")
+    output_path(args.output, "--output")
     t0 = time.perf_counter()
     progress = Progress("reading", unit="lines")
     trajs = read_trajectories(args.input, vocab_size=args.vocab_size, workers=args.workers, progress=progress)
     progress.close()
+    split = None
+    if args.compaction == "reprefill":
+        samples = reprefill(trajs)
+        split = {"input_trajectories": len(trajs), "input_tokens": int(sum(len(t) for t in trajs)),
+                 "reprefilled_tokens": reprefill_tokens(trajs)}
+        trajs = samples
     forest = build_forest(trajs)
     write_dataset(forest, args.output)
     stats = forest.stats()
     if args.json:
-        print_json(stats)
-    else:
-        print(f"wrote {args.output}.bin/.idx: {stats['num_trajectories']} trajectories, {stats['num_trees']} trees, "
-              f"{stats['expanded_tokens']:,} expanded -> {stats['unique_tokens']:,} unique tokens "
-              f"({stats['compression']:.2f}x) in {time.perf_counter() - t0:.1f}s")
+        print_json(stats if split is None else {**stats, "reprefill": split})
+        return 0
+    line = (f"wrote {args.output}.bin/.idx: {stats['num_trajectories']} trajectories, {stats['num_trees']} trees, "
+            f"{stats['expanded_tokens']:,} expanded -> {stats['unique_tokens']:,} unique tokens "
+            f"({stats['compression']:.2f}x)")
+    if stats["compaction_events"]:
+        line += (f", {stats['compaction_events']:,} compaction events ({stats['compaction_events_tree']:,} in "
+                 f"the trees), {stats['visible_pairs_tree']:,} visible pairs in the trees "
+                 f"({stats['visible_pairs_expanded']:,} expanded)")
+    if split is not None:
+        line += (f"; re-prefill of {split['input_trajectories']} trajectories ({split['input_tokens']:,} tokens) "
+                 f"adds {split['reprefilled_tokens']:,} re-prefilled tokens, "
+                 f"{stats['visible_pairs_tree']:,} visible pairs in the trees")
+    print(f"{line} in {time.perf_counter() - t0:.1f}s")
     return 0
 
 

@@ -1,46 +1,94 @@
 #!/usr/bin/env python3
-"""Write seeded synthetic SWE-agent-like rollouts as JSONL (see megatron_harts/tree_data/synthetic.py)."""
+"""Write seeded synthetic SWE-agent-like rollouts as JSONL (see megatron_harts/tree_data/synthetic.py).
+
+With --compaction other than none, the engine keeps at most --context-budget live tokens per
+rollout (the keys a token still attends to in full-attention layers, itself included) and every
+trajectory carries the compaction events (at, start, end) that keep it there; the first
+--keep-prefix tokens are never evicted.  Strategies:
+
+  sliding-window  at the first token that would see budget + 1 tokens, evict the oldest
+                  --evict-chunk tokens after the prefix (anywhere, inside a message too)
+  markovian       before a message (action or observation) that would not fit: keep the
+                  prefix and the last --keep-last tokens, evict the rest
+  summary         before a message that would not fit: evict everything after the prefix
+                  and append a bridge of --summary-tokens policy tokens (targets), drawn
+                  from the seed and a hash of the history it replaces
+
+Events depend only on the history before them (and, for markovian/summary, on the length of
+the message about to be appended), so rollouts that share a history share its events and
+bridges.  A message that does not fit even after compaction ends its rollout; with
+markovian/summary prompts are clipped to the budget.  --compaction none (the default) writes
+exactly what the generator wrote before compaction existed.
+"""
 import argparse
 import dataclasses
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.cli import CliError, print_json, run  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, output_path, print_json, run  # noqa: E402
 from megatron_harts.tree_data import write_jsonl  # noqa: E402
-from megatron_harts.tree_data.synthetic import SCHEMES, SweConfig, synthesize_swe  # noqa: E402
+from megatron_harts.tree_data.synthetic import COMPACTIONS, SCHEMES, SweConfig, synthesize_swe  # noqa: E402
+
+COMPACTION_HELP = {
+    "context_budget": "live tokens per rollout the engine holds (a token and the keys it attends to); "
+                      "ignored with --compaction none",
+    "keep_prefix": "the first N tokens (system prompt / task) are never evicted",
+    "keep_last": "markovian: the last N tokens before the boundary are kept",
+    "evict_chunk": "sliding-window: tokens evicted at each overflow (<= budget - keep-prefix)",
+    "summary_tokens": "summary: length of the bridge appended after each compaction",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _flag_message(message: str) -> str:
+    """A SweConfig.validate message with its field names written as flags."""
+    names = sorted((f.name for f in dataclasses.fields(SweConfig)), key=len, reverse=True)
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: _flag(m.group(1)), message)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output", required=True, metavar="FILE", help="JSONL file (.jsonl or .jsonl.gz)")
     ap.add_argument("--scheme", choices=SCHEMES, default="tree-step")
     defaults = SweConfig()
     for f in dataclasses.fields(SweConfig):
-        if f.name == "scheme":
+        if f.name in ("scheme", "compaction") or f.name in COMPACTION_HELP:
             continue
-        ap.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
+        ap.add_argument(_flag(f.name), type=type(getattr(defaults, f.name)),
                         default=getattr(defaults, f.name), help=f"default {getattr(defaults, f.name)}")
+    group = ap.add_argument_group("compaction (KV eviction in place)")
+    group.add_argument("--compaction", choices=COMPACTIONS, default="none",
+                       help="strategy (see above); default none")
+    for name, text in COMPACTION_HELP.items():
+        group.add_argument(_flag(name), type=int, default=getattr(defaults, name), metavar="N",
+                           help=f"{text}; default {getattr(defaults, name)}")
     ap.add_argument("--json", action="store_true", help="print a JSON summary")
     args = ap.parse_args(argv)
     cfg = SweConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SweConfig)})
     try:
         cfg.validate()
     except ValueError as e:
-        raise CliError("--" + str(e).replace("_", "-", 1)) from None
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        raise CliError(f"--output: directory {out_dir} does not exist")
+        raise CliError(_flag_message(str(e))) from None
+    output_path(args.output, "--output")
     trajs = synthesize_swe(cfg)
     write_jsonl(trajs, args.output)
     summary = {"output": args.output, "trajectories": len(trajs),
-               "expanded_tokens": int(sum(len(t) for t in trajs)), "config": dataclasses.asdict(cfg)}
+               "expanded_tokens": int(sum(len(t) for t in trajs)),
+               "compaction_events": int(sum(0 if t.compactions is None else len(t.compactions) for t in trajs)),
+               "config": dataclasses.asdict(cfg)}
     if args.json:
         print_json(summary)
     else:
+        events = "" if cfg.compaction == "none" else \
+            f", {summary['compaction_events']:,} compaction events ({cfg.compaction}, budget {cfg.context_budget})"
         print(f"wrote {args.output}: {summary['trajectories']} trajectories, "
-              f"{summary['expanded_tokens']:,} tokens ({cfg.scheme}, seed {cfg.seed})")
+              f"{summary['expanded_tokens']:,} tokens{events} ({cfg.scheme}, seed {cfg.seed})")
     return 0
 
 
