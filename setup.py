@@ -18,6 +18,7 @@ with pybind11.  Dependencies and why each is here:
   tensorboard (the driver's --tensorboard-dir writer, torch.utils.tensorboard; optional
   at run time: the driver names it when missing).
 - extra "bench": ortools, the planner baseline (OR-Tools + first-fit-decreasing).
+- extra "plot": matplotlib, the figure of tools/plan_report.py --plot.
 """
 import glob
 import os
@@ -62,6 +63,7 @@ setup(
         "gpu": ["fla-core==0.6.0"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "transformers>=5.6", "tensorboard>=2.15"],
         "bench": ["ortools>=9.10"],
+        "plot": ["matplotlib>=3.5"],
     },
     entry_points={"console_scripts": ["harts-pretrain = megatron_harts.training.pretrain:console_main"]},
     ext_modules=ext_modules,

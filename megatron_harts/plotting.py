@@ -1,10 +1,14 @@
-"""Dependency-free raster pictures: an RGB image as a numpy array, rectangles, a 5x7 pixel font
-and a PNG writer (zlib + struct only).
+"""Pictures the tools write: dependency-free raster images, and matplotlib figures.
 
-Images are ``uint8 [height, width, 3]`` arrays; ``(x, y)`` is (column, row) with the origin at the
-top left.  Rectangles are half-open (``[x0, x1) x [y0, y1)``) and clipped to the image.  The
-tools (tools/plan_report.py, tools/simulate_schedule.py) draw with these helpers, so PNG files
-are written in exactly one way.
+Raster images (the schedule simulator's timeline, tools/simulate_schedule.py): an RGB image as a
+numpy array, rectangles, a 5x7 pixel font and a PNG writer (zlib + struct only).  Images are
+``uint8 [height, width, 3]`` arrays; ``(x, y)`` is (column, row) with the origin at the top left.
+Rectangles are half-open (``[x0, x1) x [y0, y1)``) and clipped to the image.
+
+Figures (the plan of tools/plan_report.py): matplotlib, the optional extra "plot".
+:func:`new_figure` raises :class:`PlottingUnavailable` naming the extra to install when matplotlib
+is missing; it never touches pyplot's global state (no display, no backend switch), and
+:func:`save_figure` writes the PNG atomically like :func:`write_png`.
 """
 from __future__ import annotations
 
@@ -15,7 +19,11 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["blank", "fill_rect", "draw_text", "text_width", "write_png", "GLYPH_WIDTH", "GLYPH_HEIGHT"]
+__all__ = ["blank", "fill_rect", "draw_text", "text_width", "write_png", "GLYPH_WIDTH", "GLYPH_HEIGHT",
+           "PLOT_INSTALL", "PlottingUnavailable", "require_matplotlib", "new_figure", "save_figure"]
+
+#: how to install the optional extra that figures need
+PLOT_INSTALL = 'pip install -e ".[plot]"'
 
 GLYPH_WIDTH, GLYPH_HEIGHT = 5, 7
 
@@ -134,3 +142,42 @@ def write_png(path: str, image: np.ndarray) -> None:
     with open(tmp, "wb") as fh:
         fh.write(png)
     os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------
+# matplotlib figures
+# ---------------------------------------------------------------------------
+
+class PlottingUnavailable(ImportError):
+    """matplotlib, the optional extra "plot", is not installed; the message says how to install it."""
+
+
+def require_matplotlib() -> None:
+    """Return when matplotlib can draw figures; else :class:`PlottingUnavailable` (tools call it
+    before their work, so that a missing extra fails at once)."""
+    try:
+        import matplotlib.figure  # noqa: F401
+        import matplotlib.patches  # noqa: F401
+    except ImportError:
+        raise PlottingUnavailable(f'matplotlib is not installed; it is the optional extra "plot": '
+                                  f'{PLOT_INSTALL}') from None
+
+
+def new_figure(width: float, height: float, dpi: int = 110):
+    """A matplotlib ``Figure`` of ``width`` x ``height`` inches with constrained layout (labels and
+    legends outside the axes keep their room), detached from pyplot (rendered by Agg when saved).
+    :class:`PlottingUnavailable` when matplotlib is not installed."""
+    require_matplotlib()
+    from matplotlib.figure import Figure
+    return Figure(figsize=(float(width), float(height)), dpi=dpi, layout="constrained")
+
+
+def save_figure(figure, path: str) -> None:
+    """Write ``figure`` as a PNG file; the file appears atomically (temporary name, then rename)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        figure.savefig(tmp, format="png", facecolor="white")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

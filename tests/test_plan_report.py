@@ -1,11 +1,10 @@
-"""tools/plan_report.py: metrics of every planner, JSON keys, PNG plot, bad input, no OR-Tools."""
+"""tools/plan_report.py: metrics of every planner, JSON keys, PNG plot, bad input, no OR-Tools, no matplotlib."""
 import importlib.util
 import json
 import os
 import struct
 import subprocess
 import sys
-import zlib
 
 import numpy as np
 import pytest
@@ -63,6 +62,8 @@ def test_json_every_planner(rollouts, capsys):
 
 
 def test_table_and_plot(rollouts, capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason='--plot needs matplotlib, the optional extra "plot"')
+    from matplotlib.image import imread
     path, forest = rollouts
     png = str(tmp_path / "plan.png")
     M = int(forest.traj_length.max()) + 200
@@ -71,26 +72,44 @@ def test_table_and_plot(rollouts, capsys, tmp_path):
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split()[:2] == ["planner", "compression"]
-    assert [ln.split()[0] for ln in lines[2:]] == list(PLANNERS)
+    assert [ln.split()[0] for ln in lines[2:-1]] == list(PLANNERS)
+    assert lines[-1] == f"wrote {png}"
     with open(png, "rb") as fh:
         data = fh.read()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     w, h = struct.unpack(">II", data[16:24])
-    # walk the chunks, check CRCs, inflate the image
-    pos, idat = 8, b""
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
-        if kind == b"IDAT":
-            idat += body
-        pos += 12 + n
-    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + 3 * w)
-    img = raw[:, 1:].reshape(h, w, 3)
+    assert 600 <= w <= 4000 and 300 <= h <= 2000 and len(data) > 10_000, (w, h, len(data))
+    assert not [f for f in os.listdir(tmp_path) if f != "plan.png"]        # no temporary file left
+    img = np.rint(imread(png)[..., :3] * 255).astype(np.int64)
+    assert img.shape[:2] == (h, w)
     colors = {tuple(c) for c in img.reshape(-1, 3).tolist()}
     tool = load_tool()
     assert tool.PRODUCER in colors and tool.CONSUMER in colors  # the L1+L2 plan shares prefixes
+    # with --json, stdout stays one JSON document and the note goes to stderr
+    code = load_tool().main(["--input", path, "--dp", "3", "--microbatch-tokens", str(M), "--plot", png, "--json",
+                             "--ortools-time-limit", "0.2"])
+    out = capsys.readouterr()
+    assert code == 0 and set(json.loads(out.out)) == set(PLANNERS) and out.err.strip() == f"wrote {png}"
+
+
+def test_plot_without_matplotlib(rollouts, capsys, monkeypatch, tmp_path):
+    """One error line naming the extra to install, exit status 2, before any planning or output."""
+    from megatron_harts.cli import run
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.patches"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    path, forest = rollouts
+    png = str(tmp_path / "plan.png")
+    with pytest.raises(SystemExit) as e:
+        run(load_tool().main, ["--input", path, "--dp", "2", "--microbatch-tokens", "99999", "--plot", png])
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out == ""
+    err = out.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --plot ") and 'pip install -e ".[plot]"' in err[0], err
+    assert "matplotlib" in err[0] and not os.path.exists(png)
+    with pytest.raises(SystemExit) as e:
+        run(load_tool().main, ["--input", path, "--dp", "2", "--microbatch-tokens", "99999", "--plot",
+                               str(tmp_path / "no" / "plan.png")])
+    assert e.value.code == 2 and "--plot" in capsys.readouterr().err
 
 
 def test_budget_too_small_is_refused(rollouts):

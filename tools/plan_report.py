@@ -5,8 +5,15 @@ Reads trajectory files (JSONL/Parquet) or a converted dataset, plans one global 
 --dp replicas with at most --microbatch-tokens computed rows per microbatch, and prints the
 metrics of every planner (megatron_harts.planner.metrics.plan_metrics).  Planning times
 include building the shared forest index.  OR-Tools (the ortools_ffd baseline) is optional:
-without it that row says "unavailable".  --plot draws the L1+L2 plan: one strip per replica,
-one bar per slot (height = modelled cost; orange = producer, blue = consumer, grey = neither).
+without it that row says "unavailable".
+
+--plot FILE.png draws the L1+L2 plan as a replicas x slots grid: one bar per microbatch (height =
+modelled cost relative to the largest; colour = its role: producer of a sharing window, consumer,
+both, or neither; hatched = idle slot); each sharing window is a line over its producer's replica
+from the producer's slot to its last consumer's (while the exports stay alive), a dot on every
+consumer of that replica and a dashed arrow to every consumer on another.  It needs matplotlib,
+the optional extra "plot" (pip install -e ".[plot]"); without it --plot is refused before any
+planning.
 """
 import argparse
 import os
@@ -15,52 +22,117 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-
-from megatron_harts.cli import CliError, cost_model_from_flags, print_json, print_table, run  # noqa: E402
+from megatron_harts.cli import (ArgumentParser, CliError, cost_model_from_flags, output_path, print_json,  # noqa: E402
+                                 print_table, run)
 from megatron_harts.planner.cost_model import ForestIndex  # noqa: E402
 from megatron_harts.planner.l1 import plan_l1  # noqa: E402
 from megatron_harts.planner.l2 import plan_l2  # noqa: E402
 from megatron_harts.planner.metrics import plan_metrics  # noqa: E402
 from megatron_harts.planner.microbatch import PlanningError  # noqa: E402
 from megatron_harts.planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ffd  # noqa: E402
-from megatron_harts.plotting import blank, fill_rect, write_png  # noqa: E402
+from megatron_harts.plotting import PlottingUnavailable, new_figure, require_matplotlib, save_figure  # noqa: E402
 from megatron_harts.tree_data import load_forest  # noqa: E402
 
 PLANNERS = ("harts_l1", "harts_l1l2", "ffd", "tree_ffd", "ortools_ffd")
 KEYS = ("compression", "balance_mean", "balance_p5", "step_min_balance", "microbatches", "plan_seconds")
 
+# microbatch roles (RGB): a producer exports rows to consumers of later slots
 PRODUCER = (230, 126, 34)
 CONSUMER = (52, 120, 198)
+BOTH = (142, 68, 173)
 PLAIN = (150, 150, 150)
+WINDOW = (40, 40, 40)
+ROLES = (("producer", PRODUCER), ("consumer", CONSUMER), ("producer and consumer", BOTH), ("neither", PLAIN))
 
 
-def draw_plan(plan, strip: int = 60, gap: int = 6) -> np.ndarray:
-    """Slots per replica as bars: one strip per replica, bar height proportional to cost."""
+def _rgb(color):
+    return tuple(c / 255.0 for c in color)
+
+
+def role(m) -> str:
+    """A microbatch's role in its plan's sharing windows (one of ROLES' names)."""
+    if m.consumers and m.external:
+        return "producer and consumer"
+    return "producer" if m.consumers else ("consumer" if m.external else "neither")
+
+
+def plan_figure(plan, metrics: dict):
+    """The plan as a replicas x slots grid (module docstring); ``metrics``: its ``plan_metrics``."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
+
     R, S = plan.num_replicas, max(plan.num_slots, 1)
-    bw = max(2, min(24, 1200 // S))
-    margin = 8
-    W = 2 * margin + S * bw
-    H = 2 * margin + R * strip + (R - 1) * gap
-    img = blank(H, W)
+    fig = new_figure(min(3.5 + 0.45 * S, 24.0) + 2.6, min(2.4 + 1.0 * R, 14.0))
+    ax = fig.add_subplot()
     cmax = max((m.cost for m in plan.microbatches), default=0.0) or 1.0
+    colors = dict(ROLES)
+    # bars: the bottom of row r is y = r + 0.92, the top of the tallest r + 0.2, window lines above
+    # (the y axis points down: replica 0 on top)
     for r in range(R):
-        base = margin + r * (strip + gap) + strip  # bottom line of the strip
-        fill_rect(img, margin, base, W - margin, base + 1, (0, 0, 0))
         for k in range(plan.num_slots):
             m = plan.at(r, k)
             if m is None:
+                ax.add_patch(Rectangle((k + 0.08, r + 0.08), 0.84, 0.84, facecolor="none", edgecolor="#bbbbbb",
+                                       hatch="///", linewidth=0.6, linestyle="--"))
                 continue
-            hgt = max(1, int(round((strip - 2) * m.cost / cmax)))
-            color = PRODUCER if m.consumers else (CONSUMER if m.external else PLAIN)
-            x0 = margin + k * bw
-            x1 = x0 + max(1, bw - 1)
-            fill_rect(img, x0, base - hgt, x1, base, color)
-    return img
+            h = 0.72 * m.cost / cmax
+            ax.add_patch(Rectangle((k + 0.1, r + 0.92 - h), 0.8, h, facecolor=_rgb(colors[role(m)]),
+                                   edgecolor="black", linewidth=0.5))
+            if S <= 24 and h > 0.1:
+                ax.text(k + 0.5, r + 0.94 - h, f"{m.rows}", ha="center", va="top", fontsize=7, color="white")
+    # sharing windows: a line over the producer's row from its slot to its last consumer's (the
+    # exports' lifetime), a dot on each consumer slot of that row, an arrow to a consumer elsewhere
+    cross = False
+    per_replica = [0] * R
+    for w in plan.windows:
+        p = plan.microbatches[w.producer]
+        y = p.replica + 0.035 + 0.045 * min(per_replica[p.replica], 3)
+        per_replica[p.replica] += 1
+        ax.plot([w.producer_slot + 0.5, w.last_slot + 0.5], [y, y], color=_rgb(WINDOW), linewidth=1.4,
+                marker="|", markersize=7, solid_capstyle="butt")
+        here = [plan.microbatches[c] for c in w.consumers]
+        same = [m.slot + 0.5 for m in here if m.replica == p.replica]
+        ax.plot(same, [y] * len(same), linestyle="none", marker="o", markersize=3.5, color=_rgb(WINDOW))
+        for m in here:
+            if m.replica != p.replica:
+                cross = True
+                ax.add_patch(FancyArrowPatch((p.slot + 0.5, y), (m.slot + 0.5, m.replica + 0.5), arrowstyle="-|>",
+                                             mutation_scale=9, linewidth=0.9, color=_rgb(WINDOW), alpha=0.8,
+                                             linestyle="--", connectionstyle="arc3,rad=-0.2", shrinkA=0, shrinkB=2))
+    ax.set_xlim(0, S)
+    ax.set_ylim(R, 0)
+    step = max(1, S // 30)
+    ax.set_xticks([k + 0.5 for k in range(0, S, step)], [str(k) for k in range(0, S, step)])
+    ax.set_yticks([r + 0.5 for r in range(R)], [f"replica {r}" for r in range(R)])
+    ax.set_xticks(range(S + 1), minor=True)
+    ax.set_yticks(range(R + 1), minor=True)
+    ax.grid(which="minor", color="#dddddd", linewidth=0.6)
+    ax.tick_params(which="minor", length=0)
+    ax.set_xlabel("slot (replicas run slot k side by side, slots in order)")
+    ax.set_ylabel("data-parallel replica")
+    ax.set_title(f"{plan.planner} plan: {R} replicas x {plan.num_slots} slots, {len(plan.microbatches)} microbatches, "
+                 f"{len(plan.windows)} sharing windows\nrow budget {plan.row_budget}, compression "
+                 f"{metrics['compression']:.2f}x, balance {100 * metrics['balance_mean']:.1f}%", fontsize=10)
+    present = {role(m) for m in plan.microbatches}
+    handles = [Patch(facecolor=_rgb(c), edgecolor="black", linewidth=0.5, label=name) for name, c in ROLES
+               if name in present]
+    if (plan.slots < 0).any():
+        handles.append(Patch(facecolor="none", edgecolor="#bbbbbb", hatch="///", linestyle="--", label="idle slot"))
+    if plan.windows:
+        handles += [Line2D([], [], color=_rgb(WINDOW), linewidth=1.4, marker="|", markersize=7,
+                           label="sharing window:\nproducer to last consumer"),
+                    Line2D([], [], color=_rgb(WINDOW), linestyle="none", marker="o", markersize=3.5,
+                           label="a consumer of it")]
+    if cross:
+        handles.append(Line2D([], [], color=_rgb(WINDOW), linestyle="--", linewidth=0.9,
+                              label="consumer on another replica"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False,
+              title="bar height: modelled cost" + ("\nnumber: rows computed" if S <= 24 else ""), title_fontsize=8)
+    return fig
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, metavar="FILE", help="trajectory file or dataset prefix")
     ap.add_argument("--dp", required=True, type=int, metavar="N", help="data-parallel replicas")
     ap.add_argument("--microbatch-tokens", required=True, type=int, metavar="M",
@@ -71,7 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ortools-time-limit", type=float, default=10.0, metavar="S",
                     help="CP-SAT search limit of the ortools_ffd baseline (default 10 s)")
     ap.add_argument("--json", action="store_true", help="print the metrics as JSON, one object per planner")
-    ap.add_argument("--plot", metavar="FILE.png", help="draw the L1+L2 plan's slots per replica")
+    ap.add_argument("--plot", metavar="FILE.png",
+                    help="draw the L1+L2 plan's replicas x slots grid, producers and sharing windows marked "
+                         "(needs matplotlib: pip install -e \".[plot]\")")
     args = ap.parse_args(argv)
     if args.dp < 1:
         raise CliError(f"--dp must be >= 1, got {args.dp}")
@@ -81,8 +155,14 @@ def main(argv=None) -> int:
         raise CliError(f"--chunk-size must be >= 1, got {args.chunk_size}")
     if not args.ortools_time_limit > 0:
         raise CliError(f"--ortools-time-limit must be > 0, got {args.ortools_time_limit}")
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise CliError(f"--plot must name a .png file, got {args.plot!r}")
+    if args.plot:
+        if not args.plot.lower().endswith(".png"):
+            raise CliError(f"--plot must name a .png file, got {args.plot!r}")
+        output_path(args.plot, "--plot")
+        try:
+            require_matplotlib()
+        except PlottingUnavailable as e:
+            raise CliError(f"--plot {args.plot}: {e}") from None
     model = cost_model_from_flags(args.calibration, args.chunk_size)
     forest = load_forest(args.input)
     t0 = time.perf_counter()
@@ -110,9 +190,11 @@ def main(argv=None) -> int:
         m["plan_seconds"] += index_seconds
         results[name] = {"available": True, **m}
     if args.plot:
-        write_png(args.plot, draw_plan(plans["harts_l1l2"]))
+        save_figure(plan_figure(plans["harts_l1l2"], results["harts_l1l2"]), args.plot)
     if args.json:
         print_json({name: results[name] for name in PLANNERS})
+        if args.plot:      # stdout stays one JSON document
+            print(f"wrote {args.plot}", file=sys.stderr)
         return 0
     rows = []
     for name in PLANNERS:
@@ -125,6 +207,8 @@ def main(argv=None) -> int:
                      r["microbatches"], r["peak_rows"], r["max_retention"], f"{r['plan_seconds']:.3f}"))
     print_table(rows, header=("planner", "compression", "balance", "balance_p5", "step_min", "microbatches",
                               "peak_rows", "retention", "plan_s"))
+    if args.plot:
+        print(f"wrote {args.plot}")
     return 0
 
 
