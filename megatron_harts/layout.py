@@ -16,9 +16,15 @@ Invariants (tests pin every one of them against per-trajectory, "expanded", comp
   subtree whose ancestors live in the context; for those rows ``prev_external[r]`` is the
   index of the previous row among the context rows (``ctx_*``), -1 everywhere else.
 - Visibility (full attention): key row k is visible to query row q iff k is an ancestor-or-self
-  of q.  It is stored in the general form, a CSR list of half-open query intervals per key
-  (``vis_offsets``, ``vis_start``, ``vis_end``).  For whole subtrees every key has exactly one
-  interval ``[k, end[k])``, ``end[k]`` = one past the last row of k's subtree.
+  of q and no compaction event on q's path at or before q evicts k (an event ``(at, start, end)``
+  of the forest, at the row e of position ``at`` on that path, evicts the keys at positions
+  ``[start, end)`` of that path from e and e's whole subtree).  It is stored in the general form,
+  a CSR list of half-open query intervals per key (``vis_offsets``, ``vis_start``, ``vis_end``):
+  key k's intervals are ``[k, end[k])`` minus the union of ``[e, end[e])`` over the event rows e
+  that evict k, ``end[k]`` = one past the last row of k's subtree (sorted, disjoint, non-empty;
+  the first starts at k).  Without events (``num_events == 0``) every key has exactly the one
+  interval ``[k, end[k])``.  Layouts with context rows (sharing windows) of a forest with
+  compaction events are refused.
 - ``occurrence[r]`` = number of trajectories whose path contains row r.
 - Targets: row r carries one target per trajectory t through r whose token at position
   ``position_ids[r] + 1`` has loss mask 1 in t.  The token may differ between trajectories at a
@@ -58,7 +64,12 @@ from .tree_data.forest import ADV_SCALAR, ADV_TOKEN, Forest
 from .tree_data.trajectory import TrajectoryId
 
 __all__ = ["CompactLayout", "ExpandedBatch", "Visibility", "build_layout", "build_expanded_batch",
-           "scatter_to_expanded", "scatter_to_expanded_padded", "scatter_targets_to_expanded"]
+           "sequence_visibility", "scatter_to_expanded", "scatter_to_expanded_padded", "scatter_targets_to_expanded",
+           "COMPACTION_WINDOWS_ERROR"]
+
+#: why a forest with compaction events cannot run sharing windows (layouts with context rows)
+COMPACTION_WINDOWS_ERROR = ("compaction events with sharing windows (--tree-sharing windows) are not supported yet; "
+                            "use --tree-sharing within or off")
 
 
 # ---------------------------------------------------------------------------
@@ -231,10 +242,12 @@ class _RowsAndTargets:
         return int(self.target_row.shape[0])
 
     def to(self, device):
-        """A copy with every torch tensor on ``device`` (numpy tables and lists are shared)."""
+        """A copy with every torch tensor (and every :class:`Visibility`) on ``device`` (numpy tables
+        and lists are shared)."""
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         names = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
         kw.update(zip(names, host_to_device_many([kw[k] for k in names], device)))
+        kw.update({k: v.to(device) for k, v in kw.items() if isinstance(v, Visibility)})
         out = type(self)(**kw)
         out.host_copy = self.host_copy if self.host_copy is not None else \
             (self if self.tokens.device.type == "cpu" else None)
@@ -300,6 +313,7 @@ class CompactLayout(_RowsAndTargets):
     ctx_vis_offsets: torch.Tensor   # int64 [Rc+1], visibility of ctx rows over this layout's rows
     ctx_vis_start: torch.Tensor     # int64
     ctx_vis_end: torch.Tensor       # int64
+    num_events: int = 0             # compaction events on the layout's segments (0: one interval per key)
 
     # ---- sizes -------------------------------------------------------------
     @property
@@ -508,6 +522,8 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
                              f"segment {int(roots_a[i])}; roots must not be nested")
     if context is not None and not isinstance(context, CompactLayout):
         raise ValueError(f"context must be a CompactLayout (the producer), got {type(context).__name__}")
+    if forest.has_compactions and bool((forest.seg_parent[roots_a] >= 0).any()):
+        raise ValueError(COMPACTION_WINDOWS_ERROR + " (this layout's roots have context rows in a producer)")
 
     # ---- segments ----------------------------------------------------------
     if segments is None:
@@ -549,7 +565,7 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
     tree_row_offsets = np.append(seg_row[tree_seg_offsets[:-1]], R).astype(np.int64)
     row_tree = block_of_seg[row_seg]
 
-    # visibility: one interval per key, [k, end of k's subtree of rows)
+    # visibility without eviction: one interval per key, [k, end of k's subtree of rows)
     seg_end = _local_subtree_ends(seg_parent)
     seg_end_row = seg_row[seg_end - 1] + seg_length[seg_end - 1]
     vis_end = seg_end_row[row_seg]
@@ -641,6 +657,13 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
     target_pair = np.cumsum(new_pair) - 1
     pair_row, pair_token = target_row[new_pair], target_token[new_pair]
 
+    # ---- compaction events: holes in the keys' intervals -------------------------
+    vis_offsets, vis_start, num_events = np.arange(R + 1, dtype=np.int64), rows.copy(), 0
+    if forest.has_compactions:
+        vis_offsets, vis_start, vis_end, num_events = _evicted_visibility(
+            forest, seg_f, seg_start, seg_row, row_seg, vis_end, seg_traj_lo, traj_rows, traj_row_offsets,
+            traj_start)
+
     # ---- external context ----------------------------------------------------
     ctx = _build_context(forest, roots_a, seg_f, tree_seg_offsets, tree_row_offsets, context)
     prev_external = np.full(R, -1, dtype=np.int64)
@@ -651,7 +674,7 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
         forest_rows=T(forest_rows), tokens=T(forest.tokens[forest_rows].astype(np.int64)),
         position_ids=T(position_ids), prev=T(prev), prev_external=T(prev_external),
         row_segment=T(row_seg), row_tree=T(row_tree), occurrence=T(occurrence.astype(np.int64)),
-        vis_offsets=T(np.arange(R + 1, dtype=np.int64)), vis_start=T(rows.copy()), vis_end=T(vis_end),
+        vis_offsets=T(vis_offsets), vis_start=T(vis_start), vis_end=T(vis_end),
         target_row=T(target_row), target_traj=T(target_traj), target_token=T(target_token.astype(np.int64)),
         target_position=T(target_position), target_weight=T(weight[target_traj].astype(np.float64)),
         target_old_logprob=T(old_lp.astype(np.float64)), target_advantage=T(adv.astype(np.float64)),
@@ -664,8 +687,59 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
         tree_roots=roots_a.astype(np.int64), tree_seg_offsets=tree_seg_offsets, tree_row_offsets=tree_row_offsets,
         ctx_forest_rows=T(ctx["forest_rows"]), ctx_source_rows=T(ctx["source_rows"]), ctx_prev=T(ctx["prev"]),
         ctx_position_ids=T(ctx["position_ids"]), ctx_vis_offsets=T(ctx["vis_offsets"]),
-        ctx_vis_start=T(ctx["vis_start"]), ctx_vis_end=T(ctx["vis_end"]),
+        ctx_vis_start=T(ctx["vis_start"]), ctx_vis_end=T(ctx["vis_end"]), num_events=num_events,
     )
+
+
+def _evicted_visibility(forest: Forest, seg_f, seg_start, seg_row, row_seg, vis_end, seg_traj_lo, traj_rows,
+                        traj_row_offsets, traj_start):
+    """The visibility CSR ``(offsets, start, end, number of events)`` of a layout without context rows
+    whose keys' uncompacted intervals are ``[k, vis_end[k])`` (module docstring).
+
+    An event of layout segment s at position ``at`` sits at row ``e = seg_row[s] + at - seg_start[s]``
+    and opens the hole ``[e, vis_end[e])`` (e's subtree) in every key on e's path at positions
+    ``[start, end)``, read from the trajectory table of a trajectory through s.  The holes of one key
+    are subtree ranges, so any two are nested or disjoint: after sorting by (key, hole start, -hole
+    end) a hole inside an earlier one starts before the running maximum of the earlier ends and is
+    dropped.  Work is linear in rows plus the (key, event) pairs, i.e. the events' span lengths.
+    """
+    R = int(vis_end.shape[0])
+    S = int(seg_f.shape[0])
+    a, b = forest.seg_evt_offsets[seg_f], forest.seg_evt_offsets[seg_f + 1]
+    n = (b - a).astype(np.int64)
+    rows = np.arange(R, dtype=np.int64)
+    ev = _ranges(a, n)
+    if ev.size == 0:
+        return np.arange(R + 1, dtype=np.int64), rows, vis_end, 0
+    ev_seg = np.repeat(np.arange(S, dtype=np.int64), n)
+    e_row = seg_row[ev_seg] + forest.evt_at[ev] - seg_start[ev_seg]
+    span = (forest.evt_end[ev] - forest.evt_start[ev]).astype(np.int64)
+    of = np.repeat(np.arange(ev.shape[0], dtype=np.int64), span)
+    pos = _ranges(forest.evt_start[ev], span)
+    t = seg_traj_lo[ev_seg][of]
+    key = traj_rows[traj_row_offsets[t] + pos - traj_start[t]]
+    h0 = e_row[of]
+    h1 = vis_end[h0]
+    order = np.lexsort((-h1, h0, key))
+    key, h0, h1 = key[order], h0[order], h1[order]
+    width = R + 1
+    reach = np.maximum.accumulate(key * width + h1)
+    keep = np.ones(key.shape[0], dtype=bool)
+    keep[1:] = key[1:] * width + h0[1:] >= reach[:-1]
+    key, h0, h1 = key[keep], h0[keep], h1[keep]
+    # key k's intervals: [k, h0_1), [h1_1, h0_2), ..., [h1_m, vis_end[k]), empty ones dropped
+    s_key = np.concatenate([rows, key])
+    s_val = np.concatenate([rows, h1])
+    e_key = np.concatenate([key, rows])
+    e_val = np.concatenate([h0, vis_end])
+    so = np.lexsort((s_val, s_key))
+    eo = np.lexsort((e_val, e_key))
+    i_key, i_start, i_end = s_key[so], s_val[so], e_val[eo]
+    real = i_start < i_end
+    i_key, i_start, i_end = i_key[real], i_start[real], i_end[real]
+    offsets = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum(np.bincount(i_key, minlength=R), out=offsets[1:])
+    return offsets, i_start.astype(np.int64), i_end.astype(np.int64), int(ev.shape[0])
 
 
 def _build_context(forest: Forest, roots: np.ndarray, seg_f: np.ndarray, tree_seg_offsets: np.ndarray,
@@ -832,6 +906,9 @@ class ExpandedBatch(_RowsAndTargets):
     j >= 1) sits on row ``offsets[t] + j - 1``.  Every target is its own (row, token) pair.
     Target metadata (weight, old log-prob, advantage) follows :func:`build_layout`'s rules,
     so a loss computed from a batch's targets is the one tree mode computes for them.
+    ``visibility``: None when no trajectory of the batch has compaction events (every sequence is
+    plainly causal), else the full-attention visibility of the packed rows
+    (:func:`sequence_visibility`), which expanded-mode attention must honour.
     """
     tokens: torch.Tensor            # int64 [T]
     position_ids: torch.Tensor      # int64 [T], position inside its trajectory
@@ -845,6 +922,7 @@ class ExpandedBatch(_RowsAndTargets):
     target_weight: torch.Tensor
     target_old_logprob: torch.Tensor
     target_advantage: torch.Tensor
+    visibility: Optional[Visibility] = None
 
     @property
     def num_trajectories(self) -> int:
@@ -863,14 +941,47 @@ class ExpandedBatch(_RowsAndTargets):
         return torch.arange(self.num_targets, device=self.target_row.device)
 
 
+def sequence_visibility(lengths: Sequence[int], compactions: Sequence[Optional[np.ndarray]]) -> Optional[Visibility]:
+    """Full-attention visibility of sequences packed back to back, each with its compaction events
+    (``compactions[i]``: ``Trajectory.compactions`` of sequence i, an ``[E, 3]`` array of
+    ``(at, start, end)`` or None); None when no sequence has any (plain causal sequences).
+
+    Sequence i's key j (local position) is seen by its queries ``[j, min(n_i, at of every event
+    with start <= j < end))``: one interval per key, the per-trajectory mask
+    ``j <= q and not any(start <= j < end and at <= q)``.
+    """
+    lengths = [int(n) for n in lengths]
+    if len(compactions) != len(lengths):
+        raise ValueError(f"sequence_visibility: {len(compactions)} event lists for {len(lengths)} sequences")
+    if all(c is None or len(c) == 0 for c in compactions):
+        return None
+    total = sum(lengths)
+    end = np.empty(total, dtype=np.int64)
+    o = 0
+    for n, ev in zip(lengths, compactions):
+        local = np.full(n, n, dtype=np.int64)
+        if ev is not None:
+            for at, a, b in np.asarray(ev, dtype=np.int64).reshape(-1, 3).tolist():
+                if not 0 <= a < b <= at < n:
+                    raise ValueError(f"sequence_visibility: compaction event (at={at}, start={a}, end={b}) needs "
+                                     f"0 <= start < end <= at < {n} (the sequence's length)")
+                np.minimum(local[a:b], at, out=local[a:b])
+        end[o:o + n] = local + o
+        o += n
+    rows = torch.arange(total, dtype=torch.int64)
+    return Visibility(torch.arange(total + 1, dtype=torch.int64), rows, torch.from_numpy(end), total, causal=True)
+
+
 def build_expanded_batch(forest: Forest, trajectories: Sequence[int]) -> ExpandedBatch:
-    """The listed forest trajectories (indices; packed in increasing index order) as one expanded batch."""
+    """The listed forest trajectories (indices; packed in increasing index order) as one expanded batch,
+    with the visibility of their compaction events where any has some."""
     idx = _int_list(trajectories, "trajectories", forest.num_trajectories)
-    toks, pos, rows, traj, tok, tpos, w, old, adv = [], [], [], [], [], [], [], [], []
+    toks, pos, rows, traj, tok, tpos, w, old, adv, events = [], [], [], [], [], [], [], [], [], []
     offset = 0
     for local, t in enumerate(idx.tolist()):
         tr = forest.expand(forest.traj_ids[t])
         n = len(tr)
+        events.append(tr.compactions)
         toks.append(tr.tokens)
         pos.append(np.arange(n))
         j = np.flatnonzero(np.asarray(tr.loss_mask[1:], dtype=bool)) + 1
@@ -895,4 +1006,5 @@ def build_expanded_batch(forest: Forest, trajectories: Sequence[int]) -> Expande
         traj_ids=[forest.traj_ids[t] for t in idx.tolist()], traj_forest=idx.astype(np.int64),
         target_row=cat(rows, np.int64), target_traj=cat(traj, np.int64), target_token=cat(tok, np.int64),
         target_position=cat(tpos, np.int64), target_weight=cat(w, np.float64),
-        target_old_logprob=cat(old, np.float64), target_advantage=cat(adv, np.float64))
+        target_old_logprob=cat(old, np.float64), target_advantage=cat(adv, np.float64),
+        visibility=sequence_visibility([len(x) for x in toks], events))

@@ -24,10 +24,13 @@ position id: the path depth in tree mode, the position in the sequence in
 expanded mode, so tree rows get exactly their trajectories' rotations.
 
 Core attention: ``ops.tree_attention`` (a key row is visible to the rows of its
-subtree) in tree mode; causal attention per sequence in expanded/batched mode: packed
-sequences go through flash-attn-4's varlen kernel where it runs (``ops.key_paths``: the kernel
-of tree mode's ``varlen`` backend, so that both modes time the same attention kernel), else
-through SDPA over the sequences zero-padded to the longest.
+subtree, less the keys compaction events evict) in tree mode; causal attention per sequence in
+expanded/batched mode: packed sequences go through flash-attn-4's varlen kernel where it runs
+(``ops.key_paths``: the kernel of tree mode's ``varlen`` backend, so that both modes time the same
+attention kernel), else through SDPA over the sequences zero-padded to the longest.  Packed
+sequences with compaction events (``TreePackedSeqParams.visibility``) take fa4 over their
+key paths, else ``ops.tree_attention`` over that visibility with the model's tree-attention
+backend.
 """
 from __future__ import annotations
 
@@ -149,9 +152,15 @@ class TreeMLA(MegatronModule):
             if psp.pad_rows:
                 o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])
         elif b == 1 and hasattr(packed_seq_params, "sequence_key_paths") and default_kernel(q, dv) == "fa4":
-            # expanded THD rows through the tree mode's fastest varlen kernel (the same one), not padded
+            # expanded THD rows through the tree mode's fastest varlen kernel (the same one), not padded;
+            # with compaction events the paths break at the event rows (sequence_key_paths)
             paths = packed_seq_params.sequence_key_paths(q.device)
             o = path_attention(q, k, v, paths, self.scale, kernel="fa4")
+        elif getattr(packed_seq_params, "visibility", None) is not None:
+            # expanded THD rows whose compaction events evict keys: each sequence's own mask, through
+            # the tree-attention backend of the model (the tree mode's)
+            kw = packed_seq_params.sequence_attention(cfg.tree_attention_backend, q.device)
+            o = tree_attention(q, k, v, scale=self.scale, **kw)
         else:
             (qp, kp, vp), flat = sequences_view((q, k, v), s, b, packed_seq_params)
             op = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),

@@ -12,7 +12,10 @@ Two modes, one model, same weights:
   all built once per microbatch by :meth:`TreePackedSeqParams.for_tree`.
 - ``mode="expanded"``: ordinary THD packing of independent sequences
   (``cu_seqlens_q``), e.g. every trajectory of the microbatch on its own.  Each
-  sequence is causal on its own; nothing is shared.
+  sequence is causal on its own; nothing is shared.  Sequences with compaction
+  events carry ``visibility`` (``for_sequences(..., visibility=ExpandedBatch.visibility)``,
+  or ``layout.sequence_visibility``): full attention then honours each sequence's
+  evictions (``tree_attention`` over that visibility); KDA, conv and MoE do not change.
 
 Without any packed-sequence params the model runs the batched [s, b] form
 (each batch column one causal sequence), which is expanded mode too.
@@ -58,7 +61,7 @@ import torch
 
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..layout import host_to_device, host_to_device_many
+from ..layout import Visibility, host_to_device, host_to_device_many
 
 MODES = ("tree", "expanded")
 
@@ -241,7 +244,10 @@ class TreePackedSeqParams(PackedSeqParams):
                                              # close (schedules.windows recompute_producers): not the step's
                                              # statistics
     seq_lengths: Optional[torch.Tensor] = None  # CPU long [N] (expanded mode): the sequences' lengths
+    visibility: Optional[Visibility] = None  # expanded mode, host: the packed rows' full-attention visibility
+                                             # where compaction events evict keys (None: causal sequences)
     _seq_taps: Dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _seq_attention: Dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def sequence_conv_taps(self, kernel_size: int, device):
         """Expanded mode: the conv taps of the packed sequences (``ops.path_conv.sequence_conv_taps``),
@@ -255,9 +261,31 @@ class TreePackedSeqParams(PackedSeqParams):
         """Expanded mode: the packed sequences as key-path runs (``ops.key_paths.sequence_key_paths``),
         built once per microbatch, shared by every MLA layer."""
         if self.key_paths is None:
-            from ..ops.key_paths import sequence_key_paths
-            self.key_paths = sequence_key_paths(self.host_seq_lengths().numpy(), device=device)
+            from ..ops.key_paths import build_key_paths, sequence_key_paths
+            if self.visibility is None:
+                self.key_paths = sequence_key_paths(self.host_seq_lengths().numpy(), device=device)
+            else:       # each sequence's evictions: runs break at its event rows
+                lens = self.host_seq_lengths()
+                prev = torch.arange(int(lens.sum()), dtype=torch.int64) - 1
+                prev[torch.cumsum(lens, 0) - lens] = -1
+                self.key_paths = build_key_paths(self.visibility, prev=prev, device=device)
         return self.key_paths
+
+    def sequence_attention(self, backend: str, device) -> dict:
+        """Expanded mode with a ``visibility``: the keyword arguments of ``ops.tree_attention`` for
+        ``backend`` (the visibility on ``device``, and the backend's block mask or key paths), built
+        on the host once per microbatch and backend, shared by every MLA layer."""
+        if self.visibility is None:
+            raise ValueError("sequence_attention: these expanded params have no visibility (causal sequences)")
+        if backend not in self._seq_attention:
+            kw = {"visibility": self.visibility.to(device), "backend": backend}
+            if backend == "varlen":
+                kw["key_paths"] = self.sequence_key_paths(device)
+            elif backend == "flex":
+                from ..ops.tree_attention import build_tree_block_mask
+                kw["block_mask"] = build_tree_block_mask(self.visibility, device=device)
+            self._seq_attention[backend] = kw
+        return self._seq_attention[backend]
 
     def host_seq_lengths(self) -> torch.Tensor:
         """Expanded mode: the sequences' lengths (CPU long): ``seq_lengths`` where set, else read from
@@ -419,7 +447,7 @@ class TreePackedSeqParams(PackedSeqParams):
         if attention_backend == "varlen":
             from ..ops.key_paths import build_key_paths
             key_paths = build_key_paths(host.visibility, host.context_visibility if host.num_context_rows else None,
-                                        device=device)
+                                        prev=host.prev if host.num_events else None, device=device)
             if not key_paths.worth_gathering():      # many short runs: the block-mask backend instead
                 key_paths = None
                 attention_backend = "flex" if device.type == "cuda" else "sdpa"
@@ -456,7 +484,14 @@ class TreePackedSeqParams(PackedSeqParams):
                                        position_ids=torch.cat([self.position_ids,
                                                                self.position_ids.new_zeros(pad)]))
         lens, device = self.host_seq_lengths(), self.cu_seqlens_q.device
-        out = TreePackedSeqParams.for_sequences(lens.tolist() + [int(pad)], device=device)
+        vis = self.visibility
+        if vis is not None:         # the padding: one more causal sequence
+            n = vis.num_queries
+            pad_rows = torch.arange(n, n + int(pad), dtype=torch.int64)
+            vis = Visibility(torch.cat([vis.offsets, vis.offsets[-1] + 1 + torch.arange(int(pad))]),
+                             torch.cat([vis.start, pad_rows]), torch.cat([vis.end, torch.full_like(pad_rows, n + pad)]),
+                             n + int(pad), causal=True)
+        out = TreePackedSeqParams.for_sequences(lens.tolist() + [int(pad)], device=device, visibility=vis)
         n = int(lens.sum())
         weight = self.token_weight if self.token_weight is not None else \
             torch.ones(n, dtype=torch.float64, device=device)
@@ -465,11 +500,22 @@ class TreePackedSeqParams(PackedSeqParams):
                                    token_weight_total=total)
 
     @classmethod
-    def for_sequences(cls, lengths, *, device=None) -> "TreePackedSeqParams":
-        """Expanded mode: independent causal sequences of the given lengths, packed back to back."""
+    def for_sequences(cls, lengths, *, device=None, visibility: Optional[Visibility] = None) -> "TreePackedSeqParams":
+        """Expanded mode: independent causal sequences of the given lengths, packed back to back.
+
+        ``visibility``: where the sequences carry compaction events, the packed rows' full-attention
+        visibility (``ExpandedBatch.visibility``, ``layout.sequence_visibility``), kept on the host;
+        None (default, also what those give without events): plain causal sequences."""
         lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
         if lengths.numel() == 0 or bool((lengths < 1).any()):
             raise ValueError("for_sequences: every sequence needs at least one token")
+        if visibility is not None:
+            if not isinstance(visibility, Visibility):
+                raise ValueError(f"for_sequences: visibility must be a Visibility, got {type(visibility).__name__}")
+            if not visibility.causal or visibility.num_queries != int(lengths.sum()):
+                raise ValueError(f"for_sequences: the visibility covers {visibility.num_queries} rows, the sequences "
+                                 f"{int(lengths.sum())} (a causal visibility of the packed rows is needed)")
+            visibility = visibility.to("cpu")
         cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
         cu[1:] = lengths.cumsum(0)
         pos = torch.cat([torch.arange(int(n)) for n in lengths])
@@ -477,4 +523,4 @@ class TreePackedSeqParams(PackedSeqParams):
             cu, pos = host_to_device_many((cu, pos), device)
         m = int(lengths.max())
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m,
-                   mode="expanded", position_ids=pos, seq_lengths=lengths)
+                   mode="expanded", position_ids=pos, seq_lengths=lengths, visibility=visibility)

@@ -1,7 +1,8 @@
 """Tree attention as causal attention over gathered key paths (the ``varlen`` backend).
 
 In DFS order a tree layout's rows fall into *runs*: maximal stretches of consecutive rows
-where each row is the next one's parent.  All rows of a run share the keys visible to its
+where each row is the next one's parent (and, with compaction events, no row but the first is an
+event row: its visible set is its parent's plus itself).  All rows of a run share the keys visible to its
 first row except the run's own rows, which they see causally.  So tree attention of run g
 is bottom-right-aligned causal attention of its ``Lq`` query rows over a gathered key list:
 the keys visible to the first row other than its own rows (ancestors, context rows), in any
@@ -98,11 +99,19 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 
 def build_key_paths(vis: Visibility, context_visibility: Optional[Visibility] = None, *,
-                    device=None) -> KeyPaths:
-    """The run decomposition of a tree visibility (one interval ``[k, end[k])`` per key).
+                    prev: Optional[torch.Tensor] = None, device=None) -> KeyPaths:
+    """The run decomposition of a tree visibility.
 
-    Raises ValueError, naming what does not hold, for a visibility that is not a tree's:
-    several intervals for a key, or a key set that the runs would not reproduce (checked by
+    Without ``prev`` every key has one interval ``[k, end[k])`` and the tree is read from the
+    intervals.  Where compaction events evict keys (``CompactLayout.num_events > 0``; expanded
+    sequences with events) the intervals do not give the tree: pass ``prev``, the previous row on
+    each row's path (``CompactLayout.prev``; -1 at a root).  A run then also breaks at every row
+    where some key's interval starts or ends (an event row: its visible set is not its parent's
+    plus itself), and a run's gathered keys are those of its first row's parent that still see its
+    first row (context keys: those the context visibility lets it see).
+
+    Raises ValueError, naming what does not hold, for a visibility that is not a tree's: several
+    intervals for a key without ``prev``, or a key set that the runs would not reproduce (checked by
     construction: every gathered key is visible to every row of its run, and the runs' pair
     count equals the visibility's).
     """
@@ -111,16 +120,16 @@ def build_key_paths(vis: Visibility, context_visibility: Optional[Visibility] = 
         raise ValueError("tree attention backend 'varlen' needs causal (tree) visibility; use 'flex'")
     R = vis.num_queries
     off = _host(vis.offsets)
+    n_ctx = 0 if context_visibility is None else context_visibility.num_keys
+    if prev is not None:
+        return _evicted_key_paths(vis, context_visibility, _host(prev), n_ctx, device) if R else _no_runs(n_ctx, device)
     if R and not np.array_equal(np.diff(off), np.ones(R, dtype=np.int64)):
         raise ValueError("tree attention backend 'varlen' needs one visible interval per key (a tree's "
-                         "visibility); this one has keys with several (use backend 'flex')")
+                         "visibility) unless the rows' tree is given (prev=, a layout's with compaction "
+                         "events); this one has keys with several (use backend 'flex')")
     end = _host(vis.end)
-    n_ctx = 0 if context_visibility is None else context_visibility.num_keys
     if R == 0:
-        z = torch.zeros(1, dtype=torch.int32)
-        return KeyPaths(host_to_device(z, device), host_to_device(z.clone(), device),
-                        host_to_device(torch.zeros(0, dtype=torch.int64), device),
-                        np.zeros(0, np.int64), np.zeros(0, np.int64), 0, n_ctx, 0)
+        return _no_runs(n_ctx, device)
     rows = np.arange(R, dtype=np.int64)
     # row r continues the run of r - 1 iff r - 1 sees r (then r - 1 is r's parent)
     starts = np.flatnonzero(np.concatenate([[True], end[:-1] <= rows[1:]]))
@@ -168,6 +177,17 @@ def build_key_paths(vis: Visibility, context_visibility: Optional[Visibility] = 
     if pairs != expected:
         raise ValueError(f"visibility is not a tree's: its runs cover {pairs} (query, key) pairs, the "
                          f"visibility {expected} (use backend 'flex')")
+    return _key_paths(q_len, k_len, key_index, R, n_ctx, pairs, device)
+
+
+def _no_runs(n_ctx: int, device) -> KeyPaths:
+    z = torch.zeros(1, dtype=torch.int32)
+    return KeyPaths(host_to_device(z, device), host_to_device(z.clone(), device),
+                    host_to_device(torch.zeros(0, dtype=torch.int64), device),
+                    np.zeros(0, np.int64), np.zeros(0, np.int64), 0, n_ctx, 0)
+
+
+def _key_paths(q_len, k_len, key_index, R: int, n_ctx: int, pairs: int, device) -> KeyPaths:
     q_off = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
     k_off = np.concatenate([[0], np.cumsum(k_len)])
     if k_off[-1] >= 2 ** 31:
@@ -175,6 +195,77 @@ def build_key_paths(vis: Visibility, context_visibility: Optional[Visibility] = 
     return KeyPaths(host_to_device(torch.from_numpy(q_off), device),
                     host_to_device(torch.from_numpy(k_off.astype(np.int32)), device),
                     host_to_device(torch.from_numpy(key_index), device), q_len, k_len, R, n_ctx + R, pairs)
+
+
+class _IntervalLookup:
+    """Which of a visibility's keys see a query: the interval of key k holding q, by one binary
+    search over the (key, start)-sorted intervals."""
+
+    def __init__(self, vis: Visibility):
+        self.width = vis.num_queries + 1
+        self.key = _host(vis.interval_keys())
+        self.start, self.end = _host(vis.start), _host(vis.end)
+        self.sorted = self.key * self.width + self.start
+
+    def end_of(self, keys: np.ndarray, q: int) -> np.ndarray:
+        """Per key, the end of its interval holding query ``q``, or -1 where none holds it."""
+        if self.key.size == 0:
+            return np.full(keys.shape[0], -1, dtype=np.int64)
+        idx = np.searchsorted(self.sorted, keys * self.width + q, side="right") - 1
+        idx_c = np.maximum(idx, 0)
+        hit = (idx >= 0) & (self.key[idx_c] == keys) & (self.end[idx_c] > q)
+        return np.where(hit, self.end[idx_c], -1)
+
+
+def _evicted_key_paths(vis: Visibility, ctx_vis: Optional[Visibility], prev: np.ndarray, n_ctx: int,
+                       device) -> KeyPaths:
+    """:func:`build_key_paths` for keys with several intervals, the tree given by ``prev``."""
+    R = vis.num_queries
+    rows = np.arange(R, dtype=np.int64)
+    if prev.shape != (R,) or bool(((prev >= rows) | (prev < -1)).any()):
+        raise ValueError(f"build_key_paths: prev must hold, for each of the {R} rows, an earlier row or -1")
+    off, start, end = _host(vis.offsets), _host(vis.start), _host(vis.end)
+    later = np.ones(start.shape[0], dtype=bool)
+    later[off[:-1]] = False                                  # intervals other than a key's first
+    opens = np.bincount(start[later], minlength=R + 1)[:R] > 0
+    closes = np.bincount(end, minlength=R + 1)[:R] > 0
+    brk = (prev != rows - 1) | opens | closes
+    brk[0] = True
+    starts = np.flatnonzero(brk)
+    stops = np.append(starts[1:], R)
+    run_of = np.repeat(np.arange(starts.shape[0], dtype=np.int64), stops - starts)
+    own_vis = _IntervalLookup(vis)
+    ctx_look = _IntervalLookup(ctx_vis) if ctx_vis is not None else None
+    keys: List[np.ndarray] = []
+    for g, (a, b) in enumerate(zip(starts.tolist(), stops.tolist())):
+        p = int(prev[a])
+        if p >= 0:
+            h = int(run_of[p])
+            cand = keys[h][:keys[h].shape[0] - (int(stops[h]) - 1 - p)]
+        elif ctx_look is not None:
+            cand = np.arange(n_ctx, dtype=np.int64)
+        else:
+            cand = np.zeros(0, dtype=np.int64)
+        reach = np.empty(cand.shape[0], dtype=np.int64)
+        is_ctx = cand < n_ctx
+        if is_ctx.any():
+            reach[is_ctx] = ctx_look.end_of(cand[is_ctx], a)
+        reach[~is_ctx] = own_vis.end_of(cand[~is_ctx] - n_ctx, a)
+        seen = reach > a
+        if bool((reach[seen] < b).any()):
+            raise ValueError(f"visibility is not a tree's: a key seen by row {a} is not seen by row {b - 1} "
+                             f"of the same run (use backend 'flex')")
+        keys.append(np.concatenate([cand[seen], np.arange(a, b, dtype=np.int64) + n_ctx]))
+    q_len = (stops - starts).astype(np.int64)
+    k_len = np.array([k.shape[0] for k in keys], dtype=np.int64)
+    pairs = int((q_len * k_len - q_len * (q_len - 1) // 2).sum())
+    expected = int((end - start).sum())
+    if ctx_vis is not None:
+        expected += int((_host(ctx_vis.end) - _host(ctx_vis.start)).sum())
+    if pairs != expected:
+        raise ValueError(f"visibility is not a tree's: its runs cover {pairs} (query, key) pairs, the "
+                         f"visibility {expected} (use backend 'flex')")
+    return _key_paths(q_len, k_len, np.concatenate(keys), R, n_ctx, pairs, device)
 
 
 def sequence_key_paths(lengths, *, device=None) -> KeyPaths:

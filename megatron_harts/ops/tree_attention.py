@@ -22,7 +22,8 @@ Backends, one interface:
 - ``varlen``: bottom-right causal attention over gathered key paths (:mod:`.key_paths`), with
   :class:`~megatron_harts.ops.key_paths.KeyPaths` built once per microbatch; on CUDA (fp16/bf16)
   flash-attn-4's Hopper kernels where installed, else torch's flash-attention varlen kernels,
-  elsewhere the per-run plain-torch kernel.  Tree visibilities only (one interval per key).
+  elsewhere the per-run plain-torch kernel.  Tree visibilities only: one interval per key, or a
+  layout's (its ``prev`` gives the tree) whose compaction events cut holes in its keys' intervals.
 
 Context keys come first on the key axis: keys ``[0, Rc)`` are context rows, ``[Rc, Rc+R)``
 the layout's rows.
@@ -306,7 +307,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
         return _sdpa(q, k_all, v_all, vis, ctx_vis, n_ctx, scale, query_block)
     if backend == "varlen":
         if key_paths is None:
-            key_paths = build_key_paths(vis, ctx_vis, device=q.device)
+            prev = visibility.prev if isinstance(visibility, CompactLayout) and visibility.num_events else None
+            key_paths = build_key_paths(vis, ctx_vis, prev=prev, device=q.device)
         if (key_paths.num_queries, key_paths.num_keys) != (R, R + n_ctx):
             raise ValueError(f"key_paths are for (queries, keys) = {(key_paths.num_queries, key_paths.num_keys)}, "
                              f"expected {(R, R + n_ctx)}")

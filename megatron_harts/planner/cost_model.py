@@ -126,10 +126,12 @@ class ForestIndex:
     """Per-segment arrays the planners and the cost model share (built once per forest).
 
     ``sub_rows[s]`` rows in the subtree of ``s``; ``seg_pairs[s]`` attention pairs of the rows
-    of ``s`` (``sum over p in [start, start+len) of p + 1``); ``seg_logits[s]`` rows of ``s``
+    of ``s`` (``sum over p in [start, start+len) of p + 1``, less the keys compaction events evict:
+    ``Forest.row_evicted``); ``seg_logits[s]`` rows of ``s``
     whose next token is a target of at least one trajectory through them (the rows the model
     computes logits for: row-level loss masks and per-trajectory loss-mask exceptions, as the
     layout reads them); ``traj_targets[t]`` targets of trajectory ``t`` (exceptions included);
+    ``traj_pairs[t]`` attention pairs of trajectory ``t`` computed on its own (compaction applied);
     ``tree_max_path[t]`` the longest trajectory of tree ``t``.
     """
 
@@ -165,6 +167,16 @@ class ForestIndex:
             (self.seg_pairs, self.seg_logits, self.sub_rows, self.sub_size, self.traj_targets,
              self.tree_max_path, longest, self.tree_rows, self.seg_tree, self.children) = out
             self.tree_longest_traj = longest.tolist()
+        # attention pairs of each trajectory on its own (expanded mode): its root path's
+        self.traj_pairs = self.traj_length * (self.traj_length + 1) // 2
+        if getattr(f, "has_compactions", False):
+            # keys evicted by compaction events are not attention pairs (both builds count without them)
+            self.seg_pairs = self.seg_pairs - _segment_counts_int(f.row_evicted(), self.row)
+            path_pairs = self.seg_pairs.copy()
+            for seg in range(self.num_segments):          # parents precede children
+                if self.parent_arr[seg] >= 0:
+                    path_pairs[seg] += path_pairs[self.parent_arr[seg]]
+            self.traj_pairs = path_pairs[f.traj_leaf]
         # list twins of per-segment arrays, for the planners' per-segment Python loops
         self.parent = self.parent_arr.tolist()
         self.sub_rows_list = self.sub_rows.tolist()
@@ -286,6 +298,13 @@ def _exception_targets_python(f, parent: np.ndarray, start: np.ndarray, length: 
     _, one = np.unique(pred[new], return_index=True)
     added = np.bincount(at[new][one], minlength=S).astype(np.int64)
     return added, delta
+
+
+def _segment_counts_int(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Sum of int64 row values per segment (segments: the contiguous row ranges from ``starts``, sorted)."""
+    if starts.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.add.reduceat(values.astype(np.int64, copy=False), starts)
 
 
 def _segment_counts(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -451,7 +470,7 @@ class CostModel:
         L = ix.traj_length[trajectories]
         if L.size == 0:
             return CostFeatures()
-        return CostFeatures(rows=int(L.sum()), attention_pairs=int((L * (L + 1) // 2).sum()),
+        return CostFeatures(rows=int(L.sum()), attention_pairs=int(ix.traj_pairs[trajectories].sum()),
                             kda_calls=1, replay_tokens=0,
                             logits_rows=int(ix.traj_targets[trajectories].sum()))
 

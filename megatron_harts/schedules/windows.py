@@ -194,7 +194,9 @@ def microbatch_params(mb: WindowedMicrobatch, cfg, leaves=None) -> TreePackedSeq
     (its window's ``WindowExports.detached()``)."""
     from ..layout import ExpandedBatch
     if isinstance(mb.layout, ExpandedBatch):    # expanded: trajectories packed, no sharing
-        psp = TreePackedSeqParams.for_sequences(mb.layout.lengths, device=mb.layout.tokens.device)
+        host = mb.layout.host_copy if mb.layout.host_copy is not None else mb.layout
+        psp = TreePackedSeqParams.for_sequences(mb.layout.lengths, device=mb.layout.tokens.device,
+                                                visibility=host.visibility)   # None without compaction events
     elif mb.producer is not None:               # consumer: reads the window's shared leaves
         psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, exports=leaves, replay=mb.replay)
     else:

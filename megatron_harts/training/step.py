@@ -42,13 +42,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..layout import host_to_device
+from ..layout import COMPACTION_WINDOWS_ERROR, host_to_device
 from ..models.experts import expert_grad_hooks_off
 from ..planner.l1 import plan_l1
 from ..planner.l2 import plan_harts
 from ..planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ffd
 from ..planner.metrics import plan_metrics
-from ..planner.microbatch import replica_windows
+from ..planner.microbatch import PlanningError, replica_windows
 from ..rl.objectives import (BatchNormalizer, ObjectiveConfig, ObjectiveDataError, forest_normalizer, objective_loss,
                              target_scale)
 from ..schedules.pipeline import SCHEDULES as PP_SCHEDULES, forward_backward_pipelining_windows
@@ -91,8 +91,13 @@ class SharingSettings:
 
 
 def plan_step(forest, settings: SharingSettings, dp: int):
-    """The plan of one step on ``dp`` replicas (deterministic: every rank computes the same)."""
+    """The plan of one step on ``dp`` replicas (deterministic: every rank computes the same).
+
+    A step whose trajectories carry compaction events is refused with ``--tree-sharing windows``
+    (``PlanningError``): sharing windows do not evict keys from their context rows."""
     M, cm = settings.microbatch_tokens, settings.cost_model
+    if settings.sharing == "windows" and forest.has_compactions:
+        raise PlanningError(COMPACTION_WINDOWS_ERROR)
     if settings.sharing == "off":
         return plan_ffd(forest, dp, M, cost_model=cm)
     if settings.planner == "l1":
@@ -214,9 +219,11 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
     """``forward_step_func(data_iterator, model)`` of the schedule for the driver's objective.
 
     The loss of a microbatch: the objective over the targets it owns, each scaled by its
-    global-batch normalization (``normalizer``, on the host: the scales are computed there).  ``counters`` (pass ``{}``; its keys are
-    filled here) accumulates the step's loss, objective terms, KDA calls, KDA replay tokens and
-    q-weighted tokens per expert.
+    global-batch normalization (``normalizer``, on the host: the scales are computed there).  With
+    ``objective.old_logprobs`` "current" the old log-probs are this forward's log-probs, detached
+    (``objective_loss``): no extra forward, on the last pipeline stage like the rest of the loss.
+    ``counters`` (pass ``{}``; its keys are filled here) accumulates the step's loss, objective
+    terms, KDA calls, KDA replay tokens and q-weighted tokens per expert.
     """
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
