@@ -15,13 +15,13 @@ execution (megatron_harts.planner.baselines), plus tokens computed vs expanded e
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 import numpy as np
 
+from megatron_harts.cli import ArgumentParser, run
 from megatron_harts.planner import baselines
 from megatron_harts.planner.calls import plan_calls
 
@@ -79,9 +79,15 @@ def best_time(fn, reps: int) -> float:
     return best
 
 
+def stage(text: str) -> None:
+    """One progress line on stderr (stdout holds the tables or the JSON only)."""
+    print(f"bench_call_planner: {text}", file=sys.stderr, flush=True)
+
+
 def bench_speed(sizes, python_max, chunk_size, reps, seed):
     rows = []
     for n in sizes:
+        stage(f"speed: {n:,} segments")
         parent, start, length = random_preorder_tree(n, chunk_size, seed)
         row = {"segments": n}
         plan = plan_calls(parent, start, length, chunk_size, backend="python" if _C is None else "cpp")
@@ -188,6 +194,7 @@ WORKLOADS = {
 def bench_workloads(chunk_size, seeds):
     rows = []
     for name, (kind, kwargs) in WORKLOADS.items():
+        stage(f"workload {name}: {len(seeds)} forests")
         for seed in seeds:
             rng = np.random.default_rng(seed)
             parent, start, length = swe_forest(rng, **kwargs)
@@ -238,7 +245,7 @@ def print_tables(speed, work, out=sys.stdout):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=None,
                     help="segment counts for the speed table (default 1e3 1e4 1e5 1e6)")
     ap.add_argument("--python-max", type=int, default=100_000,
@@ -262,4 +269,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -18,6 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_harts.cli import ArgumentParser, CliError, run  # noqa: E402
 from megatron_harts.tree_data import build_forest, read_trajectories, write_dataset, write_jsonl  # noqa: E402
 from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe  # noqa: E402
 
@@ -65,14 +66,22 @@ def dict_trie_forest(trajs):
     return {"unique_tokens": unique, "segments": segments, "exceptions": exceptions}
 
 
+def stage(text: str) -> None:
+    """One progress line on stderr (stdout holds the results only)."""
+    print(f"bench_convert: {text}", file=sys.stderr, flush=True)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=float, default=50e6, help="expanded tokens to synthesize (default 50M)")
     ap.add_argument("--scheme", choices=["tree-step", "step-wise"], default="tree-step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.tokens <= 0:
+        raise CliError(f"--tokens must be > 0, got {args.tokens:g}")
 
+    stage(f"synthesizing {args.tokens:,.0f} expanded {args.scheme} tokens")
     trajs, total, seed = [], 0, args.seed
     while total < args.tokens:
         part = synthesize_swe(SweConfig(scheme=args.scheme, num_tasks=8, samples_per_task=8, max_tokens=32768,
@@ -83,11 +92,13 @@ def main(argv=None):
         total += sum(len(t) for t in part)
         seed += 1
 
+    stage(f"building the forest of {len(trajs):,} trajectories ({total:,} tokens)")
     t0 = time.perf_counter()
     forest = build_forest(trajs)
     t_ours = time.perf_counter() - t0
     stats = forest.stats()
 
+    stage(f"building the dict-trie baseline (forest: {t_ours:.1f} s)")
     t0 = time.perf_counter()
     base = dict_trie_forest(trajs)
     t_base = time.perf_counter() - t0
@@ -96,6 +107,7 @@ def main(argv=None):
 
     # end-to-end conversion of a slice: JSONL parse + build + write
     slice_trajs = trajs[: max(1, len(trajs) // 10)]
+    stage(f"converting a JSONL slice of {len(slice_trajs):,} trajectories end to end (baseline: {t_base:.1f} s)")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "r.jsonl")
         write_jsonl(slice_trajs, path)
@@ -134,4 +146,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench_tree_attention import swe_forest  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, run  # noqa: E402
 from megatron_harts.ops.kda_fla import CHUNK, kda_fla_varlen  # noqa: E402
 from megatron_harts.ops.triton_tuning import limit_autotuning  # noqa: E402
 from megatron_harts.ops.tree_kda import build_kda_schedule, get_kda_backend, tree_kda  # noqa: E402
@@ -41,7 +42,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--rows", type=int, default=4096, help="target number of compact rows (default 4096)")
     p.add_argument("--scheme", default="tree-step", choices=["tree-step", "step-wise"])
@@ -102,7 +103,7 @@ def main(argv=None):
     args = parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_kda_backends needs CUDA (the fla backend runs GPU kernels)")
+        raise CliError("bench_kda_backends needs CUDA (the fla backend runs GPU kernels)")
     dtype = DTYPES[args.dtype]
     H, D = args.heads, args.head_dim
     get_kda_backend("fla")
@@ -246,4 +247,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

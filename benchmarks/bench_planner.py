@@ -45,7 +45,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.planner.cost_model import CostModel, ForestIndex, load_calibration, save_calibration  # noqa: E402
+from megatron_harts.cli import ArgumentParser, cost_model_from_flags, output_path, require_path, run  # noqa: E402
+from megatron_harts.planner.cost_model import CostModel, ForestIndex, save_calibration  # noqa: E402
 from megatron_harts.planner.l1 import plan_l1  # noqa: E402
 from megatron_harts.planner.l2 import plan_l2  # noqa: E402
 from megatron_harts.planner.metrics import plan_metrics  # noqa: E402
@@ -157,7 +158,7 @@ def fmt(m, key, pct=False):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schemes", nargs="+", default=["tree-step", "step-wise"], choices=list(SAMPLES))
     ap.add_argument("--sizes", nargs="+", type=int, default=[256, 512, 1024, 2048])
     ap.add_argument("--dps", nargs="+", type=int, default=[1, 2, 4, 8])
@@ -171,7 +172,12 @@ def main(argv=None) -> int:
                     help="write the cost model used (defaults or --calibration) as a calibration file: "
                          "the template the GPU calibration run fills")
     args = ap.parse_args(argv)
-    model = load_calibration(args.calibration) if args.calibration else CostModel()
+    if args.calibration:
+        require_path(args.calibration, "--calibration")
+    for flag, path in (("--json", args.json), ("--write-calibration", args.write_calibration)):
+        if path:
+            output_path(path, flag)
+    model = cost_model_from_flags(args.calibration, None)
     if args.write_calibration:
         save_calibration(args.write_calibration, model,
                          {"origin": args.calibration or "megatron_harts.planner.cost_model defaults"})
@@ -246,4 +252,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

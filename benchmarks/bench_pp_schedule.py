@@ -26,6 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_harts.cli import ArgumentParser, run  # noqa: E402
 from megatron_harts.planner.cost_model import ForestIndex  # noqa: E402
 from megatron_harts.planner.l2 import plan_harts  # noqa: E402
 from megatron_harts.schedules.simulator import (SCHEDULES, draw_timeline, makespan_lower_bound, simulate,  # noqa: E402
@@ -35,8 +36,8 @@ from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe  # noqa
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--schemes", nargs="+", default=["tree-step", "step-wise"])
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schemes", nargs="+", default=["tree-step", "step-wise"], choices=["tree-step", "step-wise"])
     ap.add_argument("--num-tasks", type=int, default=8, help="tasks (trees) per batch (default 8)")
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8])
     ap.add_argument("--microbatch-tokens", type=int, default=32768)
@@ -98,4 +99,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -44,6 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from megatron_harts.cli import ArgumentParser, run  # noqa: E402
+
 PRESETS = {
     # Kimi-Linear-shaped, fits one H200 with bf16 and the driver's default (non-distributed) optimizer
     "h200": dict(layers=12, hidden=1024, heads=16, ffn=4096, experts=32, topk=8, moe_ffn=512, vocab=32000,
@@ -492,7 +494,7 @@ def release_memory(device) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="h200", choices=sorted(PRESETS))
     ap.add_argument("--schemes", nargs="+", default=["tree-step", "step-wise"], choices=["tree-step", "step-wise"])
@@ -654,4 +656,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from megatron_harts.cli import ArgumentParser, CliError, run  # noqa: E402
 from megatron_harts.layout import Visibility, build_layout  # noqa: E402
 from megatron_harts.ops.key_paths import build_key_paths, fa4_available  # noqa: E402
 from megatron_harts.ops.tree_attention import (build_tree_block_mask, set_flex_compile_mode,  # noqa: E402
@@ -52,7 +53,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rows", type=int, default=32768, help="target number of compact rows (whole trees are "
                    "added while they fit; default 32768)")
@@ -120,7 +121,7 @@ def swe_forest(target_rows: int, scheme: str, seed: int):
         if rows >= 0.75 * target_rows:
             break
     if not trajs:
-        raise SystemExit(f"no synthetic tree fits in --rows {target_rows}")
+        raise CliError(f"no synthetic tree fits in --rows {target_rows}")
     return build_forest(trajs)
 
 
@@ -364,4 +365,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

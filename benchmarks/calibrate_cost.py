@@ -54,11 +54,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench_throughput import PRESETS, model_flags, synthesize  # noqa: E402
-from megatron_harts.cli import CliError, print_table, run  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, print_table, run  # noqa: E402
 
 SCHEMES = ("tree-step", "step-wise")
 MODES = ("within", "off")
 MIN_SAMPLES = 6             # one per coefficient: fit_calibration's minimum
+#: the workload when a flag is not given: the GPU calibration, and a CPU smoke run of seconds
+DEFAULTS = {
+    "cuda": dict(budgets=(4096, 8192, 16384, 32768), num_tasks=2, max_tokens=4096, repeat=3),
+    "cpu": dict(budgets=(256, 512), num_tasks=1, max_tokens=128, repeat=1),
+}
 FEATURE_NAMES = ("rows", "attention_pairs", "kda_calls", "replay_tokens", "logits_rows", "external_rows")
 
 
@@ -181,26 +186,43 @@ def measure_step(trainer, forest, plan, settings, index, *, repeat: int, timer) 
     return records
 
 
+def _fmt(values) -> str:
+    return " ".join(str(v) for v in values)
+
+
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="h200", choices=sorted(PRESETS),
                     help="model shape of benchmarks/bench_throughput.py (default h200)")
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None,
                     help="where to measure (default cuda when available; cpu: smoke run)")
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES,
                     help="synthetic SWE-like rollout schemes (default both)")
-    ap.add_argument("--budgets", nargs="+", type=int, default=[4096, 8192, 16384, 32768], metavar="M",
-                    help="row budgets (--tree-microbatch-tokens) to plan at (default 4096 8192 16384 32768); each "
-                         "at least the longest trajectory")
-    ap.add_argument("--num-tasks", type=int, default=2, help="rollout tasks (trees) per scheme (default 2)")
-    ap.add_argument("--max-tokens", type=int, default=4096, help="trajectory length cap (default 4096)")
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs per microbatch, after one warm-up (default 3)")
+    ap.add_argument("--budgets", nargs="+", type=int, default=None, metavar="M",
+                    help="row budgets (--tree-microbatch-tokens) to plan at (default %s on cuda, %s on the cpu); "
+                         "each at least the longest trajectory" % (_fmt(DEFAULTS["cuda"]["budgets"]),
+                                                                   _fmt(DEFAULTS["cpu"]["budgets"])))
+    ap.add_argument("--num-tasks", type=int, default=None,
+                    help="rollout tasks (trees) per scheme (default %d on cuda, %d on the cpu)"
+                         % (DEFAULTS["cuda"]["num_tasks"], DEFAULTS["cpu"]["num_tasks"]))
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="trajectory length cap (default %d on cuda, %d on the cpu)"
+                         % (DEFAULTS["cuda"]["max_tokens"], DEFAULTS["cpu"]["max_tokens"]))
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="timed runs per microbatch, after one warm-up (default %d on cuda, %d on the cpu)"
+                         % (DEFAULTS["cuda"]["repeat"], DEFAULTS["cpu"]["repeat"]))
     ap.add_argument("--out", metavar="FILE", default=None,
-                    help="calibration file to write (default benchmarks/results/cost-calibration-<time>.json)")
+                    help="calibration file to write (default benchmarks/results/cost-calibration-<time>.json on "
+                         "cuda, out/cost-calibration-<time>.json on the cpu)")
     ap.add_argument("--json", action="store_true", help="print everything as JSON instead of the table")
     ap.add_argument("--kda-backend", default="auto", help="--tree-kda-backend of the driver (default auto)")
     ap.add_argument("--attention-backend", default="auto", help="--tree-attention-backend of the driver (default auto)")
     a = ap.parse_args(argv)
+    if a.device is None:
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, value in DEFAULTS[a.device].items():
+        if getattr(a, name) is None:
+            setattr(a, name, list(value) if isinstance(value, tuple) else value)
     for flag, value, low in (("--num-tasks", a.num_tasks, 1), ("--max-tokens", a.max_tokens, 2),
                              ("--repeat", a.repeat, 1)):
         if value < low:
@@ -215,8 +237,9 @@ def parse_args(argv):
                        "(CUDA_VISIBLE_DEVICES=) to measure on the CPU")
     a.schemes = list(dict.fromkeys(a.schemes))
     a.budgets = sorted(set(a.budgets))
-    if a.out is None:        # benchmarks/results/ is made when missing
-        a.out = os.path.join(HERE, "results", time.strftime("cost-calibration-%Y%m%d-%H%M%S.json"))
+    if a.out is None:        # the folder is made when missing; a CPU smoke run stays out of the committed results
+        folder = os.path.join(HERE, "results") if a.device == "cuda" else os.path.join(os.path.dirname(HERE), "out")
+        a.out = os.path.join(folder, time.strftime("cost-calibration-%Y%m%d-%H%M%S.json"))
     else:
         out_dir = os.path.dirname(os.path.abspath(a.out))
         if os.path.isdir(a.out):
@@ -226,6 +249,10 @@ def parse_args(argv):
         if not os.access(out_dir, os.W_OK):
             raise CliError(f"--out {a.out}: the directory {out_dir} is not writable")
     return a
+
+
+def _progress(text: str) -> None:
+    print(f"calibrate: {text}", file=sys.stderr, flush=True)
 
 
 def trainer_argv(a, forests) -> list:
@@ -259,20 +286,28 @@ def calibrate(a, timer=None) -> dict:
                            f"--max-tokens {a.max_tokens}); use budgets >= {longest} or a lower --max-tokens")
         forests[scheme], indexes[scheme] = forest, ForestIndex(forest)
     samples = []
+    steps = len(forests) * len(a.budgets) * len(MODES)
+    t0 = time.perf_counter()
+    _progress(f"building the {a.preset} model on {a.device} (training driver)")
     try:        # megatron's own prints go to stderr: stdout holds the report (or the JSON) only
         with contextlib.redirect_stdout(sys.stderr), Trainer.from_args(trainer_argv(a, forests)) as trainer:
             timer = timer or wall_timer(trainer.device)
             chunk_size = int(trainer.args.tree_chunk_size)
             machine = versions(trainer.device)
+            done = 0
             for scheme, forest in forests.items():
                 for budget in a.budgets:
                     for sharing in MODES:
                         settings = replace(trainer.settings, sharing=sharing, microbatch_tokens=budget)
                         plan = plan_step(forest, settings, trainer.dp)
-                        for r in measure_step(trainer, forest, plan, settings, indexes[scheme], repeat=a.repeat,
-                                              timer=timer):
+                        records = measure_step(trainer, forest, plan, settings, indexes[scheme], repeat=a.repeat,
+                                               timer=timer)
+                        for r in records:
                             r.update(scheme=scheme, budget=budget, sharing=sharing, planner=plan.planner)
                             samples.append(r)
+                        done += 1
+                        _progress(f"step {done}/{steps}: {scheme} budget {budget} {sharing}: {len(records)} "
+                                  f"microbatches timed ({len(samples)} samples, {time.perf_counter() - t0:.1f} s)")
     except TrainingError as e:
         raise CliError(str(e)) from None
     if len(samples) < MIN_SAMPLES:

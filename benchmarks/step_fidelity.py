@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from bench_throughput import PRESETS, model_flags, release_memory, synthesize  # noqa: E402
+from megatron_harts.cli import ArgumentParser, run  # noqa: E402
 
 DTYPE_FLAGS = {"bf16": "--bf16", "fp32": "", "fp64": "--fp64"}
 
@@ -144,7 +145,7 @@ def summary_line(key: str, row: Dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--preset", default="h200", choices=sorted(PRESETS))
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_FLAGS))
@@ -181,8 +182,9 @@ def main(argv=None):
                "machine": {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
                            "torch": torch.__version__}, "runs": {}}
     ref = None
-    for sharing, tokens in a.modes:
+    for k, (sharing, tokens) in enumerate(a.modes):
         key = f"{sharing}:{tokens}" if tokens else sharing
+        print(f"step_fidelity: mode {k + 1}/{len(a.modes)}: {key} ({a.steps} steps)", file=sys.stderr, flush=True)
         release_memory(a.device)
         run = run_mode(mode_argv(common, sharing, tokens or a.microbatch_tokens), forest, a.steps)
         if ref is None:
@@ -203,4 +205,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

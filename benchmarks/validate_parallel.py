@@ -58,7 +58,7 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_harts.cli import CliError, run  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, run  # noqa: E402
 from megatron_harts.models.fidelity import BF16_COSINE_FACTOR, BF16_COSINE_FLOOR  # noqa: E402
 from megatron_harts.training.compare import ProbeError, compare_runs, read_report, throughput  # noqa: E402
 from megatron_harts.training.probe import ORACLE_DIR, compare_probes  # noqa: E402
@@ -419,7 +419,7 @@ def _cosine_below(base: dict, f: dict) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), required=True, help="model, data and dtype")
     ap.add_argument("--nproc", type=int, required=True, help="processes (GPUs) per run")
     ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
@@ -485,6 +485,7 @@ def main(argv=None) -> int:
     backend = "nccl" if "gloo" not in preset["model"] else "gloo"
     work = a.work or os.path.join(a.out, "runs")
     os.makedirs(a.out, exist_ok=True)
+    print(f"validate_parallel: preparing the {scheme} rollout data under {work}", file=sys.stderr, flush=True)
     data = make_data(preset, os.path.join(work, f"data_{scheme}"), py)
     mbt = flag_value(preset["train"], "--tree-microbatch-tokens")
     base = f"{preset['model']} {preset['train']} {COMMON} --train-iters {iters} " \
@@ -538,6 +539,8 @@ def main(argv=None) -> int:
         if stages > 1:
             plan.update({k: f"--tree-sharing windows --tree-pp-schedule {v}" for k, v in SCHEDULE_RUNS.items()})
         port += 1
+        print(f"[{cfg}] launching {len(plan)} runs of {a.nproc} processes ({', '.join(plan)}; limit {limit:.0f} s)",
+              file=sys.stderr, flush=True)
         runs = launch_config(py, a.nproc, port, {n: f"{base} {par} {m}" for n, m in plan.items()},
                              os.path.join(work, cfg), limit, backend, launch_env)
         if a.keep_logs:

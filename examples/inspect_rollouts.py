@@ -2,14 +2,26 @@
 """Walk through a rollout set with the Python API: build the forest, look at one tree, expand a trajectory.
 
     python examples/inspect_rollouts.py rollouts.jsonl.gz        # or a dataset prefix
+
+A missing or malformed input is one ``error:`` line and exit status 2.
 """
+import argparse
+import os
 import sys
 
-from megatron_harts.tree_data import load_forest
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_harts.cli import ArgumentParser, CliError, run  # noqa: E402
+from megatron_harts.tree_data import load_forest  # noqa: E402
 
 
-def main(path: str) -> None:
-    forest = load_forest(path)
+def main(argv=None) -> int:
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("input", metavar="INPUT", help="trajectory file (.jsonl, .jsonl.gz, .parquet) or dataset prefix")
+    args = ap.parse_args(argv)
+    forest = load_forest(args.input)
+    if forest.num_trees == 0:
+        raise CliError(f"{args.input}: holds no trajectories")
     stats = forest.stats()
     print(f"{stats['num_trajectories']} trajectories in {stats['num_trees']} trees: "
           f"{stats['expanded_tokens']:,} tokens, {stats['unique_tokens']:,} unique ({stats['compression']:.2f}x)")
@@ -22,9 +34,8 @@ def main(path: str) -> None:
     traj = tree.expand(tree.traj_ids[0])
     print(f"trajectory {traj.id!r}: {len(traj)} tokens, {int(traj.loss_mask.sum())} trained, "
           f"advantage {traj.advantage}")
+    return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(__doc__)
-    main(sys.argv[1])
+    run(main)

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.cli import CliError, print_json, print_table, run  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, print_json, print_table, run  # noqa: E402
 from megatron_harts.training.compare import ProbeError, compare_runs  # noqa: E402
 
 
@@ -28,7 +28,7 @@ def _run_spec(text: str, which: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("baseline", metavar="BASELINE", help="REPORT[:PROBE_DIR] of the baseline run")
     ap.add_argument("candidate", metavar="CANDIDATE", help="REPORT[:PROBE_DIR] of the run compared with it")
     ap.add_argument("--json", action="store_true", help="print everything as one JSON object")

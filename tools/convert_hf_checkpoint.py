@@ -30,7 +30,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.cli import CliError, print_json, run  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, print_json, require_path, run  # noqa: E402
 
 TRACKER = "latest_checkpointed_iteration.txt"
 HF_CONFIG_COPY = "hf_config.json"
@@ -251,7 +251,7 @@ def megatron_to_hf_dir(args, tmp):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--direction", required=True, metavar="hf-to-megatron|megatron-to-hf")
     ap.add_argument("--input", required=True, metavar="DIR", help="checkpoint directory to read")
     ap.add_argument("--output", required=True, metavar="DIR", help="directory to create (must not exist)")
@@ -278,6 +278,7 @@ def main(argv=None) -> int:
         raise CliError("--format dist: megatron-core's dist-checkpoint writer needs psutil (pip install psutil)")
     if args.max_shard_gb <= 0:
         raise CliError(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
+    require_path(args.input, "--input", kind="dir")
     out = os.path.abspath(args.output)
     if os.path.exists(out):
         raise CliError(f"--output {args.output} already exists")

@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.cli import CliError, print_json, print_table, run  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, print_json, print_table, run  # noqa: E402
 from megatron_harts.planner.baselines import node_wise, per_depth_bucketing  # noqa: E402
 from megatron_harts.planner.calls import plan_calls  # noqa: E402
 from megatron_harts.tree_data import load_forest  # noqa: E402
@@ -31,7 +31,7 @@ def tree_figures(tree, chunk_size: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, metavar="FILE", help="trajectory file or dataset prefix")
     ap.add_argument("--chunk-size", type=int, default=64, metavar="B", help="KDA chunk size (default 64)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")

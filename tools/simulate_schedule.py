@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.cli import CliError, cost_model_from_flags, print_json, print_table, run  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, cost_model_from_flags, print_json, print_table, run  # noqa: E402
 from megatron_harts.planner.cost_model import ForestIndex  # noqa: E402
 from megatron_harts.planner.l2 import plan_harts  # noqa: E402
 from megatron_harts.planner.microbatch import PlanningError  # noqa: E402
@@ -45,7 +45,7 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, metavar="FILE", help="trajectory file or dataset prefix")
     ap.add_argument("--microbatch-tokens", required=True, type=int, metavar="M",
                     help="row budget: computed rows per microbatch")
