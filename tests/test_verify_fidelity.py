@@ -37,6 +37,13 @@ def test_synthetic_tree_equals_expanded_and_transformers(capsys, dtype, tol):
     assert report["tokens_per_expert_equal"] is True and report["logit_cosine"] > 1 - 10 * tol
     assert 0 < report["oracle_max_logprob_abs_diff"] < 1e-4
     assert report["loss_expanded"] != 0
+    # every comparison: max, mean, median and targets over tolerance; the oracle in fp64 on the CPU
+    assert report["oracle_device"] == "cpu" and report["oracle_dtype"] == "float64"
+    for prefix in ("", "oracle_"):
+        assert report[f"{prefix}logprob_targets_over_tolerance"] == 0
+        for stat in ("median", "mean"):
+            assert 0 <= report[f"{prefix}{stat}_logprob_abs_diff"] <= report[f"{prefix}max_logprob_abs_diff"]
+    assert report["oracle_median_logprob_abs_diff"] > 0
 
 
 def test_input_file_with_weights_and_token_advantages(tmp_path, capsys):
@@ -93,6 +100,28 @@ def test_report_verdicts_on_perturbed_runs():
     # bf16 needs the fp32 oracle run
     with pytest.raises(ValueError, match="fp32 oracle"):
         fidelity_report(_copy(ref), ref, "bfloat16")
+
+
+def test_logprob_statistics_and_targets_over_tolerance():
+    """Max, mean, median and the count of targets over tolerance, for tree vs expanded and for the oracle."""
+    ref = _run()
+    n = ref.logprobs.numel()
+    scale = float(ref.logprobs.abs().max())
+    bump = torch.zeros(n, dtype=torch.float64)
+    bump[[2, 7]] = torch.tensor([3e-10, -5e-11], dtype=torch.float64) * scale    # over the fp64 tolerance, under
+    oracle_diff = 2e-5 * scale * (torch.arange(n, dtype=torch.float64) + 0.5) / n  # half of them over 1e-5
+    report = fidelity_report(_copy(ref, logprobs=ref.logprobs + bump), ref, "float64",
+                             oracle_logprobs=ref.logprobs + oracle_diff)
+    assert report["logprob_targets_over_tolerance"] == 1 and "max_logprob_rel_diff" in report["failed"]
+    assert abs(report["max_logprob_abs_diff"] - 3e-10 * scale) < 1e-14            # log-prob rounding ~4e-16
+    assert abs(report["mean_logprob_abs_diff"] - 3.5e-10 * scale / n) < 1e-14
+    assert report["median_logprob_abs_diff"] == 0.0
+    assert n == 12 and report["oracle_logprob_targets_over_tolerance"] == 6
+    assert abs(report["oracle_median_logprob_abs_diff"] - 2e-5 * scale * 6 / n) < 1e-14   # between the 6th and 7th
+    assert "oracle_max_logprob_rel_diff" in report["failed"]
+    # bf16 has no per-target tolerance: no count
+    bf16 = fidelity_report(_copy(ref), ref, "bfloat16", fp32_oracle=ref)
+    assert bf16["logprob_targets_over_tolerance"] is None and bf16["median_logprob_abs_diff_tree_vs_fp32"] == 0.0
 
 
 def _noisy(run, logits=0.0, logprobs=0.0, seed=1):
@@ -239,13 +268,140 @@ def test_pg_loss_plain_and_ppo_clip():
     assert abs(float(scale) - (1.0 + 4.0 + abs(float(third))) / 3) < 1e-12
 
 
+def _last_line(out):
+    return [line for line in out.splitlines() if line.strip()][-1]
+
+
+def test_tree_run_on_one_perturbed_weight_fails(capsys, monkeypatch):
+    """One weight off by 1e-6 in tree mode only (restored for the expanded run): exit 1, a FAIL
+    line naming the log-prob, loss and gradient differences, and targets counted over tolerance."""
+    real = fidelity.run_tree
+
+    def tree_on_perturbed_weight(model, *args, **kwargs):
+        w = model.decoder.layers[3].self_attention.linear_proj.weight
+        with torch.no_grad():
+            w[0, 0] += 1e-6
+        try:
+            return real(model, *args, **kwargs)
+        finally:
+            with torch.no_grad():
+                w[0, 0] -= 1e-6
+
+    monkeypatch.setattr(fidelity, "run_tree", tree_on_perturbed_weight)
+    code, out, err = verify(capsys, "--synthetic")
+    assert code == 1, err
+    last = _last_line(out)
+    assert last.startswith("FAIL: ") and "max_logprob_rel_diff" in last and "max_grad_rel_diff" in last, last
+    summary = next(line for line in out.splitlines() if line.startswith("log-prob |difference|, tree vs expanded"))
+    over = int(summary.split(", ")[-1].split()[0])
+    assert over > 0, summary
+
+
+def test_oracle_on_one_perturbed_weight_fails(capsys, monkeypatch):
+    """The transformers oracle with one weight off by 1e-3: exit 1 and a FAIL line naming only the
+    oracle comparison (tree vs expanded still exact; the right weights pass: the first test)."""
+    pytest.importorskip("transformers")
+    real = fidelity.hf_oracle_model
+
+    def perturbed_oracle(*args, **kwargs):
+        hf = real(*args, **kwargs)
+        with torch.no_grad():
+            hf.model.layers[1].self_attn.o_proj.weight[0, 0] += 1e-3
+        return hf
+
+    monkeypatch.setattr(fidelity, "hf_oracle_model", perturbed_oracle)
+    code, out, err = verify(capsys, "--synthetic", "--oracle", "hf")
+    assert code == 1, err
+    assert _last_line(out) == "FAIL: oracle_max_logprob_rel_diff", out
+    summary = next(line for line in out.splitlines() if "expanded vs transformers (cpu, float64)" in line)
+    assert int(summary.split(", ")[-1].split()[0]) > 0, summary
+
+
+def test_help_exits_0(capsys):
+    code, out, err = verify(capsys, "--help")
+    assert code == 0 and "--oracle-device" in out and "Exit status" in out and not err
+
+
+def test_expert_bias_counts_without_torch_compile():
+    """Expanded mode counts tokens per expert for the expert-bias update in eager code: megatron's
+    own ``_apply_expert_bias`` is torch.compile'd (it failed under dynamo on CPU tensors on a
+    machine with CUDA and fla), so the router overrides it and nothing on the path compiles."""
+    import megatron_harts.patches as patches
+    from megatron_harts.layout import build_layout
+    from megatron_harts.models import build_hybrid_model
+    from megatron_harts.models.cpu_runtime import single_process_megatron
+    from megatron_harts.models.router import HybridRouter
+    from megatron_harts.tree_data import build_forest
+    assert not hasattr(HybridRouter._apply_expert_bias, "_torchdynamo_orig_callable")
+    forest = build_forest(TOOL.synthetic_trajectories(32, 0))
+    layout = build_layout(forest)
+    cfg, vocab = fidelity.preset_config("tiny", torch.float64)
+    patches.apply()
+    try:
+        with single_process_megatron("cpu", seed=0), torch.compiler.set_stance("fail_on_recompile"):
+            model = build_hybrid_model(cfg, vocab_size=vocab)
+            fidelity.run_expanded(model, forest, layout, cfg)
+            routers = [l.mlp.router for l in model.decoder.layers if getattr(l, "is_moe_layer", False)]
+            assert routers and all(r.enable_expert_bias for r in routers)
+            for r in routers:       # every expanded token, top-2, counted once (the grad-mode forward)
+                assert int(r.local_tokens_per_expert.sum()) == layout.num_expanded_tokens * cfg.moe_router_topk
+                assert torch.equal(r.local_tokens_per_expert.double(), r.last_tokens_per_expert)
+            r = routers[0]
+            r.local_tokens_per_expert.zero_()
+            rmap = torch.rand(6, cfg.num_moe_experts, generator=torch.Generator().manual_seed(0)) < 0.3
+            pad = torch.tensor([False, True, False, False, True, False])
+            with torch.no_grad():
+                r._apply_expert_bias(rmap, padding_mask=pad)             # not in no-grad passes
+            assert int(r.local_tokens_per_expert.sum()) == 0
+            r._apply_expert_bias(rmap, padding_mask=pad)
+            assert torch.equal(r.local_tokens_per_expert, (rmap & ~pad[:, None]).sum(0).to(
+                r.local_tokens_per_expert.dtype))
+    finally:
+        patches.undo()
+
+
+@pytest.mark.parametrize("strategy", ["sliding-window", "markovian", "summary"])
+def test_compaction_traces_tree_equals_expanded_and_transformers(capsys, strategy):
+    pytest.importorskip("transformers")
+    code, out, err = verify(capsys, "--synthetic", "--compaction", strategy, "--oracle", "hf", "--json")
+    report = json.loads(out)
+    assert code == 0, (report, err)
+    assert report["compaction_events"] > 0
+    assert report["visible_pairs_tree"] < report["visible_pairs_expanded"]
+    assert report["max_logprob_rel_diff"] <= 1e-10 and report["max_grad_rel_diff"] <= 1e-10
+    assert report["oracle_logprob_targets_over_tolerance"] == 0
+
+
+def test_compaction_ignored_by_one_mode_fails(capsys, monkeypatch):
+    """Expanded mode without its eviction masks (plain causal sequences) no longer matches tree mode."""
+    import megatron_harts.layout as layout_mod
+    monkeypatch.setattr(layout_mod, "sequence_visibility", lambda lengths, compactions: None)
+    code, out, err = verify(capsys, "--synthetic", "--compaction", "sliding-window")
+    assert code == 1 and _last_line(out).startswith("FAIL"), (out, err)
+
+
+def bad_path(tmp_path):
+    p = tmp_path / "one.jsonl"
+    p.write_text('{"id": "a", "tokens": [1, 2, 3]}\n')
+    return p
+
+
 def test_bad_input_exit_2(tmp_path, capsys):
     assert_one_error(*verify(capsys, "--input", tmp_path / "missing.jsonl")[::2], "missing.jsonl")
+    assert_one_error(*verify(capsys, "--synthetic", "--no-such-flag")[::2], "--no-such-flag")
+    assert_one_error(*verify(capsys, "--synthetic", "--seed", "abc")[::2], "--seed", "abc")
+    assert_one_error(*verify(capsys, "--dtype", "float64")[::2], "--input", "--synthetic")
     assert_one_error(*verify(capsys, "--synthetic", "--preset", "huge")[::2], "--preset", "huge")
     assert_one_error(*verify(capsys, "--synthetic", "--dtype", "float16")[::2], "--dtype", "float16")
     assert_one_error(*verify(capsys, "--synthetic", "--oracle", "vllm")[::2], "--oracle")
+    assert_one_error(*verify(capsys, "--synthetic", "--oracle-device", "cpu")[::2], "--oracle-device", "--oracle hf")
+    assert_one_error(*verify(capsys, "--synthetic", "--oracle", "hf", "--oracle-device", "tpu")[::2],
+                     "--oracle-device", "tpu")
     assert_one_error(*verify(capsys, "--synthetic", "--init", "xavier")[::2], "--init", "xavier")
     assert_one_error(*verify(capsys, "--synthetic", "--per-layer")[::2], "--per-layer", "bfloat16")
+    assert_one_error(*verify(capsys, "--synthetic", "--compaction", "lru")[::2], "--compaction", "lru")
+    assert_one_error(*verify(capsys, "--input", bad_path(tmp_path), "--compaction", "summary")[::2], "--compaction",
+                     "--synthetic")
     assert_one_error(*verify(capsys, "--synthetic", "--init", "random", "--hf-checkpoint", tmp_path)[::2], "--init",
                      "--hf-checkpoint")
     assert_one_error(*verify(capsys, "--synthetic", "--hf-checkpoint", tmp_path)[::2], "config.json")

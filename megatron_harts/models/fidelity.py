@@ -1,4 +1,4 @@
-"""Tree mode vs expanded mode on the same weights: the numbers of DESIGN invariant 1, and their verdict.
+"""Tree mode vs expanded mode on the same weights: the numbers of docs/design.md invariant 1, and their verdict.
 
 Used by tools/verify_fidelity.py.  Pieces:
 
@@ -18,11 +18,17 @@ Used by tools/verify_fidelity.py.  Pieces:
 - :func:`fidelity_report`: differences and the verdict.  Relative differences are relative to
   the reference's scale: log-probs and each gradient tensor to their largest magnitude, the loss
   to ``loss_scale`` (sum of |term| / number of targets: a loss near 0 from cancelling advantages
-  is not a small scale), aux losses to their largest value.  Verdict (DESIGN invariant 1): fp64
+  is not a small scale), aux losses to their largest value.  Verdict (docs/design.md invariant 1): fp64
   every relative difference <= 1e-10, fp32 <= 1e-5, and tokens per expert equal; bf16: the
   rule below.  The oracle (transformers, invariant 4) computes parts of its layers in fp32
   whatever the model dtype (measured: ~1.5e-6 relative in "fp64" on the tiny preset), so its
   tolerance is fp32's 1e-5 for fp64 and fp32 alike (reported only in bf16).
+- :func:`oracle_logprobs`: that oracle, transformers' KimiLinearForCausalLM on the same weights,
+  in fp64 through transformers' plain torch code, on the CPU by default
+  (:func:`kimi_linear_torch_path`: with fla installed transformers would otherwise run fla's
+  kernels: fp32/TF32 on CUDA, measured 4e-3 nats off on the tiny preset; no fp64; on CPU tensors
+  not at all); :func:`hf_logprobs` runs one
+  trajectory, its compaction events evicting keys in the MLA layers (:func:`eviction_mask`).
 
 The bf16 rule.  Invariant 1 asks that tree mode's bf16 logits be no worse than expanded mode's
 own variation.  Comparing against an expanded *rerun* measures nothing: on one device the kernels
@@ -238,21 +244,24 @@ def run_tree(model, layout, config, device="cpu") -> ModeRun:
     return _finish(model, lp, lay, logits)
 
 
-def expanded_batch(forest, layout):
-    """Every trajectory on its own, packed back to back: (tokens, lengths, row of each layout target)."""
-    toks = [np.asarray(forest.expand(tid).tokens) for tid in layout.traj_ids]
-    lengths = [len(t) for t in toks]
+def expanded_batch(forest, layout, device="cpu"):
+    """Every trajectory on its own, packed back to back: (tokens, row of each layout target, packed
+    params), each trajectory's compaction events applied to its own full attention."""
+    from ..layout import sequence_visibility
+    from .packed import TreePackedSeqParams
+    trajs = [forest.expand(tid) for tid in layout.traj_ids]
+    lengths = [len(t) for t in trajs]
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     rows = offsets[layout.target_traj.cpu().numpy()] + layout.target_position.cpu().numpy() - 1
-    return torch.as_tensor(np.concatenate(toks)), lengths, torch.as_tensor(rows)
+    psp = TreePackedSeqParams.for_sequences(lengths, device=device,
+                                            visibility=sequence_visibility(lengths, [t.compactions for t in trajs]))
+    tokens = torch.as_tensor(np.concatenate([np.asarray(t.tokens) for t in trajs]))
+    return tokens.to(device), torch.as_tensor(rows).to(device), psp
 
 
 def run_expanded(model, forest, layout, config, device="cpu") -> ModeRun:
     """Expanded mode: each trajectory computed as its own sequence; the layout's targets gathered from it."""
-    from .packed import TreePackedSeqParams
-    tokens, lengths, rows = expanded_batch(forest, layout)
-    tokens, rows = tokens.to(device), rows.to(device)
-    psp = TreePackedSeqParams.for_sequences(lengths, device=device)
+    tokens, rows, psp = expanded_batch(forest, layout, device)
     ids, pos = tokens[None], psp.position_ids[None]
     with torch.no_grad():
         logits = model(ids, pos, packed_seq_params=psp)[:, 0]
@@ -361,9 +370,7 @@ def layer_errors(model, forest, layout, config, device="cpu") -> Dict[str, list]
     ``layout`` must hold whole trajectories (``build_layout(forest)``): tree rows are compared at
     their trajectories' positions (``traj_rows``), in the expanded batch's order."""
     from .packed import TreePackedSeqParams
-    tokens, lengths, _ = expanded_batch(forest, layout)
-    tokens = tokens.to(device)
-    seq = TreePackedSeqParams.for_sequences(lengths, device=device)
+    tokens, _, seq = expanded_batch(forest, layout, device)
     lay = layout.to(device)
     if lay.num_expanded_tokens != tokens.numel():
         raise ValueError("layer_errors: the layout must hold whole trajectories (build_layout(forest))")
@@ -408,8 +415,19 @@ def _rel(diff: float, scale: float) -> float:
     return diff / scale if scale > 0 else float("inf")
 
 
+def logprob_diff_stats(d: torch.Tensor, limit: Optional[float] = None) -> dict:
+    """max / mean / median of per-target |log-prob differences| ``d`` (0.0 for no targets) and,
+    given ``limit`` (the tolerance in nats), how many targets exceed it (None without a limit)."""
+    d = d.double()
+    n = d.numel()
+    return {"max_logprob_abs_diff": float(d.max()) if n else 0.0,
+            "mean_logprob_abs_diff": float(d.mean()) if n else 0.0,
+            "median_logprob_abs_diff": float(np.median(d.cpu().numpy())) if n else 0.0,
+            "logprob_targets_over_tolerance": None if limit is None else int((d > limit).sum())}
+
+
 def _against(run: ModeRun, oracle: ModeRun) -> dict:
-    """Deviation of ``run`` from ``oracle``: logit cosine, log-prob max/mean |difference|, loss
+    """Deviation of ``run`` from ``oracle``: logit cosine, log-prob max/mean/median |difference|, loss
     |difference|, largest relative gradient difference (each tensor to the oracle's largest) and
     the tensor it occurs in, and ``sign_step_alignment``: sum(g_oracle * sign(g_run)) /
     sum(|g_oracle|) over all gradients, the first-order loss decrease of a sign step (what Adam's
@@ -427,9 +445,9 @@ def _against(run: ModeRun, oracle: ModeRun) -> dict:
             grad, worst = rel, n
         along += float((go * g.sign()).sum())
         best += float(go.abs().sum())
-    return {"logit_cosine": logit_cosine(run.logits, oracle.logits),
-            "max_logprob_abs_diff": float(d.max()) if d.numel() else 0.0,
-            "mean_logprob_abs_diff": float(d.mean()) if d.numel() else 0.0,
+    stats = logprob_diff_stats(d)
+    del stats["logprob_targets_over_tolerance"]         # the bf16 rule has no per-target tolerance
+    return {"logit_cosine": logit_cosine(run.logits, oracle.logits), **stats,
             "loss_abs_diff": abs(float(run.loss) - float(oracle.loss)),
             "max_grad_rel_diff": grad, "worst_grad": worst,
             "sign_step_alignment": along / best if best > 0 else float("nan")}
@@ -464,7 +482,10 @@ def fidelity_report(tree: ModeRun, expanded: ModeRun, dtype: str, fp32_oracle: O
     ``dtype`` is "float64", "float32" or "bfloat16"; bf16 needs ``fp32_oracle`` (expanded mode on
     the same weights in fp32, :func:`run_bf16`) and judges by :func:`bf16_verdict`, whose fields
     join the report; the tree-vs-expanded fields are then information.  ``oracle_logprobs``:
-    transformers' per-target log-probs (compared with expanded).
+    transformers' per-target log-probs (compared with expanded, fields ``oracle_*``).
+    Each log-prob comparison reports max, mean and median |difference| and
+    ``logprob_targets_over_tolerance``: how many targets differ by more than the tolerance times
+    the reference's largest |log-prob| (None where ``dtype`` has no per-target tolerance: bf16).
     """
     if dtype not in ("float64", "float32", "bfloat16"):
         raise ValueError(f"dtype must be float64, float32 or bfloat16, got {dtype!r}")
@@ -473,6 +494,7 @@ def fidelity_report(tree: ModeRun, expanded: ModeRun, dtype: str, fp32_oracle: O
     lp_t, lp_e = tree.logprobs.double().cpu(), expanded.logprobs.double().cpu()
     d = (lp_t - lp_e).abs()
     lp_scale = float(lp_e.abs().max()) if lp_e.numel() else 0.0
+    tol = TOLERANCE.get(dtype)
     grad_rel, worst = 0.0, None
     names = set(tree.grads) | set(expanded.grads)
     for n in sorted(names):
@@ -494,8 +516,7 @@ def fidelity_report(tree: ModeRun, expanded: ModeRun, dtype: str, fp32_oracle: O
     report = {
         "dtype": dtype,
         "num_targets": int(lp_e.numel()),
-        "max_logprob_abs_diff": float(d.max()) if d.numel() else 0.0,
-        "mean_logprob_abs_diff": float(d.mean()) if d.numel() else 0.0,
+        **logprob_diff_stats(d, None if tol is None else tol * lp_scale),
         "max_logprob_rel_diff": _rel(float(d.max()) if d.numel() else 0.0, lp_scale),
         "loss_tree": float(tree.loss), "loss_expanded": float(expanded.loss),
         "loss_abs_diff": loss_diff,
@@ -504,11 +525,10 @@ def fidelity_report(tree: ModeRun, expanded: ModeRun, dtype: str, fp32_oracle: O
         "aux_loss_abs_diff": aux_diff, "aux_loss_rel_diff": _rel(aux_diff, aux_scale),
         "tokens_per_expert_equal": tpe_equal,
         "logit_cosine": logit_cosine(tree.logits, expanded.logits),
-        "oracle_max_logprob_abs_diff": None, "oracle_max_logprob_rel_diff": None,
+        **{f"oracle_{k}": None for k in logprob_diff_stats(d)}, "oracle_max_logprob_rel_diff": None,
     }
     failed = []
-    if dtype in TOLERANCE:
-        tol = TOLERANCE[dtype]
+    if tol is not None:
         report["tolerance"] = tol
         for key in ("max_logprob_rel_diff", "loss_rel_diff", "max_grad_rel_diff", "aux_loss_rel_diff"):
             if not report[key] <= tol:
@@ -521,9 +541,11 @@ def fidelity_report(tree: ModeRun, expanded: ModeRun, dtype: str, fp32_oracle: O
         report.update(verdict)
     if oracle_logprobs is not None:
         o = oracle_logprobs.double().cpu()
-        od = float((lp_e - o).abs().max()) if o.numel() else 0.0
-        report["oracle_max_logprob_abs_diff"] = od
-        report["oracle_max_logprob_rel_diff"] = _rel(od, float(o.abs().max()) if o.numel() else 0.0)
+        o_scale = float(o.abs().max()) if o.numel() else 0.0
+        o_tol = ORACLE_TOLERANCE.get(dtype)
+        stats = logprob_diff_stats((lp_e - o).abs(), None if o_tol is None else o_tol * o_scale)
+        report.update({f"oracle_{k}": v for k, v in stats.items()})
+        report["oracle_max_logprob_rel_diff"] = _rel(stats["max_logprob_abs_diff"], o_scale)
         if dtype in ORACLE_TOLERANCE and not report["oracle_max_logprob_rel_diff"] <= ORACLE_TOLERANCE[dtype]:
             failed.append("oracle_max_logprob_rel_diff")
     report["failed"] = failed
@@ -531,9 +553,82 @@ def fidelity_report(tree: ModeRun, expanded: ModeRun, dtype: str, fp32_oracle: O
     return report
 
 
-def oracle_logprobs(model, config, vocab_size: int, forest, layout, dtype: torch.dtype) -> torch.Tensor:
-    """transformers' KimiLinearForCausalLM with ``model``'s weights, each trajectory on its own:
-    the log-probs of the layout's targets (DESIGN invariant 4's oracle)."""
+KIMI_LINEAR_MODELING = "transformers.models.kimi_linear.modeling_kimi_linear"
+# packages whose kernels transformers may hand a Kimi-Linear layer's tensors (Triton/CUDA only)
+KERNEL_PACKAGES = ("fla", "causal_conv1d")
+
+
+def _defined_in(obj, packages) -> bool:
+    mod = getattr(obj, "__module__", None) or ""
+    return any(mod == p or mod.startswith(p + ".") for p in packages)
+
+
+def _torch_reference(obj, home: str):
+    """The plain function of file ``home`` that ``obj`` dispatches to kernels for, or None.
+
+    Follows ``__wrapped__`` (transformers' ``use_kernel_func_from_hub_with_fallback`` wraps the
+    torch implementation with ``functools.wraps``) and the ``kernels`` library's function modules
+    (``use_kernel_forward_from_hub`` on a function: an ``nn.Module`` whose ``forward`` calls the
+    function it was made from, its closure variable ``func``)."""
+    seen = set()
+    while obj is not None and id(obj) not in seen:
+        seen.add(id(obj))
+        wrapped = getattr(obj, "__wrapped__", None)
+        if wrapped is not None:
+            obj = wrapped
+        elif isinstance(obj, torch.nn.Module):
+            forward = type(obj).forward
+            cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+            obj = cells["func"].cell_contents if "func" in cells else None
+        elif callable(obj) and getattr(getattr(obj, "__code__", None), "co_filename", None) == home:
+            return obj
+        else:
+            return None
+    return None
+
+
+@contextlib.contextmanager
+def kimi_linear_torch_path():
+    """transformers' Kimi-Linear on its plain torch code for the block, whatever kernels are installed.
+
+    transformers picks fla's KDA kernels (``chunk_kda``, ``fused_recurrent_kda``) and
+    causal-conv1d's convolutions when they import, and depending on the transformers version also
+    for CPU tensors (Triton then fails: "Pointer argument cannot be accessed from Triton (cpu
+    tensor?)"); on CUDA they compute in fp32/TF32, not in the oracle's dtype.  Inside the block,
+    every module-level function of the modeling file that dispatches to kernels is its own torch
+    implementation (:func:`_torch_reference`), and any name the module bound to an object of
+    those packages (older transformers import them at module level and choose when a layer is
+    built) is None, which selects the torch fallbacks.  Everything is restored on exit; nesting
+    is allowed."""
+    import importlib
+    mod = importlib.import_module(KIMI_LINEAR_MODELING)
+    home = mod.__file__
+    saved = {}
+    for name, value in list(vars(mod).items()):
+        if name.startswith("__"):
+            continue
+        if _defined_in(value, KERNEL_PACKAGES):
+            saved[name] = value
+            continue
+        dispatches = hasattr(value, "__wrapped__") or isinstance(value, torch.nn.Module)
+        if isinstance(value, type) or not (callable(value) and dispatches):
+            continue
+        plain = _torch_reference(value, home)
+        if plain is not None and plain is not value:
+            saved[name] = value
+    try:
+        for name, value in saved.items():
+            setattr(mod, name, None if _defined_in(value, KERNEL_PACKAGES) else _torch_reference(value, home))
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(mod, name, value)
+
+
+def hf_oracle_model(model, config, vocab_size: int, dtype: torch.dtype = torch.float64, device="cpu"):
+    """transformers' KimiLinearForCausalLM holding ``model``'s weights (parameters and the expert
+    bias), in eval mode, in ``dtype`` on ``device`` (docs/design.md invariant 4's oracle).  Built inside
+    :func:`kimi_linear_torch_path`, so no layer holds a kernel chosen at build time."""
     from transformers import KimiLinearForCausalLM
 
     from .hf_convert import kimi_linear_hf_config, megatron_to_hf
@@ -541,23 +636,72 @@ def oracle_logprobs(model, config, vocab_size: int, forest, layout, dtype: torch
     hf_cfg._experts_implementation = "eager"        # its grouped-mm experts reject float64
     state = {k: v.detach().cpu() for k, v in {**dict(model.named_parameters()),
                                               **dict(model.named_buffers())}.items()}
-    with torch.device("meta"):
-        hf = KimiLinearForCausalLM(hf_cfg)
-    missing, unexpected = hf.load_state_dict(megatron_to_hf(state, config), strict=False, assign=True)
+    with kimi_linear_torch_path():
+        with torch.device("meta"):
+            hf = KimiLinearForCausalLM(hf_cfg)
+        missing, unexpected = hf.load_state_dict(megatron_to_hf(state, config), strict=False, assign=True)
     if missing or unexpected:
         raise RuntimeError(f"oracle weights: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    # on the model's device: with fla installed, transformers runs its Triton kernels, which need CUDA tensors
-    device = next(model.parameters()).device
-    hf = hf.to(device=device, dtype=dtype).eval()
+    return hf.to(device=device, dtype=dtype).eval()
+
+
+def eviction_mask(length: int, compactions=None, device=None) -> torch.Tensor:
+    """Boolean ``[length, length]``: query i may attend key j in a full-attention (MLA) layer.
+
+    True exactly when ``j <= i`` and no event ``(at, start, end)`` of ``compactions`` (``[E, 3]``,
+    None or empty for none) has ``start <= j < end`` and ``at <= i``: from token ``at`` on, the
+    span ``[start, end)`` is evicted.  Events satisfy ``0 <= start < end <= at < length``
+    (``Trajectory.compactions``), so every query keeps its own key."""
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    if compactions is not None:
+        for at, start, end in np.asarray(compactions, dtype=np.int64).reshape(-1, 3).tolist():
+            if not 0 <= start < end <= at < length:
+                raise ValueError(f"compaction event (at={at}, start={start}, end={end}) needs "
+                                 f"0 <= start < end <= at < {length}")
+            allowed[at:, start:end] = False
+    return allowed
+
+
+def hf_logprobs(hf, tokens, compactions=None) -> torch.Tensor:
+    """Per-position log-probs ``[T, vocab]`` (float64, CPU) of transformers' Kimi-Linear ``hf``
+    over one trajectory's ``tokens`` (``[T]``): row i is log p(. | tokens[:i+1]).
+
+    ``compactions`` (``Trajectory.compactions``: ``[E, 3]`` events ``(at, start, end)``, or None)
+    evicts in the full-attention (MLA) layers only, by :func:`eviction_mask`; KDA layers and their
+    short convolutions see the whole stream; positions stay 0..T-1.  An empty ``[0, 3]`` array
+    takes the masked path and gives the unmasked numbers.  The forward runs transformers' plain
+    torch code (:func:`kimi_linear_torch_path`) on whatever device ``hf`` is."""
+    device = next(hf.parameters()).device
+    ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long, device=device).reshape(1, -1)
+    mask = None
+    if compactions is not None:
+        dtype = next(hf.parameters()).dtype
+        allowed = eviction_mask(ids.shape[1], compactions, device=device)
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        # a dict is taken as the per-layer-type masks as they are: MLA gets the 4-D additive
+        # mask, KDA layers None (their padding mask; nothing is padding)
+        mask = {"full_attention": additive[None, None], "linear_attention": None}
+    with torch.no_grad(), kimi_linear_torch_path():
+        logits = hf(ids, attention_mask=mask).logits[0]
+    return logits.double().log_softmax(-1).cpu()
+
+
+def oracle_logprobs(model, config, vocab_size: int, forest, layout, device="cpu",
+                    dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """transformers' KimiLinearForCausalLM with ``model``'s weights, each trajectory on its own
+    (its compaction events applied, :func:`hf_logprobs`): the log-probs of the layout's targets.
+
+    In ``dtype`` (float64) on ``device`` (the CPU by default, whatever device ``model`` is on),
+    always through transformers' plain torch code (:func:`kimi_linear_torch_path`)."""
+    hf = hf_oracle_model(model, config, vocab_size, dtype=dtype, device=device)
     target_traj, target_pos, target_tok = (x.cpu() for x in (layout.target_traj, layout.target_position,
                                                               layout.target_token))
     out = torch.empty(layout.num_targets, dtype=torch.float64)
-    with torch.no_grad():
-        for t, tid in enumerate(layout.traj_ids):
-            sel = torch.nonzero(target_traj == t)[:, 0]
-            if sel.numel() == 0:
-                continue
-            ids = torch.as_tensor(np.asarray(forest.expand(tid).tokens), device=device)[None]
-            logp = hf(ids).logits[0].double().log_softmax(-1).cpu()
-            out[sel] = logp[target_pos[sel] - 1, target_tok[sel]]
+    for t, tid in enumerate(layout.traj_ids):
+        sel = torch.nonzero(target_traj == t)[:, 0]
+        if sel.numel() == 0:
+            continue
+        traj = forest.expand(tid)
+        logp = hf_logprobs(hf, traj.tokens, traj.compactions)
+        out[sel] = logp[target_pos[sel] - 1, target_tok[sel]]
     return out

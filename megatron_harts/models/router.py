@@ -181,3 +181,19 @@ class HybridRouter(TopKRouter):
             self.last_tokens_per_expert = valid.sum(0).to(torch.float64)
         self._apply_expert_bias(rmap, padding_mask=padding_mask)
         return probs, rmap
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """Adds the non-padding tokens each expert received to ``local_tokens_per_expert`` (the
+        expert-bias update's counts), only with expert bias on and in grad mode (not in eval or
+        recompute passes): megatron's ``TopKRouter._apply_expert_bias`` as plain eager code.
+
+        megatron-core 0.16.1 decorates its own with ``megatron.core.jit.jit_fuser``, which is
+        ``torch.compile``: every expanded-mode router call then went through dynamo, which fails on
+        CPU tensors on a machine with CUDA and fla (torch 2.11), i.e. ``--device cpu`` there.
+        ``padding_mask``: ``[tokens]``, True at padding (as :meth:`_routing_expanded` passes it).
+        """
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & (~padding_mask.reshape(-1))[:, None]
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
