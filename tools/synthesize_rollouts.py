@@ -18,7 +18,7 @@ Events depend only on the history before them (and, for markovian/summary, on th
 the message about to be appended), so rollouts that share a history share its events and
 bridges.  A message that does not fit even after compaction ends its rollout; with
 markovian/summary prompts are clipped to the budget.  --compaction none (the default) writes
-exactly what the generator wrote before compaction existed.
+traces without events, and the compaction knobs then change nothing.
 """
 import argparse
 import dataclasses
