@@ -4,6 +4,7 @@ driver's expanded and tree runs agree on such data, and sharing windows refuse i
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from megatron_harts.layout import build_layout, sequence_visibility
 from megatron_harts.models.model import build_hybrid_model
@@ -11,6 +12,7 @@ from megatron_harts.models.packed import TreePackedSeqParams
 from megatron_harts.tree_data import build_forest, make_trajectory, write_dataset
 
 from hybrid_tiny import VOCAB, randomize_, tiny_config
+from test_compaction_layout import trees_with_events
 from test_models_tree import _assert_modes_equal, _run
 
 
@@ -136,3 +138,25 @@ def test_driver_within_equals_off_and_windows_is_refused(tmp_path):
     assert abs(got["plain_off"][0] - got["off"][0]) > 1e-6, got
     assert got["windows"].startswith("compaction events with sharing windows (--tree-sharing windows) are not "
                                      "supported yet; use --tree-sharing within or off"), got
+
+
+_PROPERTY_MODEL = {}
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(trees_with_events(max_traj=5, max_len=12, vocab=3))
+def test_tree_equals_expanded_on_random_trees_with_events(cpu_world, trajs):
+    """Property: on random trees with random events (shared, dropped by a sibling, forks at and around
+    them), tree mode equals expanded mode in fp64: log-probs, loss, gradients, aux loss, tokens per expert."""
+    if "model" not in _PROPERTY_MODEL:
+        _PROPERTY_MODEL["model"] = randomize_(build_hybrid_model(tiny_config(), vocab_size=VOCAB), 3)
+    model = _PROPERTY_MODEL["model"]
+    forest = build_forest(trajs)
+    lay = build_layout(forest)
+    if lay.num_targets == 0:
+        return
+    psp = TreePackedSeqParams.for_tree(lay, config=model.config)
+    coeffs = torch.randn(lay.num_targets, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    tree = _run(model, (lay.tokens[None], lay.position_ids[None], psp, lay.pair_row, lay.pair_token,
+                        lay.target_pair), coeffs)
+    _assert_modes_equal(tree, _run(model, expanded_inputs(lay, forest), coeffs), every_gradient=False)

@@ -52,8 +52,11 @@ def _both_modes(cfg, seed=0, forest=None, replay=True):
     return lay, tree, expanded
 
 
-def _assert_modes_equal(tree, expanded, rtol=1e-10):
-    """Log-probs, loss, every gradient (relative to its largest entry), aux/z losses, counts."""
+def _assert_modes_equal(tree, expanded, rtol=1e-10, every_gradient=True):
+    """Log-probs, loss, every gradient (relative to its largest entry), aux/z losses, counts.
+
+    ``every_gradient``: every parameter must get a gradient (a hand-built batch reaches every expert);
+    False for small random batches, where a parameter without one is compared as zero."""
     lp_t, loss_t, g_t, aux_t, tpe_t, bias_t = tree
     lp_e, loss_e, g_e, aux_e, tpe_e, bias_e = expanded
     torch.testing.assert_close(lp_t, lp_e, rtol=rtol, atol=1e-12)
@@ -61,9 +64,9 @@ def _assert_modes_equal(tree, expanded, rtol=1e-10):
     assert set(g_t) == set(g_e)
     for name in g_e:
         scale = float(g_e[name].abs().max())
-        assert scale > 0, f"{name} got no gradient: the test would not see a difference"
+        assert scale > 0 or not every_gradient, f"{name} got no gradient: the test would not see a difference"
         torch.testing.assert_close(g_t[name], g_e[name], rtol=0, atol=rtol * scale, msg=f"gradient of {name}")
-    assert float(aux_e.abs().sum()) > 0
+    assert float(aux_e.abs().sum()) > 0 or not every_gradient
     assert aux_t.shape == aux_e.shape
     torch.testing.assert_close(aux_t, aux_e, rtol=rtol, atol=0)
     assert torch.equal(tpe_t, tpe_e)
