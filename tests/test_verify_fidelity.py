@@ -264,8 +264,8 @@ def test_pg_loss_plain_and_ppo_clip():
     ratio = torch.exp(torch.tensor(0.5, dtype=torch.float64))          # > 1 + clip, negative advantage
     third = -1.0 * min(ratio * -2.0, min(ratio, 1.2) * -2.0)
     want = (1.0 * 1.0 * 1.0 + 2.0 * 1.0 * 2.0 + third) / 3
-    assert abs(float(loss) - float(want)) < 1e-12
-    assert abs(float(scale) - (1.0 + 4.0 + abs(float(third))) / 3) < 1e-12
+    assert abs(float(loss.detach()) - float(want)) < 1e-12
+    assert abs(float(scale.detach()) - (1.0 + 4.0 + abs(float(third))) / 3) < 1e-12
 
 
 def _last_line(out):
