@@ -10,7 +10,6 @@ reports (tree, expanded) it also prints the speedup of the first over the second
 malformed report is one ``error:`` line and exit status 2.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -23,24 +22,18 @@ FIELDS = ("loss", "trajectory_tokens", "computed_tokens", "step_seconds", "peak_
 
 
 def read_report(path: str) -> list:
-    """The report's iterations, each a dict holding every field of FIELDS (else CliError naming
-    the file, line and field)."""
+    """The report's iterations (``training.compare.read_report``), each holding every field of
+    FIELDS (else CliError naming the file, line and field)."""
+    from megatron_harts.training.compare import ProbeError, read_report as read_iterations
     require_path(path, "REPORT")
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CliError(f"{path}:{n}: not a JSON line ({e.msg})") from None
-            missing = [k for k in FIELDS if not isinstance(row, dict) or k not in row]
-            if missing:
-                raise CliError(f"{path}:{n}: no field {missing[0]!r} (is this a --tree-plan-report file?)")
-            rows.append(row)
-    if not rows:
-        raise CliError(f"{path}: no iterations recorded")
+    try:
+        rows = read_iterations(path)
+    except ProbeError as e:
+        raise CliError(str(e)) from None
+    for n, row in enumerate(rows, 1):
+        missing = [k for k in FIELDS if k not in row]
+        if missing:
+            raise CliError(f"{path}: iteration {n}: no field {missing[0]!r} (is this a --tree-plan-report file?)")
     return rows
 
 
