@@ -11,6 +11,14 @@ times p1 < p2 < ... becomes samples ID/r0 (tokens [0, p1)), ID/r1, ID/r2, ...; s
 ID/rk re-emits the tokens still visible at pk as context (loss mask 0) and continues with
 tokens [pk, p(k+1)).  Every target is a target in exactly one sample; trajectories without
 events pass unchanged; a target at pk with every token before it evicted is an error.
+
+--tokenizer DIR (a transformers tokenizer directory with a chat template, read locally) also
+takes rollouts as chat messages (docs/messages.md): each message is tokenized after the ones
+before it, so shared histories get identical ids; assistant turns are targets, the rest
+context; engine `tokens` given beside the messages are kept after checking that they decode to
+them.  With a tokenizer the converter prints what it did and the tokenization drift of the set
+(text shared by trajectories of a group whose ids differ); --repair-drift re-tokenizes such
+context alike before the trees are built.
 """
 import argparse
 import os
@@ -20,7 +28,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_harts.cli import ArgumentParser, CliError, Progress, output_path, print_json, run  # noqa: E402
-from megatron_harts.tree_data import build_forest, read_trajectories, write_dataset  # noqa: E402
+from megatron_harts.tree_data import build_forest, write_dataset  # noqa: E402
+from megatron_harts.tree_data.drift import TokenText, analyze_drift, repair_drift, repair_lines  # noqa: E402
+from megatron_harts.tree_data.messages import load_chat_tokenizer, read_rollouts  # noqa: E402
 from megatron_harts.tree_data.reprefill import reprefill, reprefill_tokens  # noqa: E402
 
 
@@ -33,19 +43,45 @@ def main(argv=None) -> int:
     ap.add_argument("--compaction", choices=("keep", "reprefill"), default="keep",
                     help="keep: store compaction events as given (default); reprefill: store the split "
                          "samples ID/r0, ID/r1, ... (see above)")
+    ap.add_argument("--tokenizer", metavar="DIR", default=None,
+                    help="a transformers tokenizer directory with a chat template: input rows may hold chat "
+                         "messages (docs/messages.md); prints the tokenization drift of the set")
+    ap.add_argument("--repair-drift", action="store_true",
+                    help="with --tokenizer: re-tokenize context whose text a trajectory of its group holds with "
+                         "other ids alike (targets are never changed) and report what changed")
     ap.add_argument("--json", action="store_true",
                     help="print the dataset's stats as JSON (with --compaction reprefill, plus 'reprefill': "
-                         "input trajectories and tokens, re-prefilled tokens)")
+                         "input trajectories and tokens, re-prefilled tokens; with --tokenizer, plus 'messages', "
+                         "'drift' and with --repair-drift 'repair')")
     args = ap.parse_args(argv)
     if args.workers < 1:
         raise CliError(f"--workers must be >= 1, got {args.workers}")
     if args.vocab_size is not None and args.vocab_size < 1:
         raise CliError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    if args.repair_drift and args.tokenizer is None:
+        raise CliError("--repair-drift needs --tokenizer DIR to decode the token ids")
     output_path(args.output, "--output")
     t0 = time.perf_counter()
+    tokenizer = load_chat_tokenizer(args.tokenizer) if args.tokenizer else None
     progress = Progress("reading", unit="lines")
-    trajs = read_trajectories(args.input, vocab_size=args.vocab_size, workers=args.workers, progress=progress)
+    trajs, tokenized = read_rollouts(args.input, tokenizer, vocab_size=args.vocab_size, workers=args.workers,
+                                     progress=progress)
     progress.close()
+    extra, notes = {}, []
+    if tokenizer is not None:
+        text_of = TokenText(tokenizer)
+        drift = analyze_drift(trajs, text_of)
+        extra = {"messages": tokenized.to_dict(), "drift": drift.to_dict()}
+        notes = tokenized.lines() + drift.lines()
+        if args.repair_drift:
+            before = build_forest(trajs).stats()["unique_tokens"]
+            trajs, changes = repair_drift(trajs, text_of)
+            after = build_forest(trajs).stats()["unique_tokens"]
+            extra["repair"] = {"trajectories": len({c.trajectory for c in changes}), "spans": len(changes),
+                               "removed_tokens": sum(c.removed for c in changes),
+                               "added_tokens": sum(c.added for c in changes),
+                               "unique_tokens_before": before, "unique_tokens_after": after}
+            notes += repair_lines(changes, before, after)
     split = None
     if args.compaction == "reprefill":
         samples = reprefill(trajs)
@@ -56,7 +92,7 @@ def main(argv=None) -> int:
     write_dataset(forest, args.output)
     stats = forest.stats()
     if args.json:
-        print_json(stats if split is None else {**stats, "reprefill": split})
+        print_json({**(stats if split is None else {**stats, "reprefill": split}), **extra})
         return 0
     line = (f"wrote {args.output}.bin/.idx: {stats['num_trajectories']} trajectories, {stats['num_trees']} trees, "
             f"{stats['expanded_tokens']:,} expanded -> {stats['unique_tokens']:,} unique tokens "
@@ -70,6 +106,8 @@ def main(argv=None) -> int:
                  f"adds {split['reprefilled_tokens']:,} re-prefilled tokens, "
                  f"{stats['visible_pairs_tree']:,} visible pairs in the trees")
     print(f"{line} in {time.perf_counter() - t0:.1f}s")
+    for note in notes:
+        print(note)
     return 0
 
 

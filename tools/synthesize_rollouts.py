@@ -19,6 +19,14 @@ the message about to be appended), so rollouts that share a history share its ev
 bridges.  A message that does not fit even after compaction ends its rollout; with
 markovian/summary prompts are clipped to the budget.  --compaction none (the default) writes
 traces without events, and the compaction knobs then change nothing.
+
+--format messages writes agent logs as chat messages instead (docs/messages.md;
+megatron_harts/tree_data/agent_logs.py): a system prompt and a task per group, assistant turns
+with tool calls and tool results, the same --scheme, task/sample/turn/branch flags and --seed;
+--prompt-median, --action-median and --observation-median count words.  With --tokenizer DIR
+every row also carries the engine `tokens` (and old_logprobs) of a common pipeline: the last
+assistant turn as the engine sampled it, where each generated token splits with probability
+--engine-drift into two tokens of the same text, and the history re-tokenized from its text.
 """
 import argparse
 import dataclasses
@@ -30,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_harts.cli import ArgumentParser, CliError, output_path, print_json, run  # noqa: E402
 from megatron_harts.tree_data import write_jsonl  # noqa: E402
+from megatron_harts.tree_data.readers import write_records  # noqa: E402
+from megatron_harts.tree_data.agent_logs import AgentLogConfig, add_engine_tokens, synthesize_agent_logs  # noqa: E402
 from megatron_harts.tree_data.synthetic import COMPACTIONS, SCHEMES, SweConfig, synthesize_swe  # noqa: E402
 
 COMPACTION_HELP = {
@@ -68,6 +78,13 @@ def main(argv=None) -> int:
     for name, text in COMPACTION_HELP.items():
         group.add_argument(_flag(name), type=int, default=getattr(defaults, name), metavar="N",
                            help=f"{text}; default {getattr(defaults, name)}")
+    logs = ap.add_argument_group("agent logs as chat messages")
+    logs.add_argument("--format", choices=("tokens", "messages"), default="tokens",
+                      help="tokens: token-id rollouts (default); messages: chat-message agent logs (see above)")
+    logs.add_argument("--tokenizer", metavar="DIR", default=None,
+                      help="with --format messages: add engine token ids made with this tokenizer directory")
+    logs.add_argument("--engine-drift", type=float, default=0.0, metavar="P",
+                      help="with --tokenizer: probability that a generated token is split by the engine; default 0")
     ap.add_argument("--json", action="store_true", help="print a JSON summary")
     args = ap.parse_args(argv)
     cfg = SweConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SweConfig)})
@@ -75,6 +92,10 @@ def main(argv=None) -> int:
         cfg.validate()
     except ValueError as e:
         raise CliError(_flag_message(str(e))) from None
+    if args.format == "messages":
+        return _messages(args, cfg)
+    if args.tokenizer is not None or args.engine_drift:
+        raise CliError("--tokenizer and --engine-drift need --format messages")
     output_path(args.output, "--output")
     trajs = synthesize_swe(cfg)
     write_jsonl(trajs, args.output)
@@ -89,6 +110,38 @@ def main(argv=None) -> int:
             f", {summary['compaction_events']:,} compaction events ({cfg.compaction}, budget {cfg.context_budget})"
         print(f"wrote {args.output}: {summary['trajectories']} trajectories, "
               f"{summary['expanded_tokens']:,} tokens{events} ({cfg.scheme}, seed {cfg.seed})")
+    return 0
+
+
+def _messages(args, cfg: SweConfig) -> int:
+    """--format messages: agent logs as chat messages (with engine tokens when --tokenizer is given)."""
+    if cfg.compaction != "none":
+        raise CliError("--compaction needs --format tokens: agent logs in messages form carry no compaction events")
+    if not 0.0 <= args.engine_drift <= 1.0:
+        raise CliError(f"--engine-drift must be in [0, 1], got {args.engine_drift}")
+    if args.engine_drift and args.tokenizer is None:
+        raise CliError("--engine-drift needs --tokenizer DIR")
+    log = AgentLogConfig(scheme=cfg.scheme, num_tasks=cfg.num_tasks, samples_per_task=cfg.samples_per_task,
+                         min_turns=cfg.min_turns, max_turns=cfg.max_turns, prompt_words=cfg.prompt_median,
+                         action_words=cfg.action_median, observation_words=cfg.observation_median,
+                         branch_prob=cfg.branch_prob, branch_factor=cfg.branch_factor, max_leaves=cfg.max_leaves,
+                         seed=cfg.seed)
+    output_path(args.output, "--output")
+    rows = synthesize_agent_logs(log)
+    if args.tokenizer is not None:
+        from megatron_harts.tree_data.messages import load_chat_tokenizer
+        rows = add_engine_tokens(rows, load_chat_tokenizer(args.tokenizer), args.engine_drift, seed=cfg.seed)
+    write_records(rows, args.output)
+    summary = {"output": args.output, "format": "messages", "trajectories": len(rows),
+               "messages": sum(len(r["messages"]) for r in rows), "config": dataclasses.asdict(log),
+               "engine_tokens": sum(len(r["tokens"]) for r in rows) if args.tokenizer else None}
+    if args.json:
+        print_json(summary)
+    else:
+        engine = "" if args.tokenizer is None else \
+            f", {summary['engine_tokens']:,} engine tokens (drift {args.engine_drift})"
+        print(f"wrote {args.output}: {summary['trajectories']} trajectories, {summary['messages']:,} messages"
+              f"{engine} ({log.scheme}, seed {log.seed})")
     return 0
 
 

@@ -7,6 +7,12 @@ over every trajectory on its own.  --reprefill puts beside them the statistics o
 re-prefill form of the same set (each compacted trajectory split into the samples ID/r0,
 ID/r1, ... that re-emit the visible tokens at each event; see convert_trajectories.py) and
 the tokens it re-prefills.
+
+--tokenizer DIR (a transformers tokenizer directory with a chat template) also reads rollouts
+as chat messages (docs/messages.md).  --drift (needs --tokenizer) adds the tokenization drift
+of the set: trajectories of a group whose decoded text shares a longer prefix than their token
+ids, the tokens of sharing that costs, what --repair-drift of convert_trajectories.py would
+recover, and the worst examples with the text around where the ids fork.
 """
 import argparse
 import os
@@ -14,8 +20,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_harts.cli import ArgumentParser, print_json, print_table, run  # noqa: E402
-from megatron_harts.tree_data import TreeDataset, build_forest, is_dataset, read_trajectories  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, print_json, print_table, run  # noqa: E402
+from megatron_harts.tree_data import TreeDataset, build_forest, is_dataset  # noqa: E402
+from megatron_harts.tree_data.drift import analyze_drift  # noqa: E402
+from megatron_harts.tree_data.messages import load_chat_tokenizer, read_rollouts  # noqa: E402
 from megatron_harts.tree_data.reprefill import reprefill, reprefill_tokens  # noqa: E402
 
 
@@ -30,33 +38,45 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= N")
     ap.add_argument("--reprefill", action="store_true",
                     help="also the stats of the re-prefill form, and the tokens it re-prefills")
+    ap.add_argument("--tokenizer", metavar="DIR", default=None,
+                    help="a transformers tokenizer directory with a chat template: inputs may hold chat messages "
+                         "(docs/messages.md), and --drift decodes token ids with it")
+    ap.add_argument("--drift", action="store_true",
+                    help="also the tokenization drift of the set (needs --tokenizer; see above)")
     ap.add_argument("--json", action="store_true",
                     help="print the stats dict as JSON; with --reprefill one object "
-                         '{"keep": stats, "reprefill": stats, "reprefilled_tokens": N}')
+                         '{"keep": stats, "reprefill": stats, "reprefilled_tokens": N}; with --drift plus "drift"')
     args = ap.parse_args(argv)
+    if args.drift and args.tokenizer is None:
+        raise CliError("--drift needs --tokenizer DIR to decode the token ids")
+    tokenizer = load_chat_tokenizer(args.tokenizer) if args.tokenizer else None
     trajs = None
     if len(args.input) == 1 and is_dataset(args.input[0]):
         ds = TreeDataset(args.input[0])
         stats = ds.stats()
-        if args.reprefill:
+        if args.reprefill or args.drift:
             forest = ds.forest()
             trajs = [forest.expand(tid) for tid in forest.traj_ids]
     else:
-        trajs = read_trajectories(args.input, vocab_size=args.vocab_size)
+        trajs, _ = read_rollouts(args.input, tokenizer, vocab_size=args.vocab_size)
         stats = build_forest(trajs).stats()
+    drift = analyze_drift(trajs, tokenizer) if args.drift else None
+    result = None
     if args.reprefill:
         result = {"keep": stats, "reprefill": build_forest(reprefill(trajs)).stats(),
                   "reprefilled_tokens": reprefill_tokens(trajs)}
-        if args.json:
-            print_json(result)
-        else:
-            rows = [(k, _cell(v), _cell(result["reprefill"][k])) for k, v in stats.items()]
-            rows.append(("reprefilled_tokens", _cell(0), _cell(result["reprefilled_tokens"])))
-            print_table(rows, header=("statistic", "keep", "reprefill"))
-    elif args.json:
-        print_json(stats)
+    if args.json:
+        body = stats if result is None else result
+        print_json(body if drift is None else {**body, "drift": drift.to_dict()})
+        return 0
+    if result is not None:
+        rows = [(k, _cell(v), _cell(result["reprefill"][k])) for k, v in stats.items()]
+        rows.append(("reprefilled_tokens", _cell(0), _cell(result["reprefilled_tokens"])))
+        print_table(rows, header=("statistic", "keep", "reprefill"))
     else:
         print_table([(k, _cell(v)) for k, v in stats.items()], header=("statistic", "value"))
+    for line in drift.lines() if drift is not None else ():
+        print(line)
     return 0
 
 

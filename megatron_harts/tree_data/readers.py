@@ -158,13 +158,18 @@ def trajectory_record(t: Trajectory) -> dict:
 
 def write_jsonl(trajs: Iterable[Trajectory], path: str) -> None:
     """Write trajectories as JSONL (gzip when ``path`` ends in .gz), atomically."""
+    write_records((trajectory_record(t) for t in trajs), path)
+
+
+def write_records(records: Iterable[dict], path: str) -> None:
+    """Write JSON objects one per line (gzip when ``path`` ends in .gz), atomically: the file
+    appears whole under ``path`` or not at all."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    opener = (lambda p: gzip.open(p, "wt", encoding="utf-8")) if path.endswith(".gz") else \
-        (lambda p: open(p, "w", encoding="utf-8"))
+    opener = gzip.open if path.endswith(".gz") else open
     try:
-        with opener(tmp) as fh:
-            for t in trajs:
-                fh.write(json.dumps(trajectory_record(t), separators=(",", ":")))
+        with opener(tmp, "wt", encoding="utf-8") as fh:
+            for rec in records:
+                fh.write(json.dumps(rec, separators=(",", ":")))
                 fh.write("\n")
         os.replace(tmp, path)
     except BaseException:

@@ -1,0 +1,256 @@
+"""Rollouts as chat messages: prefix-stable tokenization with a chat template, the loss mask, engine
+tokens, re-rendering templates, bad input, and the tools end to end with a tokenizer built here."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from chat_tokenizer import REASONING_TEMPLATE, build_tokenizer, corpus_of
+from megatron_harts.tree_data import TreeDataset, TreeFormatError, build_forest
+from megatron_harts.tree_data.agent_logs import AgentLogConfig, add_engine_tokens, synthesize_agent_logs
+from megatron_harts.tree_data.messages import ChatTokenizer, TokenizeReport, load_chat_tokenizer, read_messages
+from tool_runner import assert_one_error, load_tool, run_tool
+
+CFG = AgentLogConfig(num_tasks=2, samples_per_task=2, min_turns=2, max_turns=3, prompt_words=12, action_words=6,
+                     observation_words=8, branch_prob=0.5, seed=3)
+
+
+def write_rows(path, rows):
+    with open(path, "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    rows = synthesize_agent_logs(AgentLogConfig(num_tasks=3, seed=11)) + synthesize_agent_logs(CFG)
+    return build_tokenizer(str(tmp_path_factory.mktemp("tok")), corpus_of(rows))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return load_chat_tokenizer(tok_dir)
+
+
+def convert(tok, rows, tmp_path, name="m.jsonl"):
+    return read_messages([write_rows(tmp_path / name, rows)], tok)
+
+
+def decode(tok, ids):
+    return tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def test_generator_is_seeded_and_branches():
+    rows = synthesize_agent_logs(CFG)
+    assert rows == synthesize_agent_logs(CFG)
+    assert rows != synthesize_agent_logs(AgentLogConfig(**{**CFG.__dict__, "seed": 4}))
+    roles = {m["role"] for r in rows for m in r["messages"]}
+    assert roles == {"system", "user", "assistant", "tool"}
+    for r in rows:   # tool results answer earlier calls; a rollout ends with an answer
+        calls = [c["id"] for m in r["messages"] for c in m.get("tool_calls", ())]
+        assert len(calls) == len(set(calls))
+        assert all(m["tool_call_id"] in calls for m in r["messages"] if m["role"] == "tool")
+        assert r["messages"][-1]["role"] == "assistant" and "tool_calls" not in r["messages"][-1]
+    assert len(rows) > CFG.num_tasks * CFG.samples_per_task    # some rollouts branched
+    with pytest.raises(ValueError, match="max_turns"):
+        synthesize_agent_logs(AgentLogConfig(min_turns=3, max_turns=2))
+
+
+def test_prefix_stable_and_shared(tok, tmp_path):
+    rows = synthesize_agent_logs(CFG)
+    trajs, report = convert(tok, rows, tmp_path)
+    assert report.trajectories == len(rows) and not report.rerendered and not report.engine
+    by_id = {t.id: t for t in trajs}
+    # the tokens of turn k never depend on later turns: every conversation prefix is a token prefix
+    row = max(rows, key=lambda r: len(r["messages"]))
+    full = by_id[row["id"]].tokens
+    for k in range(2, len(row["messages"])):
+        part, _ = convert(tok, [{"id": "p", "messages": row["messages"][:k]}], tmp_path, "p.jsonl")
+        assert np.array_equal(part[0].tokens, full[:len(part[0].tokens)])
+    # siblings sharing k messages share the ids of those messages; each file's text is the template's
+    for a in rows:
+        for b in rows:
+            if a["group"] != b["group"] or a["id"] >= b["id"]:
+                continue
+            k = next(i for i, (x, y) in enumerate(zip(a["messages"], b["messages"])) if x != y)
+            shared, _ = convert(tok, [{"id": "s", "messages": a["messages"][:k]}], tmp_path, "s.jsonl")
+            n = len(shared[0].tokens)
+            assert np.array_equal(by_id[a["id"]].tokens[:n], by_id[b["id"]].tokens[:n])
+    t = by_id[rows[0]["id"]]
+    assert decode(tok, t.tokens) == tok.apply_chat_template(rows[0]["messages"], tokenize=False)
+    assert build_forest(trajs).stats()["compression"] > 1.5
+
+
+def test_loss_mask_is_what_the_model_generated(tok, tmp_path):
+    rows = synthesize_agent_logs(CFG)
+    trajs, report = convert(tok, rows[:1], tmp_path)
+    t, msgs = trajs[0], rows[0]["messages"]
+    assert t.loss_mask[0] == 0 and report.targets == int(t.loss_mask.sum())
+    # the runs of targets are the assistant turns after their generation prompt, through <|end|>
+    runs, j = [], 0
+    mask = t.loss_mask.tolist() + [0]
+    while j < len(t.tokens):
+        if mask[j]:
+            k = mask.index(0, j)
+            runs.append(decode(tok, t.tokens[j:k]))
+            j = k
+        else:
+            j += 1
+    turns = [m for m in msgs if m["role"] == "assistant"]
+    assert len(runs) == len(turns)
+    for text, m in zip(runs, turns):
+        assert text.startswith(m["content"]) and text.endswith("<|end|>")
+        for c in m.get("tool_calls", ()):
+            assert c["id"] in text and c["function"]["arguments"] in text
+    context = decode(tok, t.tokens[t.loss_mask == 0])
+    assert context.count("<|assistant|>\n") == len(turns) and msgs[1]["content"] in context
+
+
+def test_trainable_and_weight(tok, tmp_path):
+    step = synthesize_agent_logs(AgentLogConfig(**{**CFG.__dict__, "scheme": "step-wise"}))
+    trajs, _ = convert(tok, step, tmp_path)
+    for r, t in zip(step, trajs):     # only the last turn of a step-wise row is a target
+        last = r["messages"][-1]
+        assert decode(tok, t.tokens[t.loss_mask == 1]) == last["content"] + "".join(
+            f"<|call|>{c['id']} {c['function']['name']} {c['function']['arguments']}<|/call|>"
+            for c in last.get("tool_calls", ())) + "<|end|>"
+    msgs = [{"role": "user", "content": "run the tests"}, {"role": "assistant", "content": "ok", "weight": 0},
+            {"role": "user", "content": "again", "trainable": True}]
+    (t,), _ = convert(tok, [{"id": "w", "messages": msgs}], tmp_path)
+    assert decode(tok, t.tokens[t.loss_mask == 1]) == "<|user|>\nagain<|end|>\n"    # all of a trainable user turn
+
+
+def test_rerendering_template_keeps_what_the_model_saw(tmp_path):
+    msgs = [{"role": "user", "content": "fix the parser"},
+            {"role": "assistant", "content": "done", "reasoning_content": "check the split"},
+            {"role": "user", "content": "and the tests"},
+            {"role": "assistant", "content": "ok", "reasoning_content": "run pytest"}]
+    d = build_tokenizer(str(tmp_path / "r"), [m["content"] for m in msgs] + ["check the split run pytest"],
+                        template=REASONING_TEMPLATE)
+    tok = load_chat_tokenizer(d)
+    (t,), report = convert(tok, [{"id": "r", "messages": msgs}], tmp_path)
+    text = decode(tok, t.tokens)
+    assert report.rerendered == 1 and report.rerendered_trajectories == ["r"]
+    assert "<think>check the split</think>done" in text and "<think>run pytest</think>ok" in text
+    assert "check the split" not in tok.apply_chat_template(msgs, tokenize=False)   # the template drops it
+    assert text.endswith("<|user|>\nand the tests<|end|>\n<|assistant|>\n<think>run pytest</think>ok<|end|>\n")
+    assert any("re-renders earlier turns at 1 message boundaries" in line for line in report.lines())
+
+
+def test_engine_tokens_win(tok, tmp_path):
+    rows = synthesize_agent_logs(CFG)[:3]
+    plain, _ = convert(tok, rows, tmp_path)
+    engine = add_engine_tokens(rows, tok, drift=0.5, seed=1)
+    trajs, report = convert(tok, engine, tmp_path, "e.jsonl")
+    assert report.engine == 3 and len(report.engine_differs) == 3
+    for p, t, r in zip(plain, trajs, engine):
+        assert t.tokens.tolist() == r["tokens"] and len(t.tokens) > len(p.tokens)
+        assert decode(tok, t.tokens[t.loss_mask == 1]) == decode(tok, p.tokens[p.loss_mask == 1])
+        given = np.array([np.nan if v is None else v for v in r["old_logprobs"]])
+        assert np.array_equal(np.isnan(t.old_logprobs), np.isnan(given))
+    # old_logprobs may also come one per target token
+    compact = dict(engine[0], old_logprobs=[v for v in engine[0]["old_logprobs"] if v is not None])
+    (t,), _ = convert(tok, [compact], tmp_path, "c.jsonl")
+    assert np.allclose(t.old_logprobs[t.loss_mask == 1], compact["old_logprobs"])
+
+
+def test_parquet_rows(tok, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    rows = synthesize_agent_logs(CFG)[:4]
+    path = str(tmp_path / "m.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    got, _ = read_messages([path], tok)
+    want, _ = convert(tok, rows, tmp_path)
+    assert [t.tokens.tolist() for t in got] == [t.tokens.tolist() for t in want]
+    assert [t.loss_mask.tolist() for t in got] == [t.loss_mask.tolist() for t in want]
+
+
+def _row(messages, **kw):
+    return {"id": "bad/0", "group": "g", "messages": messages, **kw}
+
+
+USER = {"role": "user", "content": "hi"}
+BAD = [
+    ("role", [USER, {"role": "robot", "content": "x"}], {}, "messages[1].role"),
+    ("content", [USER, {"role": "assistant"}], {}, "messages[1].content"),
+    ("call id", [USER, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "bash", "arguments": "{}"}}]}], {}, "messages[1].tool_calls[0].id"),
+    ("tool result", [USER, {"role": "tool", "tool_call_id": "c9", "content": "out"}], {},
+     "messages[1].tool_call_id"),
+    ("weight", [USER, {"role": "assistant", "content": "x", "weight": 0.5}], {}, "messages[1].weight"),
+    ("logprobs", [USER, {"role": "assistant", "content": "x"}], {"old_logprobs": [0.0]}, "old_logprobs"),
+]
+
+
+@pytest.mark.parametrize("name,messages,extra,field", BAD, ids=[b[0] for b in BAD])
+def test_bad_rows(tok, tmp_path, capsys, name, messages, extra, field):
+    rows = [_row([USER, {"role": "assistant", "content": "fine"}], id="ok/0"), _row(messages, **extra)]
+    src = write_rows(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(TreeFormatError) as e:
+        read_messages([src], tok)
+    assert (e.value.file, e.value.line, e.value.trajectory, e.value.field) == (src, 2, "bad/0", field)
+    code, out, err = run_tool(load_tool("convert_trajectories"), capsys, "--input", src, "--output",
+                              tmp_path / "ds", "--tokenizer", tok.name_or_path)
+    assert_one_error(code, err, "bad.jsonl:2", "'bad/0'", field)
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
+
+
+def test_engine_tokens_must_decode_to_the_messages(tok, tok_dir, tmp_path, capsys):
+    row = add_engine_tokens(synthesize_agent_logs(CFG)[:1], tok, drift=0.0)[0]
+    row["tokens"] = row["tokens"][:5] + row["tokens"][6:]
+    src = write_rows(tmp_path / "e.jsonl", [row])
+    code, _, err = run_tool(load_tool("convert_trajectories"), capsys, "--input", src, "--output", tmp_path / "ds",
+                            "--tokenizer", tok_dir)
+    assert_one_error(code, err, "e.jsonl:1", repr(row["id"]), "field 'tokens'", "decode to text that differs")
+    assert sorted(os.listdir(tmp_path)) == ["e.jsonl"]
+
+
+def test_messages_need_a_tokenizer(tmp_path, capsys):
+    src = write_rows(tmp_path / "m.jsonl", synthesize_agent_logs(CFG)[:2])
+    for tool, args in (("convert_trajectories", ("--output", tmp_path / "ds")), ("tree_stats", ())):
+        code, _, err = run_tool(load_tool(tool), capsys, "--input", src, *args)
+        assert_one_error(code, err, "m.jsonl:1", "'task0/s0/b0'", "field 'messages'", "--tokenizer")
+    code, _, err = run_tool(load_tool("convert_trajectories"), capsys, "--input", src, "--output", tmp_path / "ds",
+                            "--tokenizer", tmp_path / "nope")
+    assert_one_error(code, err, "nope", "no such tokenizer directory")
+    assert sorted(os.listdir(tmp_path)) == ["m.jsonl"]
+
+
+def test_tools_end_to_end(tok_dir, tmp_path, capsys):
+    src = str(tmp_path / "m.jsonl")
+    code, out, _ = run_tool(load_tool("synthesize_rollouts"), capsys, "--format", "messages", "--output", src,
+                            "--num-tasks", 2, "--samples-per-task", 2, "--prompt-median", 12, "--action-median", 6,
+                            "--observation-median", 8, "--max-turns", 5, "--json")
+    assert code == 0 and json.loads(out)["trajectories"] == len(open(src).readlines())
+    code, out, _ = run_tool(load_tool("convert_trajectories"), capsys, "--input", src, "--output",
+                            tmp_path / "ds", "--tokenizer", tok_dir, "--json")
+    assert code == 0
+    conv = json.loads(out)
+    assert conv["messages"]["trajectories"] == conv["num_trajectories"] and conv["drift"]["lost_tokens"] == 0
+    code, out, _ = run_tool(load_tool("tree_stats"), capsys, "--input", src, "--tokenizer", tok_dir, "--json")
+    stats = json.loads(out)
+    assert code == 0 and stats == {k: v for k, v in conv.items() if k not in ("messages", "drift")}
+    assert TreeDataset(str(tmp_path / "ds")).stats() == stats
+    code, out, _ = run_tool(load_tool("convert_trajectories"), capsys, "--input", src, "--output",
+                            tmp_path / "ds2", "--tokenizer", tok_dir)
+    assert code == 0 and "drift: none" in out
+    code, _, err = run_tool(load_tool("synthesize_rollouts"), capsys, "--format", "messages", "--output", src,
+                            "--engine-drift", "0.5")
+    assert_one_error(code, err, "--engine-drift needs --tokenizer")
+
+
+def test_tree_data_imports_no_transformers():
+    code = ("import sys; import megatron_harts.tree_data.messages, megatron_harts.tree_data.drift, "
+            "megatron_harts.tree_data.agent_logs; print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_report_lines_are_quiet_when_nothing_happened(tok):
+    assert TokenizeReport().lines() == []
+    assert ChatTokenizer(tok).eos == tok.eos_token_id
