@@ -23,8 +23,12 @@ Invariants (tests pin every one of them against per-trajectory, "expanded", comp
   key k's intervals are ``[k, end[k])`` minus the union of ``[e, end[e])`` over the event rows e
   that evict k, ``end[k]`` = one past the last row of k's subtree (sorted, disjoint, non-empty;
   the first starts at k).  Without events (``num_events == 0``) every key has exactly the one
-  interval ``[k, end[k])``.  Layouts with context rows (sharing windows) of a forest with
-  compaction events are refused.
+  interval ``[k, end[k])``.
+- Context visibility (``ctx_vis_*``, same CSR form, over this layout's rows; a key may have no
+  interval): context row k is visible to row q iff k is an ancestor of q and no event on q's path
+  at or before q evicts k, whether the event sits on a context row (it applies to every row below
+  it) or on a row of this layout.  Without events context row k sees one interval: the rows of the
+  layout roots below it.
 - ``occurrence[r]`` = number of trajectories whose path contains row r.
 - Targets: row r carries one target per trajectory t through r whose token at position
   ``position_ids[r] + 1`` has loss mask 1 in t.  The token may differ between trajectories at a
@@ -64,12 +68,7 @@ from .tree_data.forest import ADV_SCALAR, ADV_TOKEN, Forest
 from .tree_data.trajectory import TrajectoryId
 
 __all__ = ["CompactLayout", "ExpandedBatch", "Visibility", "build_layout", "build_expanded_batch",
-           "sequence_visibility", "scatter_to_expanded", "scatter_to_expanded_padded", "scatter_targets_to_expanded",
-           "COMPACTION_WINDOWS_ERROR"]
-
-#: why a forest with compaction events cannot run sharing windows (layouts with context rows)
-COMPACTION_WINDOWS_ERROR = ("compaction events with sharing windows (--tree-sharing windows) are not supported yet; "
-                            "use --tree-sharing within or off")
+           "sequence_visibility", "scatter_to_expanded", "scatter_to_expanded_padded", "scatter_targets_to_expanded"]
 
 
 # ---------------------------------------------------------------------------
@@ -313,7 +312,8 @@ class CompactLayout(_RowsAndTargets):
     ctx_vis_offsets: torch.Tensor   # int64 [Rc+1], visibility of ctx rows over this layout's rows
     ctx_vis_start: torch.Tensor     # int64
     ctx_vis_end: torch.Tensor       # int64
-    num_events: int = 0             # compaction events on the layout's segments (0: one interval per key)
+    num_events: int = 0             # compaction events on the layout's and its context's segments
+                                    # (0: one interval per key)
 
     # ---- sizes -------------------------------------------------------------
     @property
@@ -522,8 +522,6 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
                              f"segment {int(roots_a[i])}; roots must not be nested")
     if context is not None and not isinstance(context, CompactLayout):
         raise ValueError(f"context must be a CompactLayout (the producer), got {type(context).__name__}")
-    if forest.has_compactions and bool((forest.seg_parent[roots_a] >= 0).any()):
-        raise ValueError(COMPACTION_WINDOWS_ERROR + " (this layout's roots have context rows in a producer)")
 
     # ---- segments ----------------------------------------------------------
     if segments is None:
@@ -657,17 +655,17 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
     target_pair = np.cumsum(new_pair) - 1
     pair_row, pair_token = target_row[new_pair], target_token[new_pair]
 
+    # ---- external context ----------------------------------------------------
+    ctx = _build_context(forest, roots_a, seg_f, tree_seg_offsets, tree_row_offsets, context)
+    prev_external = np.full(R, -1, dtype=np.int64)
+    prev_external[seg_row[tree_seg_offsets[:-1]]] = ctx["root_prev_external"]
+
     # ---- compaction events: holes in the keys' intervals -------------------------
     vis_offsets, vis_start, num_events = np.arange(R + 1, dtype=np.int64), rows.copy(), 0
     if forest.has_compactions:
         vis_offsets, vis_start, vis_end, num_events = _evicted_visibility(
             forest, seg_f, seg_start, seg_row, row_seg, vis_end, seg_traj_lo, traj_rows, traj_row_offsets,
-            traj_start)
-
-    # ---- external context ----------------------------------------------------
-    ctx = _build_context(forest, roots_a, seg_f, tree_seg_offsets, tree_row_offsets, context)
-    prev_external = np.full(R, -1, dtype=np.int64)
-    prev_external[seg_row[tree_seg_offsets[:-1]]] = ctx["root_prev_external"]
+            traj_start, block_of_seg, ctx)
 
     T = torch.from_numpy
     return CompactLayout(
@@ -692,63 +690,124 @@ def build_layout(forest: Forest, trees: Optional[Sequence[int]] = None, *,
 
 
 def _evicted_visibility(forest: Forest, seg_f, seg_start, seg_row, row_seg, vis_end, seg_traj_lo, traj_rows,
-                        traj_row_offsets, traj_start):
-    """The visibility CSR ``(offsets, start, end, number of events)`` of a layout without context rows
-    whose keys' uncompacted intervals are ``[k, vis_end[k])`` (module docstring).
+                        traj_row_offsets, traj_start, block_of_seg, ctx: dict):
+    """The visibility CSR ``(offsets, start, end, number of events)`` of the layout's rows, whose keys'
+    uncompacted intervals are ``[k, vis_end[k])`` (module docstring); with context rows, ``ctx``'s
+    visibility (``vis_offsets``, ``vis_start``, ``vis_end``) gets its holes too, in place.
 
     An event of layout segment s at position ``at`` sits at row ``e = seg_row[s] + at - seg_start[s]``
     and opens the hole ``[e, vis_end[e])`` (e's subtree) in every key on e's path at positions
-    ``[start, end)``, read from the trajectory table of a trajectory through s.  The holes of one key
-    are subtree ranges, so any two are nested or disjoint: after sorting by (key, hole start, -hole
-    end) a hole inside an earlier one starts before the running maximum of the earlier ends and is
-    dropped.  Work is linear in rows plus the (key, event) pairs, i.e. the events' span lengths.
+    ``[start, end)``: a layout row, read from the trajectory table of a trajectory through s, or,
+    above s's layout root, a context row.  An event of a context segment c opens, in the context
+    keys of its span, the hole of every layout row below it: the rows of the roots under c.  The
+    holes of one key are sets of rows below a forest row, so any two are nested or disjoint
+    (:func:`_subtract_holes`).  Work is linear in rows plus the (key, event) pairs, i.e. the
+    events' span lengths, plus the context's (root, ancestor segment) pairs.
     """
     R = int(vis_end.shape[0])
     S = int(seg_f.shape[0])
+    rows = np.arange(R, dtype=np.int64)
     a, b = forest.seg_evt_offsets[seg_f], forest.seg_evt_offsets[seg_f + 1]
     n = (b - a).astype(np.int64)
-    rows = np.arange(R, dtype=np.int64)
     ev = _ranges(a, n)
-    if ev.size == 0:
+    cseg = ctx["seg"]
+    ca, cb = forest.seg_evt_offsets[cseg], forest.seg_evt_offsets[cseg + 1]
+    cn = (cb - ca).astype(np.int64)
+    cev = _ranges(ca, cn)
+    if ev.size == 0 and cev.size == 0:
         return np.arange(R + 1, dtype=np.int64), rows, vis_end, 0
+    # events of the layout's segments
     ev_seg = np.repeat(np.arange(S, dtype=np.int64), n)
     e_row = seg_row[ev_seg] + forest.evt_at[ev] - seg_start[ev_seg]
     span = (forest.evt_end[ev] - forest.evt_start[ev]).astype(np.int64)
     of = np.repeat(np.arange(ev.shape[0], dtype=np.int64), span)
     pos = _ranges(forest.evt_start[ev], span)
     t = seg_traj_lo[ev_seg][of]
-    key = traj_rows[traj_row_offsets[t] + pos - traj_start[t]]
     h0 = e_row[of]
     h1 = vis_end[h0]
+    held = pos >= traj_start[t]                   # the key is a layout row (else a context row)
+    key = traj_rows[traj_row_offsets[t[held]] + pos[held] - traj_start[t[held]]]
+    offsets, start, end = _subtract_holes(rows, vis_end, key, h0[held], h1[held], R + 1)
+    if cseg.shape[0]:
+        # context keys: above a layout root (events of layout segments) ...
+        ext = ~held
+        c_root = [block_of_seg[ev_seg[of[ext]]]]
+        c_pos, c_h0, c_h1 = [pos[ext]], [h0[ext]], [h1[ext]]
+        # ... and events of the context segments: the hole is every layout row below the event
+        c_ev_seg = np.repeat(np.arange(cseg.shape[0], dtype=np.int64), cn)
+        c_span = (forest.evt_end[cev] - forest.evt_start[cev]).astype(np.int64)
+        c_of = np.repeat(c_ev_seg, c_span)
+        lo, hi = ctx["block_rows"]
+        c_root.append(ctx["first_root"][c_of])
+        c_pos.append(_ranges(forest.evt_start[cev], c_span))
+        c_h0.append(lo[c_of])
+        c_h1.append(hi[c_of])
+        c_key = _context_rows_at(forest, ctx, np.concatenate(c_root), np.concatenate(c_pos))
+        ctx["vis_offsets"], ctx["vis_start"], ctx["vis_end"] = _subtract_holes(
+            ctx["vis_start"], ctx["vis_end"], c_key, np.concatenate(c_h0), np.concatenate(c_h1), R + 1)
+    return offsets, start, end, int(ev.shape[0] + cev.shape[0])
+
+
+def _subtract_holes(base_start: np.ndarray, base_end: np.ndarray, key: np.ndarray, h0: np.ndarray, h1: np.ndarray,
+                    width: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR ``(offsets, start, end)`` of key k's base interval ``[base_start[k], base_end[k])`` minus the
+    union of its holes ``[h0[i], h1[i])`` (``key[i] == k``): sorted, disjoint, non-empty intervals (a
+    key may keep none).  The holes of one key must lie inside its base interval and be laminar (any
+    two nested or disjoint); ``width`` exceeds every hole end.
+
+    After sorting by (key, hole start, -hole end) a hole inside an earlier one starts before the
+    running maximum of the earlier ends and is dropped; the kept holes are disjoint and sorted, so
+    the intervals pair the sorted starts (base start, hole ends) with the sorted ends (hole starts,
+    base end) of each key.
+    """
+    K = int(base_start.shape[0])
+    keys = np.arange(K, dtype=np.int64)
+    if key.size == 0:
+        return np.arange(K + 1, dtype=np.int64), base_start.astype(np.int64), base_end.astype(np.int64)
     order = np.lexsort((-h1, h0, key))
     key, h0, h1 = key[order], h0[order], h1[order]
-    width = R + 1
     reach = np.maximum.accumulate(key * width + h1)
     keep = np.ones(key.shape[0], dtype=bool)
     keep[1:] = key[1:] * width + h0[1:] >= reach[:-1]
     key, h0, h1 = key[keep], h0[keep], h1[keep]
-    # key k's intervals: [k, h0_1), [h1_1, h0_2), ..., [h1_m, vis_end[k]), empty ones dropped
-    s_key = np.concatenate([rows, key])
-    s_val = np.concatenate([rows, h1])
-    e_key = np.concatenate([key, rows])
-    e_val = np.concatenate([h0, vis_end])
+    s_key = np.concatenate([keys, key])
+    s_val = np.concatenate([base_start, h1])
+    e_key = np.concatenate([key, keys])
+    e_val = np.concatenate([h0, base_end])
     so = np.lexsort((s_val, s_key))
     eo = np.lexsort((e_val, e_key))
     i_key, i_start, i_end = s_key[so], s_val[so], e_val[eo]
     real = i_start < i_end
     i_key, i_start, i_end = i_key[real], i_start[real], i_end[real]
-    offsets = np.zeros(R + 1, dtype=np.int64)
-    np.cumsum(np.bincount(i_key, minlength=R), out=offsets[1:])
-    return offsets, i_start.astype(np.int64), i_end.astype(np.int64), int(ev.shape[0])
+    offsets = np.zeros(K + 1, dtype=np.int64)
+    np.cumsum(np.bincount(i_key, minlength=K), out=offsets[1:])
+    return offsets, i_start.astype(np.int64), i_end.astype(np.int64)
+
+
+def _context_rows_at(forest: Forest, ctx: dict, root: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """The context row at path position ``pos[i]`` above layout root ``root[i]`` (``pos[i]`` below the
+    root's start): the row of the root's ancestor segment holding that position, found by one
+    binary search over the (root, ancestor start)-sorted pairs of ``ctx``."""
+    if root.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    cstart = forest.seg_start[ctx["seg"]]
+    anc_root, anc = ctx["anc_root"], ctx["anc_local"]
+    width = int(max(int(cstart.max()), int(pos.max()))) + 1
+    table = anc_root * width + cstart[anc]
+    order = np.argsort(table, kind="stable")
+    idx = np.searchsorted(table[order], root * width + pos, side="right") - 1
+    seg = anc[order][idx]
+    return ctx["seg_row"][seg] + pos - cstart[seg]
 
 
 def _build_context(forest: Forest, roots: np.ndarray, seg_f: np.ndarray, tree_seg_offsets: np.ndarray,
                    tree_row_offsets: np.ndarray, producer: Optional[CompactLayout]) -> dict:
-    """Context rows: all ancestor rows of the layout's roots, and their visibility.
+    """Context rows: all ancestor rows of the layout's roots, and their visibility before compaction
+    events (:func:`_evicted_visibility` opens their holes).
 
     Each ancestor segment a is on the path of a contiguous run of roots (roots are in preorder
     and those below a are exactly the roots inside a's subtree), so each context row sees one
-    interval of this layout's rows.
+    interval of this layout's rows, the rows of those roots.
     """
     empty = np.zeros(0, dtype=np.int64)
     n_roots = roots.shape[0]
@@ -762,7 +821,8 @@ def _build_context(forest: Forest, roots: np.ndarray, seg_f: np.ndarray, tree_se
     if not anc_seg:
         return {"forest_rows": empty, "source_rows": empty, "prev": empty, "position_ids": empty,
                 "vis_offsets": np.zeros(1, dtype=np.int64), "vis_start": empty, "vis_end": empty,
-                "root_prev_external": np.full(n_roots, -1, dtype=np.int64)}
+                "root_prev_external": np.full(n_roots, -1, dtype=np.int64), "seg": empty, "seg_row": empty,
+                "first_root": empty, "block_rows": (empty, empty), "anc_root": empty, "anc_local": empty}
     local = np.isin(np.asarray(anc_seg, dtype=np.int64), seg_f)
     if local.any():
         j = int(np.flatnonzero(local)[0])
@@ -813,7 +873,12 @@ def _build_context(forest: Forest, roots: np.ndarray, seg_f: np.ndarray, tree_se
                          "(was it built from another forest?)")
     return {"forest_rows": ctx_forest_rows, "source_rows": src_c.astype(np.int64), "prev": ctx_prev,
             "position_ids": ctx_position_ids, "vis_offsets": np.arange(Rc + 1, dtype=np.int64),
-            "vis_start": vis_start, "vis_end": vis_end, "root_prev_external": root_prev_external}
+            "vis_start": vis_start, "vis_end": vis_end, "root_prev_external": root_prev_external,
+            # for compaction events (_evicted_visibility): the context segments, their first rows, the
+            # first root below each and the layout rows below each, every (root, ancestor) pair
+            "seg": cseg, "seg_row": crow, "first_root": first_root,
+            "block_rows": (tree_row_offsets[first_root], tree_row_offsets[last_root + 1]),
+            "anc_root": anc_root, "anc_local": inv.astype(np.int64).reshape(-1)}
 
 
 # ---------------------------------------------------------------------------

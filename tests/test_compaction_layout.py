@@ -178,17 +178,6 @@ def test_fixed_scenarios_share_rows_and_evict_exactly():
     assert not dense[rows["e"][7], rows["e"][6]] and dense[rows["a"][7], rows["a"][6]]
 
 
-def test_layouts_with_context_rows_are_refused():
-    f = fixed_forest()
-    producer = build_layout(f)
-    inner = int(np.flatnonzero(f.seg_parent >= 0)[0])
-    with pytest.raises(ValueError, match=r"--tree-sharing windows\) are not supported yet; use --tree-sharing "
-                                         r"within or off"):
-        build_layout(f, roots=[inner], context=producer)
-    with pytest.raises(ValueError, match="--tree-sharing windows"):
-        build_layout(f, segments=[inner], context=producer)
-
-
 def test_without_events_nothing_changes():
     f = build_forest([traj("a", [1, 2, 3, 4]), traj("b", [1, 2, 5])])
     lay = build_layout(f)

@@ -30,7 +30,8 @@ Sharing windows (cross-microbatch): a *producer* layout built with
 ``for_tree(producer, export=ExportSpec.for_consumers(producer, consumers, ...))``
 records, during its forward, per-layer exports in ``packed.exports`` (a
 :class:`WindowExports`, tensors still in the producer's autograd graph): for
-MLA's keys and values of every context row of a consumer (``spec.rows``), KDA's
+MLA's keys and values of every context row a consumer's rows see (``spec.rows``: compaction
+events may evict context rows; KDA and the conv read evicted rows too), KDA's
 conv inputs (pre-conv q/k/v projections) of the context rows within a consumer
 row's conv reach (``spec.conv_rows``), KDA's core inputs (q, k, v, g, beta) of
 the replay rows (``spec.replay_rows``) and KDA's recurrent states after
@@ -72,6 +73,12 @@ def _host(layout):
     return layout.host_copy if getattr(layout, "host_copy", None) is not None else layout
 
 
+def _seen_context_rows(layout) -> np.ndarray:
+    """Bool [context rows]: the context rows some row of ``layout`` sees (those with a visible interval)."""
+    off = layout.ctx_vis_offsets.cpu().numpy()
+    return off[1:] > off[:-1]
+
+
 def _kda_consumer_schedule(layout, chunk_size: int, replay: bool, device=None):
     from ..ops.tree_kda import build_kda_schedule, plan_subtree_calls
     sp = plan_subtree_calls(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row, chunk_size,
@@ -84,7 +91,8 @@ def _kda_consumer_schedule(layout, chunk_size: int, replay: bool, device=None):
 class ExportSpec:
     """The producer rows a window's consumers read (sorted, unique producer row ids).
 
-    Invariants: every context row of every consumer is in ``rows`` (MLA keys/values); every
+    Invariants: every context row some row of some consumer sees (its context visibility: compaction
+    events may evict context rows) is in ``rows`` (MLA keys/values), and ``rows`` is not empty; every
     context row some consumer row's conv taps reach is in ``conv_rows``; every KDA replay row
     is in ``replay_rows``; every consumer's external KDA state is the state after one of
     ``state_rows``.
@@ -131,14 +139,17 @@ class ExportSpec:
                 raise ValueError(f"ExportSpec: consumer {i} was built against another producer layout")
             sched = _kda_consumer_schedule(c, chunk_size, replay)
             state_rows, replay_rows = consumer_kda_sources(c, sched)
-            rows.append(src.numpy())
+            rows.append(src.numpy()[_seen_context_rows(c)])
             conv.append(src.numpy()[build_conv_taps(c, conv_kernel).context_rows_read().numpy()])
             replays.append(replay_rows)
             states.append(state_rows)
 
         def union(parts):
             return np.unique(np.concatenate(parts)).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-        return cls(producer_rows=producer.num_rows, producer_forest_rows=pf, rows=torch.as_tensor(union(rows)),
+        mla_rows = union(rows)
+        if mla_rows.size == 0 and consumers:     # every consumer's row index must be valid (module docstring)
+            mla_rows = consumers[0].ctx_source_rows.cpu().numpy()[:1].astype(np.int64)
+        return cls(producer_rows=producer.num_rows, producer_forest_rows=pf, rows=torch.as_tensor(mla_rows),
                    conv_rows=torch.as_tensor(union(conv)), replay_rows=torch.as_tensor(union(replays)),
                    state_rows=union(states), chunk_size=int(chunk_size), replay=bool(replay),
                    conv_kernel=int(conv_kernel))
@@ -201,7 +212,8 @@ class _InjectGradient(torch.autograd.Function):
 @dataclass
 class ConsumerIndex:
     """Where a consumer's reads sit in its producer's exports: ``ctx`` (each context row's
-    index in ``spec.rows``), ``replay`` (each KDA replay row's index in ``spec.replay_rows``),
+    index in ``spec.rows``; 0 for a context row no row of the consumer sees, which attention masks),
+    ``replay`` (each KDA replay row's index in ``spec.replay_rows``),
     ``state`` (each external KDA state's index in ``spec.state_rows``).  The conv reads
     ``spec.conv_rows`` through the consumer's conv taps (``ConvTaps.reading_table``)."""
     ctx: torch.Tensor
@@ -416,8 +428,16 @@ class TreePackedSeqParams(PackedSeqParams):
             conv_pos = np.full(host.num_context_rows, -1, dtype=np.int64)
             conv_pos[reach] = position(src.numpy()[reach], spec.conv_rows.numpy(), "conv context rows")
             taps = taps.reading_table(torch.from_numpy(conv_pos), int(spec.conv_rows.numel()))
-            ctx, rep, st = host_to_device_many([torch.from_numpy(position(v, t, what)) for v, t, what in (
-                (src.numpy(), spec.rows.numpy(), "context rows"),
+            # MLA reads the context rows it sees; the others (evicted for every row) read exported row 0,
+            # which the attention masks out (no value, no gradient)
+            seen = _seen_context_rows(host)
+            ctx_pos = np.zeros(host.num_context_rows, dtype=np.int64)
+            ctx_pos[seen] = position(src.numpy()[seen], spec.rows.numpy(), "context rows")
+            if spec.rows.numel() == 0:
+                raise ValueError("TreePackedSeqParams.for_tree: the producer's exports lack context rows this "
+                                 "consumer needs (ExportSpec.for_consumers was built without it)")
+            ctx, rep, st = host_to_device_many([torch.from_numpy(ctx_pos)] + [
+                torch.from_numpy(position(v, t, what)) for v, t, what in (
                 (replay_rows, spec.replay_rows.numpy(), "replay rows"),
                 (state_rows, spec.state_rows, "KDA states"))], device)
             consumer_index = ConsumerIndex(ctx=ctx, replay=rep, state=st)
@@ -446,10 +466,12 @@ class TreePackedSeqParams(PackedSeqParams):
         key_paths = None
         if attention_backend == "varlen":
             from ..ops.key_paths import build_key_paths
-            key_paths = build_key_paths(host.visibility, host.context_visibility if host.num_context_rows else None,
+            key_paths = build_key_paths(host.visibility,
+                                        host.context_visibility if host.num_context_rows else None,
                                         prev=host.prev if host.num_events else None, device=device)
             if not key_paths.worth_gathering():      # many short runs: the block-mask backend instead
                 key_paths = None
+            if key_paths is None:
                 attention_backend = "flex" if device.type == "cuda" else "sdpa"
         block_mask = None
         if attention_backend == "flex":

@@ -230,6 +230,9 @@ def _evicted_key_paths(vis: Visibility, ctx_vis: Optional[Visibility], prev: np.
     opens = np.bincount(start[later], minlength=R + 1)[:R] > 0
     closes = np.bincount(end, minlength=R + 1)[:R] > 0
     brk = (prev != rows - 1) | opens | closes
+    if ctx_vis is not None:      # a context key's visibility starts or stops: the visible set changes there
+        cs, ce = _host(ctx_vis.start), _host(ctx_vis.end)
+        brk |= (np.bincount(cs, minlength=R + 1)[:R] > 0) | (np.bincount(ce, minlength=R + 1)[:R] > 0)
     brk[0] = True
     starts = np.flatnonzero(brk)
     stops = np.append(starts[1:], R)

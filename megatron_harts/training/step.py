@@ -42,13 +42,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..layout import COMPACTION_WINDOWS_ERROR, host_to_device
+from ..layout import host_to_device
 from ..models.experts import expert_grad_hooks_off
 from ..planner.l1 import plan_l1
 from ..planner.l2 import plan_harts
 from ..planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ffd
 from ..planner.metrics import plan_metrics
-from ..planner.microbatch import PlanningError, replica_windows
+from ..planner.microbatch import replica_windows
 from ..rl.objectives import (BatchNormalizer, ObjectiveConfig, ObjectiveDataError, forest_normalizer, objective_loss,
                              target_scale)
 from ..schedules.pipeline import SCHEDULES as PP_SCHEDULES, forward_backward_pipelining_windows
@@ -91,13 +91,8 @@ class SharingSettings:
 
 
 def plan_step(forest, settings: SharingSettings, dp: int):
-    """The plan of one step on ``dp`` replicas (deterministic: every rank computes the same).
-
-    A step whose trajectories carry compaction events is refused with ``--tree-sharing windows``
-    (``PlanningError``): sharing windows do not evict keys from their context rows."""
+    """The plan of one step on ``dp`` replicas (deterministic: every rank computes the same)."""
     M, cm = settings.microbatch_tokens, settings.cost_model
-    if settings.sharing == "windows" and forest.has_compactions:
-        raise PlanningError(COMPACTION_WINDOWS_ERROR)
     if settings.sharing == "off":
         return plan_ffd(forest, dp, M, cost_model=cm)
     if settings.planner == "l1":
