@@ -111,7 +111,11 @@ def _driver_worker(rank, world, port, data, plain, out):
                                 ("plain_off", plain, "off")):
         with Trainer.from_args(argv(path, sharing), require_data=True) as t:
             m = t.train_iteration()
-            got[name] = (m["loss"], m["grad_norm"], m["computed_tokens"])
+            got[name] = (m["loss"], m["grad_norm"], m["computed_tokens"], m["visible_pairs"], m["compaction_events"])
+    # the RL-loop entry: in-memory records with their compaction events
+    with Trainer.from_args(argv(data, "within"), require_data=True) as t:
+        m = t.step(rollouts_with_events(records=True))
+        got["step_api"] = (m["loss"], m["grad_norm"], m["computed_tokens"], m["visible_pairs"], m["compaction_events"])
     torch.save(got, out)
 
 
@@ -133,6 +137,15 @@ def test_driver_windows_and_within_equal_off(tmp_path):
     assert got["windows"][2] < got["within"][2] < got["off"][2], got
     # not vacuous: the same rollouts without their events train to another loss
     assert abs(got["plain_off"][0] - got["off"][0]) > 1e-6, got
+    # the step log counts the events and the attention pairs each mode computed
+    stats = forest.stats()
+    assert got["off"][3] == stats["visible_pairs_expanded"]     # each trajectory on its own
+    for mode in ("within", "windows"):      # microbatches recompute prefixes they share with others
+        assert stats["visible_pairs_tree"] <= got[mode][3] < got["off"][3], got
+    assert got["off"][4] == got["within"][4] == got["windows"][4] == stats["compaction_events"] > 0
+    assert got["plain_off"][3] > got["off"][3] and got["plain_off"][4] == 0
+    assert abs(got["step_api"][0] - got["within"][0]) <= 1e-10 * abs(got["within"][0]), got
+    assert got["step_api"][2:] == got["within"][2:], got
 
 
 _PROPERTY_MODEL = {}

@@ -174,6 +174,8 @@ class StepResult:
     trajectory_tokens: int           # expanded tokens of the step
     target_tokens: int               # targets (trainable tokens) of the step
     computed_tokens: int             # rows computed over all microbatches (incl. recomputed prefixes)
+    visible_pairs: int               # full-attention (query, key) pairs over all microbatches, evictions applied
+    compaction_events: int           # compaction events of the step's trajectories
     replay_tokens: int
     kda_calls: int                   # KDA calls per KDA layer, summed over the step's microbatches
     microbatches: int
@@ -182,6 +184,20 @@ class StepResult:
     tokens_per_expert: Optional[torch.Tensor] = None   # [moe layers, experts], q-weighted, whole step
     window_stats: Dict[str, Any] = field(default_factory=dict)
     plan_metrics: Dict[str, float] = field(default_factory=dict)
+
+
+def visible_pairs(batch) -> int:
+    """The (query, key) pairs full attention computes for one microbatch: a layout's visible pairs
+    (context keys included), or an expanded batch's causal pairs per trajectory, evictions applied."""
+    host = batch.host_copy if batch.host_copy is not None else batch
+    vis = getattr(host, "visibility", None)
+    if vis is None:        # expanded trajectories without compaction events: causal
+        return sum(n * (n + 1) // 2 for n in host.lengths)
+    pairs = int((vis.end - vis.start).sum())
+    if getattr(host, "num_context_rows", 0):
+        ctx = host.context_visibility
+        pairs += int((ctx.end - ctx.start).sum())
+    return pairs
 
 
 def _moe_routers(model) -> list:
@@ -379,8 +395,9 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     if unknown:
         raise RuntimeError(f"objective terms {unknown} are missing from objective_term_names")
     rows = sum(int(mb.layout.num_rows) for mb in items)
-    local = [float(counters["loss"]), float(counters["kda_calls"]), float(rows), float(counters["replay_tokens"])] + \
-        [float(counters["terms"].get(k, 0.0)) for k in term_names]
+    pairs = sum(visible_pairs(mb.layout) for mb in items)
+    local = [float(counters["loss"]), float(counters["kda_calls"]), float(rows), float(counters["replay_tokens"]),
+             float(pairs)] + [float(counters["terms"].get(k, 0.0)) for k in term_names]
     if not last:
         local = [0.0] * len(local)
     reduced = _all_reduce_sum(local, device)
@@ -389,7 +406,8 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
         dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
         reduced = t.tolist()
     loss, kda_calls, computed_rows, replay_tokens = reduced[0], int(reduced[1]), int(reduced[2]), int(reduced[3])
-    terms = dict(zip(term_names, reduced[4:]))
+    computed_pairs = int(reduced[4])
+    terms = dict(zip(term_names, reduced[5:]))
     if not np.isfinite(loss):
         raise NonFiniteLoss(f"iteration {iteration}: the loss is {loss} (not finite); the weights were not "
                             "updated from this step")
@@ -415,7 +433,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
         loss=loss, terms=terms, grad_norm=None if grad_norm is None else float(grad_norm),
         lr=float(optimizer.param_groups[0]["lr"]), trajectories=int(forest.num_trajectories),
         trajectory_tokens=int(plan.expanded_tokens), target_tokens=int(normalizer.num_tokens),
-        computed_tokens=computed_rows,
+        computed_tokens=computed_rows, visible_pairs=computed_pairs, compaction_events=int(forest.traj_evt.shape[0]),
         replay_tokens=replay_tokens, kda_calls=kda_calls,
         microbatches=total_mbs, plan_seconds=plan_seconds, step_seconds=time.perf_counter() - t0,
         tokens_per_expert=None if tpe is None else tpe.cpu(), window_stats=window_stats, plan_metrics=pm)

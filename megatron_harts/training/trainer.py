@@ -351,6 +351,7 @@ class Trainer:
             "trajectories": r.trajectories, "trajectory_tokens": r.trajectory_tokens,
             "target_tokens": r.target_tokens, "computed_tokens": r.computed_tokens,
             "replay_tokens": r.replay_tokens, "compression": r.trajectory_tokens / max(r.computed_tokens, 1),
+            "visible_pairs": r.visible_pairs, "compaction_events": r.compaction_events,
             "trajectory_tokens_per_s": r.trajectory_tokens / secs, "computed_tokens_per_s": r.computed_tokens / secs,
             "kda_calls": r.kda_calls, "microbatches": r.microbatches, "plan_seconds": r.plan_seconds,
             "step_seconds": r.step_seconds, "peak_memory_gib": self._peak_memory_gib(),
@@ -403,11 +404,13 @@ class Trainer:
             terms = " | ".join(f"{k.split('/', 1)[1]} {v:.4E}" for k, v in m.items() if k.startswith("objective/"))
             gn = "-" if m["grad_norm"] is None else f"{m['grad_norm']:.3E}"
             moe = f" | MoE load max/mean {m['moe_load_max_over_mean']:.2f}" if "moe_load_max_over_mean" in m else ""
+            events = f" | compaction events {m['compaction_events']}" if m["compaction_events"] else ""
             print(f" iteration {self.iteration:8d}/{a.train_iters:8d} | loss {m['loss']:.6E}"
                   f"{' | ' + terms if terms else ''} | lr {m['lr']:.3E} | grad norm {gn}"
                   f" | trajectories {m['trajectories']} | traj tok/s {m['trajectory_tokens_per_s']:.1f}"
                   f" | computed tok/s {m['computed_tokens_per_s']:.1f} | compression {m['compression']:.2f}x"
-                  f" | KDA calls {m['kda_calls']} | plan {m['plan_seconds']:.3f}s | step {m['step_seconds']:.3f}s"
+                  f" | KDA calls {m['kda_calls']} | attention pairs {m['visible_pairs']:.3E}{events}"
+                  f" | plan {m['plan_seconds']:.3f}s | step {m['step_seconds']:.3f}s"
                   f" | peak mem {m['peak_memory_gib']:.2f} GiB{moe}", flush=True)
 
     # ---- checkpoints and export -----------------------------------------------------------------
