@@ -76,6 +76,8 @@ CASES = {
                                         "--out", "o", BAD_FLAG), None),
     "examples/inspect_rollouts": (py("examples", "inspect_rollouts", DATA, BAD_FLAG),
                                   py("examples", "inspect_rollouts", MISSING)),
+    "benchmarks/bench_compaction": (py("benchmarks", "bench_compaction", BAD_FLAG),
+                                    py("benchmarks", "bench_compaction", "--out", os.path.join("no_dir", "c.json"))),
     "examples/summarize_run": (py("examples", "summarize_run", "report.jsonl", BAD_FLAG),
                                py("examples", "summarize_run", MISSING)),
     "examples/cpu_tiny.sh": (sh("cpu_tiny", BAD_FLAG), None),

@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""Compaction traces (KV-streams) against the re-prefill form: training throughput, one run, one GPU.
+
+For each set (a synthetic SWE-like rollout scheme, Tree-Step or Step-wise, under a compaction
+strategy, sliding-window, markovian or summary, at a context budget), the same rollouts are
+trained in two forms (docs/design.md, "Compaction traces"):
+
+- **KV-streams traces**: one continuous trajectory per rollout with its compaction events (full
+  attention stops seeing the evicted spans; linear attention runs over the whole stream);
+- **re-prefill samples**: each compaction starts a new sample of the retained tokens, positions
+  reset (``tree_data.reprefill``), the form trainers without in-place eviction use.
+
+Each form trains in expanded mode (``--tree-sharing off``) and tree mode (``within``; the traces
+also ``windows`` where the driver accepts events in sharing windows, else the refusal is
+recorded), by the training driver (``training.trainer.Trainer`` through bench_throughput's
+``run_mode``: forward + backward + optimizer step), the same model and the same driver flags for
+every mode of the run except ``--tree-sharing``, each mode from the same initial weights.
+
+Per mode: step time (median of ``--iters`` timed steps after ``--warmup``), trajectory tokens/s
+(the traces' tokens N over the step time: the same numerator for both forms), rows computed,
+visible attention pairs of the plan's microbatches, peak memory (CUDA; None on the CPU), the loss
+of the first step (initial weights) and after one optimizer step.  Per set, the ratios the targets
+read: KV-streams tree over KV-streams expanded (step-time speedup against its compression),
+KV-streams tree over re-prefill tree (speedup against the ratio of their rows), peak memory of
+KV-streams tree against expanded; and the row identities, checked: KV-streams expanded computes
+exactly N rows, re-prefill expanded N + its re-prefilled tokens.
+
+The default sizes: one task and one rollout per set, turns until the next would pass
+``--max-tokens`` 35,000, so every set's longest trace holds 33k-35k tokens (Tree-Step: a rollout
+forking once into two traces, 45k-50k rows as a tree; Step-wise: ~32 steps, ~0.6M expanded
+tokens); sliding-window evicts a quarter of the budget per compaction; the row budget is the largest
+tree's rows (every rollout in one microbatch); one warm-up and one timed step per mode.  At preset
+h200 the twelve sets (two schemes, three strategies, budgets 4096 and 8192) take about eight
+minutes on one H200; ``--schemes``, ``--strategies`` and ``--budgets`` select sets.  A CPU smoke
+run: ``--device cpu --preset tiny`` with small ``--max-tokens``, ``--budgets``, ``--prompt-median``,
+``--action-median``, ``--observation-median``, ``--keep-prefix``, ``--keep-last``, ``--summary-tokens``.
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench_throughput import PRESETS, model_flags, release_memory, run_mode, visible_pairs  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, output_path, run  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCHEMES = ("tree-step", "step-wise")
+STRATEGIES = ("sliding-window", "markovian", "summary")
+#: (form, sharing): the modes of every set, in the order they run
+MODES = (("reprefill", "off"), ("reprefill", "within"), ("kv", "off"), ("kv", "within"), ("kv", "windows"))
+#: the generator's fields (``SweConfig``) that flags set, by flag
+KNOBS = {"num_tasks": "--num-tasks", "samples_per_task": "--samples-per-task", "prompt_median": "--prompt-median",
+         "min_turns": "--max-turns", "max_turns": "--max-turns", "action_median": "--action-median",
+         "observation_median": "--observation-median", "branch_prob": "--branch-prob",
+         "branch_factor": "--branch-factor", "max_leaves": "--max-leaves", "max_tokens": "--max-tokens",
+         "context_budget": "the budget", "keep_prefix": "--keep-prefix", "keep_last": "--keep-last",
+         "evict_chunk": "--evict-chunk", "summary_tokens": "--summary-tokens"}
+
+
+def mode_key(form: str, sharing: str) -> str:
+    return f"{form}_{'expanded' if sharing == 'off' else 'tree_' + sharing}"
+
+
+def _progress(text: str) -> None:
+    print(f"compaction: {text}", file=sys.stderr, flush=True)
+
+
+def swe_config(a, scheme: str, strategy: str, budget: int):
+    """The generator's configuration of one set: ``a``'s sizes, ``strategy`` at ``budget`` (the
+    sliding window evicts ``--evict-chunk`` tokens, by default a quarter of the budget)."""
+    from megatron_harts.tree_data.synthetic import SweConfig
+    return SweConfig(scheme=scheme, num_tasks=a.num_tasks, samples_per_task=a.samples_per_task,
+                     prompt_median=a.prompt_median, min_turns=a.max_turns, max_turns=a.max_turns,
+                     action_median=a.action_median, observation_median=a.observation_median,
+                     branch_prob=a.branch_prob, branch_factor=a.branch_factor, max_leaves=a.max_leaves,
+                     max_tokens=a.max_tokens, vocab_size=PRESETS[a.preset]["vocab"], seed=a.seed, compaction=strategy,
+                     context_budget=budget, keep_prefix=a.keep_prefix, keep_last=a.keep_last,
+                     evict_chunk=a.evict_chunk or max(1, budget // 4), summary_tokens=a.summary_tokens)
+
+
+def build_set(a, scheme: str, strategy: str, budget: int) -> dict:
+    """One set's rollouts in both forms: ``kv`` (the traces) and ``reprefill`` (their samples) as
+    forests, N (the traces' tokens) and the re-prefilled tokens (the samples hold N + that many)."""
+    from megatron_harts.tree_data import build_forest
+    from megatron_harts.tree_data.reprefill import reprefill, reprefill_tokens
+    from megatron_harts.tree_data.synthetic import synthesize_swe
+    cfg = swe_config(a, scheme, strategy, budget)
+    try:
+        traces = synthesize_swe(cfg)
+    except ValueError as e:        # the generator names its fields: name the flags
+        message = re.sub(r"\b(" + "|".join(KNOBS) + r")\b", lambda m: KNOBS[m.group(1)], str(e))
+        raise CliError(f"--schemes {scheme} --strategies {strategy} --budgets {budget}: {message}") from None
+    samples = reprefill(traces)
+    kv, rp = build_forest(traces), build_forest(samples)
+    n, extra = int(kv.traj_length.sum()), reprefill_tokens(traces)
+    if int(rp.traj_length.sum()) != n + extra:
+        raise AssertionError(f"{scheme}/{strategy}/{budget}: the re-prefill samples hold {int(rp.traj_length.sum())} "
+                             f"tokens, not N + re-prefilled = {n} + {extra}")
+    return {"name": f"{scheme}/{strategy}/{budget}", "scheme": scheme, "strategy": strategy, "budget": budget,
+            "forests": {"kv": kv, "reprefill": rp}, "N": n, "reprefilled": extra,
+            "evict_chunk": cfg.evict_chunk}
+
+
+def driver_argv(a, sets) -> list:
+    """The driver flags of every mode of the run (all but ``--tree-sharing``): the preset's model,
+    the run's longest sample as ``--seq-length``, the row budget, SFT."""
+    p = PRESETS[a.preset]
+    forests = [f for s in sets for f in s["forests"].values()]
+    longest = max(int(f.traj_length.max()) for f in forests)
+    batch = max(int(f.num_trajectories) for f in forests)
+    return model_flags(p, "--bf16" if a.device == "cuda" else "") + [
+        "--seq-length", str(longest), "--tree-microbatch-tokens", str(a.microbatch_tokens),
+        "--global-batch-size", str(batch), "--train-iters", "1000", "--lr", "1e-5", "--seed", "1234",
+        "--log-interval", "1000000", "--rl-objective", "sft", "--distributed-backend",
+        "nccl" if a.device == "cuda" else "gloo", "--tree-kda-backend", a.kda_backend,
+        "--tree-attention-backend", a.attention_backend] + a.driver_flags.split()
+
+
+def measure(argv, forest, n: int, a) -> dict:
+    """One mode: ``run_mode``'s timed steps and their figures (module docstring); N = ``n``."""
+    times, metrics, losses, peak, plan, _, _, backends = run_mode(argv, forest, a.iters, a.warmup, a.device)
+    t = statistics.median(times)
+    m = metrics[-1]
+    return {"step_seconds": t, "step_seconds_all": times, "trajectory_tokens_per_s": n / t,
+            "rows_computed": int(m["computed_tokens"]), "sample_tokens": int(m["trajectory_tokens"]),
+            "visible_pairs": int(visible_pairs(plan)), "peak_memory_gib": peak,
+            "loss_first_step": losses[0][0], "loss_after_one_step": losses[1][0] if len(losses) > 1 else None,
+            "loss_per_step": [loss for loss, _ in losses], "grad_norm_per_step": [g for _, g in losses],
+            "microbatches": m["microbatches"], "kda_calls": m["kda_calls"], "planner": plan.planner, **backends}
+
+
+def _ratio(x, y):
+    return None if x is None or y is None or not y else x / y
+
+
+def derived(row: dict) -> dict:
+    """The ratios of one set's modes (module docstring)."""
+    kv_e, rp_e, rp_t = (row["modes"][k] for k in ("kv_expanded", "reprefill_expanded", "reprefill_tree_within"))
+    out = {}
+    for key in ("kv_tree_within", "kv_tree_windows"):
+        tree = row["modes"].get(key)
+        if tree is None or "skipped" in tree:
+            continue
+        tag = key[len("kv_tree_"):]
+        speedup = _ratio(kv_e["step_seconds"], tree["step_seconds"])
+        compression = _ratio(kv_e["rows_computed"], tree["rows_computed"])
+        out[f"kv_{tag}_over_kv_expanded"] = {
+            "speedup": speedup, "compression": compression,
+            "speedup_over_compression": _ratio(speedup, compression),
+            "peak_memory_ratio": _ratio(tree["peak_memory_gib"], kv_e["peak_memory_gib"])}
+        speedup = _ratio(rp_t["step_seconds"], tree["step_seconds"])
+        rows = _ratio(rp_t["rows_computed"], tree["rows_computed"])
+        out[f"kv_{tag}_over_reprefill_tree"] = {"speedup": speedup, "rows_ratio": rows,
+                                                "speedup_over_rows_ratio": _ratio(speedup, rows)}
+        out[f"kv_{tag}_over_reprefill_expanded"] = {
+            "speedup": _ratio(rp_e["step_seconds"], tree["step_seconds"]),
+            "rows_ratio": _ratio(rp_e["rows_computed"], tree["rows_computed"])}
+    out["kv_expanded_over_reprefill_expanded"] = {
+        "speedup": _ratio(rp_e["step_seconds"], kv_e["step_seconds"]),
+        "rows_ratio": _ratio(rp_e["rows_computed"], kv_e["rows_computed"])}
+    N, extra = row["trace_tokens"], row["reprefilled_tokens"]
+    out["rows_check"] = {"N": N, "reprefilled_tokens": extra, "kv_expanded_rows": kv_e["rows_computed"],
+                         "reprefill_expanded_rows": rp_e["rows_computed"],
+                         "ok": kv_e["rows_computed"] == N and rp_e["rows_computed"] == N + extra}
+    return out
+
+
+def form_stats(s: dict) -> dict:
+    """Both forms' forest statistics (``Forest.stats()``), the traces' length range and events."""
+    kv, rp = s["forests"]["kv"], s["forests"]["reprefill"]
+    return {"kv": {**kv.stats(), "min_trajectory_tokens": int(kv.traj_length.min())},
+            "reprefill": {**rp.stats(), "reprefilled_tokens": s["reprefilled"]}}
+
+
+def parse(argv):
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default="h200", choices=sorted(PRESETS),
+                    help="model of benchmarks/bench_throughput.py (tiny: CPU smoke run)")
+    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
+                    help="compaction strategies (tree_data.synthetic: sliding-window evicts --evict-chunk tokens "
+                         "wherever the budget would be exceeded; markovian keeps --keep-last tokens at a message "
+                         "boundary; summary evicts everything after the prefix and adds a --summary-tokens bridge)")
+    ap.add_argument("--budgets", nargs="+", type=int, default=[4096, 8192], metavar="C",
+                    help="context budgets: live tokens a rollout holds at most (default 4096 8192)")
+    ap.add_argument("--tree-sharing", nargs="+", default=["within", "windows"], choices=["within", "windows"],
+                    help="tree modes of the traces beside expanded (windows runs where the driver accepts "
+                         "compaction events in sharing windows; else its refusal is recorded)")
+    ap.add_argument("--num-tasks", type=int, default=1, help="rollout tasks (trees) per set")
+    ap.add_argument("--samples-per-task", type=int, default=1, help="rollouts per task")
+    ap.add_argument("--max-tokens", type=int, default=35000,
+                    help="trace length cap: rollouts run until the next turn would pass it")
+    ap.add_argument("--max-turns", type=int, default=200,
+                    help="turns per rollout (enough that rollouts end at --max-tokens)")
+    ap.add_argument("--prompt-median", type=int, default=3000)
+    ap.add_argument("--action-median", type=int, default=200)
+    ap.add_argument("--observation-median", type=int, default=600)
+    ap.add_argument("--branch-prob", type=float, default=0.05,
+                    help="Tree-Step: probability that a step branches (low: rollouts fork late and share more)")
+    ap.add_argument("--branch-factor", type=int, default=2, help="Tree-Step: children of a branching step")
+    ap.add_argument("--max-leaves", type=int, default=2, help="Tree-Step: leaves per rollout at most")
+    ap.add_argument("--keep-prefix", type=int, default=256, help="tokens never evicted (system prompt, task)")
+    ap.add_argument("--keep-last", type=int, default=512, help="markovian: tokens kept before a message")
+    ap.add_argument("--evict-chunk", type=int, default=None,
+                    help="sliding-window: tokens evicted per compaction (default a quarter of the budget)")
+    ap.add_argument("--summary-tokens", type=int, default=256, help="summary: bridge tokens after a compaction")
+    ap.add_argument("--seed", type=int, default=0, help="generator seed")
+    ap.add_argument("--microbatch-tokens", type=int, default=None,
+                    help="--tree-microbatch-tokens of every mode (default the rows of the largest tree of traces, "
+                         "rounded up to a multiple of 1024: every rollout's trace tree fits one microbatch)")
+    ap.add_argument("--iters", type=int, default=1, help="timed steps per mode (the step time is their median)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per mode before them")
+    ap.add_argument("--kda-backend", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--driver-flags", default="", metavar="'FLAGS'",
+                    help="more training-driver flags for every mode, e.g. '--tree-triton-max-configs 1'")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="results JSON (default out/compaction-<time>.json in the repository)")
+    ap.add_argument("--json", action="store_true", help="print the results JSON")
+    a = ap.parse_args(argv)
+    for flag, value, low in (("--num-tasks", a.num_tasks, 1), ("--samples-per-task", a.samples_per_task, 1),
+                             ("--max-tokens", a.max_tokens, 2), ("--max-turns", a.max_turns, 1),
+                             ("--iters", a.iters, 1), ("--warmup", a.warmup, 0)):
+        if value < low:
+            raise CliError(f"{flag} must be >= {low}, got {value}")
+    for b in a.budgets:
+        if b < 2:
+            raise CliError(f"--budgets: each budget must be >= 2, got {b}")
+    if a.microbatch_tokens is not None and a.microbatch_tokens < 1:
+        raise CliError(f"--microbatch-tokens must be >= 1, got {a.microbatch_tokens}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: no CUDA device is visible here (use --device cpu --preset tiny for a smoke run)")
+    if a.device == "cpu" and torch.cuda.is_available():
+        raise CliError("--device cpu: a CUDA device is visible and the training driver trains on it; hide it "
+                       "(CUDA_VISIBLE_DEVICES=) to measure on the CPU")
+    a.schemes, a.strategies = list(dict.fromkeys(a.schemes)), list(dict.fromkeys(a.strategies))
+    a.budgets, a.tree_sharing = list(dict.fromkeys(a.budgets)), list(dict.fromkeys(a.tree_sharing))
+    if a.out is None:        # its folder is made when the run starts
+        a.out = os.path.join(os.path.dirname(HERE), "out", time.strftime("compaction-%Y%m%d-%H%M%S.json"))
+    else:
+        output_path(a.out, "--out")
+    return a
+
+
+def machine(device: str) -> dict:
+    out = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+           "python": platform.python_version(), "torch": torch.__version__}
+    for name, module in (("megatron_core", "megatron.core"), ("fla", "fla")):
+        try:
+            out[name] = __import__(module, fromlist=["__version__"]).__version__
+        except Exception:
+            out[name] = None
+    return out
+
+
+def summary_line(row: dict) -> str:
+    """One set's figures on one line: each mode's step time and rows, then the ratios."""
+    parts = []
+    for key, m in row["modes"].items():
+        parts.append(f"{key} skipped" if "skipped" in m else
+                     f"{key} {m['step_seconds']:.3f}s {m['rows_computed']} rows")
+    d = row["derived"]
+    for tag in ("within", "windows"):
+        w, r = d.get(f"kv_{tag}_over_kv_expanded"), d.get(f"kv_{tag}_over_reprefill_tree")
+        if w:
+            parts.append(f"KV {tag} / KV expanded {w['speedup']:.2f}x at {w['compression']:.2f}x compression; "
+                         f"/ re-prefill tree {r['speedup']:.2f}x at {r['rows_ratio']:.2f}x rows")
+    return f"{row['set']}: " + " | ".join(parts)
+
+
+def main(argv=None):
+    a = parse(argv)
+    from megatron_harts.planner.microbatch import PlanningError
+    results = {"machine": machine(a.device), "preset": a.preset, "model": PRESETS[a.preset], "args": vars(a),
+               "sets": {}}
+    sets = [build_set(a, scheme, strategy, budget)        # bad knobs fail here, before any output
+            for scheme in a.schemes for strategy in a.strategies for budget in a.budgets]
+    longest = max(int(s["forests"]["kv"].traj_length.max()) for s in sets)
+    largest = max(int(np.add.reduceat(f.seg_length, f.tree_offsets[:-1]).max())
+                  for f in (s["forests"]["kv"] for s in sets))
+    if a.microbatch_tokens is None:
+        a.microbatch_tokens = 1024 * math.ceil(largest / 1024)
+    elif a.microbatch_tokens < longest:
+        raise CliError(f"--microbatch-tokens {a.microbatch_tokens}: below the longest trace ({longest} tokens); "
+                       f"use at least {longest} or a lower --max-tokens")
+    for s in sets:
+        kv, rp = s["forests"]["kv"], s["forests"]["reprefill"]
+        _progress(f"{s['name']}: {kv.num_trajectories} traces of {int(kv.traj_length.min())}-"
+                  f"{int(kv.traj_length.max())} tokens, N = {s['N']}, {kv.num_rows} rows as a forest; "
+                  f"{rp.num_trajectories} re-prefill samples, {s['reprefilled']} re-prefilled tokens")
+    _progress(f"--tree-microbatch-tokens {a.microbatch_tokens} (the largest tree of traces: {largest} rows)")
+    common = driver_argv(a, sets)
+    results["driver_argv"] = common
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    modes = [(f, s) for f, s in MODES if f == "reprefill" or s == "off" or s in a.tree_sharing]
+    failed = []
+    for n_set, s in enumerate(sets):
+        row = {"set": s["name"], "scheme": s["scheme"], "strategy": s["strategy"], "budget": s["budget"],
+               "evict_chunk": s["evict_chunk"] if s["strategy"] == "sliding-window" else None,
+               "trace_tokens": s["N"], "reprefilled_tokens": s["reprefilled"], "forms": form_stats(s), "modes": {}}
+        results["sets"][s["name"]] = row
+        for form, sharing in modes:
+            key = mode_key(form, sharing)
+            release_memory(a.device)
+            _progress(f"[{n_set + 1}/{len(sets)}] {s['name']} {key}: training "
+                      f"({a.warmup} warm-up + {a.iters} timed steps)")
+            t0 = time.perf_counter()
+            try:
+                with contextlib.redirect_stdout(sys.stderr):     # megatron's prints: stdout holds results only
+                    m = measure(common + ["--tree-sharing", sharing], s["forests"][form], s["N"], a)
+            except PlanningError as e:
+                if sharing != "windows":
+                    raise
+                row["modes"][key] = {"skipped": f"the driver refuses this data with --tree-sharing windows: {e}"}
+                _progress(f"{s['name']} {key}: not run ({row['modes'][key]['skipped']})")
+                continue
+            row["modes"][key] = {"form": form, "sharing": sharing, **m}
+            _progress(f"{s['name']} {key}: {m['step_seconds']:.3f} s/step, {m['rows_computed']} rows, "
+                      f"{m['trajectory_tokens_per_s']:.0f} trace tok/s, peak {m['peak_memory_gib']}, "
+                      f"loss {m['loss_first_step']:.4f} ({time.perf_counter() - t0:.1f} s)")
+            with open(a.out, "w") as f:       # after every mode: a cut-short run keeps what it measured
+                json.dump(results, f, indent=2, default=float)
+        row["derived"] = derived(row)
+        rc = row["derived"]["rows_check"]
+        print(f"{s['name']}: rows KV-streams expanded {rc['kv_expanded_rows']} (N = {rc['N']}), re-prefill "
+              f"expanded {rc['reprefill_expanded_rows']} (N + re-prefilled = {rc['N']} + {rc['reprefilled_tokens']})"
+              f"{'' if rc['ok'] else ' MISMATCH'}", flush=True)
+        print(summary_line(row), flush=True)
+        if not rc["ok"]:
+            failed.append(s["name"])
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=2, default=float)
+    _progress(f"results in {a.out}")
+    if a.json:
+        print(json.dumps(results, indent=2, default=float))
+    if failed:
+        raise AssertionError(f"rows computed differ from N (KV-streams expanded) or N + re-prefilled tokens "
+                             f"(re-prefill expanded) in {', '.join(failed)}: see {a.out}")
+    return results
+
+
+if __name__ == "__main__":
+    run(main)

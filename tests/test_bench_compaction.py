@@ -1,0 +1,115 @@
+"""benchmarks/bench_compaction.py at tiny sizes: every mode's record, the row identities of both
+forms, visible pairs, the same first loss in tree and expanded mode, a refused windows mode
+recorded; bad flags refused in one line.
+
+The smoke run trains one Step-wise set under sliding-window compaction (events in every trace,
+re-prefilled samples, sharing between steps) with the tiny model on the CPU (CUDA where visible:
+the benchmark measures where the driver trains).  No wall-clock time is asserted.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from tool_runner import assert_one_error, load_tool, run_tool
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = ["--device", DEVICE, "--preset", "tiny", "--max-tokens", "600", "--prompt-median", "80",
+        "--action-median", "15", "--observation-median", "30", "--keep-prefix", "16", "--keep-last", "32",
+        "--summary-tokens", "16", "--kda-backend", "reference", "--attention-backend", "reference"]
+MODES = ("reprefill_expanded", "reprefill_tree_within", "kv_expanded", "kv_tree_within", "kv_tree_windows")
+FIELDS = ("step_seconds", "trajectory_tokens_per_s", "rows_computed", "visible_pairs", "peak_memory_gib",
+          "loss_first_step", "loss_after_one_step")
+
+
+@pytest.fixture(scope="module")
+def bc():
+    return load_tool("bench_compaction", "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def smoke(bc, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compaction") / "c.json"
+    bc.main(TINY + ["--schemes", "step-wise", "--strategies", "sliding-window", "--budgets", "160",
+                    "--microbatch-tokens", "2048", "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_every_mode_has_every_field(smoke):
+    (name, row), = smoke["sets"].items()
+    assert name == "step-wise/sliding-window/160" and row["evict_chunk"] == 40
+    assert tuple(row["modes"]) == MODES
+    for key in MODES:
+        m = row["modes"][key]
+        assert set(FIELDS) <= set(m), key
+        assert (m["peak_memory_gib"] is None) == (DEVICE == "cpu")
+        assert math.isfinite(m["loss_first_step"]) and math.isfinite(m["loss_after_one_step"])
+        # one numerator for both forms: the traces' tokens
+        assert m["trajectory_tokens_per_s"] == pytest.approx(row["trace_tokens"] / m["step_seconds"])
+    d = row["derived"]
+    for key in ("kv_within_over_kv_expanded", "kv_within_over_reprefill_tree", "kv_within_over_reprefill_expanded",
+                "kv_windows_over_kv_expanded", "kv_windows_over_reprefill_tree"):
+        assert all(v is None or v > 0 for v in d[key].values()), key
+    assert d["kv_within_over_kv_expanded"]["compression"] > 1
+    assert (d["kv_within_over_kv_expanded"]["peak_memory_ratio"] is None) == (DEVICE == "cpu")
+
+
+def test_rows_of_both_forms_and_visible_pairs(smoke):
+    (row,) = smoke["sets"].values()
+    N, extra, modes = row["trace_tokens"], row["reprefilled_tokens"], row["modes"]
+    kv, rp = row["forms"]["kv"], row["forms"]["reprefill"]
+    assert N == kv["expanded_tokens"] and kv["compaction_events"] > 0 and extra > 0
+    assert modes["kv_expanded"]["rows_computed"] == N                        # exactly the trace tokens
+    assert modes["reprefill_expanded"]["rows_computed"] == N + extra == rp["expanded_tokens"]
+    assert modes["kv_tree_within"]["rows_computed"] == kv["unique_tokens"] < N     # one microbatch holds the tree
+    assert row["derived"]["rows_check"]["ok"]
+    for form in ("kv", "reprefill"):
+        tree, exp = modes[f"{form}_tree_within"], modes[f"{form}_expanded"]
+        assert tree["visible_pairs"] <= exp["visible_pairs"]
+        assert exp["visible_pairs"] == row["forms"][form]["visible_pairs_expanded"]
+        # tree mode computes the same step: the loss at the initial weights is expanded mode's
+        assert tree["loss_first_step"] == pytest.approx(exp["loss_first_step"], rel=1e-5)
+    assert modes["kv_tree_within"]["visible_pairs"] == kv["visible_pairs_tree"] < kv["visible_pairs_expanded"]
+    windows = modes["kv_tree_windows"]
+    assert windows["rows_computed"] <= modes["kv_tree_within"]["rows_computed"]
+    assert windows["visible_pairs"] <= modes["kv_expanded"]["visible_pairs"]
+    assert windows["loss_first_step"] == pytest.approx(modes["kv_expanded"]["loss_first_step"], rel=1e-5)
+
+
+def test_windows_refused_by_the_driver_is_recorded(bc, tmp_path, monkeypatch):
+    """A driver that refuses the traces in sharing windows (PlanningError): that mode is recorded
+    as not run, with the driver's reason, and every other mode runs."""
+    from megatron_harts.planner.microbatch import PlanningError
+    from megatron_harts.training.trainer import Trainer
+    plan = Trainer._plan
+
+    def refusing(self, forest):
+        if self.settings.sharing == "windows":
+            raise PlanningError("no windows here")
+        return plan(self, forest)
+    monkeypatch.setattr(Trainer, "_plan", refusing)
+    out = tmp_path / "c.json"
+    bc.main(TINY + ["--schemes", "tree-step", "--strategies", "summary", "--budgets", "160", "--max-tokens", "300",
+                    "--tree-sharing", "windows", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["sets"].values()
+    assert list(row["modes"]) == ["reprefill_expanded", "reprefill_tree_within", "kv_expanded", "kv_tree_windows"]
+    assert row["modes"]["kv_tree_windows"] == {
+        "skipped": "the driver refuses this data with --tree-sharing windows: no windows here"}
+    assert row["derived"]["rows_check"]["ok"] and "kv_windows_over_kv_expanded" not in row["derived"]
+
+
+def test_bad_flags_are_one_error_line(bc, capsys, tmp_path):
+    code, out, err = run_tool(bc, capsys, "--no-such-flag")
+    assert_one_error(code, err, "--no-such-flag")
+    for argv, needles in (
+            (["--budgets", "1"], ["--budgets", "1"]),
+            (["--iters", "0"], ["--iters"]),
+            (["--strategies", "lru"], ["--strategies", "lru"]),
+            (["--out", str(tmp_path / "no_dir" / "c.json")], ["--out", "no_dir"]),
+            (["--budgets", "64", "--keep-prefix", "60"], ["--budgets 64", "--keep-prefix (60)", "--evict-chunk (16)"]),
+            (["--budgets", "256", "--microbatch-tokens", "100"], ["--microbatch-tokens 100", "longest trace"])):
+        code, out, err = run_tool(bc, capsys, *TINY, *argv, "--out", str(tmp_path / "c.json")) \
+            if "--out" not in argv else run_tool(bc, capsys, *TINY, *argv)
+        assert_one_error(code, err, *needles)
+        assert out == "" and list(tmp_path.iterdir()) == []
