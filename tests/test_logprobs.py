@@ -56,6 +56,7 @@ def unique_pairs(targets):
 
 
 def rel_err(a, b):
+    a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / max(1.0, float(b.abs().max())))
 
 
