@@ -1,4 +1,4 @@
-"""Every CPU command of README.md runs, so the README cannot go stale.
+"""Every CPU command of README.md (and of the docs pages listed in DOCS) runs, so they cannot go stale.
 
 The README's fenced ```bash and ```python blocks run in document order in the repository root:
 a bash block line by line (backslash continuations joined, comment lines skipped), each line
@@ -23,6 +23,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+MESSAGES_DOC = os.path.join(ROOT, "docs", "messages.md")
 MARKER = re.compile(r"^<!--\s*not run by tests/test_readme\.py:\s*(.*?)\s*-->$")
 MIN_RUN_BLOCKS = 4
 COMMAND_LANGUAGES = ("bash", "python")
@@ -97,13 +98,13 @@ def test_readme_markers_and_parsing():
     assert bash_commands(got[0]) == [(3, "a    b"), (6, "d")]
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-def test_readme_commands_run():
-    """Each runnable block succeeds, in README order, and nothing outside out/ changes."""
-    blocks = [b for b in readme_blocks(open(README).read())
+def run_blocks(path: str, extra_env=None) -> int:
+    """Run the runnable blocks of the Markdown file ``path`` in order (module docstring); the number run."""
+    name = os.path.relpath(path, ROOT)
+    blocks = [b for b in readme_blocks(open(path).read())
               if b.language in COMMAND_LANGUAGES and b.skip_reason is None]
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               MPLBACKEND="Agg")
+               MPLBACKEND="Agg", **(extra_env or {}))
     before = git_status()
     ran = 0
     for b in blocks:
@@ -114,9 +115,25 @@ def test_readme_commands_run():
         for line, argv in steps:
             r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
             if r.returncode != 0:
-                pytest.fail(f"README.md:{line} (block at line {b.line}, starting {b.first_line()!r}) exited "
+                pytest.fail(f"{name}:{line} (block at line {b.line}, starting {b.first_line()!r}) exited "
                             f"{r.returncode}; stderr tail:\n{r.stderr[-2000:]}")
         ran += 1
-    assert ran >= MIN_RUN_BLOCKS
     new = sorted(git_status() - before)
-    assert not new, f"README commands changed files outside out/: {new}"
+    assert not new, f"{name}'s commands changed files outside out/: {new}"
+    return ran
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_readme_commands_run():
+    """Each runnable block succeeds, in README order, and nothing outside out/ changes."""
+    assert run_blocks(README) >= MIN_RUN_BLOCKS
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_messages_doc_commands_run(tmp_path):
+    """docs/messages.md's commands, with TOKDIR a small chat tokenizer built here (no download)."""
+    pytest.importorskip("tokenizers")
+    from chat_tokenizer import build_tokenizer, corpus_of
+    from megatron_harts.tree_data.agent_logs import AgentLogConfig, synthesize_agent_logs
+    tok = build_tokenizer(str(tmp_path / "tok"), corpus_of(synthesize_agent_logs(AgentLogConfig(num_tasks=3, seed=11))))
+    assert run_blocks(MESSAGES_DOC, {"TOKDIR": tok}) >= 1
