@@ -25,7 +25,7 @@ from hybrid_tiny import VOCAB, randomize_, tiny_config
 from test_compaction_layout import brute_mask, trees_with_events
 from test_compaction_model import forest_with_events
 from test_layout import outermost
-from test_windows_schedule import assert_same, coef_of, forward_step, owned_outside
+from test_windows_schedule import assert_same, coef_of, owned_outside, run_step
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -120,17 +120,7 @@ def expanded_with_events(model, forest):
 
 
 def run_windows(model, mbs, recompute_producers=False):
-    model.zero_grad(set_to_none=True)
-    store = forward_backward_windows(forward_step_func=forward_step, data_iterator=iter(mbs), model=model,
-                                     num_microbatches=len(mbs), seq_length=0, micro_batch_size=1,
-                                     recompute_producers=recompute_producers)
-    lp = {}
-    for s in store:
-        for k, v in s["lp"].items():
-            assert k not in lp, f"target {k} owned twice"
-            lp[k] = v
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return lp, grads
+    return run_step(model, mbs, recompute_producers)[:2]
 
 
 def drawn_windows(forest, roots):
