@@ -897,6 +897,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    default="torch_dist", help="torch_dist only")
     c.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="exit when --load holds no checkpoint (instead of starting from scratch)")
+    c.add_argument("--ckpt-step", type=_NONNEG_INT, default=None,
+                   help="load the checkpoint of this iteration from --load, whatever its tracker file names "
+                        "(e.g. to resume from an earlier one when the newest is damaged)")
 
     lg = g["logging"]
     lg.add_argument("--log-interval", type=_POSINT, default=100,
@@ -1300,6 +1303,8 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
         _fail("--save-interval needs --save")
     if args.save is not None and args.save_interval is None:
         _fail("--save needs --save-interval (as in Megatron-LM)")
+    if args.ckpt_step is not None and args.load is None:
+        _fail("--ckpt-step needs --load (the directory holding that iteration's checkpoint)")
 
     # tree sharing
     args.tree_mode = args.tree_sharing != "off"

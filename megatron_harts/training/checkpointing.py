@@ -24,8 +24,9 @@ What a checkpoint holds (keys of the state dict given to ``dist_checkpointing.sa
   loading uses the checkpoint's own.
 
 Atomicity: every rank writes into ``SAVE/iter_0000010.tmp-<hex>``; only after all ranks report a
-complete write does rank 0 rename it to ``iter_0000010`` and then replace the tracker file
-(temporary file + ``os.replace``), so the tracker always names a complete checkpoint.  A save
+complete write does rank 0 record every file's size and CRC32 in ``harts_files.json`` (each rank
+fingerprints the files it wrote), rename the directory to ``iter_0000010`` and then replace the
+tracker file (temporary file + ``os.replace``), so the tracker always names a complete checkpoint.  A save
 that fails on any rank (an exception) is agreed on by all ranks, rank 0 removes the temporary
 directory, and every rank raises :class:`CheckpointError`; the previous checkpoint and the
 tracker are untouched.  A save killed outright (or a rank that dies, leaving the others waiting
@@ -33,7 +34,21 @@ in a collective until the process-group timeout) leaves at most a ``*.tmp-*`` di
 loading ignores and the next save removes.  Saving refuses parameters that hold NaN/Inf
 (``check_finite``).  With data parallelism the ranks share the writing of replicated tensors
 (Megatron-LM's fully parallel save).  Re-saving an existing iteration moves the old
-directory aside (``iter_0000010.old-<hex>``) until the new one is in place.
+directory aside (``iter_0000010.old-<hex>``) until the new one is in place; a save killed in
+between leaves the old one there, which loading reads and the next save puts back.
+
+Helper processes: megatron-core's torch_dist writer forks one process per file bucket for each
+save, and would hand their results back through a ``multiprocessing.Manager`` server spawned at
+the first save and kept for the process's lifetime.  Launchers deliver a preemption signal to
+each worker's whole process group (torchrun: ``os.killpg``), which kills that server, and the
+save that should follow the signal then fails (BrokenPipeError).  Saves here are synchronous,
+so the results stay in the saving process (:func:`_in_process_write_results`): no helper process
+outlives a save.
+
+Damage: loading checks every file against ``harts_files.json`` before reading (sizes on every
+rank, the CRC32s shared out among the ranks), so a truncated, missing or altered file is one
+error naming it, with the complete checkpoints of the directory that ``step=`` (``--ckpt-step``)
+can load instead.  Checkpoints without that file (written by other tools) load unchecked.
 
 RNG and world-size changes: RNG states are per global rank, so they are restored only when the
 parallel layout (world size, TP, PP, CP, EP, DP) equals the saved one; otherwise loading warns
@@ -50,15 +65,18 @@ between ranks goes through ``all_gather_object``, so all ranks raise the same er
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import queue
 import random
 import re
 import secrets
 import shutil
 import warnings
+import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -66,12 +84,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-__all__ = ["CheckpointError", "TRACKER_FILENAME", "checkpoint_dir_name", "latest_iteration",
-           "save_checkpoint", "load_checkpoint"]
+__all__ = ["CheckpointError", "TRACKER_FILENAME", "MANIFEST_FILENAME", "checkpoint_dir_name",
+           "latest_iteration", "complete_iterations", "save_checkpoint", "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+MANIFEST_FILENAME = "harts_files.json"   # every file of a checkpoint: size and CRC32
 CHECKPOINT_VERSION = 3.0          # Megatron-LM's checkpoint_version of dist checkpoints
 FORMAT_VERSION = 1                # version of the "megatron_harts" common entry
 RNG_KEY = "rng_state_by_global_rank"
@@ -84,6 +103,9 @@ DISTRIB_OPTIM_SHARDING = "dp_reshardable"
 _ERRORS = (Exception, CheckpointException)
 _REPORT = "megatron_harts.checkpointing.report"
 _TMP_RE = re.compile(r"^iter_\d{7}\.tmp-")
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")      # torch_dist data files: __<writing rank>_<bucket>
+_REQUIRED = ("metadata.json", "common.pt", ".metadata")
 _OLD_RE = re.compile(r"^(iter_\d{7})\.old-")
 _OPTIM_KEY_RE = re.compile(r"^(chained_\d+\.)?optimizer\.")      # tensors of the optimizer's state
 
@@ -133,6 +155,32 @@ def latest_iteration(directory: str) -> Optional[int]:
     return 0 if value == "release" else value
 
 
+def complete_iterations(directory: str) -> List[int]:
+    """The iterations of ``directory`` whose ``iter_*`` directory holds a whole checkpoint (the
+    files a finished save renames into place; contents not read), oldest first.  Interrupted
+    saves' ``*.tmp-*`` and ``*.old-*`` directories do not count."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        m = _ITER_RE.match(name)
+        if m and all(os.path.isfile(os.path.join(directory, name, f)) for f in _REQUIRED):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _earlier_hint(load_dir: str, bad: Optional[int]) -> str:
+    """Where to resume from instead of the damaged checkpoint of iteration ``bad``."""
+    others = [i for i in complete_iterations(load_dir) if i != bad]
+    if not others:
+        return "; no other complete checkpoint in " + load_dir
+    older = [i for i in others if bad is None or i < bad] or others
+    return (f"; complete checkpoints in {load_dir}: iterations {', '.join(map(str, others))}: resume from "
+            f"one with --ckpt-step {older[-1]} (load_checkpoint(step={older[-1]}))")
+
+
 # ---------------------------------------------------------------------------------------------
 # collectives: every rank contributes a report; all ranks see all reports and raise alike
 
@@ -164,14 +212,18 @@ def _agree(what: str, error: Optional[str], local_exc: Optional[BaseException] =
     else:
         reports = [None] * world
         dist.all_gather_object(reports, report)
-    errors = []
+    by_text: Dict[str, List[int]] = {}
     for r, rep in enumerate(reports):
         if not isinstance(rep, dict) or rep.get("tag") != _REPORT or rep.get("what") != what:
-            errors.append(f"rank {r}: out of step with the other ranks (a collective failed on some rank)")
+            by_text.setdefault("out of step with the other ranks (a collective failed on some rank)", []).append(r)
         elif rep["error"]:
-            errors.append(f"rank {r}: {rep['error']}" if world > 1 else rep["error"])
-    if errors:
-        raise CheckpointError("; ".join(errors)) from local_exc
+            by_text.setdefault(rep["error"], []).append(r)
+    if by_text:
+        if world == 1:
+            raise CheckpointError("; ".join(by_text)) from local_exc
+        raise CheckpointError("; ".join(
+            (f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}") + f": {text}"
+            for text, ranks in by_text.items())) from local_exc
     return reports
 
 
@@ -302,6 +354,93 @@ def _fsync_tree(root: str) -> None:
         _fsync_path(dirpath)
 
 
+def _file_digest(path: str) -> List[int]:
+    """[size in bytes, CRC32] of one file."""
+    crc = size = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(1 << 24)
+            if not block:
+                return [size, crc]
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+
+
+def _own_files(directory: str, rank: int, world: int) -> List[str]:
+    """The files of a just-written checkpoint directory that ``rank`` fingerprints: the data files
+    it wrote (``__<rank>_*.distcp``); rank 0 also takes every other file."""
+    out = []
+    for name in sorted(os.listdir(directory)):
+        m = _SHARD_RE.match(name)
+        owner = int(m.group(1)) if m and int(m.group(1)) < world else 0
+        if owner == rank and name != MANIFEST_FILENAME:
+            out.append(name)
+    return out
+
+
+def _write_manifest(directory: str, files: Dict[str, List[int]]) -> None:
+    """Record the checkpoint's files; refuse a directory holding a file no rank fingerprinted."""
+    present = sorted(n for n in os.listdir(directory) if n != MANIFEST_FILENAME)
+    unclaimed = [n for n in present if n not in files]
+    if unclaimed:
+        raise CheckpointError(f"{directory}: files no rank accounts for: {unclaimed}")
+    with open(os.path.join(directory, MANIFEST_FILENAME), "w") as f:
+        json.dump({"format_version": 1, "files": {n: {"bytes": files[n][0], "crc32": files[n][1]} for n in present}},
+                  f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _verify_files(ckpt_dir: str, rank: int, world: int) -> Optional[str]:
+    """The first damaged file of ``ckpt_dir`` against its manifest, as an error naming it, or None.
+    Every rank checks all sizes; the CRC32s are shared out among the ranks (file ``i`` on rank
+    ``i % world``).  No manifest: nothing to check."""
+    path = os.path.join(ckpt_dir, MANIFEST_FILENAME)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+        expected = [(n, int(v["bytes"]), int(v["crc32"])) for n, v in sorted(files.items())]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{path}: unreadable file list ({_describe(e)})"
+    for i, (name, size, crc) in enumerate(expected):
+        file = os.path.join(ckpt_dir, name)
+        try:
+            have = os.path.getsize(file)
+        except OSError:
+            return f"{file}: missing (the checkpoint was saved with it)"
+        if have != size:
+            return f"{file}: {have} bytes, the save wrote {size} (truncated or overwritten)"
+        if i % world == rank:
+            try:
+                got = _file_digest(file)[1]
+            except OSError as e:
+                return f"{file}: unreadable ({_describe(e)})"
+            if got != crc:
+                return f"{file}: corrupt (CRC32 {got:08x}, the save wrote {crc:08x})"
+    return None
+
+
+@contextlib.contextmanager
+def _in_process_write_results():
+    """megatron-core's torch_dist writer (``filesystem_async``) hands each save's results through a
+    queue served by a spawned ``multiprocessing.Manager`` process, created at the first save and
+    kept; a signal to the worker's process group kills it and every later save fails.  A save here
+    runs the writer synchronously in this process, which also reads the results back, so a plain
+    in-process queue serves for the save's duration (module docstring, "Helper processes")."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if not hasattr(filesystem_async, "_results_queue"):
+        raise CheckpointError("megatron-core's filesystem_async has no _results_queue: this megatron-core "
+                              "version's writer is not supported")
+    saved = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = saved
+
+
 def _tidy(save_dir: str) -> None:
     """Remove what interrupted saves left (temporary directories and tracker files); put back a
     moved-aside checkpoint whose replacement never arrived."""
@@ -363,11 +502,13 @@ def _write_tracker(save_dir: str, value: str) -> None:
     _fsync_path(save_dir)
 
 
-def _commit(save_dir: str, tmp_dir: str, iteration: int) -> None:
-    """Rename the finished temporary directory into place, then point the tracker at it."""
-    for required in ("metadata.json", "common.pt", ".metadata"):
+def _commit(save_dir: str, tmp_dir: str, iteration: int, files: Dict[str, List[int]]) -> None:
+    """Record the files of the finished temporary directory, rename it into place, then point the
+    tracker at it."""
+    for required in _REQUIRED:
         if not os.path.isfile(os.path.join(tmp_dir, required)):
             raise CheckpointError(f"{tmp_dir}: incomplete after writing ({required} missing)")
+    _write_manifest(tmp_dir, files)
     _fsync_tree(tmp_dir)
     final = os.path.join(save_dir, checkpoint_dir_name(iteration))
     aside = None
@@ -473,20 +614,31 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
                                   "it must be global state (the same on every rank)")
         tmp_dir = reports[0]["tmp_dir"]
 
-        # 2. every rank writes its shards into the temporary directory
+        # 2. every rank writes its shards into the temporary directory (no helper process kept)
         error = local_exc = None
         try:
-            dist_checkpointing.save(state, tmp_dir, sharded_strategy=_save_strategy(),
-                                    validate_access_integrity=True, content_metadata=content_metadata)
+            with _in_process_write_results():
+                dist_checkpointing.save(state, tmp_dir, sharded_strategy=_save_strategy(),
+                                        validate_access_integrity=True, content_metadata=content_metadata)
         except _ERRORS as e:
             error, local_exc = _describe(e), e
         _agree("write", error and f"{where}: writing {tmp_dir} failed ({error})", local_exc)
 
-        # 3. rank 0 publishes it: rename, then the tracker
+        # 3. every rank fingerprints what it wrote
+        error = local_exc = None
+        digests: Dict[str, List[int]] = {}
+        try:
+            digests = {n: _file_digest(os.path.join(tmp_dir, n)) for n in _own_files(tmp_dir, rank, world)}
+        except _ERRORS as e:
+            error, local_exc = _describe(e), e
+        reports = _agree("digest", error and f"{where}: reading back {tmp_dir} failed ({error})", local_exc,
+                         files=digests)
+
+        # 4. rank 0 publishes it: file list, rename, then the tracker
         error = local_exc = None
         if rank == 0:
             try:
-                _commit(save_dir, tmp_dir, iteration)
+                _commit(save_dir, tmp_dir, iteration, {n: d for rep in reports for n, d in rep["files"].items()})
                 committed = True
             except _ERRORS as e:
                 error, local_exc = _describe(e), e
@@ -563,28 +715,55 @@ def _unclaimed_tensors(ckpt_dir: str, model_state: dict) -> Optional[str]:
             "model lacks")
 
 
-def _resolve(load_dir: str):
-    """(directory of the checkpoint, iteration or "release") after the tracker, or None."""
-    value = _read_tracker(load_dir)
-    if value is None:
-        return None
-    ckpt_dir = os.path.join(load_dir, "release" if value == "release" else checkpoint_dir_name(value))
-    tracker = _tracker_path(load_dir)
-    if not os.path.isdir(ckpt_dir):
-        aside = [n for n in os.listdir(load_dir) if n.startswith(os.path.basename(ckpt_dir) + ".old-")]
-        hint = f"; {aside[0]} is the checkpoint moved aside by an interrupted save: rename it to " \
-               f"{os.path.basename(ckpt_dir)}" if aside else ""
-        raise CheckpointError(f"{load_dir}: {tracker} names {value!r} but {ckpt_dir} does not exist{hint}")
+def _resolve(load_dir: str, step: Optional[int] = None):
+    """(directory of the checkpoint, iteration or "release"), or None without a tracker file.
+
+    ``step``: that iteration's checkpoint, whatever the tracker says (Megatron-LM's --ckpt-step).
+    Otherwise the tracker's; when a save of that same iteration was killed after moving it aside
+    (``iter_N.old-*``, module docstring), the moved-aside directory, which is whole.
+    """
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        ckpt_dir = os.path.join(load_dir, checkpoint_dir_name(step))
+        if not os.path.isdir(ckpt_dir):
+            have = complete_iterations(load_dir)
+            raise CheckpointError(f"--ckpt-step {step}: {ckpt_dir} does not exist (complete checkpoints in "
+                                  f"{load_dir}: {', '.join(map(str, have)) or 'none'})")
+        value = step
+    else:
+        value = _read_tracker(load_dir)
+        if value is None:
+            return None
+        ckpt_dir = os.path.join(load_dir, "release" if value == "release" else checkpoint_dir_name(value))
+        if not os.path.isdir(ckpt_dir):
+            prefix = os.path.basename(ckpt_dir) + ".old-"
+            aside = sorted(n for n in os.listdir(load_dir) if n.startswith(prefix)
+                           and all(os.path.isfile(os.path.join(load_dir, n, f)) for f in _REQUIRED))
+            if not aside:
+                raise CheckpointError(f"{load_dir}: {_tracker_path(load_dir)} names {value!r} but {ckpt_dir} does "
+                                      f"not exist{_earlier_hint(load_dir, None)}")
+            warnings.warn(f"{ckpt_dir}: reading {aside[-1]}, where a save of the same iteration that did not "
+                          "finish moved it (the next save puts it back)")
+            ckpt_dir = os.path.join(load_dir, aside[-1])
     if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
         raise CheckpointError(f"{ckpt_dir}: not a megatron-core dist checkpoint (no metadata.json)")
     return ckpt_dir, value
 
 
-def load_checkpoint(load_dir: str, model, optimizer, scheduler, *, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False) -> Optional[Tuple[int, dict]]:
-    """Load the checkpoint the tracker of ``load_dir`` names (collective: call on every rank).
+def _iter_of(found) -> Optional[int]:
+    return found[1] if found is not None and found[1] != "release" else None
 
-    Returns ``(iteration, extra_state)``, or None when ``load_dir`` has no tracker file.
+
+def load_checkpoint(load_dir: str, model, optimizer, scheduler, *, load_optim: bool = True,
+                    load_rng: bool = True, finetune: bool = False,
+                    step: Optional[int] = None) -> Optional[Tuple[int, dict]]:
+    """Load the checkpoint the tracker of ``load_dir`` names, or that of iteration ``step``
+    (Megatron-LM's --ckpt-step) (collective: call on every rank).
+
+    Returns ``(iteration, extra_state)``, or None when ``load_dir`` has no tracker file (and no
+    ``step``).  Files that differ from the checkpoint's file list (``MANIFEST_FILENAME``) are an
+    error naming the first of them and the complete checkpoints ``step`` can load instead.
     ``finetune`` (Megatron-LM's --finetune) and release checkpoints load the model weights only
     and return ``(0, {})``.  ``load_optim`` covers the optimizer and the scheduler (as Megatron-LM's
     --no-load-optim); when the optimizer state is not loaded, its main parameters are refreshed from
@@ -604,20 +783,25 @@ def load_checkpoint(load_dir: str, model, optimizer, scheduler, *, load_optim: b
     error = local_exc = None
     found = common = None
     try:
-        found = _resolve(load_dir)
+        found = _resolve(load_dir, step)
         if found is not None:
+            damaged = _verify_files(found[0], rank, world)
+            if damaged:
+                raise CheckpointError(f"{damaged}: the checkpoint is damaged{_earlier_hint(load_dir, _iter_of(found))}")
             common = dist_checkpointing.load_common_state_dict(found[0])
     except CheckpointError as e:
         error, local_exc = str(e), e
     except _ERRORS as e:
-        error, local_exc = f"{found[0] if found else load_dir}: unreadable checkpoint ({_describe(e)})", e
+        error, local_exc = (f"{found[0] if found else load_dir}: unreadable checkpoint ({_describe(e)})"
+                            f"{_earlier_hint(load_dir, _iter_of(found))}"), e
     reports = _agree("find", error, local_exc, found=None if found is None else str(found[1]))
     if len({rep["found"] for rep in reports}) > 1:
         raise CheckpointError(f"{load_dir}: ranks see different checkpoints "
                               f"({[rep['found'] for rep in reports]}): is it on a shared file system?")
     if found is None:
         if os.path.isdir(load_dir) and any(re.match(r"^iter_\d{7}$", n) for n in os.listdir(load_dir)):
-            warnings.warn(f"{load_dir}: has iter_* directories but no {TRACKER_FILENAME}: not loading any")
+            warnings.warn(f"{load_dir}: has iter_* directories but no {TRACKER_FILENAME}: not loading any "
+                          "(step= / --ckpt-step loads one)")
         return None
     ckpt_dir, value = found
     release = value == "release"
@@ -683,7 +867,8 @@ def load_checkpoint(load_dir: str, model, optimizer, scheduler, *, load_optim: b
             request["rng_state"] = _rng_sharded_object(None, rank, world)
         loaded = dist_checkpointing.load(request, ckpt_dir)
     except _ERRORS as e:
-        error, local_exc = f"{ckpt_dir}: reading the checkpoint failed ({_describe(e)})", e
+        error, local_exc = (f"{ckpt_dir}: reading the checkpoint failed ({_describe(e)})"
+                            f"{_earlier_hint(load_dir, _iter_of(found))}"), e
     _agree("read", error, local_exc)
 
     # 4. apply

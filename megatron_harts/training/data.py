@@ -8,8 +8,12 @@ Invariants (tests/test_training_data.py pins them):
 
 1. Source.  A dataset prefix (``PREFIX.bin``/``.idx``, or a ``TreeDataset``) is read lazily:
    the index tables are in memory, the rows stay memory-mapped, a step reads the bytes of its
-   own trees only, and each tree's CRC is checked the first time the loader reads it (a
-   corrupt tree fails the step holding it, with the dataset's ``TreeFormatError``).  An
+   own trees only, into memory of its own, and checks each tree's CRC32 after copying it, every
+   time it reads it: a tree damaged or rewritten in place, also while a job runs, fails the step
+   holding it with the dataset's ``TreeFormatError`` naming the tree and the file, never a batch
+   of other data.  A data file replaced or resized under a running loader (a new file at the
+   same path, e.g. the dataset converted again) is a ``LoaderError`` at the next step: the
+   loader keeps the file it opened mapped, so it names the change rather than training on.  An
    in-memory ``Forest`` (tests, the library trainer) and trajectory files (JSONL/Parquet,
    through ``tree_data.load_forest``, built in memory) are accepted too.
 2. Order.  Epoch ``e`` visits the trees in the permutation
@@ -42,8 +46,9 @@ Invariants (tests/test_training_data.py pins them):
    prefetched by the worker do not count): a small JSON-serializable dict.  A loader built
    with ``start=state`` (or after ``load_state_dict(state)``) yields exactly the batches the
    uninterrupted run yields from that iteration on.  A state saved with another seed,
-   shuffle, global batch size or source (tree count, per-tree trajectory counts) is refused,
-   naming what differs: a resumed run never silently changes its data order.
+   shuffle, global batch size or source (tree count, per-tree trajectory counts, and for a
+   dataset its per-tree CRC32s) is refused, naming what differs: a resumed run never silently
+   changes its data order or its data.
 
 Imports no torch (the layering rule of tree_data and planner holds here too).
 """
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import hashlib
 import os
 import queue
@@ -72,6 +78,9 @@ __all__ = ["LoaderError", "StepBatch", "TreeBatchLoader", "replica_share", "plan
 STATE_VERSION = 1
 _STATE_KEYS = ("version", "seed", "shuffle", "global_batch_size", "num_trees", "tree_sizes_crc32",
                "epoch", "position", "iteration")
+# in states of datasets only (and absent from states saved before it existed): CRC32 of the index's
+# per-tree CRC32 table, i.e. of the data
+_CONTENT_KEY = "tree_crcs_crc32"
 
 
 class LoaderError(ValueError):
@@ -173,9 +182,12 @@ class _Source:
         else:
             raise TypeError("source must be a dataset prefix, a trajectory file, a TreeDataset or a Forest, "
                             f"got {type(source).__name__}")
+        self.content_crc: Optional[int] = None
         if self.dataset is not None:
             self.name = self.dataset.idx_path
             self.forest = self.dataset.forest(verify=False)
+            self.content_crc = zlib.crc32(np.ascontiguousarray(self.dataset._tables["tree_crc"]).tobytes())
+            self._identity = _file_identity(self.dataset.bin_path)
         f = self.forest
         roots = np.asarray(f.tree_offsets[:-1], dtype=np.int64)
         lo = np.asarray(f.seg_traj_lo, dtype=np.int64)[roots]
@@ -183,21 +195,49 @@ class _Source:
         self.tree_trajs = hi - lo
         self.num_trees = int(roots.shape[0])
         self.sizes_crc = zlib.crc32(self.tree_trajs.tobytes())
-        self._checked = np.zeros(self.num_trees, dtype=bool)
         self._lock = threading.Lock()
 
     def load(self, tree_ids: np.ndarray) -> Forest:
-        """The trees ``tree_ids`` as one forest (CRC of each tree checked on its first read)."""
+        """The trees ``tree_ids`` as one forest in memory of its own; from a dataset, each tree's
+        CRC32 checked against the index after the copy (invariant 1)."""
         if self.dataset is not None:
+            now = _file_identity(self.dataset.bin_path)
+            if now != self._identity:
+                raise LoaderError(f"{self.dataset.bin_path}: the data file was replaced or resized while the job "
+                                  f"ran ({_describe_identity(self._identity)} when opened, "
+                                  f"{_describe_identity(now)} now): restart the job (--load resumes it)")
+        f = self.forest.select(tree_ids)
+        if self.dataset is not None:
+            if tree_ids.shape[0] == 1:
+                f = _owned(f)              # a single tree comes back as views of the mapped file
             with self._lock:
                 for i in tree_ids.tolist():
-                    if not self._checked[i]:
-                        self.dataset._verify(i)  # the dataset's per-tree CRC32 check
-                        self._checked[i] = True
-        f = self.forest.select(tree_ids)
+                    self.dataset._verify(i)    # the dataset's per-tree CRC32 check, after the copy
         if f.tokens.dtype != np.int64:
             f.tokens = np.asarray(f.tokens, dtype=np.int64)
         return f
+
+
+def _file_identity(path: str) -> Optional[Tuple[int, int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size
+
+
+def _describe_identity(ident: Optional[Tuple[int, int, int]]) -> str:
+    return "missing" if ident is None else f"inode {ident[1]}, {ident[2]} bytes"
+
+
+def _owned(value):
+    """``value`` (a Forest, its Exceptions, arrays, lists) with every array copied."""
+    if isinstance(value, np.ndarray):
+        return np.array(value, copy=True)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _owned(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
 
 
 @dataclass(frozen=True)
@@ -431,7 +471,8 @@ class TreeBatchLoader:
         return {"version": STATE_VERSION, "seed": self.seed, "shuffle": self.shuffle,
                 "global_batch_size": self.global_batch_size, "num_trees": self.num_trees,
                 "tree_sizes_crc32": self._source.sizes_crc, "epoch": d.epoch, "position": d.position,
-                "iteration": d.iteration}
+                "iteration": d.iteration, **({_CONTENT_KEY: self._source.content_crc}
+                                            if self._source.content_crc is not None else {})}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume at ``state`` (from ``state_dict()``); steps already prefetched are dropped."""
@@ -454,6 +495,11 @@ class TreeBatchLoader:
         if diff:
             raise LoaderError(f"{self.source_name}: the resume state does not match this loader ("
                               + "; ".join(diff) + "): resuming would change the data order")
+        if state.get(_CONTENT_KEY) is not None and mine.get(_CONTENT_KEY) is not None \
+                and state[_CONTENT_KEY] != mine[_CONTENT_KEY]:
+            raise LoaderError(f"{self.source_name}: the dataset's contents differ from those the resume state was "
+                              f"saved with (per-tree CRC32s: state {state[_CONTENT_KEY]}, dataset "
+                              f"{mine[_CONTENT_KEY]}): resuming would train on other data")
         epoch = _check_int("state epoch", state["epoch"], 0)
         iteration = _check_int("state iteration", state["iteration"], 0)
         position = _check_int("state position", state["position"], 0)

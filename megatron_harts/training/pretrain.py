@@ -3,11 +3,14 @@
 Launch it as Megatron-LM's pretrain_gpt.py is launched (``torchrun --nproc-per-node N
 pretrain_tree_gpt.py <Megatron-LM flags> --data-path PREFIX --tree-sharing windows``).  Every
 failure a user can cause (flags, data, checkpoints, a non-finite loss) ends the process with
-one ``error:`` line and exit status 2, never a traceback.
+one ``error:`` line and exit status 2, never a traceback.  A checkpoint error is agreed by all
+ranks (each raises the same message, naming every rank's cause): rank 0 prints it, the other
+ranks exit 2 silently, so a job shows it once.
 """
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Optional, Sequence
 
@@ -20,6 +23,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # megatron-core's own notices (no Transformer Engine / Apex, deprecated defaults) are not the user's
     warnings.filterwarnings("ignore", module=r"megatron\.core")
     logging.getLogger("megatron.core").setLevel(logging.ERROR)
+    # torch's notice about the ShardedTensor that megatron-core's checkpoint loading builds
+    warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
     from ..planner.microbatch import PlanningError
     from ..rl.objectives import ObjectiveDataError
     from .arguments import parse_args
@@ -30,7 +35,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with Trainer(args) as trainer:
             trainer.train()
-    except (TrainingError, LoaderError, CheckpointError, ObjectiveDataError, PlanningError) as e:
+    except CheckpointError as e:
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 2
+        raise CliError(str(e)) from None
+    except (TrainingError, LoaderError, ObjectiveDataError, PlanningError) as e:
         raise CliError(str(e)) from None
     return 0
 

@@ -20,8 +20,12 @@ Invariants:
   exit step): exit conditions are agreed through one all-reduce per iteration.
 - A non-finite loss stops the run before the weights change, names the iteration, and never
   saves; the last good checkpoint stays the latest (``latest_checkpointed_iteration.txt``).
-- ``--exit-signal-handler``: SIGTERM (``--exit-signal``) makes the run save a checkpoint after the
-  current iteration and stop with exit code 0.
+- ``--exit-signal-handler``: SIGTERM (``--exit-signal``), delivered to the launcher, to every rank
+  or to one rank, makes every rank finish the current iteration, save a checkpoint and stop with
+  exit code 0; rank 0 prints one line naming the checkpoint (docs/faults.md).
+- ``--load`` resumes from the checkpoint the tracker names (``--ckpt-step N``: that of iteration
+  N) and says which; a run that loaded from its own ``--save`` directory does not save the loaded
+  iteration again.
 - ``close()`` releases the model, its gradient buffers and the optimizer state (once the caller's
   own references are gone, also when it keeps the closed ``Trainer``): a process may train several
   runs one after another (benchmarks/bench_throughput.py) without keeping closed runs' memory.
@@ -205,10 +209,11 @@ class Trainer:
         torch.manual_seed(a.seed)
 
     def _load(self) -> None:
-        from .checkpointing import load_checkpoint
+        from .checkpointing import checkpoint_dir_name, complete_iterations, load_checkpoint
         a = self.args
+        step = getattr(a, "ckpt_step", None)
         got = load_checkpoint(a.load, self.model, self.optimizer, self.scheduler, load_optim=not a.no_load_optim,
-                              load_rng=not a.no_load_rng, finetune=a.finetune)
+                              load_rng=not a.no_load_rng, finetune=a.finetune, step=step)
         if got is None:
             if a.exit_on_missing_checkpoint:
                 raise TrainingError(f"--load {a.load}: no checkpoint there (--exit-on-missing-checkpoint)")
@@ -216,7 +221,18 @@ class Trainer:
             return
         self.iteration, extra = got
         self.data_state = extra.get("data") if extra else None
-        self._log(f"loaded checkpoint of iteration {self.iteration} from {a.load}")
+        if a.finetune or (self.iteration == 0 and not extra):      # weights only (finetune, release)
+            self._log(f"loaded the weights of {a.load} (iteration counter at 0)")
+            return
+        source = f"--ckpt-step {step}" if step is not None else "the newest in its tracker file"
+        newer = [i for i in complete_iterations(a.load) if i > self.iteration] if step is None else []
+        note = (f"; {checkpoint_dir_name(newer[-1])} is newer and complete but not the tracker file's (a save "
+                f"interrupted before its tracker update, or a tracker set back): --ckpt-step {newer[-1]} loads it"
+                if newer else "")
+        where = os.path.join(a.load, checkpoint_dir_name(self.iteration))
+        self._log(f"resuming from iteration {self.iteration}: {where} ({source}){note}")
+        if a.save and os.path.realpath(a.save) == os.path.realpath(a.load):
+            self.last_saved = self.iteration
 
     # ---- the loop ---------------------------------------------------------------------------
     def _plan(self, forest):
@@ -255,17 +271,17 @@ class Trainer:
         last: Dict[str, Any] = {}
         while self.iteration < a.train_iters:
             last = self.train_iteration()
-            saved = False
-            if a.save and a.save_interval and self.iteration % a.save_interval == 0:
-                self.save()
-                saved = True
             reason = self._exit_reason(started)
             if reason:
                 self._final_probe()
-                if a.save and not saved:
-                    self.save()
-                self._log(f"exiting at iteration {self.iteration}: {reason}")
+                if a.save:
+                    path = self.save(announce=False)
+                    self._log(f"exiting at iteration {self.iteration} ({reason}): checkpoint saved to {path}")
+                else:
+                    self._log(f"exiting at iteration {self.iteration} ({reason}): nothing saved (no --save)")
                 return last
+            if a.save and a.save_interval and self.iteration % a.save_interval == 0:
+                self.save()
         self._final_probe()
         if a.save and self.last_saved != self.iteration:
             self.save()
@@ -414,8 +430,9 @@ class Trainer:
                   f" | peak mem {m['peak_memory_gib']:.2f} GiB{moe}", flush=True)
 
     # ---- checkpoints and export -----------------------------------------------------------------
-    def save(self) -> str:
-        """Save model, optimizer, scheduler, RNG and data position at the current iteration."""
+    def save(self, announce: bool = True) -> str:
+        """Save model, optimizer, scheduler, RNG and data position at the current iteration; returns
+        the checkpoint directory (``announce``: rank 0 prints it)."""
         from .checkpointing import save_checkpoint
         a = self.args
         if not a.save:
@@ -424,7 +441,8 @@ class Trainer:
         path = save_checkpoint(a.save, self.iteration, self.model, self.optimizer, self.scheduler,
                                extra_state=extra, save_optim=not a.no_save_optim, save_rng=not a.no_save_rng)
         self.last_saved = self.iteration
-        self._log(f"saved checkpoint of iteration {self.iteration} to {path}")
+        if announce:
+            self._log(f"saved checkpoint of iteration {self.iteration} to {path}")
         return path
 
     def export_hf(self, path: str) -> None:
