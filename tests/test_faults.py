@@ -1,4 +1,4 @@
-"""Faults a cluster throws at a training run (issue 37; docs/faults.md).
+"""Faults a cluster throws at a training run (docs/faults.md).
 
 - Preemption: SIGTERM delivered to torchrun (what Kubernetes does), to every rank's process group
   (what SLURM does) or to one rank makes every rank finish its iteration, save, and exit 0, with

@@ -1,4 +1,4 @@
-"""The KDA call ablation (issue 6): per-depth bucketing and node-wise plans, executed.
+"""The KDA call ablation: per-depth bucketing and node-wise plans, executed.
 
 - ``per_depth_bucketing_plan`` / ``node_wise_plan`` are valid replay-free ``CallPlan``s whose
   call counts are the baselines' counts, shaped as the baselines describe them;

@@ -1,4 +1,4 @@
-"""Sharing windows with pipeline parallelism (issue 10): consumer 1F1B, overlapping windows
+"""Sharing windows with pipeline parallelism: consumer 1F1B, overlapping windows
 (backward-first) and non-overlapping windows.
 
 - ``stage_orders`` (pure Python): the orders run are ``simulator.schedule_ops``'s (the one

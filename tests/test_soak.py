@@ -1,4 +1,4 @@
-"""Kill-and-resume soak (issue 37): a run in tree mode with sharing windows (fp64, CPU, a tiny hybrid
+"""Kill-and-resume soak: a run in tree mode with sharing windows (fp64, CPU, a tiny hybrid
 MoE), SIGKILLed at seeded random iterations and at every injected point of a save, resumed with
 ``--load`` each time, ends bitwise equal to the uninterrupted run: every parameter, the optimizer
 state, the torch and model-parallel RNG states, the scheduler and the data position of the final

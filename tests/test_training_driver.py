@@ -1,4 +1,4 @@
-"""The training driver end to end on CPU (issue 9): DP=2 gloo runs of a tiny hybrid MoE model, fp64.
+"""The training driver end to end on CPU: DP=2 gloo runs of a tiny hybrid MoE model, fp64.
 
 - tree mode (``--tree-sharing within`` and ``windows``) and expanded mode (``off``) give the same
   losses and the same parameters after every step (PPO with KL and entropy terms);

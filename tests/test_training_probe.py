@@ -1,4 +1,4 @@
-"""Logit probes and run comparison (issue 11's measuring tools): training/probe.py, training/compare.py,
+"""Logit probes and run comparison: training/probe.py, training/compare.py,
 tools/compare_runs.py.
 
 - end to end (DP=2 gloo, fp64): expanded and windowed tree runs of the driver probe the same tokens;

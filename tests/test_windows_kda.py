@@ -1,4 +1,4 @@
-"""KDA across a sharing window: producer + consumer equal whole-tree KDA (issue 8, part A).
+"""KDA across a sharing window: producer + consumer equal whole-tree KDA.
 
 A consumer layout holds subtrees whose ancestors live in a producer layout.  Its sequences start
 at aligned positions from the producer's exported boundary states, replaying producer rows

@@ -1,4 +1,4 @@
-"""Hybrid model across a sharing window: producer + consumers == the whole-tree run (issue 8, part B).
+"""Hybrid model across a sharing window: producer + consumers == the whole-tree run.
 
 A producer layout records per-layer exports (MLA keys/values, KDA conv inputs, KDA core inputs and
 boundary states); consumer layouts (subtrees whose ancestors are producer rows) read them.

@@ -1,4 +1,4 @@
-"""A planned step runs (issue 8): ``windowed_microbatches`` turns a ``plan_harts`` plan into windowed
+"""A planned step runs: ``windowed_microbatches`` turns a ``plan_harts`` plan into windowed
 microbatches (layouts of the microbatches' computed segment sets, targets on owned segments only,
 external context read from a producer's exports), and ``forward_backward_windows`` over them gives
 the per-trajectory log-probs and every parameter gradient of the same step with the shared prefixes

@@ -1,4 +1,4 @@
-"""The sharing-window schedule (issue 8, part C): one step with windows == the same step with the
+"""The sharing-window schedule: one step with windows == the same step with the
 shared prefixes recomputed == expanded training (fp64, per-parameter gradients to 1e-10), and the
 peak retained export memory follows the windows' overlap.
 """
