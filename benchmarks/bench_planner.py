@@ -10,7 +10,7 @@ interleaved (every planner once per round), so that all planners' fastest runs c
 stretch of the machine's load.  OR-Tools runs once when that run takes more than a second (its
 time is then mostly its search limit), else ``--repeat`` times like the others (small batches,
 where CP-SAT proves FFD's packing optimal in milliseconds and one run's time is mostly noise);
-where a whole round takes milliseconds, more rounds (``QUICK_ROUNDS``).  The target checks of issue 7 are printed
+where a whole round takes milliseconds, more rounds (``QUICK_ROUNDS``).  The planner's target checks are printed
 at the end, with the numbers:
 
 - L1+L2 compression >= 1.3x L1's on Tree-Step batches, and above OR-Tools+FFD everywhere (the

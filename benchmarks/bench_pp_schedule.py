@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Pipeline schedules of sharing windows, simulated side by side on SWE-like plans (issue 10, item 6).
+"""Pipeline schedules of sharing windows, simulated side by side on SWE-like plans.
 
 For each rollout scheme (synthetic Tree-Step and Step-wise global batches) and each pipeline depth,
 one HARTS L1+L2 plan per batch (replica 0's step, the windows ``schedules/windows.py`` runs) is

@@ -24,7 +24,7 @@ would show; the step times of a host-bound run move with the host's speed).  ``-
 records one more step of every mode under the CUDA allocator's history: the bytes alive at the
 step's peak by allocation site (``memory_at_peak``).
 
-Targets (issue 6): speedup >= 0.8 x compression; Step-wise >= 7x and Tree-Step >= 3.9x at the
+Targets: speedup >= 0.8 x compression; Step-wise >= 7x and Tree-Step >= 3.9x at the
 paper's compression levels; logit cosine >= 0.9997; tree-mode peak memory <= expanded.
 
 Writes ``--out`` (JSON: machine, versions, every figure).  Needs CUDA (``--device cpu`` with a

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fidelity and throughput of tree mode under each parallel configuration (issue 11).
+"""Fidelity and throughput of tree mode under each parallel configuration.
 
 For every configuration (``--configs``), with the training driver (pretrain_tree_gpt.py through
 torch.distributed.run, ``--nproc`` processes) on the same SWE-like data and initial weights:
