@@ -52,7 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_throughput import PRESETS, model_flags, release_memory, run_mode, visible_pairs  # noqa: E402
+from bench_throughput import (PRESETS, check_device, model_flags, release_memory, run_mode,  # noqa: E402
+                              visible_pairs)
 from megatron_harts.cli import ArgumentParser, CliError, output_path, run  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -241,11 +242,7 @@ def parse(argv):
             raise CliError(f"--budgets: each budget must be >= 2, got {b}")
     if a.microbatch_tokens is not None and a.microbatch_tokens < 1:
         raise CliError(f"--microbatch-tokens must be >= 1, got {a.microbatch_tokens}")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise CliError("--device cuda: no CUDA device is visible here (use --device cpu --preset tiny for a smoke run)")
-    if a.device == "cpu" and torch.cuda.is_available():
-        raise CliError("--device cpu: a CUDA device is visible and the training driver trains on it; hide it "
-                       "(CUDA_VISIBLE_DEVICES=) to measure on the CPU")
+    check_device(a.device)
     a.schemes, a.strategies = list(dict.fromkeys(a.schemes)), list(dict.fromkeys(a.strategies))
     a.budgets, a.tree_sharing = list(dict.fromkeys(a.budgets)), list(dict.fromkeys(a.tree_sharing))
     if a.out is None:        # its folder is made when the run starts

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from megatron_harts.cli import ArgumentParser, run  # noqa: E402
+from megatron_harts.cli import ArgumentParser, CliError, run  # noqa: E402
 
 PRESETS = {
     # Kimi-Linear-shaped, fits one H200 with bf16 and the driver's default (non-distributed) optimizer
@@ -59,6 +59,16 @@ PRESETS = {
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}
 #: a stack frame in these is the project's (profiles name the first such frame as the site)
 PROJECT_ROOTS = (os.sep + "megatron_harts" + os.sep, os.sep + "megatron" + os.sep)
+
+
+def check_device(device: str) -> None:
+    """CliError unless the driver would train on ``device``: CUDA when asked for must be visible, and
+    a CPU measurement needs CUDA hidden (the driver trains on a visible GPU)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda: no CUDA device is visible here (use --device cpu --preset tiny for a smoke run)")
+    if device == "cpu" and torch.cuda.is_available():
+        raise CliError("--device cpu: a CUDA device is visible and the training driver trains on it; hide it "
+                       "(CUDA_VISIBLE_DEVICES=) to measure on the CPU")
 
 
 def model_flags(p, dtype_flag):

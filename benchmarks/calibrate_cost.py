@@ -53,7 +53,7 @@ sys.path.insert(0, HERE)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_throughput import PRESETS, model_flags, synthesize  # noqa: E402
+from bench_throughput import PRESETS, check_device, model_flags, synthesize  # noqa: E402
 from megatron_harts.cli import ArgumentParser, CliError, print_table, run  # noqa: E402
 
 SCHEMES = ("tree-step", "step-wise")
@@ -230,11 +230,7 @@ def parse_args(argv):
     for b in a.budgets:
         if b < 1:
             raise CliError(f"--budgets: each budget must be >= 1, got {b}")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise CliError("--device cuda: no CUDA device is visible here (use --device cpu --preset tiny for a smoke run)")
-    if a.device == "cpu" and torch.cuda.is_available():
-        raise CliError("--device cpu: a CUDA device is visible and the training driver trains on it; hide it "
-                       "(CUDA_VISIBLE_DEVICES=) to measure on the CPU")
+    check_device(a.device)
     a.schemes = list(dict.fromkeys(a.schemes))
     a.budgets = sorted(set(a.budgets))
     if a.out is None:        # the folder is made when missing; a CPU smoke run stays out of the committed results
