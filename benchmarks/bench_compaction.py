@@ -18,7 +18,8 @@ every mode of the run except ``--tree-sharing``, each mode from the same initial
 
 Per mode: step time (median of ``--iters`` timed steps after ``--warmup``), trajectory tokens/s
 (the traces' tokens N over the step time: the same numerator for both forms), rows computed,
-visible attention pairs of the plan's microbatches, peak memory (CUDA; None on the CPU), the loss
+visible attention pairs of the plan's microbatches, the rows of its largest microbatch (what
+activation memory follows), peak memory (CUDA; None on the CPU), the loss
 of the first step (initial weights) and after one optimizer step.  Per set, the ratios the targets
 read: KV-streams tree over KV-streams expanded (step-time speedup against its compression),
 KV-streams tree over re-prefill tree (speedup against the ratio of their rows), peak memory of
@@ -137,6 +138,7 @@ def measure(argv, forest, n: int, a) -> dict:
     return {"step_seconds": t, "step_seconds_all": times, "trajectory_tokens_per_s": n / t,
             "rows_computed": int(m["computed_tokens"]), "sample_tokens": int(m["trajectory_tokens"]),
             "visible_pairs": int(visible_pairs(plan)), "peak_memory_gib": peak,
+            "largest_microbatch_rows": max(int(mb.features.rows) for mb in plan.microbatches),
             "loss_first_step": losses[0][0], "loss_after_one_step": losses[1][0] if len(losses) > 1 else None,
             "loss_per_step": [loss for loss, _ in losses], "grad_norm_per_step": [g for _, g in losses],
             "microbatches": m["microbatches"], "kda_calls": m["kda_calls"], "planner": plan.planner, **backends}
@@ -160,7 +162,9 @@ def derived(row: dict) -> dict:
         out[f"kv_{tag}_over_kv_expanded"] = {
             "speedup": speedup, "compression": compression,
             "speedup_over_compression": _ratio(speedup, compression),
-            "peak_memory_ratio": _ratio(tree["peak_memory_gib"], kv_e["peak_memory_gib"])}
+            "peak_memory_ratio": _ratio(tree["peak_memory_gib"], kv_e["peak_memory_gib"]),
+            "largest_microbatch_rows_ratio": _ratio(tree.get("largest_microbatch_rows"),
+                                                    kv_e.get("largest_microbatch_rows"))}
         speedup = _ratio(rp_t["step_seconds"], tree["step_seconds"])
         rows = _ratio(rp_t["rows_computed"], tree["rows_computed"])
         out[f"kv_{tag}_over_reprefill_tree"] = {"speedup": speedup, "rows_ratio": rows,
