@@ -23,6 +23,13 @@ per pair to causal SDPA's (target for tree_flex on GPU: <= 1.5).  Also the wall-
 tree_flex over expanded attention.  Before timing, tree_flex's output and input gradients are
 checked against expanded attention of the same values (max error and cosine, reported).
 
+With ``--compaction STRATEGY`` the workload is compaction traces (KV-streams, docs/data_format.md):
+one rollout of ``--max-tokens``-token traces under that strategy at ``--context-budget``; every tree
+method's mask excludes the evicted keys, expanded attention applies each trajectory's own evictions,
+and "pairs" are the visible pairs (a key evicted before a query is no pair of it).  Time per visible
+pair against causal SDPA's over the same rows then says whether eviction costs nothing: the block
+mask must skip evicted blocks, the key paths must gather only visible keys.
+
 On CPU torch's FlexAttention has no backward: flex methods are timed forward only there
 (``bwd`` fields are null).  Use ``--device cpu --rows 512`` for a smoke run.
 """
@@ -40,12 +47,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron_harts.cli import ArgumentParser, CliError, run  # noqa: E402
-from megatron_harts.layout import Visibility, build_layout  # noqa: E402
+from megatron_harts.layout import Visibility, build_layout, sequence_visibility  # noqa: E402
 from megatron_harts.ops.key_paths import build_key_paths, fa4_available  # noqa: E402
 from megatron_harts.ops.tree_attention import (build_tree_block_mask, set_flex_compile_mode,  # noqa: E402
                                                 tree_attention)
 from megatron_harts.tree_data import build_forest  # noqa: E402
-from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe  # noqa: E402
+from megatron_harts.tree_data.synthetic import COMPACTIONS, SweConfig, synthesize_swe  # noqa: E402
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -58,6 +65,11 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, default=32768, help="target number of compact rows (whole trees are "
                    "added while they fit; default 32768)")
     p.add_argument("--scheme", default="tree-step", choices=["tree-step", "step-wise"])
+    p.add_argument("--compaction", default="none", choices=COMPACTIONS,
+                   help="compaction traces of this strategy (default none: plain rollout trees)")
+    p.add_argument("--context-budget", type=int, default=4096, help="with --compaction: live tokens per rollout")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="with --compaction: trace length (default: --rows for step-wise, 2/3 of it for tree-step)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); default = --heads")
     p.add_argument("--head-dim", type=int, default=128, help="q/k and v head dim (ignored with --mla)")
@@ -79,13 +91,17 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the tree-vs-expanded correctness check")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = p.parse_args(argv)
-    for name in ("rows", "heads", "head_dim", "repeats"):
+    for name in ("rows", "heads", "head_dim", "repeats", "context_budget"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
         p.error("--kv-heads must divide --heads")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        p.error("--max-tokens must be >= 2")
+    if args.expanded_loop and args.compaction != "none":
+        p.error("--expanded-loop times plain causal SDPA per trajectory, which ignores --compaction's evictions")
     if args.tree_sdpa is None:
         args.tree_sdpa = torch.device(args.device).type == "cpu"
     return args
@@ -123,6 +139,36 @@ def swe_forest(target_rows: int, scheme: str, seed: int):
     if not trajs:
         raise CliError(f"no synthetic tree fits in --rows {target_rows}")
     return build_forest(trajs)
+
+
+def compaction_forest(args):
+    """One rollout (one task, one sample) of compaction traces: turns until ``--max-tokens``, the
+    strategy at ``--context-budget`` (the sliding window evicts a quarter of it at a time)."""
+    max_tokens = args.max_tokens or (args.rows if args.scheme == "step-wise" else 2 * args.rows // 3)
+    budget = args.context_budget
+    cfg = dict(scheme=args.scheme, num_tasks=1, samples_per_task=1, max_leaves=2, min_turns=200, max_turns=200,
+               prompt_median=min(3000, max_tokens // 4), action_median=max(2, min(200, max_tokens // 40)),
+               observation_median=max(2, min(600, max_tokens // 15)),
+               max_tokens=max_tokens, seed=args.seed, compaction=args.compaction, context_budget=budget,
+               keep_prefix=min(256, budget // 8), keep_last=min(512, budget // 4), evict_chunk=max(1, budget // 4),
+               summary_tokens=min(256, budget // 8))
+    try:
+        trajs = synthesize_swe(SweConfig(**cfg))
+    except ValueError as e:
+        raise CliError(f"--compaction {args.compaction} --context-budget {budget}: {e}") from None
+    return build_forest(trajs)
+
+
+def expanded_visibility(forest, layout) -> Visibility:
+    """Every trajectory of ``layout`` packed end to end in its order, each causal with its own
+    compaction events (key k of a trajectory is seen from k until an event evicts it)."""
+    lengths = layout.traj_length.cpu()
+    events = [forest.expand(t).compactions for t in layout.traj_ids]
+    return sequence_visibility(lengths.tolist(), events) or packed_causal_visibility(lengths)
+
+
+def visible_pairs(vis: Visibility) -> int:
+    return int((vis.end - vis.start).sum())
 
 
 def packed_causal_visibility(lengths: torch.Tensor) -> Visibility:
@@ -194,14 +240,15 @@ def main(argv=None):
     dqk, dv = tuple(args.dims) if args.dims else (192, 128) if args.mla else (args.head_dim, args.head_dim)
 
     set_flex_compile_mode(args.compile_mode)
-    forest = swe_forest(args.rows, args.scheme, args.seed)
+    forest = swe_forest(args.rows, args.scheme, args.seed) if args.compaction == "none" else compaction_forest(args)
     layout = build_layout(forest).to(device)
     R = layout.num_rows
     lengths = layout.traj_length.cpu()
     E = int(lengths.sum())
-    tree_pairs = int((layout.position_ids + 1).sum())
+    tree_pairs = visible_pairs(layout.visibility)
     causal_pairs = R * (R + 1) // 2
-    expanded_pairs = int((lengths * (lengths + 1) // 2).sum())
+    exp_vis = expanded_visibility(forest, layout).to(device)
+    expanded_pairs = visible_pairs(exp_vis)
 
     gen = torch.Generator(device=device).manual_seed(args.seed)
     mk = lambda *s: (torch.randn(*s, device=device, generator=gen) * 0.5).to(dtype).requires_grad_()
@@ -218,10 +265,10 @@ def main(argv=None):
     nfull, npart = int(bm.full_kv_num_blocks.sum()), int(bm.kv_num_blocks.sum())
     block_stats = {"full_blocks": nfull, "partial_blocks": npart,
                    "visible_pairs_per_computed_pair": tree_pairs / ((nfull + npart) * args.block_size ** 2)}
-    paths = build_key_paths(layout.visibility, device=device)
-    key_paths_ms = timed(lambda: build_key_paths(layout.visibility, device=device), device, 1,
+    prev = layout.prev if layout.num_events else None      # eviction: runs break at event rows
+    paths = build_key_paths(layout.visibility, prev=prev, device=device)
+    key_paths_ms = timed(lambda: build_key_paths(layout.visibility, prev=prev, device=device), device, 1,
                          max(1, args.repeats // 2))
-    exp_vis = packed_causal_visibility(lengths).to(device)
     exp_bm = build_tree_block_mask(exp_vis, block_size=args.block_size)
 
     kernel_options = json.loads(args.kernel_options) if args.kernel_options else None
@@ -323,7 +370,9 @@ def main(argv=None):
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "dtype": args.dtype, "heads": H, "kv_heads": Hk, "dqk": dqk, "dv": dv,
-        "block_size": args.block_size, "scheme": args.scheme,
+        "block_size": args.block_size, "scheme": args.scheme, "compaction": args.compaction,
+        "context_budget": args.context_budget if args.compaction != "none" else None,
+        "compaction_events": int(forest.stats()["compaction_events"]),
         "rows": R, "trees": layout.num_trees, "trajectories": layout.num_trajectories,
         "expanded_tokens": E, "compression": E / R,
         "pairs": {"tree": tree_pairs, "causal": causal_pairs, "expanded": expanded_pairs},
@@ -340,6 +389,9 @@ def main(argv=None):
     print(f"{report['device']}  torch {report['torch']}  {args.dtype}  heads {H}/{Hk}  dims {dqk}/{dv}")
     print(f"rows {R} in {layout.num_trees} trees, {layout.num_trajectories} trajectories, expanded tokens {E} "
           f"(compression {E / R:.2f}x); block mask build {block_mask_ms:.2f} ms")
+    if args.compaction != "none":
+        print(f"compaction {args.compaction} at budget {args.context_budget}: {report['compaction_events']} events; "
+              f"visible pairs {tree_pairs} of {causal_pairs} causal ({tree_pairs / causal_pairs:.3f})")
     print("tree block mask: " + ", ".join(f"{k_} {v_:.3g}" for k_, v_ in block_stats.items()))
     if check:
         print("check vs expanded: " + ", ".join(f"{k_} {v_:.3g}" for k_, v_ in check.items()))
