@@ -35,6 +35,8 @@ h200 the twelve sets (two schemes, three strategies, budgets 4096 and 8192) take
 minutes on one H200; ``--schemes``, ``--strategies`` and ``--budgets`` select sets.  A CPU smoke
 run: ``--device cpu --preset tiny`` with small ``--max-tokens``, ``--budgets``, ``--prompt-median``,
 ``--action-median``, ``--observation-median``, ``--keep-prefix``, ``--keep-last``, ``--summary-tokens``.
+``--profile FILE`` adds one profiled step per mode (where the time goes: GPU kernel seconds by category,
+the top kernels and operators).
 """
 import argparse
 import contextlib
@@ -130,18 +132,34 @@ def driver_argv(a, sets) -> list:
         "--tree-attention-backend", a.attention_backend] + a.driver_flags.split()
 
 
-def measure(argv, forest, n: int, a) -> dict:
-    """One mode: ``run_mode``'s timed steps and their figures (module docstring); N = ``n``."""
-    times, metrics, losses, peak, plan, _, _, backends = run_mode(argv, forest, a.iters, a.warmup, a.device)
+def measure(argv, forest, n: int, a, title: str) -> dict:
+    """One mode: ``run_mode``'s timed steps and their figures (module docstring); N = ``n``.  With
+    ``--profile`` one more step under the profiler: its wall and GPU kernel seconds, kernel time per
+    category in the result, its tables appended to the file under ``title``."""
+    times, metrics, losses, peak, plan, prof, _, backends = run_mode(argv, forest, a.iters, a.warmup, a.device,
+                                                                     profile=bool(a.profile))
     t = statistics.median(times)
     m = metrics[-1]
-    return {"step_seconds": t, "step_seconds_all": times, "trajectory_tokens_per_s": n / t,
+    extra = {}
+    if prof is not None:
+        summary, tables = prof
+        extra["profile"] = summary
+        with open(a.profile, "a") as f:
+            f.write(f"===== {title}: wall {summary['wall_seconds']:.3f} s, kernels {summary['kernel_seconds']:.3f} s "
+                    f"({summary['kernel_launches']} launches)\n"
+                    + "".join(f"  {cat:>14}: {v['seconds']:.3f} s, {v['launches']} launches\n"
+                              for cat, v in summary["categories"].items()) + tables + "\n")
+    return {**extra, "step_seconds": t, "step_seconds_all": times, "trajectory_tokens_per_s": n / t,
             "rows_computed": int(m["computed_tokens"]), "sample_tokens": int(m["trajectory_tokens"]),
             "visible_pairs": int(visible_pairs(plan)), "peak_memory_gib": peak,
             "largest_microbatch_rows": max(int(mb.features.rows) for mb in plan.microbatches),
             "loss_first_step": losses[0][0], "loss_after_one_step": losses[1][0] if len(losses) > 1 else None,
             "loss_per_step": [loss for loss, _ in losses], "grad_norm_per_step": [g for _, g in losses],
             "microbatches": m["microbatches"], "kda_calls": m["kda_calls"], "planner": plan.planner, **backends}
+
+
+def _kernel_seconds(mode: dict):
+    return mode.get("profile", {}).get("kernel_seconds")
 
 
 def _ratio(x, y):
@@ -164,7 +182,8 @@ def derived(row: dict) -> dict:
             "speedup_over_compression": _ratio(speedup, compression),
             "peak_memory_ratio": _ratio(tree["peak_memory_gib"], kv_e["peak_memory_gib"]),
             "largest_microbatch_rows_ratio": _ratio(tree.get("largest_microbatch_rows"),
-                                                    kv_e.get("largest_microbatch_rows"))}
+                                                    kv_e.get("largest_microbatch_rows")),
+            "kernel_speedup": _ratio(_kernel_seconds(kv_e), _kernel_seconds(tree))}
         speedup = _ratio(rp_t["step_seconds"], tree["step_seconds"])
         rows = _ratio(rp_t["rows_computed"], tree["rows_computed"])
         out[f"kv_{tag}_over_reprefill_tree"] = {"speedup": speedup, "rows_ratio": rows,
@@ -234,6 +253,10 @@ def parse(argv):
                     help="more training-driver flags for every mode, e.g. '--tree-triton-max-configs 1'")
     ap.add_argument("--out", default=None, metavar="FILE",
                     help="results JSON (default out/compaction-<time>.json in the repository)")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="profile one more step of every mode (torch.profiler): wall and GPU kernel seconds and "
+                         "kernel time per category into the results (and the kernel-time speedup of tree over "
+                         "expanded), the top kernels and operators appended to FILE")
     ap.add_argument("--json", action="store_true", help="print the results JSON")
     a = ap.parse_args(argv)
     for flag, value, low in (("--num-tasks", a.num_tasks, 1), ("--samples-per-task", a.samples_per_task, 1),
@@ -253,6 +276,8 @@ def parse(argv):
         a.out = os.path.join(os.path.dirname(HERE), "out", time.strftime("compaction-%Y%m%d-%H%M%S.json"))
     else:
         output_path(a.out, "--out")
+    if a.profile is not None:
+        output_path(a.profile, "--profile")
     return a
 
 
@@ -306,6 +331,8 @@ def main(argv=None):
     common = driver_argv(a, sets)
     results["driver_argv"] = common
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    if a.profile:
+        open(a.profile, "w").close()      # the modes' tables are appended as they run
     modes = [(f, s) for f, s in MODES if f == "reprefill" or s == "off" or s in a.tree_sharing]
     failed = []
     for n_set, s in enumerate(sets):
@@ -321,7 +348,8 @@ def main(argv=None):
             t0 = time.perf_counter()
             try:
                 with contextlib.redirect_stdout(sys.stderr):     # megatron's prints: stdout holds results only
-                    m = measure(common + ["--tree-sharing", sharing], s["forests"][form], s["N"], a)
+                    m = measure(common + ["--tree-sharing", sharing], s["forests"][form], s["N"], a,
+                                f"{s['name']} {key}")
             except PlanningError as e:
                 if sharing != "windows":
                     raise
