@@ -11,7 +11,11 @@ with producer/consumer windows across microbatches; same ``--tree-microbatch-tok
 All runs start from the same initial weights (same seed).  Reported per scheme and mode: step time (median of the timed iterations after
 warm-up), update throughput (trajectory tokens per second), rows computed, within-microbatch
 compression (trajectory tokens / rows computed), KDA calls (summed over microbatches),
-peak memory, MFU (executed dense FLOPs / (time x peak)), and the speedup; plus, for tree mode,
+peak memory, model FLOPs (``model_flops``: dense 6 x parameters a row passes through x rows
+computed; MLA attention 2 x visible pairs x heads x (q/k dim + v dim) x 3 per MLA layer, over the
+pairs the mode executed: tree mode's layout pairs, expanded mode's causal pairs per trajectory,
+evicted keys left out; the KDA chunk algorithm's core; the output layer at the vocabulary on the
+rows that carry targets), MFU (model FLOPs / (time x bf16 peak)), and the speedup; plus, for tree mode,
 KDA calls per layer of the HARTS call plan vs per-depth bucketing (``planner.baselines``) over
 the step's whole forest, and the logit cosine between tree and expanded mode on a sample of one
 tree at the initial weights (``models.fidelity``).  ``--kda-call-plans per-depth node-wise`` adds
@@ -23,6 +27,14 @@ per category, the host synchronizations by source line, and per tree mode ``kern
 would show; the step times of a host-bound run move with the host's speed).  ``--memory-profile``
 records one more step of every mode under the CUDA allocator's history: the bytes alive at the
 step's peak by allocation site (``memory_at_peak``).
+
+Presets (``PRESETS``, also read by bench_compaction, calibrate_cost and step_fidelity): ``h200`` and
+``h200-2k`` (Kimi-Linear-shaped, hidden 1024 / 2048), ``kimi48b-layers`` (Kimi-Linear-48B-A3B's
+per-layer shapes as one rank of 8-way expert parallelism holds them: ``KIMI48B_LAYERS``; 16 layers,
+every layer recomputed in the backward; ``memory_estimate`` sizes it) and ``tiny`` (CPU smoke runs).
+``--layers`` changes a preset's layer count, ``--max-turns`` / ``--observation-median`` /
+``--max-leaves`` let trajectories reach a ``--max-tokens`` of 64k-128k, and ``--plan-only`` prints
+each mode's rows, pairs, model FLOPs and estimated peak memory without training.
 
 Targets: speedup >= 0.8 x compression; Step-wise >= 7x and Tree-Step >= 3.9x at the
 paper's compression levels; logit cosine >= 0.9997; tree-mode peak memory <= expanded.
