@@ -11,7 +11,11 @@ with producer/consumer windows across microbatches; same ``--tree-microbatch-tok
 All runs start from the same initial weights (same seed).  Reported per scheme and mode: step time (median of the timed iterations after
 warm-up), update throughput (trajectory tokens per second), rows computed, within-microbatch
 compression (trajectory tokens / rows computed), KDA calls (summed over microbatches),
-peak memory, MFU (executed dense FLOPs / (time x peak)), and the speedup; plus, for tree mode,
+peak memory, model FLOPs (``model_flops``: dense 6 x parameters a row passes through x rows
+computed; MLA attention 2 x visible pairs x heads x (q/k dim + v dim) x 3 per MLA layer, over the
+pairs the mode executed: tree mode's layout pairs, expanded mode's causal pairs per trajectory,
+evicted keys left out; the KDA chunk algorithm's core; the output layer at the vocabulary on the
+rows that carry targets), MFU (model FLOPs / (time x bf16 peak)), and the speedup; plus, for tree mode,
 KDA calls per layer of the HARTS call plan vs per-depth bucketing (``planner.baselines``) over
 the step's whole forest, and the logit cosine between tree and expanded mode on a sample of one
 tree at the initial weights (``models.fidelity``).  ``--kda-call-plans per-depth node-wise`` adds
@@ -23,6 +27,14 @@ per category, the host synchronizations by source line, and per tree mode ``kern
 would show; the step times of a host-bound run move with the host's speed).  ``--memory-profile``
 records one more step of every mode under the CUDA allocator's history: the bytes alive at the
 step's peak by allocation site (``memory_at_peak``).
+
+Presets (``PRESETS``, also read by bench_compaction, calibrate_cost and step_fidelity): ``h200`` and
+``h200-2k`` (Kimi-Linear-shaped, hidden 1024 / 2048), ``kimi48b-layers`` (Kimi-Linear-48B-A3B's
+per-layer shapes as one rank of 8-way expert parallelism holds them: ``KIMI48B_LAYERS``; 16 layers,
+every layer recomputed in the backward; ``memory_estimate`` sizes it) and ``tiny`` (CPU smoke runs).
+``--layers`` changes a preset's layer count, ``--max-turns`` / ``--observation-median`` /
+``--max-leaves`` let trajectories reach a ``--max-tokens`` of 64k-128k, and ``--plan-only`` prints
+each mode's rows, pairs, model FLOPs and estimated peak memory without training.
 
 Targets: speedup >= 0.8 x compression; Step-wise >= 7x and Tree-Step >= 3.9x at the
 paper's compression levels; logit cosine >= 0.9997; tree-mode peak memory <= expanded.
@@ -53,8 +65,27 @@ PRESETS = {
     # the same shape at hidden 2048 (~2.6B parameters): more GPU work per row for the same host work
     "h200-2k": dict(layers=12, hidden=2048, heads=16, ffn=8192, experts=32, topk=8, moe_ffn=1024, vocab=32000,
                     kv_lora=512, qk=128, rope=64, v=128, lin_head=128),
+    # Kimi-Linear-48B-A3B's layers as one rank of 8-way expert parallelism holds them (32 of its 256
+    # experts; KIMI48B_LAYERS, docs/benchmarks.md), 16 of its 27 layers: 4.9B parameters, 88 GB of
+    # weights, gradients and Adam state; every layer recomputed in the backward (memory_estimate)
+    "kimi48b-layers": dict(layers=16, hidden=2304, heads=32, ffn=9216, experts=32, topk=8, moe_ffn=1024,
+                           vocab=163840, kv_lora=512, qk=128, rope=64, v=128, lin_head=128, lin_heads=32,
+                           shared_ffn=1024, recompute="full"),
     "tiny": dict(layers=4, hidden=64, heads=2, ffn=128, experts=4, topk=2, moe_ffn=32, vocab=512,
                  kv_lora=16, qk=16, rope=8, v=16, lin_head=16),
+}
+#: what ``kimi48b-layers`` keeps of Kimi-Linear-48B-A3B (the released checkpoint's config) and what
+#: it cuts; docs/benchmarks.md explains the choice
+KIMI48B_LAYERS = {
+    "model": "moonshotai/Kimi-Linear-48B-A3B",
+    "kept": "hidden 2304; MLA: 32 heads, kv_lora_rank 512, q/k nope 128 + rope 64, v 128, no q LoRA; KDA: 32 "
+            "heads of 128 (keys and values), short conv 4; dense first MLP 9216; MoE: experts 1024 wide, top-8 "
+            "sigmoid routing with expert bias, one shared expert 1024 wide; vocabulary 163,840; 3 KDA : 1 MLA",
+    "per_rank": "32 local experts: one rank's share of 256 experts under 8-way expert parallelism (top-8 routing "
+                "over the 32, so every token's 8 experts are local: the expert compute per token is the real "
+                "model's, the all-to-all is not there)",
+    "cut": "16 of 27 layers (weights, gradients and optimizer state of 27 layers x 32 experts do not fit one "
+           "141 GB H200 beside 32k-row activations); no expert-parallel communication; routed scaling 2.5",
 }
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}
 #: a stack frame in these is the project's (profiles name the first such frame as the site)
@@ -71,47 +102,176 @@ def check_device(device: str) -> None:
                        "(CUDA_VISIBLE_DEVICES=) to measure on the CPU")
 
 
+#: driver flags of a preset's ``recompute`` entry: "full" recomputes every layer in the backward
+#: (only each layer's input is kept), megatron's uniform full recomputation of one layer at a time
+RECOMPUTE_FLAGS = {"full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+                   None: ""}
+
+
 def model_flags(p, dtype_flag):
-    """Driver flags of a preset's model.  The router computes in fp32 (``--moe-router-dtype fp32``),
-    as Kimi-Linear's gate does (``hf_convert`` sets the same), except under ``--fp64`` (fp64 throughout)."""
+    """Driver flags of a preset's model: every shape of ``p`` (KDA heads ``lin_heads``, default the
+    attention heads; shared expert ``shared_ffn``, default ``moe_ffn``; ``recompute``, default none).
+    The router computes in fp32 (``--moe-router-dtype fp32``), as Kimi-Linear's gate does
+    (``hf_convert`` sets the same), except under ``--fp64`` (fp64 throughout)."""
     router = "" if "--fp64" in dtype_flag else " --moe-router-dtype fp32"
+    lin_heads = p.get("lin_heads", p["heads"])
+    recompute = RECOMPUTE_FLAGS[p.get("recompute")]
     return (f"--num-layers {p['layers']} --hidden-size {p['hidden']} --num-attention-heads {p['heads']} "
             f"--ffn-hidden-size {p['ffn']} --swiglu --disable-bias-linear --multi-latent-attention "
             f"--kv-lora-rank {p['kv_lora']} --qk-head-dim {p['qk']} --qk-pos-emb-head-dim {p['rope']} "
-            f"--v-head-dim {p['v']} --linear-attention-freq 4 --linear-key-head-dim {p['lin_head']} "
+            f"--v-head-dim {p['v']} --linear-attention-freq 4 --linear-num-key-heads {lin_heads} "
+            f"--linear-num-value-heads {lin_heads} --linear-key-head-dim {p['lin_head']} "
             f"--linear-value-head-dim {p['lin_head']} --num-experts {p['experts']} --moe-router-topk {p['topk']} "
-            f"--moe-ffn-hidden-size {p['moe_ffn']} --moe-shared-expert-intermediate-size {p['moe_ffn']} "
+            f"--moe-ffn-hidden-size {p['moe_ffn']} "
+            f"--moe-shared-expert-intermediate-size {p.get('shared_ffn', p['moe_ffn'])} "
             f"--moe-layer-freq ([0]+[1]*{p['layers'] - 1}) --moe-router-score-function sigmoid "
             f"--moe-router-enable-expert-bias --moe-router-topk-scaling-factor 2.5 --moe-aux-loss-coeff 0.001 "
-            f"--vocab-size {p['vocab']} --untie-embeddings-and-output-weights {dtype_flag}{router}").split()
+            f"--vocab-size {p['vocab']} --untie-embeddings-and-output-weights {recompute} {dtype_flag}{router}"
+            ).split()
 
 
-def synthesize(scheme, num_tasks, max_tokens, vocab, seed, samples_per_task=2):
+def synthesize(scheme, num_tasks, max_tokens, vocab, seed, samples_per_task=2, **shape):
+    """The scheme's SWE-like forest; ``shape``: more ``SweConfig`` fields (``max_turns``,
+    ``observation_median``...: trajectories reach ``max_tokens`` only where their turns allow it;
+    a turn cap under the default minimum lowers the minimum)."""
     from megatron_harts.tree_data import build_forest
     from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
     cfg = SweConfig(scheme=scheme, num_tasks=num_tasks, samples_per_task=samples_per_task, max_tokens=max_tokens,
-                    vocab_size=vocab, seed=seed)
+                    vocab_size=vocab, seed=seed, **shape)
+    cfg.min_turns = min(cfg.min_turns, cfg.max_turns)
     return build_forest(synthesize_swe(cfg))
 
 
-def active_params_per_token(p):
-    """Parameters a token passes through (embedding lookup excluded, output layer included)."""
-    h, L = p["hidden"], p["layers"]
-    n_mla = L // 4
-    n_kda = L - n_mla
-    kda = 3 * h * p["heads"] * p["lin_head"] + 2 * (h * p["lin_head"] + p["lin_head"] * p["heads"] * p["lin_head"]) \
-        + h * p["heads"] + p["heads"] * p["lin_head"] * h
-    mla = h * p["heads"] * (p["qk"] + p["rope"]) + h * (p["kv_lora"] + p["rope"]) \
-        + p["kv_lora"] * p["heads"] * (p["qk"] + p["v"]) + p["heads"] * p["v"] * h
-    dense = 3 * h * p["ffn"]
-    moe = (p["topk"] + 1) * 3 * h * p["moe_ffn"] + h * p["experts"]
-    return n_kda * kda + n_mla * mla + dense + (L - 1) * moe + h * p["vocab"]
+def layer_kinds(p):
+    """Per layer (attention, MLP): ``--linear-attention-freq 4`` makes every 4th layer MLA, the others
+    KDA; ``--moe-layer-freq ([0]+[1]*(L-1))`` makes the first MLP dense, the others MoE."""
+    return [("mla" if (i + 1) % 4 == 0 else "kda", "dense" if i == 0 else "moe") for i in range(p["layers"])]
 
 
-def step_flops(p, rows, pairs):
-    """Executed dense FLOPs of forward + backward: 6 per parameter per row, plus MLA's attention."""
-    attn = 2 * pairs * p["heads"] * (p["qk"] + p["rope"] + p["v"]) * (p["layers"] // 4)
-    return 6 * active_params_per_token(p) * rows + 3 * attn
+def parameter_counts(p):
+    """Parameters of a preset's model by part (every weight the driver builds, norms included):
+    ``embedding``, ``output``, ``final_norm``, per layer kind ``kda`` / ``mla`` (attention and its input
+    norm), ``dense`` / ``moe`` (MLP and its norm; ``moe`` all local experts), ``moe_active`` (what one
+    token passes through: norm, router, top-k experts, shared expert) and ``total``."""
+    h, H, d = p["hidden"], p["heads"], p["lin_head"]
+    Hk = p.get("lin_heads", H)
+    hd = Hk * d
+    kda = (h                                   # input norm
+           + 3 * hd * h + 3 * hd * 4           # q, k, v projections and their short convolutions
+           + Hk * h                            # beta
+           + 2 * (d * h + hd * d)              # decay gate f and output gate g, low rank d
+           + Hk + hd + d                       # A_log, dt_bias, output norm
+           + h * hd)                           # output projection
+    mla = (h + p["kv_lora"]                    # input norm, latent norm
+           + H * (p["qk"] + p["rope"]) * h      # queries (no q LoRA)
+           + (p["kv_lora"] + p["rope"]) * h     # key/value down projection (and the rope key)
+           + p["kv_lora"] * H * (p["qk"] + p["v"])  # key/value up projection
+           + H * p["v"] * h)                    # output projection
+    expert = 3 * h * p["moe_ffn"]
+    shared = 3 * h * p.get("shared_ffn", p["moe_ffn"])
+    counts = {"embedding": p["vocab"] * h, "output": p["vocab"] * h, "final_norm": h, "kda": kda, "mla": mla,
+              "dense": h + 3 * h * p["ffn"], "moe": h + h * p["experts"] + p["experts"] * expert + shared,
+              "moe_active": h + h * p["experts"] + p["topk"] * expert + shared}
+    counts["total"] = counts["embedding"] + counts["output"] + h + sum(counts[a] + counts[m]
+                                                                       for a, m in layer_kinds(p))
+    return counts
+
+
+def kda_core_flops_per_token(p, chunk=64):
+    """Forward FLOPs of the chunked KDA core per token and layer, all heads (fla's chunk algorithm,
+    chunk C = ``chunk``, key dim dk, value dim dv per head): within a chunk the key-key and
+    query-key products (C x dk each), the triangular inverse (about C^2/3), W = A K and U = A V
+    (C x dk, C x dv) and the intra-chunk output (C x dv); across chunks q S, W S and the state
+    update (dk x dv each); 2 FLOPs per multiply-add."""
+    dk = dv = p["lin_head"]
+    return 2 * p.get("lin_heads", p["heads"]) * (3 * dk * dv + chunk * (3 * dk + 2 * dv) + chunk * chunk / 3)
+
+
+def model_flops(p, rows, pairs, logits_rows):
+    """Model FLOPs of one step's forward + backward (the MFU numerator), by term:
+
+    * ``dense``: 6 x (parameters a row passes through in every layer: KDA / MLA projections, the
+      dense MLP or MoE's router, top-k experts and shared expert, norms) x rows computed;
+    * ``attention``: MLA's scores and weighted values, 2 x pairs x heads x (q/k dim + v dim) forward
+      (q/k dim = nope + rope) per MLA layer, x 3 for forward + backward; ``pairs`` is the step's
+      visible (query, key) pairs of one MLA layer: tree mode's over its layouts (ancestor-or-self,
+      a consumer's context keys included), expanded mode's each trajectory's causal pairs, evicted
+      keys left out in both;
+    * ``kda``: ``kda_core_flops_per_token`` x rows per KDA layer, x 3;
+    * ``output``: the output layer at the vocabulary, 6 x hidden x vocab per row that carries a
+      target (``logits_rows``: the only rows whose logits are computed).
+
+    Not counted: activation recomputation and KDA replay tokens (work a mode adds, not the
+    model's), softmax and norms' elementwise work, the embedding lookup."""
+    c = parameter_counts(p)
+    kinds = layer_kinds(p)
+    per_row = sum(c[a] + (c["moe_active"] if m == "moe" else c["dense"]) for a, m in kinds)
+    n_mla = sum(a == "mla" for a, _ in kinds)
+    terms = {"dense": 6.0 * per_row * rows,
+             "attention": 3.0 * 2.0 * pairs * p["heads"] * (p["qk"] + p["rope"] + p["v"]) * n_mla,
+             "kda": 3.0 * kda_core_flops_per_token(p) * rows * (len(kinds) - n_mla),
+             "output": 6.0 * p["hidden"] * p["vocab"] * logits_rows}
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def logits_rows(plan) -> int:
+    """Rows of a plan whose logits are computed: each microbatch's owned rows that carry a target
+    (tree mode: a row once, whatever its targets; expanded mode: every target's row)."""
+    return int(sum(m.features.logits_rows for m in plan.microbatches))
+
+
+#: bytes per parameter under the driver's bf16 training: bf16 weight 2, fp32 gradient buffer 4, fp32
+#: main weight 4, Adam's two fp32 moments 8 (megatron-core's mixed-precision optimizer, not distributed)
+BYTES_PER_PARAM = 18
+
+
+def activation_bytes_per_row(p):
+    """Estimated bytes of a row's saved activations per layer part in a bf16 forward without
+    recomputation (what the backward keeps), from the shapes: 2 bytes an element, 4 where the
+    kernels keep fp32.  KDA: norm, q/k/v before and after the conv, the two low-rank gates and
+    their outputs, beta, the core's output, its norm and gate, and fla's fp32 decay cumsum and
+    chunk matrices (2 x C per head); MLA: norm, queries, latent and rope key, its norm, keys/values,
+    output, projection, fp32 log-sum-exp; MoE: norm, fp32 router scores, per top-k copy the
+    permuted input, fc1 output (2 x width), activation, fc2 output and the weighted copy, and the
+    shared expert; dense MLP: norm, fc1, activation, output.  An estimate: allocator rounding and
+    transient buffers are not in it."""
+    h, H, d = p["hidden"], p["heads"], p["lin_head"]
+    Hk = p.get("lin_heads", H)
+    hd = Hk * d
+    kda = 2 * (2 * h + 6 * hd + 2 * d + 2 * hd + Hk + 3 * hd) + 4 * (hd + 2 * 64 * Hk)
+    mla = 2 * (2 * h + H * (p["qk"] + p["rope"]) + 2 * (p["kv_lora"] + p["rope"])
+               + H * (p["qk"] + p["v"]) + H * p["v"]) + 4 * H
+    f, sf = p["moe_ffn"], p.get("shared_ffn", p["moe_ffn"])
+    moe = 2 * (h + p["topk"] * (3 * h + 3 * f) + (2 * h + 3 * sf)) + 4 * p["experts"]
+    dense = 2 * (2 * h + 3 * p["ffn"])
+    return {"kda": kda, "mla": mla, "moe": moe, "dense": dense}
+
+
+def memory_estimate(p, rows, recompute=None):
+    """Estimated peak bytes of a bf16 training step on one GPU with microbatches of ``rows`` rows:
+    ``weights_optimizer`` (``BYTES_PER_PARAM`` x parameters); ``activations`` (without recomputation
+    every layer's ``activation_bytes_per_row`` x rows; with ``recompute="full"`` each layer's input,
+    2 x hidden bytes a row, plus the largest layer's activations while its backward runs);
+    ``output`` (the log-prob op at its default chunk: the fp32 weight-gradient accumulator, one
+    chunk's [vocab, hidden] product in bf16 and fp32, 12 bytes x chunk x vocab of chunk temporaries,
+    the final hidden states and their gradient); ``total``; and per layer kind its parameter bytes
+    and activation bytes per row (``per_layer``).  An estimate to size a run, not a measurement."""
+    c = parameter_counts(p)
+    act = activation_bytes_per_row(p)
+    kinds = layer_kinds(p)
+    layer_act = [act[a] + act[m] for a, m in kinds]
+    if recompute == "full":
+        activations = rows * (2 * p["hidden"] * len(kinds) + max(layer_act))
+    else:
+        activations = rows * sum(layer_act)
+    chunk = max(1, (1 << 28) // (p["vocab"] * 4))
+    output = p["vocab"] * p["hidden"] * (4 + 2 + 4) + 12 * chunk * p["vocab"] + rows * p["hidden"] * 2 * 2
+    weights = BYTES_PER_PARAM * c["total"]
+    per_layer = {f"{a}+{m}": {"parameter_bytes": BYTES_PER_PARAM * (c[a] + c[m]),
+                              "activation_bytes_per_row": act[a] + act[m]} for a, m in sorted(set(kinds))}
+    return {"parameters": c["total"], "weights_optimizer": weights, "activations": activations,
+            "output": output, "total": weights + activations + output, "per_layer": per_layer}
 
 
 def visible_pairs(plan):
@@ -503,6 +663,36 @@ def release_memory(device) -> float:
     return torch.cuda.memory_allocated() / 2 ** 30
 
 
+def plan_only(p, scheme, forest, a):
+    """What a run would compute, without training (``--plan-only``): per mode the plan's microbatches,
+    rows (tree modes: as the step executes them, recomputed context included), the planned visible
+    pairs (no evictions), logits rows, ``model_flops`` and ``memory_estimate`` at the largest
+    microbatch; a CPU can size a GPU run with it."""
+    from megatron_harts.training.step import SharingSettings, executed_rows, plan_step
+    out = {}
+    for sharing in list(a.tree_sharing) + ["off"]:
+        settings = SharingSettings(sharing=sharing, microbatch_tokens=a.microbatch_tokens,
+                                   planner="l1l2" if sharing == "windows" else "l1")
+        plan = plan_step(forest, settings, 1)
+        if sharing == "off":
+            rows = int(sum(m.features.rows for m in plan.microbatches))
+            largest = int(max(m.features.rows for m in plan.microbatches))
+        else:
+            rows, largest = executed_rows(forest, plan, windows=sharing == "windows")
+        pairs, lrows = visible_pairs(plan), logits_rows(plan)
+        flops = model_flops(p, rows, pairs, lrows)
+        mem = memory_estimate(p, largest, p.get("recompute"))
+        out["expanded" if sharing == "off" else f"tree_{sharing}"] = {
+            "planner": plan.planner, "microbatches": len(plan.microbatches), "rows": rows,
+            "largest_microbatch_rows": largest, "visible_pairs_planned": pairs, "logits_rows": lrows,
+            "model_flops": flops, "memory_estimate_gib": {k: v / 2 ** 30 for k, v in mem.items()
+                                                          if k not in ("per_layer", "parameters")}}
+        print(f"{scheme} {sharing}: {len(plan.microbatches)} microbatches, {rows} rows (largest {largest}), "
+              f"{pairs:.3e} pairs, {lrows} logits rows, {flops['total'] / 1e15:.2f} PFLOP, estimated peak "
+              f"{mem['total'] / 2 ** 30:.1f} GiB", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -517,7 +707,23 @@ def main(argv=None):
     ap.add_argument("--num-tasks", type=int, default=4, help="rollout tasks per scheme (trees)")
     ap.add_argument("--samples-per-task", type=int, default=2,
                     help="rollouts per task (sharing the task's prompt; more gives higher compression)")
-    ap.add_argument("--max-tokens", type=int, default=16384, help="trajectory length cap")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers of the preset's model instead of its own count (a multiple of 4: the 3:1 "
+                         "KDA:MLA pattern; e.g. fewer layers where longer microbatches need the memory)")
+    ap.add_argument("--max-tokens", type=int, default=16384,
+                    help="trajectory length cap (trajectories reach it only where --max-turns and the turn "
+                         "lengths allow: 64k-128k tokens need more turns or longer observations)")
+    ap.add_argument("--max-turns", type=int, default=None,
+                    help="turns per rollout at most (default the generator's 16; SweConfig.max_turns)")
+    ap.add_argument("--observation-median", type=int, default=None,
+                    help="median observation tokens per turn (default the generator's 400)")
+    ap.add_argument("--prompt-median", type=int, default=None,
+                    help="median prompt tokens per task (default the generator's 3000)")
+    ap.add_argument("--max-leaves", type=int, default=None,
+                    help="Tree-Step: leaves per rollout at most (default the generator's 16)")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="plan every mode and print rows, visible pairs, model FLOPs and the memory estimate "
+                         "without training (sizes a GPU run on any machine)")
     ap.add_argument("--microbatch-tokens", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
@@ -550,11 +756,29 @@ def main(argv=None):
     for flag, given in (("--profile-stacks", a.profile_stacks), ("--profile-op-stacks", a.profile_op_stacks)):
         if given and not a.profile:
             ap.error(f"{flag} needs --profile FILE (its tables go there)")
-    p = PRESETS[a.preset]
+    p = dict(PRESETS[a.preset])
+    if a.layers is not None:
+        if a.layers < 4 or a.layers % 4:
+            raise CliError(f"--layers {a.layers}: must be a positive multiple of 4 (3 KDA : 1 MLA)")
+        p["layers"] = a.layers
+    for flag, value in (("--max-tokens", a.max_tokens), ("--microbatch-tokens", a.microbatch_tokens),
+                        ("--max-turns", a.max_turns), ("--observation-median", a.observation_median),
+                        ("--prompt-median", a.prompt_median), ("--max-leaves", a.max_leaves),
+                        ("--num-tasks", a.num_tasks),
+                        ("--samples-per-task", a.samples_per_task)):
+        if value is not None and value < 1:
+            raise CliError(f"{flag} {value}: must be >= 1")
+    shape = {k: v for k, v in (("max_turns", a.max_turns), ("observation_median", a.observation_median),
+                               ("prompt_median", a.prompt_median), ("max_leaves", a.max_leaves)) if v is not None}
+    if not a.plan_only:
+        check_device(a.device)
     dtype_flag = "--bf16" if a.device == "cuda" else ""
     results = {"machine": {"device": torch.cuda.get_device_name() if a.device == "cuda" else platform.processor(),
                            "python": platform.python_version(), "torch": torch.__version__},
-               "preset": a.preset, "model": p, "args": vars(a), "schemes": {}}
+               "preset": a.preset, "model": p, "args": vars(a), "schemes": {},
+               "parameters": parameter_counts(p)}
+    if a.preset == "kimi48b-layers":
+        results["preset_stands_for"] = KIMI48B_LAYERS
     try:
         import megatron.core
         results["machine"]["megatron_core"] = megatron.core.__version__
@@ -570,8 +794,18 @@ def main(argv=None):
                                 time.strftime("throughput-%Y%m%d-%H%M%S.json"))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     for scheme in a.schemes:
-        forest = synthesize(scheme, a.num_tasks, a.max_tokens, p["vocab"], seed=0, samples_per_task=a.samples_per_task)
+        forest = synthesize(scheme, a.num_tasks, a.max_tokens, p["vocab"], seed=0, samples_per_task=a.samples_per_task,
+                            **shape)
         G = forest.num_trajectories
+        longest = int(forest.traj_length.max())
+        if longest > a.microbatch_tokens:
+            raise CliError(f"--microbatch-tokens {a.microbatch_tokens}: the {scheme} batch's longest trajectory has "
+                           f"{longest} tokens, and a microbatch holds a whole root path (use at least {longest})")
+        if a.plan_only:
+            results["schemes"][scheme] = {"forest": forest.stats(), **plan_only(p, scheme, forest, a)}
+            with open(out, "w") as f:
+                json.dump(results, f, indent=2, default=float)
+            continue
         common = model_flags(p, dtype_flag) + [
             "--seq-length", str(int(forest.traj_length.max())), "--tree-microbatch-tokens", str(a.microbatch_tokens),
             "--global-batch-size", str(G), "--train-iters", "1000", "--lr", "1e-5", "--seed", "1234",
@@ -592,7 +826,8 @@ def main(argv=None):
                 stacks=a.profile_stacks, op_names=tuple(a.profile_op_stacks))
             t = statistics.median(times)
             m = metrics[-1]
-            flops = step_flops(p, m["computed_tokens"], visible_pairs(plan))
+            # model FLOPs over the rows and visible pairs the step executed (evictions applied)
+            flops = model_flops(p, m["computed_tokens"], m["visible_pairs"], logits_rows(plan))
             peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in results["machine"]["device"]), None)
             row[key] = {
                 "sharing": sharing, "kda_call_plan": call_plan, "planner": plan.planner, **backends,
@@ -606,7 +841,10 @@ def main(argv=None):
                 # what this mode itself needed above what the process held when it started (a closed
                 # Trainer frees its model and optimizer: ~0.06 GiB of caches remain)
                 "peak_memory_above_start_gib": None if peak is None else peak - left,
-                "mfu": flops / (t * peak_flops) if peak_flops else None}
+                "visible_pairs": m["visible_pairs"], "logits_rows": logits_rows(plan),
+                "largest_microbatch_rows": int(max(mb.features.rows for mb in plan.microbatches)),
+                "model_flops": flops, "model_tflops_per_s": flops["total"] / t / 1e12,
+                "mfu": flops["total"] / (t * peak_flops) if peak_flops else None}
             results["schemes"][scheme] = row
             with open(out, "w") as f:      # after every mode: a cut-short run keeps what it measured
                 json.dump(results, f, indent=2, default=float)
@@ -627,6 +865,10 @@ def main(argv=None):
                         f.write(f"  {cat:>14}: {v['seconds']:.3f} s, {v['launches']} launches\n")
                     f.write(tables + "\n")
         exp = row["expanded"]
+        for k in [k for k in row if k.startswith("tree_")] + ["expanded"]:
+            print(f"{scheme} {k}: {row[k]['step_seconds']:.3f} s/step, {row[k]['trajectory_tokens_per_s']:.0f} "
+                  f"trajectory tokens/s, MFU {row[k]['mfu']}, {row[k]['model_tflops_per_s']:.1f} model TFLOP/s, "
+                  f"peak {row[k]['peak_memory_gib']} GiB", flush=True)
         tree_keys = [k for k in row if k.startswith("tree_")]
         for k in tree_keys:
             tree = row[k]

@@ -55,6 +55,9 @@ class HybridConfig(TransformerConfig):
                                        # whatever rms_norm_eps (layernorm_epsilon) says
     mla_rotary_base: float = 10000.0
     tree_attention_backend: str = "sdpa"
+    # output layer: rows per logits chunk of the pair log-probs (None: ops.logprobs.default_chunk_rows);
+    # the values do not depend on it
+    logprob_chunk_rows: Optional[int] = None
     # patterns
     layer_types: Optional[List[str]] = None
     kda_mla_ratio: int = 3
@@ -68,8 +71,14 @@ class HybridConfig(TransformerConfig):
     tree_mode: bool = True
 
     def __post_init__(self):
-        """megatron's checks, then: ``tree_kda_call_plan`` is one of ``CALL_PLANS``."""
+        """megatron's checks, then: ``tree_kda_call_plan`` is one of ``CALL_PLANS`` and
+        ``logprob_chunk_rows`` a positive integer or None."""
         super().__post_init__()
+        if self.logprob_chunk_rows is not None and (isinstance(self.logprob_chunk_rows, bool)
+                                                    or not isinstance(self.logprob_chunk_rows, int)
+                                                    or self.logprob_chunk_rows < 1):
+            raise ValueError(f"logprob_chunk_rows {self.logprob_chunk_rows!r} (--tree-logprob-chunk-rows) must be "
+                             "a positive integer or None")
         if self.tree_kda_call_plan not in CALL_PLANS:
             raise ValueError(f"tree_kda_call_plan {self.tree_kda_call_plan!r} (--tree-kda-call-plan) must be one "
                              f"of {', '.join(CALL_PLANS)}")

@@ -17,7 +17,8 @@ One model, two modes, same weights (``packed_seq_params`` selects):
 ``forward(..., pair_row=, pair_token=)`` returns the log-probabilities of the
 (row, token) pairs from the vocab-parallel output layer
 (``ops.logprobs.multi_target_logprobs``: logits once per row, several targets
-per row; with ``return_entropy`` also each row's softmax entropy); rows are numbered batch-major (``b * s + position``; for [R, 1] or
+per row, ``config.logprob_chunk_rows`` rows of logits at a time; with ``return_entropy`` also
+each row's softmax entropy); rows are numbered batch-major (``b * s + position``; for [R, 1] or
 packed inputs simply the token index).  Without pairs it returns the logits
 [s, b, V/tp].  Under sequence parallelism the token count must be divisible by
 the TP size (megatron scatters the embeddings along the sequence): with packed-sequence
@@ -130,7 +131,8 @@ class HybridModel(GPTModel):
             reduce_hidden = False
         rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])     # [b*s, h], batch-major
         return multi_target_logprobs(rows, weight, pair_row, pair_token, tp_group=tp_group if tp > 1 else None,
-                                     reduce_hidden_grad=reduce_hidden, return_entropy=return_entropy)
+                                     reduce_hidden_grad=reduce_hidden, return_entropy=return_entropy,
+                                     chunk_rows=getattr(self.config, "logprob_chunk_rows", None))
 
 
 def build_hybrid_model(config: HybridConfig, vocab_size: int, *, max_sequence_length: int = 1 << 20,

@@ -42,10 +42,32 @@ __all__ = [
     "multi_target_logprobs",
     "multi_target_logprobs_reference",
     "MultiTargetLogprobs",
+    "default_chunk_rows",
 ]
 
-# default chunk budget: the float logits of one chunk take at most this many bytes
+#: default chunk budget: the statistics-dtype logits of one chunk take at most this many bytes
+#: (``default_chunk_rows``)
 _CHUNK_BYTES = 1 << 28
+
+
+def default_chunk_rows(v_local: int, dtype: torch.dtype) -> int:
+    """Rows per logits chunk when the caller names none (``--tree-logprob-chunk-rows`` unset):
+    the most rows whose logits, in the statistics dtype (fp32, or fp64 for fp64 inputs), fit
+    ``_CHUNK_BYTES`` (256 MiB), at least 1.
+
+    What the choice trades: a chunk's forward and backward each hold two [chunk, V_local]
+    statistics-dtype temporaries and two in the inputs' dtype (the GEMM's output before its
+    upcast, the gradient cast back for the GEMMs), so the peak above the inputs grows as
+    chunk x V_local x (2 x 4 + 2 x 2) bytes for bf16, plus what no chunk size changes: the fp32
+    [V_local, H] weight-gradient accumulator and one [V_local, H] product per chunk.  Each chunk
+    costs four GEMMs (one forward, three backward, the first recomputing the logits) whose M
+    dimension is the chunk: too small a chunk under-fills them and adds launches.  At
+    V = 163,840 (fp32 statistics) the default is 409 rows: 0.75 GiB of temporaries, GEMMs of
+    409 x 2304 x 163,840 (0.3 TFLOP each).  ``benchmarks/bench_logprobs.py`` times the choices
+    against the unchunked form in one run; the values do not depend on the chunk.
+    """
+    itemsize = torch.finfo(_compute_dtype(dtype)).bits // 8
+    return max(1, _CHUNK_BYTES // (max(1, int(v_local)) * itemsize))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -238,7 +260,9 @@ def multi_target_logprobs(
         tp_group: tensor-parallel process group for the vocab-parallel form.
         return_entropy: also return the softmax entropy of each row ([R];
             differentiable; rows that carry no pair get 0, they are not computed).
-        chunk_rows: rows per logits chunk; None picks about 256 MiB of float logits.
+        chunk_rows: rows per logits chunk; None: ``default_chunk_rows`` (256 MiB of
+            statistics-dtype logits).  Peak memory is O(chunk_rows x V_local), never
+            O(rows x V_local).
         reduce_hidden_grad: all-reduce the hidden-state gradient over ``tp_group``
             (set False when the caller's hidden came through
             ``copy_to_tensor_model_parallel_region``, which already does it, or
@@ -266,7 +290,7 @@ def multi_target_logprobs(
     order = torch.argsort(pair_lrow, stable=True)
     lrow_sorted, token_sorted = pair_lrow[order], pair_token[order]
     if chunk_rows is None:
-        chunk_rows = max(1, _CHUNK_BYTES // (max(1, v_local) * torch.finfo(_compute_dtype(hidden.dtype)).bits // 8))
+        chunk_rows = default_chunk_rows(v_local, hidden.dtype)
     starts = torch.arange(0, rows.shape[0], chunk_rows, device=rows.device)
     pair_bounds = torch.searchsorted(lrow_sorted, starts).tolist() + [int(lrow_sorted.shape[0])]
     rows, lrow_sorted, token_sorted, order = host_to_device_many((rows, lrow_sorted, token_sorted, order),

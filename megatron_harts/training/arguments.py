@@ -68,7 +68,7 @@ dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linea
 ``tree_kda_call_plan``,
 ``tree_attention_backend`` (maybe ``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``,
 ``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``, ``tree_logit_probe_oracle``,
-``tree_triton_max_configs``,
+``tree_triton_max_configs``, ``tree_logprob_chunk_rows`` (None: ``ops.logprobs.default_chunk_rows``),
 ``tree_dataset_shuffle``, ``rl_objective``, ``clip_ratio_low``, ``clip_ratio_high``,
 ``kl_coef``, ``entropy_coef``, ``loss_agg_mode``, ``rl_old_logprobs`` (``objective_kwargs`` gathers
 the last seven).
@@ -405,6 +405,7 @@ OWN_FLAGS = frozenset({
     "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
     "--loss-agg-mode", "--rl-old-logprobs", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
     "--tree-logit-probe-oracle", "--tree-triton-max-configs", "--tree-recompute-producers",
+    "--tree-logprob-chunk-rows",
 })
 
 # ---------------------------------------------------------------------------------------------
@@ -955,6 +956,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                     help="with the fla KDA backend: every Triton autotuner tries at most N configurations "
                          "(default 0: all, ~150 per fla kernel; numerics do not depend on it, the first step's "
                          "compile time and the kernels' speed do)")
+    ts.add_argument("--tree-logprob-chunk-rows", type=_POSINT, default=None, metavar="N",
+                    help="rows per logits chunk of the output layer's log-probs (tree and expanded mode alike; "
+                         "the [rows, vocab] logits never exist whole, a chunk's fp32 logits take N x vocab x 4 "
+                         "bytes, twice in the backward). Default: 256 MiB of fp32 logits per chunk (409 rows at "
+                         "a 163,840-token vocabulary); the values do not depend on it, the speed and the peak "
+                         "memory do (benchmarks/bench_logprobs.py times the choices)")
     ts.add_argument("--tree-pp-schedule", choices=TREE_PP_SCHEDULES, default=TREE_PP_SCHEDULES[0],
                     help="pipeline schedule (--pipeline-model-parallel-size > 1): consumer-1f1b (default: "
                          "consumers in 1F1B order, overlapping windows, each producer backward right after its "
@@ -1504,7 +1511,8 @@ def _config_error(err: BaseException, parser: argparse.ArgumentParser) -> Argume
     aliases = {"num_moe_experts": "--num-experts", "qk_nope_head_dim": "--qk-head-dim",
                "qk_rope_head_dim": "--qk-pos-emb-head-dim", "layernorm_epsilon": "--norm-epsilon",
                "gated_linear_unit": "--swiglu", "linear_num_heads": "--linear-num-key-heads",
-               "linear_head_dim": "--linear-key-head-dim", "kda_chunk_size": "--tree-chunk-size"}
+               "linear_head_dim": "--linear-key-head-dim", "kda_chunk_size": "--tree-chunk-size",
+               "logprob_chunk_rows": "--tree-logprob-chunk-rows"}
     named = []
     for field in sorted(set(re.findall(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+", msg))):
         flag = aliases.get(field) or flags.get(field)
@@ -1555,7 +1563,7 @@ def _build_config(args: argparse.Namespace, *, kda_backend: Optional[str], atten
         linear_num_heads=args.linear_num_heads, linear_head_dim=args.linear_head_dim,
         linear_conv_kernel_dim=args.linear_conv_kernel_dim, kda_chunk_size=args.tree_chunk_size,
         kda_backend=kda_backend or "reference", tree_attention_backend=attention_backend or "sdpa",
-        tree_kda_call_plan=args.tree_kda_call_plan,
+        tree_kda_call_plan=args.tree_kda_call_plan, logprob_chunk_rows=args.tree_logprob_chunk_rows,
         layer_types=list(args.layer_types), mlp_types=list(args.mlp_types), tree_mode=args.tree_mode,
         calculate_per_token_loss=True, use_cpu_initialization=use_cpu_initialization,
         gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
