@@ -1,0 +1,73 @@
+"""Paths longer than the row budget: pieces reading the earlier pieces' exports give the log-probs and
+every parameter gradient of the uncut step (and of expanded training), fp64 to 1e-10."""
+import numpy as np
+import pytest
+import torch
+
+from megatron_harts.layout import build_layout
+from megatron_harts.models.model import build_hybrid_model
+from megatron_harts.planner.microbatch import MicrobatchPlan, PlanningError
+from megatron_harts.planner.pieces import long_trees, plan_with_pieces, tree_pieces
+from megatron_harts.schedules.windows import WindowedMicrobatch, piece_microbatches
+from megatron_harts.tree_data import build_forest, make_trajectory
+
+from hybrid_tiny import VOCAB, randomize_, tiny_config
+from test_compaction_windows import expanded_with_events
+from test_windows_schedule import assert_same, run_step
+
+
+def long_forest(seed=0, compactions=False):
+    """A 41-token chain, a tree whose shared 30-token prefix forks into three branches, and a short tree."""
+    rng = np.random.default_rng(seed)
+    tok = lambda n: rng.integers(1, VOCAB, n).tolist()  # noqa: E731
+    base = tok(30)
+    recs = [{"id": "chain", "tokens": [0] + tok(40)},
+            {"id": "a", "tokens": base + tok(7)}, {"id": "b", "tokens": base[:21] + tok(9)},
+            {"id": "c", "tokens": base[:6] + tok(13)}, {"id": "d", "tokens": base[:30] + tok(2)},
+            {"id": "short", "tokens": [0, 0] + tok(5)}]
+    if compactions:      # evictions whose spans and event rows sit in other pieces than their readers
+        recs[0]["compactions"] = [{"at": 25, "start": 3, "end": 14}, {"at": 33, "start": 20, "end": 27}]
+        recs[1]["compactions"] = [{"at": 24, "start": 2, "end": 11}]
+        recs[4]["compactions"] = [{"at": 24, "start": 2, "end": 11}]
+    return build_forest([make_trajectory(r) for r in recs])
+
+
+def empty_plan(forest, mode):
+    def make():
+        from megatron_harts.planner.cost_model import CostModel
+        return MicrobatchPlan(planner="pieces", mode=mode, num_replicas=1, num_slots=0, row_budget=12, chunk_size=4,
+                              microbatches=[], slots=np.zeros((1, 0), dtype=np.int64), windows=[], expanded_tokens=0,
+                              plan_seconds=0.0, cost_model=CostModel(chunk_size=4))
+    return make
+
+
+def whole_step(forest):
+    return [WindowedMicrobatch(build_layout(forest))]
+
+
+def pieces_step(forest, budget, mode="tree"):
+    """Every tree cut into pieces (no fitting tree planned: the short tree is long-free and planned whole)."""
+    plan = plan_with_pieces(forest, budget, 4, 1, lambda f: None, mode=mode, empty_plan=empty_plan(forest, mode)) \
+        if long_trees(forest, budget).size == forest.num_trees else None
+    return plan
+
+
+@pytest.mark.parametrize("compactions", [False, True])
+def test_long_paths_cut_into_pieces_equal_uncut(cpu_world, compactions):
+    cfg = tiny_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 0)
+    budget = 12
+    full = long_forest(0, compactions)
+    forest = full.select(long_trees(full, budget))        # the chain and the forked tree
+    assert forest.num_trees == 2
+    plan = plan_with_pieces(forest, budget, 4, 1, None, empty_plan=empty_plan(forest, "tree"))
+    ps = plan.pieces
+    step = ps.forest
+    assert all(p.rows <= budget for p in ps.pieces)
+    assert ps.chains[0][1] - ps.chains[0][0] >= 3
+    items = piece_microbatches(plan, 0)
+    assert sum(bool(mb.reads) for mb in items) >= 5
+    cut = run_step(model, items)
+    uncut = run_step(model, whole_step(step))
+    assert_same(cut, uncut, "pieces vs uncut")
+    assert_same(cut, expanded_with_events(model, step), "pieces vs expanded")
