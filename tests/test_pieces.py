@@ -20,11 +20,11 @@ def long_forest(seed=0, compactions=False):
     """A 41-token chain, a tree whose shared 30-token prefix forks into three branches, and a short tree."""
     rng = np.random.default_rng(seed)
     tok = lambda n: rng.integers(1, VOCAB, n).tolist()  # noqa: E731
-    base = tok(30)
+    base = [1] + tok(29)
     recs = [{"id": "chain", "tokens": [0] + tok(40)},
             {"id": "a", "tokens": base + tok(7)}, {"id": "b", "tokens": base[:21] + tok(9)},
             {"id": "c", "tokens": base[:6] + tok(13)}, {"id": "d", "tokens": base[:30] + tok(2)},
-            {"id": "short", "tokens": [0, 0] + tok(5)}]
+            {"id": "short", "tokens": [2] + tok(6)}, {"id": "short2", "tokens": [2] + tok(8)}]
     if compactions:      # evictions whose spans and event rows sit in other pieces than their readers
         recs[0]["compactions"] = [{"at": 25, "start": 3, "end": 14}, {"at": 33, "start": 20, "end": 27}]
         recs[1]["compactions"] = [{"at": 24, "start": 2, "end": 11}]
@@ -71,3 +71,35 @@ def test_long_paths_cut_into_pieces_equal_uncut(cpu_world, compactions):
     uncut = run_step(model, whole_step(step))
     assert_same(cut, uncut, "pieces vs uncut")
     assert_same(cut, expanded_with_events(model, step), "pieces vs expanded")
+
+
+def test_plan_step_cuts_long_trees_and_keeps_the_rest(cpu_world):
+    """``plan_step`` in every sharing mode: fitting trees planned as before, long trees cut into pieces of at
+    most the budget; the replica's microbatches give the uncut step's log-probs and gradients."""
+    from megatron_harts.training.step import SharingSettings, plan_step, replica_microbatches, step_forest
+    cfg = tiny_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 1)
+    forest = long_forest(1, compactions=True)
+    budget = 12
+    assert 0 < long_trees(forest, budget).size < forest.num_trees
+    ref = None
+    for sharing, planner in (("off", "ffd"), ("within", "l1"), ("windows", "l1l2")):
+        settings = SharingSettings(sharing=sharing, microbatch_tokens=budget, planner=planner, replay=True)
+        plan = plan_step(forest, settings, 1)
+        assert plan.pieces is not None and plan.pieces.mode == ("expanded" if sharing == "off" else "tree")
+        items = replica_microbatches(forest, plan, 0, settings)
+        assert all(mb.layout.num_rows <= budget for mb in items)
+        assert any(mb.reads for mb in items)
+        got = run_step(model, items)
+        if ref is None:
+            ref = expanded_with_events(model, step_forest(forest, plan))   # trajectory ids: the step forest's
+        assert_same(got, ref, f"{sharing}: pieces vs expanded")
+
+
+def test_every_tree_long_and_refusals():
+    forest = long_forest(0)
+    with pytest.raises(PlanningError, match="no empty plan"):
+        plan_with_pieces(forest.select(long_trees(forest, 12)), 12, 4, 1, lambda f: None)
+    f = forest.select(long_trees(forest, 12))
+    with pytest.raises(PlanningError, match="--tree-microbatch-tokens"):
+        tree_pieces(f, 0, 12)            # not cut at depths first: a segment is longer than the budget

@@ -62,6 +62,11 @@ class PieceSet:
     chain_trajectory: List[int] = field(default_factory=list)
     chain_replica: List[int] = field(default_factory=list)
 
+    def fitting_forest(self) -> Forest:
+        """The fitting trees as the forest the base plan was made for (a prefix of the step forest's
+        segments, rows and trajectories, so its ids are the step forest's)."""
+        return self.forest.select(np.arange(self.num_fit_trees))
+
     @property
     def rows(self) -> int:
         return sum(p.rows for p in self.pieces)
@@ -182,7 +187,7 @@ def plan_with_pieces(forest: Forest, row_budget: int, chunk_size: int, dp: int,
     if mode == "tree":
         step = step.cut_at_depths(range(n_fit, step.num_trees), width)
     if n_fit:
-        base = plan_fn(step.select(np.arange(n_fit)))
+        base = plan_fn(step.select(np.arange(n_fit)))     # = PieceSet.fitting_forest()
     elif empty_plan is not None:
         base = empty_plan()
     else:
