@@ -103,3 +103,24 @@ def test_every_tree_long_and_refusals():
     f = forest.select(long_trees(forest, 12))
     with pytest.raises(PlanningError, match="--tree-microbatch-tokens"):
         tree_pieces(f, 0, 12)            # not cut at depths first: a segment is longer than the budget
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_pieces_and_windows_with_activation_recomputation(cpu_world, granularity):
+    """``--recompute-granularity``: a windows-mode step with pieces (their gradient forwards run without full
+    recomputation, like producers) gives the same log-probs and gradients as without recomputation."""
+    from megatron_harts.training.step import SharingSettings, plan_step, replica_microbatches
+    kw = dict(recompute_granularity=granularity)
+    if granularity == "full":
+        kw.update(recompute_method="uniform", recompute_num_layers=1)
+    forest = long_forest(2, compactions=True)
+    settings = SharingSettings(sharing="windows", microbatch_tokens=12, planner="l1l2", replay=True)
+    plan = plan_step(forest, settings, 1)
+    items = replica_microbatches(forest, plan, 0, settings)
+    assert any(mb.reads for mb in items)
+    base = tiny_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    plain = run_step(randomize_(build_hybrid_model(base, vocab_size=VOCAB), 3), items)
+    cfg = tiny_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", **kw)
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 3)
+    assert_same(run_step(model, items), plain, f"recompute {granularity} vs none")
+    assert model.config.recompute_granularity == granularity
