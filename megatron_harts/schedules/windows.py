@@ -483,7 +483,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     for i, mb in enumerate(mbs):
         mb = microbatch_on(mb, device)
         if i in pieces.last:                        # a piece of a long path
-            nonlocal_bytes = 0
+            exported_bytes = 0
             if i in pieces.readers:                 # read later: exports only, forward and backward at the end
                 psp = piece_params(i, mb)
                 psp.preview = True
@@ -491,7 +491,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                     forward_step_func(iter([(mb, psp)]), model)
                 leaves[i] = psp.recorded.detached()
                 waiting[i] = mb
-                nonlocal_bytes = leaves[i].nbytes()
+                exported_bytes = leaves[i].nbytes()
                 psp = None
             else:                                   # read by none: forward and backward at once
                 psp = piece_params(i, mb)
@@ -499,7 +499,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                 if not forward_only:
                     loss.backward()
                 loss = psp = None
-            live_bytes += nonlocal_bytes
+            live_bytes += exported_bytes
             peak_bytes = max(peak_bytes, live_bytes)
             if pieces.last[i] == i:                 # the chain's end: backward through its read pieces, last first
                 for p in sorted((p for p in waiting if pieces.last[p] == i), reverse=True):
