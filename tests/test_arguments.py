@@ -289,7 +289,7 @@ def test_bad_values_name_the_flag(extra, needles):
     ("--tree-sharing within --tree-planner ffd", ("--tree-planner ffd", "--tree-sharing off")),
     ("--tree-sharing windows --tree-planner l1", ("--tree-planner l1", "allowed: l1l2")),
     ("--tree-sharing off --no-tree-replay", ("--no-tree-replay", "--tree-sharing off")),
-    ("--tree-microbatch-tokens 64", ("--tree-microbatch-tokens 64", "--seq-length 128")),
+    ("--tree-microbatch-tokens 64 --pipeline-model-parallel-size 2", ("--tree-microbatch-tokens 64", "--seq-length 128", "--pipeline-model-parallel-size", "pieces")),
     ("--save-interval 10", ("--save-interval", "--save")),
     ("--save /tmp/x", ("--save", "--save-interval")),
     ("--linear-num-key-heads 4 --linear-num-value-heads 8", ("--linear-num-key-heads 4", "--linear-num-value-heads 8")),

@@ -313,3 +313,36 @@ def test_tensor_sequence_and_expert_parallel_tree_equals_expanded(tmp_path):
     assert_same_steps(runs[("tp2", "within")], runs[("tp2", "off")], "tp2: within vs off")
     assert_same_steps(runs[("ep2", "within")], runs[("ep2", "off")], "ep2: within vs off")
     assert runs[("tp2", "within")][0][0]["compression"] > 1.0
+
+
+def _pieces_worker(rank, world, port, data, out):
+    from megatron_harts.training.trainer import Trainer
+    _world(rank, world, port)
+    runs = {}
+    for name, sharing, budget in (("ref", "off", "48"), ("off", "off", "16"), ("within", "within", "16"),
+                                  ("windows", "windows", "16")):
+        flags = argv(data, sharing)
+        flags[flags.index("--tree-microbatch-tokens") + 1] = budget
+        flags[flags.index("--train-iters") + 1] = "2"
+        with Trainer.from_args(flags, require_data=True) as t:
+            runs[name] = [(t.train_iteration(), _params(t)) for _ in range(2)]
+    if rank == 0:
+        torch.save(runs, out)
+
+
+@pytest.mark.slow
+def test_dp2_trajectories_longer_than_the_budget_train_in_pieces(tmp_path):
+    """DP 2, a 16-row budget under trajectories of up to 43 tokens: every tree is cut into pieces (chains
+    placed on both replicas), in every sharing mode the losses, objective terms, MoE load and the
+    parameters after each step equal expanded training with a budget that holds every trajectory."""
+    runs = spawn(_pieces_worker, tmp_path)
+    ref = runs["ref"]
+    for name in ("off", "within", "windows"):
+        assert_same_steps(runs[name], ref, f"pieces ({name}) vs uncut expanded",
+                          terms=("objective/pg_loss", "objective/kl", "objective/entropy",
+                                 "moe_load_max_over_mean"))
+    # not vacuous: expanded mode ran more (smaller) microbatches, tree modes still shared rows
+    assert all(m["microbatches"] > m_ref["microbatches"] for (m, _), (m_ref, _) in zip(runs["off"], ref))
+    assert all(m["computed_tokens"] == m_ref["computed_tokens"] for (m, _), (m_ref, _) in zip(runs["off"], ref))
+    for name in ("within", "windows"):
+        assert all(m["computed_tokens"] < m_ref["computed_tokens"] for (m, _), (m_ref, _) in zip(runs[name], ref))

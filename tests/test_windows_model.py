@@ -141,7 +141,7 @@ def test_window_refusals():
     with pytest.raises(ValueError, match="no context rows"):
         ExportSpec.for_consumers(producer, [producer], config=cfg)
     psp = TreePackedSeqParams.for_tree(producer, config=cfg, export=spec)
-    with pytest.raises(ValueError, match="nested producers"):
+    with pytest.raises(ValueError, match="another producer layout"):   # a consumer exports its own rows only
         TreePackedSeqParams.for_tree(consumer, config=cfg, exports=psp.exports, export=spec)
     with pytest.raises(ValueError, match="chunk size"):
         TreePackedSeqParams.for_tree(consumer, config=cfg, exports=psp.exports, replay=False)

@@ -217,7 +217,7 @@ class KimiDeltaAttention(MegatronModule):
                                        *(ex[n].index_select(0, ci.replay) for n in ("q", "k", "v", "g", "beta")))
             if psp.export_spec is not None:   # producer: record what the window's consumers read
                 o, states = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=self.config.kda_backend,
-                                     return_exports=True)
+                                     external=external, return_exports=True)
                 conv_rows, replay_rows = psp.export_spec.conv_rows, psp.export_spec.replay_rows
                 rec = {n: t.index_select(0, conv_rows) for n, t in pre.items()}
                 rec.update({n: t.index_select(0, replay_rows)

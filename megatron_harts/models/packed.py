@@ -79,12 +79,12 @@ def _seen_context_rows(layout) -> np.ndarray:
     return off[1:] > off[:-1]
 
 
-def _kda_consumer_schedule(layout, chunk_size: int, replay: bool, device=None):
+def _kda_consumer_schedule(layout, chunk_size: int, replay: bool, device=None, export_rows=None):
     from ..ops.tree_kda import build_kda_schedule, plan_subtree_calls
     sp = plan_subtree_calls(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row, chunk_size,
                             replay=replay)
     return build_kda_schedule(layout.seg_parent, layout.seg_start, layout.seg_length, layout.seg_row, sp,
-                              device=device)
+                              export_rows=export_rows, device=device)
 
 
 @dataclass
@@ -195,6 +195,16 @@ class WindowExports:
         return sum(t.numel() * t.element_size() for d in self.layers.values() for t in d.values())
 
 
+def _check_export(export: ExportSpec, host, chunk_size: int, replay: bool, conv_kernel: int) -> None:
+    if export.producer_rows != host.num_rows or \
+            not torch.equal(export.producer_forest_rows, host.forest_rows.cpu()):
+        raise ValueError("TreePackedSeqParams.for_tree: export= was made for another producer layout")
+    if (export.chunk_size, export.replay, export.conv_kernel) != (int(chunk_size), bool(replay), int(conv_kernel)):
+        raise ValueError(f"export= was made for chunk size {export.chunk_size}, replay={export.replay}, "
+                         f"conv kernel {export.conv_kernel}; this producer runs {chunk_size}, "
+                         f"replay={replay}, conv kernel {conv_kernel}")
+
+
 class _InjectGradient(torch.autograd.Function):
     """A scalar whose backward hands ``grad`` to ``t`` (the incoming gradient is the loss's 1): the
     export gradients of a recomputed producer enter its backward without its exports being kept."""
@@ -246,6 +256,8 @@ class TreePackedSeqParams(PackedSeqParams):
     position_ids: Optional[torch.Tensor] = None  # [tokens] path depth (tree) / position in sequence
     export_spec: Optional[ExportSpec] = None  # producer: what to record (tree mode)
     exports: Optional[WindowExports] = None   # producer: filled by the forward; consumer: what to read
+    recorded: Optional[WindowExports] = None  # producer: what its forward records (``exports`` itself, except
+                                              # for a piece that reads earlier pieces' exports and also exports)
     consumer_index: Optional[ConsumerIndex] = None  # consumer: where its reads sit in ``exports``
     pad_rows: int = 0                        # rows appended after the real ones (padding, see module docstring)
     inject_grads: Optional[Dict[int, Dict[str, torch.Tensor]]] = None  # recomputed producer: its exports'
@@ -321,7 +333,7 @@ class TreePackedSeqParams(PackedSeqParams):
         with a gradient adds an :class:`_InjectGradient` scalar to ``injected``, so that
         ``(loss + injected).backward()`` is the window-close backward of ``WindowExports.close``."""
         if self.inject_grads is None:
-            self.exports.layers[int(layer_number)] = tensors
+            self.recorded.layers[int(layer_number)] = tensors
             return
         grads = self.inject_grads.get(int(layer_number), {})
         for name, t in tensors.items():
@@ -362,8 +374,10 @@ class TreePackedSeqParams(PackedSeqParams):
         With ``config`` (a HybridConfig) the chunk size, conv kernel, attention backend and KDA
         call plan are the model's (``kda_chunk_size``, ``linear_conv_kernel_dim``,
         ``tree_attention_backend``, ``tree_kda_call_plan``).
-        ``export``: this layout is a producer; its forward records ``self.exports``.
-        ``exports``: this layout is a consumer (it has context rows) reading them.
+        ``export``: this layout is a producer; its forward records ``self.recorded`` (for a layout
+        without context rows also ``self.exports``).
+        ``exports``: this layout is a consumer (it has context rows) reading them.  Both: a piece of a
+        long path, reading the earlier pieces' exports and exporting its own rows to the later ones.
         ``call_plan``: ``harts`` (``plan_calls``, with ``replay``) or a replay-free ablation of
         ``planner.baselines.BASELINE_PLANS`` (``replay`` does not apply); the ablations are
         refused for consumers and producers.
@@ -397,9 +411,6 @@ class TreePackedSeqParams(PackedSeqParams):
             if exports is None:
                 raise ValueError("TreePackedSeqParams.for_tree: this layout has context rows (a consumer): pass "
                                  "exports= (the producer's WindowExports)")
-            if export is not None:
-                raise ValueError("TreePackedSeqParams.for_tree: a consumer cannot also be a producer (nested "
-                                 "producers are not supported)")
             spec = exports.spec
             if (spec.chunk_size, spec.replay, spec.conv_kernel) != (int(chunk_size), bool(replay), int(conv_kernel)):
                 raise ValueError(f"exports were made for chunk size {spec.chunk_size}, replay={spec.replay}, conv "
@@ -410,8 +421,14 @@ class TreePackedSeqParams(PackedSeqParams):
                     not torch.equal(spec.producer_forest_rows[src], host.ctx_forest_rows.cpu()):
                 raise ValueError("TreePackedSeqParams.for_tree: the consumer's context rows are not the rows of the "
                                  "producer these exports come from")
-            schedule = _kda_consumer_schedule(host, chunk_size, replay, device)
+            schedule = _kda_consumer_schedule(host, chunk_size, replay)
             state_rows, replay_rows = consumer_kda_sources(host, schedule)
+            recorded = None
+            if export is not None:          # a piece: also exports its own rows to later pieces
+                _check_export(export, host, chunk_size, replay, conv_kernel)
+                schedule = _kda_consumer_schedule(host, chunk_size, replay, export_rows=export.state_rows)
+                recorded = WindowExports(export, {})
+            schedule = schedule.to(device)
 
             def position(values, table, what) -> np.ndarray:
                 table = np.asarray(table)
@@ -447,16 +464,11 @@ class TreePackedSeqParams(PackedSeqParams):
                                  "rows); this layout has none")
             export_rows = None
             if export is not None:
-                if export.producer_rows != layout.num_rows or \
-                        not torch.equal(export.producer_forest_rows, host.forest_rows.cpu()):
-                    raise ValueError("TreePackedSeqParams.for_tree: export= was made for another producer layout")
-                if (export.chunk_size, export.replay, export.conv_kernel) != \
-                        (int(chunk_size), bool(replay), int(conv_kernel)):
-                    raise ValueError(f"export= was made for chunk size {export.chunk_size}, replay={export.replay}, "
-                                     f"conv kernel {export.conv_kernel}; this producer runs {chunk_size}, "
-                                     f"replay={replay}, conv kernel {conv_kernel}")
+                _check_export(export, host, chunk_size, replay, conv_kernel)
                 export_rows = export.state_rows
-                exports = WindowExports(export, {})
+                exports = recorded = WindowExports(export, {})
+            else:
+                recorded = None
             if call_plan == "harts":
                 plan = plan_calls(layout.seg_parent, layout.seg_start, layout.seg_length, chunk_size, replay=replay)
             else:
@@ -488,7 +500,7 @@ class TreePackedSeqParams(PackedSeqParams):
                    token_weight=layout.occurrence.to(torch.float64),
                    token_weight_total=float(host.occurrence.to(torch.float64).sum()), position_ids=layout.position_ids,
                    export_spec=None if export is None else export.to(device), exports=exports,
-                   consumer_index=consumer_index)
+                   recorded=recorded, consumer_index=consumer_index)
 
     def padded(self, pad: int) -> "TreePackedSeqParams":
         """These params for the same rows followed by ``pad`` padding rows (module docstring)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -176,6 +176,7 @@ class MicrobatchPlan:
     expanded_tokens: int
     plan_seconds: float
     cost_model: CostModel
+    pieces: Optional[Any] = None    # planner.pieces.PieceSet: the long trees' pieces (None: every tree fits)
 
     @property
     def tokens_computed(self) -> int:

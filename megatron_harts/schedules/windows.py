@@ -51,18 +51,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..layout import host_to_device
-from ..models.packed import ExportSpec, TreePackedSeqParams
+from ..models.packed import ExportSpec, TreePackedSeqParams, WindowExports
 from ..planner.microbatch import replica_windows
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
-           "microbatch_on", "microbatch_params", "model_device", "producer_forward", "producer_params",
-           "windowed_microbatches"]
+           "microbatch_on", "microbatch_params", "model_device", "piece_microbatches", "producer_forward",
+           "producer_params", "windowed_microbatches"]
 
 
 @dataclass
@@ -78,12 +78,18 @@ class WindowedMicrobatch:
     count in this microbatch, with their occurrence count (None: all rows).  A row computed in
     several microbatches of a step (recomputed context) must be counted in exactly one of them
     for the step's tokens-per-expert to equal expanded training's.
+
+    A *piece* of a long path (``planner.pieces``): ``reads`` are the positions in the step of the
+    earlier pieces holding its root path, ``context`` their rows as one layout (the layout is built
+    with ``context=`` it); a piece that some later piece reads exports its own rows to it.
     """
     layout: Any
     owned: Optional[torch.Tensor] = None
     producer: Optional[int] = None
     replay: bool = True
     counted: Optional[torch.Tensor] = None
+    reads: Tuple[int, ...] = ()
+    context: Any = None
 
 
 def microbatch_on(mb: WindowedMicrobatch, device) -> WindowedMicrobatch:
@@ -159,6 +165,146 @@ def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True
     return items
 
 
+def piece_microbatches(plan, replica: int = 0, *, replay: bool = True, offset: int = 0) -> List[WindowedMicrobatch]:
+    """The pieces of the long trees' chains (``plan.pieces``, ``planner.pieces``) that replica ``replica``
+    runs, chain after chain, as :class:`WindowedMicrobatch` items whose ``reads`` are positions in a step
+    where these items start at ``offset``.  Each piece owns and counts all its rows' targets and MoE
+    statistics (every row of a chain is in one piece); an expanded-mode chain's layouts name the
+    step forest's trajectory."""
+    from ..layout import build_layout
+    ps = getattr(plan, "pieces", None)
+    items: List[WindowedMicrobatch] = []
+    if ps is None:
+        return items
+    for c, (lo, hi) in enumerate(ps.chains):
+        if ps.chain_replica[c] != replica:
+            continue
+        f, t = ps.chain_forest[c], ps.chain_trajectory[c]
+        base = offset + len(items)
+        for i in range(lo, hi):
+            piece = ps.pieces[i]
+            ctx = None
+            if piece.reads:
+                ctx = build_layout(f, segments=np.unique(np.concatenate([ps.pieces[r].segments for r in piece.reads])))
+            lay = build_layout(f, segments=piece.segments, context=ctx)
+            if t >= 0:
+                lay.traj_forest = np.full_like(lay.traj_forest, t)
+            items.append(WindowedMicrobatch(lay, replay=replay, reads=tuple(base + r - lo for r in piece.reads),
+                                            context=ctx))
+    return items
+
+
+_KINDS = ("rows", "conv_rows", "replay_rows", "state_rows")
+
+
+def _host_layout(layout):
+    return layout.host_copy if getattr(layout, "host_copy", None) is not None else layout
+
+
+def _as_np(x) -> np.ndarray:
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+@dataclass
+class _Pieces:
+    """A step's pieces (host side): ``readers[i]`` (later pieces reading piece i), ``specs[i]`` (what piece
+    i exports: every row some reader reads from it), ``reading[j] = (spec, gathers)`` (reader j's view of
+    its earlier pieces as one producer: ``spec`` in its context layout's rows, ``gathers[kind]`` the index
+    of each of the spec's rows in the concatenation of its read pieces' exports, in ``reads`` order),
+    ``last[i]``: the last position of piece i's chain (connected pieces)."""
+    readers: Dict[int, List[int]]
+    specs: Dict[int, ExportSpec]
+    reading: Dict[int, tuple]
+    last: Dict[int, int]
+
+
+def _plan_pieces(mbs: List[WindowedMicrobatch], cfg) -> _Pieces:
+    readers: Dict[int, List[int]] = {}
+    root = {}
+
+    def find(i):
+        while root.get(i, i) != i:
+            i = root[i]
+        return i
+    for j, mb in enumerate(mbs):
+        for i in mb.reads:
+            readers.setdefault(i, []).append(j)
+            root[find(j)] = find(i)
+    members = [i for i in range(len(mbs)) if mbs[i].reads or i in readers]
+    last: Dict[int, int] = {}
+    for i in members:
+        r = find(i)
+        last[r] = max(last.get(r, i), i)
+    last = {i: last[find(i)] for i in members}
+    combined = {j: ExportSpec.for_consumers(mbs[j].context, [mbs[j].layout], config=cfg, replay=mbs[j].replay)
+                for j, mb in enumerate(mbs) if mb.reads}
+    forest_rows = {i: _host_layout(mbs[i].layout).forest_rows.cpu().numpy() for i in members}
+    local: Dict[int, Dict[str, List[np.ndarray]]] = {i: {k: [] for k in _KINDS} for i in readers}
+    located: Dict[int, Dict[str, List[tuple]]] = {}
+    for j, cs in combined.items():
+        ctx_rows = _host_layout(mbs[j].context).forest_rows.cpu().numpy()
+        located[j] = {}
+        for kind in _KINDS:
+            want = ctx_rows[_as_np(getattr(cs, kind)).astype(np.int64)]
+            found = np.zeros(want.size, dtype=bool)
+            parts = []
+            for i in mbs[j].reads:
+                pf = forest_rows[i]
+                pos = np.searchsorted(pf, want)
+                hit = (pos < pf.size) & (pf[np.minimum(pos, max(pf.size - 1, 0))] == want) if pf.size else found & False
+                local[i][kind].append(pos[hit])
+                parts.append((i, np.flatnonzero(hit), pos[hit]))
+                found |= hit
+            if not found.all():
+                raise ValueError(f"microbatch {j}: its context row (forest row {int(want[~found][0])}) is in none of "
+                                 f"the pieces it reads {mbs[j].reads}")
+            located[j][kind] = parts
+    specs: Dict[int, ExportSpec] = {}
+    for i in readers:
+        u = {k: np.unique(np.concatenate(v)).astype(np.int64) if v else np.zeros(0, dtype=np.int64)
+             for k, v in local[i].items()}
+        if u["rows"].size == 0:       # every consumer's row index must be valid (ExportSpec's invariant)
+            u["rows"] = np.zeros(1, dtype=np.int64)
+        cs = combined[readers[i][0]]
+        specs[i] = ExportSpec(producer_rows=int(forest_rows[i].size), producer_forest_rows=torch.as_tensor(forest_rows[i]),
+                              rows=torch.as_tensor(u["rows"]), conv_rows=torch.as_tensor(u["conv_rows"]),
+                              replay_rows=torch.as_tensor(u["replay_rows"]), state_rows=u["state_rows"],
+                              chunk_size=cs.chunk_size, replay=cs.replay, conv_kernel=cs.conv_kernel)
+    reading = {}
+    for j, cs in combined.items():
+        gathers = {}
+        for kind in _KINDS:
+            n = _as_np(getattr(cs, kind)).size
+            idx = np.zeros(n, dtype=np.int64)
+            offset = 0
+            for i, where, pos in located[j][kind]:
+                table = _as_np(getattr(specs[i], kind)).astype(np.int64)
+                idx[where] = offset + np.searchsorted(table, pos)
+                offset += table.size
+            gathers[kind] = torch.as_tensor(idx)
+        reading[j] = (cs, gathers)
+    return _Pieces(readers=readers, specs=specs, reading=reading, last=last)
+
+
+def _read_pieces(j: int, mb: WindowedMicrobatch, pieces: _Pieces, leaves: Dict[int, WindowExports]) -> WindowExports:
+    """Piece ``j``'s view of the exports of the pieces it reads, as the exports of one producer (its
+    context layout): gathered from their leaves, so its gradients accumulate in them."""
+    cs, gathers = pieces.reading[j]
+    first = leaves[mb.reads[0]]
+    layers = {}
+    for n, d in first.layers.items():
+        kda = "states" in d
+        out = {}
+        for name in d:
+            kind = "state_rows" if name == "states" else "conv_rows" if name.startswith("conv_") else \
+                "replay_rows" if kda else "rows"
+            parts = [leaves[i].layers[n][name] for i in mb.reads]
+            cat = parts[0] if len(parts) == 1 else torch.cat(parts)
+            out[name] = cat.index_select(0, host_to_device(gathers[kind], cat.device))
+        layers[n] = out
+    return WindowExports(cs, layers)
+
+
 def check_windows(mbs: List[WindowedMicrobatch]) -> Dict[int, List[int]]:
     """Validate a step's microbatches (module docstring's limits); ``{producer: [its consumers]}``."""
     from ..layout import ExpandedBatch
@@ -168,15 +314,22 @@ def check_windows(mbs: List[WindowedMicrobatch]) -> Dict[int, List[int]]:
             raise ValueError(f"microbatch {i}: expected a WindowedMicrobatch, got {type(mb).__name__}")
         if isinstance(mb.layout, ExpandedBatch) and mb.producer is not None:
             raise ValueError(f"microbatch {i}: an expanded microbatch cannot read a producer")
+        for r in mb.reads:
+            if not 0 <= int(r) < i:
+                raise ValueError(f"microbatch {i}: the piece {r} it reads must run before it in the step")
+            if mbs[r].producer is not None or isinstance(mbs[r].layout, ExpandedBatch):
+                raise ValueError(f"microbatch {i}: the piece {r} it reads is a window consumer or expanded")
+        if mb.reads and (mb.producer is not None or mb.context is None):
+            raise ValueError(f"microbatch {i}: a piece reads earlier pieces (with its context layout), not a producer")
         if mb.producer is not None:
             p = int(mb.producer)
             if not 0 <= p < i:
                 raise ValueError(f"microbatch {i}: its producer {p} must run before it in the step")
             if isinstance(mbs[p].layout, ExpandedBatch):
                 raise ValueError(f"microbatch {i}: its producer {p} is an expanded microbatch (no exports)")
-            if mbs[p].producer is not None:
-                raise ValueError(f"microbatch {i}: its producer {p} is itself a consumer (nested producers are "
-                                 "not supported)")
+            if mbs[p].producer is not None or mbs[p].reads:
+                raise ValueError(f"microbatch {i}: its producer {p} is itself a consumer (a window producer holds "
+                                 "whole trees; a long path's pieces read each other through reads=)")
             consumers_of.setdefault(p, []).append(i)
     return consumers_of
 
@@ -306,6 +459,9 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     mbs: List[WindowedMicrobatch] = [next(data_iterator) for _ in range(int(num_microbatches))]
     consumers_of = check_windows(mbs)
     last_consumer = {p: cs[-1] for p, cs in consumers_of.items()}
+    pieces = _plan_pieces(mbs, cfg)
+    leaves: Dict[int, WindowExports] = {}       # pieces read later: their exports' leaves
+    waiting: Dict[int, WindowedMicrobatch] = {}  # pieces read later: their backward runs after the chain's end
 
     open_windows: Dict[int, dict] = {}
     live_bytes, peak_bytes = 0, 0
@@ -317,9 +473,47 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         store.append(stats)
         return loss
 
+    def piece_params(j: int, mb: WindowedMicrobatch):
+        psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, replay=mb.replay, export=pieces.specs.get(j),
+                                           exports=_read_pieces(j, mb, pieces, leaves) if mb.reads else None)
+        _count_rows(mb, psp)
+        return psp
+
     preview = recompute_producers and not forward_only
     for i, mb in enumerate(mbs):
         mb = microbatch_on(mb, device)
+        if i in pieces.last:                        # a piece of a long path
+            exported_bytes = 0
+            if i in pieces.readers:                 # read later: exports only, forward and backward at the end
+                psp = piece_params(i, mb)
+                psp.preview = True
+                with torch.no_grad(), producer_forward(cfg):
+                    forward_step_func(iter([(mb, psp)]), model)
+                leaves[i] = psp.recorded.detached()
+                waiting[i] = mb
+                exported_bytes = leaves[i].nbytes()
+                psp = None
+            else:                                   # read by none: forward and backward at once
+                psp = piece_params(i, mb)
+                loss = run(i, mb, psp)
+                if not forward_only:
+                    loss.backward()
+                loss = psp = None
+            live_bytes += exported_bytes
+            peak_bytes = max(peak_bytes, live_bytes)
+            if pieces.last[i] == i:                 # the chain's end: backward through its read pieces, last first
+                for p in sorted((p for p in waiting if pieces.last[p] == i), reverse=True):
+                    pmb, own = waiting.pop(p), leaves[p]
+                    psp = piece_params(p, pmb)
+                    psp.inject_grads = own.gradients()
+                    with producer_forward(cfg):
+                        loss = run(p, pmb, psp)
+                    if not forward_only:
+                        (loss if psp.injected is None else loss + psp.injected).backward()
+                    live_bytes -= own.nbytes()
+                    del leaves[p]
+                    own = loss = psp = None
+            continue
         if i in consumers_of:                       # producer: forward, exports kept, backward deferred
             psp = producer_params(mb, [mbs[c] for c in consumers_of[i]], cfg)
             if preview:                             # exports only; forward and backward again at close

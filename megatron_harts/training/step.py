@@ -53,10 +53,11 @@ from ..rl.objectives import (BatchNormalizer, ObjectiveConfig, ObjectiveDataErro
                              target_scale)
 from ..schedules.pipeline import SCHEDULES as PP_SCHEDULES, forward_backward_pipelining_windows
 from ..schedules.simulator import step_from_plan
+from ..planner.microbatch import MicrobatchPlan
 from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forward_backward_windows,
-                                 windowed_microbatches)
+                                 piece_microbatches, windowed_microbatches)
 
-__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "executed_rows", "replica_microbatches",
+__all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "step_forest", "executed_rows", "replica_microbatches",
            "aux_loss_scale", "megatron_aux_loss_scale_after", "microbatch_costs", "run_schedule", "train_step",
            "StepResult"]
 
@@ -91,7 +92,33 @@ class SharingSettings:
 
 
 def plan_step(forest, settings: SharingSettings, dp: int):
-    """The plan of one step on ``dp`` replicas (deterministic: every rank computes the same)."""
+    """The plan of one step on ``dp`` replicas (deterministic: every rank computes the same).
+
+    Trees holding a trajectory longer than ``--tree-microbatch-tokens`` are cut into pieces
+    (``planner.pieces.plan_with_pieces``; ``plan.pieces``, whose ``forest`` is then the step's forest:
+    :func:`step_forest`); the others are planned by ``--tree-planner``."""
+    from ..planner.cost_model import CostModel
+    from ..planner.pieces import plan_with_pieces
+    cm = settings.cost_model
+    mode = "expanded" if settings.sharing == "off" else "tree"
+
+    def empty():
+        return MicrobatchPlan(planner="pieces", mode=mode, num_replicas=int(dp), num_slots=0,
+                              row_budget=int(settings.microbatch_tokens), chunk_size=(cm or CostModel()).chunk_size,
+                              microbatches=[], slots=np.zeros((int(dp), 0), dtype=np.int64), windows=[],
+                              expanded_tokens=0, plan_seconds=0.0, cost_model=cm or CostModel())
+    return plan_with_pieces(forest, settings.microbatch_tokens, (cm or CostModel()).chunk_size, dp,
+                            lambda f: _plan_fitting(f, settings, dp), mode=mode, empty_plan=empty)
+
+
+def step_forest(forest, plan):
+    """The forest a step's microbatches index: ``plan.pieces.forest`` where long trees were cut into
+    pieces (the same trajectories, fitting trees first), else ``forest``."""
+    pieces = getattr(plan, "pieces", None)
+    return forest if pieces is None else pieces.forest
+
+
+def _plan_fitting(forest, settings: SharingSettings, dp: int):
     M, cm = settings.microbatch_tokens, settings.cost_model
     if settings.sharing == "off":
         return plan_ffd(forest, dp, M, cost_model=cm)
@@ -150,17 +177,35 @@ def replica_microbatches(forest, plan, replica: int, settings: SharingSettings, 
     MoE layer of every microbatch): every replica runs ``plan.num_slots`` microbatches, idle slots
     filled by :func:`placeholder_microbatch` at the end.
     """
-    if settings.sharing == "off":
+    if plan.pieces is not None:       # the base plan covers the fitting trees only
+        forest = plan.pieces.fitting_forest() if plan.pieces.num_fit_trees else None
+    if forest is None:
+        items = []
+    elif settings.sharing == "off":
         items = expanded_microbatches(forest, plan, replica)
     else:
         items = windowed_microbatches(forest, plan, replica, replay=settings.replay,
                                       windows=settings.sharing == "windows")
+    # pieces of paths longer than the budget: after the planned microbatches (expanded chains replay as
+    # expanded chunking does: every chunk from position 0)
+    items += piece_microbatches(plan, replica, replay=settings.replay or settings.sharing == "off",
+                                offset=len(items))
+    if aligned and plan.pieces is not None:
+        raise ValueError(f"expert parallelism runs replicas in lockstep: a trajectory longer than "
+                         f"--tree-microbatch-tokens {settings.microbatch_tokens} ({_longest(plan)}) cannot be cut "
+                         "into pieces with --expert-model-parallel-size > 1; raise the budget")
     if aligned:
         if any(mb.producer is not None for mb in items):
             raise ValueError("expert parallelism runs replicas in lockstep: sharing windows are not supported "
                              "with --expert-model-parallel-size > 1 (use --tree-sharing within)")
         items += [placeholder_microbatch() for _ in range(plan.num_slots - len(items))]
     return items
+
+
+def _longest(plan) -> str:
+    f = plan.pieces.forest
+    t = int(np.argmax(np.asarray(f.traj_length)))
+    return f"trajectory {f.traj_ids[t]!r}, {int(f.traj_length[t])} tokens"
 
 
 @dataclass
@@ -352,6 +397,10 @@ def run_schedule(model, items: List[WindowedMicrobatch], forward_step_func: Call
     ``costs``, :func:`microbatch_costs`, where the schedule uses them)."""
     from megatron.core import parallel_state
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if any(mb.reads for mb in items):
+            raise ValueError(f"a trajectory longer than --tree-microbatch-tokens {settings.microbatch_tokens} is cut "
+                             "into pieces, which run with --pipeline-model-parallel-size 1 only; raise "
+                             "--tree-microbatch-tokens to the longest trajectory")
         return forward_backward_pipelining_windows(forward_step_func=forward_step_func, data_iterator=iter(items),
                                                    model=model, num_microbatches=len(items),
                                                    forward_only=forward_only, window_stats=window_stats,
@@ -374,8 +423,9 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     replica = parallel_state.get_data_parallel_rank()
     items = replica_microbatches(forest, plan, replica, settings,
                                  aligned=parallel_state.get_expert_model_parallel_world_size() > 1)
+    forest = step_forest(forest, plan)
     normalizer = forest_normalizer(forest)
-    total_mbs = len(plan.microbatches)
+    total_mbs = len(plan.microbatches) + (0 if plan.pieces is None else len(plan.pieces.pieces))
     counters: Dict[str, Any] = {}
     step_fn = make_forward_step(objective, normalizer, aux_loss_scale=aux_loss_scale(plan), counters=counters)
 
@@ -385,7 +435,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     window_stats: Dict[str, Any] = {}
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     last = parallel_state.is_pipeline_last_stage()
-    costs = microbatch_costs(forest, plan, replica, len(items)) if pp > 1 else None
+    costs = microbatch_costs(forest, plan, replica, len(items)) if pp > 1 and plan.pieces is None else None
     with ddp.no_sync(), expert_grad_hooks_off(ddp), megatron_aux_loss_scale_after(device):
         run_schedule(ddp, items, step_fn, settings, window_stats=window_stats, costs=costs)
     # every rank reduces the same terms: the objective's, known also where no loss ran (stages

@@ -337,6 +337,58 @@ class Forest:
             **_select_events(self, s0, s1, t0, t1),
         )
 
+    def cut_at_depths(self, trees: Sequence[int], width: int) -> "Forest":
+        """The forest with every segment of ``trees`` cut at the path positions that are positive
+        multiples of ``width`` (a piece of a long path never crosses one).
+
+        A cut segment becomes consecutive segments, each the only child of the one before, the
+        last one keeping the children and the trajectories' leaves, each compaction event going to
+        the one holding its position; rows, trajectories and per-token metadata are unchanged, segments stay in
+        DFS preorder.  Segments are then maximal runs except at those positions, which every
+        consumer of a forest accepts (the layouts, KDA call plans and planners work per segment).
+        """
+        width = int(width)
+        if width < 1:
+            raise ValueError(f"cut_at_depths: width must be >= 1, got {width}")
+        S = self.num_segments
+        sel = np.zeros(S, dtype=bool)
+        off = self.tree_offsets.astype(np.int64)
+        for t in np.asarray(list(trees), dtype=np.int64).tolist():
+            if not 0 <= t < self.num_trees:
+                raise IndexError(f"tree {t} out of range [0, {self.num_trees})")
+            sel[off[t]:off[t + 1]] = True
+        start = self.seg_start.astype(np.int64)
+        end = start + self.seg_length.astype(np.int64)
+        # cut positions inside segment s: multiples of width in (start, end)
+        first_cut = (start // width + 1) * width
+        ncuts = np.where(sel & (first_cut < end), (end - 1 - first_cut) // width + 1, 0)
+        if not ncuts.any():
+            return self
+        parts = ncuts + 1
+        new_first = np.zeros(S + 1, dtype=np.int64)
+        np.cumsum(parts, out=new_first[1:])
+        last = new_first[:-1] + parts - 1
+        owner = np.repeat(np.arange(S, dtype=np.int64), parts)             # old segment of each part
+        k = np.arange(owner.size, dtype=np.int64) - new_first[owner]        # part index inside it
+        p_start = np.where(k == 0, start[owner], first_cut[owner] + (k - 1) * width)
+        p_end = np.where(k == parts[owner] - 1, end[owner], first_cut[owner] + k * width)
+        old_parent = self.seg_parent.astype(np.int64)[owner]
+        parent = np.where(k > 0, np.arange(owner.size) - 1, np.where(old_parent >= 0, last[np.maximum(old_parent, 0)],
+                                                                      -1))
+        seg_row = self.seg_row.astype(np.int64)[owner] + (p_start - start[owner])
+        # events: each to the part holding its position
+        ev_seg = np.repeat(np.arange(S, dtype=np.int64), np.diff(self.seg_evt_offsets))
+        at = self.evt_at.astype(np.int64)
+        ev_part = new_first[ev_seg] + np.where(at >= first_cut[ev_seg], (at - first_cut[ev_seg]) // width + 1, 0)
+        seg_evt_offsets = np.zeros(owner.size + 1, dtype=np.int64)
+        np.cumsum(np.bincount(ev_part, minlength=owner.size), out=seg_evt_offsets[1:])
+        import dataclasses
+        return dataclasses.replace(
+            self, seg_parent=parent.astype(np.int64), seg_start=p_start, seg_length=p_end - p_start, seg_row=seg_row,
+            seg_traj_lo=self.seg_traj_lo[owner], seg_traj_hi=self.seg_traj_hi[owner],
+            tree_offsets=new_first[off], traj_leaf=last[self.traj_leaf.astype(np.int64)],
+            seg_evt_offsets=seg_evt_offsets, _id_index=None)
+
     # ---- statistics -----------------------------------------------------------
     def stats(self) -> dict:
         """Sharing statistics.  ``max_depth`` counts segments on the deepest path.

@@ -1,0 +1,224 @@
+"""Paths longer than the row budget: cut into pieces that read the earlier pieces' exports.
+
+A tree whose longest trajectory exceeds the row budget ``M`` (a *long tree*) cannot be placed by
+the microbatch planners, which recompute a microbatch's whole root path.  Its rows are cut into
+**pieces** instead, each one microbatch of at most ``M`` rows that reads the rows above it (its
+root path) from the earlier pieces holding them, the way a sharing-window consumer reads its
+producer: MLA keys and values, conv context, KDA boundary states and replay inputs.
+
+Invariants of :func:`plan_with_pieces` (``tests/test_pieces.py``):
+
+- The step forest (``PieceSet.forest``) holds the fitting trees first, in their order, then the long
+  trees, with the long trees' segments cut at the positive multiples of ``width`` (``B``-aligned
+  when ``M >= B``: a piece boundary is then a KDA chunk boundary, no replay).  The base plan covers
+  the fitting trees; its segment and trajectory ids are the step forest's (they come first).
+- Tree mode: every segment of a long tree is in exactly one piece; a piece's segments are closed
+  under "the parent is in the piece or in a piece it reads"; ``reads`` lists every earlier piece
+  holding a row of its root path (so it reads its whole context), and pieces come in an order
+  where every read piece is earlier.  A piece owns the targets of its rows.
+- Expanded mode (``--tree-sharing off``): every trajectory of a long tree is a chain of its own (a
+  one-trajectory forest, cut the same way), computed without sharing.
+- Every piece has at most ``M`` rows; each chain (a long tree, or in expanded mode one
+  trajectory) runs on one data-parallel replica.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+
+from ..tree_data.forest import Forest, build_forest
+from .microbatch import PlanningError
+
+__all__ = ["Piece", "PieceSet", "long_trees", "piece_width", "tree_pieces", "plan_with_pieces"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One microbatch of a chain: ``segments`` (sorted ids of the chain's forest), ``reads`` (earlier
+    pieces of the same chain, by index in ``PieceSet.pieces``, holding its root path), ``rows``."""
+    segments: np.ndarray
+    reads: Tuple[int, ...]
+    rows: int
+
+
+@dataclass
+class PieceSet:
+    """The pieces of a step's long trees (module docstring).
+
+    ``chains[c] = (lo, hi)``: pieces ``lo .. hi-1`` form chain c (one tree, or one trajectory in
+    expanded mode), in execution order; ``chain_forest[c]``: the forest their segments index (the
+    step forest, or the trajectory's own forest); ``chain_trajectory[c]``: expanded mode, the step
+    forest's index of that trajectory (-1 in tree mode); ``chain_replica[c]``: the replica running it.
+    """
+    forest: Forest
+    mode: str
+    width: int
+    num_fit_trees: int
+    pieces: List[Piece] = field(default_factory=list)
+    chains: List[Tuple[int, int]] = field(default_factory=list)
+    chain_forest: List[Forest] = field(default_factory=list)
+    chain_trajectory: List[int] = field(default_factory=list)
+    chain_replica: List[int] = field(default_factory=list)
+
+    def fitting_forest(self) -> Forest:
+        """The fitting trees as the forest the base plan was made for (a prefix of the step forest's
+        segments, rows and trajectories, so its ids are the step forest's)."""
+        return self.forest.select(np.arange(self.num_fit_trees))
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.pieces)
+
+    @property
+    def expanded_tokens(self) -> int:
+        """Trajectory tokens of the long trees (what their microbatches route, every copy counted)."""
+        f, lo = self.forest, int(self.forest.tree_offsets[self.num_fit_trees])
+        t0 = int(f.seg_traj_lo[lo]) if lo < f.num_segments else f.num_trajectories
+        return int(np.asarray(f.traj_length[t0:], dtype=np.int64).sum())
+
+
+def long_trees(forest: Forest, row_budget: int) -> np.ndarray:
+    """Trees holding a trajectory longer than ``row_budget`` rows."""
+    lengths = np.asarray(forest.traj_length, dtype=np.int64)
+    traj_tree = np.searchsorted(forest.tree_offsets, np.asarray(forest.traj_leaf, dtype=np.int64), side="right") - 1
+    long = np.zeros(forest.num_trees, dtype=bool)
+    long[traj_tree[lengths > int(row_budget)]] = True
+    return np.flatnonzero(long).astype(np.int64)
+
+
+def piece_width(row_budget: int, chunk_size: int) -> int:
+    """Depth between cuts: the budget rounded down to a multiple of the KDA chunk size (the budget
+    itself when it is below one chunk)."""
+    M, B = int(row_budget), int(chunk_size)
+    return (M // B) * B if M >= B else M
+
+
+def tree_pieces(forest: Forest, tree: int, row_budget: int, first: int = 0) -> List[Piece]:
+    """Pieces of tree ``tree`` of a forest cut at depths (no segment longer than the budget).
+
+    Top down: a subtree of at most ``M`` rows is one piece; a larger one puts its top segment in a
+    piece with as many of its fitting child subtrees as fit (first-fit decreasing by rows), its other
+    fitting children in further pieces reading that one, and its children larger than ``M`` recursively
+    below it.  ``first``: the index of the first piece in the caller's list (``reads`` are absolute).
+    """
+    M = int(row_budget)
+    lo, hi = int(forest.tree_offsets[tree]), int(forest.tree_offsets[tree + 1])
+    parent = np.asarray(forest.seg_parent[lo:hi], dtype=np.int64) - lo
+    length = np.asarray(forest.seg_length[lo:hi], dtype=np.int64)
+    if int(length.max()) > M:
+        raise PlanningError(f"tree {tree}: a segment of {int(length.max())} rows is longer than the microbatch "
+                            f"row budget {M} (--tree-microbatch-tokens); cut the forest at depths first")
+    n = hi - lo
+    rows = length.copy()
+    size = np.ones(n, dtype=np.int64)
+    for s in range(n - 1, 0, -1):
+        rows[parent[s]] += rows[s]
+        size[parent[s]] += size[s]
+    kids: List[List[int]] = [[] for _ in range(n)]
+    for s in range(1, n):
+        kids[parent[s]].append(s)
+    out: List[Piece] = []
+
+    def subtree(s: int) -> np.ndarray:
+        return np.arange(lo + s, lo + s + int(size[s]), dtype=np.int64)
+
+    def add(segs: List[np.ndarray], reads: Tuple[int, ...]) -> int:
+        seg = np.sort(np.concatenate(segs))
+        out.append(Piece(segments=seg, reads=reads, rows=int(np.asarray(forest.seg_length)[seg].sum())))
+        return first + len(out) - 1
+
+    stack: List[Tuple[int, Tuple[int, ...]]] = [(0, ())]
+    while stack:
+        s, reads = stack.pop()
+        if rows[s] <= M:
+            add([subtree(s)], reads)
+            continue
+        fitting = sorted((c for c in kids[s] if rows[c] <= M), key=lambda c: (-int(rows[c]), c))
+        groups: List[List[int]] = [[]]
+        loads = [int(length[s])]
+        for c in fitting:
+            for g, load in enumerate(loads):
+                if load + rows[c] <= M:
+                    groups[g].append(c)
+                    loads[g] += int(rows[c])
+                    break
+            else:
+                groups.append([c])
+                loads.append(int(rows[c]))
+        top = add([np.array([lo + s], dtype=np.int64)] + [subtree(c) for c in groups[0]], reads)
+        below = reads + (top,)
+        for g in groups[1:]:
+            add([subtree(c) for c in g], below)
+        for c in reversed([c for c in kids[s] if rows[c] > M]):
+            stack.append((c, below))
+    # pieces come parents first along every path: the stack pops a subtree after its top's piece
+    return out
+
+
+def _trajectory_forest(forest: Forest, t: int, width: int) -> Forest:
+    one = build_forest([forest.expand(forest.traj_ids[t])])
+    return one.cut_at_depths([0], width)
+
+
+def plan_with_pieces(forest: Forest, row_budget: int, chunk_size: int, dp: int,
+                     plan_fn: Callable[[Forest], object], *, mode: str = "tree",
+                     empty_plan: Optional[Callable[[], object]] = None):
+    """``plan_fn``'s plan of the fitting trees with the long trees' pieces attached (``plan.pieces``).
+
+    Returns ``plan_fn(forest)`` unchanged when no tree is long.  Otherwise the plan of the fitting
+    trees of the step forest (``plan.pieces.forest``, module docstring; ``empty_plan()`` when every
+    tree is long), whose ``expanded_tokens`` then count the long trees' tokens too, with a
+    :class:`PieceSet`.  Chains go, largest first, to the replica with the fewest rows so far.
+    """
+    if mode not in ("tree", "expanded"):
+        raise ValueError(f"plan_with_pieces: mode must be 'tree' or 'expanded', got {mode!r}")
+    M = int(row_budget)
+    if isinstance(row_budget, bool) or M < 1:
+        raise PlanningError(f"the microbatch row budget must be an integer >= 1, got {row_budget!r}")
+    long = long_trees(forest, M)
+    if long.size == 0:
+        return plan_fn(forest)
+    fit = np.setdiff1d(np.arange(forest.num_trees, dtype=np.int64), long)
+    width = piece_width(M, chunk_size)
+    step = forest.select(np.concatenate([fit, long]))
+    n_fit = int(fit.size)
+    if mode == "tree":
+        step = step.cut_at_depths(range(n_fit, step.num_trees), width)
+    if n_fit:
+        base = plan_fn(step.select(np.arange(n_fit)))     # = PieceSet.fitting_forest()
+    elif empty_plan is not None:
+        base = empty_plan()
+    else:
+        raise PlanningError("plan_with_pieces: every tree is longer than the budget and no empty plan was given")
+    ps = PieceSet(forest=step, mode=mode, width=width, num_fit_trees=n_fit)
+    if mode == "tree":
+        for t in range(n_fit, step.num_trees):
+            lo = len(ps.pieces)
+            ps.pieces += tree_pieces(step, t, M, first=lo)
+            ps.chains.append((lo, len(ps.pieces)))
+            ps.chain_forest.append(step)
+            ps.chain_trajectory.append(-1)
+    else:
+        t0 = int(step.seg_traj_lo[int(step.tree_offsets[n_fit])])
+        for t in range(t0, step.num_trajectories):
+            one = _trajectory_forest(step, t, width)
+            lo = len(ps.pieces)
+            ps.pieces += tree_pieces(one, 0, M, first=lo)
+            ps.chains.append((lo, len(ps.pieces)))
+            ps.chain_forest.append(one)
+            ps.chain_trajectory.append(t)
+    # placement: each chain on one replica, largest first to the least-loaded one (rows)
+    load = np.zeros(int(dp), dtype=np.int64)
+    for m in getattr(base, "microbatches", []):
+        load[m.replica] += int(m.features.rows)
+    chain_rows = [sum(ps.pieces[i].rows for i in range(a, b)) for a, b in ps.chains]
+    ps.chain_replica = [0] * len(ps.chains)
+    for c in sorted(range(len(ps.chains)), key=lambda c: (-chain_rows[c], c)):
+        r = int(np.argmin(load))
+        ps.chain_replica[c] = r
+        load[r] += chain_rows[c]
+    base.pieces = ps
+    base.expanded_tokens = int(base.expanded_tokens) + ps.expanded_tokens
+    return base
