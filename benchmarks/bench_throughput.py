@@ -218,7 +218,7 @@ def model_flops(p, rows, pairs, logits_rows):
 def logits_rows(plan) -> int:
     """Rows of a plan whose logits are computed: each microbatch's owned rows that carry a target
     (tree mode: a row once, whatever its targets; expanded mode: every target's row)."""
-    return int(sum(m.features.logits_rows for m in plan.microbatches))
+    return int(sum(m.features.logits_rows for m in plan.microbatches) + pieces_accounting(plan)["logits_rows"])
 
 
 #: bytes per parameter under the driver's bf16 training: bf16 weight 2, fp32 gradient buffer 4, fp32
@@ -274,9 +274,31 @@ def memory_estimate(p, rows, recompute=None):
             "output": output, "total": weights + activations + output, "per_layer": per_layer}
 
 
+def pieces_accounting(plan) -> dict:
+    """What the step computes for a plan's pieces (``plan.pieces``: trees with a path longer than the
+    row budget, cut into microbatches that read the earlier pieces' exports), as the step builds
+    them: rows, the largest piece's rows, visible pairs (context keys included) and logits rows;
+    zeros where the plan has none."""
+    from megatron_harts.schedules.windows import piece_microbatches
+    from megatron_harts.training.step import visible_pairs as batch_pairs
+    out = {"rows": 0, "largest": 0, "pairs": 0, "logits_rows": 0}
+    if getattr(plan, "pieces", None) is None:
+        return out
+    for r in range(plan.num_replicas):
+        for mb in piece_microbatches(plan, r):
+            lay = mb.layout
+            out["rows"] += lay.num_rows
+            out["largest"] = max(out["largest"], lay.num_rows)
+            out["pairs"] += batch_pairs(lay)
+            rows = lay.target_row if mb.owned is None else lay.target_row[mb.owned]
+            out["logits_rows"] += int(torch.unique(rows).numel())
+    return out
+
+
 def visible_pairs(plan):
-    """Attention pairs of the step's microbatches as planned (tree: ancestor-or-self; expanded: causal)."""
-    return float(sum(m.features.attention_pairs for m in plan.microbatches))
+    """Attention pairs of the step's microbatches as planned (tree: ancestor-or-self; expanded: causal),
+    pieces included."""
+    return float(sum(m.features.attention_pairs for m in plan.microbatches) + pieces_accounting(plan)["pairs"])
 
 
 def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, stacks=False, op_names=()):
@@ -674,11 +696,15 @@ def plan_only(p, scheme, forest, a):
         settings = SharingSettings(sharing=sharing, microbatch_tokens=a.microbatch_tokens,
                                    planner="l1l2" if sharing == "windows" else "l1")
         plan = plan_step(forest, settings, 1)
-        if sharing == "off":
+        fitting = forest if plan.pieces is None else \
+            plan.pieces.fitting_forest() if plan.pieces.num_fit_trees else None
+        if sharing == "off" or fitting is None:
             rows = int(sum(m.features.rows for m in plan.microbatches))
-            largest = int(max(m.features.rows for m in plan.microbatches))
+            largest = int(max((m.features.rows for m in plan.microbatches), default=0))
         else:
-            rows, largest = executed_rows(forest, plan, windows=sharing == "windows")
+            rows, largest = executed_rows(fitting, plan, windows=sharing == "windows")
+        cut = pieces_accounting(plan)
+        rows, largest = rows + cut["rows"], max(largest, cut["largest"])
         pairs, lrows = visible_pairs(plan), logits_rows(plan)
         flops = model_flops(p, rows, pairs, lrows)
         mem = memory_estimate(p, largest, p.get("recompute"))
@@ -797,10 +823,6 @@ def main(argv=None):
         forest = synthesize(scheme, a.num_tasks, a.max_tokens, p["vocab"], seed=0, samples_per_task=a.samples_per_task,
                             **shape)
         G = forest.num_trajectories
-        longest = int(forest.traj_length.max())
-        if longest > a.microbatch_tokens:
-            raise CliError(f"--microbatch-tokens {a.microbatch_tokens}: the {scheme} batch's longest trajectory has "
-                           f"{longest} tokens, and a microbatch holds a whole root path (use at least {longest})")
         if a.plan_only:
             results["schemes"][scheme] = {"forest": forest.stats(), **plan_only(p, scheme, forest, a)}
             with open(out, "w") as f:
