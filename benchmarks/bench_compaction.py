@@ -55,8 +55,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_throughput import (PRESETS, check_device, model_flags, release_memory, run_mode,  # noqa: E402
-                              visible_pairs)
+from bench_throughput import (PRESETS, check_device, model_flags, pieces_accounting, release_memory,  # noqa: E402
+                              run_mode, visible_pairs)
 from megatron_harts.cli import ArgumentParser, CliError, output_path, run  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -152,7 +152,8 @@ def measure(argv, forest, n: int, a, title: str) -> dict:
     return {**extra, "step_seconds": t, "step_seconds_all": times, "trajectory_tokens_per_s": n / t,
             "rows_computed": int(m["computed_tokens"]), "sample_tokens": int(m["trajectory_tokens"]),
             "visible_pairs": int(visible_pairs(plan)), "peak_memory_gib": peak,
-            "largest_microbatch_rows": max(int(mb.features.rows) for mb in plan.microbatches),
+            "largest_microbatch_rows": max(max((int(mb.features.rows) for mb in plan.microbatches), default=0),
+                                           pieces_accounting(plan)["largest"]),
             "loss_first_step": losses[0][0], "loss_after_one_step": losses[1][0] if len(losses) > 1 else None,
             "loss_per_step": [loss for loss, _ in losses], "grad_norm_per_step": [g for _, g in losses],
             "microbatches": m["microbatches"], "kda_calls": m["kda_calls"], "planner": plan.planner, **backends}

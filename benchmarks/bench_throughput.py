@@ -281,9 +281,11 @@ def pieces_accounting(plan) -> dict:
     zeros where the plan has none."""
     from megatron_harts.schedules.windows import piece_microbatches
     from megatron_harts.training.step import visible_pairs as batch_pairs
-    out = {"rows": 0, "largest": 0, "pairs": 0, "logits_rows": 0}
+    out = {"rows": 0, "largest": 0, "pairs": 0, "logits_rows": 0, "microbatches": 0}
     if getattr(plan, "pieces", None) is None:
         return out
+    if _PIECES.get("plan") is plan:
+        return _PIECES["out"]
     for r in range(plan.num_replicas):
         for mb in piece_microbatches(plan, r):
             lay = mb.layout
@@ -292,7 +294,12 @@ def pieces_accounting(plan) -> dict:
             out["pairs"] += batch_pairs(lay)
             rows = lay.target_row if mb.owned is None else lay.target_row[mb.owned]
             out["logits_rows"] += int(torch.unique(rows).numel())
+            out["microbatches"] += 1
+    _PIECES.update(plan=plan, out=out)
     return out
+
+
+_PIECES: dict = {}     # the last plan pieces_accounting built, and its figures
 
 
 def visible_pairs(plan):
@@ -709,11 +716,11 @@ def plan_only(p, scheme, forest, a):
         flops = model_flops(p, rows, pairs, lrows)
         mem = memory_estimate(p, largest, p.get("recompute"))
         out["expanded" if sharing == "off" else f"tree_{sharing}"] = {
-            "planner": plan.planner, "microbatches": len(plan.microbatches), "rows": rows,
+            "planner": plan.planner, "microbatches": len(plan.microbatches) + cut["microbatches"], "rows": rows,
             "largest_microbatch_rows": largest, "visible_pairs_planned": pairs, "logits_rows": lrows,
             "model_flops": flops, "memory_estimate_gib": {k: v / 2 ** 30 for k, v in mem.items()
                                                           if k not in ("per_layer", "parameters")}}
-        print(f"{scheme} {sharing}: {len(plan.microbatches)} microbatches, {rows} rows (largest {largest}), "
+        print(f"{scheme} {sharing}: {len(plan.microbatches) + cut['microbatches']} microbatches, {rows} rows (largest {largest}), "
               f"{pairs:.3e} pairs, {lrows} logits rows, {flops['total'] / 1e15:.2f} PFLOP, estimated peak "
               f"{mem['total'] / 2 ** 30:.1f} GiB", flush=True)
     return out
@@ -864,7 +871,8 @@ def main(argv=None):
                 # Trainer frees its model and optimizer: ~0.06 GiB of caches remain)
                 "peak_memory_above_start_gib": None if peak is None else peak - left,
                 "visible_pairs": m["visible_pairs"], "logits_rows": logits_rows(plan),
-                "largest_microbatch_rows": int(max(mb.features.rows for mb in plan.microbatches)),
+                "largest_microbatch_rows": max(max((int(mb.features.rows) for mb in plan.microbatches), default=0),
+                                               pieces_accounting(plan)["largest"]),
                 "model_flops": flops, "model_tflops_per_s": flops["total"] / t / 1e12,
                 "mfu": flops["total"] / (t * peak_flops) if peak_flops else None}
             results["schemes"][scheme] = row
