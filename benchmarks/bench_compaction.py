@@ -169,7 +169,8 @@ def _ratio(x, y):
 
 def derived(row: dict) -> dict:
     """The ratios of one set's modes (module docstring)."""
-    kv_e, rp_e, rp_t = (row["modes"][k] for k in ("kv_expanded", "reprefill_expanded", "reprefill_tree_within"))
+    kv_e = row["modes"]["kv_expanded"]
+    rp_e, rp_t = (row["modes"].get(k) for k in ("reprefill_expanded", "reprefill_tree_within"))  # --forms kv: None
     out = {}
     for key in ("kv_tree_within", "kv_tree_windows"):
         tree = row["modes"].get(key)
@@ -185,20 +186,24 @@ def derived(row: dict) -> dict:
             "largest_microbatch_rows_ratio": _ratio(tree.get("largest_microbatch_rows"),
                                                     kv_e.get("largest_microbatch_rows")),
             "kernel_speedup": _ratio(_kernel_seconds(kv_e), _kernel_seconds(tree))}
-        speedup = _ratio(rp_t["step_seconds"], tree["step_seconds"])
-        rows = _ratio(rp_t["rows_computed"], tree["rows_computed"])
-        out[f"kv_{tag}_over_reprefill_tree"] = {"speedup": speedup, "rows_ratio": rows,
-                                                "speedup_over_rows_ratio": _ratio(speedup, rows)}
-        out[f"kv_{tag}_over_reprefill_expanded"] = {
-            "speedup": _ratio(rp_e["step_seconds"], tree["step_seconds"]),
-            "rows_ratio": _ratio(rp_e["rows_computed"], tree["rows_computed"])}
-    out["kv_expanded_over_reprefill_expanded"] = {
-        "speedup": _ratio(rp_e["step_seconds"], kv_e["step_seconds"]),
-        "rows_ratio": _ratio(rp_e["rows_computed"], kv_e["rows_computed"])}
+        if rp_t is not None:
+            speedup = _ratio(rp_t["step_seconds"], tree["step_seconds"])
+            rows = _ratio(rp_t["rows_computed"], tree["rows_computed"])
+            out[f"kv_{tag}_over_reprefill_tree"] = {"speedup": speedup, "rows_ratio": rows,
+                                                    "speedup_over_rows_ratio": _ratio(speedup, rows)}
+        if rp_e is not None:
+            out[f"kv_{tag}_over_reprefill_expanded"] = {
+                "speedup": _ratio(rp_e["step_seconds"], tree["step_seconds"]),
+                "rows_ratio": _ratio(rp_e["rows_computed"], tree["rows_computed"])}
+    if rp_e is not None:
+        out["kv_expanded_over_reprefill_expanded"] = {
+            "speedup": _ratio(rp_e["step_seconds"], kv_e["step_seconds"]),
+            "rows_ratio": _ratio(rp_e["rows_computed"], kv_e["rows_computed"])}
     N, extra = row["trace_tokens"], row["reprefilled_tokens"]
+    rp_rows = None if rp_e is None else rp_e["rows_computed"]
     out["rows_check"] = {"N": N, "reprefilled_tokens": extra, "kv_expanded_rows": kv_e["rows_computed"],
-                         "reprefill_expanded_rows": rp_e["rows_computed"],
-                         "ok": kv_e["rows_computed"] == N and rp_e["rows_computed"] == N + extra}
+                         "reprefill_expanded_rows": rp_rows,
+                         "ok": kv_e["rows_computed"] == N and rp_rows in (None, N + extra)}
     return out
 
 
@@ -224,6 +229,8 @@ def parse(argv):
     ap.add_argument("--tree-sharing", nargs="+", default=["within", "windows"], choices=["within", "windows"],
                     help="tree modes of the traces beside expanded (windows runs where the driver accepts "
                          "compaction events in sharing windows; else its refusal is recorded)")
+    ap.add_argument("--forms", nargs="+", default=["reprefill", "kv"], choices=["reprefill", "kv"],
+                    help="forms to train (default both; kv alone: the traces' modes, e.g. to profile them)")
     ap.add_argument("--num-tasks", type=int, default=1, help="rollout tasks (trees) per set")
     ap.add_argument("--samples-per-task", type=int, default=1, help="rollouts per task")
     ap.add_argument("--max-tokens", type=int, default=35000,
@@ -273,6 +280,9 @@ def parse(argv):
     check_device(a.device)
     a.schemes, a.strategies = list(dict.fromkeys(a.schemes)), list(dict.fromkeys(a.strategies))
     a.budgets, a.tree_sharing = list(dict.fromkeys(a.budgets)), list(dict.fromkeys(a.tree_sharing))
+    a.forms = list(dict.fromkeys(a.forms))
+    if "kv" not in a.forms:
+        raise CliError("--forms must include kv: every ratio is taken against the traces' expanded mode")
     if a.out is None:        # its folder is made when the run starts
         a.out = os.path.join(os.path.dirname(HERE), "out", time.strftime("compaction-%Y%m%d-%H%M%S.json"))
     else:
@@ -303,8 +313,8 @@ def summary_line(row: dict) -> str:
     for tag in ("within", "windows"):
         w, r = d.get(f"kv_{tag}_over_kv_expanded"), d.get(f"kv_{tag}_over_reprefill_tree")
         if w:
-            parts.append(f"KV {tag} / KV expanded {w['speedup']:.2f}x at {w['compression']:.2f}x compression; "
-                         f"/ re-prefill tree {r['speedup']:.2f}x at {r['rows_ratio']:.2f}x rows")
+            parts.append(f"KV {tag} / KV expanded {w['speedup']:.2f}x at {w['compression']:.2f}x compression"
+                         + (f"; / re-prefill tree {r['speedup']:.2f}x at {r['rows_ratio']:.2f}x rows" if r else ""))
     return f"{row['set']}: " + " | ".join(parts)
 
 
@@ -334,7 +344,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     if a.profile:
         open(a.profile, "w").close()      # the modes' tables are appended as they run
-    modes = [(f, s) for f, s in MODES if f == "reprefill" or s == "off" or s in a.tree_sharing]
+    modes = [(f, s) for f, s in MODES if f in a.forms and (f == "reprefill" or s == "off" or s in a.tree_sharing)]
     failed = []
     for n_set, s in enumerate(sets):
         row = {"set": s["name"], "scheme": s["scheme"], "strategy": s["strategy"], "budget": s["budget"],

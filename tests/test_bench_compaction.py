@@ -115,15 +115,18 @@ def test_bad_flags_are_one_error_line(bc, capsys, tmp_path):
         assert out == "" and list(tmp_path.iterdir()) == []
 
 
-def test_profile_adds_a_profiled_step_per_mode(bc, tmp_path):
+def test_profile_and_forms_kv(bc, tmp_path):
     out, prof = tmp_path / "c.json", tmp_path / "profile.txt"
     bc.main(TINY + ["--schemes", "tree-step", "--strategies", "summary", "--budgets", "160", "--tree-sharing",
-                    "within", "--microbatch-tokens", "2048", "--warmup", "0", "--out", str(out), "--profile", str(prof)])
+                    "within", "--forms", "kv", "--microbatch-tokens", "2048", "--warmup", "0", "--out", str(out),
+                    "--profile", str(prof)])
     (row,) = json.loads(out.read_text())["sets"].values()
     text = prof.read_text()
-    for key in ("reprefill_expanded", "reprefill_tree_within", "kv_expanded", "kv_tree_within"):
+    assert list(row["modes"]) == ["kv_expanded", "kv_tree_within"]      # --forms kv, --tree-sharing within
+    for key in row["modes"]:
         p = row["modes"][key]["profile"]
         assert p["wall_seconds"] > 0 and p["kernel_seconds"] >= 0, key
         assert f"===== tree-step/summary/160 {key}: wall" in text
-    assert "kv_tree_windows" not in row["modes"]
-    assert "kernel_speedup" in row["derived"]["kv_within_over_kv_expanded"]
+    d = row["derived"]
+    assert "kernel_speedup" in d["kv_within_over_kv_expanded"] and "kv_within_over_reprefill_tree" not in d
+    assert d["rows_check"]["ok"] and d["rows_check"]["reprefill_expanded_rows"] is None
