@@ -12,7 +12,7 @@ def test_cpu_smoke_run_records_every_variant(tmp_path, capsys):
     res = bl.main(["--device", "cpu", "--rows", "40", "67", "--vocab", "300", "--hidden", "16", "--chunks", "8", "13",
                    "80", "--dtype", "fp64", "--iters", "1", "--warmup", "0", "--entropy", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
-    assert res["default_chunk_rows"] == (1 << 28) // (300 * 8)
+    assert res["default_chunk_rows"] == 4096
     for rows, run in zip((40, 67), res["runs"]):
         assert run["rows"] == rows and run["pairs"] >= rows
         assert list(run["variants"]) == ["unchunked", "chunk_8", "chunk_13", "chunk_80"]

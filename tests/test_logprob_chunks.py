@@ -123,7 +123,7 @@ def test_no_rows_by_vocab_tensor_is_ever_allocated(chunk_rows, monkeypatch):
         lambda h, w, r, t: multi_target_logprobs(h, w, r, t, chunk_rows=chunk_rows, return_entropy=True),
         h0, w0, pr, pt)
     assert largest <= chunk_rows * vocab, shape
-    # the default chunk: _CHUNK_BYTES of fp64 statistics-dtype logits
+    # the default chunk: capped by _CHUNK_BYTES of fp64 statistics-dtype logits
     monkeypatch.setattr(LP, "_CHUNK_BYTES", chunk_rows * vocab * 8)
     assert default_chunk_rows(vocab, torch.float64) == chunk_rows
     largest, shape = largest_tensor(
@@ -132,11 +132,12 @@ def test_no_rows_by_vocab_tensor_is_ever_allocated(chunk_rows, monkeypatch):
 
 
 def test_default_chunk_rows_at_the_kimi_vocabulary():
-    """256 MiB of fp32 statistics: 409 rows at V = 163,840 (bf16 and fp32 inputs alike), half for fp64;
-    a shard of the vocabulary (tensor parallelism) gets proportionally more rows; never 0."""
-    assert default_chunk_rows(163840, torch.bfloat16) == default_chunk_rows(163840, torch.float32) == 409
-    assert default_chunk_rows(163840, torch.float64) == 204
-    assert default_chunk_rows(163840 // 4, torch.bfloat16) == 1638
+    """4096 rows (the speed choice at V = 163,840), at any input dtype and vocabulary shard up to 4 GiB
+    of statistics-dtype logits a chunk; past that the most rows that fit; never 0."""
+    assert default_chunk_rows(163840, torch.bfloat16) == default_chunk_rows(163840, torch.float32) == 4096
+    assert default_chunk_rows(163840, torch.float64) == (4 << 30) // (163840 * 8) == 3276
+    assert default_chunk_rows(32000, torch.bfloat16) == default_chunk_rows(163840 // 8, torch.bfloat16) == 4096
+    assert default_chunk_rows(1 << 20, torch.float32) == 1024
     assert default_chunk_rows(1 << 40, torch.float32) == 1
 
 
