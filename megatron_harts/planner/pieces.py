@@ -10,7 +10,7 @@ Invariants of :func:`plan_with_pieces` (``tests/test_pieces.py``):
 
 - The step forest (``PieceSet.forest``) holds the fitting trees first, in their order, then the long
   trees, with the long trees' segments cut at the positive multiples of ``width`` (``B``-aligned
-  when ``M >= B``: a piece boundary is then a KDA chunk boundary, no replay).  The base plan covers
+  when ``M >= B``: a cut is then a KDA chunk boundary, no replay).  The base plan covers
   the fitting trees; its segment and trajectory ids are the step forest's (they come first).
 - Tree mode: every segment of a long tree is in exactly one piece; a piece's segments are closed
   under "the parent is in the piece or in a piece it reads"; ``reads`` lists every earlier piece
@@ -89,19 +89,24 @@ def long_trees(forest: Forest, row_budget: int) -> np.ndarray:
 
 
 def piece_width(row_budget: int, chunk_size: int) -> int:
-    """Depth between cuts: the budget rounded down to a multiple of the KDA chunk size (the budget
-    itself when it is below one chunk)."""
+    """Depth between cuts: a quarter of the budget rounded down to a multiple of the KDA chunk size
+    (at least one chunk; the budget itself when it is below one chunk).  Cuts at chunk multiples
+    start every continued sequence on a chunk boundary (no replay); a quarter of the budget lets
+    the preorder fill of :func:`tree_pieces` leave at most that much of a piece empty."""
     M, B = int(row_budget), int(chunk_size)
-    return (M // B) * B if M >= B else M
+    if M < B:
+        return M
+    return max(B, (M // 4 // B) * B)
 
 
 def tree_pieces(forest: Forest, tree: int, row_budget: int, first: int = 0) -> List[Piece]:
     """Pieces of tree ``tree`` of a forest cut at depths (no segment longer than the budget).
 
-    Top down: a subtree of at most ``M`` rows is one piece; a larger one puts its top segment in a
-    piece with as many of its fitting child subtrees as fit (first-fit decreasing by rows), its other
-    fitting children in further pieces reading that one, and its children larger than ``M`` recursively
-    below it.  ``first``: the index of the first piece in the caller's list (``reads`` are absolute).
+    The segments in preorder (every segment after its parent) fill pieces in turn: a segment joins
+    the current piece while its rows fit in ``M``, else it opens the next one.  A piece's segments
+    then have their parents in it or in earlier pieces, every piece but the tree's last is full to
+    within one segment, and ``reads`` are the earlier pieces holding a row of any of its segments'
+    root paths.  ``first``: the index of the first piece in the caller's list (``reads`` are absolute).
     """
     M = int(row_budget)
     lo, hi = int(forest.tree_offsets[tree]), int(forest.tree_offsets[tree + 1])
@@ -111,49 +116,25 @@ def tree_pieces(forest: Forest, tree: int, row_budget: int, first: int = 0) -> L
         raise PlanningError(f"tree {tree}: a segment of {int(length.max())} rows is longer than the microbatch "
                             f"row budget {M} (--tree-microbatch-tokens); cut the forest at depths first")
     n = hi - lo
-    rows = length.copy()
-    size = np.ones(n, dtype=np.int64)
-    for s in range(n - 1, 0, -1):
-        rows[parent[s]] += rows[s]
-        size[parent[s]] += size[s]
-    kids: List[List[int]] = [[] for _ in range(n)]
-    for s in range(1, n):
-        kids[parent[s]].append(s)
+    piece_of = np.empty(n, dtype=np.int64)       # local piece index of every segment
+    path: List[frozenset] = [frozenset()] * n    # local pieces holding the segment's root path, itself included
+    groups: List[List[int]] = []
+    load = M + 1
+    for seg in range(n):        # segment ids of a tree are in preorder: a parent before its children
+        if load + int(length[seg]) > M:
+            groups.append([])
+            load = 0
+        groups[-1].append(seg)
+        load += int(length[seg])
+        piece_of[seg] = len(groups) - 1
+        up = path[parent[seg]] if seg else frozenset()
+        path[seg] = up | {int(piece_of[seg])}
     out: List[Piece] = []
-
-    def subtree(s: int) -> np.ndarray:
-        return np.arange(lo + s, lo + s + int(size[s]), dtype=np.int64)
-
-    def add(segs: List[np.ndarray], reads: Tuple[int, ...]) -> int:
-        seg = np.sort(np.concatenate(segs))
-        out.append(Piece(segments=seg, reads=reads, rows=int(np.asarray(forest.seg_length)[seg].sum())))
-        return first + len(out) - 1
-
-    stack: List[Tuple[int, Tuple[int, ...]]] = [(0, ())]
-    while stack:
-        s, reads = stack.pop()
-        if rows[s] <= M:
-            add([subtree(s)], reads)
-            continue
-        fitting = sorted((c for c in kids[s] if rows[c] <= M), key=lambda c: (-int(rows[c]), c))
-        groups: List[List[int]] = [[]]
-        loads = [int(length[s])]
-        for c in fitting:
-            for g, load in enumerate(loads):
-                if load + rows[c] <= M:
-                    groups[g].append(c)
-                    loads[g] += int(rows[c])
-                    break
-            else:
-                groups.append([c])
-                loads.append(int(rows[c]))
-        top = add([np.array([lo + s], dtype=np.int64)] + [subtree(c) for c in groups[0]], reads)
-        below = reads + (top,)
-        for g in groups[1:]:
-            add([subtree(c) for c in g], below)
-        for c in reversed([c for c in kids[s] if rows[c] > M]):
-            stack.append((c, below))
-    # pieces come parents first along every path: the stack pops a subtree after its top's piece
+    for k, segs in enumerate(groups):
+        reads = set().union(*(path[s] for s in segs)) - {k}
+        seg = np.asarray(segs, dtype=np.int64) + lo
+        out.append(Piece(segments=seg, reads=tuple(first + r for r in sorted(reads)),
+                         rows=int(length[segs].sum())))
     return out
 
 

@@ -184,14 +184,28 @@ def piece_microbatches(plan, replica: int = 0, *, replay: bool = True, offset: i
         for i in range(lo, hi):
             piece = ps.pieces[i]
             ctx = None
-            if piece.reads:
-                ctx = build_layout(f, segments=np.unique(np.concatenate([ps.pieces[r].segments for r in piece.reads])))
+            if piece.reads:       # the root paths above the piece, held by the pieces it reads
+                ctx = build_layout(f, segments=_root_paths(f, piece.segments))
             lay = build_layout(f, segments=piece.segments, context=ctx)
             if t >= 0:
                 lay.traj_forest = np.full_like(lay.traj_forest, t)
             items.append(WindowedMicrobatch(lay, replay=replay, reads=tuple(base + r - lo for r in piece.reads),
                                             context=ctx))
     return items
+
+
+def _root_paths(forest, segments: np.ndarray) -> np.ndarray:
+    """The ancestors of ``segments`` outside them (sorted): closed under parents, so a ``segments=``
+    layout of them holds whole root paths, one block per tree."""
+    inside = set(int(x) for x in segments)
+    parent = forest.seg_parent
+    above: set = set()
+    for seg in segments.tolist():
+        q = int(parent[seg])
+        while q >= 0 and q not in inside and q not in above:
+            above.add(q)
+            q = int(parent[q])
+    return np.array(sorted(above), dtype=np.int64)
 
 
 _KINDS = ("rows", "conv_rows", "replay_rows", "state_rows")
