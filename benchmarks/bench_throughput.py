@@ -26,7 +26,11 @@ per category, the host synchronizations by source line, and per tree mode ``kern
 (expanded's kernel time over the mode's: the speedup a host fast enough to keep the GPU busy
 would show; the step times of a host-bound run move with the host's speed).  ``--memory-profile``
 records one more step of every mode under the CUDA allocator's history: the bytes alive at the
-step's peak by allocation site (``memory_at_peak``).
+step's peak by allocation site (``memory_at_peak``).  Every mode records its step's peak as the driver's
+memory model predicts it (``predicted_peak_gib``), as the allocator measured it (``measured_peak_gib``; None
+on the CPU), the memory budget and how many of its windows recomputed their producer; windows run with
+the driver's default budget (expanded mode's), ``--recompute-producers`` and ``--keep-producers`` add
+windows with every producer recomputed and with every producer kept.
 
 Presets (``PRESETS``, also read by bench_compaction, calibrate_cost and step_fidelity): ``h200`` and
 ``h200-2k`` (Kimi-Linear-shaped, hidden 1024 / 2048), ``kimi48b-layers`` (Kimi-Linear-48B-A3B's
@@ -57,6 +61,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_harts.cli import ArgumentParser, CliError, run  # noqa: E402
+from megatron_harts.planner.memory import state_bytes_per_parameter  # noqa: E402
 
 PRESETS = {
     # Kimi-Linear-shaped, fits one H200 with bf16 and the driver's default (non-distributed) optimizer
@@ -223,29 +228,16 @@ def logits_rows(plan) -> int:
 
 #: bytes per parameter under the driver's bf16 training: bf16 weight 2, fp32 gradient buffer 4, fp32
 #: main weight 4, Adam's two fp32 moments 8 (megatron-core's mixed-precision optimizer, not distributed)
-BYTES_PER_PARAM = 18
+BYTES_PER_PARAM = int(state_bytes_per_parameter(2))    # 18
 
 
 def activation_bytes_per_row(p):
     """Estimated bytes of a row's saved activations per layer part in a bf16 forward without
-    recomputation (what the backward keeps), from the shapes: 2 bytes an element, 4 where the
-    kernels keep fp32.  KDA: norm, q/k/v before and after the conv, the two low-rank gates and
-    their outputs, beta, the core's output, its norm and gate, and fla's fp32 decay cumsum and
-    chunk matrices (2 x C per head); MLA: norm, queries, latent and rope key, its norm, keys/values,
-    output, projection, fp32 log-sum-exp; MoE: norm, fp32 router scores, per top-k copy the
-    permuted input, fc1 output (2 x width), activation, fc2 output and the weighted copy, and the
-    shared expert; dense MLP: norm, fc1, activation, output.  An estimate: allocator rounding and
-    transient buffers are not in it."""
-    h, H, d = p["hidden"], p["heads"], p["lin_head"]
-    Hk = p.get("lin_heads", H)
-    hd = Hk * d
-    kda = 2 * (2 * h + 6 * hd + 2 * d + 2 * hd + Hk + 3 * hd) + 4 * (hd + 2 * 64 * Hk)
-    mla = 2 * (2 * h + H * (p["qk"] + p["rope"]) + 2 * (p["kv_lora"] + p["rope"])
-               + H * (p["qk"] + p["v"]) + H * p["v"]) + 4 * H
-    f, sf = p["moe_ffn"], p.get("shared_ffn", p["moe_ffn"])
-    moe = 2 * (h + p["topk"] * (3 * h + 3 * f) + (2 * h + 3 * sf)) + 4 * p["experts"]
-    dense = 2 * (2 * h + 3 * p["ffn"])
-    return {"kda": kda, "mla": mla, "moe": moe, "dense": dense}
+    recomputation: the package's memory model (``planner.memory.activation_bytes_per_row``, the same
+    one ``--tree-memory-budget`` uses) on the preset's shape."""
+    from megatron_harts.planner.memory import ModelShape
+    from megatron_harts.planner.memory import activation_bytes_per_row as per_row
+    return per_row(ModelShape.from_preset(p))
 
 
 def memory_estimate(p, rows, recompute=None):
@@ -257,16 +249,14 @@ def memory_estimate(p, rows, recompute=None):
     chunk's [vocab, hidden] product in bf16 and fp32, 12 bytes x chunk x vocab of chunk temporaries,
     the final hidden states and their gradient); ``total``; and per layer kind its parameter bytes
     and activation bytes per row (``per_layer``).  An estimate to size a run, not a measurement."""
+    from megatron_harts.planner.memory import ModelShape, output_bytes, saved_bytes_per_row
     c = parameter_counts(p)
     act = activation_bytes_per_row(p)
     kinds = layer_kinds(p)
-    layer_act = [act[a] + act[m] for a, m in kinds]
-    if recompute == "full":
-        activations = rows * (2 * p["hidden"] * len(kinds) + max(layer_act))
-    else:
-        activations = rows * sum(layer_act)
+    shape = ModelShape.from_preset(dict(p, recompute=recompute))
+    activations = rows * saved_bytes_per_row(shape)
     chunk = max(1, (1 << 28) // (p["vocab"] * 4))
-    output = p["vocab"] * p["hidden"] * (4 + 2 + 4) + 12 * chunk * p["vocab"] + rows * p["hidden"] * 2 * 2
+    output = output_bytes(p["hidden"], p["vocab"], 2, chunk, rows)
     weights = BYTES_PER_PARAM * c["total"]
     per_layer = {f"{a}+{m}": {"parameter_bytes": BYTES_PER_PARAM * (c[a] + c[m]),
                               "activation_bytes_per_row": act[a] + act[m]} for a, m in sorted(set(kinds))}
@@ -330,7 +320,8 @@ def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, s
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
                 metrics.append(m)
-        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda" else None
+        # the driver resets the allocator's peak at every step (its measured_peak_gib): the timed steps' largest
+        peak = max(m["measured_peak_gib"] for m in metrics) if device == "cuda" else None
         plan = t._plan(forest)
         prof = profile_step(t, forest, device, stacks=stacks, op_names=op_names) if profile else None
         mem = memory_step(t, forest) if memory and device == "cuda" else None
@@ -763,6 +754,9 @@ def main(argv=None):
     ap.add_argument("--recompute-producers", action="store_true",
                     help="also run windows with --tree-recompute-producers (producers' activations freed "
                          "until their windows close: peak memory against one more producer forward)")
+    ap.add_argument("--keep-producers", action="store_true",
+                    help="also run windows with every producer keeping its activations until its window closes "
+                         "(--tree-memory-budget far above any step: the fastest windows, the largest peak)")
     ap.add_argument("--kda-backend", default="auto")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--no-cosine", action="store_true")
@@ -844,12 +838,15 @@ def main(argv=None):
         row = {"forest": forest.stats()}
         modes = [(s, "harts", []) for s in a.tree_sharing] + [("within", p, []) for p in a.kda_call_plans] \
             + ([("windows", "harts", ["--tree-recompute-producers"])] if a.recompute_producers else []) \
+            + ([("windows", "harts", ["--tree-memory-budget", "1e9"])] if a.keep_producers else []) \
             + [("off", "harts", [])]
         for sharing, call_plan, extra in modes:
             argv_mode = common + ["--tree-sharing", sharing, "--tree-kda-call-plan", call_plan] + extra
             left = release_memory(a.device)
             key = "expanded" if sharing == "off" else f"tree_{sharing}" \
-                + ("" if call_plan == "harts" else f"_{call_plan}") + ("_recompute_producers" if extra else "")
+                + ("" if call_plan == "harts" else f"_{call_plan}") \
+                + ("" if not extra else "_recompute_producers" if extra[0] == "--tree-recompute-producers"
+                   else "_keep_producers")
             times, metrics, losses, peak, plan, prof, mem, backends = run_mode(
                 argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile), memory=a.memory_profile,
                 stacks=a.profile_stacks, op_names=tuple(a.profile_op_stacks))
@@ -865,6 +862,9 @@ def main(argv=None):
                 "compression": m["compression"], "kda_calls": m["kda_calls"], "replay_tokens": m["replay_tokens"],
                 "microbatches": m["microbatches"],
                 "windows": m["windows"], "peak_export_bytes": m["peak_export_bytes"],
+                "recomputed_windows": m["recomputed_windows"], "memory_budget_gib": m["memory_budget_gib"],
+                # the driver's memory model's step peak, and the allocator's (None on the CPU), last timed step
+                "predicted_peak_gib": m["predicted_peak_gib"], "measured_peak_gib": m["measured_peak_gib"],
                 "peak_memory_gib": peak, "loss": m["loss"], "loss_per_step": [l for l, _ in losses],
                 "grad_norm_per_step": [g for _, g in losses], "allocated_at_start_gib": left,
                 # what this mode itself needed above what the process held when it started (a closed
@@ -879,7 +879,9 @@ def main(argv=None):
             with open(out, "w") as f:      # after every mode: a cut-short run keeps what it measured
                 json.dump(results, f, indent=2, default=float)
             print(f"{scheme} {key}: {row[key]['step_seconds']:.3f} s, {row[key]['kda_calls']} KDA calls, "
-                  f"compression {row[key]['compression']:.3f}x, peak {peak}", flush=True)
+                  f"compression {row[key]['compression']:.3f}x, peak {peak} (predicted "
+                  f"{row[key]['predicted_peak_gib']}), {row[key]['recomputed_windows']} of {row[key]['windows']} "
+                  f"windows recomputed", flush=True)
             if mem is not None:
                 row[key]["memory_at_peak"] = mem
                 print(f"{scheme} {key}: {mem['peak_bytes'] / 2 ** 30:.3f} GiB above the step's start at its "

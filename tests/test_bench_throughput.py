@@ -65,13 +65,20 @@ def test_tiny_cpu_run_with_recomputed_producers(bt, tmp_path):
     out = tmp_path / "t.json"
     bt.main(["--device", "cpu", "--preset", "tiny", "--schemes", "tree-step", "--num-tasks", "1", "--samples-per-task",
              "4", "--max-tokens", "512", "--microbatch-tokens", "512", "--iters", "1", "--tree-sharing", "windows",
-             "--recompute-producers", "--no-cosine", "--kda-backend", "reference", "--attention-backend", "reference",
-             "--out", str(out)])
+             "--recompute-producers", "--keep-producers", "--no-cosine", "--kda-backend", "reference",
+             "--attention-backend", "reference", "--out", str(out)])
     row = json.loads(out.read_text())["schemes"]["tree-step"]
-    win, rec = row["tree_windows"], row["tree_windows_recompute_producers"]
-    assert win["windows"] > 0 and rec["windows"] == win["windows"]
-    assert rec["loss_per_step"] == win["loss_per_step"] and rec["grad_norm_per_step"] == win["grad_norm_per_step"]
-    assert rec["kda_calls"] == win["kda_calls"] and "speedup" in rec
+    win, rec, keep = row["tree_windows"], row["tree_windows_recompute_producers"], row["tree_windows_keep_producers"]
+    assert win["windows"] > 0 and rec["windows"] == win["windows"] == keep["windows"]
+    for other in (rec, keep):
+        assert other["loss_per_step"] == win["loss_per_step"] and other["grad_norm_per_step"] == win["grad_norm_per_step"]
+        assert other["kda_calls"] == win["kda_calls"] and "speedup" in other
+    # the memory figures of every mode: predicted from the model, measured only on CUDA
+    assert (rec["recomputed_windows"], keep["recomputed_windows"]) == (win["windows"], 0)
+    assert 0 <= win["recomputed_windows"] <= win["windows"] and win["memory_budget_gib"] > 0
+    assert rec["predicted_peak_gib"] <= win["predicted_peak_gib"] <= keep["predicted_peak_gib"]
+    assert all(row[k]["measured_peak_gib"] is None and row[k]["predicted_peak_gib"] > 0
+               for k in ("tree_windows", "expanded"))
 
 
 def test_kernel_categories_count_each_kernel_once(bt):

@@ -58,11 +58,13 @@ import torch
 
 from ..layout import host_to_device
 from ..models.packed import ExportSpec, TreePackedSeqParams, WindowExports
+from ..planner.memory import (ModelShape, StepItem, WindowMemoryPlan, export_bytes, graph_bytes_per_row,
+                              plan_window_memory, saved_bytes_per_row)
 from ..planner.microbatch import replica_windows
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
            "microbatch_on", "microbatch_params", "model_device", "piece_microbatches", "producer_forward",
-           "producer_params", "windowed_microbatches"]
+           "producer_params", "step_memory_plan", "windowed_microbatches"]
 
 
 @dataclass
@@ -348,9 +350,12 @@ def check_windows(mbs: List[WindowedMicrobatch]) -> Dict[int, List[int]]:
     return consumers_of
 
 
-def producer_params(mb: WindowedMicrobatch, consumers: List[WindowedMicrobatch], cfg) -> TreePackedSeqParams:
-    """A producer's packed params: its forward records what ``consumers`` read (rows counted per ``mb``)."""
-    spec = ExportSpec.for_consumers(mb.layout, [c.layout for c in consumers], config=cfg, replay=mb.replay)
+def producer_params(mb: WindowedMicrobatch, consumers: List[WindowedMicrobatch], cfg,
+                    spec: Optional[ExportSpec] = None) -> TreePackedSeqParams:
+    """A producer's packed params: its forward records what ``consumers`` read (``spec``, when given, is
+    ``ExportSpec.for_consumers`` of them; rows counted per ``mb``)."""
+    if spec is None:
+        spec = ExportSpec.for_consumers(mb.layout, [c.layout for c in consumers], config=cfg, replay=mb.replay)
     psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, export=spec, replay=mb.replay)
     _count_rows(mb, psp)
     return psp
@@ -428,6 +433,39 @@ def _model_config(model):
     return cfg
 
 
+def _spec_counts(spec: ExportSpec) -> Tuple[int, int, int, int]:
+    return (int(spec.rows.numel()), int(spec.conv_rows.numel()), int(spec.replay_rows.numel()),
+            int(np.asarray(spec.state_rows).size))
+
+
+def step_memory_plan(mbs: List[WindowedMicrobatch], cfg, *, budget_bytes: Optional[int] = None,
+                     force: Optional[bool] = None, recompute=None, specs: Optional[Dict[int, ExportSpec]] = None,
+                     pieces: Optional["_Pieces"] = None) -> WindowMemoryPlan:
+    """The keep/recompute choice of a step's windows and its predicted live activation bytes
+    (``planner.memory.plan_window_memory`` on the step's items with the model's bytes per row and each
+    window's exports as ``ExportSpec`` counts them).  ``force``: True recomputes every producer, False
+    keeps every one, None decides within ``budget_bytes`` (None: keep all); ``recompute``: exactly these
+    producer positions recompute (the prediction of a given choice).  ``specs`` / ``pieces``:
+    the producers' export specs and the pieces' plan where the caller has them (computed here
+    otherwise).  A function of the items and the config only: every rank running the same items
+    decides the same."""
+    shape = ModelShape.from_config(cfg)
+    consumers_of = check_windows(mbs)
+    if specs is None:
+        specs = {p: ExportSpec.for_consumers(mbs[p].layout, [mbs[c].layout for c in cs], config=cfg,
+                                             replay=mbs[p].replay) for p, cs in consumers_of.items()}
+    if pieces is None:
+        pieces = _plan_pieces(mbs, cfg)
+    items = []
+    for i, mb in enumerate(mbs):
+        spec = specs.get(i, pieces.specs.get(i))
+        ex = 0 if spec is None else export_bytes(shape, *_spec_counts(spec))
+        items.append(StepItem(rows=int(mb.layout.num_rows), producer=None if mb.producer is None else int(mb.producer),
+                              export_bytes=ex, reads=tuple(int(r) for r in mb.reads), read_later=i in pieces.readers))
+    return plan_window_memory(items, saved_per_row=saved_bytes_per_row(shape), graph_per_row=graph_bytes_per_row(shape),
+                              budget_bytes=budget_bytes, force=force, recompute=recompute)
+
+
 def forward_backward_windows(*, forward_step_func, data_iterator, model, num_microbatches: int,
                              seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
                              decoder_seq_length: Optional[int] = None, forward_only: bool = False,
@@ -435,7 +473,8 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                              adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
                              force_all_reduce: Optional[bool] = False,
                              window_stats: Optional[Dict[str, Any]] = None,
-                             recompute_producers: bool = False) -> List[Any]:
+                             recompute_producers: bool = False,
+                             memory_budget: Optional[int] = None) -> List[Any]:
     """Run ``num_microbatches`` windowed microbatches (see the module docstring).
 
     ``recompute_producers``: a producer's first forward runs under ``no_grad`` with
@@ -445,7 +484,15 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     backward follows at once, the consumers' export gradients entering it through
     ``TreePackedSeqParams.inject_grads`` (the recomputed exports are not kept).  The same gradients
     (the forward is computed twice the same way) for one more producer forward, and no producer
-    activations alive while its consumers run.
+    activations alive while its consumers run.  ``recompute_producers`` may also be a collection of
+    producer positions: exactly those windows recompute their producer.
+
+    ``memory_budget`` (bytes; with ``recompute_producers`` False): each window decides before the step
+    runs whether its producer keeps its graph or is recomputed (:func:`step_memory_plan`): kept while
+    the predicted live activation bytes stay within the budget.  Loss, log-probs and gradients do not
+    depend on the choice.  ``window_stats`` (a dict) receives ``peak_export_bytes``, ``windows``,
+    ``recomputed_windows``, ``predicted_peak_bytes`` (the live activation bytes the memory model
+    predicts for the executed choice), ``memory_budget_bytes`` and ``largest_microbatch_rows``.
 
     Returns the per-microbatch ``stats`` of ``loss_func``, in execution order (megatron's
     ``forward_data_store``; with ``recompute_producers`` a producer's come at its window close).
@@ -474,6 +521,23 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     consumers_of = check_windows(mbs)
     last_consumer = {p: cs[-1] for p, cs in consumers_of.items()}
     pieces = _plan_pieces(mbs, cfg)
+    specs = {p: ExportSpec.for_consumers(mbs[p].layout, [mbs[c].layout for c in cs], config=cfg, replay=mbs[p].replay)
+             for p, cs in consumers_of.items()}
+    if isinstance(recompute_producers, bool):
+        force = True if recompute_producers else (None if memory_budget is not None else False)
+        chosen = None
+    else:
+        chosen = {int(p) for p in recompute_producers}
+        if not chosen <= set(consumers_of):
+            raise ValueError(f"forward_backward_windows: recompute_producers names microbatches that are no window's "
+                             f"producer: {sorted(chosen - set(consumers_of))}")
+        force = None
+    memory = step_memory_plan(mbs, cfg, budget_bytes=memory_budget, force=force, recompute=chosen, specs=specs,
+                              pieces=pieces) if window_stats is not None or (force is None and chosen is None) else None
+    recompute = chosen if chosen is not None else set(consumers_of) if force is True else \
+        set() if force is False else set(memory.recompute)
+    if forward_only:
+        recompute = set()
     leaves: Dict[int, WindowExports] = {}       # pieces read later: their exports' leaves
     waiting: Dict[int, WindowedMicrobatch] = {}  # pieces read later: their backward runs after the chain's end
 
@@ -493,7 +557,6 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         _count_rows(mb, psp)
         return psp
 
-    preview = recompute_producers and not forward_only
     for i, mb in enumerate(mbs):
         mb = microbatch_on(mb, device)
         if i in pieces.last:                        # a piece of a long path
@@ -529,7 +592,8 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                     own = loss = psp = None
             continue
         if i in consumers_of:                       # producer: forward, exports kept, backward deferred
-            psp = producer_params(mb, [mbs[c] for c in consumers_of[i]], cfg)
+            psp = producer_params(mb, [mbs[c] for c in consumers_of[i]], cfg, spec=specs.pop(i))
+            preview = i in recompute
             if preview:                             # exports only; forward and backward again at close
                 psp.preview = True
                 with torch.no_grad(), producer_forward(cfg):
@@ -539,9 +603,9 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
             else:
                 with producer_forward(cfg):
                     loss = run(i, mb, psp)
-            leaves = psp.exports.detached()
             nbytes = psp.exports.nbytes()
-            open_windows[i] = {"loss": loss, "psp": psp, "leaves": leaves, "bytes": nbytes, "mb": mb}
+            open_windows[i] = {"loss": loss, "psp": psp, "leaves": psp.exports.detached(), "bytes": nbytes, "mb": mb,
+                               "preview": preview}
             live_bytes += nbytes
             peak_bytes = max(peak_bytes, live_bytes)
             continue
@@ -554,15 +618,15 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         if mb.producer is not None and last_consumer[int(mb.producer)] == i:   # window close
             p = int(mb.producer)
             w = open_windows.pop(p)
-            if preview:
+            if w["preview"]:
                 # the producer's forward again, now with its graph; the consumers' export gradients
                 # enter it as it goes, so neither the preview's exports nor new ones stay alive
                 ppsp = w["psp"]
-                leaves = w.pop("leaves")
-                ppsp.inject_grads = leaves.gradients()
+                views = w.pop("leaves")
+                ppsp.inject_grads = views.gradients()
                 # the consumers' views (the last consumer's params still hold them) and the preview's
                 # exports: neither is read again, only the gradients are
-                leaves.layers.clear()
+                views.layers.clear()
                 ppsp.exports.layers.clear()
                 with producer_forward(cfg):
                     loss = run(p, w["mb"], ppsp)
@@ -574,4 +638,8 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     if window_stats is not None:
         window_stats["peak_export_bytes"] = peak_bytes
         window_stats["windows"] = len(consumers_of)
+        window_stats["recomputed_windows"] = len(recompute)
+        window_stats["predicted_peak_bytes"] = None if memory is None else memory.predicted_peak_bytes
+        window_stats["memory_budget_bytes"] = memory_budget
+        window_stats["largest_microbatch_rows"] = max((int(mb.layout.num_rows) for mb in mbs), default=0)
     return store

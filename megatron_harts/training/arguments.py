@@ -69,6 +69,8 @@ dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linea
 ``tree_attention_backend`` (maybe ``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``,
 ``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``, ``tree_logit_probe_oracle``,
 ``tree_triton_max_configs``, ``tree_logprob_chunk_rows`` (None: ``ops.logprobs.default_chunk_rows``),
+``tree_recompute_producers``, ``tree_memory_budget`` (GiB; None: the trainer's default,
+``planner.memory.default_budget_bytes``),
 ``tree_dataset_shuffle``, ``rl_objective``, ``clip_ratio_low``, ``clip_ratio_high``,
 ``kl_coef``, ``entropy_coef``, ``loss_agg_mode``, ``rl_old_logprobs`` (``objective_kwargs`` gathers
 the last seven).
@@ -405,7 +407,7 @@ OWN_FLAGS = frozenset({
     "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
     "--loss-agg-mode", "--rl-old-logprobs", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
     "--tree-logit-probe-oracle", "--tree-triton-max-configs", "--tree-recompute-producers",
-    "--tree-logprob-chunk-rows",
+    "--tree-logprob-chunk-rows", "--tree-memory-budget",
 })
 
 # ---------------------------------------------------------------------------------------------
@@ -972,6 +974,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "consumers read; its forward runs again, with its backward, when its window closes "
                          "(the same gradients; no producer activations alive while its consumers run, for one "
                          "more producer forward)")
+    ts.add_argument("--tree-memory-budget", type=_NONNEG_FLOAT, default=None, metavar="GIB",
+                    help="with --tree-sharing windows: the step's activation memory budget in GiB (a window's "
+                         "producer keeps its activations until its window closes while the predicted live "
+                         "activations, exports and the running microbatch's activations fit it; the other "
+                         "producers are recomputed at window close; the same gradients either way). Default: "
+                         "what expanded training keeps for its largest microbatch under the same row budget "
+                         "(--tree-microbatch-tokens x the model's activation bytes per row)")
     ts.add_argument("--tree-plan-report", default=None, metavar="PATH",
                     help="append each step's plan metrics to this file (one JSON object per line)")
     ts.add_argument("--tree-logit-probe", default=None, metavar="DIR",
@@ -1340,6 +1349,19 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
         if args.pipeline_model_parallel_size > 1:
             _fail("--tree-recompute-producers: the pipeline schedules (--pipeline-model-parallel-size "
                   f"{args.pipeline_model_parallel_size}) keep producers' activations; use pipeline size 1")
+    if args.tree_memory_budget is not None:
+        if args.tree_memory_budget <= 0:
+            _fail(f"--tree-memory-budget {args.tree_memory_budget:g}: must be a positive number of GiB")
+        if args.tree_sharing != "windows":
+            _fail(f"--tree-memory-budget needs --tree-sharing windows (with --tree-sharing {args.tree_sharing} "
+                  "there are no producers to keep or recompute)")
+        if args.tree_recompute_producers:
+            _fail("--tree-memory-budget with --tree-recompute-producers: the flag recomputes every producer "
+                  "whatever the budget; give one of them")
+        if args.pipeline_model_parallel_size > 1:
+            _fail("--tree-memory-budget: the pipeline schedules (--pipeline-model-parallel-size "
+                  f"{args.pipeline_model_parallel_size}) keep every producer's activations until its window "
+                  "closes; a per-window choice runs with pipeline size 1")
     if args.expert_model_parallel_size > 1 and args.num_experts:
         # the replicas of an expert-parallel group exchange tokens in every MoE layer of every microbatch:
         # microbatches of different sizes need the all-to-all dispatcher, and every replica runs the same

@@ -81,6 +81,9 @@ class SharingSettings:
     cost_model: Any = None             # planner.cost_model.CostModel or None (defaults)
     pp_schedule: str = "consumer-1f1b"  # pipeline size > 1: schedules/pipeline.py SCHEDULES
     recompute_producers: bool = False  # windows: producers' forwards run again at window close
+    # windows, pipeline size 1: the step's activation budget (bytes) within which producers keep their
+    # graphs (the others are recomputed at window close); None: every producer keeps its graph
+    memory_budget_bytes: Optional[int] = None
 
     def __post_init__(self):
         if self.sharing not in SHARING_MODES:
@@ -89,6 +92,10 @@ class SharingSettings:
             raise ValueError(f"--tree-planner must be one of {PLANNERS}, got {self.planner!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"--tree-pp-schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
+        if self.memory_budget_bytes is not None and (isinstance(self.memory_budget_bytes, bool)
+                                                     or not isinstance(self.memory_budget_bytes, int)
+                                                     or self.memory_budget_bytes < 1):
+            raise ValueError(f"--tree-memory-budget must be a positive number of bytes, got {self.memory_budget_bytes!r}")
 
 
 def plan_step(forest, settings: SharingSettings, dp: int):
@@ -407,7 +414,8 @@ def run_schedule(model, items: List[WindowedMicrobatch], forward_step_func: Call
                                                    schedule=settings.pp_schedule, microbatch_costs=costs)
     return forward_backward_windows(forward_step_func=forward_step_func, data_iterator=iter(items), model=model,
                                     num_microbatches=len(items), forward_only=forward_only,
-                                    window_stats=window_stats, recompute_producers=settings.recompute_producers)
+                                    window_stats=window_stats, recompute_producers=settings.recompute_producers,
+                                    memory_budget=None if settings.recompute_producers else settings.memory_budget_bytes)
 
 
 def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: SharingSettings,

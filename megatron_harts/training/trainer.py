@@ -131,6 +131,7 @@ class Trainer:
         self._signal = None
         self._probe_batch = None
         self._probed_at: Optional[int] = None
+        self._run_peak = 0.0
         self.model = self.optimizer = self.scheduler = None
         try:
             self.device, backend = _device_and_backend(args)
@@ -172,11 +173,13 @@ class Trainer:
             use_fused_adam(self.optimizer)             # CUDA: one pass per step (training/fused_adam.py)
             self.scheduler = OptimizerParamScheduler(self.optimizer, **scheduler_kwargs(args))
             self.objective = ObjectiveConfig.from_args(args)
+            self._memory_setup(args)
             self.settings = SharingSettings(sharing=args.tree_sharing, microbatch_tokens=args.tree_microbatch_tokens,
                                             planner=args.tree_planner, replay=not args.no_tree_replay,
                                             cost_model=cost_model(args),
                                             pp_schedule=getattr(args, "tree_pp_schedule", "consumer-1f1b"),
-                                            recompute_producers=getattr(args, "tree_recompute_producers", False))
+                                            recompute_producers=getattr(args, "tree_recompute_producers", False),
+                                            memory_budget_bytes=self.memory_budget_bytes)
             from megatron.core import parallel_state
             self.dp = parallel_state.get_data_parallel_world_size()
             self.data_state: Optional[dict] = None
@@ -190,6 +193,42 @@ class Trainer:
             raise
 
     # ---- setup ---------------------------------------------------------------------------
+    def _memory_setup(self, args) -> None:
+        """The memory model of the run (``planner.memory``): this rank's parameter state bytes, and the
+        step's activation budget: ``--tree-memory-budget`` GiB, by default what expanded training keeps
+        for its largest microbatch (``--tree-microbatch-tokens`` rows x saved bytes per row).  The budget
+        applies to ``--tree-sharing windows`` on pipeline size 1 (without ``--tree-recompute-producers``);
+        elsewhere it is None (no per-window choice: the pipeline schedules keep every producer)."""
+        from ..planner.memory import GIB, ModelShape, default_budget_bytes, state_bytes_per_parameter
+        from .arguments import data_parallel_size
+        self.memory_shape = ModelShape.from_config(self.config)
+        params = sum(p.numel() for p in self.model[0].module.parameters())
+        shards = data_parallel_size(args, self.world) if args.use_distributed_optimizer else 1
+        self._state_bytes = params * state_bytes_per_parameter(self.memory_shape.element_bytes, shards)
+        self.default_memory_budget_bytes = default_budget_bytes(self.memory_shape, args.tree_microbatch_tokens)
+        budget = getattr(args, "tree_memory_budget", None)
+        if args.tree_sharing != "windows" or args.pipeline_model_parallel_size > 1 or \
+                getattr(args, "tree_recompute_producers", False):
+            self.memory_budget_bytes = None
+        else:
+            self.memory_budget_bytes = max(1, int(budget * GIB)) if budget is not None \
+                else self.default_memory_budget_bytes
+
+    def predicted_peak_bytes(self, window_stats: Dict[str, Any]) -> Optional[float]:
+        """This rank's predicted peak of a step: parameter state, the output layer's log-probs at the
+        largest microbatch and the schedule's predicted live activations (None where the schedule
+        predicts none: the pipeline schedules)."""
+        act = window_stats.get("predicted_peak_bytes")
+        if act is None:
+            return None
+        from ..ops.logprobs import default_chunk_rows
+        from ..planner.memory import output_bytes
+        s = self.memory_shape
+        chunk = self.config.logprob_chunk_rows or default_chunk_rows(self.vocab_size // s.tp, self.config.params_dtype)
+        rows = int(window_stats.get("largest_microbatch_rows", 0))
+        out = output_bytes(s.hidden, self.vocab_size // s.tp, s.element_bytes, min(chunk, rows), rows)
+        return self._state_bytes + out + act
+
     def _enter_parallel_state(self) -> None:
         a = self.args
         tp, pp, ep = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.expert_model_parallel_size
@@ -325,6 +364,8 @@ class Trainer:
         return hit[0] if hit else None
 
     def _run_step(self, forest, plan, plan_seconds: float) -> StepResult:
+        if self.device.type == "cuda":      # measured_peak_gib: the allocator's peak over this step
+            torch.cuda.reset_peak_memory_stats(self.device)
         try:
             return train_step(self.model, self.optimizer, self.scheduler, forest, plan, settings=self.settings,
                               objective=self.objective, iteration=self.iteration + 1, device=self.device,
@@ -362,6 +403,8 @@ class Trainer:
     def metrics(self, r: StepResult) -> Dict[str, Any]:
         """The logged figures of one step (one flat dict of numbers)."""
         secs = max(r.step_seconds, 1e-9)
+        predicted = self.predicted_peak_bytes(r.window_stats)
+        measured = torch.cuda.max_memory_allocated(self.device) / 2 ** 30 if self.device.type == "cuda" else None
         m: Dict[str, Any] = {
             "iteration": self.iteration, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
             "trajectories": r.trajectories, "trajectory_tokens": r.trajectory_tokens,
@@ -373,6 +416,10 @@ class Trainer:
             "step_seconds": r.step_seconds, "peak_memory_gib": self._peak_memory_gib(),
             "peak_export_bytes": r.window_stats.get("peak_export_bytes", 0),
             "windows": r.window_stats.get("windows", 0),
+            "recomputed_windows": r.window_stats.get("recomputed_windows", 0),
+            "memory_budget_gib": None if self.memory_budget_bytes is None else self.memory_budget_bytes / 2 ** 30,
+            "predicted_peak_gib": None if predicted is None else predicted / 2 ** 30,
+            "measured_peak_gib": measured,
         }
         for k, v in r.terms.items():
             m[f"objective/{k}"] = v
@@ -383,8 +430,10 @@ class Trainer:
         return m
 
     def _peak_memory_gib(self) -> float:
+        """The run's peak so far (the allocator's peak is reset at every step: ``measured_peak_gib``)."""
         if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2 ** 30
+            self._run_peak = max(self._run_peak, torch.cuda.max_memory_allocated(self.device) / 2 ** 30)
+            return self._run_peak
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20   # KiB on Linux
 
@@ -421,13 +470,17 @@ class Trainer:
             gn = "-" if m["grad_norm"] is None else f"{m['grad_norm']:.3E}"
             moe = f" | MoE load max/mean {m['moe_load_max_over_mean']:.2f}" if "moe_load_max_over_mean" in m else ""
             events = f" | compaction events {m['compaction_events']}" if m["compaction_events"] else ""
+            pred = "-" if m["predicted_peak_gib"] is None else f"{m['predicted_peak_gib']:.2f}"
+            meas = "" if m["measured_peak_gib"] is None else f", measured {m['measured_peak_gib']:.2f}"
+            windows = f" | windows {m['windows']} ({m['recomputed_windows']} recomputed)" if m["windows"] else ""
             print(f" iteration {self.iteration:8d}/{a.train_iters:8d} | loss {m['loss']:.6E}"
                   f"{' | ' + terms if terms else ''} | lr {m['lr']:.3E} | grad norm {gn}"
                   f" | trajectories {m['trajectories']} | traj tok/s {m['trajectory_tokens_per_s']:.1f}"
                   f" | computed tok/s {m['computed_tokens_per_s']:.1f} | compression {m['compression']:.2f}x"
                   f" | KDA calls {m['kda_calls']} | attention pairs {m['visible_pairs']:.3E}{events}"
                   f" | plan {m['plan_seconds']:.3f}s | step {m['step_seconds']:.3f}s"
-                  f" | peak mem {m['peak_memory_gib']:.2f} GiB{moe}", flush=True)
+                  f" | peak mem {m['peak_memory_gib']:.2f} GiB | step peak predicted {pred}{meas} GiB{windows}{moe}",
+                  flush=True)
 
     # ---- checkpoints and export -----------------------------------------------------------------
     def save(self, announce: bool = True) -> str:

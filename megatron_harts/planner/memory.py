@@ -1,0 +1,313 @@
+"""Activation memory of a training step: a per-row bytes model and the sharing windows' keep/recompute choice.
+
+Pure Python and numpy (no torch), so a plan can be sized anywhere.  Two parts:
+
+* **Bytes per row.**  :class:`ModelShape` holds the shapes that set a row's saved activations (hidden,
+  KDA heads and head dim, MLA's latent and head dims, the MLPs' widths, top-k, experts, element size,
+  tensor-parallel size, full recomputation); :func:`activation_bytes_per_row` gives the bytes a row
+  keeps for the backward per layer kind, :func:`saved_bytes_per_row` those of a microbatch the step
+  runs with the run's recomputation, :func:`graph_bytes_per_row` those of a sharing-window producer
+  (which runs without recomputation), and :func:`export_bytes` the bytes a producer's exports take.
+  The default memory budget of ``--tree-memory-budget`` is :func:`default_budget_bytes`: the row
+  budget times :func:`saved_bytes_per_row`, what expanded training's largest microbatch under the same
+  row budget keeps.
+* **Which producers keep their graph.**  :func:`plan_window_memory` walks a replica's step in execution
+  order (``StepItem``: rows, producer, export bytes, pieces' reads) and decides per window, in
+  producer order, whether its producer keeps its activation graph until its window closes (fast) or
+  runs under ``no_grad`` and is recomputed at window close: a window is kept when, with it kept, the
+  predicted live bytes stay within the budget at every point of its window; the predicted peak of the
+  chosen step comes with it.  The decision depends only on the step's items and the numbers above, so
+  every rank that runs the same items decides the same.
+
+An estimate: allocator rounding, transient buffers and kernel workspaces are not in it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = ["ModelShape", "activation_bytes_per_row", "saved_bytes_per_row", "graph_bytes_per_row", "export_bytes",
+           "default_budget_bytes", "state_bytes_per_parameter", "output_bytes", "StepItem", "WindowMemoryPlan", "plan_window_memory", "GIB"]
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes a row's activations depend on.  ``layer_kinds``: per layer (attention, MLP), attention
+    "kda" or "mla", MLP "dense" or "moe"; ``element_bytes``: bytes of an activation element (2 for bf16,
+    4 fp32, 8 fp64); ``recompute``: "full" when every layer is recomputed in the backward (megatron's
+    ``--recompute-granularity full``, ``recompute_layers`` layers a unit), else None; ``tp``: the
+    tensor-parallel size (each rank keeps a 1/tp share of a row's activations, sequence parallelism
+    sharding the hidden-size ones)."""
+    hidden: int
+    heads: int
+    lin_heads: int
+    lin_head: int
+    kv_lora: int
+    qk: int
+    rope: int
+    v: int
+    ffn: int
+    moe_ffn: int
+    shared_ffn: int
+    experts: int
+    topk: int
+    layer_kinds: Tuple[Tuple[str, str], ...] = field(default=())
+    element_bytes: int = 2
+    recompute: Optional[str] = None
+    recompute_layers: int = 1
+    tp: int = 1
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelShape":
+        """The shape of a ``models.config.HybridConfig`` (read by attribute name)."""
+        dtype = str(getattr(cfg, "params_dtype", "torch.float32"))
+        element = 2 if ("bfloat16" in dtype or "float16" in dtype) else 8 if "float64" in dtype else 4
+        kinds = tuple(zip(cfg.resolved_layer_types(), cfg.resolved_mlp_types()))
+        moe_ffn = getattr(cfg, "moe_ffn_hidden_size", None) or cfg.ffn_hidden_size
+        shared = getattr(cfg, "moe_shared_expert_intermediate_size", None) or 0
+        rec = "full" if getattr(cfg, "recompute_granularity", None) == "full" else None
+        return cls(hidden=cfg.hidden_size, heads=cfg.num_attention_heads, lin_heads=cfg.linear_num_heads,
+                   lin_head=cfg.linear_head_dim, kv_lora=cfg.kv_lora_rank, qk=cfg.qk_nope_head_dim,
+                   rope=cfg.qk_rope_head_dim, v=cfg.v_head_dim, ffn=cfg.ffn_hidden_size, moe_ffn=moe_ffn,
+                   shared_ffn=shared, experts=getattr(cfg, "num_moe_experts", None) or 0,
+                   topk=getattr(cfg, "moe_router_topk", None) or 0, layer_kinds=kinds, element_bytes=element,
+                   recompute=rec, recompute_layers=int(getattr(cfg, "recompute_num_layers", None) or 1),
+                   tp=int(getattr(cfg, "tensor_model_parallel_size", 1) or 1))
+
+    @classmethod
+    def from_preset(cls, p: Dict, element_bytes: int = 2) -> "ModelShape":
+        """The shape of a benchmark preset (``benchmarks/bench_throughput.py``'s ``PRESETS`` entries: every 4th
+        layer MLA, the first MLP dense)."""
+        kinds = tuple(("mla" if (i + 1) % 4 == 0 else "kda", "dense" if i == 0 else "moe") for i in range(p["layers"]))
+        return cls(hidden=p["hidden"], heads=p["heads"], lin_heads=p.get("lin_heads", p["heads"]),
+                   lin_head=p["lin_head"], kv_lora=p["kv_lora"], qk=p["qk"], rope=p["rope"], v=p["v"], ffn=p["ffn"],
+                   moe_ffn=p["moe_ffn"], shared_ffn=p.get("shared_ffn", p["moe_ffn"]), experts=p["experts"],
+                   topk=p["topk"], layer_kinds=kinds, element_bytes=element_bytes, recompute=p.get("recompute"))
+
+
+def activation_bytes_per_row(s: ModelShape) -> Dict[str, int]:
+    """Bytes of a row's saved activations per layer part in a forward without recomputation (what the
+    backward keeps), from the shapes: ``e`` = ``element_bytes`` an element, ``f`` = max(4, e) where the
+    kernels keep fp32.  KDA: norm, q/k/v before and after the conv, the two low-rank gates and their
+    outputs, beta, the core's output, its norm and gate, and the fp32 decay cumsum and chunk matrices
+    (2 x 64 per head); MLA: norm, queries, latent and rope key, its norm, keys/values, output,
+    projection, fp32 log-sum-exp; MoE: norm, fp32 router scores, per top-k copy the permuted input,
+    fc1 output (2 x width), activation, fc2 output and the weighted copy, and the shared expert; dense
+    MLP: norm, fc1, activation, output.  Divided by ``tp`` (rounded up)."""
+    e, f = s.element_bytes, max(4, s.element_bytes)
+    h, H, d, Hk = s.hidden, s.heads, s.lin_head, s.lin_heads
+    hd = Hk * d
+    kda = e * (2 * h + 6 * hd + 2 * d + 2 * hd + Hk + 3 * hd) + f * (hd + 2 * 64 * Hk)
+    mla = e * (2 * h + H * (s.qk + s.rope) + 2 * (s.kv_lora + s.rope) + H * (s.qk + s.v) + H * s.v) + f * H
+    moe = e * (h + s.topk * (3 * h + 3 * s.moe_ffn) + (2 * h + 3 * s.shared_ffn)) + f * s.experts
+    dense = e * (2 * h + 3 * s.ffn)
+    return {k: -(-v // s.tp) for k, v in (("kda", kda), ("mla", mla), ("moe", moe), ("dense", dense))}
+
+
+def graph_bytes_per_row(s: ModelShape) -> int:
+    """Bytes a row keeps over all layers when its forward runs without recomputation (a window producer's
+    graph, whatever the run's recomputation)."""
+    act = activation_bytes_per_row(s)
+    return sum(act[a] + act[m] for a, m in s.layer_kinds)
+
+
+def saved_bytes_per_row(s: ModelShape) -> int:
+    """Bytes a row of a microbatch keeps at the peak of its backward under the run's recomputation: the
+    whole graph without it; with full recomputation each unit's input (hidden x e, 1/tp of it) plus one
+    unit's activations while its backward runs."""
+    if s.recompute != "full":
+        return graph_bytes_per_row(s)
+    act = activation_bytes_per_row(s)
+    layer = [act[a] + act[m] for a, m in s.layer_kinds]
+    n = max(1, int(s.recompute_layers))
+    units = -(-len(layer) // n)
+    unit = max((sum(layer[i:i + n]) for i in range(0, len(layer), n)), default=0)
+    return units * -(-s.hidden * s.element_bytes // s.tp) + unit
+
+
+def export_bytes(s: ModelShape, rows: int, conv_rows: int, replay_rows: int, states: int) -> int:
+    """Bytes of a producer's exports (``models.packed.ExportSpec``'s row counts): per MLA layer the keys
+    (heads x (nope + rope)) and values (heads x v) of ``rows``; per KDA layer q/k/v before the conv at
+    ``conv_rows``, q, k, v, the decay g (heads x head dim each) and beta at ``replay_rows``, and one
+    fp32 (or wider) state (heads x head dim x head dim) per ``states``."""
+    e, f = s.element_bytes, max(4, s.element_bytes)
+    hd = s.lin_heads * s.lin_head
+    mla = rows * s.heads * (s.qk + s.rope + s.v) * e
+    kda = conv_rows * 3 * hd * e + replay_rows * (4 * hd + s.lin_heads) * e + states * hd * s.lin_head * f
+    n_mla = sum(a == "mla" for a, _ in s.layer_kinds)
+    return -(-(n_mla * mla + (len(s.layer_kinds) - n_mla) * kda) // s.tp)
+
+
+def state_bytes_per_parameter(element_bytes: int, optimizer_shards: int = 1) -> float:
+    """Bytes a parameter holds between steps under megatron-core's optimizer with Adam: the weight
+    (``element_bytes``), its gradient buffer (fp32, or the weight's dtype when wider), and, with 16-bit
+    weights, an fp32 main copy beside Adam's two moments in the main dtype (fp32 or wider); the
+    optimizer's share divided by ``optimizer_shards`` (the distributed optimizer's data-parallel size).
+    bf16: 2 + 4 + 12 = 18 bytes with one shard."""
+    f = max(4, element_bytes)
+    optimizer = (f + 2 * f) if element_bytes < 4 else 2 * f
+    return element_bytes + f + optimizer / max(1, int(optimizer_shards))
+
+
+def output_bytes(hidden: int, vocab: int, element_bytes: int, chunk_rows: int, rows: int) -> int:
+    """Bytes of the output layer's log-probs at their peak for a microbatch of ``rows`` rows: the output
+    weight's gradient accumulator in the statistics dtype and one chunk's [vocab, hidden] product in the
+    weights' and the statistics dtype, 3 statistics-dtype [chunk_rows, vocab] temporaries, and the
+    final hidden states with their gradient."""
+    f = max(4, element_bytes)
+    return vocab * hidden * (f + element_bytes + f) + 3 * f * chunk_rows * vocab + rows * hidden * element_bytes * 2
+
+
+def default_budget_bytes(s: ModelShape, row_budget: int) -> int:
+    """The default ``--tree-memory-budget``: what expanded training keeps for its largest microbatch under
+    the same row budget (``row_budget`` rows, each :func:`saved_bytes_per_row`)."""
+    return int(row_budget) * saved_bytes_per_row(s)
+
+
+@dataclass(frozen=True)
+class StepItem:
+    """One microbatch of a replica's step, in execution order, as the memory plan sees it: ``rows``
+    (its layout's rows), ``producer`` (position of the window producer it reads, or None),
+    ``export_bytes`` (a window producer's or a read piece's exports, 0 otherwise), ``reads``
+    (positions of the earlier pieces it reads, for pieces of long paths) and ``read_later`` (a piece
+    some later piece reads)."""
+    rows: int
+    producer: Optional[int] = None
+    export_bytes: int = 0
+    reads: Tuple[int, ...] = ()
+    read_later: bool = False
+
+
+@dataclass
+class WindowMemoryPlan:
+    """The keep/recompute choice of a step's windows and its predicted live activation bytes.
+
+    ``recompute``: producer positions whose forward runs under ``no_grad`` and again at window close;
+    ``kept``: the others; ``predicted_peak_bytes``: the largest predicted live bytes over the step
+    (running microbatch's saved activations, kept producers' graphs, exports and their gradients);
+    ``budget_bytes``: the budget it was chosen for (None: no budget, every window as forced);
+    ``export_bytes``: per item its predicted exports (0 where it exports nothing)."""
+    recompute: Tuple[int, ...]
+    kept: Tuple[int, ...]
+    predicted_peak_bytes: int
+    budget_bytes: Optional[int]
+    export_bytes: Tuple[int, ...] = ()
+
+
+def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_per_row: int,
+                       budget_bytes: Optional[int] = None, force: Optional[bool] = None,
+                       recompute: Optional[Sequence[int]] = None) -> WindowMemoryPlan:
+    """Choose, per sharing window of a replica's step, whether its producer keeps its graph, and predict
+    the step's live activation bytes (module docstring).
+
+    Phases, in execution order: the run of every item, and after the last consumer of a window its
+    close.  Live bytes of a phase: the running item's ``rows x saved_per_row``; per open window its
+    exports and their gradients (2 x export bytes); a kept producer's graph (``rows x graph_per_row``:
+    producers run without recomputation) from its forward to its close; a recomputed producer's graph
+    at its close only, beside its export gradients; for pieces the exports of the read pieces of the
+    chain so far, and at the chain's end the largest read piece's graph.  ``force``: True recomputes
+    every producer, False keeps every one; None decides with ``budget_bytes``: windows in producer
+    order, each kept when every phase its keeping raises stays within the budget, with the windows
+    decided before it (``budget_bytes`` None: keep all).  ``recompute``: exactly these producers
+    recompute (``force`` and the budget are then not consulted), for the prediction of a given choice.
+    """
+    n = len(items)
+    consumers: Dict[int, List[int]] = {}
+    for i, it in enumerate(items):
+        if it.producer is not None:
+            p = int(it.producer)
+            if not 0 <= p < i:
+                raise ValueError(f"plan_window_memory: item {i} reads producer {p}, which does not run before it")
+            consumers.setdefault(p, []).append(i)
+    # phase index: run of item i, then the closes of the windows whose last consumer is i
+    run_phase, close_phase, k = [0] * n, {}, 0
+    last = {p: cs[-1] for p, cs in consumers.items()}
+    closes_at: Dict[int, List[int]] = {}
+    for p, c in last.items():
+        closes_at.setdefault(c, []).append(p)
+    for i in range(n):
+        run_phase[i] = k
+        k += 1
+        for p in sorted(closes_at.get(i, ())):
+            close_phase[p] = k
+            k += 1
+    base = np.zeros(k, dtype=np.float64)
+    # running microbatches (a producer's run is added with its window below)
+    for i, it in enumerate(items):
+        if i not in consumers:
+            base[run_phase[i]] += it.rows * saved_per_row
+    # pieces: a read piece's exports are live from its run to its chain's end; at the end the read pieces
+    # run again, one at a time (their graphs)
+    readers: Dict[int, List[int]] = {}
+    for j, it in enumerate(items):
+        for r in it.reads:
+            readers.setdefault(int(r), []).append(j)
+    if readers:
+        root = list(range(n))
+
+        def find(a):
+            while root[a] != a:
+                a = root[a]
+            return a
+        for j, it in enumerate(items):
+            for r in it.reads:
+                root[find(j)] = find(int(r))
+        chain_end: Dict[int, int] = {}
+        for i in range(n):
+            if items[i].reads or i in readers:
+                chain_end[find(i)] = i
+        rerun: Dict[int, float] = {}
+        for i, it in enumerate(items):
+            if it.read_later:
+                end = chain_end[find(i)]
+                base[run_phase[i] + 1:run_phase[end] + 1] += it.export_bytes
+                rerun[end] = max(rerun.get(end, 0.0), it.rows * graph_per_row)
+        for end, g in rerun.items():       # the reruns follow the last piece's run, one at a time
+            base[run_phase[end]] += max(0.0, g - items[end].rows * saved_per_row)
+    delta: Dict[int, Tuple[int, int, float, float, float]] = {}
+    for p in consumers:
+        act, ex = items[p].rows * graph_per_row, float(items[p].export_bytes)
+        saved = items[p].rows * saved_per_row
+        r, c = run_phase[p], close_phase[p]
+        # recomputed: a no_grad forward (no more than a microbatch's saved bytes), its exports and their
+        # gradients held, at close its forward (without recomputation) and backward beside the gradients
+        base[r] += saved + ex
+        base[r + 1:c] += 2 * ex
+        base[c] += act + ex
+        # kept: its graph from its forward to its close, the exports' values too at its close
+        delta[p] = (r, c, max(0.0, act - saved), act, ex)
+
+    def add(live, p):
+        r, c, dr, act, ex = delta[p]
+        live[r] += dr
+        live[r + 1:c] += act
+        live[c] += ex
+    kept: List[int] = []
+    if recompute is not None:
+        chosen = {int(p) for p in recompute}
+        if not chosen <= set(consumers):
+            raise ValueError(f"plan_window_memory: recompute names items that are no window's producer: "
+                             f"{sorted(chosen - set(consumers))}")
+        kept = [p for p in sorted(consumers) if p not in chosen]
+        for p in kept:
+            add(base, p)
+    elif force is False or (force is None and budget_bytes is None):
+        kept = sorted(consumers)
+        for p in kept:
+            add(base, p)
+    elif force is None:
+        for p in sorted(consumers):
+            trial = base.copy()
+            add(trial, p)
+            raised = trial > base
+            if not raised.any() or float(trial[raised].max()) <= budget_bytes:
+                base = trial
+                kept.append(p)
+    recompute = tuple(p for p in sorted(consumers) if p not in set(kept))
+    return WindowMemoryPlan(recompute, tuple(kept), int(base.max()) if k else 0,
+                            None if budget_bytes is None else int(budget_bytes),
+                            tuple(int(it.export_bytes) for it in items))

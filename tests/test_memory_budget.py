@@ -1,0 +1,134 @@
+"""The step's memory budget: the per-row activation model, the per-window keep/recompute choice of the
+window schedule, and ``--tree-memory-budget`` through the driver.  A window that keeps its producer's
+graph and one that recomputes it give the same log-probs, loss and gradients (fp64, bitwise here), in
+one step holding both kinds."""
+import numpy as np
+import pytest
+import torch
+
+from megatron_harts.planner.memory import (GIB, ModelShape, StepItem, activation_bytes_per_row, default_budget_bytes,
+                                           export_bytes, graph_bytes_per_row, plan_window_memory, saved_bytes_per_row,
+                                           state_bytes_per_parameter)
+
+# a step: plain, window A (producer 1, consumers 2, 3), window B (producer 4, consumer 5), plain
+ITEMS = [StepItem(10), StepItem(10, export_bytes=50), StepItem(5, producer=1), StepItem(5, producer=1),
+         StepItem(10, export_bytes=50), StepItem(8, producer=4), StepItem(10)]
+
+
+def test_window_choice_within_the_budget():
+    kw = dict(saved_per_row=10, graph_per_row=10)
+    keep_all = plan_window_memory(ITEMS, **kw)
+    assert keep_all.kept == (1, 4) and keep_all.recompute == () and keep_all.budget_bytes is None
+    forced = plan_window_memory(ITEMS, force=True, budget_bytes=10 ** 9, **kw)
+    assert forced.recompute == (1, 4) and forced.predicted_peak_bytes < keep_all.predicted_peak_bytes
+    assert plan_window_memory(ITEMS, force=False, budget_bytes=1, **kw).kept == (1, 4)
+    # the predicted peak by hand: window A kept while its consumers run: 5 rows + A's graph (100) + its
+    # exports and their gradients (100); window B kept over its consumer: 80 + 100 + 100
+    assert keep_all.predicted_peak_bytes == 280
+    # recomputed: at B's consumer 80 + 100 (exports, gradients); at a close the graph beside the gradients
+    assert forced.predicted_peak_bytes == 180
+    for budget, kept in ((100, ()), (249, ()), (250, (1,)), (279, (1,)), (280, (1, 4)), (10 ** 6, (1, 4))):
+        plan = plan_window_memory(ITEMS, budget_bytes=budget, **kw)
+        assert plan.kept == kept, budget
+        assert plan.predicted_peak_bytes <= max(budget, forced.predicted_peak_bytes)
+        again = plan_window_memory(ITEMS, recompute=plan.recompute, **kw)
+        assert again.predicted_peak_bytes == plan.predicted_peak_bytes and again.kept == plan.kept
+    with pytest.raises(ValueError, match="no window's producer"):
+        plan_window_memory(ITEMS, recompute=[2], **kw)
+    with pytest.raises(ValueError, match="does not run before it"):
+        plan_window_memory([StepItem(3, producer=1), StepItem(3)], **kw)
+
+
+def test_full_recomputation_budget_recomputes_producers():
+    """Under full activation recomputation a row keeps far less than a producer's graph, so the default
+    budget (what expanded mode keeps) leaves no room for a kept producer."""
+    from tool_runner import load_tool
+    p = load_tool("bench_throughput", "benchmarks").PRESETS["kimi48b-layers"]
+    s = ModelShape.from_preset(p)
+    assert saved_bytes_per_row(s) * 4 < graph_bytes_per_row(s)
+    rows = 32768
+    items = [StepItem(rows // 2, export_bytes=10 ** 6), StepItem(rows, producer=0), StepItem(rows)]
+    plan = plan_window_memory(items, saved_per_row=saved_bytes_per_row(s), graph_per_row=graph_bytes_per_row(s),
+                              budget_bytes=default_budget_bytes(s, rows))
+    assert plan.recompute == (0,)
+
+
+def test_shape_of_the_driver_config_is_the_presets():
+    """The model config the driver builds gives the benchmark preset's shape, so the budget and the
+    benchmark's memory estimate use the same bytes per row; bf16 keeps 2 bytes an element, 4 in fp32."""
+    from tool_runner import load_tool
+
+    from megatron_harts.training.arguments import hybrid_config, parse_args
+    bt = load_tool("bench_throughput", "benchmarks")
+    for name in ("h200-2k", "kimi48b-layers"):
+        p = bt.PRESETS[name]
+        flags = bt.model_flags(p, "--bf16") + ["--seq-length", "64", "--global-batch-size", "1", "--train-iters", "1",
+                                                "--lr", "1e-5", "--distributed-backend", "gloo"]
+        cfg = hybrid_config(parse_args(flags, require_data=False), device="cpu")
+        assert ModelShape.from_config(cfg) == ModelShape.from_preset(p), name
+    s = ModelShape.from_preset(bt.PRESETS["h200-2k"])
+    a = activation_bytes_per_row(s)
+    assert graph_bytes_per_row(s) == sum(a["mla" if (i + 1) % 4 == 0 else "kda"] + a["dense" if i == 0 else "moe"]
+                                         for i in range(12))
+    assert saved_bytes_per_row(s) == graph_bytes_per_row(s)        # no recomputation in this preset
+    wide = ModelShape.from_preset(bt.PRESETS["h200-2k"], element_bytes=4)
+    assert graph_bytes_per_row(s) < graph_bytes_per_row(wide) < 2 * graph_bytes_per_row(s)
+    assert state_bytes_per_parameter(2) == 18 and state_bytes_per_parameter(4) == 16
+    assert state_bytes_per_parameter(2, 4) == 2 + 4 + 3
+
+
+# ---- the window schedule (fp64, tiny hybrid model) ----------------------------------------------------
+
+def _tiny():
+    from hybrid_tiny import VOCAB, randomize_, tiny_config, tiny_forest
+
+    from megatron_harts.models.model import build_hybrid_model
+    cfg = tiny_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    return cfg, randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 0), tiny_forest(0)
+
+
+def _mixing_budget(items, cfg):
+    """A budget under which the step keeps some windows' producers and recomputes others."""
+    from megatron_harts.schedules.windows import step_memory_plan
+    lo = step_memory_plan(items, cfg, force=True).predicted_peak_bytes
+    hi = step_memory_plan(items, cfg, force=False).predicted_peak_bytes
+    for b in np.linspace(lo, hi, 64).astype(np.int64):
+        plan = step_memory_plan(items, cfg, budget_bytes=int(b))
+        if plan.kept and plan.recompute:
+            return int(b), plan
+    raise AssertionError("no budget mixes kept and recomputed windows")
+
+
+def test_kept_and_recomputed_windows_in_one_step(cpu_world):
+    from test_windows_schedule import forward_backward_windows, forward_step, run_step, windowed_step
+    cfg, model, forest = _tiny()
+    seq, _ = windowed_step(forest, overlap=True)
+    kept = run_step(model, seq)
+    budget, plan = _mixing_budget(seq, cfg)
+    # the exports the model predicts are the bytes the producers record (both windows open at once)
+    assert kept[2]["peak_export_bytes"] == sum(plan.export_bytes) > 0
+    model.zero_grad(set_to_none=True)
+    stats = {}
+    store = forward_backward_windows(forward_step_func=forward_step, data_iterator=iter(seq), model=model,
+                                     num_microbatches=len(seq), window_stats=stats, memory_budget=budget)
+    lp = {k: v for s in store for k, v in s["lp"].items()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert stats["recomputed_windows"] == len(plan.recompute) and 0 < len(plan.recompute) < stats["windows"]
+    assert stats["memory_budget_bytes"] == budget and stats["predicted_peak_bytes"] == plan.predicted_peak_bytes
+    assert stats["predicted_peak_bytes"] < kept[2]["predicted_peak_bytes"]
+    assert lp == kept[0] and set(grads) == set(kept[1])
+    assert all(torch.equal(grads[n], kept[1][n]) for n in grads)
+    # the other mix, named explicitly
+    other = run_step(model, seq, recompute_producers=set(plan.kept))
+    assert other[2]["recomputed_windows"] == len(plan.kept)
+    assert other[0] == kept[0] and all(torch.equal(other[1][n], kept[1][n]) for n in kept[1])
+    with pytest.raises(ValueError, match="no window's producer"):
+        run_step(model, seq, recompute_producers={len(seq) - 1})
+
+
+def test_export_bytes_by_kind():
+    s = ModelShape(hidden=8, heads=2, lin_heads=2, lin_head=4, kv_lora=4, qk=3, rope=2, v=5, ffn=8, moe_ffn=4,
+                   shared_ffn=4, experts=4, topk=2, layer_kinds=(("kda", "dense"), ("mla", "moe")), element_bytes=8)
+    # MLA: rows x heads x (nope + rope + v); KDA: conv rows x 3 x 8, replay rows x (4 x 8 + 2), states x 2 x 4 x 4
+    assert export_bytes(s, 3, 0, 0, 0) == 3 * 2 * 10 * 8
+    assert export_bytes(s, 0, 2, 1, 1) == (2 * 24 + 34 + 32) * 8
