@@ -7,7 +7,7 @@
 # results as JSON in $OUT (or ./out/throughput); $ITERS timed steps per mode (default 1):
 #   fidelity    benchmarks/step_fidelity.py: one bf16 step, expanded / expanded repacked / within / windows
 #   step-wise   the paper-level Step-wise batch (46 trajectories, 16k-row microbatches), within and windows
-#               (plain and with --tree-recompute-producers) against expanded
+#               (the default memory budget, every producer recomputed, every producer kept) against expanded
 #   tree-step   a Tree-Step batch at the paper's within-microbatch compression (116 trajectories, 656k tokens,
 #               L1 3.91x at 16k rows; forest 4.89x), the same modes, and within with the KDA call plans of the
 #               ablation (--kda-call-plans per-depth node-wise)
@@ -40,6 +40,7 @@ nvidia-smi -L
 share=$((SECONDS_LEFT / ${#STAGES[@]}))
 quiet() { grep -v -i -E "warn|Unknown MLP|Rerun"; }
 BENCH=(python3 benchmarks/bench_throughput.py --iters "$ITERS" --tree-sharing within windows --recompute-producers
+       --keep-producers
        --driver-flags "--tree-triton-max-configs 1")
 STEPWISE=(--schemes step-wise --num-tasks 2 --max-tokens 16384 --microbatch-tokens 16384)
 TREESTEP=(--schemes tree-step --num-tasks 1 --samples-per-task 12 --max-tokens 6144 --microbatch-tokens 16384)

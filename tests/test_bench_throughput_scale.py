@@ -121,3 +121,25 @@ def test_plan_only_and_bad_sizes(bt, tmp_path, capsys):
     row = json.loads(out.read_text())["schemes"]["step-wise"]
     assert row["forest"]["max_trajectory_tokens"] > 1024
     assert row["tree_within"]["rows"] >= row["forest"]["unique_tokens"]
+
+
+def test_documented_plan_of_a_128k_batch(bt, tmp_path, capsys):
+    """docs/benchmarks.md's --plan-only command, as written there (its --out under tmp), and the figures
+    the text quotes: Step-wise in 4 pieces against 42 expanded microbatches."""
+    import os
+    import re
+    import shlex
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    (cmd,) = [c for c in re.findall(r"```bash\n(.*?)```", text, re.S) if "--max-tokens 131072" in c and "--plan-only" in c]
+    argv = shlex.split(cmd.replace("\\\n", " "))
+    assert argv[:3] == ["python", "benchmarks/bench_throughput.py", "--preset"]
+    argv = argv[2:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "plan.json")
+    code, _, err = run_tool(bt, capsys, "--device", "cpu", *argv)
+    assert code in (0, None), err
+    row = json.loads((tmp_path / "plan.json").read_text())["schemes"]["step-wise"]
+    assert row["forest"]["max_trajectory_tokens"] > 2 * 32768
+    assert (row["tree_within"]["microbatches"], row["expanded"]["microbatches"]) == (4, 42)
+    assert (row["tree_within"]["rows"], row["expanded"]["rows"]) == (126623, 1051113)
+    assert row["tree_within"]["largest_microbatch_rows"] <= 32768
