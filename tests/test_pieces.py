@@ -17,13 +17,15 @@ from test_windows_schedule import assert_same, run_step
 
 
 def long_forest(seed=0, compactions=False):
-    """A 41-token chain, a tree whose shared 30-token prefix forks into three branches, and a short tree."""
+    """A 41-token chain, a tree whose shared 30-token prefix forks into four branches (one short), and a
+    short tree."""
     rng = np.random.default_rng(seed)
     tok = lambda n: rng.integers(1, VOCAB, n).tolist()  # noqa: E731
     base = [1] + tok(29)
     recs = [{"id": "chain", "tokens": [0] + tok(40)},
             {"id": "a", "tokens": base + tok(7)}, {"id": "b", "tokens": base[:21] + tok(9)},
             {"id": "c", "tokens": base[:6] + tok(13)}, {"id": "d", "tokens": base[:30] + tok(2)},
+            {"id": "e", "tokens": base[:6] + tok(3)},        # fits the budget: a group in expanded mode
             {"id": "short", "tokens": [2] + tok(6)}, {"id": "short2", "tokens": [2] + tok(8)}]
     if compactions:      # evictions whose spans and event rows sit in other pieces than their readers
         recs[0]["compactions"] = [{"at": 25, "start": 3, "end": 14}, {"at": 33, "start": 20, "end": 27}]
@@ -87,6 +89,10 @@ def test_plan_step_cuts_long_trees_and_keeps_the_rest(cpu_world):
         settings = SharingSettings(sharing=sharing, microbatch_tokens=budget, planner=planner, replay=True)
         plan = plan_step(forest, settings, 1)
         assert plan.pieces is not None and plan.pieces.mode == ("expanded" if sharing == "off" else "tree")
+        if sharing == "off":        # the long tree's trajectories that fit are packed, not cut
+            ps = plan.pieces
+            assert len(ps.groups) == 1 and ps.forest.traj_ids[int(ps.groups[0][0])] == "e"
+            assert len(ps.chains) == 5 and ps.num_microbatches == len(ps.pieces) + 1   # chain, a, b, c, d
         items = replica_microbatches(forest, plan, 0, settings)
         assert all(mb.layout.num_rows <= budget for mb in items)
         assert any(mb.reads for mb in items)

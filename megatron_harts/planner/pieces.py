@@ -16,9 +16,11 @@ Invariants of :func:`plan_with_pieces` (``tests/test_pieces.py``):
   under "the parent is in the piece or in a piece it reads"; ``reads`` lists every earlier piece
   holding a row of its root path (so it reads its whole context), and pieces come in an order
   where every read piece is earlier.  A piece owns the targets of its rows.
-- Expanded mode (``--tree-sharing off``): every trajectory of a long tree is a chain of its own (a
-  one-trajectory forest, cut the same way), computed without sharing.
-- Every piece has at most ``M`` rows; each chain (a long tree, or in expanded mode one
+- Expanded mode (``--tree-sharing off``): every trajectory longer than ``M`` is a chain of its own (a
+  one-trajectory forest, cut the same way), computed without sharing; the long trees' other
+  trajectories are packed whole, first-fit decreasing by length, into ``groups`` of at most ``M``
+  tokens, one expanded microbatch each.
+- Every piece and group has at most ``M`` rows; each chain (a long tree, or in expanded mode one
   trajectory) runs on one data-parallel replica.
 """
 from __future__ import annotations
@@ -51,6 +53,8 @@ class PieceSet:
     expanded mode), in execution order; ``chain_forest[c]``: the forest their segments index (the
     step forest, or the trajectory's own forest); ``chain_trajectory[c]``: expanded mode, the step
     forest's index of that trajectory (-1 in tree mode); ``chain_replica[c]``: the replica running it.
+    ``groups[g]`` (expanded mode): step-forest trajectories of the long trees that fit the budget,
+    packed into one expanded microbatch on replica ``group_replica[g]``.
     """
     forest: Forest
     mode: str
@@ -61,6 +65,8 @@ class PieceSet:
     chain_forest: List[Forest] = field(default_factory=list)
     chain_trajectory: List[int] = field(default_factory=list)
     chain_replica: List[int] = field(default_factory=list)
+    groups: List[np.ndarray] = field(default_factory=list)
+    group_replica: List[int] = field(default_factory=list)
 
     def fitting_forest(self) -> Forest:
         """The fitting trees as the forest the base plan was made for (a prefix of the step forest's
@@ -69,7 +75,12 @@ class PieceSet:
 
     @property
     def rows(self) -> int:
-        return sum(p.rows for p in self.pieces)
+        length = np.asarray(self.forest.traj_length, dtype=np.int64)
+        return sum(p.rows for p in self.pieces) + sum(int(length[g].sum()) for g in self.groups)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.pieces) + len(self.groups)
 
     @property
     def expanded_tokens(self) -> int:
@@ -183,23 +194,40 @@ def plan_with_pieces(forest: Forest, row_budget: int, chunk_size: int, dp: int,
             ps.chain_trajectory.append(-1)
     else:
         t0 = int(step.seg_traj_lo[int(step.tree_offsets[n_fit])])
+        length = np.asarray(step.traj_length, dtype=np.int64)
+        short = []
         for t in range(t0, step.num_trajectories):
+            if length[t] <= M:
+                short.append(t)
+                continue
             one = _trajectory_forest(step, t, width)
             lo = len(ps.pieces)
             ps.pieces += tree_pieces(one, 0, M, first=lo)
             ps.chains.append((lo, len(ps.pieces)))
             ps.chain_forest.append(one)
             ps.chain_trajectory.append(t)
-    # placement: each chain on one replica, largest first to the least-loaded one (rows)
+        loads: List[int] = []
+        groups: List[List[int]] = []
+        for t in sorted(short, key=lambda t: (-int(length[t]), t)):     # first-fit decreasing
+            g = next((g for g, used in enumerate(loads) if used + length[t] <= M), len(loads))
+            if g == len(loads):
+                groups.append([])
+                loads.append(0)
+            groups[g].append(t)
+            loads[g] += int(length[t])
+        ps.groups = [np.array(sorted(g), dtype=np.int64) for g in groups]
+    # placement: each chain and group on one replica, largest first to the least-loaded one (rows)
     load = np.zeros(int(dp), dtype=np.int64)
     for m in getattr(base, "microbatches", []):
         load[m.replica] += int(m.features.rows)
-    chain_rows = [sum(ps.pieces[i].rows for i in range(a, b)) for a, b in ps.chains]
-    ps.chain_replica = [0] * len(ps.chains)
-    for c in sorted(range(len(ps.chains)), key=lambda c: (-chain_rows[c], c)):
+    units = [sum(ps.pieces[i].rows for i in range(a, b)) for a, b in ps.chains] + \
+        [int(np.asarray(step.traj_length, dtype=np.int64)[g].sum()) for g in ps.groups]
+    where = [0] * len(units)
+    for u in sorted(range(len(units)), key=lambda u: (-units[u], u)):
         r = int(np.argmin(load))
-        ps.chain_replica[c] = r
-        load[r] += chain_rows[c]
+        where[u] = r
+        load[r] += units[u]
+    ps.chain_replica, ps.group_replica = where[:len(ps.chains)], where[len(ps.chains):]
     base.pieces = ps
     base.expanded_tokens = int(base.expanded_tokens) + ps.expanded_tokens
     return base

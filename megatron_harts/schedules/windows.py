@@ -170,10 +170,11 @@ def windowed_microbatches(forest, plan, replica: int = 0, *, replay: bool = True
 def piece_microbatches(plan, replica: int = 0, *, replay: bool = True, offset: int = 0) -> List[WindowedMicrobatch]:
     """The pieces of the long trees' chains (``plan.pieces``, ``planner.pieces``) that replica ``replica``
     runs, chain after chain, as :class:`WindowedMicrobatch` items whose ``reads`` are positions in a step
-    where these items start at ``offset``.  Each piece owns and counts all its rows' targets and MoE
+    where these items start at ``offset``, then (expanded mode) its groups of the long trees' fitting
+    trajectories, one expanded batch each.  Each piece owns and counts all its rows' targets and MoE
     statistics (every row of a chain is in one piece); an expanded-mode chain's layouts name the
     step forest's trajectory."""
-    from ..layout import build_layout
+    from ..layout import build_expanded_batch, build_layout
     ps = getattr(plan, "pieces", None)
     items: List[WindowedMicrobatch] = []
     if ps is None:
@@ -193,6 +194,9 @@ def piece_microbatches(plan, replica: int = 0, *, replay: bool = True, offset: i
                 lay.traj_forest = np.full_like(lay.traj_forest, t)
             items.append(WindowedMicrobatch(lay, replay=replay, reads=tuple(base + r - lo for r in piece.reads),
                                             context=ctx))
+    for g, r in zip(ps.groups, ps.group_replica):      # expanded mode: the long trees' fitting trajectories
+        if r == replica:
+            items.append(WindowedMicrobatch(build_expanded_batch(ps.forest, g)))
     return items
 
 

@@ -433,7 +433,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
                                  aligned=parallel_state.get_expert_model_parallel_world_size() > 1)
     forest = step_forest(forest, plan)
     normalizer = forest_normalizer(forest)
-    total_mbs = len(plan.microbatches) + (0 if plan.pieces is None else len(plan.pieces.pieces))
+    total_mbs = len(plan.microbatches) + (0 if plan.pieces is None else plan.pieces.num_microbatches)
     counters: Dict[str, Any] = {}
     step_fn = make_forward_step(objective, normalizer, aux_loss_scale=aux_loss_scale(plan), counters=counters)
 
