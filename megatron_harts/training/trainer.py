@@ -67,11 +67,12 @@ def _init_world(backend: str, timeout_minutes: int) -> bool:
     if dist.is_initialized():
         return False
     from datetime import timedelta
-    if "RANK" not in os.environ:
-        from ..models.cpu_runtime import free_port
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if "RANK" not in os.environ or ("MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1"):
+        # no launcher: a world of one over an in-process store, no port to race for
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(minutes=timeout_minutes))
+        return True
     dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
     return True
 
