@@ -226,3 +226,61 @@ def worker(rank, world, port, ref_path):
 def test_pipeline_size_2_pieces(reference):
     from megatron_cpu import free_port
     run_ranks(worker, 2, (free_port(), reference), timeout=300)
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver: --pipeline-model-parallel-size 2 with a row budget below the longest trajectory
+# ---------------------------------------------------------------------------------------------
+def _driver_worker(rank, world, port, data, out):
+    import torch.distributed as dist
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron_harts.training.trainer import Trainer
+    from test_pipeline_schedules import stage_name
+    from test_training_driver import _world, argv
+    _world(rank, world, port)
+    runs, init = {}, None
+    # the reference first: pipeline size 1 (2 replicas), a budget that holds every trajectory, expanded
+    for name, sharing, budget, extra in (("ref", "off", "48", []),
+                                         *((s, s, "16", ["--pipeline-model-parallel-size", "2"])
+                                           for s in ("off", "within", "windows"))):
+        # --clip-grad 0: megatron computes the clipping norm in fp32, summed per stage under PP, so the
+        # clip coefficient (not the gradients) differs between the layouts at ~1e-8
+        flags = argv(data, sharing, "--clip-grad", "0", *extra)
+        flags[flags.index("--tree-microbatch-tokens") + 1] = budget
+        flags[flags.index("--train-iters") + 1] = "2"
+        with Trainer.from_args(flags, require_data=True) as t:
+            offset = get_transformer_layer_offset(t.config)
+            named = dict(t.model[0].module.named_parameters())
+            if init is None:     # the reference's initial weights, copied into the stages (inits differ per layout)
+                init = {stage_name(n, offset): p.detach().clone() for n, p in named.items()}
+            else:
+                with torch.no_grad():
+                    for n, p in named.items():
+                        p.copy_(init[stage_name(n, offset)])
+            steps = []
+            for _ in range(2):
+                m = t.train_iteration()
+                mine = {stage_name(n, offset): p.detach().clone() for n, p in t.model[0].module.named_parameters()}
+                parts = [None] * world
+                dist.all_gather_object(parts, mine)
+                steps.append((m, {k: v for part in parts for k, v in part.items()}))
+            runs[name] = steps
+    if rank == 0:
+        torch.save(runs, out)
+
+
+@pytest.mark.slow
+def test_driver_pp2_pieces_equal_uncut(tmp_path):
+    """The driver with pipeline size 2 and a 16-row budget under trajectories of up to 43 tokens (every tree
+    cut into pieces) gives, in every sharing mode, the losses, objective terms and parameters after each
+    step of uncut expanded training (pipeline size 1, a budget that holds every trajectory)."""
+    from test_training_driver import assert_same_steps, spawn
+    runs = spawn(_driver_worker, tmp_path)
+    ref = runs["ref"]
+    for name in ("off", "within", "windows"):
+        assert_same_steps(runs[name], ref, f"PP=2 pieces ({name}) vs uncut PP=1 expanded",
+                          terms=("objective/pg_loss", "objective/kl", "objective/entropy"))
+    # not vacuous: expanded mode ran more (smaller) microbatches, tree modes still shared rows
+    assert all(m["microbatches"] > m_ref["microbatches"] for (m, _), (m_ref, _) in zip(runs["off"], ref))
+    for name in ("within", "windows"):
+        assert all(m["computed_tokens"] < m_ref["computed_tokens"] for (m, _), (m_ref, _) in zip(runs[name], ref))
