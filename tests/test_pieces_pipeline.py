@@ -10,7 +10,9 @@
   tree, with and without compaction events crossing piece boundaries, and the steps ``plan_step``
   gives with ``--tree-sharing off``, ``within`` and ``windows`` (pieces after the planned
   microbatches) give the log-probs and every parameter gradient (1e-10 relative) of the same step
-  on pipeline size 1 and of expanded training.
+  on pipeline size 1 and of expanded training; also with activation recomputation (full, uniform).
+- the driver, pipeline size 2, a 16-row budget under trajectories of up to 43 tokens: every sharing
+  mode's losses, objective terms and parameters equal uncut expanded training on pipeline size 1.
 """
 import os
 
@@ -217,6 +219,12 @@ def worker(rank, world, port, ref_path):
                     assert min(stats["peak_export_bytes"]) > 0, (what, stats)
                     if name.startswith("planned"):
                         break           # no windows: the schedules order the same microbatches alike
+            # activation recomputation (full, uniform): readers recompute, read pieces' forwards do not
+            cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
+            name = "window+pieces, compactions"
+            lp = stage_step(model, step_sets()[name][1], "consumer-1f1b")
+            assert_stage_same(lp, stage_grads(model, offset), ref["results"][name]["exp"],
+                              f"PP={world} recompute ({name}) vs expanded", last)
     finally:
         patches.undo()
         dist.destroy_process_group()

@@ -19,6 +19,20 @@ stage the operations are:
   targets); it runs after ``B`` of every consumer of the window (right after the last one's
   under "consumer-1f1b").
 
+*Pieces* of paths longer than the row budget (``WindowedMicrobatch.reads``, docs/training.md) run
+on every stage as on pipeline size 1 (``windows.forward_backward_windows``), each stage with its own
+layers' exports: a piece is a consumer of the pieces it reads (their leaves on this stage, gathered
+into one producer's view) and, when later pieces read it, a producer whose ``F`` runs under
+``no_grad`` keeping only this stage's exports (as leaves) and its input activation; its ``B`` runs
+its forward on this stage again from that input, the export gradients its readers accumulated here
+injected (``TreePackedSeqParams.inject_grads``), then its backward (its output gradient received
+from the next stage as for any microbatch; on the last stage its loss).  A piece read by none runs
+``F`` and ``B`` like a plain microbatch.  The recomputed forward starts from the kept input, so no
+extra activation travels between stages, and every stage sends and receives one activation and
+one gradient per piece.  The pieces run after the step's other microbatches (the windows' schedule
+first, drained): :func:`piece_orders` runs their forwards in step order and their backwards in the
+pipeline-size-1 order (a read piece after all its readers) on every stage, interleaved 1F1B-wise.
+
 Every stage builds the same microbatch layouts and ``TreePackedSeqParams`` itself (planning is
 deterministic, so no tree metadata is broadcast); the activation [rows, 1, hidden] and its
 gradient go between neighbouring stages through megatron-core's ``P2PCommunicator``, the shape
@@ -58,15 +72,19 @@ before the step runs.  In short:
 
 The parameter gradients are those of ``forward_backward_windows`` on the same items (and so of
 expanded training): tests/test_pipeline_schedules.py pins all three schedules on pipeline
-sizes 2 and 4 against both.  ``forward_step_func(data_iterator, model)`` is called once per
-microbatch per stage with an iterator yielding ``(microbatch, packed_seq_params)``; on stages
+sizes 2 and 4 against both, tests/test_pieces_pipeline.py steps with pieces on pipeline size 2.
+``forward_step_func(data_iterator, model)`` is called once per microbatch per stage (twice for a
+piece read later: its exports-only forward with ``packed_seq_params.preview`` set, then again at
+its backward) with an iterator yielding ``(microbatch, packed_seq_params)``; on stages
 other than the last it returns the model's output (hidden states) and its ``loss_func`` is not
 called.  The per-microbatch ``stats`` of ``loss_func`` are returned on the last stage (``[]``
 elsewhere), as megatron's ``forward_data_store``.  ``window_stats`` (when a dict is passed)
 gets, per stage (lists indexed by pipeline rank, gathered over the pipeline group):
-``peak_export_bytes`` (retained export bytes, maximum over the step) and ``peak_windows_alive``;
+``peak_export_bytes`` (retained export bytes of windows and read pieces, maximum over the step)
+and ``peak_windows_alive``;
 and ``windows`` (number of windows of the step), ``schedule``.  Activation recomputation: as in
-``forward_backward_windows``, producers' forwards do not recompute (``producer_forward``).
+``forward_backward_windows``, producers' forwards (and the forwards of pieces read later) do not
+recompute (``producer_forward``).
 Gradient reduction across data-parallel replicas stays the caller's (``finalize_model_grads``).
 
 :func:`build_stage_model` builds this stage's model chunk (the hybrid block spec sliced to the
