@@ -10,7 +10,8 @@
   tree, with and without compaction events crossing piece boundaries, and the steps ``plan_step``
   gives with ``--tree-sharing off``, ``within`` and ``windows`` (pieces after the planned
   microbatches) give the log-probs and every parameter gradient (1e-10 relative) of the same step
-  on pipeline size 1 and of expanded training; also with activation recomputation (full, uniform).
+  on pipeline size 1 and of expanded training; also with activation recomputation (full, uniform);
+  forward only, the log-probs of pipeline size 1.
 - the driver, pipeline size 2, a 16-row budget under trajectories of up to 43 tokens: every sharing
   mode's losses, objective terms and parameters equal uncut expanded training on pipeline size 1.
 """
@@ -219,6 +220,22 @@ def worker(rank, world, port, ref_path):
                     assert min(stats["peak_export_bytes"]) > 0, (what, stats)
                     if name.startswith("planned"):
                         break           # no windows: the schedules order the same microbatches alike
+            # forward only (the logit probe's pass): every piece's log-probs once, those of PP=1
+            from megatron_harts.schedules.pipeline import forward_backward_pipelining_windows
+            from test_pipeline_schedules import pp_forward_step
+            name = "window+pieces, compactions"
+            items = step_sets()[name][1]
+            with torch.no_grad():
+                store = forward_backward_pipelining_windows(
+                    forward_step_func=pp_forward_step, data_iterator=iter(items), model=[model],
+                    num_microbatches=len(items), forward_only=True)
+            if last:
+                lp = [kv for st in store for kv in st["lp"].items()]
+                ref_lp = ref["results"][name]["pp1"][0]
+                assert sorted(k for k, _ in lp) == sorted(ref_lp)
+                assert all(abs(v - ref_lp[k]) <= 1e-10 * max(1.0, abs(ref_lp[k])) for k, v in lp)
+            else:
+                assert store == []
             # activation recomputation (full, uniform): readers recompute, read pieces' forwards do not
             cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
             name = "window+pieces, compactions"
