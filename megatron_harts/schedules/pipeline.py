@@ -19,6 +19,20 @@ stage the operations are:
   targets); it runs after ``B`` of every consumer of the window (right after the last one's
   under "consumer-1f1b").
 
+*Pieces* of paths longer than the row budget (``WindowedMicrobatch.reads``, docs/training.md) run
+on every stage as on pipeline size 1 (``windows.forward_backward_windows``), each stage with its own
+layers' exports: a piece is a consumer of the pieces it reads (their leaves on this stage, gathered
+into one producer's view) and, when later pieces read it, a producer whose ``F`` runs under
+``no_grad`` keeping only this stage's exports (as leaves) and its input activation; its ``B`` runs
+its forward on this stage again from that input, the export gradients its readers accumulated here
+injected (``TreePackedSeqParams.inject_grads``), then its backward (its output gradient received
+from the next stage as for any microbatch; on the last stage its loss).  A piece read by none runs
+``F`` and ``B`` like a plain microbatch.  The recomputed forward starts from the kept input, so no
+extra activation travels between stages, and every stage sends and receives one activation and
+one gradient per piece.  The pieces run after the step's other microbatches (the windows' schedule
+first, drained): :func:`piece_orders` runs their forwards in step order and their backwards in the
+pipeline-size-1 order (a read piece after all its readers) on every stage, interleaved 1F1B-wise.
+
 Every stage builds the same microbatch layouts and ``TreePackedSeqParams`` itself (planning is
 deterministic, so no tree metadata is broadcast); the activation [rows, 1, hidden] and its
 gradient go between neighbouring stages through megatron-core's ``P2PCommunicator``, the shape
@@ -58,15 +72,19 @@ before the step runs.  In short:
 
 The parameter gradients are those of ``forward_backward_windows`` on the same items (and so of
 expanded training): tests/test_pipeline_schedules.py pins all three schedules on pipeline
-sizes 2 and 4 against both.  ``forward_step_func(data_iterator, model)`` is called once per
-microbatch per stage with an iterator yielding ``(microbatch, packed_seq_params)``; on stages
+sizes 2 and 4 against both, tests/test_pieces_pipeline.py steps with pieces on pipeline size 2.
+``forward_step_func(data_iterator, model)`` is called once per microbatch per stage (twice for a
+piece read later: its exports-only forward with ``packed_seq_params.preview`` set, then again at
+its backward) with an iterator yielding ``(microbatch, packed_seq_params)``; on stages
 other than the last it returns the model's output (hidden states) and its ``loss_func`` is not
 called.  The per-microbatch ``stats`` of ``loss_func`` are returned on the last stage (``[]``
 elsewhere), as megatron's ``forward_data_store``.  ``window_stats`` (when a dict is passed)
 gets, per stage (lists indexed by pipeline rank, gathered over the pipeline group):
-``peak_export_bytes`` (retained export bytes, maximum over the step) and ``peak_windows_alive``;
+``peak_export_bytes`` (retained export bytes of windows and read pieces, maximum over the step)
+and ``peak_windows_alive``;
 and ``windows`` (number of windows of the step), ``schedule``.  Activation recomputation: as in
-``forward_backward_windows``, producers' forwards do not recompute (``producer_forward``).
+``forward_backward_windows``, producers' forwards (and the forwards of pieces read later) do not
+recompute (``producer_forward``).
 Gradient reduction across data-parallel replicas stays the caller's (``finalize_model_grads``).
 
 :func:`build_stage_model` builds this stage's model chunk (the hybrid block spec sliced to the
@@ -81,10 +99,11 @@ import torch
 import torch.distributed as dist
 
 from .simulator import _check_producers, _check_stages, schedule_ops
-from .windows import (WindowedMicrobatch, _loss_of, _model_config, check_windows, microbatch_on,
-                      microbatch_params, model_device, producer_forward, producer_params)
+from .windows import (WindowedMicrobatch, _loss_of, _model_config, _piece_params, _plan_pieces, check_windows,
+                      microbatch_on, microbatch_params, model_device, producer_forward, producer_params)
 
-__all__ = ["SCHEDULES", "stage_orders", "check_stage_orders", "forward_backward_pipelining_windows",
+__all__ = ["SCHEDULES", "stage_orders", "check_stage_orders", "piece_orders", "piece_backward_order",
+           "piece_positions", "forward_backward_pipelining_windows",
            "build_stage_model"]
 
 SCHEDULES = ("consumer-1f1b", "overlap", "non-overlap")
@@ -100,33 +119,134 @@ _KIND = {"F": "F", "PF": "F", "B": "B", "PB": "B"}
 
 
 def stage_orders(producer_of: Sequence[Optional[int]], num_stages: int, schedule: str = "consumer-1f1b",
-                 forward_only: bool = False, costs: Optional[Sequence[Tuple[float, float]]] = None) -> List[List[Op]]:
+                 forward_only: bool = False, costs: Optional[Sequence[Tuple[float, float]]] = None,
+                 reads: Optional[Sequence[Sequence[int]]] = None) -> List[List[Op]]:
     """Per-stage operation orders ``[("F"|"B", microbatch), ...]`` for a step (module docstring).
 
     ``producer_of[i]``: the position of microbatch i's producer (None: not a consumer).  The
-    orders are :func:`~megatron_harts.schedules.simulator.schedule_ops`'s (the one generator of
-    the schedules, also timed by the event simulator), with a producer's PF/PB written as its
-    F/B, and pass :func:`check_stage_orders` before they are returned.  ``forward_only``:
-    forwards only, in step order.  ``costs``: (forward, backward) per microbatch, what consumer
-    1F1B chooses its order with (``schedule_ops``'s ``costs``).
+    orders of the step's windows and plain microbatches are
+    :func:`~megatron_harts.schedules.simulator.schedule_ops`'s (the one generator of the schedules,
+    also timed by the event simulator), with a producer's PF/PB written as its F/B.  ``reads[i]``:
+    the earlier pieces microbatch i reads (``WindowedMicrobatch.reads``); the pieces of the step
+    (microbatches that read or are read) run after all the others, in :func:`piece_orders`' order.
+    The orders pass :func:`check_stage_orders` before they are returned.  ``forward_only``: forwards
+    only, in step order.  ``costs``: (forward, backward) per microbatch, what consumer 1F1B chooses
+    its order with (``schedule_ops``'s ``costs``; the pieces' entries are not used).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    n = len(producer_of)
+    reads = _check_reads(reads, producer_of)
+    pieces = piece_positions(reads)
+    S = _check_stages(num_stages)
     if forward_only:
-        S = _check_stages(num_stages)
-        orders = [[("F", i) for i in range(len(producer_of))] for _ in range(S)]
+        orders = [[("F", i) for i in range(n)] for _ in range(S)]
     else:
-        orders = [[(_KIND[kind], i) for kind, i in ops]
-                  for ops in schedule_ops(producer_of, num_stages, schedule, costs=costs)]
-    check_stage_orders(orders, producer_of)
+        rest = [i for i in range(n) if i not in pieces]
+        at = {i: k for k, i in enumerate(rest)}
+        sub_po = [None if producer_of[i] is None else at[int(producer_of[i])] for i in rest]
+        if costs is not None and len(costs) != n:
+            raise ValueError(f"costs must give (forward, backward) for each of the {n} microbatches, got {len(costs)}")
+        sub_costs = None if costs is None else [costs[i] for i in rest]
+        orders = [[(_KIND[kind], rest[k]) for kind, k in ops]
+                  for ops in schedule_ops(sub_po, S, schedule, costs=sub_costs)] if rest else [[] for _ in range(S)]
+        for s, tail in enumerate(piece_orders(reads, S)):
+            orders[s] += tail
+    check_stage_orders(orders, producer_of, reads)
     return orders
 
 
-def check_stage_orders(orders: List[List[Op]], producer_of: Sequence[Optional[int]]) -> None:
+def _check_reads(reads, producer_of) -> List[Tuple[int, ...]]:
+    """``reads`` as one tuple per microbatch; ValueError where a piece reads a later microbatch or is
+    part of a sharing window (pieces and windows are separate: ``windows.check_windows``)."""
+    n = len(producer_of)
+    if reads is None:
+        return [()] * n
+    if len(reads) != n:
+        raise ValueError(f"reads must name the pieces read by each of the {n} microbatches, got {len(reads)}")
+    out = [tuple(int(r) for r in rs) for rs in reads]
+    read = {r for rs in out for r in rs}
+    for i, rs in enumerate(out):
+        if any(not 0 <= r < i for r in rs):
+            raise ValueError(f"microbatch {i}: the pieces it reads {list(rs)} must run before it in the step")
+        if (rs or i in read) and (producer_of[i] is not None or i in set(p for p in producer_of if p is not None)):
+            raise ValueError(f"microbatch {i}: a piece of a long path is no sharing window's producer or consumer")
+    return out
+
+
+def piece_positions(reads: Sequence[Sequence[int]]) -> List[int]:
+    """The step positions of the pieces (microbatches that read earlier pieces or are read), ascending."""
+    return sorted({i for i, rs in enumerate(reads) if rs} | {int(r) for rs in reads for r in rs})
+
+
+def piece_backward_order(reads: Sequence[Sequence[int]]) -> List[int]:
+    """The pieces' backwards in the order of the pipeline-size-1 schedule (``windows.forward_backward_windows``):
+    a piece read by none right after its forward, and at its chain's last forward (a chain: pieces connected by
+    reads) the chain's read pieces, last first.  So a piece's backward follows every backward of its readers,
+    through which the gradients of its exports accumulate."""
+    root: Dict[int, int] = {}
+
+    def find(i: int) -> int:
+        while root.get(i, i) != i:
+            i = root[i]
+        return i
+    read = set()
+    for j, rs in enumerate(reads):
+        for i in rs:
+            read.add(int(i))
+            root[find(j)] = find(int(i))
+    members = piece_positions(reads)
+    last: Dict[int, int] = {}
+    for i in members:
+        last[find(i)] = i
+    order: List[int] = []
+    for i in members:
+        if i not in read:
+            order.append(i)
+        if last[find(i)] == i:
+            order += sorted((p for p in members if p in read and find(p) == find(i)), reverse=True)
+    return order
+
+
+def piece_orders(reads: Sequence[Sequence[int]], num_stages: int) -> List[List[Op]]:
+    """Per-stage orders of the step's pieces: their forwards in step order and their backwards in
+    :func:`piece_backward_order` on every stage, interleaved 1F1B-wise: stage s runs the next backward
+    once its forward has run on the stage and ``S - s`` pieces are in flight there (or no forward is
+    left), else its next forward.  Without reads between them this is plain 1F1B (stage s warms up
+    with ``S - s - 1`` forwards); a chain whose pieces all read each other runs all its forwards
+    before its first backward, as the reads require (a piece read later keeps only its exports and
+    its input activation until its backward, not its activations)."""
+    S = _check_stages(num_stages)
+    forwards = piece_positions(reads)
+    backwards = piece_backward_order(reads)
+    out: List[List[Op]] = []
+    for s in range(S):
+        order: List[Op] = []
+        done = set()
+        f = b = 0
+        while f < len(forwards) or b < len(backwards):
+            if b < len(backwards) and backwards[b] in done and (f - b >= S - s or f == len(forwards)):
+                order.append(("B", backwards[b]))
+                b += 1
+            else:
+                order.append(("F", forwards[f]))
+                done.add(forwards[f])
+                f += 1
+        out.append(order)
+    return out
+
+
+def check_stage_orders(orders: List[List[Op]], producer_of: Sequence[Optional[int]],
+                       reads: Optional[Sequence[Sequence[int]]] = None) -> None:
     """Assert that per-stage orders run: every stage has every forward and backward once, the same
     forward order and backward order on every stage, PF before its consumers' forwards, PB after its
-    consumers' backwards, and some execution exists (receives wait for the neighbour's op)."""
+    consumers' backwards, a piece's forward after the forwards of the pieces it reads (``reads``) and
+    a read piece's backward after its readers' backwards, and some execution exists (receives wait
+    for the neighbour's op)."""
     consumers = _check_producers(list(producer_of))
+    for j, rs in enumerate(reads or []):       # a reader is a consumer of each piece it reads
+        for r in rs:
+            consumers.setdefault(int(r), []).append(j)
     n = len(producer_of)
     S = len(orders)
     fw = [[i for k, i in o if k == "F"] for o in orders]
@@ -361,7 +481,10 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
 
     mbs: List[WindowedMicrobatch] = [next(data_iterator) for _ in range(int(num_microbatches))]
     consumers_of = check_windows(mbs)
-    orders = stage_orders([mb.producer for mb in mbs], S, schedule, forward_only, costs=microbatch_costs)[s]
+    orders = stage_orders([mb.producer for mb in mbs], S, schedule, forward_only, costs=microbatch_costs,
+                          reads=[mb.reads for mb in mbs])[s]
+    pieces = _plan_pieces(mbs, cfg)
+    piece_leaves: Dict[int, Any] = {}           # pieces read later: this stage's exports' leaves
 
     hidden = cfg.hidden_size
     state: Dict[int, dict] = {}
@@ -381,6 +504,61 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
     device = model_device(model)
     for kind, i in orders:
         mb = mbs[i]
+        if kind == "F" and i in pieces.last:       # a piece of a long path
+            mb = microbatch_on(mb, device)
+            psp = _piece_params(i, mb, cfg, pieces, piece_leaves)
+            shape = (_rows(mb, psp, cfg, tp), 1, hidden)
+            x = None if first else p2p.recv_forward(shape, is_first_stage=False)
+            set_input_tensor(x)
+            st = {"x": x, "shape": shape}
+            if i in pieces.readers:              # read later: exports only (its backward recomputes the forward)
+                psp.preview = not forward_only
+                with torch.no_grad(), producer_forward(cfg):
+                    output, loss_func = forward_step_func(iter([(mb, psp)]), model)
+                if last and forward_only:
+                    store.append(_loss_of(loss_func, output)[1])
+                piece_leaves[i] = psp.recorded.detached()
+                live += piece_leaves[i].nbytes()
+                peak = max(peak, live)
+            else:                                # read by none: a consumer of the pieces it reads
+                output, loss_func = forward_step_func(iter([(mb, psp)]), model)
+                if last:
+                    loss, stats = _loss_of(loss_func, output)
+                    store.append(stats)
+                    st["loss"] = loss
+                st["out"] = output
+            if not last:
+                send(output, to_next=True)
+            if not forward_only:
+                state[i] = st
+            output = psp = None
+            continue
+        if kind == "B" and i in pieces.readers:    # a read piece: its forward again, then its backward
+            st = state.pop(i)
+            mb = microbatch_on(mb, device)
+            psp = _piece_params(i, mb, cfg, pieces, piece_leaves)
+            own = piece_leaves.pop(i)
+            psp.inject_grads = own.gradients()    # what its readers accumulated in its exports on this stage
+            x = st["x"]
+            if x is not None:
+                x = x.detach().requires_grad_(True)
+            set_input_tensor(x)
+            with producer_forward(cfg):
+                output, loss_func = forward_step_func(iter([(mb, psp)]), model)
+            if last:
+                root, stats = _loss_of(loss_func, output)
+                store.append(stats)
+            else:
+                g = p2p_back.recv_backward(st["shape"], is_last_stage=False)
+                root = (output * g).sum()
+            if psp.injected is not None:
+                root = root + psp.injected
+            root.backward()
+            live -= own.nbytes()
+            if not first:
+                send(x.grad if x.grad is not None else torch.zeros_like(x), to_next=False)
+            own = output = root = psp = None
+            continue
         if kind == "F":
             mb = microbatch_on(mb, device)
             if i in consumers_of:
@@ -432,6 +610,7 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
         for w in windows.values():
             live -= w["bytes"]
         windows.clear()
+        piece_leaves.clear()
     for _, reqs in pending:
         for r in (reqs.values() if isinstance(reqs, dict) else reqs):
             r.wait()

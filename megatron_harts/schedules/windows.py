@@ -325,6 +325,17 @@ def _read_pieces(j: int, mb: WindowedMicrobatch, pieces: _Pieces, leaves: Dict[i
     return WindowExports(cs, layers)
 
 
+def _piece_params(j: int, mb: WindowedMicrobatch, cfg, pieces: _Pieces,
+                  leaves: Dict[int, WindowExports]) -> TreePackedSeqParams:
+    """Piece ``j``'s packed params: it records what its readers read (``pieces.specs[j]``, when some later
+    piece reads it) and reads the ``leaves`` of the pieces it reads (shared by the schedules of pipeline
+    size 1 and of ``schedules/pipeline.py``, where ``leaves`` hold this stage's layers only)."""
+    psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, replay=mb.replay, export=pieces.specs.get(j),
+                                       exports=_read_pieces(j, mb, pieces, leaves) if mb.reads else None)
+    _count_rows(mb, psp)
+    return psp
+
+
 def check_windows(mbs: List[WindowedMicrobatch]) -> Dict[int, List[int]]:
     """Validate a step's microbatches (module docstring's limits); ``{producer: [its consumers]}``."""
     from ..layout import ExpandedBatch
@@ -556,10 +567,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         return loss
 
     def piece_params(j: int, mb: WindowedMicrobatch):
-        psp = TreePackedSeqParams.for_tree(mb.layout, config=cfg, replay=mb.replay, export=pieces.specs.get(j),
-                                           exports=_read_pieces(j, mb, pieces, leaves) if mb.reads else None)
-        _count_rows(mb, psp)
-        return psp
+        return _piece_params(j, mb, cfg, pieces, leaves)
 
     for i, mb in enumerate(mbs):
         mb = microbatch_on(mb, device)

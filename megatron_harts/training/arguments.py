@@ -1379,14 +1379,12 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
             _fail("--tree-microbatch-tokens (or --seq-length, its default) is required")
         args.tree_microbatch_tokens = args.seq_length
     elif args.seq_length is not None and args.tree_microbatch_tokens < args.seq_length and \
-            (args.pipeline_model_parallel_size > 1 or args.expert_model_parallel_size > 1):
-        # a longer trajectory is cut into pieces (docs/training.md), which run on pipeline size 1 without
-        # expert parallelism only
-        flag = "--pipeline-model-parallel-size" if args.pipeline_model_parallel_size > 1 else \
-            "--expert-model-parallel-size"
-        _fail(f"--tree-microbatch-tokens {args.tree_microbatch_tokens} < --seq-length {args.seq_length} with {flag} "
-              "> 1: a trajectory must fit one microbatch there (longer ones are cut into pieces only on pipeline "
-              "size 1 without expert parallelism)")
+            args.expert_model_parallel_size > 1:
+        # a longer trajectory is cut into pieces (docs/training.md), which the replicas of an expert-parallel
+        # group cannot run in lockstep
+        _fail(f"--tree-microbatch-tokens {args.tree_microbatch_tokens} < --seq-length {args.seq_length} with "
+              f"--expert-model-parallel-size {args.expert_model_parallel_size}: a trajectory must fit one microbatch "
+              "there (longer ones are cut into pieces only without expert parallelism)")
     if args.tree_plan_report is not None:
         parent = os.path.dirname(os.path.abspath(args.tree_plan_report))
         if not os.path.isdir(parent):

@@ -386,9 +386,15 @@ def _all_reduce_sum(values: List[float], device) -> List[float]:
 
 def microbatch_costs(forest, plan, replica: int, num_items: int) -> List[Tuple[float, float]]:
     """(forward, backward) modelled cost of each of the replica's ``num_items`` microbatches, in execution
-    order (the simulator's ``step_from_plan``: the plan's cost model, backward twice forward); expert-parallel
-    placeholders at the end cost almost nothing.  The same on every rank of the replica."""
-    costs = [(float(m.forward), float(m.backward)) for m in step_from_plan(plan, replica, forest=forest)]
+    order (the simulator's ``step_from_plan``: the plan's cost model, backward twice forward); the items
+    after the planned microbatches (pieces of long paths, which the pipeline schedules order by their reads
+    alone, or expert-parallel placeholders) cost almost nothing.  ``forest``: the step's forest
+    (:func:`step_forest`); a plan with pieces is costed on its fitting trees.  The same on every rank of
+    the replica."""
+    if plan.pieces is not None:       # the base plan covers the fitting trees only
+        forest = plan.pieces.fitting_forest() if plan.pieces.num_fit_trees else None
+    costs = [] if forest is None and plan.mode == "tree" else \
+        [(float(m.forward), float(m.backward)) for m in step_from_plan(plan, replica, forest=forest)]
     if len(costs) > num_items:
         raise ValueError(f"microbatch_costs: the plan gives replica {replica} {len(costs)} microbatches, the step "
                          f"runs {num_items}")
@@ -404,10 +410,6 @@ def run_schedule(model, items: List[WindowedMicrobatch], forward_step_func: Call
     ``costs``, :func:`microbatch_costs`, where the schedule uses them)."""
     from megatron.core import parallel_state
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        if any(mb.reads for mb in items):
-            raise ValueError(f"a trajectory longer than --tree-microbatch-tokens {settings.microbatch_tokens} is cut "
-                             "into pieces, which run with --pipeline-model-parallel-size 1 only; raise "
-                             "--tree-microbatch-tokens to the longest trajectory")
         return forward_backward_pipelining_windows(forward_step_func=forward_step_func, data_iterator=iter(items),
                                                    model=model, num_microbatches=len(items),
                                                    forward_only=forward_only, window_stats=window_stats,
@@ -443,7 +445,7 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     window_stats: Dict[str, Any] = {}
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     last = parallel_state.is_pipeline_last_stage()
-    costs = microbatch_costs(forest, plan, replica, len(items)) if pp > 1 and plan.pieces is None else None
+    costs = microbatch_costs(forest, plan, replica, len(items)) if pp > 1 else None
     with ddp.no_sync(), expert_grad_hooks_off(ddp), megatron_aux_loss_scale_after(device):
         run_schedule(ddp, items, step_fn, settings, window_stats=window_stats, costs=costs)
     # every rank reduces the same terms: the objective's, known also where no loss ran (stages
