@@ -48,9 +48,9 @@ Tree sharing (our flags): ``--tree-sharing {off,within,windows}`` (default withi
 expanded training: whole trajectories packed first-fit-decreasing (planner ``ffd``, the only one
 allowed).  ``within`` shares prefixes inside a microbatch: planner ``l1`` (default) or ``ortools``
 (the OR-Tools + FFD baseline over trees; needs the ``ortools`` package when planning).
-``windows`` adds cross-microbatch sharing windows: planner ``l1l2`` (default and only choice),
-pipeline size 1 for now.  ``--tree-microbatch-tokens`` is the row budget of a microbatch
-(default ``--seq-length``, Megatron-LM's tokens per microbatch at micro-batch size 1).
+``windows`` adds cross-microbatch sharing windows: planner ``l1l2`` (default and only choice).
+``--tree-microbatch-tokens`` is the row budget of a microbatch (default ``--seq-length``,
+Megatron-LM's tokens per microbatch at micro-batch size 1); a longer trajectory is cut into pieces.
 ``--tree-kda-backend`` / ``--tree-attention-backend`` default to ``auto``: fla / flex on CUDA
 (not with ``--fp64``), reference / sdpa otherwise; ``fla`` and ``flex`` need CUDA, checked when
 the model config is built (``hybrid_config``), not at parse time.  ``--tree-kda-call-plan
