@@ -257,10 +257,8 @@ def test_pipeline_size_2_pieces(reference):
 # the driver: --pipeline-model-parallel-size 2 with a row budget below the longest trajectory
 # ---------------------------------------------------------------------------------------------
 def _driver_worker(rank, world, port, data, out):
-    import torch.distributed as dist
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from megatron_harts.training.trainer import Trainer
-    from test_pipeline_schedules import stage_name
+    from test_pipeline_schedules import two_steps_from
     from test_training_driver import _world, argv
     _world(rank, world, port)
     runs, init = {}, None
@@ -274,22 +272,7 @@ def _driver_worker(rank, world, port, data, out):
         flags[flags.index("--tree-microbatch-tokens") + 1] = budget
         flags[flags.index("--train-iters") + 1] = "2"
         with Trainer.from_args(flags, require_data=True) as t:
-            offset = get_transformer_layer_offset(t.config)
-            named = dict(t.model[0].module.named_parameters())
-            if init is None:     # the reference's initial weights, copied into the stages (inits differ per layout)
-                init = {stage_name(n, offset): p.detach().clone() for n, p in named.items()}
-            else:
-                with torch.no_grad():
-                    for n, p in named.items():
-                        p.copy_(init[stage_name(n, offset)])
-            steps = []
-            for _ in range(2):
-                m = t.train_iteration()
-                mine = {stage_name(n, offset): p.detach().clone() for n, p in t.model[0].module.named_parameters()}
-                parts = [None] * world
-                dist.all_gather_object(parts, mine)
-                steps.append((m, {k: v for part in parts for k, v in part.items()}))
-            runs[name] = steps
+            init, runs[name] = two_steps_from(t, init, world)     # the reference's initial weights everywhere
     if rank == 0:
         torch.save(runs, out)
 

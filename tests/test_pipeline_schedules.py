@@ -193,6 +193,30 @@ def stage_name(name, offset):
     return ".".join(parts)
 
 
+def two_steps_from(trainer, init, world):
+    """Two training iterations of ``trainer`` from the weights ``init`` (by global parameter name; None:
+    this trainer's own, returned for the next layouts: inits differ per layout), with every stage's
+    parameters gathered after each step: (init, [(metrics, {name: tensor}), ...])."""
+    import torch.distributed as dist
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    offset = get_transformer_layer_offset(trainer.config)
+    named = dict(trainer.model[0].module.named_parameters())
+    if init is None:
+        init = {stage_name(n, offset): p.detach().clone() for n, p in named.items()}
+    else:
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(init[stage_name(n, offset)])
+    steps = []
+    for _ in range(2):
+        m = trainer.train_iteration()
+        mine = {stage_name(n, offset): p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
+        steps.append((m, {k: v for part in parts for k, v in part.items()}))
+    return init, steps
+
+
 CFG_KW = dict(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
 
 
@@ -372,8 +396,6 @@ def test_pipeline_size_4_and_dp2_pp2(reference):
 # the driver (--tree-sharing windows --pipeline-model-parallel-size 2 --tree-pp-schedule ...)
 # ---------------------------------------------------------------------------------------------
 def _driver_worker(rank, world, port, data, out):
-    import torch.distributed as dist
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from megatron_harts.training.trainer import Trainer
     from test_training_driver import _world, argv
     _world(rank, world, port)
@@ -383,22 +405,7 @@ def _driver_worker(rank, world, port, data, out):
         # clip coefficient (not the gradients) differs between the layouts at ~1e-8
         with Trainer.from_args(argv(data, "windows", "--train-iters", "2", "--clip-grad", "0", *extra),
                                require_data=True) as t:
-            offset = get_transformer_layer_offset(t.config)
-            named = dict(t.model[0].module.named_parameters())
-            if init is None:     # PP=1's initial weights, copied into the stages (inits differ per layout)
-                init = {stage_name(n, offset): p.detach().clone() for n, p in named.items()}
-            else:
-                with torch.no_grad():
-                    for n, p in named.items():
-                        p.copy_(init[stage_name(n, offset)])
-            steps = []
-            for _ in range(2):
-                m = t.train_iteration()
-                mine = {stage_name(n, offset): p.detach().clone() for n, p in t.model[0].module.named_parameters()}
-                parts = [None] * world
-                dist.all_gather_object(parts, mine)
-                steps.append((m, {k: v for part in parts for k, v in part.items()}))
-            runs[name] = steps
+            init, runs[name] = two_steps_from(t, init, world)     # PP=1's initial weights in every layout
     if rank == 0:
         torch.save(runs, out)
 
