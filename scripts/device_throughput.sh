@@ -20,7 +20,14 @@
 #   memory      the Tree-Step batch within vs expanded at both presets with --memory-profile (the bytes
 #               alive at each mode's peak by allocation site), without the logit-cosine sample
 #   large       both batches on preset h200-2k (hidden 2048), without the logit-cosine sample; Tree-Step
-#               without plain windows (within, windows with producer recomputation)
+#               windows under the default memory budget and with every producer recomputed (kept: out of
+#               memory at hidden 2048)
+#   kimi        preset kimi48b-layers, 16k-token Step-wise and Tree-Step batches in 32k-row microbatches,
+#               within and windows against expanded, with --memory-profile (the chunked log-probs' share)
+#   kimi-long   preset kimi48b-layers, one rollout of 64k- and of 128k-token trajectories per scheme, in
+#               pieces of at most 32k rows, within and windows against expanded; the same batches at h200
+#   logprobs    benchmarks/bench_logprobs.py: the output layer's log-probs at vocabulary 163,840
+#   compaction  benchmarks/bench_compaction.py: compaction traces against re-prefill samples, all sets
 # Default: fidelity step-wise tree-step.  With flash-attn-4 installed (docs/gpu_setup.md), MLA runs its
 # varlen kernels in both modes.
 set -uo pipefail
@@ -45,6 +52,8 @@ BENCH=(python3 benchmarks/bench_throughput.py --iters "$ITERS" --tree-sharing wi
 STEPWISE=(--schemes step-wise --num-tasks 2 --max-tokens 16384 --microbatch-tokens 16384)
 TREESTEP=(--schemes tree-step --num-tasks 1 --samples-per-task 12 --max-tokens 6144 --microbatch-tokens 16384)
 TREESTEP_S9=(--schemes tree-step --num-tasks 1 --samples-per-task 8 --max-tokens 8192 --microbatch-tokens 16384)
+KIMI=(python3 benchmarks/bench_throughput.py --preset kimi48b-layers --iters "$ITERS" --tree-sharing within windows
+      --no-cosine --microbatch-tokens 32768 --driver-flags "--tree-triton-max-configs 1")
 rc=0
 for stage in "${STAGES[@]}"; do
   case "$stage" in
@@ -58,9 +67,21 @@ for stage in "${STAGES[@]}"; do
     tree-step-s9) timeout "$share" "${BENCH[@]}" "${TREESTEP_S9[@]}" --out "$OUT/tree-step-s9-16k.json" 2>&1 | quiet ;;
     large) timeout $((share / 2)) "${BENCH[@]}" --preset h200-2k --no-cosine "${STEPWISE[@]}" \
              --out "$OUT/large-step-wise-16k.json" 2>&1 | quiet
-           # Tree-Step windows keeps its producers' activations: out of memory at hidden 2048
-           timeout $((share / 2)) "${BENCH[@]}" --preset h200-2k --no-cosine "${TREESTEP[@]}" --tree-sharing within \
-             --out "$OUT/large-tree-step-16k.json" 2>&1 | quiet ;;
+           timeout $((share / 2)) python3 benchmarks/bench_throughput.py --iters "$ITERS" --preset h200-2k --no-cosine \
+             --tree-sharing within windows --recompute-producers --driver-flags "--tree-triton-max-configs 1" \
+             "${TREESTEP[@]}" --out "$OUT/large-tree-step-16k.json" 2>&1 | quiet ;;
+    kimi) for sc in step-wise tree-step; do
+            timeout $((share / 2)) "${KIMI[@]}" --schemes "$sc" --num-tasks 2 --max-tokens 16384 --memory-profile \
+              --out "$OUT/kimi48b-$sc-16k.json" 2>&1 | quiet
+          done ;;
+    kimi-long) for T in 65536 131072; do for preset in kimi48b-layers h200; do
+                 timeout $((share / 4)) "${KIMI[@]}" --preset "$preset" --schemes step-wise tree-step --num-tasks 1 \
+                   --samples-per-task 1 --max-leaves 4 --max-tokens "$T" --max-turns 64 --observation-median 6000 \
+                   --out "$OUT/$preset-$T.json" 2>&1 | quiet
+               done; done ;;
+    logprobs) timeout "$share" python3 benchmarks/bench_logprobs.py --out "$OUT/logprobs.json" 2>&1 | quiet ;;
+    compaction) timeout "$share" python3 benchmarks/bench_compaction.py --tree-sharing within \
+                  --driver-flags "--tree-triton-max-configs 1" --out "$OUT/compaction.json" 2>&1 | quiet ;;
     tests) KDA_FLA_TEST_MAX_CONFIGS=1 timeout "$share" python3 -m pytest -q -rs -p no:cacheprovider -W ignore \
              tests/test_kda_fla.py tests/test_tree_kda.py tests/test_triton_launch.py tests/test_tree_attention.py \
              tests/test_norm.py tests/test_grouped_experts.py \
@@ -77,7 +98,8 @@ for stage in "${STAGES[@]}"; do
                  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['summary'])" \
                    "$OUT/attn-$sc-${dims// /-}.json" 2>/dev/null
                done; done; true ;;
-    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, tests, memory, attention, large)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, tests, memory, attention, large," \
+            "kimi, kimi-long, logprobs, compaction)" >&2; exit 2 ;;
   esac
   [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
 done
