@@ -55,7 +55,7 @@ def check_budget(ix: ForestIndex, row_budget) -> int:
 
     Every trajectory must fit in one microbatch with all its ancestors (the recompute-only
     fallback every planner relies on), so the budget must be at least the longest root-to-leaf
-    path of every tree.  The error names the first offending tree, its longest trajectory and
+    path of every tree (the training step hands longer trees to ``planner.pieces`` instead).  The error names the first offending tree, its longest trajectory and
     the budget.
     """
     if isinstance(row_budget, bool) or not isinstance(row_budget, (int, np.integer)) or row_budget < 1:
@@ -67,9 +67,9 @@ def check_budget(ix: ForestIndex, row_budget) -> int:
         traj = ix.tree_longest_traj[t]
         raise PlanningError(
             f"tree {t} (trajectory {ix.forest.traj_ids[traj]!r}) has a root-to-leaf path of "
-            f"{int(ix.tree_max_path[t])} rows, more than the microbatch row budget {M}: it cannot be "
-            f"placed under that budget ({bad.size} tree(s) affected); use a budget of at least "
-            f"{int(ix.tree_max_path.max())} rows")
+            f"{int(ix.tree_max_path[t])} rows, more than the microbatch row budget {M}: these planners "
+            f"place whole root paths ({bad.size} tree(s) affected; the training step cuts such trees into "
+            f"pieces, planner.pieces); use a budget of at least {int(ix.tree_max_path.max())} rows")
     return M
 
 
