@@ -100,19 +100,14 @@ def _mixing_budget(items, cfg):
 
 
 def test_kept_and_recomputed_windows_in_one_step(cpu_world):
-    from test_windows_schedule import forward_backward_windows, forward_step, run_step, windowed_step
+    from test_windows_schedule import run_step, windowed_step
     cfg, model, forest = _tiny()
     seq, _ = windowed_step(forest, overlap=True)
     kept = run_step(model, seq)
     budget, plan = _mixing_budget(seq, cfg)
     # the exports the model predicts are the bytes the producers record (both windows open at once)
     assert kept[2]["peak_export_bytes"] == sum(plan.export_bytes) > 0
-    model.zero_grad(set_to_none=True)
-    stats = {}
-    store = forward_backward_windows(forward_step_func=forward_step, data_iterator=iter(seq), model=model,
-                                     num_microbatches=len(seq), window_stats=stats, memory_budget=budget)
-    lp = {k: v for s in store for k, v in s["lp"].items()}
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    lp, grads, stats = run_step(model, seq, memory_budget=budget)
     assert stats["recomputed_windows"] == len(plan.recompute) and 0 < len(plan.recompute) < stats["windows"]
     assert stats["memory_budget_bytes"] == budget and stats["predicted_peak_bytes"] == plan.predicted_peak_bytes
     assert stats["predicted_peak_bytes"] < kept[2]["predicted_peak_bytes"]

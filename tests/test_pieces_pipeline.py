@@ -25,6 +25,7 @@ from megatron_harts.schedules.pipeline import (SCHEDULES, check_p2p_channels, ch
                                                piece_backward_order, piece_orders, stage_orders)
 
 from multiproc import run_ranks
+from test_pipeline_schedules import random_structure
 
 BUDGET = 12
 
@@ -53,15 +54,7 @@ def random_chains(rng, start, n_chains):
 def mixed_step(rng):
     """A step of windows and plain microbatches followed by piece chains: (producer_of, reads)."""
     n = int(rng.integers(0, 7))
-    producer_of, producers = [], []
-    for i in range(n):
-        r = rng.random()
-        if producers and r < 0.5:
-            producer_of.append(int(rng.choice(producers)))
-        else:
-            producer_of.append(None)
-            if r < 0.8:
-                producers.append(i)
+    producer_of = random_structure(rng, n)
     chain_reads, end = random_chains(rng, n, int(rng.integers(1, 4)))
     producer_of += [None] * (end - n)
     reads = [()] * n + [chain_reads.get(i, ()) for i in range(n, end)]

@@ -79,13 +79,14 @@ def recomputed_step(forest, items):
     return order
 
 
-def run_step(model, mbs, recompute_producers=False):
+def run_step(model, mbs, recompute_producers=False, memory_budget=None):
     """One window-schedule step of ``mbs``: (log-prob per owned target, gradients, window stats)."""
     model.zero_grad(set_to_none=True)
     stats = {}
     store = forward_backward_windows(forward_step_func=forward_step, data_iterator=iter(mbs), model=model,
                                      num_microbatches=len(mbs), seq_length=0, micro_batch_size=1,
-                                     window_stats=stats, recompute_producers=recompute_producers)
+                                     window_stats=stats, recompute_producers=recompute_producers,
+                                     memory_budget=memory_budget)
     lp = {}
     for s in store:
         for k, v in s["lp"].items():
