@@ -298,10 +298,23 @@ def visible_pairs(plan):
     return float(sum(m.features.attention_pairs for m in plan.microbatches) + pieces_accounting(plan)["pairs"])
 
 
-def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, stacks=False, op_names=()):
+def warmup_forest(forest, trajectories):
+    """The batch's ``trajectories`` longest trajectories as a forest of their own (None: the whole
+    batch): a warm-up step over it meets the step's kernels, pieces included, at a fraction of a
+    long batch's cost."""
+    from megatron_harts.tree_data import build_forest
+    if trajectories is None or trajectories >= forest.num_trajectories:
+        return forest
+    longest = np.argsort(-forest.traj_length, kind="stable")[:trajectories]
+    return build_forest([forest.expand(forest.traj_ids[int(t)]) for t in sorted(longest)])
+
+
+def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, stacks=False, op_names=(),
+             warm=None):
     """Timed steps of one mode (median after ``warmup``), their metrics, the loss and gradient norm of
     every step (warm-ups included: the first at the initial weights, the same in every mode up to
-    rounding), peak memory, the plan, with ``profile`` the profile of one more step, with
+    rounding; warm-ups train ``warm`` where given, :func:`warmup_forest`), peak memory, the plan,
+    with ``profile`` the profile of one more step, with
     ``memory`` where the bytes live at the peak of one more step (``memory_step``), and the
     backends the driver resolved (``auto`` made concrete)."""
     from megatron_harts.training.trainer import Trainer
@@ -313,7 +326,7 @@ def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, s
                 if i == warmup:
                     torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            m = t.step(forest)
+            m = t.step(forest if i >= warmup or warm is None else warm)
             losses.append((m["loss"], m["grad_norm"]))
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -751,6 +764,9 @@ def main(argv=None):
     ap.add_argument("--microbatch-tokens", type=int, default=32768)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup-trajectories", type=int, default=None, metavar="K",
+                    help="warm-up steps train only the batch's K longest trajectories (default: the whole batch; "
+                         "a 128k-token batch's expanded step takes minutes, its longest trajectory's a fraction)")
     ap.add_argument("--recompute-producers", action="store_true",
                     help="also run windows with --tree-recompute-producers (producers' activations freed "
                          "until their windows close: peak memory against one more producer forward)")
@@ -791,7 +807,7 @@ def main(argv=None):
     for flag, value in (("--max-tokens", a.max_tokens), ("--microbatch-tokens", a.microbatch_tokens),
                         ("--max-turns", a.max_turns), ("--observation-median", a.observation_median),
                         ("--prompt-median", a.prompt_median), ("--max-leaves", a.max_leaves),
-                        ("--num-tasks", a.num_tasks),
+                        ("--num-tasks", a.num_tasks), ("--warmup-trajectories", a.warmup_trajectories),
                         ("--samples-per-task", a.samples_per_task)):
         if value is not None and value < 1:
             raise CliError(f"{flag} {value}: must be >= 1")
@@ -849,7 +865,8 @@ def main(argv=None):
                    else "_keep_producers")
             times, metrics, losses, peak, plan, prof, mem, backends = run_mode(
                 argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile), memory=a.memory_profile,
-                stacks=a.profile_stacks, op_names=tuple(a.profile_op_stacks))
+                stacks=a.profile_stacks, op_names=tuple(a.profile_op_stacks),
+                warm=warmup_forest(forest, a.warmup_trajectories))
             t = statistics.median(times)
             m = metrics[-1]
             # model FLOPs over the rows and visible pairs the step executed (evictions applied)

@@ -23,12 +23,16 @@
 #               windows under the default memory budget and with every producer recomputed (kept: out of
 #               memory at hidden 2048)
 #   kimi        preset kimi48b-layers, 16k-token Step-wise and Tree-Step batches in 32k-row microbatches,
-#               within and windows against expanded, with --memory-profile (the chunked log-probs' share)
-#   kimi-long   preset kimi48b-layers, one rollout of 64k- and of 128k-token trajectories per scheme, in
-#               pieces of at most 32k rows, within and windows against expanded; the same batches at h200
+#               within and windows against expanded; the Step-wise batch profiled (--profile, --memory-profile:
+#               where the step's time goes, the chunked log-probs' share of the peak)
+#   kimi-64k, kimi-128k, h200-64k, h200-128k
+#               one rollout of 64k- / 128k-token trajectories per scheme at preset kimi48b-layers / h200, in
+#               pieces of at most 32k rows, within against expanded; warm-up steps train the batch's longest
+#               trajectory only (--warmup-trajectories 1: an expanded 128k step takes minutes)
+#   conv-test   the GPU tests of the KDA short convolution's kernels (tests/test_path_conv.py)
 #   logprobs    benchmarks/bench_logprobs.py: the output layer's log-probs at vocabulary 163,840
 #   compaction  benchmarks/bench_compaction.py: compaction traces against re-prefill samples, all sets
-# Default: fidelity step-wise tree-step.  With flash-attn-4 installed (docs/gpu_setup.md), MLA runs its
+# A stage named STAGE=N gets N seconds instead of its share.  Default: fidelity step-wise tree-step.  With flash-attn-4 installed (docs/gpu_setup.md), MLA runs its
 # varlen kernels in both modes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +48,10 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/
 # attention runs its kernels); without it, torch's kernels and FlexAttention
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L
-share=$((SECONDS_LEFT / ${#STAGES[@]}))
+fixed=0; nfixed=0
+for st in "${STAGES[@]}"; do [[ "$st" == *=* ]] && { fixed=$((fixed + ${st#*=})); nfixed=$((nfixed + 1)); }; done
+rest=$(( ${#STAGES[@]} - nfixed ))
+default_share=$(( rest > 0 ? (SECONDS_LEFT - fixed) / rest : 0 ))
 quiet() { grep -v -i -E "warn|Unknown MLP|Rerun"; }
 BENCH=(python3 benchmarks/bench_throughput.py --iters "$ITERS" --tree-sharing within windows --recompute-producers
        --keep-producers
@@ -55,7 +62,10 @@ TREESTEP_S9=(--schemes tree-step --num-tasks 1 --samples-per-task 8 --max-tokens
 KIMI=(python3 benchmarks/bench_throughput.py --preset kimi48b-layers --iters "$ITERS" --tree-sharing within windows
       --no-cosine --microbatch-tokens 32768 --driver-flags "--tree-triton-max-configs 1")
 rc=0
-for stage in "${STAGES[@]}"; do
+for entry in "${STAGES[@]}"; do
+  stage="${entry%%=*}"
+  share=$default_share
+  [[ "$entry" == *=* ]] && share="${entry#*=}"
   case "$stage" in
     fidelity) timeout "$share" python3 benchmarks/step_fidelity.py --num-tasks 3 --max-tokens 4096 \
                 --microbatch-tokens 8192 --modes off off:4096 within windows \
@@ -70,15 +80,19 @@ for stage in "${STAGES[@]}"; do
            timeout $((share / 2)) python3 benchmarks/bench_throughput.py --iters "$ITERS" --preset h200-2k --no-cosine \
              --tree-sharing within windows --recompute-producers --driver-flags "--tree-triton-max-configs 1" \
              "${TREESTEP[@]}" --out "$OUT/large-tree-step-16k.json" 2>&1 | quiet ;;
-    kimi) for sc in step-wise tree-step; do
-            timeout $((share / 2)) "${KIMI[@]}" --schemes "$sc" --num-tasks 2 --max-tokens 16384 --memory-profile \
-              --out "$OUT/kimi48b-$sc-16k.json" 2>&1 | quiet
-          done ;;
-    kimi-long) for T in 65536 131072; do for preset in kimi48b-layers h200; do
-                 timeout $((share / 4)) "${KIMI[@]}" --preset "$preset" --schemes step-wise tree-step --num-tasks 1 \
-                   --samples-per-task 1 --max-leaves 4 --max-tokens "$T" --max-turns 64 --observation-median 6000 \
-                   --out "$OUT/$preset-$T.json" 2>&1 | quiet
-               done; done ;;
+    kimi) timeout $((share * 2 / 5)) "${KIMI[@]}" --tree-sharing within windows --schemes step-wise --num-tasks 2 \
+            --max-tokens 16384 --profile "$OUT/profile-kimi48b.txt" --memory-profile \
+            --out "$OUT/kimi48b-step-wise-16k.json" 2>&1 | quiet
+          timeout $((share * 3 / 5)) "${KIMI[@]}" --tree-sharing within windows --schemes tree-step --num-tasks 2 \
+            --max-tokens 16384 --out "$OUT/kimi48b-tree-step-16k.json" 2>&1 | quiet ;;
+    kimi-64k|kimi-128k|h200-64k|h200-128k)
+          preset="${stage%%-*}"; [[ "$preset" == kimi ]] && preset=kimi48b-layers
+          [[ "$stage" == *-64k ]] && T=65536 || T=131072
+          timeout "$share" "${KIMI[@]}" --preset "$preset" --tree-sharing within --schemes step-wise tree-step \
+            --num-tasks 1 --samples-per-task 1 --max-leaves 4 --max-tokens "$T" --max-turns 64 \
+            --observation-median 6000 --warmup-trajectories 1 --out "$OUT/$preset-$T.json" 2>&1 | quiet ;;
+    conv-test) timeout "$share" python3 -m pytest -q -rs -p no:cacheprovider -W ignore tests/test_path_conv.py \
+                 -k "fla or gpu" 2>&1 | tail -5 ;;
     logprobs) timeout "$share" python3 benchmarks/bench_logprobs.py --out "$OUT/logprobs.json" 2>&1 | quiet ;;
     compaction) timeout "$share" python3 benchmarks/bench_compaction.py --tree-sharing within \
                   --driver-flags "--tree-triton-max-configs 1" --out "$OUT/compaction.json" 2>&1 | quiet ;;
@@ -99,7 +113,7 @@ for stage in "${STAGES[@]}"; do
                    "$OUT/attn-$sc-${dims// /-}.json" 2>/dev/null
                done; done; true ;;
     *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, tests, memory, attention, large," \
-            "kimi, kimi-long, logprobs, compaction)" >&2; exit 2 ;;
+            "kimi, kimi-64k, kimi-128k, h200-64k, h200-128k, conv-test, logprobs, compaction)" >&2; exit 2 ;;
   esac
   [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
 done

@@ -143,3 +143,25 @@ def test_documented_plan_of_a_128k_batch(bt, tmp_path, capsys):
     assert (row["tree_within"]["microbatches"], row["expanded"]["microbatches"]) == (4, 40)
     assert (row["tree_within"]["rows"], row["expanded"]["rows"]) == (126623, 1051113)
     assert row["tree_within"]["largest_microbatch_rows"] <= 32768
+
+
+def test_warmup_trajectories_train_the_longest_then_the_whole_batch(bt, tmp_path, capsys):
+    code, _, err = run_tool(bt, capsys, "--device", "cpu", "--preset", "tiny", "--warmup-trajectories", "0")
+    assert_one_error(code, err, "--warmup-trajectories 0")
+    forest = bt.synthesize("step-wise", 1, 256, bt.PRESETS["tiny"]["vocab"], seed=0)
+    assert forest.num_trajectories == 2
+    warm = bt.warmup_forest(forest, 1)
+    assert warm.num_trajectories == 1 and int(warm.traj_length[0]) == int(forest.traj_length.max())
+    assert bt.warmup_forest(forest, None) is forest and bt.warmup_forest(forest, 10 ** 6) is forest
+    runs = {}
+    for k in (None, 1):
+        out = tmp_path / f"w{k}.json"
+        bt.main(["--device", "cpu", "--preset", "tiny", "--schemes", "step-wise", "--num-tasks", "1", "--max-tokens",
+                 "256", "--microbatch-tokens", "1024", "--iters", "1", "--warmup", "1", "--no-cosine",
+                 "--tree-sharing", "within", "--kda-backend", "reference", "--attention-backend", "reference",
+                 "--out", str(out)] + ([] if k is None else ["--warmup-trajectories", str(k)]))
+        runs[k] = json.loads(out.read_text())["schemes"]["step-wise"]
+    for mode in ("tree_within", "expanded"):
+        full, part = runs[None][mode]["loss_per_step"], runs[1][mode]["loss_per_step"]
+        assert part[0] != pytest.approx(full[0])          # the warm-up step trained one trajectory
+        assert runs[1][mode]["rows_computed"] == runs[None][mode]["rows_computed"]

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_harts.layout import build_layout
-from megatron_harts.ops.path_conv import build_conv_taps, path_conv, sequence_conv_taps
+from megatron_harts.ops.path_conv import (_fla_causal_conv1d, build_conv_taps, path_conv, row_order_conv,
+                                         sequence_conv_taps)
 from megatron_harts.tree_data import build_forest, make_trajectory
 from test_forest import trajectory_sets
 from test_layout import non_nested_roots
@@ -238,3 +239,54 @@ def test_bad_input_names_the_argument():
         path_conv(torch.randn(sub.num_rows, 2), w, None, sub)
     with pytest.raises(ValueError, match="context"):
         path_conv(torch.randn(sub.num_rows, 2), w, None, sub, context=torch.randn(sub.num_context_rows + 1, 2))
+
+
+def test_row_order_conv_kernels_and_their_errors():
+    """The torch kernel is the causal conv of the rows as one sequence; asking for fla off the GPU
+    (or an unknown kernel) is refused by name."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 3, dtype=torch.float64, generator=gen)
+    w = torch.randn(3, 4, dtype=torch.float64, generator=gen)
+    torch.testing.assert_close(row_order_conv(x, w, "torch"), causal_conv(x, w, None, None), **TOL)
+    torch.testing.assert_close(row_order_conv(x, w), causal_conv(x, w, None, None), **TOL)   # auto on the CPU
+    with pytest.raises(ValueError, match="fla"):
+        row_order_conv(x, w, "fla")
+    with pytest.raises(ValueError, match="kernel"):
+        row_order_conv(x, w, "cuda")
+
+
+FLA_CONV = torch.cuda.is_available() and _fla_causal_conv1d() is not None
+
+
+@pytest.mark.skipif(not FLA_CONV, reason="needs CUDA and fla-core (the GPU kernel of row_order_conv)")
+@pytest.mark.parametrize("R,C,K", [(1, 8, 4), (67, 40, 4), (4099, 4096, 4), (300, 96, 2)])
+def test_fla_row_order_conv_equals_torch_kernel(R, C, K):
+    """fla's Triton causal conv == torch's conv1d down the row order: output and both gradients
+    (fp32, 1e-5 relative), and in bf16 within bf16 rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for dtype, tol in ((torch.float32, dict(rtol=1e-5, atol=1e-5)), (torch.bfloat16, dict(rtol=2e-2, atol=2e-2))):
+        x = torch.randn(R, C, device="cuda", generator=gen).to(dtype).requires_grad_()
+        w = torch.randn(C, K, device="cuda", generator=gen).to(dtype).requires_grad_()
+        g = torch.randn(R, C, device="cuda", generator=gen).to(dtype)
+        got = row_order_conv(x, w, "fla")
+        want = row_order_conv(x, w, "torch")
+        torch.testing.assert_close(got, want, **tol)
+        for a, b in zip(torch.autograd.grad((got * g).sum(), (x, w)), torch.autograd.grad((want * g).sum(), (x, w))):
+            torch.testing.assert_close(a.float(), b.float(), **(tol if a.shape != w.shape else
+                                                                dict(rtol=tol["rtol"], atol=tol["atol"] * R)))
+
+
+@pytest.mark.skipif(not FLA_CONV, reason="needs CUDA and fla-core (the GPU kernel of row_order_conv)")
+def test_path_conv_on_the_gpu_equals_expanded():
+    """On the GPU path_conv's conv backend (fla's kernel for the straight rows) equals each
+    trajectory's own conv, whole trees and a subtree reading context rows (fp64 oracle, fp32 run)."""
+    trajs = [make_trajectory({"id": i, "tokens": [1, 2, 3, 4, 5, 6][:3 + i % 4] + [20 + i, 30 + i, 40 + i]})
+             for i in range(6)]
+    f = build_forest(trajs)
+    lay = build_layout(f)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(lay.num_rows, 64, dtype=torch.float64, generator=gen)
+    w = torch.randn(64, 4, dtype=torch.float64, generator=gen)
+    want = path_conv(x, w, None, lay, backend="reference")
+    got = path_conv(x.float().cuda(), w.float().cuda(), None, lay.to("cuda"))
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5)

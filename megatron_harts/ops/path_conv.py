@@ -19,13 +19,15 @@ trajectory's own causal convolution at r's position (tests check forward and bac
 
 Two backends, one interface.  ``reference`` walks ``prev`` tap by tap.  ``conv`` (the fast
 path) uses that in DFS preorder almost every row's path runs straight up the row order: row r
-reads rows r-1 .. r-K+1.  It runs one ordinary causal depthwise conv over the row order (the
-kernel expanded mode runs on its packed sequences) and recomputes by gather only the few rows
+reads rows r-1 .. r-K+1.  It runs one ordinary causal depthwise conv over the row order
+(:func:`row_order_conv`: fla's Triton kernel on the GPU, torch's conv1d elsewhere; expanded mode
+runs the same on its packed sequences) and recomputes by gather only the few rows
 whose taps leave that straight line (:class:`ConvTaps` ``fix_rows``: the first K-1 rows of a
 segment that does not continue the row above, rows reading context rows).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from ..layout import CompactLayout
 
-__all__ = ["path_conv", "build_conv_taps", "sequence_conv_taps", "ConvTaps", "ACTIVATIONS", "BACKENDS"]
+__all__ = ["path_conv", "row_order_conv", "build_conv_taps", "sequence_conv_taps", "ConvTaps", "ACTIVATIONS", "BACKENDS"]
 
 ACTIVATIONS = ("silu", None)
 BACKENDS = ("conv", "reference")
@@ -180,6 +182,35 @@ def build_conv_taps(layout_or_prev, kernel_size: int = 4, *, prev_external: Opti
     return ConvTaps(taps, _fix_rows(taps, R + Rc), Rc)
 
 
+@functools.lru_cache(maxsize=None)
+def _fla_causal_conv1d():
+    """fla-core's Triton causal depthwise conv (row-major ``[B, T, C]``, its own backward), or None."""
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d
+    except ImportError:
+        return None
+    return causal_conv1d
+
+
+def row_order_conv(x: torch.Tensor, weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
+    """``y[r] = sum_j weight[:, K-1-j] * x[r-j]`` down the row order of ``x [R, C]``, zeros before row 0.
+
+    Two kernels, the same sums: ``"fla"``, fla-core's Triton causal conv, reads the rows in place
+    (CUDA only); ``"torch"``, torch's depthwise ``conv1d``, needs the rows transposed to channels
+    first and back.  ``"auto"`` takes fla on a CUDA tensor where fla-core is installed, else torch.
+    """
+    if kernel not in ("auto", "fla", "torch"):
+        raise ValueError(f"kernel must be 'auto', 'fla' or 'torch', got {kernel!r}")
+    fla_conv = _fla_causal_conv1d() if kernel != "torch" and x.is_cuda else None
+    if kernel == "fla" and fla_conv is None:
+        raise ValueError("row_order_conv kernel 'fla' needs a CUDA tensor and fla-core installed")
+    if fla_conv is not None:
+        y, _ = fla_conv(x.unsqueeze(0), weight, activation=None)
+        return y[0]
+    K = weight.shape[1]
+    return F.conv1d(F.pad(x.T.unsqueeze(0), (K - 1, 0)), weight.unsqueeze(1), groups=x.shape[1])[0].T.contiguous()
+
+
 def _activate(y, activation):
     return F.silu(y) if activation == "silu" else y
 
@@ -263,7 +294,7 @@ def path_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         raise ValueError(f"taps must be the ConvTaps of build_conv_taps for these {R} rows, {Rc} context rows "
                          f"and kernel size {K}")
     # every row as if its path ran straight up the row order (zeros before row 0) ...
-    y = F.conv1d(F.pad(x.T.unsqueeze(0), (K - 1, 0)), weight.unsqueeze(1), groups=C)[0].T.contiguous()
+    y = row_order_conv(x, weight)
     if taps.fix_rows.numel():
         # ... then the rows whose path does not, from the rows their taps name
         fix = taps.fix_rows
