@@ -23,8 +23,9 @@
 #               windows under the default memory budget and with every producer recomputed (kept: out of
 #               memory at hidden 2048)
 #   kimi        preset kimi48b-layers, 16k-token Step-wise and Tree-Step batches in 32k-row microbatches,
-#               within and windows against expanded; the Step-wise batch profiled (--profile, --memory-profile:
-#               where the step's time goes, the chunked log-probs' share of the peak)
+#               within against expanded
+#   kimi-profile  preset kimi48b-layers, a one-task Step-wise batch, within and expanded profiled (--profile,
+#               --profile-stacks, --memory-profile: where the step's time goes, what is alive at its peak)
 #   kimi-64k, kimi-128k, h200-64k, h200-128k
 #               one rollout of 64k- / 128k-token trajectories per scheme at preset kimi48b-layers / h200, in
 #               pieces of at most 32k rows, within against expanded; warm-up steps train the batch's longest
@@ -80,11 +81,13 @@ for entry in "${STAGES[@]}"; do
            timeout $((share / 2)) python3 benchmarks/bench_throughput.py --iters "$ITERS" --preset h200-2k --no-cosine \
              --tree-sharing within windows --recompute-producers --driver-flags "--tree-triton-max-configs 1" \
              "${TREESTEP[@]}" --out "$OUT/large-tree-step-16k.json" 2>&1 | quiet ;;
-    kimi) timeout $((share * 2 / 5)) "${KIMI[@]}" --tree-sharing within windows --schemes step-wise --num-tasks 2 \
-            --max-tokens 16384 --profile "$OUT/profile-kimi48b.txt" --memory-profile \
-            --out "$OUT/kimi48b-step-wise-16k.json" 2>&1 | quiet
-          timeout $((share * 3 / 5)) "${KIMI[@]}" --tree-sharing within windows --schemes tree-step --num-tasks 2 \
+    kimi) timeout $((share * 2 / 5)) "${KIMI[@]}" --tree-sharing within --schemes step-wise --num-tasks 2 \
+            --max-tokens 16384 --out "$OUT/kimi48b-step-wise-16k.json" 2>&1 | quiet
+          timeout $((share * 3 / 5)) "${KIMI[@]}" --tree-sharing within --schemes tree-step --num-tasks 2 \
             --max-tokens 16384 --out "$OUT/kimi48b-tree-step-16k.json" 2>&1 | quiet ;;
+    kimi-profile) timeout "$share" "${KIMI[@]}" --tree-sharing within --schemes step-wise --num-tasks 1 \
+            --max-tokens 16384 --profile "$OUT/profile-kimi48b.txt" --profile-stacks --memory-profile \
+            --out "$OUT/kimi48b-profile.json" 2>&1 | quiet ;;
     kimi-64k|kimi-128k|h200-64k|h200-128k)
           preset="${stage%%-*}"; [[ "$preset" == kimi ]] && preset=kimi48b-layers
           [[ "$stage" == *-64k ]] && T=65536 || T=131072
@@ -113,7 +116,8 @@ for entry in "${STAGES[@]}"; do
                    "$OUT/attn-$sc-${dims// /-}.json" 2>/dev/null
                done; done; true ;;
     *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, tests, memory, attention, large," \
-            "kimi, kimi-64k, kimi-128k, h200-64k, h200-128k, conv-test, logprobs, compaction)" >&2; exit 2 ;;
+            "kimi, kimi-profile, kimi-64k, kimi-128k, h200-64k, h200-128k, conv-test, logprobs, compaction)" >&2
+       exit 2 ;;
   esac
   [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
 done

@@ -113,8 +113,9 @@ def test_every_tree_long_and_refusals():
 
 @pytest.mark.parametrize("granularity", ["full", "selective"])
 def test_pieces_and_windows_with_activation_recomputation(cpu_world, granularity):
-    """``--recompute-granularity``: a windows-mode step with pieces (their gradient forwards run without full
-    recomputation, like producers) gives the same log-probs and gradients as without recomputation."""
+    """``--recompute-granularity``: a windows-mode step with pieces (a read piece's forward again at its
+    chain's end recomputes as configured, its exports' gradients entering through the recording layers'
+    outputs) gives the same log-probs and gradients as without recomputation."""
     from megatron_harts.training.step import SharingSettings, plan_step, replica_microbatches
     kw = dict(recompute_granularity=granularity)
     if granularity == "full":

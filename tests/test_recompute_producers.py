@@ -53,7 +53,8 @@ def test_recompute_producers_refused(extra, needle):
 
 
 def test_injected_export_gradients_keep_no_exports():
-    """A recomputed producer's record_export keeps nothing and hands each export its gradient exactly."""
+    """A recomputed producer's record_export keeps nothing; the recording layer's output carries each
+    export's gradient exactly (attach_injected), and passes the output's own gradient through."""
     import torch
 
     from megatron_harts.layout import build_layout
@@ -61,13 +62,17 @@ def test_injected_export_gradients_keep_no_exports():
     psp = TreePackedSeqParams.for_tree(build_layout(build_forest(rollouts(0))))
     psp.exports = WindowExports(None, {})
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
-    k, states = x * 2.0, x[:2].exp()
-    gk, gs = torch.randn(5, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
-    want = torch.autograd.grad([k, states], [x], [gk, gs], retain_graph=True)[0]
+    k, states, out = x * 2.0, x[:2].exp(), x.sin()
+    gk, gs, go = (torch.randn(5, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64),
+                  torch.randn(5, 3, dtype=torch.float64))
+    want = torch.autograd.grad([k, states, out], [x], [gk, gs, go], retain_graph=True)[0]
     psp.inject_grads = {3: {"k": gk, "states": gs}}
     psp.record_export(3, {"k": k, "states": states, "unread": x + 1.0})
     assert psp.exports.layers == {}
-    got = torch.autograd.grad(psp.injected, [x])[0]
+    assert psp.attach_injected(4, out) is out                     # a layer that recorded nothing
+    carried = psp.attach_injected(3, out)
+    assert torch.equal(carried, out)
+    got = torch.autograd.grad(carried, [x], go)[0]
     assert torch.equal(got, want)
 
 

@@ -228,6 +228,7 @@ class KimiDeltaAttention(MegatronModule):
                 o = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=self.config.kda_backend, external=external)
             if psp.pad_rows:
                 o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])
+            o = psp.attach_injected(self.layer_number, o)
         else:
             run = get_kda_backend(self.config.kda_backend)
             o, _ = run(*(to_sequence_order(t, s, b) for t in (q, k, v, g, beta)), lens,

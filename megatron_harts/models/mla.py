@@ -151,6 +151,7 @@ class TreeMLA(MegatronModule):
                                block_mask=psp.block_mask, key_paths=psp.key_paths, context_kv=context_kv)
             if psp.pad_rows:
                 o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])
+            o = psp.attach_injected(self.layer_number, o)
         elif b == 1 and hasattr(packed_seq_params, "sequence_key_paths") and default_kernel(q, dv) == "fa4":
             # expanded THD rows through the tree mode's fastest varlen kernel (the same one), not padded;
             # with compaction events the paths break at the event rows (sequence_key_paths)

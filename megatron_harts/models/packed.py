@@ -205,18 +205,21 @@ def _check_export(export: ExportSpec, host, chunk_size: int, replay: bool, conv_
                          f"replay={replay}, conv kernel {conv_kernel}")
 
 
-class _InjectGradient(torch.autograd.Function):
-    """A scalar whose backward hands ``grad`` to ``t`` (the incoming gradient is the loss's 1): the
-    export gradients of a recomputed producer enter its backward without its exports being kept."""
+class _AttachGradients(torch.autograd.Function):
+    """Identity on a layer's output ``out`` whose backward also hands ``grads[i]`` to ``exports[i]``:
+    a recomputed producer's export gradients enter its backward through the output of the layer that
+    recorded them, without the exports being kept.  Being part of the layer's forward, it is
+    recomputed with it, so the gradients arrive also when the layer's forward runs again in the
+    backward (full activation recomputation)."""
 
     @staticmethod
-    def forward(ctx, t, grad):
-        ctx.grad = grad
-        return t.new_zeros(())
+    def forward(ctx, out, n, *exports_and_grads):
+        ctx.grads = exports_and_grads[n:]
+        return out.clone()
 
     @staticmethod
-    def backward(ctx, _):
-        return ctx.grad, None
+    def backward(ctx, g_out):
+        return (g_out, None) + tuple(ctx.grads) + (None,) * len(ctx.grads)
 
 
 @dataclass
@@ -261,15 +264,15 @@ class TreePackedSeqParams(PackedSeqParams):
     consumer_index: Optional[ConsumerIndex] = None  # consumer: where its reads sit in ``exports``
     pad_rows: int = 0                        # rows appended after the real ones (padding, see module docstring)
     inject_grads: Optional[Dict[int, Dict[str, torch.Tensor]]] = None  # recomputed producer: its exports'
-                                             # gradients (``WindowExports.gradients``); record_export folds
-                                             # them into ``injected`` instead of keeping the exports
-    injected: Optional[torch.Tensor] = None  # the scalar to add to the recomputed producer's loss
+                                             # gradients (``WindowExports.gradients``); record_export and
+                                             # attach_injected hand them to the exports instead of keeping them
     preview: bool = False                    # producer: a forward for its exports only, recomputed at window
                                              # close (schedules.windows recompute_producers): not the step's
                                              # statistics
     seq_lengths: Optional[torch.Tensor] = None  # CPU long [N] (expanded mode): the sequences' lengths
     visibility: Optional[Visibility] = None  # expanded mode, host: the packed rows' full-attention visibility
                                              # where compaction events evict keys (None: causal sequences)
+    _pending: Dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     _seq_taps: Dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     _seq_attention: Dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -329,18 +332,24 @@ class TreePackedSeqParams(PackedSeqParams):
 
     def record_export(self, layer_number: int, tensors: Dict[str, torch.Tensor]) -> None:
         """Producer: keep one layer's exports (called by the layers during the forward).  With
-        ``inject_grads`` (a producer recomputed at its window's close) nothing is kept: each export
-        with a gradient adds an :class:`_InjectGradient` scalar to ``injected``, so that
-        ``(loss + injected).backward()`` is the window-close backward of ``WindowExports.close``."""
+        ``inject_grads`` (a producer recomputed at its window's close, a read piece run again) nothing
+        is kept: the exports with a gradient wait for the layer's :meth:`attach_injected`."""
         if self.inject_grads is None:
             self.recorded.layers[int(layer_number)] = tensors
             return
         grads = self.inject_grads.get(int(layer_number), {})
-        for name, t in tensors.items():
-            g = grads.get(name)
-            if g is not None and t.requires_grad:
-                s = _InjectGradient.apply(t, g)
-                self.injected = s if self.injected is None else self.injected + s
+        self._pending[int(layer_number)] = [(t, grads[n]) for n, t in tensors.items()
+                                            if grads.get(n) is not None and t.requires_grad]
+
+    def attach_injected(self, layer_number: int, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output, carrying into the backward the gradients of the exports the layer
+        recorded (``inject_grads``, :class:`_AttachGradients`); ``out`` itself where there are none.
+        ``loss.backward()`` of the recomputed producer is then the window-close backward of
+        ``WindowExports.close``, with or without full activation recomputation."""
+        pending = self._pending.pop(int(layer_number), None)
+        if not pending:
+            return out
+        return _AttachGradients.apply(out, len(pending), *(t for t, _ in pending), *(g for _, g in pending))
 
     def layer_exports(self, layer_number: int) -> Dict[str, torch.Tensor]:
         """Consumer: the producer's exports of one layer."""

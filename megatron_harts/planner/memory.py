@@ -7,7 +7,7 @@ Pure Python and numpy (no torch), so a plan can be sized anywhere.  Two parts:
   tensor-parallel size, full recomputation); :func:`activation_bytes_per_row` gives the bytes a row
   keeps for the backward per layer kind, :func:`saved_bytes_per_row` those of a microbatch the step
   runs with the run's recomputation, :func:`graph_bytes_per_row` those of a sharing-window producer
-  (which runs without recomputation), and :func:`export_bytes` the bytes a producer's exports take.
+  that keeps its graph (it runs without recomputation), and :func:`export_bytes` the bytes a producer's exports take.
   The default memory budget of ``--tree-memory-budget`` is :func:`default_budget_bytes`: the row
   budget times :func:`saved_bytes_per_row`, what expanded training's largest microbatch under the same
   row budget keeps.
@@ -207,9 +207,11 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
     Phases, in execution order: the run of every item, and after the last consumer of a window its
     close.  Live bytes of a phase: the running item's ``rows x saved_per_row``; per open window its
     exports and their gradients (2 x export bytes); a kept producer's graph (``rows x graph_per_row``:
-    producers run without recomputation) from its forward to its close; a recomputed producer's graph
-    at its close only, beside its export gradients; for pieces the exports of the read pieces of the
-    chain so far, and at the chain's end the largest read piece's graph.  ``force``: True recomputes
+    a kept producer runs without recomputation) from its forward to its close; a recomputed producer's
+    ``rows x saved_per_row`` at its close only (it runs again with the run's recomputation), beside its
+    export gradients; for pieces the exports of the read pieces of the chain so far, and at the chain's
+    end the largest read piece's saved bytes (each runs again, one at a time, recomputing as
+    configured).  ``force``: True recomputes
     every producer, False keeps every one; None decides with ``budget_bytes``: windows in producer
     order, each kept when every phase its keeping raises stays within the budget, with the windows
     decided before it (``budget_bytes`` None: keep all).  ``recompute``: exactly these producers
@@ -265,7 +267,7 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
             if it.read_later:
                 end = chain_end[find(i)]
                 base[run_phase[i] + 1:run_phase[end] + 1] += it.export_bytes
-                rerun[end] = max(rerun.get(end, 0.0), it.rows * graph_per_row)
+                rerun[end] = max(rerun.get(end, 0.0), it.rows * saved_per_row)
         for end, g in rerun.items():       # the reruns follow the last piece's run, one at a time
             base[run_phase[end]] += max(0.0, g - items[end].rows * saved_per_row)
     delta: Dict[int, Tuple[int, int, float, float, float]] = {}
@@ -274,10 +276,10 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
         saved = items[p].rows * saved_per_row
         r, c = run_phase[p], close_phase[p]
         # recomputed: a no_grad forward (no more than a microbatch's saved bytes), its exports and their
-        # gradients held, at close its forward (without recomputation) and backward beside the gradients
+        # gradients held, at close its forward and backward (the run's recomputation) beside the gradients
         base[r] += saved + ex
         base[r + 1:c] += 2 * ex
-        base[c] += act + ex
+        base[c] += saved + ex
         # kept: its graph from its forward to its close, the exports' values too at its close
         delta[p] = (r, c, max(0.0, act - saved), act, ex)
 

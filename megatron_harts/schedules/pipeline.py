@@ -83,8 +83,9 @@ gets, per stage (lists indexed by pipeline rank, gathered over the pipeline grou
 ``peak_export_bytes`` (retained export bytes of windows and read pieces, maximum over the step)
 and ``peak_windows_alive``;
 and ``windows`` (number of windows of the step), ``schedule``.  Activation recomputation: as in
-``forward_backward_windows``, producers' forwards (and the forwards of pieces read later) do not
-recompute (``producer_forward``).
+``forward_backward_windows``: producers' forwards do not recompute (``producer_forward``); a read
+piece's forward again at its ``B`` recomputes as configured, its export gradients entering through
+the recording layers' outputs (``TreePackedSeqParams.attach_injected``).
 Gradient reduction across data-parallel replicas stays the caller's (``finalize_model_grads``).
 
 :func:`build_stage_model` builds this stage's model chunk (the hybrid block spec sliced to the
@@ -543,16 +544,13 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
             if x is not None:
                 x = x.detach().requires_grad_(True)
             set_input_tensor(x)
-            with producer_forward(cfg):
-                output, loss_func = forward_step_func(iter([(mb, psp)]), model)
+            output, loss_func = forward_step_func(iter([(mb, psp)]), model)   # the gradients ride the graph
             if last:
                 root, stats = _loss_of(loss_func, output)
                 store.append(stats)
             else:
                 g = p2p_back.recv_backward(st["shape"], is_last_stage=False)
                 root = (output * g).sum()
-            if psp.injected is not None:
-                root = root + psp.injected
             root.backward()
             live -= own.nbytes()
             if not first:

@@ -34,10 +34,13 @@ microbatches in flight and of open windows' producers, not the whole step's.  Pe
 export memory (bytes of live exports, maximum over the step) is reported in ``window_stats``
 when a dict is passed.
 
-Activation recomputation (``recompute_granularity="full"``): producers run their forward without
-it (:func:`producer_forward`: megatron's checkpointed forward runs under ``no_grad``, which would
-cut the exports' autograd link; a producer's graph is kept until window close anyway), consumers
-and plain microbatches recompute.  The pieces (:func:`check_windows`, :func:`producer_params`,
+Activation recomputation (``recompute_granularity="full"``): a producer that keeps its graph runs
+its forward without it (:func:`producer_forward`: megatron's checkpointed forward runs under
+``no_grad``, which would cut the exports' autograd link; its graph is kept until window close
+anyway); consumers, plain microbatches, and the forwards that run again with their exports'
+gradients (a recomputed producer at window close, a read piece at its chain's end) recompute as
+configured: those gradients enter through the recording layer's output
+(``TreePackedSeqParams.attach_injected``), which the recomputation runs again.  The pieces (:func:`check_windows`, :func:`producer_params`,
 :func:`microbatch_params`, :func:`producer_forward`) are shared with the pipeline schedules of
 ``schedules/pipeline.py``.
 
@@ -595,10 +598,9 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                     pmb, own = waiting.pop(p), leaves[p]
                     psp = piece_params(p, pmb)
                     psp.inject_grads = own.gradients()
-                    with producer_forward(cfg):
-                        loss = run(p, pmb, psp)
+                    loss = run(p, pmb, psp)         # with the run's recomputation: the gradients ride the graph
                     if not forward_only:
-                        (loss if psp.injected is None else loss + psp.injected).backward()
+                        loss.backward()
                     live_bytes -= own.nbytes()
                     del leaves[p]
                     own = loss = psp = None
@@ -640,10 +642,9 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                 # exports: neither is read again, only the gradients are
                 views.layers.clear()
                 ppsp.exports.layers.clear()
-                with producer_forward(cfg):
-                    loss = run(p, w["mb"], ppsp)
-                (loss if ppsp.injected is None else loss + ppsp.injected).backward()
-                ppsp.inject_grads = ppsp.injected = None
+                loss = run(p, w["mb"], ppsp)     # with the run's recomputation (attach_injected)
+                loss.backward()
+                ppsp.inject_grads = None
             elif not forward_only:
                 w["psp"].exports.close(w["leaves"], loss=w["loss"])
             live_bytes -= w["bytes"]
