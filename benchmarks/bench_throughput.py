@@ -240,28 +240,48 @@ def activation_bytes_per_row(p):
     return per_row(ModelShape.from_preset(p))
 
 
-def memory_estimate(p, rows, recompute=None):
-    """Estimated peak bytes of a bf16 training step on one GPU with microbatches of ``rows`` rows:
-    ``weights_optimizer`` (``BYTES_PER_PARAM`` x parameters); ``activations`` (without recomputation
-    every layer's ``activation_bytes_per_row`` x rows; with ``recompute="full"`` each layer's input,
-    2 x hidden bytes a row, plus the largest layer's activations while its backward runs);
-    ``output`` (the log-prob op at its default chunk: the fp32 weight-gradient accumulator, one
-    chunk's [vocab, hidden] product in bf16 and fp32, 12 bytes x chunk x vocab of chunk temporaries,
-    the final hidden states and their gradient); ``total``; and per layer kind its parameter bytes
-    and activation bytes per row (``per_layer``).  An estimate to size a run, not a measurement."""
+def memory_estimate(p, rows, recompute=None, activations=None):
+    """Estimated peak bytes of a bf16 training step on one GPU whose largest microbatch has ``rows``
+    rows: ``weights_optimizer`` (``BYTES_PER_PARAM`` x parameters); ``activations`` (given: a step's
+    live activation bytes as the driver's memory model predicts them, :func:`step_activation_bytes`;
+    else one microbatch's: ``planner.memory.saved_bytes_per_row`` x rows, every layer's activations
+    without recomputation, with ``recompute="full"`` each layer's input plus the largest layer's
+    activations while its backward runs); ``output`` (the log-prob op at its default chunk,
+    ``planner.memory.output_bytes``); ``total``; and per layer kind its parameter bytes and
+    activation bytes per row (``per_layer``).  The driver's own prediction (``predicted_peak_gib``)
+    adds the same terms.  An estimate to size a run, not a measurement."""
+    from megatron_harts.ops.logprobs import default_chunk_rows
     from megatron_harts.planner.memory import ModelShape, output_bytes, saved_bytes_per_row
     c = parameter_counts(p)
     act = activation_bytes_per_row(p)
     kinds = layer_kinds(p)
-    shape = ModelShape.from_preset(dict(p, recompute=recompute))
-    activations = rows * saved_bytes_per_row(shape)
-    chunk = max(1, (1 << 28) // (p["vocab"] * 4))
+    if activations is None:
+        activations = rows * saved_bytes_per_row(ModelShape.from_preset(dict(p, recompute=recompute)))
+    chunk = min(default_chunk_rows(p["vocab"], torch.bfloat16), max(1, rows))
     output = output_bytes(p["hidden"], p["vocab"], 2, chunk, rows)
     weights = BYTES_PER_PARAM * c["total"]
     per_layer = {f"{a}+{m}": {"parameter_bytes": BYTES_PER_PARAM * (c[a] + c[m]),
                               "activation_bytes_per_row": act[a] + act[m]} for a, m in sorted(set(kinds))}
-    return {"parameters": c["total"], "weights_optimizer": weights, "activations": activations,
-            "output": output, "total": weights + activations + output, "per_layer": per_layer}
+    return {"parameters": c["total"], "weights_optimizer": weights, "activations": int(activations),
+            "output": output, "total": weights + int(activations) + output, "per_layer": per_layer}
+
+
+def step_activation_bytes(p, forest, plan, settings) -> int:
+    """The live activation bytes of a planned step at its peak as the driver predicts them
+    (``schedules.windows.step_memory_plan`` on replica 0's microbatches, pieces and windows included;
+    windows decided under the default memory budget, as the driver does)."""
+    from megatron_harts.planner.memory import ModelShape, default_budget_bytes
+    from megatron_harts.schedules.windows import step_memory_plan
+    from megatron_harts.training.arguments import hybrid_config, parse_args
+    from megatron_harts.training.step import replica_microbatches
+    flags = model_flags(p, "--bf16") + ["--seq-length", str(int(forest.traj_length.max())), "--global-batch-size", "1",
+                                        "--train-iters", "1", "--lr", "1e-5", "--distributed-backend", "gloo",
+                                        "--tree-microbatch-tokens", str(settings.microbatch_tokens)]
+    cfg = hybrid_config(parse_args(flags, require_data=False), device="cpu")
+    budget = default_budget_bytes(ModelShape.from_config(cfg), settings.microbatch_tokens) \
+        if settings.sharing == "windows" else None
+    mbs = replica_microbatches(forest, plan, 0, settings)
+    return step_memory_plan(mbs, cfg, budget_bytes=budget).predicted_peak_bytes
 
 
 def pieces_accounting(plan) -> dict:
@@ -699,8 +719,9 @@ def release_memory(device) -> float:
 def plan_only(p, scheme, forest, a):
     """What a run would compute, without training (``--plan-only``): per mode the plan's microbatches,
     rows (tree modes: as the step executes them, recomputed context included), the planned visible
-    pairs (no evictions), logits rows, ``model_flops`` and ``memory_estimate`` at the largest
-    microbatch; a CPU can size a GPU run with it."""
+    pairs (no evictions), logits rows, ``model_flops`` and ``memory_estimate`` with the step's predicted
+    live activations (``step_activation_bytes``: the driver's own memory model); a CPU can size a GPU
+    run with it."""
     from megatron_harts.training.step import SharingSettings, executed_rows, plan_step
     out = {}
     for sharing in list(a.tree_sharing) + ["off"]:
@@ -718,7 +739,7 @@ def plan_only(p, scheme, forest, a):
         rows, largest = rows + cut["rows"], max(largest, cut["largest"])
         pairs, lrows = visible_pairs(plan), logits_rows(plan)
         flops = model_flops(p, rows, pairs, lrows)
-        mem = memory_estimate(p, largest, p.get("recompute"))
+        mem = memory_estimate(p, largest, p.get("recompute"), step_activation_bytes(p, forest, plan, settings))
         out["expanded" if sharing == "off" else f"tree_{sharing}"] = {
             "planner": plan.planner, "microbatches": len(plan.microbatches) + cut["microbatches"], "rows": rows,
             "largest_microbatch_rows": largest, "visible_pairs_planned": pairs, "logits_rows": lrows,
