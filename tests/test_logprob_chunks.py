@@ -141,6 +141,29 @@ def test_default_chunk_rows_at_the_kimi_vocabulary():
     assert default_chunk_rows(1 << 40, torch.float32) == 1
 
 
+def test_default_chunk_holds_to_the_h200_measurement():
+    """The default chunk at V = 163,840 against benchmarks/results/scale-h200/logprobs-h200.json (one H200,
+    hidden 2304, bf16, forward + backward): at 16k and 32k rows within 10% of the fastest chunking's
+    time, at no more than a quarter of the unchunked form's peak (whose 59 GiB at 32k rows a training
+    step cannot spare), and the chunkings measured there all grow in memory with the chunk."""
+    import json
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                        "scale-h200", "logprobs-h200.json")
+    res = json.load(open(path))
+    assert res["args"]["vocab"] == 163840 and res["args"]["dtype"] == "bf16"
+    chunk = default_chunk_rows(163840, torch.bfloat16)
+    for run in res["runs"]:
+        v = run["variants"]
+        chunked = {int(k.split("_")[1]): x for k, x in v.items() if k.startswith("chunk_")}
+        assert chunk in chunked, run["rows"]
+        fastest = min(x["ms"] for x in chunked.values())
+        assert chunked[chunk]["ms"] <= 1.1 * fastest, run["rows"]
+        assert chunked[chunk]["peak_gib_above_start"] <= v["unchunked"]["peak_gib_above_start"] / 4, run["rows"]
+        peaks = [chunked[c]["peak_gib_above_start"] for c in sorted(chunked)]
+        assert peaks == sorted(peaks), run["rows"]
+
+
 def test_driver_flag_reaches_the_log_prob_op_in_tree_and_expanded_mode(monkeypatch):
     """``--tree-logprob-chunk-rows`` lands in the model config and in every call of the output layer's
     log-prob op, in tree mode (within) and expanded mode (off) alike: both compute their log-probs

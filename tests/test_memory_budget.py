@@ -132,6 +132,6 @@ def test_kept_and_recomputed_windows_in_one_step(cpu_world):
 def test_export_bytes_by_kind():
     s = ModelShape(hidden=8, heads=2, lin_heads=2, lin_head=4, kv_lora=4, qk=3, rope=2, v=5, ffn=8, moe_ffn=4,
                    shared_ffn=4, experts=4, topk=2, layer_kinds=(("kda", "dense"), ("mla", "moe")), element_bytes=8)
-    # MLA: rows x heads x (nope + rope + v); KDA: conv rows x 3 x 8, replay rows x (4 x 8 + 2), states x 2 x 4 x 4
-    assert export_bytes(s, 3, 0, 0, 0) == 3 * 2 * 10 * 8
+    # MLA: rows x (kv latent + rope key); KDA: conv rows x 3 x 8, replay rows x (4 x 8 + 2), states x 2 x 4 x 4
+    assert export_bytes(s, 3, 0, 0, 0) == 3 * (4 + 2) * 8
     assert export_bytes(s, 0, 2, 1, 1) == (2 * 24 + 34 + 32) * 8

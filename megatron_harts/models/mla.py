@@ -138,13 +138,16 @@ class TreeMLA(MegatronModule):
         if tree:
             psp = packed_seq_params
             context_kv = None
-            if psp.consumer_index is not None:   # consumer: the producer's keys/values of the context rows
+            if psp.consumer_index is not None:   # consumer: the context rows' keys/values from their latents
                 ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
-                context_kv = (ex["k"].index_select(0, ci.ctx), ex["v"].index_select(0, ci.ctx))
+                ckv = rows_linear(self.linear_kv_up_proj, ex["kv_latent"].index_select(0, ci.ctx)).view(-1, H, dn + dv)
+                ck_nope, cv = ckv.split([dn, dv], dim=-1)
+                ck_rope = ex["k_rope"].index_select(0, ci.ctx)
+                context_kv = (torch.cat([ck_nope, ck_rope.expand(-1, H, dr)], dim=-1), cv)
             if psp.export_spec is not None:      # producer: record what the window's consumers read
                 exp_rows = psp.export_spec.rows
-                psp.record_export(self.layer_number, {"k": k.index_select(0, exp_rows),
-                                                      "v": v.index_select(0, exp_rows)})
+                psp.record_export(self.layer_number, {"kv_latent": kv_lat.index_select(0, exp_rows),
+                                                      "k_rope": k_rope.index_select(0, exp_rows)})
             R = psp.layout.num_rows              # rows after R are padding: zero attention output
             o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale,
                                backend=psp.attention_backend or cfg.tree_attention_backend,

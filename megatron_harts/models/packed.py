@@ -30,15 +30,17 @@ Sharing windows (cross-microbatch): a *producer* layout built with
 ``for_tree(producer, export=ExportSpec.for_consumers(producer, consumers, ...))``
 records, during its forward, per-layer exports in ``packed.exports`` (a
 :class:`WindowExports`, tensors still in the producer's autograd graph): for
-MLA's keys and values of every context row a consumer's rows see (``spec.rows``: compaction
+MLA's key/value latent (the normalized ``kv_lora_rank`` latent and the rotated shared rope key:
+``kv_lora_rank + qk_rope_head_dim`` values a row, against heads x (q/k + v head dims) for the keys
+and values themselves) of every context row a consumer's rows see (``spec.rows``: compaction
 events may evict context rows; KDA and the conv read evicted rows too), KDA's
 conv inputs (pre-conv q/k/v projections) of the context rows within a consumer
 row's conv reach (``spec.conv_rows``), KDA's core inputs (q, k, v, g, beta) of
 the replay rows (``spec.replay_rows``) and KDA's recurrent states after
 ``spec.state_rows``.  A *consumer*
 layout (subtrees whose ancestors are the producer's rows) runs with
-``for_tree(consumer, exports=...)``: MLA attends to the context rows' keys and
-values, the conv reads the context rows' inputs where the producer exported them (its
+``for_tree(consumer, exports=...)``: MLA up-projects the context rows' latents to keys and values
+(the producer's own projection, so the same numbers) and attends to them, the conv reads the context rows' inputs where the producer exported them (its
 taps index ``spec.conv_rows``: ``ConvTaps.reading_table``), KDA starts its subtree roots
 from the producer's boundary states and replays the producer's rows.  Pass
 ``exports.detached()`` to every consumer of a window (shared leaves: export

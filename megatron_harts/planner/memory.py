@@ -130,16 +130,17 @@ def saved_bytes_per_row(s: ModelShape) -> int:
 
 
 def export_bytes(s: ModelShape, rows: int, conv_rows: int, replay_rows: int, states: int) -> int:
-    """Bytes of a producer's exports (``models.packed.ExportSpec``'s row counts): per MLA layer the keys
-    (heads x (nope + rope)) and values (heads x v) of ``rows``; per KDA layer q/k/v before the conv at
-    ``conv_rows``, q, k, v, the decay g (heads x head dim each) and beta at ``replay_rows``, and one
-    fp32 (or wider) state (heads x head dim x head dim) per ``states``."""
+    """Bytes of a producer's exports (``models.packed.ExportSpec``'s row counts): per MLA layer the
+    key/value latent (kv_lora + rope, replicated over tensor-parallel ranks) of ``rows``; per KDA layer
+    q/k/v before the conv at ``conv_rows``, q, k, v, the decay g (heads x head dim each) and beta at
+    ``replay_rows``, and one fp32 (or wider) state (heads x head dim x head dim) per ``states``, KDA's
+    split over tensor-parallel ranks."""
     e, f = s.element_bytes, max(4, s.element_bytes)
     hd = s.lin_heads * s.lin_head
-    mla = rows * s.heads * (s.qk + s.rope + s.v) * e
+    mla = rows * (s.kv_lora + s.rope) * e
     kda = conv_rows * 3 * hd * e + replay_rows * (4 * hd + s.lin_heads) * e + states * hd * s.lin_head * f
     n_mla = sum(a == "mla" for a, _ in s.layer_kinds)
-    return -(-(n_mla * mla + (len(s.layer_kinds) - n_mla) * kda) // s.tp)
+    return n_mla * mla + -(-((len(s.layer_kinds) - n_mla) * kda) // s.tp)
 
 
 def state_bytes_per_parameter(element_bytes: int, optimizer_shards: int = 1) -> float:

@@ -4,7 +4,7 @@ A tree whose longest trajectory exceeds the row budget ``M`` (a *long tree*) can
 the microbatch planners, which recompute a microbatch's whole root path.  Its rows are cut into
 **pieces** instead, each one microbatch of at most ``M`` rows that reads the rows above it (its
 root path) from the earlier pieces holding them, the way a sharing-window consumer reads its
-producer: MLA keys and values, conv context, KDA boundary states and replay inputs.
+producer: MLA key/value latents, conv context, KDA boundary states and replay inputs.
 
 Invariants of :func:`plan_with_pieces` (``tests/test_pieces.py``):
 
