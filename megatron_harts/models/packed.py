@@ -94,7 +94,7 @@ class ExportSpec:
     """The producer rows a window's consumers read (sorted, unique producer row ids).
 
     Invariants: every context row some row of some consumer sees (its context visibility: compaction
-    events may evict context rows) is in ``rows`` (MLA keys/values), and ``rows`` is not empty; every
+    events may evict context rows) is in ``rows`` (MLA key/value latents), and ``rows`` is not empty; every
     context row some consumer row's conv taps reach is in ``conv_rows``; every KDA replay row
     is in ``replay_rows``; every consumer's external KDA state is the state after one of
     ``state_rows``.

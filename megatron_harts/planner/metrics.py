@@ -21,7 +21,7 @@
 - retention memory, in rows: ``export_rows`` (rows exported by all producers: every window's
   rows) and ``peak_export_rows`` (the most rows one replica keeps exported at once: a window's
   rows stay on its producer's replica from the producer's slot through its last consumer's
-  slot).  Times a model's exported bytes per row (MLA keys/values or latents of every MLA
+  slot).  Times a model's exported bytes per row (MLA key/value latents of every MLA
   layer, KDA replay inputs and conv context) this is the memory retention costs; KDA boundary
   states are per window, not per row, and are not counted.
 """

@@ -11,7 +11,7 @@ Unit of work: whole segments.  A microbatch computes a set of segments (``comput
 ``recomputed`` ones are context only (ancestors also computed elsewhere, no logits).  Every
 segment of the forest is owned by exactly one microbatch.  Rows not computed in a microbatch
 but on the root path of an owned segment come from producers as ``external`` context (MLA
-keys/values, KDA boundary states and replay inputs, conv context of those rows).  A segment is
+key/value latents, KDA boundary states and replay inputs, conv context of those rows).  A segment is
 never split into row ranges: the planners refuse a row budget smaller than the longest
 root-to-leaf path (``check_budget``), so every segment, and every trajectory with all its
 ancestors, fits in one microbatch.  ``Microbatch.row_ranges`` gives the forest rows of a
