@@ -37,7 +37,8 @@ Presets (``PRESETS``, also read by bench_compaction, calibrate_cost and step_fid
 per-layer shapes as one rank of 8-way expert parallelism holds them: ``KIMI48B_LAYERS``; 16 layers,
 every layer recomputed in the backward; ``memory_estimate`` sizes it) and ``tiny`` (CPU smoke runs).
 ``--layers`` changes a preset's layer count, ``--max-turns`` / ``--observation-median`` /
-``--max-leaves`` let trajectories reach a ``--max-tokens`` of 64k-128k, and ``--plan-only`` prints
+``--max-leaves`` let trajectories reach a ``--max-tokens`` of 64k-128k (``--branch-prob`` /
+``--branch-factor`` set where a Tree-Step rollout forks), and ``--plan-only`` prints
 each mode's rows, pairs, model FLOPs and estimated peak memory without training.
 
 Targets: speedup >= 0.8 x compression; Step-wise >= 7x and Tree-Step >= 3.9x at the
@@ -779,6 +780,11 @@ def main(argv=None):
                     help="median prompt tokens per task (default the generator's 3000)")
     ap.add_argument("--max-leaves", type=int, default=None,
                     help="Tree-Step: leaves per rollout at most (default the generator's 16)")
+    ap.add_argument("--branch-prob", type=float, default=None,
+                    help="Tree-Step: chance that an open branch forks at a turn (default the generator's 0.3; "
+                         "lower spreads a long rollout's forks over more turns)")
+    ap.add_argument("--branch-factor", type=int, default=None,
+                    help="Tree-Step: children of a fork (default the generator's 3)")
     ap.add_argument("--plan-only", action="store_true",
                     help="plan every mode and print rows, visible pairs, model FLOPs and the memory estimate "
                          "without training (sizes a GPU run on any machine)")
@@ -829,11 +835,15 @@ def main(argv=None):
                         ("--max-turns", a.max_turns), ("--observation-median", a.observation_median),
                         ("--prompt-median", a.prompt_median), ("--max-leaves", a.max_leaves),
                         ("--num-tasks", a.num_tasks), ("--warmup-trajectories", a.warmup_trajectories),
+                        ("--branch-factor", a.branch_factor),
                         ("--samples-per-task", a.samples_per_task)):
         if value is not None and value < 1:
             raise CliError(f"{flag} {value}: must be >= 1")
+    if a.branch_prob is not None and not 0.0 <= a.branch_prob <= 1.0:
+        raise CliError(f"--branch-prob {a.branch_prob}: must be in [0, 1]")
     shape = {k: v for k, v in (("max_turns", a.max_turns), ("observation_median", a.observation_median),
-                               ("prompt_median", a.prompt_median), ("max_leaves", a.max_leaves)) if v is not None}
+                               ("prompt_median", a.prompt_median), ("max_leaves", a.max_leaves),
+                               ("branch_prob", a.branch_prob), ("branch_factor", a.branch_factor)) if v is not None}
     if not a.plan_only:
         check_device(a.device)
     dtype_flag = "--bf16" if a.device == "cuda" else ""

@@ -27,7 +27,8 @@
 #   kimi-profile  preset kimi48b-layers, a one-task Step-wise batch, within and expanded profiled (--profile,
 #               --profile-stacks, --memory-profile: where the step's time goes, what is alive at its peak)
 #   kimi-64k, kimi-128k, h200-64k, h200-128k
-#               one rollout of 64k- / 128k-token trajectories per scheme at preset kimi48b-layers / h200, in
+#               one rollout of 64k- / 128k-token trajectories per scheme at preset kimi48b-layers / h200 (Tree-Step:
+#               up to 6 leaves, forks of 2 at several turns), in
 #               pieces of at most 32k rows, within against expanded; warm-up steps train the batch's longest
 #               trajectory only (--warmup-trajectories 1: an expanded 128k step takes minutes)
 #   conv-test   the GPU tests of the KDA short convolution's kernels (tests/test_path_conv.py)
@@ -92,8 +93,9 @@ for entry in "${STAGES[@]}"; do
           preset="${stage%%-*}"; [[ "$preset" == kimi ]] && preset=kimi48b-layers
           [[ "$stage" == *-64k ]] && T=65536 || T=131072
           timeout "$share" "${KIMI[@]}" --preset "$preset" --tree-sharing within --schemes step-wise tree-step \
-            --num-tasks 1 --samples-per-task 1 --max-leaves 4 --max-tokens "$T" --max-turns 64 \
-            --observation-median 6000 --warmup-trajectories 1 --out "$OUT/$preset-$T.json" 2>&1 | quiet ;;
+            --num-tasks 1 --samples-per-task 1 --max-leaves 6 --branch-prob 0.15 --branch-factor 2 \
+            --max-tokens "$T" --max-turns 64 --observation-median 6000 --warmup-trajectories 1 \
+            --out "$OUT/$preset-$T.json" 2>&1 | quiet ;;
     conv-test) timeout "$share" python3 -m pytest -q -rs -p no:cacheprovider -W ignore tests/test_path_conv.py \
                  -k "fla or gpu" 2>&1 | tail -5 ;;
     logprobs) timeout "$share" python3 benchmarks/bench_logprobs.py --out "$OUT/logprobs.json" 2>&1 | quiet ;;

@@ -78,6 +78,11 @@ def test_long_trajectory_flags_reach_the_generator(bt):
     assert int(short.traj_length.max()) < 32768 < int(long.traj_length.max()) <= 65536
     few = bt.synthesize("tree-step", 1, 8192, 512, seed=0, samples_per_task=1, max_turns=2, max_leaves=2)
     assert few.num_trajectories <= 2
+    chain = bt.synthesize("tree-step", 1, 8192, 512, seed=0, samples_per_task=1, branch_prob=0.0)
+    assert chain.num_trajectories == 1
+    pairs = bt.synthesize("tree-step", 1, 8192, 512, seed=0, samples_per_task=1, branch_prob=1.0, branch_factor=2,
+                          max_leaves=2)
+    assert pairs.num_trajectories == 2 and pairs.num_segments == 3      # one fork into two children
 
 
 def test_tiny_run_counts_model_flops_over_executed_pairs(bt, tmp_path):
@@ -114,6 +119,8 @@ def test_plan_only_and_bad_sizes(bt, tmp_path, capsys):
     assert 0 < row["tree_within"]["memory_estimate_gib"]["total"] < 139
     code, _, err = run_tool(bt, capsys, "--device", "cpu", "--preset", "tiny", "--layers", "6", "--plan-only")
     assert_one_error(code, err, "--layers 6")
+    code, _, err = run_tool(bt, capsys, "--device", "cpu", "--preset", "tiny", "--branch-prob", "1.5", "--plan-only")
+    assert_one_error(code, err, "--branch-prob 1.5")
     # trajectories longer than the row budget are planned in pieces
     code, _, err = run_tool(bt, capsys, "--device", "cpu", "--preset", "tiny", "--plan-only", "--schemes", "step-wise",
                             "--num-tasks", "1", "--max-tokens", "4096", "--microbatch-tokens", "1024", "--out", out)
