@@ -14,10 +14,18 @@ order (a stable descending sort of the flattened [experts, tokens] map, of which
 ``tokens * topk`` entries are exactly the ones, in the order ``masked_select`` visits them), the
 tokens and probabilities gathered through them, and the tokens per expert left on the device
 (the grouped experts, ``models.experts``, read them there; megatron's ``SequentialMLP`` reads them
-back itself).  Invariant: the permuted tokens, probabilities, token counts and the mapping that
-``combine_preprocess`` un-permutes with are exactly the parent's, so every output and gradient is
-bitwise the parent's.  Other configurations run the parent's method.  After the combine the
-dispatcher keeps nothing of the microbatch (:meth:`SyncFreeAllGatherDispatcher.combine_postprocess`).
+back itself).
+
+With that fixed fan-out every token owns exactly ``topk`` rows of the permuted tensor, so both
+directions are gathers (:class:`_GatherRows`): the dispatch gathers each permuted row's token, its
+backward sums each token's ``topk`` row gradients; the combine sums each token's ``topk`` expert
+outputs, its backward gathers each row's token gradient.  The parent instead scatter-adds
+(``index_add_`` in the dispatch's backward, ``scatter_add_`` in the combine): atomic, in no fixed
+order.  Invariant: the permuted tokens, probabilities and token counts are exactly the parent's;
+the combined outputs and every gradient are the parent's sums in a fixed order (equal up to
+rounding order, and the same from run to run).  Other configurations run the parent's method.
+After the combine the dispatcher keeps nothing of the microbatch
+(:meth:`SyncFreeAllGatherDispatcher.combine_postprocess`).
 """
 from __future__ import annotations
 
@@ -26,6 +34,31 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 __all__ = ["SyncFreeAllGatherDispatcher"]
+
+
+class _GatherRows(torch.autograd.Function):
+    """``out = x.index_select(0, rows)`` summed over groups of ``group`` consecutive output rows, with a
+    gather for a backward: ``back`` lists, per row of ``x``, the output rows (before the sum) it feeds,
+    ``group`` of them each in ascending order, so the gradient of ``x`` is
+    ``g.index_select(0, back)`` summed over each group.  Both directions read their rows once and
+    write each result once (no atomic scatter).  Dispatch: rows = each permuted row's token, group 1,
+    back = each token's ``topk`` permuted rows.  Combine: rows = each token's permuted rows, group
+    ``topk``, back = each permuted row's token."""
+
+    @staticmethod
+    def forward(ctx, x, rows, back, group: int, back_group: int):
+        ctx.save_for_backward(back)
+        ctx.back_group, ctx.rows = back_group, x.shape[0]
+        out = x.index_select(0, rows)
+        return out if group == 1 else out.view(-1, group, x.shape[1]).sum(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        (back,) = ctx.saved_tensors
+        gx = g.index_select(0, back)
+        if ctx.back_group != 1:
+            gx = gx.view(ctx.rows, ctx.back_group, g.shape[1]).sum(1)
+        return gx, None, None, None, None
 
 
 class SyncFreeAllGatherDispatcher(MoEAllGatherTokenDispatcher):
@@ -53,11 +86,21 @@ class SyncFreeAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         position = flat.argsort(descending=True, stable=True)[:pairs]     # e * tokens + t, expert-major
         sorted_tokens = position % num_tokens
         tokens_per_expert = expert_major.sum(dim=1).long()
-        permuted = hidden_states.index_select(0, sorted_tokens)
+        # each token's topk permuted rows, ascending: sorted_tokens holds every token exactly topk times
+        self.token_rows = sorted_tokens.argsort(stable=True)
+        permuted = _GatherRows.apply(hidden_states, sorted_tokens, self.token_rows, 1, self.router_topk)
         self.reversed_local_input_permutation_mapping = sorted_tokens
         self.local_probs = probs.T.contiguous().view(-1).index_select(0, position)
         self.routing_map = None
         return permuted, tokens_per_expert, self.local_probs
+
+    def combine_preprocess(self, hidden_states):
+        """Each token's ``topk`` expert outputs summed (the parent's un-permutation, as a gather)."""
+        if not self.fixed_fanout:
+            return super().combine_preprocess(hidden_states)
+        out = _GatherRows.apply(hidden_states, self.token_rows, self.reversed_local_input_permutation_mapping,
+                                self.router_topk, 1)
+        return out.view(self.hidden_shape_before_permute)
 
     def combine_postprocess(self, hidden_states):
         """The parent's, then the microbatch's routing state let go.
@@ -67,6 +110,6 @@ class SyncFreeAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         a sharing window's export views, kept alive into the producer's recomputation).
         """
         out = super().combine_postprocess(hidden_states)
-        self.local_probs = self.local_map = self.reversed_local_input_permutation_mapping = None
+        self.local_probs = self.local_map = self.reversed_local_input_permutation_mapping = self.token_rows = None
         return out
 
