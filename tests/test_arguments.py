@@ -451,6 +451,16 @@ def test_backends_are_resolved_and_checked_at_build_time(no_cuda):
             A.resolved_backends(parse("--tree-kda-backend fla --tree-chunk-size 32"), cuda=True)
 
 
+def test_swiglu_fusion_on_the_gpu_unless_turned_off():
+    """megatron's fused SwiGLU (``bias_activation_fusion``) for --swiglu models on CUDA by default,
+    off with --no-bias-swiglu-fusion, never on the CPU or without SwiGLU."""
+    kw = "--num-experts 4 --tree-kda-backend reference --tree-attention-backend reference"
+    assert A.hybrid_config(parse(f"{kw} --swiglu"), device="cuda").bias_activation_fusion is True
+    assert A.hybrid_config(parse(f"{kw} --swiglu --no-bias-swiglu-fusion"), device="cuda").bias_activation_fusion is False
+    assert A.hybrid_config(parse(f"{kw} --swiglu"), device="cpu").bias_activation_fusion is False
+    assert A.hybrid_config(parse(kw), device="cuda").bias_activation_fusion is False
+
+
 def test_auto_attention_takes_varlen_where_fa4_runs(monkeypatch):
     """Where flash-attn-4 runs (stubbed here: CPU), auto takes varlen at every head dim fa4 takes,
     flex beyond them, sdpa with --fp64."""

@@ -282,6 +282,38 @@ def test_hybrid_model_equals_sequential_experts(cpu_world, grouped_calls, monkey
 
 
 
+@torch._dynamo.config.patch(disable=True)
+def test_hybrid_model_with_fused_swiglu_equals_unfused(cpu_world, unfused_swiglu, monkeypatch):
+    """``bias_activation_fusion`` (the driver's default on the GPU): the dense MLP and the grouped experts
+    through megatron's fused SwiGLU (routing weights folded in) give the unfused model's outputs and
+    gradients (fp32, to rounding)."""
+    import megatron.core.fusions.fused_bias_swiglu as fbs
+    calls = {"swiglu": 0, "weighted_swiglu": 0}
+    for name in calls:
+        fn = getattr(fbs, name)
+
+        def counted(*a, _fn=fn, _name=name):
+            calls[_name] += 1
+            return _fn(*a)
+        monkeypatch.setattr(fbs, name, counted)
+    want_cfg = tiny_config(dtype=torch.float32)
+    fused_cfg = tiny_config(dtype=torch.float32, bias_activation_fusion=True)
+    ref = randomize_(build_hybrid_model(want_cfg, vocab_size=VOCAB), 5)
+    model = build_hybrid_model(fused_cfg, vocab_size=VOCAB)
+    model.load_state_dict(ref.state_dict())
+    for short in (True, False):
+        out_ref, g_ref, tpe_ref = _model_run(ref, want_cfg, short)
+        assert calls == {"swiglu": 0, "weighted_swiglu": 0}
+        out, g, tpe = _model_run(model, fused_cfg, short)
+        assert calls["swiglu"] > 0 and calls["weighted_swiglu"] > 0      # the dense MLP's and the experts'
+        calls.update(swiglu=0, weighted_swiglu=0)
+        assert torch.equal(tpe, tpe_ref)
+        assert _rel(out, out_ref) <= 1e-5
+        assert g.keys() == g_ref.keys()
+        for k in g_ref:
+            assert _rel(g[k], g_ref[k]) <= 1e-5, (short, k, _rel(g[k], g_ref[k]))
+
+
 @pytest.mark.parametrize("dtype,fp32_grads", [(torch.float32, False), (torch.bfloat16, False),
                                               (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-fp32-grads"])
 def test_ddp_main_grads_are_the_unfused_hooks_bitwise(cpu_world, unfused_swiglu, monkeypatch, dtype, fp32_grads):

@@ -1020,9 +1020,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     cm = g["Megatron-LM compatibility"]
     cm.add_argument("--use-mcore-models", dest="deprecated_use_mcore_models", action="store_true",
                     help="accepted, no effect (models are always megatron-core)")
+    cm.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
+                    help="SwiGLU MLPs and experts without megatron's fused (torch.compile'd) SwiGLU; fused by "
+                         "default on the GPU, never on the CPU")
     for flag, dest in (("--no-masked-softmax-fusion", "masked_softmax_fusion"),
                        ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
-                       ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
                        ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
                        ("--no-rope-fusion", "apply_rope_fusion"),
                        ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
@@ -1549,7 +1551,7 @@ def _config_error(err: BaseException, parser: argparse.ArgumentParser) -> Argume
 
 
 def _build_config(args: argparse.Namespace, *, kda_backend: Optional[str], attention_backend: Optional[str],
-                  use_cpu_initialization: bool):
+                  use_cpu_initialization: bool, cuda: bool = False):
     import torch.nn.functional as F
 
     from ..models.config import HybridConfig
@@ -1560,6 +1562,8 @@ def _build_config(args: argparse.Namespace, *, kda_backend: Optional[str], atten
         num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
         normalization=args.normalization, layernorm_epsilon=args.layernorm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        # megatron's fused (torch.compile'd) SwiGLU, with the experts' routing weights folded in, on the GPU
+        bias_activation_fusion=bool(cuda and args.swiglu and args.bias_swiglu_fusion),
         add_bias_linear=args.add_bias_linear, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         params_dtype=args.params_dtype, pipeline_dtype=args.params_dtype, bf16=args.bf16, fp16=False,
@@ -1621,7 +1625,8 @@ def hybrid_config(args: argparse.Namespace, *, world_size: Optional[int] = None,
     kda, attn = resolved_backends(args, cuda=cuda)
     if use_cpu_initialization is None:
         use_cpu_initialization = bool(args.use_cpu_initialization) or not cuda
-    return _build_config(args, kda_backend=kda, attention_backend=attn, use_cpu_initialization=use_cpu_initialization)
+    return _build_config(args, kda_backend=kda, attention_backend=attn, use_cpu_initialization=use_cpu_initialization,
+                         cuda=cuda)
 
 
 def optimizer_config(args: argparse.Namespace):
