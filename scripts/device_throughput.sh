@@ -31,7 +31,9 @@
 #               up to 6 leaves, forks of 2 at several turns), in
 #               pieces of at most 32k rows, within against expanded; warm-up steps train the batch's longest
 #               trajectory only (--warmup-trajectories 1: an expanded 128k step takes minutes)
-#   conv-test   the GPU tests of the KDA short convolution's kernels (tests/test_path_conv.py)
+#   gpu-check   a quick look before long stages: the GPU tests of the KDA short convolution's kernels
+#               (tests/test_path_conv.py) and one tiny-preset step per mode through the driver on the GPU
+#               (fla's kernels, the fused SwiGLU, the dispatcher, windows); fails the script's status if either fails
 #   logprobs    benchmarks/bench_logprobs.py: the output layer's log-probs at vocabulary 163,840
 #   compaction  benchmarks/bench_compaction.py: compaction traces against re-prefill samples, all sets
 # A stage named STAGE=N gets N seconds instead of its share.  Default: fidelity step-wise tree-step.  With flash-attn-4 installed (docs/gpu_setup.md), MLA runs its
@@ -96,8 +98,13 @@ for entry in "${STAGES[@]}"; do
             --num-tasks 1 --samples-per-task 1 --max-leaves 6 --branch-prob 0.15 --branch-factor 2 \
             --max-tokens "$T" --max-turns 64 --observation-median 6000 --warmup-trajectories 1 \
             --out "$OUT/$preset-$T.json" 2>&1 | quiet ;;
-    conv-test) timeout "$share" python3 -m pytest -q -rs -p no:cacheprovider -W ignore tests/test_path_conv.py \
-                 -k "fla or gpu" 2>&1 | tail -5 ;;
+    gpu-check) timeout $((share / 2)) python3 -m pytest -q -rs -p no:cacheprovider -W ignore tests/test_path_conv.py \
+                 -k "fla or gpu" 2>&1 | tail -5
+               [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+               timeout $((share / 2)) python3 benchmarks/bench_throughput.py --preset tiny --schemes tree-step \
+                 --num-tasks 1 --max-tokens 4096 --microbatch-tokens 2048 --tree-sharing within windows --iters 1 \
+                 --recompute-producers --no-cosine --driver-flags "--tree-triton-max-configs 1" \
+                 --out "$OUT/gpu-check.json" 2>&1 | quiet ;;
     logprobs) timeout "$share" python3 benchmarks/bench_logprobs.py --out "$OUT/logprobs.json" 2>&1 | quiet ;;
     compaction) timeout "$share" python3 benchmarks/bench_compaction.py --tree-sharing within \
                   --driver-flags "--tree-triton-max-configs 1" --out "$OUT/compaction.json" 2>&1 | quiet ;;
@@ -118,7 +125,7 @@ for entry in "${STAGES[@]}"; do
                    "$OUT/attn-$sc-${dims// /-}.json" 2>/dev/null
                done; done; true ;;
     *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, tests, memory, attention, large," \
-            "kimi, kimi-profile, kimi-64k, kimi-128k, h200-64k, h200-128k, conv-test, logprobs, compaction)" >&2
+            "kimi, kimi-profile, kimi-64k, kimi-128k, h200-64k, h200-128k, gpu-check, logprobs, compaction)" >&2
        exit 2 ;;
   esac
   [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
