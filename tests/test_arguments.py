@@ -456,7 +456,8 @@ def test_swiglu_fusion_on_the_gpu_unless_turned_off():
     off with --no-bias-swiglu-fusion, never on the CPU or without SwiGLU."""
     kw = "--num-experts 4 --tree-kda-backend reference --tree-attention-backend reference"
     assert A.hybrid_config(parse(f"{kw} --swiglu"), device="cuda").bias_activation_fusion is True
-    assert A.hybrid_config(parse(f"{kw} --swiglu --no-bias-swiglu-fusion"), device="cuda").bias_activation_fusion is False
+    off = A.hybrid_config(parse(f"{kw} --swiglu --no-bias-swiglu-fusion"), device="cuda")
+    assert off.bias_activation_fusion is False
     assert A.hybrid_config(parse(f"{kw} --swiglu"), device="cpu").bias_activation_fusion is False
     assert A.hybrid_config(parse(kw), device="cuda").bias_activation_fusion is False
 

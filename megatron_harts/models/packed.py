@@ -40,8 +40,9 @@ the replay rows (``spec.replay_rows``) and KDA's recurrent states after
 ``spec.state_rows``.  A *consumer*
 layout (subtrees whose ancestors are the producer's rows) runs with
 ``for_tree(consumer, exports=...)``: MLA up-projects the context rows' latents to keys and values
-(the producer's own projection, so the same numbers) and attends to them, the conv reads the context rows' inputs where the producer exported them (its
-taps index ``spec.conv_rows``: ``ConvTaps.reading_table``), KDA starts its subtree roots
+(the producer's own projection, so the same numbers) and attends to them, the conv reads the
+context rows' inputs where the producer exported them (its taps index ``spec.conv_rows``:
+``ConvTaps.reading_table``), KDA starts its subtree roots
 from the producer's boundary states and replays the producer's rows.  Pass
 ``exports.detached()`` to every consumer of a window (shared leaves: export
 gradients accumulate), then ``exports.close(leaves)`` runs the one producer

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from ..layout import CompactLayout
 
-__all__ = ["path_conv", "row_order_conv", "build_conv_taps", "sequence_conv_taps", "ConvTaps", "ACTIVATIONS", "BACKENDS"]
+__all__ = ["path_conv", "row_order_conv", "build_conv_taps", "sequence_conv_taps", "ConvTaps", "ACTIVATIONS",
+           "BACKENDS"]
 
 ACTIVATIONS = ("silu", None)
 BACKENDS = ("conv", "reference")

@@ -7,7 +7,8 @@ Pure Python and numpy (no torch), so a plan can be sized anywhere.  Two parts:
   tensor-parallel size, full recomputation); :func:`activation_bytes_per_row` gives the bytes a row
   keeps for the backward per layer kind, :func:`saved_bytes_per_row` those of a microbatch the step
   runs with the run's recomputation, :func:`graph_bytes_per_row` those of a sharing-window producer
-  that keeps its graph (it runs without recomputation), and :func:`export_bytes` the bytes a producer's exports take.
+  that keeps its graph (it runs without recomputation), and :func:`export_bytes` the bytes a
+  producer's exports take.
   The default memory budget of ``--tree-memory-budget`` is :func:`default_budget_bytes`: the row
   budget times :func:`saved_bytes_per_row`, what expanded training's largest microbatch under the same
   row budget keeps.

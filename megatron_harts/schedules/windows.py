@@ -40,9 +40,9 @@ its forward without it (:func:`producer_forward`: megatron's checkpointed forwar
 anyway); consumers, plain microbatches, and the forwards that run again with their exports'
 gradients (a recomputed producer at window close, a read piece at its chain's end) recompute as
 configured: those gradients enter through the recording layer's output
-(``TreePackedSeqParams.attach_injected``), which the recomputation runs again.  The pieces (:func:`check_windows`, :func:`producer_params`,
-:func:`microbatch_params`, :func:`producer_forward`) are shared with the pipeline schedules of
-``schedules/pipeline.py``.
+(``TreePackedSeqParams.attach_injected``), which the recomputation runs again.  The pieces
+(:func:`check_windows`, :func:`producer_params`, :func:`microbatch_params`, :func:`producer_forward`)
+are shared with the pipeline schedules of ``schedules/pipeline.py``.
 
 Limits (refused with ValueError): pipeline size > 1 (consumer 1F1B is a separate schedule),
 model chunks (virtual pipeline), a consumer before its producer, a producer that is itself a
