@@ -267,18 +267,24 @@ def memory_estimate(p, rows, recompute=None, activations=None):
             "output": output, "total": weights + int(activations) + output, "per_layer": per_layer}
 
 
-def step_activation_bytes(p, forest, plan, settings) -> int:
-    """The live activation bytes of a planned step at its peak as the driver predicts them
-    (``schedules.windows.step_memory_plan`` on replica 0's microbatches, pieces and windows included;
-    windows decided under the default memory budget, as the driver does)."""
-    from megatron_harts.planner.memory import ModelShape, default_budget_bytes
-    from megatron_harts.schedules.windows import step_memory_plan
+def driver_model_config(p, forest, microbatch_tokens):
+    """The model config the driver builds for preset ``p`` training ``forest`` (bf16, on the CPU: only
+    its shapes are read)."""
     from megatron_harts.training.arguments import hybrid_config, parse_args
-    from megatron_harts.training.step import replica_microbatches
     flags = model_flags(p, "--bf16") + ["--seq-length", str(int(forest.traj_length.max())), "--global-batch-size", "1",
                                         "--train-iters", "1", "--lr", "1e-5", "--distributed-backend", "gloo",
-                                        "--tree-microbatch-tokens", str(settings.microbatch_tokens)]
-    cfg = hybrid_config(parse_args(flags, require_data=False), device="cpu")
+                                        "--tree-microbatch-tokens", str(microbatch_tokens)]
+    return hybrid_config(parse_args(flags, require_data=False), device="cpu")
+
+
+def step_activation_bytes(cfg, forest, plan, settings) -> int:
+    """The live activation bytes of a planned step at its peak as the driver predicts them
+    (``schedules.windows.step_memory_plan`` on replica 0's microbatches, pieces and windows included;
+    windows decided under the default memory budget, as the driver does); ``cfg``:
+    :func:`driver_model_config`."""
+    from megatron_harts.planner.memory import ModelShape, default_budget_bytes
+    from megatron_harts.schedules.windows import step_memory_plan
+    from megatron_harts.training.step import replica_microbatches
     budget = default_budget_bytes(ModelShape.from_config(cfg), settings.microbatch_tokens) \
         if settings.sharing == "windows" else None
     mbs = replica_microbatches(forest, plan, 0, settings)
@@ -725,6 +731,7 @@ def plan_only(p, scheme, forest, a):
     run with it."""
     from megatron_harts.training.step import SharingSettings, executed_rows, plan_step
     out = {}
+    cfg = driver_model_config(p, forest, a.microbatch_tokens)
     for sharing in list(a.tree_sharing) + ["off"]:
         settings = SharingSettings(sharing=sharing, microbatch_tokens=a.microbatch_tokens,
                                    planner="l1l2" if sharing == "windows" else "l1")
@@ -740,7 +747,7 @@ def plan_only(p, scheme, forest, a):
         rows, largest = rows + cut["rows"], max(largest, cut["largest"])
         pairs, lrows = visible_pairs(plan), logits_rows(plan)
         flops = model_flops(p, rows, pairs, lrows)
-        mem = memory_estimate(p, largest, p.get("recompute"), step_activation_bytes(p, forest, plan, settings))
+        mem = memory_estimate(p, largest, p.get("recompute"), step_activation_bytes(cfg, forest, plan, settings))
         out["expanded" if sharing == "off" else f"tree_{sharing}"] = {
             "planner": plan.planner, "microbatches": len(plan.microbatches) + cut["microbatches"], "rows": rows,
             "largest_microbatch_rows": largest, "visible_pairs_planned": pairs, "logits_rows": lrows,
@@ -883,6 +890,7 @@ def main(argv=None):
             "nccl" if a.device == "cuda" else "gloo", "--tree-kda-backend", a.kda_backend,
             "--tree-attention-backend", a.attention_backend] + a.driver_flags.split()
         row = {"forest": forest.stats()}
+        warm = warmup_forest(forest, a.warmup_trajectories)
         modes = [(s, "harts", []) for s in a.tree_sharing] + [("within", p, []) for p in a.kda_call_plans] \
             + ([("windows", "harts", ["--tree-recompute-producers"])] if a.recompute_producers else []) \
             + ([("windows", "harts", ["--tree-memory-budget", "1e9"])] if a.keep_producers else []) \
@@ -897,7 +905,7 @@ def main(argv=None):
             times, metrics, losses, peak, plan, prof, mem, backends = run_mode(
                 argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile), memory=a.memory_profile,
                 stacks=a.profile_stacks, op_names=tuple(a.profile_op_stacks),
-                warm=warmup_forest(forest, a.warmup_trajectories))
+                warm=warm)
             t = statistics.median(times)
             m = metrics[-1]
             # model FLOPs over the rows and visible pairs the step executed (evictions applied)
