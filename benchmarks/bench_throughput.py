@@ -327,13 +327,23 @@ def visible_pairs(plan):
 
 def warmup_forest(forest, trajectories):
     """The batch's ``trajectories`` longest trajectories as a forest of their own (None: the whole
-    batch): a warm-up step over it meets the step's kernels, pieces included, at a fraction of a
-    long batch's cost."""
+    batch), and, where none of them forks from another but the longest one forks from some trajectory
+    of the batch, the longest such trajectory too: a warm-up step over it meets the step's kernels,
+    pieces and a fork's state hand-off included, at a fraction of a long batch's cost."""
     from megatron_harts.tree_data import build_forest
     if trajectories is None or trajectories >= forest.num_trajectories:
         return forest
-    longest = np.argsort(-forest.traj_length, kind="stable")[:trajectories]
-    return build_forest([forest.expand(forest.traj_ids[int(t)]) for t in sorted(longest)])
+    order = [int(t) for t in np.argsort(-forest.traj_length, kind="stable")]
+    paths = {t: set(forest.segment_path(int(forest.traj_leaf[t]))) for t in order}
+
+    def fork(a, b):       # same tree, neither path a prefix of the other
+        la, lb = int(forest.traj_leaf[a]), int(forest.traj_leaf[b])
+        return not paths[a].isdisjoint(paths[b]) and la not in paths[b] and lb not in paths[a]
+
+    chosen = order[:trajectories]
+    if not any(fork(a, b) for i, a in enumerate(chosen) for b in chosen[i + 1:]):
+        chosen += [t for t in order[trajectories:] if fork(chosen[0], t)][:1]
+    return build_forest([forest.expand(forest.traj_ids[t]) for t in sorted(chosen)])
 
 
 def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, stacks=False, op_names=(),
@@ -799,8 +809,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--warmup-trajectories", type=int, default=None, metavar="K",
-                    help="warm-up steps train only the batch's K longest trajectories (default: the whole batch; "
-                         "a 128k-token batch's expanded step takes minutes, its longest trajectory's a fraction)")
+                    help="warm-up steps train only the batch's K longest trajectories, and one that forks from the "
+                         "longest where these do not fork (default: the whole batch; a 128k-token batch's expanded "
+                         "step takes minutes, its longest trajectory's a fraction)")
     ap.add_argument("--recompute-producers", action="store_true",
                     help="also run windows with --tree-recompute-producers (producers' activations freed "
                          "until their windows close: peak memory against one more producer forward)")

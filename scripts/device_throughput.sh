@@ -30,7 +30,8 @@
 #               one rollout of 64k- / 128k-token trajectories per scheme at preset kimi48b-layers / h200 (Tree-Step:
 #               up to 6 leaves, forks of 2 at several turns), in
 #               pieces of at most 32k rows, within against expanded; warm-up steps train the batch's longest
-#               trajectory only (--warmup-trajectories 1: an expanded 128k step takes minutes)
+#               trajectory only (--warmup-trajectories 1: an expanded 128k step takes minutes); STAGE@SCHEME
+#               (e.g. kimi-128k@tree-step) runs one scheme only; MB=16384 sets the kimi stages' microbatch rows
 #   gpu-check   a quick look before long stages: the GPU tests of the KDA short convolution's kernels
 #               (tests/test_path_conv.py) and one tiny-preset step per mode through the driver on the GPU
 #               (fla's kernels, the fused SwiGLU, the dispatcher, windows); fails the script's status if either fails
@@ -64,10 +65,12 @@ STEPWISE=(--schemes step-wise --num-tasks 2 --max-tokens 16384 --microbatch-toke
 TREESTEP=(--schemes tree-step --num-tasks 1 --samples-per-task 12 --max-tokens 6144 --microbatch-tokens 16384)
 TREESTEP_S9=(--schemes tree-step --num-tasks 1 --samples-per-task 8 --max-tokens 8192 --microbatch-tokens 16384)
 KIMI=(python3 benchmarks/bench_throughput.py --preset kimi48b-layers --iters "$ITERS" --tree-sharing within windows
-      --no-cosine --microbatch-tokens 32768 --driver-flags "--tree-triton-max-configs 1")
+      --no-cosine --microbatch-tokens "${MB:-32768}" --driver-flags "--tree-triton-max-configs 1")
 rc=0
 for entry in "${STAGES[@]}"; do
   stage="${entry%%=*}"
+  scheme=""; schemes=(step-wise tree-step)
+  [[ "$stage" == *@* ]] && { scheme="${stage#*@}"; schemes=("$scheme"); stage="${stage%%@*}"; }
   share=$default_share
   [[ "$entry" == *=* ]] && share="${entry#*=}"
   case "$stage" in
@@ -94,10 +97,10 @@ for entry in "${STAGES[@]}"; do
     kimi-64k|kimi-128k|h200-64k|h200-128k)
           preset="${stage%%-*}"; [[ "$preset" == kimi ]] && preset=kimi48b-layers
           [[ "$stage" == *-64k ]] && T=65536 || T=131072
-          timeout "$share" "${KIMI[@]}" --preset "$preset" --tree-sharing within --schemes step-wise tree-step \
+          timeout "$share" "${KIMI[@]}" --preset "$preset" --tree-sharing within --schemes "${schemes[@]}" \
             --num-tasks 1 --samples-per-task 1 --max-leaves 6 --branch-prob 0.15 --branch-factor 2 \
             --max-tokens "$T" --max-turns 64 --observation-median 6000 --warmup-trajectories 1 \
-            --out "$OUT/$preset-$T.json" 2>&1 | quiet ;;
+            --out "$OUT/$preset-$T${scheme:+-$scheme}${MB:+-mb$MB}.json" 2>&1 | quiet ;;
     gpu-check) timeout $((share / 2)) python3 -m pytest -q -rs -p no:cacheprovider -W ignore tests/test_path_conv.py \
                  -k "fla or gpu" 2>&1 | tail -5
                [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1

@@ -152,11 +152,22 @@ def test_documented_plan_of_a_128k_batch(bt, tmp_path, capsys):
     assert row["tree_within"]["largest_microbatch_rows"] <= 32768
 
 
+def test_warmup_forest_adds_a_fork_of_the_longest_trajectory(bt):
+    forest = bt.synthesize("tree-step", 1, 2048, bt.PRESETS["tiny"]["vocab"], seed=0, samples_per_task=3)
+    longest = int(np.argmax(forest.traj_length))
+    warm = bt.warmup_forest(forest, 1)
+    assert warm.num_trajectories == 2 and int(warm.traj_length.max()) == int(forest.traj_length[longest])
+    assert warm.num_trees == 1 and any(len(warm.children(s)) == 2 for s in range(warm.num_segments))
+    chain = bt.synthesize("step-wise", 1, 2048, bt.PRESETS["tiny"]["vocab"], seed=0, samples_per_task=1)
+    assert chain.num_trajectories == 3
+    assert bt.warmup_forest(chain, 1).num_trajectories == 1     # one sample's steps are prefixes: no fork to add
+
+
 def test_warmup_trajectories_train_the_longest_then_the_whole_batch(bt, tmp_path, capsys):
     code, _, err = run_tool(bt, capsys, "--device", "cpu", "--preset", "tiny", "--warmup-trajectories", "0")
     assert_one_error(code, err, "--warmup-trajectories 0")
-    forest = bt.synthesize("step-wise", 1, 256, bt.PRESETS["tiny"]["vocab"], seed=0)
-    assert forest.num_trajectories == 2
+    forest = bt.synthesize("step-wise", 1, 2048, bt.PRESETS["tiny"]["vocab"], seed=0, samples_per_task=1)
+    assert forest.num_trajectories == 3
     warm = bt.warmup_forest(forest, 1)
     assert warm.num_trajectories == 1 and int(warm.traj_length[0]) == int(forest.traj_length.max())
     assert bt.warmup_forest(forest, None) is forest and bt.warmup_forest(forest, 10 ** 6) is forest
@@ -164,7 +175,7 @@ def test_warmup_trajectories_train_the_longest_then_the_whole_batch(bt, tmp_path
     for k in (None, 1):
         out = tmp_path / f"w{k}.json"
         bt.main(["--device", "cpu", "--preset", "tiny", "--schemes", "step-wise", "--num-tasks", "1", "--max-tokens",
-                 "256", "--microbatch-tokens", "1024", "--iters", "1", "--warmup", "1", "--no-cosine",
+                 "2048", "--samples-per-task", "1", "--microbatch-tokens", "1024", "--iters", "1", "--warmup", "1", "--no-cosine",
                  "--tree-sharing", "within", "--kda-backend", "reference", "--attention-backend", "reference",
                  "--out", str(out)] + ([] if k is None else ["--warmup-trajectories", str(k)]))
         runs[k] = json.loads(out.read_text())["schemes"]["step-wise"]
