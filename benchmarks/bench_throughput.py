@@ -248,23 +248,27 @@ def memory_estimate(p, rows, recompute=None, activations=None):
     else one microbatch's: ``planner.memory.saved_bytes_per_row`` x rows, every layer's activations
     without recomputation, with ``recompute="full"`` each layer's input plus the largest layer's
     activations while its backward runs); ``output`` (the log-prob op at its default chunk,
-    ``planner.memory.output_bytes``); ``total``; and per layer kind its parameter bytes and
-    activation bytes per row (``per_layer``).  The driver's own prediction (``predicted_peak_gib``)
-    adds the same terms.  An estimate to size a run, not a measurement."""
+    ``planner.memory.output_bytes``); ``total`` (``planner.memory.step_peak_bytes``: the weights beside
+    the larger of the activations and the output layer's phase); and per layer kind its parameter bytes
+    and activation bytes per row (``per_layer``).  The driver's own prediction (``predicted_peak_gib``)
+    is the same function of the same terms.  An estimate to size a run, not a measurement."""
     from megatron_harts.ops.logprobs import default_chunk_rows
-    from megatron_harts.planner.memory import ModelShape, output_bytes, saved_bytes_per_row
+    from megatron_harts.planner.memory import ModelShape, output_bytes, saved_bytes_per_row, step_peak_bytes
     c = parameter_counts(p)
     act = activation_bytes_per_row(p)
     kinds = layer_kinds(p)
+    shape = ModelShape.from_preset(dict(p, recompute=recompute))
     if activations is None:
-        activations = rows * saved_bytes_per_row(ModelShape.from_preset(dict(p, recompute=recompute)))
+        activations = rows * saved_bytes_per_row(shape)
     chunk = min(default_chunk_rows(p["vocab"], torch.bfloat16), max(1, rows))
     output = output_bytes(p["hidden"], p["vocab"], 2, chunk, rows)
     weights = BYTES_PER_PARAM * c["total"]
     per_layer = {f"{a}+{m}": {"parameter_bytes": BYTES_PER_PARAM * (c[a] + c[m]),
                               "activation_bytes_per_row": act[a] + act[m]} for a, m in sorted(set(kinds))}
+    total = step_peak_bytes(shape, state_bytes=weights, activation_bytes=int(activations), output=output,
+                            largest_rows=rows)
     return {"parameters": c["total"], "weights_optimizer": weights, "activations": int(activations),
-            "output": output, "total": weights + int(activations) + output, "per_layer": per_layer}
+            "output": output, "total": int(total), "per_layer": per_layer}
 
 
 def driver_model_config(p, forest, microbatch_tokens):

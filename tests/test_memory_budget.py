@@ -135,3 +135,87 @@ def test_export_bytes_by_kind():
     # MLA: rows x (kv latent + rope key); KDA: conv rows x 3 x 8, replay rows x (4 x 8 + 2), states x 2 x 4 x 4
     assert export_bytes(s, 3, 0, 0, 0) == 3 * (4 + 2) * 8
     assert export_bytes(s, 0, 2, 1, 1) == (2 * 24 + 34 + 32) * 8
+
+
+def test_output_bytes_match_the_measured_log_prob_peaks():
+    """The log-prob op's bytes against its peak above start as measured on an H200 at vocabulary
+    163,840, hidden 2304 (bench_logprobs), chunks of 256-4096 rows at 16k and 32k rows: within 4%."""
+    import json
+    import os
+    from megatron_harts.planner.memory import output_bytes
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "scale-h200", "logprobs-h200.json")
+    rec = json.load(open(path))
+    hidden, vocab = 2304, rec["args"]["vocab"]
+    checked = 0
+    for run in rec["runs"]:
+        for v in run["variants"].values():
+            if v["chunk_rows"] is None or v["chunk_rows"] > 4096:
+                continue
+            got = output_bytes(hidden, vocab, 2, v["chunk_rows"], run["rows"]) / GIB
+            assert got == pytest.approx(v["peak_gib_above_start"], rel=0.04), (run["rows"], v["chunk_rows"])
+            checked += 1
+    assert checked == 12
+
+
+SMALL = ModelShape(hidden=8, heads=2, lin_heads=2, lin_head=4, kv_lora=4, qk=3, rope=2, v=5, ffn=8, moe_ffn=4,
+                   shared_ffn=4, experts=4, topk=2, layer_kinds=(("kda", "dense"), ("mla", "moe"), ("mla", "moe")),
+                   element_bytes=2)
+
+
+def test_step_peak_is_the_larger_of_the_backward_and_the_output_phase():
+    from dataclasses import replace
+
+    from megatron_harts.planner.memory import forward_end_bytes_per_row, step_peak_bytes
+    full = replace(SMALL, recompute="full")
+    unit = saved_bytes_per_row(full) - forward_end_bytes_per_row(full)
+    assert forward_end_bytes_per_row(full) == 3 * 8 * 2 and unit > 0
+    # the log-probs run where a recompute unit's backward would: only their excess over it adds
+    assert step_peak_bytes(full, state_bytes=100, activation_bytes=1000, output=10 * unit, largest_rows=10) == 1100
+    assert step_peak_bytes(full, state_bytes=100, activation_bytes=1000, output=10 * unit + 7, largest_rows=10) == 1107
+    # without recomputation the whole graph is alive when the log-probs run
+    assert forward_end_bytes_per_row(SMALL) == graph_bytes_per_row(SMALL)
+    assert step_peak_bytes(SMALL, state_bytes=100, activation_bytes=1000, output=5, largest_rows=10) == 1105
+
+
+def test_attention_bytes_of_key_paths_and_context():
+    from dataclasses import replace
+
+    from megatron_harts.planner.memory import attention_bytes
+    no_mla = replace(SMALL, layer_kinds=(("kda", "dense"),))
+    assert attention_bytes(no_mla, rows=10, context_rows=5, gathered=15) == 0
+    # heads 2, q/k 3 + rope 2 = 5, v 5, W 5; bf16 activations, fp32 sums
+    ctx = 5 * 2 * (5 + 5) * 2
+    kernel = 4 * 15 * 2 * 5 * 2
+    summing = 2 * 15 * 2 * 5 * 2 + 15 * 2 * 5 * 4
+    assert attention_bytes(SMALL, rows=10, context_rows=5, gathered=15) == 2 * ctx + max(kernel, summing)
+    full = replace(SMALL, recompute="full")
+    assert attention_bytes(full, rows=10, context_rows=5, gathered=15) == ctx + max(kernel, summing)
+    # a tree's runs gather ancestors once per run: more gathered keys, more bytes
+    assert attention_bytes(full, rows=10, context_rows=5, gathered=40) > attention_bytes(full, rows=10, context_rows=5,
+                                                                                          gathered=15)
+    # in the plan the running item carries them
+    plan = plan_window_memory([StepItem(10, attention_bytes=77), StepItem(4)], saved_per_row=3, graph_per_row=3)
+    assert plan.predicted_peak_bytes == 30 + 77
+
+
+def test_a_consumer_layout_counts_its_context_and_gathered_keys():
+    """The schedule's memory items: a subtree read beside its producer's rows carries the attention bytes of
+    its context rows and the keys its paths gather; the producer's own layout, of its rows only."""
+    from dataclasses import replace
+
+    from megatron_harts.layout import build_layout
+    from megatron_harts.ops.key_paths import build_key_paths
+    from megatron_harts.planner.memory import attention_bytes
+    from megatron_harts.schedules.windows import _attention_bytes
+    from megatron_harts.tree_data import build_forest, make_trajectory
+    f = build_forest([make_trajectory({"id": f"t{i}", "tokens": [1] * 30 + [2 + i] * (10 + i)}) for i in range(3)])
+    producer = build_layout(f)
+    consumer = build_layout(f, roots=[s for s in range(f.num_segments) if f.seg_parent[s] >= 0], context=producer)
+    assert consumer.num_context_rows == 30
+    full = replace(SMALL, recompute="full")
+    for lay in (producer, consumer):
+        ctx = lay.num_context_rows
+        gathered = build_key_paths(lay.visibility, lay.context_visibility if ctx else None).gathered_keys
+        assert _attention_bytes(full, lay) == attention_bytes(full, rows=lay.num_rows, context_rows=ctx,
+                                                              gathered=gathered) > 0
+    assert _attention_bytes(replace(full, layer_kinds=(("kda", "dense"),)), consumer) == 0

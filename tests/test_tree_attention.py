@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_harts.layout import Visibility, build_layout
-from megatron_harts.ops.key_paths import (FA4_VERSION, build_key_paths, default_kernel, fa4_available, path_attention,
-                                         sequence_key_paths)
+from megatron_harts.ops.key_paths import (FA4_VERSION, build_key_paths, default_kernel, fa4_available,
+                                          gathered_key_count, path_attention, sequence_key_paths)
 from megatron_harts.ops.tree_attention import build_tree_block_mask, tree_attention
 from megatron_harts.tree_data import build_forest, make_trajectory
 from test_forest import trajectory_sets
@@ -290,6 +290,7 @@ def test_key_paths_hold_exactly_the_visible_pairs(trajs, data):
                 got[q_off[g] + i, keys[:lk - (lq - 1 - i)]] = True
         assert torch.equal(got, dense)
         assert paths.pairs == int(dense.sum())
+        assert gathered_key_count(lay.visibility, lay.context_visibility if Rc else None) == paths.gathered_keys
 
 
 def test_key_paths_worth_gathering_rejects_many_short_runs():
@@ -487,3 +488,20 @@ def test_bad_input_names_the_argument():
     x = torch.randn(sub.num_rows, 1, 4)
     with pytest.raises(ValueError, match="context_kv: this layout's rows also see 2 context rows"):
         tree_attention(x, x, x, sub)
+
+
+def test_sum_back_widens_a_chunk_at_a_time_to_the_same_sums(monkeypatch):
+    """The varlen kernels' key/value gradient sum: chunked widening gives the one-shot fp32 sums, bitwise."""
+    from megatron_harts.ops import key_paths as kp
+    g = torch.Generator().manual_seed(0)
+    k_all, v_all = torch.randn(9, 2, 6, dtype=torch.bfloat16), torch.randn(9, 2, 4, dtype=torch.bfloat16)
+    index = torch.randint(0, 9, (23,), generator=g)
+    paths = type("Paths", (), {"key_index": index})()
+    dkg = torch.randn(23, 2, 8, generator=g).to(torch.bfloat16)[..., :6]      # a padded kernel's slice
+    dvg = torch.randn(23, 2, 4, generator=g).to(torch.bfloat16)
+    whole_k = torch.zeros(9, 2, 6).index_add_(0, index, dkg.float()).to(torch.bfloat16)
+    whole_v = torch.zeros(9, 2, 4).index_add_(0, index, dvg.float()).to(torch.bfloat16)
+    monkeypatch.setattr(kp, "SUM_BACK_ROWS", 5)
+    dk, dv = kp._sum_back(k_all, v_all, paths, dkg, dvg)
+    assert dk.dtype == dv.dtype == torch.bfloat16
+    assert torch.equal(dk, whole_k) and torch.equal(dv, whole_v)

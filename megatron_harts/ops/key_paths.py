@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from ..layout import Visibility, host_to_device
 
-__all__ = ["KeyPaths", "build_key_paths", "sequence_key_paths", "path_attention", "KERNELS", "default_kernel",
-           "fa4_available"]
+__all__ = ["KeyPaths", "build_key_paths", "gathered_key_count", "sequence_key_paths", "path_attention", "KERNELS",
+           "default_kernel", "fa4_available"]
 
 KERNELS = ("flash", "fa4", "reference")
 
@@ -180,6 +180,28 @@ def build_key_paths(vis: Visibility, context_visibility: Optional[Visibility] = 
     return _key_paths(q_len, k_len, key_index, R, n_ctx, pairs, device)
 
 
+def gathered_key_count(vis: Visibility, context_visibility: Optional[Visibility] = None) -> int:
+    """How many key rows the varlen kernels gather for ``vis`` (and its context keys), without
+    building the runs: ``build_key_paths(vis, context_visibility).gathered_keys`` for a tree's
+    visibility (one interval per key), since a run gathers exactly the keys its last row sees.
+    Where compaction events give keys several intervals, the same count over the runs of the rows'
+    tree (``build_key_paths`` with ``prev`` also breaks runs at event rows: an estimate there)."""
+    R = vis.num_queries
+    if R == 0:
+        return 0
+    first_end = _host(vis.end)[_host(vis.offsets)[:-1]]      # each row's own first interval
+    rows = np.arange(R, dtype=np.int64)
+    last = np.append(np.flatnonzero(first_end[:-1] <= rows[1:]), R - 1)
+
+    def seeing(v):                                           # intervals over each last row
+        lo, hi = np.sort(_host(v.start)), np.sort(_host(v.end))
+        return np.searchsorted(lo, last, side="right") - np.searchsorted(hi, last, side="right")
+    seen = seeing(vis)
+    if context_visibility is not None:
+        seen = seen + seeing(context_visibility)
+    return int(seen.sum())
+
+
 def _no_runs(n_ctx: int, device) -> KeyPaths:
     z = torch.zeros(1, dtype=torch.int32)
     return KeyPaths(host_to_device(z, device), host_to_device(z.clone(), device),
@@ -320,14 +342,23 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
 
+#: gathered rows whose gradients ``_sum_back`` widens to fp32 at a time
+SUM_BACK_ROWS = 16384
+
+
 def _sum_back(k_all, v_all, paths: KeyPaths, dkg, dvg):
     """Gradients of the gathered keys/values summed onto ``k_all``/``v_all``'s rows in fp32 (a key
-    gathered for several runs gets their sum), in their dtypes."""
-    dk = torch.zeros(k_all.shape, dtype=torch.float32, device=k_all.device)
-    dk.index_add_(0, paths.key_index, dkg.float())
-    dv = torch.zeros(v_all.shape, dtype=torch.float32, device=v_all.device)
-    dv.index_add_(0, paths.key_index, dvg.float())
-    return dk.to(k_all.dtype), dv.to(v_all.dtype)
+    gathered for several runs gets their sum), in their dtypes.  The gathered gradients are widened
+    ``SUM_BACK_ROWS`` rows at a time, so the fp32 transient beside the sums is one chunk's, not all
+    gathered rows' (every row gets the same fp32 terms); keys are summed and narrowed before values."""
+    summed = []
+    for t, g in ((k_all, dkg), (v_all, dvg)):
+        acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+        for a in range(0, g.shape[0], SUM_BACK_ROWS):
+            acc.index_add_(0, paths.key_index[a:a + SUM_BACK_ROWS], g[a:a + SUM_BACK_ROWS].float())
+        summed.append(acc.to(t.dtype))
+        del acc
+    return summed[0], summed[1]
 
 
 class _FlashPaths(torch.autograd.Function):
@@ -360,6 +391,7 @@ class _FlashPaths(torch.autograd.Function):
         dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
             _pad_to(grad, W).contiguous(), qp, kg, vg, out, lse, paths.q_offsets, paths.k_offsets,
             paths.max_q, paths.max_k, 0.0, True, rng, unused, scale=ctx.scale)
+        del kg, vg                                # not alive beside the fp32 sums
         dk, dv = _sum_back(k_all, v_all, paths, dkg[..., :D], dvg[..., :Dv])
         return dq[..., :D], dk, dv, None, None
 
@@ -461,6 +493,7 @@ class _Fa4Paths(torch.autograd.Function):
         dq, dkg, dvg = bwd(q, kg, vg, out, grad.contiguous(), lse, ctx.scale, True, 0.0,
                            cu_seqlens_q=paths.q_offsets, cu_seqlens_k=paths.k_offsets,
                            max_seqlen_q=paths.max_q, max_seqlen_k=paths.max_k)[:3]
+        del kg, vg                                # not alive beside the fp32 sums
         if dkg.shape[1] != k_all.shape[1]:        # heads repeated by _fa4_gather: sum each group back
             dkg = dkg.float().unflatten(1, (k_all.shape[1], -1)).sum(2)
             dvg = dvg.float().unflatten(1, (v_all.shape[1], -1)).sum(2)

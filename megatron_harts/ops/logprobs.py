@@ -57,10 +57,11 @@ def default_chunk_rows(v_local: int, dtype: torch.dtype) -> int:
     ``_CHUNK_ROWS`` (4096), fewer where one chunk's logits in the statistics dtype (fp32, or fp64
     for fp64 inputs) would pass ``_CHUNK_BYTES`` (4 GiB); at least 1.
 
-    What the choice trades: a chunk's forward and backward each hold two [chunk, V_local]
-    statistics-dtype temporaries and two in the inputs' dtype (the GEMM's output before its
-    upcast, the gradient cast back for the GEMMs), so the peak above the inputs grows as
-    chunk x V_local x (2 x 4 + 2 x 2) bytes for bf16, plus what no chunk size changes: the fp32
+    What the choice trades: a chunk's forward and backward hold [chunk, V_local] temporaries in the
+    statistics dtype and in the inputs' dtype (the GEMM's output before its upcast, the gradient
+    cast back for the GEMMs), of which one of each is alive at the peak: the peak above the inputs
+    grows as chunk x V_local x (4 + 2) bytes for bf16 (``planner.memory.output_bytes``, held to the
+    measurement below), plus what no chunk size changes: the fp32
     [V_local, H] weight-gradient accumulator and one [V_local, H] product per chunk, whose
     accumulation costs every chunk a pass over V_local x H.  Each chunk costs four GEMMs (one
     forward, three backward, the first recomputing the logits) whose M dimension is the chunk: too

@@ -7,8 +7,10 @@ Pure Python and numpy (no torch), so a plan can be sized anywhere.  Two parts:
   tensor-parallel size, full recomputation); :func:`activation_bytes_per_row` gives the bytes a row
   keeps for the backward per layer kind, :func:`saved_bytes_per_row` those of a microbatch the step
   runs with the run's recomputation, :func:`graph_bytes_per_row` those of a sharing-window producer
-  that keeps its graph (it runs without recomputation), and :func:`export_bytes` the bytes a
-  producer's exports take.
+  that keeps its graph (it runs without recomputation), :func:`export_bytes` the bytes a
+  producer's exports take, :func:`attention_bytes` what a microbatch's MLA attention over its context
+  and key paths adds, and :func:`output_bytes` the output layer's log-probs, which
+  :func:`step_peak_bytes` sets beside the activations where a layer's backward would run.
   The default memory budget of ``--tree-memory-budget`` is :func:`default_budget_bytes`: the row
   budget times :func:`saved_bytes_per_row`, what expanded training's largest microbatch under the same
   row budget keeps.
@@ -30,7 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["ModelShape", "activation_bytes_per_row", "saved_bytes_per_row", "graph_bytes_per_row", "export_bytes",
-           "default_budget_bytes", "state_bytes_per_parameter", "output_bytes", "StepItem", "WindowMemoryPlan", "plan_window_memory", "GIB"]
+           "forward_end_bytes_per_row", "attention_bytes", "default_budget_bytes", "state_bytes_per_parameter",
+           "output_bytes", "step_peak_bytes", "StepItem", "WindowMemoryPlan", "plan_window_memory", "GIB"]
 
 GIB = 2 ** 30
 
@@ -156,12 +159,59 @@ def state_bytes_per_parameter(element_bytes: int, optimizer_shards: int = 1) -> 
 
 
 def output_bytes(hidden: int, vocab: int, element_bytes: int, chunk_rows: int, rows: int) -> int:
-    """Bytes of the output layer's log-probs at their peak for a microbatch of ``rows`` rows: the output
-    weight's gradient accumulator in the statistics dtype and one chunk's [vocab, hidden] product in the
-    weights' and the statistics dtype, 3 statistics-dtype [chunk_rows, vocab] temporaries, and the
-    final hidden states with their gradient."""
+    """Bytes the output layer's log-probs add at their peak (forward and backward) for a microbatch of
+    ``rows`` rows: the output weight's gradient accumulator and one chunk's weight-gradient product, both
+    [vocab, hidden] in the statistics dtype (fp32 or wider); per chunk row one statistics-dtype and one
+    activation-dtype row of vocab logits; the final hidden states' gradient.  Matches the op's measured
+    peak above its start on an H200 (benchmarks/bench_logprobs.py at vocabulary 163,840, hidden 2304,
+    bf16: benchmarks/results/scale-h200/logprobs-h200.json) within 4% for chunks of 256-4096 rows."""
     f = max(4, element_bytes)
-    return vocab * hidden * (f + element_bytes + f) + 3 * f * chunk_rows * vocab + rows * hidden * element_bytes * 2
+    return vocab * hidden * 2 * f + chunk_rows * vocab * (f + element_bytes) + rows * hidden * element_bytes
+
+
+def forward_end_bytes_per_row(s: ModelShape) -> int:
+    """Bytes a row of a microbatch keeps when its forward ends, before its backward starts: each
+    recompute unit's input with full recomputation, the whole graph without."""
+    if s.recompute != "full":
+        return graph_bytes_per_row(s)
+    units = -(-len(s.layer_kinds) // max(1, int(s.recompute_layers)))
+    return units * -(-s.hidden * s.element_bytes // s.tp)
+
+
+def attention_bytes(s: ModelShape, *, rows: int, context_rows: int, gathered: int) -> int:
+    """Bytes a microbatch's MLA attention holds beyond :func:`activation_bytes_per_row` at the peak of an
+    MLA layer's backward, through the varlen kernels over key paths: ``rows`` query rows,
+    ``context_rows`` keys of a producer or earlier pieces, ``gathered`` key rows the paths gather
+    (``ops.key_paths.gathered_key_count``).  Per MLA layer whose graph is alive (one recompute unit's
+    with full recomputation, every one without) the context keys and values up-projected from the
+    exported latent, heads x (q/k + v); in the layer whose backward runs the larger of the kernel's
+    phase (gathered keys, values and their gradients at its head width W = max(q/k, v):
+    4 x gathered x heads x W) and the summing back (the gathered gradients, 2 x gathered x heads x W,
+    beside the keys' fp32 sums over rows + context rows).  Divided by ``tp``; 0 without MLA layers."""
+    mla = [a == "mla" for a, _ in s.layer_kinds]
+    if not any(mla) or gathered <= 0:
+        return 0
+    if s.recompute == "full":
+        n = max(1, int(s.recompute_layers))
+        alive = max(sum(mla[i:i + n]) for i in range(0, len(mla), n))
+    else:
+        alive = sum(mla)
+    e, f = s.element_bytes, max(4, s.element_bytes)
+    dqk, W = s.qk + s.rope, max(s.qk + s.rope, s.v)
+    context = context_rows * s.heads * (dqk + s.v) * e
+    backward = max(4 * gathered * s.heads * W * e,
+                   2 * gathered * s.heads * W * e + (rows + context_rows) * s.heads * dqk * f)
+    return -(-(alive * context + backward) // s.tp)
+
+
+def step_peak_bytes(s: ModelShape, *, state_bytes: float, activation_bytes: float, output: int,
+                    largest_rows: int) -> float:
+    """A step's predicted peak: the parameter state beside the larger of the activation peak
+    (``activation_bytes``, :func:`plan_window_memory`'s) and the output layer's phase, where the
+    largest microbatch's forward has ended (its :func:`forward_end_bytes_per_row`) and the log-probs
+    run (``output``, :func:`output_bytes`) in place of a recompute unit's backward."""
+    unit = largest_rows * (saved_bytes_per_row(s) - forward_end_bytes_per_row(s))
+    return state_bytes + activation_bytes + max(0.0, float(output) - unit)
 
 
 def default_budget_bytes(s: ModelShape, row_budget: int) -> int:
@@ -175,13 +225,15 @@ class StepItem:
     """One microbatch of a replica's step, in execution order, as the memory plan sees it: ``rows``
     (its layout's rows), ``producer`` (position of the window producer it reads, or None),
     ``export_bytes`` (a window producer's or a read piece's exports, 0 otherwise), ``reads``
-    (positions of the earlier pieces it reads, for pieces of long paths) and ``read_later`` (a piece
-    some later piece reads)."""
+    (positions of the earlier pieces it reads, for pieces of long paths), ``read_later`` (a piece
+    some later piece reads) and ``attention_bytes`` (its MLA attention's bytes beyond the per-row
+    model, :func:`attention_bytes`)."""
     rows: int
     producer: Optional[int] = None
     export_bytes: int = 0
     reads: Tuple[int, ...] = ()
     read_later: bool = False
+    attention_bytes: int = 0
 
 
 @dataclass
@@ -207,7 +259,8 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
     the step's live activation bytes (module docstring).
 
     Phases, in execution order: the run of every item, and after the last consumer of a window its
-    close.  Live bytes of a phase: the running item's ``rows x saved_per_row``; per open window its
+    close.  Live bytes of a phase: the running item's ``rows x saved_per_row`` and its
+    ``attention_bytes``; per open window its
     exports and their gradients (2 x export bytes); a kept producer's graph (``rows x graph_per_row``:
     a kept producer runs without recomputation) from its forward to its close; a recomputed producer's
     ``rows x saved_per_row`` at its close only (it runs again with the run's recomputation), beside its
@@ -240,10 +293,11 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
             close_phase[p] = k
             k += 1
     base = np.zeros(k, dtype=np.float64)
+    attn = [it.attention_bytes for it in items]
     # running microbatches (a producer's run is added with its window below)
     for i, it in enumerate(items):
         if i not in consumers:
-            base[run_phase[i]] += it.rows * saved_per_row
+            base[run_phase[i]] += it.rows * saved_per_row + attn[i]
     # pieces: a read piece's exports are live from its run to its chain's end; at the end the read pieces
     # run again, one at a time (their graphs)
     readers: Dict[int, List[int]] = {}
@@ -269,9 +323,9 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
             if it.read_later:
                 end = chain_end[find(i)]
                 base[run_phase[i] + 1:run_phase[end] + 1] += it.export_bytes
-                rerun[end] = max(rerun.get(end, 0.0), it.rows * saved_per_row)
+                rerun[end] = max(rerun.get(end, 0.0), it.rows * saved_per_row + attn[i])
         for end, g in rerun.items():       # the reruns follow the last piece's run, one at a time
-            base[run_phase[end]] += max(0.0, g - items[end].rows * saved_per_row)
+            base[run_phase[end]] += max(0.0, g - items[end].rows * saved_per_row - attn[end])
     delta: Dict[int, Tuple[int, int, float, float, float]] = {}
     for p in consumers:
         act, ex = items[p].rows * graph_per_row, float(items[p].export_bytes)
@@ -279,9 +333,9 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
         r, c = run_phase[p], close_phase[p]
         # recomputed: a no_grad forward (no more than a microbatch's saved bytes), its exports and their
         # gradients held, at close its forward and backward (the run's recomputation) beside the gradients
-        base[r] += saved + ex
+        base[r] += saved + ex + attn[p]
         base[r + 1:c] += 2 * ex
-        base[c] += saved + ex
+        base[c] += saved + ex + attn[p]
         # kept: its graph from its forward to its close, the exports' values too at its close
         delta[p] = (r, c, max(0.0, act - saved), act, ex)
 

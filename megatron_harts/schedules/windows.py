@@ -59,10 +59,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..layout import host_to_device
+from ..layout import CompactLayout, host_to_device
 from ..models.packed import ExportSpec, TreePackedSeqParams, WindowExports
-from ..planner.memory import (ModelShape, StepItem, WindowMemoryPlan, export_bytes, graph_bytes_per_row,
-                              plan_window_memory, saved_bytes_per_row)
+from ..ops.key_paths import gathered_key_count
+from ..planner.memory import (ModelShape, StepItem, WindowMemoryPlan, attention_bytes, export_bytes,
+                              graph_bytes_per_row, plan_window_memory, saved_bytes_per_row)
 from ..planner.microbatch import replica_windows
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
@@ -479,9 +480,20 @@ def step_memory_plan(mbs: List[WindowedMicrobatch], cfg, *, budget_bytes: Option
         spec = specs.get(i, pieces.specs.get(i))
         ex = 0 if spec is None else export_bytes(shape, *_spec_counts(spec))
         items.append(StepItem(rows=int(mb.layout.num_rows), producer=None if mb.producer is None else int(mb.producer),
-                              export_bytes=ex, reads=tuple(int(r) for r in mb.reads), read_later=i in pieces.readers))
+                              export_bytes=ex, reads=tuple(int(r) for r in mb.reads), read_later=i in pieces.readers,
+                              attention_bytes=_attention_bytes(shape, mb.layout)))
     return plan_window_memory(items, saved_per_row=saved_bytes_per_row(shape), graph_per_row=graph_bytes_per_row(shape),
                               budget_bytes=budget_bytes, force=force, recompute=recompute)
+
+
+def _attention_bytes(shape: ModelShape, layout) -> int:
+    """``planner.memory.attention_bytes`` of a microbatch: a tree layout's rows read over key paths
+    (with its context rows); expanded rows attend within their sequences (no gathered keys)."""
+    if not isinstance(layout, CompactLayout) or not any(a == "mla" for a, _ in shape.layer_kinds):
+        return 0
+    ctx = int(layout.num_context_rows)
+    gathered = gathered_key_count(layout.visibility, layout.context_visibility if ctx else None)
+    return attention_bytes(shape, rows=int(layout.num_rows), context_rows=ctx, gathered=gathered)
 
 
 def forward_backward_windows(*, forward_step_func, data_iterator, model, num_microbatches: int,

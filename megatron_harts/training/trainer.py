@@ -216,19 +216,19 @@ class Trainer:
                 else self.default_memory_budget_bytes
 
     def predicted_peak_bytes(self, window_stats: Dict[str, Any]) -> Optional[float]:
-        """This rank's predicted peak of a step: parameter state, the output layer's log-probs at the
-        largest microbatch and the schedule's predicted live activations (None where the schedule
-        predicts none: the pipeline schedules)."""
+        """This rank's predicted peak of a step (``planner.memory.step_peak_bytes``): parameter state
+        beside the larger of the schedule's predicted live activations and the output layer's log-probs
+        at the largest microbatch (None where the schedule predicts none: the pipeline schedules)."""
         act = window_stats.get("predicted_peak_bytes")
         if act is None:
             return None
         from ..ops.logprobs import default_chunk_rows
-        from ..planner.memory import output_bytes
+        from ..planner.memory import output_bytes, step_peak_bytes
         s = self.memory_shape
         chunk = self.config.logprob_chunk_rows or default_chunk_rows(self.vocab_size // s.tp, self.config.params_dtype)
         rows = int(window_stats.get("largest_microbatch_rows", 0))
         out = output_bytes(s.hidden, self.vocab_size // s.tp, s.element_bytes, min(chunk, rows), rows)
-        return self._state_bytes + out + act
+        return step_peak_bytes(s, state_bytes=self._state_bytes, activation_bytes=act, output=out, largest_rows=rows)
 
     def _enter_parallel_state(self) -> None:
         a = self.args
