@@ -30,7 +30,7 @@
 #               one rollout of 64k- / 128k-token trajectories per scheme at preset kimi48b-layers / h200 (Tree-Step:
 #               up to 6 leaves, forks of 2 at several turns), in
 #               pieces of at most 32k rows, within against expanded; warm-up steps train the batch's longest
-#               trajectory only (--warmup-trajectories 1: an expanded 128k step takes minutes); STAGE@SCHEME
+#               trajectory and one forking from it (--warmup-trajectories 1: an expanded 128k step takes minutes); STAGE@SCHEME
 #               (e.g. kimi-128k@tree-step) runs one scheme only; MB=16384 sets the kimi stages' microbatch rows
 #   gpu-check   a quick look before long stages: the GPU tests of the KDA short convolution's kernels
 #               (tests/test_path_conv.py) and one tiny-preset step per mode through the driver on the GPU
