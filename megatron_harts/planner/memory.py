@@ -126,11 +126,13 @@ def saved_bytes_per_row(s: ModelShape) -> int:
     if s.recompute != "full":
         return graph_bytes_per_row(s)
     act = activation_bytes_per_row(s)
-    layer = [act[a] + act[m] for a, m in s.layer_kinds]
+    return forward_end_bytes_per_row(s) + _largest_unit(s, [act[a] + act[m] for a, m in s.layer_kinds])
+
+
+def _largest_unit(s: ModelShape, per_layer: Sequence[int]) -> int:
+    """The largest sum of ``per_layer`` over one recompute unit (``recompute_layers`` consecutive layers)."""
     n = max(1, int(s.recompute_layers))
-    units = -(-len(layer) // n)
-    unit = max((sum(layer[i:i + n]) for i in range(0, len(layer), n)), default=0)
-    return units * -(-s.hidden * s.element_bytes // s.tp) + unit
+    return max((sum(per_layer[i:i + n]) for i in range(0, len(per_layer), n)), default=0)
 
 
 def export_bytes(s: ModelShape, rows: int, conv_rows: int, replay_rows: int, states: int) -> int:
@@ -191,11 +193,7 @@ def attention_bytes(s: ModelShape, *, rows: int, context_rows: int, gathered: in
     mla = [a == "mla" for a, _ in s.layer_kinds]
     if not any(mla) or gathered <= 0:
         return 0
-    if s.recompute == "full":
-        n = max(1, int(s.recompute_layers))
-        alive = max(sum(mla[i:i + n]) for i in range(0, len(mla), n))
-    else:
-        alive = sum(mla)
+    alive = _largest_unit(s, mla) if s.recompute == "full" else sum(mla)
     e, f = s.element_bytes, max(4, s.element_bytes)
     dqk, W = s.qk + s.rope, max(s.qk + s.rope, s.v)
     context = context_rows * s.heads * (dqk + s.v) * e
