@@ -501,7 +501,7 @@ def test_sum_back_widens_a_chunk_at_a_time_to_the_same_sums(monkeypatch):
     dvg = torch.randn(23, 2, 4, generator=g).to(torch.bfloat16)
     whole_k = torch.zeros(9, 2, 6).index_add_(0, index, dkg.float()).to(torch.bfloat16)
     whole_v = torch.zeros(9, 2, 4).index_add_(0, index, dvg.float()).to(torch.bfloat16)
-    monkeypatch.setattr(kp, "SUM_BACK_ROWS", 5)
+    monkeypatch.setattr(kp, "SUM_BACK_BYTES", 5 * 2 * 6 * 4)          # 5 key rows, 3 value rows a chunk
     dk, dv = kp._sum_back(k_all, v_all, paths, dkg, dvg)
     assert dk.dtype == dv.dtype == torch.bfloat16
     assert torch.equal(dk, whole_k) and torch.equal(dv, whole_v)

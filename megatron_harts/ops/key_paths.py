@@ -342,20 +342,22 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
 
-#: gathered rows whose gradients ``_sum_back`` widens to fp32 at a time
-SUM_BACK_ROWS = 16384
+#: bytes of gathered gradients ``_sum_back`` widens to fp32 at a time
+SUM_BACK_BYTES = 1 << 30
 
 
 def _sum_back(k_all, v_all, paths: KeyPaths, dkg, dvg):
     """Gradients of the gathered keys/values summed onto ``k_all``/``v_all``'s rows in fp32 (a key
     gathered for several runs gets their sum), in their dtypes.  The gathered gradients are widened
-    ``SUM_BACK_ROWS`` rows at a time, so the fp32 transient beside the sums is one chunk's, not all
-    gathered rows' (every row gets the same fp32 terms); keys are summed and narrowed before values."""
+    in chunks of at most ``SUM_BACK_BYTES`` fp32 bytes (one chunk for all but long paths: few
+    launches), so the fp32 transient beside the sums is bounded, not all gathered rows' (every row
+    gets the same fp32 terms); keys are summed and narrowed before values."""
     summed = []
     for t, g in ((k_all, dkg), (v_all, dvg)):
         acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-        for a in range(0, g.shape[0], SUM_BACK_ROWS):
-            acc.index_add_(0, paths.key_index[a:a + SUM_BACK_ROWS], g[a:a + SUM_BACK_ROWS].float())
+        step = max(1, SUM_BACK_BYTES // (4 * max(1, g[0].numel()))) if g.shape[0] else 1
+        for a in range(0, g.shape[0], step):
+            acc.index_add_(0, paths.key_index[a:a + step], g[a:a + step].float())
         summed.append(acc.to(t.dtype))
         del acc
     return summed[0], summed[1]

@@ -189,7 +189,8 @@ def attention_bytes(s: ModelShape, *, rows: int, context_rows: int, gathered: in
     exported latent, heads x (q/k + v); in the layer whose backward runs the larger of the kernel's
     phase (gathered keys, values and their gradients at its head width W = max(q/k, v):
     4 x gathered x heads x W) and the summing back (the gathered gradients, 2 x gathered x heads x W,
-    beside the keys' fp32 sums over rows + context rows).  Divided by ``tp``; 0 without MLA layers."""
+    beside the keys' fp32 sums over rows + context rows; the chunk being widened, at most 1 GiB, is left
+    out).  Divided by ``tp``; 0 without MLA layers."""
     mla = [a == "mla" for a, _ in s.layer_kinds]
     if not any(mla) or gathered <= 0:
         return 0
