@@ -990,11 +990,6 @@ class ExpandedBatch(_RowsAndTargets):
     visibility: Optional[Visibility] = None
 
     @property
-    def num_context_rows(self) -> int:
-        """Expanded rows attend within their own sequence: no context rows (:class:`CompactLayout`'s)."""
-        return 0
-
-    @property
     def num_trajectories(self) -> int:
         return len(self.lengths)
 
