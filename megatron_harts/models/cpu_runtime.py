@@ -179,9 +179,8 @@ def _start_world(backend: str) -> bool:
     """Create a world of one process unless one exists; returns whether this call created it."""
     if dist.is_initialized():
         return False
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group(backend, rank=0, world_size=1)
+    # an in-process store: no port to race for, nothing written into the process's environment
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
 
 

@@ -68,8 +68,8 @@ def _init_world(backend: str, timeout_minutes: int) -> bool:
         return False
     from datetime import timedelta
     if "RANK" not in os.environ or ("MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1"):
-        # no launcher: a world of one over an in-process store, no port to race for
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        # no launcher: a world of one over an in-process store, no port to race for (and nothing
+        # written into the host process's environment)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(minutes=timeout_minutes))
         return True
