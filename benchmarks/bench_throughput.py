@@ -41,6 +41,10 @@ every layer recomputed in the backward; ``memory_estimate`` sizes it) and ``tiny
 ``--branch-factor`` set where a Tree-Step rollout forks), and ``--plan-only`` prints
 each mode's rows, pairs, model FLOPs and estimated peak memory without training.
 
+``--peer`` trains the same batch with the peer baseline, transformers' Kimi-Linear trajectory by
+trajectory with its fastest kernels (``peer_hf.py``), and reports every mode's tokens/s over its
+(``tokens_per_s_over_peer``).
+
 Targets: speedup >= 0.8 x compression; Step-wise >= 7x and Tree-Step >= 3.9x at the
 paper's compression levels; logit cosine >= 0.9997; tree-mode peak memory <= expanded.
 
@@ -57,6 +61,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # benchmarks/: peer_hf
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -727,6 +732,21 @@ def logit_cosine(argv, forest, device, max_tokens: int = 8192):
                                         "expanded_tokens": int(one.traj_length.sum())}}
 
 
+def peer_row(p, forest, a, warm) -> dict:
+    """The peer baseline (benchmarks/peer_hf.py) on the scheme's batch: same shapes, dtype, iterations
+    and warm-up as our modes."""
+    import peer_hf
+    release_memory(a.device)
+    cfg = driver_model_config(p, forest, a.microbatch_tokens)
+    res = peer_hf.run_peer(cfg, p["vocab"], forest, a.iters, a.warmup, a.device,
+                           dtype=torch.bfloat16 if a.device == "cuda" else torch.float32,
+                           recompute=p.get("recompute") is not None, triton_max_configs=a.peer_triton_max_configs,
+                           warm=warm)
+    print(f"peer (transformers, {res['implementation']}): {res['step_seconds']:.3f} s/step, "
+          f"{res['trajectory_tokens_per_s']:.0f} trajectory tokens/s, peak {res['peak_memory_gib']} GiB", flush=True)
+    return res
+
+
 def release_memory(device) -> float:
     """Free what the last mode left (collected objects, cached blocks); GiB still allocated after."""
     import gc
@@ -842,6 +862,13 @@ def main(argv=None):
     ap.add_argument("--memory-profile", action="store_true",
                     help="one extra step of every mode under the CUDA allocator's history: the bytes alive "
                          "at the step's peak by allocation site (innermost project frames), into the results JSON")
+    ap.add_argument("--peer", action="store_true",
+                    help="also train the batch with the peer baseline (benchmarks/peer_hf.py: transformers' "
+                         "Kimi-Linear, trajectory by trajectory, its fastest kernels) and report our modes' "
+                         "tokens/s over its")
+    ap.add_argument("--peer-triton-max-configs", type=int, default=1, metavar="N",
+                    help="with --peer: Triton autotuning configurations per kernel for the peer (default 1, as "
+                         "the benchmark's own runs usually pass --tree-triton-max-configs 1)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/throughput-<time>.json)")
     ap.add_argument("--json", action="store_true", help="print the results JSON")
     a = ap.parse_args(argv)
@@ -968,6 +995,11 @@ def main(argv=None):
                         f.write(f"  {cat:>14}: {v['seconds']:.3f} s, {v['launches']} launches\n")
                     f.write(tables + "\n")
         exp = row["expanded"]
+        if a.peer:
+            row["peer_transformers"] = peer_row(p, forest, a, warm)
+            for k in [k for k in row if k.startswith("tree_")] + ["expanded"]:
+                row[k]["tokens_per_s_over_peer"] = row[k]["trajectory_tokens_per_s"] \
+                    / row["peer_transformers"]["trajectory_tokens_per_s"]
         for k in [k for k in row if k.startswith("tree_")] + ["expanded"]:
             print(f"{scheme} {k}: {row[k]['step_seconds']:.3f} s/step, {row[k]['trajectory_tokens_per_s']:.0f} "
                   f"trajectory tokens/s, MFU {row[k]['mfu']}, {row[k]['model_tflops_per_s']:.1f} model TFLOP/s, "

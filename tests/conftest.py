@@ -1,5 +1,14 @@
-"""Shared fixtures of the test suite."""
+"""Shared fixtures of the test suite, the environment guard and ``--shuffle``.
+
+- Every test must leave ``os.environ`` as it found it (library code never writes it; a test that
+  needs a variable uses ``monkeypatch.setenv``): a test that changes it fails, naming the
+  variables, and the environment is restored for the tests after it.
+- ``--shuffle SEED`` runs the files in a seeded random order and each file's tests in a seeded
+  random order (a file's tests stay together, so its module fixtures are built once): the suite
+  must pass in any order.
+"""
 import os
+import random
 
 import pytest
 import torch
@@ -26,3 +35,49 @@ def cpu_world():
     with megatron_cpu():
         yield
     patches.undo()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shuffle", type=int, default=None, metavar="SEED",
+                     help="run the test files, and each file's tests, in a random order seeded by SEED")
+
+
+def pytest_report_header(config):
+    seed = config.getoption("--shuffle")
+    return None if seed is None else f"shuffled order: --shuffle {seed}"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    seed = config.getoption("--shuffle")
+    if seed is None:
+        return
+    rng = random.Random(seed)
+    by_file = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    files = list(by_file)
+    rng.shuffle(files)
+    items[:] = []
+    for f in files:
+        tests = by_file[f]
+        rng.shuffle(tests)
+        items.extend(tests)
+
+
+@pytest.fixture(autouse=True)
+def _environment_unchanged():
+    """Fails a test that leaves ``os.environ`` changed, and restores it for the next test."""
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    for phase in ("PYTEST_CURRENT_TEST",):        # pytest's own, set anew in each phase of a test
+        before.pop(phase, None)
+        after.pop(phase, None)
+    if after != before:
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        for k in changed:
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                os.environ.pop(k, None)
+        pytest.fail(f"the test changed os.environ: {', '.join(changed)}", pytrace=False)

@@ -43,9 +43,14 @@ def test_tiny_cpu_run_records_losses_norms_and_gradient_fidelity(bt, tmp_path):
     out = tmp_path / "t.json"
     bt.main(["--device", "cpu", "--preset", "tiny", "--schemes", "step-wise", "--num-tasks", "1",
              "--max-tokens", "256", "--microbatch-tokens", "1024", "--iters", "1", "--tree-sharing", "within",
-             "--kda-backend", "reference", "--attention-backend", "reference", "--out", str(out)])
+             "--kda-backend", "reference", "--attention-backend", "reference", "--peer", "--out", str(out)])
     row = json.loads(out.read_text())["schemes"]["step-wise"]
     tree, exp = row["tree_within"], row["expanded"]
+    peer = row["peer_transformers"]                 # the peer trained the same batch, from its own weights
+    assert peer["rows_computed"] == exp["rows_computed"] and len(peer["loss_per_step"]) == 2
+    assert peer["implementation"]["experts"] == "eager"
+    for m in (tree, exp):
+        assert m["tokens_per_s_over_peer"] == m["trajectory_tokens_per_s"] / peer["trajectory_tokens_per_s"]
     for m in (tree, exp):
         assert len(m["loss_per_step"]) == len(m["grad_norm_per_step"]) == 2
         assert all(g > 0 for g in m["grad_norm_per_step"])

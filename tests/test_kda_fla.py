@@ -14,7 +14,8 @@ scripts/device_check_kda_fla.sh runs them on the GPU machine.  What they hold:
 (d) bf16: finite, tree mode as close to the fp32 oracle as expanded mode (figures reported).
 
 fp32 agreement needs ``TRITON_F32_DEFAULT=ieee`` before any Triton kernel compiles (Triton's
-default computes fp32 dot products in tf32); set here for this process when unset.  Figures
+default computes fp32 dot products in tf32); the ``gpu`` fixture sets it for this module's tests
+when unset.  Figures
 go to the JSON-lines file named by ``KDA_FLA_REPORT`` when set.  CPU-only: the kernel test
 also runs under Triton's interpreter when Triton is installed (skipped otherwise), and the
 argument checks run everywhere.
@@ -25,11 +26,9 @@ import subprocess
 import sys
 import textwrap
 
-os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
 from megatron_harts.layout import build_layout  # noqa: E402
 from megatron_harts.ops.kda_fla import CHUNK, kda_fla, kda_fla_varlen  # noqa: E402
@@ -64,7 +63,10 @@ def gpu():
         pytest.skip("fla-core 0.6.0 is not importable here")
     get_kda_backend("fla")
     _limit_autotuning()
-    return torch.device("cuda")
+    with pytest.MonkeyPatch.context() as mp:
+        if not os.environ.get("TRITON_F32_DEFAULT"):
+            mp.setenv("TRITON_F32_DEFAULT", "ieee")
+        yield torch.device("cuda")
 
 
 def report(name, **figures):

@@ -49,3 +49,22 @@ def test_close_releases_model_and_optimizer(monkeypatch):
         alive = {k: sum(r() is not None for r in v) for k, v in refs.items()}
         assert not any(alive.values()), f"still alive after close() (of {({k: len(v) for k, v in refs.items()})}): {alive}"
     assert first.iteration == 1 and first.model is None and first.optimizer is None
+
+
+def test_embedded_trainer_leaves_the_process_environment_unchanged(monkeypatch):
+    """An RL framework embeds ``Trainer`` in its own process (no launcher): building it, stepping it
+    and closing it write nothing into ``os.environ`` (its subprocesses and later runs would inherit
+    it).  The launcher's variables are removed first, so the world of one is made here."""
+    import os
+
+    from megatron_harts.training.trainer import Trainer
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    before = dict(os.environ)
+    t = Trainer.from_args(_flags())
+    assert dict(os.environ) == before, "from_args changed the environment"
+    t.step(rollouts()[:2])
+    assert dict(os.environ) == before, "step changed the environment"
+    t.close()
+    after = dict(os.environ)
+    assert after == before, sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))

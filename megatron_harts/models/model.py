@@ -91,6 +91,11 @@ def validate_config(config: HybridConfig) -> None:
 class HybridModel(GPTModel):
     """GPTModel with the hybrid block; forward returns pair log-probs or logits (module docstring)."""
 
+    def _set_attention_backend(self):
+        """Nothing to set: megatron's LanguageModule writes Transformer Engine's NVTE_*_ATTN
+        variables into the process environment here, to steer TE's attention, which this model never
+        runs (its MLA and KDA cores are its own); an embedding process keeps its environment."""
+
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
                 labels=None, packed_seq_params=None, pair_row: Optional[torch.Tensor] = None,

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import warnings
 from typing import Optional, Sequence
+
+import numpy as np
 
 from ..cli import CliError, run
 
@@ -32,6 +35,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .data import LoaderError
     from .trainer import Trainer, TrainingError
     args = parse_args(argv)
+    # the driver owns its process: Python's and numpy's RNGs are seeded too (Trainer seeds torch's)
+    random.seed(args.seed)
+    np.random.seed(args.seed % 2**32)
     try:
         with Trainer(args) as trainer:
             trainer.train()

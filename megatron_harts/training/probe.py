@@ -181,7 +181,7 @@ def load_probe(directory: str) -> Dict[Tuple[Any, int], torch.Tensor]:
     tp_size = None
     for f in files:
         try:
-            d = torch.load(f, map_location="cpu", weights_only=False)
+            d = torch.load(f, map_location="cpu", weights_only=True)
             keys, logits, tp_rank, size = d["keys"], d["logits"], int(d["tp_rank"]), int(d["tp_size"])
         except Exception as e:      # a truncated or foreign file: name it
             raise ProbeError(f"{f}: not a probe file ({type(e).__name__}: {e})") from None
