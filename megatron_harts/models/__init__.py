@@ -14,9 +14,7 @@ Public API:
   :func:`~.hf_convert.load_hf_checkpoint` / :func:`~.hf_convert.save_hf_checkpoint` (transformers
   directories, stored dtypes kept), :func:`~.hf_convert.shard_for_tp` / :func:`~.hf_convert.merge_tp_shards`
   (tools/convert_hf_checkpoint.py).
-- fidelity.py: tree vs expanded (and transformers) comparison behind tools/verify_fidelity.py.
-- cpu_runtime.py: :func:`~.cpu_runtime.megatron_cpu_runtime`, a single-process megatron-core world on
-  CPU as an explicit context manager (tools and the test shim; nothing is applied at import).
+- tree/expanded comparison and the CPU megatron world live in ``megatron_harts.testing``.
 
 Call ``megatron_harts.patches.apply()`` before building (megatron-core 0.16.1 without TE).
 
