@@ -9,7 +9,8 @@ window mechanics (a producer records its exports, a consumer reads them, a recom
 carries its exports' gradients back through ``attach_injected``).
 
 Where a mode is decided: :func:`row_mode`, from the packed-sequence params the layer receives (the
-one function that reads ``packed_seq_params.mode``; the MoE layer asks it too).  Its answer:
+one place the model's modules read ``packed_seq_params.mode`` and its window roles;
+``HybridTransformerLayer`` asks it too, for the MoE statistics).  Its answer:
 
 - ``tree``: the rows are a ``CompactLayout``'s ([R, 1, h], plus ``pad_rows`` padding rows
   after them that get zero outputs), with two independent roles:
