@@ -18,7 +18,7 @@ evicted keys left out; the KDA chunk algorithm's core; the output layer at the v
 rows that carry targets), MFU (model FLOPs / (time x bf16 peak)), and the speedup; plus, for tree mode,
 KDA calls per layer of the HARTS call plan vs per-depth bucketing (``planner.baselines``) over
 the step's whole forest, and the logit cosine between tree and expanded mode on a sample of one
-tree at the initial weights (``models.fidelity``).  ``--kda-call-plans per-depth node-wise`` adds
+tree at the initial weights (``testing.fidelity``).  ``--kda-call-plans per-depth node-wise`` adds
 the ablations: the same tree step (``within``) with per-depth bucketing's and node-wise KDA
 calls instead of HARTS' plan.  ``--profile FILE`` profiles one more step of every mode: wall
 time against GPU kernel time (a GPU waiting for the host shows as wall >> kernels), kernel time
@@ -700,18 +700,18 @@ def cosine_sample(forest, max_tokens: int):
 
 
 def logit_cosine(argv, forest, device, max_tokens: int = 8192):
-    """Logit cosines on ``cosine_sample`` at the initial weights (``models.fidelity.run_bf16``):
+    """Logit cosines on ``cosine_sample`` at the initial weights (``testing.fidelity.run_bf16``):
     tree vs expanded in the run's dtype (``logit_cosine``), and each of them against the fp32
     oracle, expanded mode on an fp32 copy of the same weights (``logit_cosine_tree_vs_fp32``,
     ``logit_cosine_expanded_vs_fp32``): bf16 rounding's own size, which tree mode should match;
-    also each mode's gradients and log-probs against the oracle's (``models.fidelity.bf16_verdict``):
+    also each mode's gradients and log-probs against the oracle's (``testing.fidelity.bf16_verdict``):
     the largest relative gradient difference, its tensor, ``sign_step_alignment`` (how much of the
     first Adam step's first-order loss decrease the mode's gradients keep), the mean log-prob
     difference, and the bf16 rule's thresholds and verdict (``bf16_rule_failed``: empty = met); and
-    where the bf16 rounding grows (``bf16_per_layer``, ``models.fidelity.layer_errors``: per decoder
+    where the bf16 rounding grows (``bf16_per_layer``, ``testing.fidelity.layer_errors``: per decoder
     layer, each mode's relative error against the oracle and its MoE routing flips)."""
     from megatron_harts.layout import build_layout
-    from megatron_harts.models.fidelity import bf16_verdict, layer_errors, logit_cosine as cosine, run_bf16
+    from megatron_harts.testing.fidelity import bf16_verdict, layer_errors, logit_cosine as cosine, run_bf16
     from megatron_harts.training.trainer import Trainer
     one = cosine_sample(forest, max_tokens)
     with Trainer.from_args(argv) as t:
@@ -721,7 +721,7 @@ def logit_cosine(argv, forest, device, max_tokens: int = 8192):
         v = bf16_verdict(a, b, oracle)
         grads = {f"{m}_{who}_vs_fp32": v[f"{m}_{who}_vs_fp32"] for who in ("tree", "expanded")
                  for m in ("max_grad_rel_diff", "worst_grad", "sign_step_alignment", "mean_logprob_abs_diff")}
-        # the bf16 rule (models.fidelity): tree mode within a factor of expanded mode's own distance to fp32
+        # the bf16 rule (testing.fidelity): tree mode within a factor of expanded mode's own distance to fp32
         grads.update({k: v[k] for k in ("bf16_min_logit_cosine", "bf16_max_mean_logprob_abs_diff", "tolerance")})
         grads["bf16_rule_failed"] = v["failed"]
         grads["bf16_per_layer"] = layer_errors(model, one, lay, t.config, device=device)

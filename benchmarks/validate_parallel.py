@@ -29,7 +29,7 @@ no two packings of one batch give the same loss (docs/design.md invariant 1).
 With a bf16 or fp32 model the ``expanded`` run also probes an upcast copy of the initial weights
 (``--tree-logit-probe-oracle``: fp32 for bf16, fp64 for fp32, plain-torch kernels): each run's
 iteration-0 logits against it give the size of its own rounding, and tree mode meets the bf16 rule
-of models/fidelity.py when its deficit is at most 1.5x expanded mode's (+1e-6).  On one device an
+of testing/fidelity.py when its deficit is at most 1.5x expanded mode's (+1e-6).  On one device an
 expanded rerun's forward is bitwise identical (deficit 0), so the rerun baseline alone measures
 training-time nondeterminism, not the rounding that tree mode's different evaluation order brings.
 With top-k MoE routing that rounding is not small everywhere: a token whose k-th and (k+1)-th
@@ -59,7 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_harts.cli import ArgumentParser, CliError, run  # noqa: E402
-from megatron_harts.models.fidelity import BF16_COSINE_FACTOR, BF16_COSINE_FLOOR  # noqa: E402
+from megatron_harts.testing.fidelity import BF16_COSINE_FACTOR, BF16_COSINE_FLOOR  # noqa: E402
 from megatron_harts.training.compare import ProbeError, compare_runs, read_report, throughput  # noqa: E402
 from megatron_harts.training.probe import ORACLE_DIR, compare_probes  # noqa: E402
 

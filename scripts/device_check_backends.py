@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Which GPU fast path moves tree mode away from expanded mode?  Tree vs expanded on the same
-weights (``models.fidelity.run_tree`` / ``run_expanded``) for every combination of KDA backend
+weights (``testing.fidelity.run_tree`` / ``run_expanded``) for every combination of KDA backend
 (reference, fla), MoE experts (grouped GEMM on / off) and tree attention (sdpa, flex, varlen), in one
 dtype; prints the logit cosine and the largest per-target log-prob difference of each.
 Usage: python3 scripts/device_check_backends.py [--dtype bf16|fp32] [--device cuda|cpu]
@@ -24,9 +24,9 @@ def main():
     a = ap.parse_args()
     from megatron_harts import patches
     from megatron_harts.layout import build_layout
-    from megatron_harts.models.cpu_runtime import single_process_megatron
+    from megatron_harts.testing.cpu_runtime import single_process_megatron
     from megatron_harts.models.experts import GroupedSequentialMLP
-    from megatron_harts.models.fidelity import (logit_cosine, preset_config, randomize_parameters, run_expanded,
+    from megatron_harts.testing.fidelity import (logit_cosine, preset_config, randomize_parameters, run_expanded,
                                                 run_tree)
     from megatron_harts.models.model import build_hybrid_model
     from megatron_harts.tree_data import build_forest

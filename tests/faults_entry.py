@@ -213,7 +213,7 @@ def launch(flags: Sequence[str], log: str, *, nproc: int = 1, env: Optional[Dict
            timeout: float = 120.0) -> Job:
     """``nproc`` ranks of the driver started directly (RANK/WORLD_SIZE as torchrun sets them), all in
     one new process group, so that a kill at an injected point takes the whole job down at once."""
-    from megatron_harts.models.cpu_runtime import free_port
+    from megatron_harts.testing.cpu_runtime import free_port
     port = str(free_port())
     procs: List[subprocess.Popen] = []
     files = []
@@ -250,7 +250,7 @@ def launch(flags: Sequence[str], log: str, *, nproc: int = 1, env: Optional[Dict
 def launch_torchrun(flags: Sequence[str], log: str, *, nproc: int = 2, env: Optional[Dict[str, str]] = None):
     """torchrun (``python -m torch.distributed.run``) running the driver, started in its own session:
     the ``subprocess.Popen`` (output to ``log``); the caller waits and calls ``kill_tree``."""
-    from megatron_harts.models.cpu_runtime import free_port
+    from megatron_harts.testing.cpu_runtime import free_port
     f = open(log, "w")
     try:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

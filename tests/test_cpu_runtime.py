@@ -1,4 +1,4 @@
-"""The CPU shim for megatron-core (models/cpu_runtime.py): what it redirects works like the CUDA
+"""The CPU shim for megatron-core (testing/cpu_runtime.py): what it redirects works like the CUDA
 original where libraries use it, and everything is restored on exit."""
 import numpy as np
 import torch

@@ -1,4 +1,4 @@
-"""The transformers oracle (models/fidelity.py: hf_logprobs, eviction_mask, kimi_linear_torch_path):
+"""The transformers oracle (testing/fidelity.py: hf_logprobs, eviction_mask, kimi_linear_torch_path):
 with compaction events, evicted keys leave the MLA layers' attention only (KDA layers and their
 convolutions see everything); on the CPU it runs transformers' torch code whatever kernels import."""
 import contextlib
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_harts.models.fidelity import KIMI_LINEAR_MODELING, eviction_mask, hf_logprobs, kimi_linear_torch_path
+from megatron_harts.testing.fidelity import KIMI_LINEAR_MODELING, eviction_mask, hf_logprobs, kimi_linear_torch_path
 from megatron_harts.models.hf_convert import kimi_linear_hf_config
 
 from hybrid_tiny import VOCAB, tiny_config

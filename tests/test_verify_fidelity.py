@@ -1,11 +1,11 @@
-"""tools/verify_fidelity.py and megatron_harts/models/fidelity.py: tree vs expanded vs transformers."""
+"""tools/verify_fidelity.py and megatron_harts/testing/fidelity.py: tree vs expanded vs transformers."""
 import json
 
 import pytest
 import torch
 
-from megatron_harts.models import fidelity
-from megatron_harts.models.fidelity import ModeRun, bf16_verdict, fidelity_report, pg_loss
+from megatron_harts.testing import fidelity
+from megatron_harts.testing.fidelity import ModeRun, bf16_verdict, fidelity_report, pg_loss
 
 from tool_runner import assert_one_error, load_tool, run_tool
 
@@ -216,7 +216,7 @@ def test_layer_errors_of_an_fp32_model_are_rounding_only():
     import megatron_harts.patches as patches
     from megatron_harts.layout import build_layout
     from megatron_harts.models import build_hybrid_model
-    from megatron_harts.models.cpu_runtime import single_process_megatron
+    from megatron_harts.testing.cpu_runtime import single_process_megatron
     from megatron_harts.tree_data import build_forest
     forest = build_forest(TOOL.synthetic_trajectories(32, 0))
     cfg, vocab = fidelity.preset_config("tiny", torch.float32)
@@ -329,7 +329,7 @@ def test_expert_bias_counts_without_torch_compile():
     import megatron_harts.patches as patches
     from megatron_harts.layout import build_layout
     from megatron_harts.models import build_hybrid_model
-    from megatron_harts.models.cpu_runtime import single_process_megatron
+    from megatron_harts.testing.cpu_runtime import single_process_megatron
     from megatron_harts.models.router import HybridRouter
     from megatron_harts.tree_data import build_forest
     assert not hasattr(HybridRouter._apply_expert_bias, "_torchdynamo_orig_callable")

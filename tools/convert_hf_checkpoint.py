@@ -99,7 +99,7 @@ def _skeleton(hf_cfg, params_dtype):
 def hf_to_megatron_dir(args, tmp):
     import torch
     from megatron_harts.models import hf_convert as hc
-    from megatron_harts.models.cpu_runtime import megatron_cpu_runtime
+    from megatron_harts.testing.cpu_runtime import megatron_cpu_runtime
 
     dtype = _torch_dtype(args.dtype)
     raw, hf_state = hc.load_hf_checkpoint(args.input)
@@ -169,7 +169,7 @@ def _iteration_dir(path):
 def megatron_to_hf_dir(args, tmp):
     import torch
     from megatron_harts.models import hf_convert as hc
-    from megatron_harts.models.cpu_runtime import megatron_cpu_runtime
+    from megatron_harts.testing.cpu_runtime import megatron_cpu_runtime
 
     it_dir = _iteration_dir(args.input)
     cfg_path = os.path.join(args.input, HF_CONFIG_COPY)

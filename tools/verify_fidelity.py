@@ -7,7 +7,7 @@ reads trajectories (--input FILE, JSONL/Parquet) or generates a small SWE-like s
 the repo's generator scaled to the model's vocabulary), runs expanded mode and tree mode, and
 reports per-target log-prob (max, mean, median and the number of targets over the tolerance, for
 every comparison), RL-loss, gradient, MoE aux-loss and tokens-per-expert differences and the
-token-wise logit cosine.  The RL loss (megatron_harts/models/fidelity.py, ``pg_loss``) is
+token-wise logit cosine.  The RL loss (megatron_harts/testing/fidelity.py, ``pg_loss``) is
 sum over targets of -weight * advantage * logprob (PPO-clip with the ratio to old_logprobs where
 present) / number of targets, the same formula in both modes.
 
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     quiet_libraries()
-    from megatron_harts.models.fidelity import DEFAULT_INIT, INITS, PRESETS
+    from megatron_harts.testing.fidelity import DEFAULT_INIT, INITS, PRESETS
     preset = args.preset or ("tiny" if args.hf_checkpoint is None else None)
     if preset is not None and preset not in PRESETS:
         raise CliError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
@@ -167,8 +167,9 @@ def main(argv=None) -> int:
             raise CliError(f"{flag} cuda: no CUDA device is available")
     import megatron_harts.patches as patches
     from megatron_harts.layout import build_layout
-    from megatron_harts.models import build_hybrid_model, fidelity, hf_convert
-    from megatron_harts.models.cpu_runtime import single_process_megatron
+    from megatron_harts.models import build_hybrid_model, hf_convert
+    from megatron_harts.testing import fidelity
+    from megatron_harts.testing.cpu_runtime import single_process_megatron
     from megatron_harts.tree_data import build_forest, read_trajectories
 
     dtype = getattr(torch, args.dtype)

@@ -8,15 +8,17 @@ Public API:
   ``for_sequences(lengths)`` (expanded mode), passed as ``packed_seq_params``.
 - building blocks: :class:`RMSNorm` (SP-aware), :class:`KimiDeltaAttention`, :class:`TreeMLA`,
   :class:`HybridRouter`, :class:`HybridTransformerLayer`, :func:`hybrid_block_spec`.
+- cores (cores.py): :class:`KDACore` and :class:`MLACoreAttention`, the spec slots
+  ``KDASubmodules.core`` / ``MLASubmodules.core_attention``, the only modules that read the
+  packed-sequence params; :func:`row_mode` decides the mode (tree, with producer/consumer roles
+  and padding; packed sequences; batched).
 - transformers conversion (hf_convert.py): :func:`hf_to_megatron`, :func:`megatron_to_hf`,
   :func:`load_hf_weights`, :func:`kimi_linear_hf_config`, :func:`hybrid_config_from_hf`,
   :func:`shard_full_state` (TP/EP shards of a full state dict); checkpoint files:
   :func:`~.hf_convert.load_hf_checkpoint` / :func:`~.hf_convert.save_hf_checkpoint` (transformers
   directories, stored dtypes kept), :func:`~.hf_convert.shard_for_tp` / :func:`~.hf_convert.merge_tp_shards`
   (tools/convert_hf_checkpoint.py).
-- fidelity.py: tree vs expanded (and transformers) comparison behind tools/verify_fidelity.py.
-- cpu_runtime.py: :func:`~.cpu_runtime.megatron_cpu_runtime`, a single-process megatron-core world on
-  CPU as an explicit context manager (tools and the test shim; nothing is applied at import).
+- tree/expanded comparison and the CPU megatron world live in ``megatron_harts.testing``.
 
 Call ``megatron_harts.patches.apply()`` before building (megatron-core 0.16.1 without TE).
 
@@ -38,6 +40,7 @@ Usage (megatron's parallel state initialized)::
     lp = model(tokens[None], psp.position_ids[None], packed_seq_params=psp, pair_row=rows, pair_token=next_tokens)
 """
 from .config import HybridConfig
+from .cores import KDACore, MLACoreAttention, RowMode, row_mode
 from .hf_convert import (hf_to_megatron, hybrid_config_from_hf, kimi_linear_hf_config, load_hf_weights,
                          megatron_to_hf, shard_full_state)
 from .kda import KimiDeltaAttention
@@ -51,4 +54,4 @@ from .router import HybridRouter
 __all__ = ["HybridConfig", "HybridModel", "build_hybrid_model", "validate_config", "TreePackedSeqParams",
            "RMSNorm", "KimiDeltaAttention", "TreeMLA", "HybridRouter", "HybridTransformerLayer",
            "hybrid_block_spec", "hf_to_megatron", "megatron_to_hf", "load_hf_weights", "kimi_linear_hf_config",
-           "hybrid_config_from_hf", "shard_full_state"]
+           "hybrid_config_from_hf", "shard_full_state", "KDACore", "MLACoreAttention", "RowMode", "row_mode"]

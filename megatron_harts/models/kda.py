@@ -27,15 +27,15 @@ g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) (per channel, <= 0);
 beta = sigmoid(linear_beta(x)); o = KDA(q, k, v, g, beta) with scale D^-1/2;
 out = linear_proj(RMSNorm_D(o) * out_norm_weight * sigmoid(g_b(g_a(x)))).
 
-Modes (from the packed-sequence params, see models/packed.py): tree mode runs
-the conv along ``prev`` (ops.path_conv) and the KDA core through
-``ops.tree_kda`` on the layout's call schedule; expanded/batched mode runs the
-conv causally per sequence (``path_conv`` on the sequences packed back to back,
-``ops.path_conv.sequence_conv_taps``) and the same KDA backend (``config.kda_backend``
-from ``ops.tree_kda.KDA_BACKENDS``; "reference" = ``ops.kda.kda_chunked_varlen``)
-in one varlen call over the packed sequences.  Both run chunks at multiples of the chunk size from each trajectory's
-position 0, so tree == expanded to rounding (bitwise in fp32 with replay on the
-reference backend).
+The sequence mixing (conv, q/k L2 norm, KDA recurrence) is the layer's core, the spec slot
+``KDASubmodules.core`` (:class:`~megatron_harts.models.cores.KDACore`), which reads the row mode from
+the packed-sequence params: tree mode runs the conv along ``prev`` (ops.path_conv) and the KDA core
+through ``ops.tree_kda`` on the layout's call schedule; expanded (packed or batched) mode runs the
+conv causally per sequence and the same KDA backend (``config.kda_backend`` from
+``ops.tree_kda.KDA_BACKENDS``; "reference" = ``ops.kda.kda_chunked_varlen``) in one varlen call over
+the packed sequences.  Both run chunks at multiples of the chunk size from each trajectory's
+position 0, so tree == expanded to rounding (bitwise in fp32 with replay on the reference backend).
+This module's forward is the same in every mode.
 """
 from __future__ import annotations
 
@@ -55,22 +55,19 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
                                              sharded_state_dict_default)
 
-from ..ops.path_conv import path_conv, sequence_conv_taps
-from ..ops.tree_kda import KdaExternal, get_kda_backend, tree_kda
-from .common import (check_divisible, from_sequence_order, local_column_linear, rows_linear, sequence_lengths,
-                     to_sequence_order, tp_input, tp_replicated, tp_size)
+from ..ops.tree_kda import get_kda_backend
+from .common import check_divisible, local_column_linear, rows_linear, tp_input, tp_replicated, tp_size
+from .cores import KDACore
 from .norm import rms_normalize
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's / Kimi-Linear's L2 norm over the last dim: ``x / sqrt(sum(x^2) + eps)``."""
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 @dataclass
 class KDASubmodules:
-    """Linear layers of the KDA module (any Column/RowParallelLinear-compatible classes)."""
+    """Submodules of the KDA module: the output projection (any RowParallelLinear-compatible class) and
+    the core (conv, q/k norm and KDA recurrence in the row mode of the packed-sequence params,
+    ``models.cores.KDACore``'s interface)."""
     linear_proj: Union[ModuleSpec, type] = tensor_parallel.RowParallelLinear
+    core: Union[ModuleSpec, type] = KDACore
 
 
 class KimiDeltaAttention(MegatronModule):
@@ -112,6 +109,7 @@ class KimiDeltaAttention(MegatronModule):
         self.linear_proj = build_module(
             submodules.linear_proj, H * D, hid, config=config, init_method=config.output_layer_init_method,
             bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_group=self.tp_group)
+        self.core = build_module(submodules.core, config=config, layer_number=layer_number)
         self.conv_q_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt, device=dev))
         self.conv_k_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt, device=dev))
         self.conv_v_weight = torch.nn.Parameter(torch.empty(C, self.kernel, dtype=dt, device=dev))
@@ -170,70 +168,12 @@ class KimiDeltaAttention(MegatronModule):
         q = rows_linear(self.linear_q, rows)
         k = rows_linear(self.linear_k, rows)
         v = rows_linear(self.linear_v, rows)
-        wq, wk, wv = self.conv_q_weight, self.conv_k_weight, self.conv_v_weight
-        tree = packed_seq_params is not None and getattr(packed_seq_params, "mode", "expanded") == "tree"
-        if tree:
-            if b != 1:
-                raise ValueError(f"tree mode needs the rows as [R, 1, h], got b={b}")
-            taps = packed_seq_params.conv_taps
-            ci = packed_seq_params.consumer_index
-            if packed_seq_params.pad_rows:
-                R = packed_seq_params.layout.num_rows
-                q, k, v = q[:R], k[:R], v[:R]
-            pre = {"conv_q": q, "conv_k": k, "conv_v": v}
-            if ci is None:
-                prev = packed_seq_params.layout.prev
-                q, k, v = (path_conv(t, w, None, prev, activation="silu", taps=taps)
-                           for t, w in ((q, wq), (k, wk), (v, wv)))
-            else:   # consumer: the conv taps read the producer's exported inputs of the context rows
-                ex = packed_seq_params.layer_exports(self.layer_number)
-                q, k, v = (path_conv(t, w, None, None, activation="silu", taps=taps, context=ex[n])
-                           for t, w, n in ((q, wq, "conv_q"), (k, wk, "conv_k"), (v, wv, "conv_v")))
-        else:   # expanded: the sequences' conv over their rows packed back to back
-            lens = sequence_lengths(packed_seq_params, s, b)
-            if getattr(packed_seq_params, "seq_lengths", None) is not None:
-                taps = packed_seq_params.sequence_conv_taps(self.kernel, q.device)
-            else:
-                taps = sequence_conv_taps(lens, self.kernel).to(q.device)
-            q, k, v = (from_sequence_order(path_conv(to_sequence_order(t, s, b), w, None, None, activation="silu",
-                                                     taps=taps), s, b)
-                       for t, w in ((q, wq), (k, wk), (v, wv)))
-        q = l2norm(q.view(-1, H, D))
-        k = l2norm(k.view(-1, H, D))
-        v = v.view(-1, H, D)
         fa = F.linear(rows, tp_replicated(self.linear_f_a.weight, g_tp))
         f = rows_linear(self.linear_f_b, fa) + self.dt_bias
         g = -self.A_log.view(1, H, 1).exp() * F.softplus(f.view(-1, H, D), threshold=20.0)
         beta = torch.sigmoid(rows_linear(self.linear_beta, rows))
-        if tree:
-            psp = packed_seq_params
-            R = psp.layout.num_rows            # rows after R are padding: zero core output
-            if psp.pad_rows:
-                q, k, v, g, beta = (t[:R] for t in (q, k, v, g, beta))
-            external = None
-            if psp.consumer_index is not None:
-                ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
-                external = KdaExternal(ex["states"].index_select(0, ci.state),
-                                       *(ex[n].index_select(0, ci.replay) for n in ("q", "k", "v", "g", "beta")))
-            if psp.export_spec is not None:   # producer: record what the window's consumers read
-                o, states = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=self.config.kda_backend,
-                                     external=external, return_exports=True)
-                conv_rows, replay_rows = psp.export_spec.conv_rows, psp.export_spec.replay_rows
-                rec = {n: t.index_select(0, conv_rows) for n, t in pre.items()}
-                rec.update({n: t.index_select(0, replay_rows)
-                            for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))})
-                rec["states"] = states
-                psp.record_export(self.layer_number, rec)
-            else:
-                o = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=self.config.kda_backend, external=external)
-            if psp.pad_rows:
-                o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])
-            o = psp.attach_injected(self.layer_number, o)
-        else:
-            run = get_kda_backend(self.config.kda_backend)
-            o, _ = run(*(to_sequence_order(t, s, b) for t in (q, k, v, g, beta)), lens,
-                       chunk_size=self.config.kda_chunk_size)
-            o = from_sequence_order(o, s, b)
+        o = self.core(q, k, v, g, beta, (self.conv_q_weight, self.conv_k_weight, self.conv_v_weight),
+                      packed_seq_params, shape=(s, b))
         ga = F.linear(rows, tp_replicated(self.linear_g_a.weight, g_tp))
         gate = rows_linear(self.linear_g_b, ga).view(-1, H, D)
         w_norm = tp_replicated(self.out_norm_weight, g_tp)

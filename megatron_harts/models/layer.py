@@ -26,6 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from .cores import row_mode
 from .dispatcher import SyncFreeAllGatherDispatcher
 from .experts import GroupedSequentialMLP
 from .kda import KDASubmodules, KimiDeltaAttention
@@ -84,7 +85,7 @@ class HybridTransformerLayer(TransformerLayer):
             # expanded mode without padding: megatron's own statistics
             return super().forward(*args, **kwargs)
         w = packed.token_weight
-        if packed.mode != "tree":
+        if not row_mode(packed).tree:
             lb = self.config.moe_router_load_balancing_type
             bad = [t for t in (lb if isinstance(lb, (list, tuple)) else [lb]) if t not in ("aux_loss", "none")]
             if bad:

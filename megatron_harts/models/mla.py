@@ -23,14 +23,18 @@ rotated (rotate-half convention, base ``mla_rotary_base``) by each row's
 position id: the path depth in tree mode, the position in the sequence in
 expanded mode, so tree rows get exactly their trajectories' rotations.
 
-Core attention: ``ops.tree_attention`` (a key row is visible to the rows of its
-subtree, less the keys compaction events evict) in tree mode; causal attention per sequence in
-expanded/batched mode: packed sequences go through flash-attn-4's varlen kernel where it runs
+Core attention is the spec slot ``MLASubmodules.core_attention``
+(:class:`~megatron_harts.models.cores.MLACoreAttention`), which reads the row mode from the
+packed-sequence params: ``ops.tree_attention`` (a key row is visible to the rows of its subtree, less
+the keys compaction events evict) in tree mode; causal attention per sequence in expanded (packed or
+batched) mode: packed sequences go through flash-attn-4's varlen kernel where it runs
 (``ops.key_paths``: the kernel of tree mode's ``varlen`` backend, so that both modes time the same
 attention kernel), else through SDPA over the sequences zero-padded to the longest.  Packed
-sequences with compaction events (``TreePackedSeqParams.visibility``) take fa4 over their
-key paths, else ``ops.tree_attention`` over that visibility with the model's tree-attention
-backend.
+sequences with compaction events (``TreePackedSeqParams.visibility``) take fa4 over their key paths,
+else ``ops.tree_attention`` over that visibility with the model's tree-attention backend.  The core
+gets the latents and :meth:`TreeMLA.keys_values` (the up projection) rather than keys and values
+alone: a sharing-window producer exports the latents, a consumer up-projects the exported ones.
+This module's forward is the same in every mode.
 """
 from __future__ import annotations
 
@@ -45,10 +49,8 @@ from megatron.core.parallel_state import get_tensor_model_parallel_group
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from ..ops.key_paths import default_kernel, path_attention
-from ..ops.tree_attention import tree_attention
-from .common import (check_divisible, local_column_linear, rows_linear, sequences_unview, sequences_view, tp_input,
-                     tp_replicated, tp_size)
+from .common import check_divisible, local_column_linear, rows_linear, tp_input, tp_replicated, tp_size
+from .cores import MLACoreAttention, row_positions
 from .norm import rms_normalize
 
 
@@ -65,7 +67,11 @@ def rotate_half_rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.T
 
 @dataclass
 class MLASubmodules:
+    """Submodules of the MLA module: the output projection (any RowParallelLinear-compatible class) and
+    the core attention (``models.cores.MLACoreAttention``'s interface: the row mode of the
+    packed-sequence params is read there)."""
     linear_proj: Union[ModuleSpec, type] = tensor_parallel.RowParallelLinear
+    core_attention: Union[ModuleSpec, type] = MLACoreAttention
 
 
 class TreeMLA(MegatronModule):
@@ -104,6 +110,8 @@ class TreeMLA(MegatronModule):
                 for lin in ([self.linear_q_down_proj] if self.q_lora_rank else []) + [self.linear_kv_down_proj]:
                     config.init_method(lin.weight)
         self.scale = (dn + dr) ** -0.5
+        self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number,
+                                           softmax_scale=self.scale)
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
@@ -126,57 +134,19 @@ class TreeMLA(MegatronModule):
         ckv = F.linear(rows, tp_replicated(self.linear_kv_down_proj.weight, g))
         kv_lat, k_rope = ckv.split([cfg.kv_lora_rank, dr], dim=-1)
         kv_lat = rms_normalize(kv_lat, cfg.mla_latent_norm_eps) * tp_replicated(self.kv_layernorm_weight, g)
-        kv = rows_linear(self.linear_kv_up_proj, kv_lat).view(-1, H, dn + dv)
-        k_nope, v = kv.split([dn, dv], dim=-1)
         k_rope = k_rope.view(-1, 1, dr)
-        tree = packed_seq_params is not None and getattr(packed_seq_params, "mode", "expanded") == "tree"
         if cfg.mla_rope and dr:
-            pos = self._positions(s, b, packed_seq_params, rows.device)
+            pos = row_positions(packed_seq_params, s, b, rows.device)
             q = torch.cat([q[..., :dn], rotate_half_rope(q[..., dn:], pos, cfg.mla_rotary_base)], dim=-1)
             k_rope = rotate_half_rope(k_rope, pos, cfg.mla_rotary_base)
-        k = torch.cat([k_nope, k_rope.expand(-1, H, dr)], dim=-1)
-        if tree:
-            psp = packed_seq_params
-            context_kv = None
-            if psp.consumer_index is not None:   # consumer: the context rows' keys/values from their latents
-                ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
-                ckv = rows_linear(self.linear_kv_up_proj, ex["kv_latent"].index_select(0, ci.ctx)).view(-1, H, dn + dv)
-                ck_nope, cv = ckv.split([dn, dv], dim=-1)
-                ck_rope = ex["k_rope"].index_select(0, ci.ctx)
-                context_kv = (torch.cat([ck_nope, ck_rope.expand(-1, H, dr)], dim=-1), cv)
-            if psp.export_spec is not None:      # producer: record what the window's consumers read
-                exp_rows = psp.export_spec.rows
-                psp.record_export(self.layer_number, {"kv_latent": kv_lat.index_select(0, exp_rows),
-                                                      "k_rope": k_rope.index_select(0, exp_rows)})
-            R = psp.layout.num_rows              # rows after R are padding: zero attention output
-            o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale,
-                               backend=psp.attention_backend or cfg.tree_attention_backend,
-                               block_mask=psp.block_mask, key_paths=psp.key_paths, context_kv=context_kv)
-            if psp.pad_rows:
-                o = torch.cat([o, o.new_zeros((psp.pad_rows,) + tuple(o.shape[1:]))])
-            o = psp.attach_injected(self.layer_number, o)
-        elif b == 1 and hasattr(packed_seq_params, "sequence_key_paths") and default_kernel(q, dv) == "fa4":
-            # expanded THD rows through the tree mode's fastest varlen kernel (the same one), not padded;
-            # with compaction events the paths break at the event rows (sequence_key_paths)
-            paths = packed_seq_params.sequence_key_paths(q.device)
-            o = path_attention(q, k, v, paths, self.scale, kernel="fa4")
-        elif getattr(packed_seq_params, "visibility", None) is not None:
-            # expanded THD rows whose compaction events evict keys: each sequence's own mask, through
-            # the tree-attention backend of the model (the tree mode's)
-            kw = packed_seq_params.sequence_attention(cfg.tree_attention_backend, q.device)
-            o = tree_attention(q, k, v, scale=self.scale, **kw)
-        else:
-            (qp, kp, vp), flat = sequences_view((q, k, v), s, b, packed_seq_params)
-            op = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-                                                is_causal=True, scale=self.scale)
-            o = sequences_unview(op.transpose(1, 2), flat)
+        o = self.core_attention(q, kv_lat, k_rope, self.keys_values, packed_seq_params, shape=(s, b))
         out, bias = self.linear_proj(o.reshape(s, b, H * dv))
         return out, bias
 
-    @staticmethod
-    def _positions(s, b, packed, device):
-        if packed is not None and packed.position_ids is not None:
-            return packed.position_ids.to(device)
-        if packed is not None:
-            raise ValueError("TreeMLA with mla_rope needs position_ids in the packed-sequence params")
-        return torch.arange(s, device=device).repeat_interleave(b)
+    def keys_values(self, kv_latent: torch.Tensor, k_rope: torch.Tensor):
+        """Keys [n, Hl, dn+dr] and values [n, Hl, dv] of rows from their normalized latents [n, kv_lora_rank]
+        and rotated shared rope keys [n, 1, dr] (``linear_kv_up_proj``)."""
+        H, dn, dr, dv = self.num_heads_local, self.dn, self.dr, self.dv
+        kv = rows_linear(self.linear_kv_up_proj, kv_latent).view(-1, H, dn + dv)
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        return torch.cat([k_nope, k_rope.expand(-1, H, dr)], dim=-1), v

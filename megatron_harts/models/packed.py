@@ -20,6 +20,12 @@ Two modes, one model, same weights:
 Without any packed-sequence params the model runs the batched [s, b] form
 (each batch column one causal sequence), which is expanded mode too.
 
+Readers: the KDA and MLA layers hand these params, untouched, to their cores
+(:mod:`megatron_harts.models.cores`, the spec slots ``KDASubmodules.core`` and
+``MLASubmodules.core_attention``), which decide the row mode with ``cores.row_mode`` and make
+every call of the sharing-window protocol below (``layer_exports``, ``record_export``,
+``attach_injected``); the MoE layer reads ``token_weight``.
+
 Padding (sequence parallelism needs the token count divisible by the TP size):
 :meth:`TreePackedSeqParams.padded` appends ``pad_rows`` rows that nothing reads.  Tree mode:
 the rows after the layout's get zero outputs from the KDA and MLA cores and occurrence 0 (no

@@ -126,13 +126,13 @@ def oracle_dtype(params_dtype: torch.dtype) -> torch.dtype:
 
 
 def oracle_logits(module, config, forest, plan, settings, *, max_tokens: int = 1024):
-    """The probe of the same tokens by an upcast copy of ``module``'s weights (``models.fidelity.upcast_model``:
+    """The probe of the same tokens by an upcast copy of ``module``'s weights (``testing.fidelity.upcast_model``:
     exact copy in :func:`oracle_dtype`, plain-torch KDA and SDPA tree attention, no TF32), in the run's own
     mode and layout: the reference that bf16 rounding is measured against (docs/design.md invariant 1;
-    ``models/fidelity.py`` states the bf16 rule).  Collective like :func:`probe_logits`."""
+    ``testing/fidelity.py`` states the bf16 rule).  Collective like :func:`probe_logits`."""
     from megatron.core import parallel_state
 
-    from ..models.fidelity import full_fp32_matmuls, upcast_model
+    from ..testing.fidelity import full_fp32_matmuls, upcast_model
     dtype = oracle_dtype(config.params_dtype)
     build = None
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:     # this stage's chunk, as the run built it

@@ -4,7 +4,7 @@
 
 1. the process world and megatron's parallel state (torchrun's environment, or a world of
    one; NCCL on GPU, gloo on CPU, where megatron-core runs through
-   ``models.cpu_runtime.megatron_cpu_runtime``) and ``megatron_harts.patches``;
+   ``testing.cpu_runtime.megatron_cpu_runtime``) and ``megatron_harts.patches``;
 2. the hybrid model (``build_hybrid_model``), megatron-core's DDP, optimizer and
    ``OptimizerParamScheduler``;
 3. the checkpoint to resume from (``--load``), which also restores the data position.
@@ -234,7 +234,7 @@ class Trainer:
         a = self.args
         tp, pp, ep = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.expert_model_parallel_size
         if self.device.type == "cpu":
-            from ..models.cpu_runtime import megatron_cpu_runtime
+            from ..testing.cpu_runtime import megatron_cpu_runtime
             self._stack.enter_context(megatron_cpu_runtime(tp=tp, ep=ep, pp=pp, etp=a.expert_tensor_parallel_size,
                                                            seed=a.seed, init_world=False))
             return

@@ -124,7 +124,7 @@ def measurement_overrides(dtype: torch.dtype, device: str) -> dict:
 def preset_config(name: str, dtype: torch.dtype, device: str = "cpu"):
     """(HybridConfig, vocab size) of a preset.  Kimi-Linear numerics: sigmoid group routing with
     expert bias and scaling, NoPE MLA; norm eps 1e-6 (transformers' MLA latent norms use 1e-6)."""
-    from .config import HybridConfig
+    from ..models.config import HybridConfig
     kw = dict(PRESETS[name])
     vocab = kw.pop("vocab_size")
     kw.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
@@ -233,7 +233,7 @@ def _finish(model, lp, layout, logits) -> ModeRun:
 
 def run_tree(model, layout, config, device="cpu") -> ModeRun:
     """Tree mode: one row per unique prefix token (the layout), targets read at their rows."""
-    from .packed import TreePackedSeqParams
+    from ..models.packed import TreePackedSeqParams
     lay = layout.to(device)
     psp = TreePackedSeqParams.for_tree(lay, config=config, device=device)
     ids, pos = lay.tokens[None], lay.position_ids[None]
@@ -248,7 +248,7 @@ def expanded_batch(forest, layout, device="cpu"):
     """Every trajectory on its own, packed back to back: (tokens, row of each layout target, packed
     params), each trajectory's compaction events applied to its own full attention."""
     from ..layout import sequence_visibility
-    from .packed import TreePackedSeqParams
+    from ..models.packed import TreePackedSeqParams
     trajs = [forest.expand(tid) for tid in layout.traj_ids]
     lengths = [len(t) for t in trajs]
     offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -283,7 +283,7 @@ def upcast_model(model, config, dtype: torch.dtype = torch.float32, *, build=Non
     """
     import dataclasses
 
-    from .model import build_hybrid_model
+    from ..models.model import build_hybrid_model
     cfg = dataclasses.replace(config, params_dtype=dtype, pipeline_dtype=dtype, bf16=False, fp16=False,
                               perform_initialization=False, **overrides)
     device = next(model.parameters()).device
@@ -369,7 +369,7 @@ def layer_errors(model, forest, layout, config, device="cpu") -> Dict[str, list]
 
     ``layout`` must hold whole trajectories (``build_layout(forest)``): tree rows are compared at
     their trajectories' positions (``traj_rows``), in the expanded batch's order."""
-    from .packed import TreePackedSeqParams
+    from ..models.packed import TreePackedSeqParams
     tokens, _, seq = expanded_batch(forest, layout, device)
     lay = layout.to(device)
     if lay.num_expanded_tokens != tokens.numel():
@@ -631,7 +631,7 @@ def hf_oracle_model(model, config, vocab_size: int, dtype: torch.dtype = torch.f
     :func:`kimi_linear_torch_path`, so no layer holds a kernel chosen at build time."""
     from transformers import KimiLinearForCausalLM
 
-    from .hf_convert import kimi_linear_hf_config, megatron_to_hf
+    from ..models.hf_convert import kimi_linear_hf_config, megatron_to_hf
     hf_cfg = kimi_linear_hf_config(config, vocab_size, rms_norm_eps=config.layernorm_epsilon)
     hf_cfg._experts_implementation = "eager"        # its grouped-mm experts reject float64
     state = {k: v.detach().cpu() for k, v in {**dict(model.named_parameters()),

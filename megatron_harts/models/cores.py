@@ -1,0 +1,236 @@
+"""The sequence-mixing cores of the KDA and MLA layers: the only modules that read a row mode.
+
+A KDA or MLA layer projects its rows and hands them to its core, a megatron-core spec slot
+(``KDASubmodules.core``, ``MLASubmodules.core_attention``); the core mixes the rows along their
+sequences and returns one output per row.  The layers' forwards are the same in every mode; the
+cores own everything about how the rows are laid out: the packed-sequence params
+(:class:`~megatron_harts.models.packed.TreePackedSeqParams`), the padding rows, and the sharing
+window mechanics (a producer records its exports, a consumer reads them, a recomputed producer
+carries its exports' gradients back through ``attach_injected``).
+
+Where a mode is decided: :func:`row_mode`, from the packed-sequence params the layer receives (the
+one place the model's modules read ``packed_seq_params.mode`` and its window roles;
+``HybridTransformerLayer`` asks it too, for the MoE statistics).  Its answer:
+
+- ``tree``: the rows are a ``CompactLayout``'s ([R, 1, h], plus ``pad_rows`` padding rows
+  after them that get zero outputs), with two independent roles:
+  ``producer`` (``export_spec`` set: record what the window's consumers read) and
+  ``consumer`` (``consumer_index`` set: read the producer's exports for the context rows);
+  a piece of a long path is both.
+- ``packed``: expanded mode, independent causal sequences packed back to back (THD; megatron's
+  own ``PackedSeqParams`` too), possibly with a visibility that compaction events cut, possibly
+  ending in one padding sequence.
+- ``batched``: no packed-sequence params: each of the b columns of [s, b] is one causal sequence
+  (expanded mode too).
+
+Cores (their parameters stay with their layers: the cores are parameter free, so checkpoints and
+the transformers mapping do not see them):
+
+- :class:`KDACore`: short causal conv (kernel ``linear_conv_kernel_dim``) of the q/k/v projections
+  with SiLU, L2 norm of q and k per head, and the KDA recurrence.  Tree mode runs the conv along
+  ``prev`` (``ops.path_conv`` with the layout's taps) and the recurrence on the layout's call
+  schedule (``ops.tree_kda``); packed/batched mode runs the conv per sequence
+  (``ops.path_conv.sequence_conv_taps``) and one varlen call of ``config.kda_backend``.
+- :class:`MLACoreAttention`: keys and values from the latents (the layer's own up projection,
+  passed in as ``keys_values``), then tree attention (``ops.tree_attention``) in tree mode, or
+  causal attention per sequence (fa4 over key paths where it runs, the tree-attention backend over
+  a compaction visibility, else SDPA over zero-padded sequences).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.module import MegatronModule
+
+from ..ops.key_paths import default_kernel, path_attention
+from ..ops.path_conv import path_conv, sequence_conv_taps
+from ..ops.tree_attention import tree_attention
+from ..ops.tree_kda import KdaExternal, get_kda_backend, tree_kda
+from .common import (from_sequence_order, sequence_lengths, sequences_unview, sequences_view,
+                     to_sequence_order)
+
+ROW_MODES = ("tree", "packed", "batched")
+
+
+@dataclass(frozen=True)
+class RowMode:
+    """How the rows a layer receives are laid out (module docstring); made by :func:`row_mode` only."""
+    kind: str               # one of ROW_MODES
+    producer: bool = False  # tree: records exports for a sharing window's consumers
+    consumer: bool = False  # tree: reads a producer's exports for its context rows
+    pad_rows: int = 0       # padding rows after the real ones (tree: zero outputs; packed: one more sequence)
+
+    @property
+    def tree(self) -> bool:
+        return self.kind == "tree"
+
+
+def row_mode(packed_seq_params) -> RowMode:
+    """The row mode of ``packed_seq_params`` (None: batched).  The one place a mode is decided."""
+    if packed_seq_params is None:
+        return RowMode("batched")
+    pad = int(getattr(packed_seq_params, "pad_rows", 0) or 0)
+    if getattr(packed_seq_params, "mode", "expanded") != "tree":
+        return RowMode("packed", pad_rows=pad)
+    return RowMode("tree", producer=packed_seq_params.export_spec is not None,
+                   consumer=packed_seq_params.consumer_index is not None, pad_rows=pad)
+
+
+def row_positions(packed_seq_params, s: int, b: int, device) -> torch.Tensor:
+    """Each row's position id [s*b]: the path depth (tree) or position in its sequence (packed), from the
+    packed-sequence params; batched rows: their index in the column."""
+    if row_mode(packed_seq_params).kind == "batched":
+        return torch.arange(s, device=device).repeat_interleave(b)
+    if packed_seq_params.position_ids is None:
+        raise ValueError("packed-sequence params without position_ids: the rows' positions are unknown")
+    return packed_seq_params.position_ids.to(device)
+
+
+def _zero_pad(o: torch.Tensor, pad: int) -> torch.Tensor:
+    """``o`` followed by ``pad`` zero rows (the padding rows' outputs)."""
+    return torch.cat([o, o.new_zeros((pad,) + tuple(o.shape[1:]))]) if pad else o
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's / Kimi-Linear's L2 norm over the last dim: ``x / sqrt(sum(x^2) + eps)``."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class KDACore(MegatronModule):
+    """The KDA layer's core (module docstring); parameter free.
+
+    ``forward(q, k, v, g, beta, conv_weights, packed_seq_params, shape)``: ``q, k, v`` the rows' pre-conv
+    projections [s*b, Hl*D] (rows in [s, b] order), ``g`` [s*b, Hl, D] the log forget gates,
+    ``beta`` [s*b, Hl], ``conv_weights`` the layer's (q, k, v) conv weights [Hl*D, Kc], ``shape``
+    (s, b).  Returns the recurrence's outputs [s*b, Hl, D] (padding rows: zeros).
+    """
+
+    def __init__(self, config, layer_number: int, **kwargs):
+        super().__init__(config)
+        self.config = config
+        self.layer_number = layer_number
+        self.kernel = config.linear_conv_kernel_dim
+
+    def forward(self, q, k, v, g, beta, conv_weights, packed_seq_params=None, *, shape: Tuple[int, int]):
+        mode = row_mode(packed_seq_params)
+        run = self._tree if mode.tree else self._sequences
+        return run(mode, q, k, v, g, beta, conv_weights, packed_seq_params, shape)
+
+    def _tree(self, mode, q, k, v, g, beta, conv_weights, psp, shape):
+        if shape[1] != 1:
+            raise ValueError(f"tree mode needs the rows as [R, 1, h], got b={shape[1]}")
+        R = psp.layout.num_rows           # rows after R are padding: zero core output
+        if mode.pad_rows:
+            q, k, v, g, beta = (t[:R] for t in (q, k, v, g, beta))
+        H, D = g.shape[1], g.shape[2]
+        pre = {"conv_q": q, "conv_k": k, "conv_v": v}
+        if mode.consumer:   # the conv taps read the producer's exported inputs of the context rows
+            ex = psp.layer_exports(self.layer_number)
+            q, k, v = (path_conv(t, w, None, None, activation="silu", taps=psp.conv_taps, context=ex[n])
+                       for t, w, n in zip((q, k, v), conv_weights, ("conv_q", "conv_k", "conv_v")))
+        else:
+            q, k, v = (path_conv(t, w, None, psp.layout.prev, activation="silu", taps=psp.conv_taps)
+                       for t, w in zip((q, k, v), conv_weights))
+        q, k, v = l2norm(q.view(-1, H, D)), l2norm(k.view(-1, H, D)), v.view(-1, H, D)
+        external = None
+        if mode.consumer:   # subtree roots start from the producer's states and replay its rows
+            ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
+            external = KdaExternal(ex["states"].index_select(0, ci.state),
+                                   *(ex[n].index_select(0, ci.replay) for n in ("q", "k", "v", "g", "beta")))
+        backend = self.config.kda_backend
+        if mode.producer:   # record what the window's consumers read
+            o, states = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=backend, external=external,
+                                 return_exports=True)
+            conv_rows, replay_rows = psp.export_spec.conv_rows, psp.export_spec.replay_rows
+            rec = {n: t.index_select(0, conv_rows) for n, t in pre.items()}
+            rec.update({n: t.index_select(0, replay_rows)
+                        for n, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))})
+            rec["states"] = states
+            psp.record_export(self.layer_number, rec)
+        else:
+            o = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=backend, external=external)
+        return psp.attach_injected(self.layer_number, _zero_pad(o, mode.pad_rows))
+
+    def _sequences(self, mode, q, k, v, g, beta, conv_weights, psp, shape):
+        s, b = shape
+        H, D = g.shape[1], g.shape[2]
+        lens = sequence_lengths(psp, s, b)
+        if getattr(psp, "seq_lengths", None) is not None:     # ours: taps built once per microbatch
+            taps = psp.sequence_conv_taps(self.kernel, q.device)
+        else:                                                 # batched, or megatron's own params
+            taps = sequence_conv_taps(lens, self.kernel).to(q.device)
+        q, k, v = (from_sequence_order(path_conv(to_sequence_order(t, s, b), w, None, None, activation="silu",
+                                                 taps=taps), s, b)
+                   for t, w in zip((q, k, v), conv_weights))
+        q, k, v = l2norm(q.view(-1, H, D)), l2norm(k.view(-1, H, D)), v.view(-1, H, D)
+        run = get_kda_backend(self.config.kda_backend)
+        o, _ = run(*(to_sequence_order(t, s, b) for t in (q, k, v, g, beta)), lens,
+                   chunk_size=self.config.kda_chunk_size)
+        return from_sequence_order(o, s, b)
+
+
+KeysValues = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+
+
+class MLACoreAttention(MegatronModule):
+    """The MLA layer's core attention (module docstring); parameter free.
+
+    ``forward(query, kv_latent, k_rope, keys_values, packed_seq_params, shape)``: ``query`` [s*b, Hl, dn+dr]
+    (rope part rotated), ``kv_latent`` [s*b, kv_lora_rank] (normalized), ``k_rope`` [s*b, 1, dr] (rotated),
+    ``keys_values(kv_latent, k_rope) -> (keys [n, Hl, dn+dr], values [n, Hl, dv])`` the layer's up projection
+    (also applied to a producer's exported latents), ``shape`` (s, b).  Returns [s*b, Hl, dv] (padding
+    rows: zeros).
+    """
+
+    def __init__(self, config, layer_number: int, softmax_scale: float, **kwargs):
+        super().__init__(config)
+        self.config = config
+        self.layer_number = layer_number
+        self.scale = softmax_scale
+
+    def forward(self, query, kv_latent, k_rope, keys_values: KeysValues, packed_seq_params=None, *,
+                shape: Tuple[int, int]):
+        mode = row_mode(packed_seq_params)
+        k, v = keys_values(kv_latent, k_rope)
+        if mode.tree:
+            return self._tree(mode, query, k, v, kv_latent, k_rope, keys_values, packed_seq_params, shape)
+        return self._sequences(query, k, v, packed_seq_params, shape)
+
+    def _tree(self, mode, q, k, v, kv_latent, k_rope, keys_values, psp, shape):
+        if shape[1] != 1:
+            raise ValueError(f"tree mode needs the rows as [R, 1, h], got b={shape[1]}")
+        context_kv = None
+        if mode.consumer:       # the context rows' keys/values from the producer's latents
+            ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
+            context_kv = keys_values(ex["kv_latent"].index_select(0, ci.ctx), ex["k_rope"].index_select(0, ci.ctx))
+        if mode.producer:       # record what the window's consumers read
+            rows = psp.export_spec.rows
+            psp.record_export(self.layer_number, {"kv_latent": kv_latent.index_select(0, rows),
+                                                  "k_rope": k_rope.index_select(0, rows)})
+        R = psp.layout.num_rows  # rows after R are padding: zero attention output
+        o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale,
+                           backend=psp.attention_backend or self.config.tree_attention_backend,
+                           block_mask=psp.block_mask, key_paths=psp.key_paths, context_kv=context_kv)
+        return psp.attach_injected(self.layer_number, _zero_pad(o, mode.pad_rows))
+
+    def _sequences(self, q, k, v, psp, shape):
+        s, b = shape
+        dv = v.shape[-1]
+        if b == 1 and hasattr(psp, "sequence_key_paths") and default_kernel(q, dv) == "fa4":
+            # packed rows through the tree mode's fastest varlen kernel (the same one), not padded;
+            # with compaction events the paths break at the event rows (sequence_key_paths)
+            return path_attention(q, k, v, psp.sequence_key_paths(q.device), self.scale, kernel="fa4")
+        if getattr(psp, "visibility", None) is not None:
+            # packed rows whose compaction events evict keys: each sequence's own mask, through the
+            # model's tree-attention backend (the tree mode's)
+            kw = psp.sequence_attention(self.config.tree_attention_backend, q.device)
+            return tree_attention(q, k, v, scale=self.scale, **kw)
+        (qp, kp, vp), flat = sequences_view((q, k, v), s, b, psp)
+        op = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                            is_causal=True, scale=self.scale)
+        return sequences_unview(op.transpose(1, 2), flat)
+
