@@ -11,7 +11,8 @@ import pytest
 from chat_tokenizer import REASONING_TEMPLATE, build_tokenizer, corpus_of
 from megatron_harts.tree_data import TreeDataset, TreeFormatError, build_forest
 from megatron_harts.tree_data.agent_logs import AgentLogConfig, add_engine_tokens, synthesize_agent_logs
-from megatron_harts.tree_data.messages import ChatTokenizer, TokenizeReport, load_chat_tokenizer, read_messages
+from megatron_harts.tree_data.messages import (SINGLE, ChatTokenizer, TokenizeReport, load_chat_tokenizer,
+                                               read_messages)
 from tool_runner import assert_one_error, load_tool, run_tool
 
 CFG = AgentLogConfig(num_tasks=2, samples_per_task=2, min_turns=2, max_turns=3, prompt_words=12, action_words=6,
@@ -81,7 +82,8 @@ def test_prefix_stable_and_shared(tok, tmp_path):
             n = len(shared[0].tokens)
             assert np.array_equal(by_id[a["id"]].tokens[:n], by_id[b["id"]].tokens[:n])
     t = by_id[rows[0]["id"]]
-    assert decode(tok, t.tokens) == tok.apply_chat_template(rows[0]["messages"], tokenize=False)
+    # the exact form ends with the last generated token: the template's newline after it is no call's
+    assert decode(tok, t.tokens) + "\n" == tok.apply_chat_template(rows[0]["messages"], tokenize=False)
     assert build_forest(trajs).stats()["compression"] > 1.5
 
 
@@ -132,7 +134,8 @@ def test_rerendering_template_keeps_what_the_model_saw(tmp_path):
     d = build_tokenizer(str(tmp_path / "r"), [m["content"] for m in msgs] + ["check the split run pytest"],
                         template=REASONING_TEMPLATE)
     tok = load_chat_tokenizer(d)
-    (t,), report = convert(tok, [{"id": "r", "messages": msgs}], tmp_path)
+    (t,), report = read_messages([write_rows(tmp_path / "m.jsonl", [{"id": "r", "messages": msgs}])], tok,
+                                 form=SINGLE)
     text = decode(tok, t.tokens)
     assert report.rerendered == 1 and report.rerendered_trajectories == ["r"]
     assert "<think>check the split</think>done" in text and "<think>run pytest</think>ok" in text
@@ -234,7 +237,7 @@ def test_tools_end_to_end(tok_dir, tmp_path, capsys):
     assert conv["messages"]["trajectories"] == conv["num_trajectories"] and conv["drift"]["lost_tokens"] == 0
     code, out, _ = run_tool(load_tool("tree_stats"), capsys, "--input", src, "--tokenizer", tok_dir, "--json")
     stats = json.loads(out)
-    assert code == 0 and stats == {k: v for k, v in conv.items() if k not in ("messages", "drift")}
+    assert code == 0 and stats == {k: v for k, v in conv.items() if k not in ("messages", "drift", "inputs")}
     assert TreeDataset(str(tmp_path / "ds")).stats() == stats
     code, out, _ = run_tool(load_tool("convert_trajectories"), capsys, "--input", src, "--output",
                             tmp_path / "ds2", "--tokenizer", tok_dir)

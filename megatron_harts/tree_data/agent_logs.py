@@ -148,12 +148,15 @@ def synthesize_agent_logs(cfg: AgentLogConfig) -> List[dict]:
 def add_engine_tokens(rows: List[dict], tokenizer, drift: float, seed: int = 0) -> List[dict]:
     """``rows`` with the ``tokens`` and ``old_logprobs`` a common trainer pipeline would record.
 
-    The last assistant turn of a row keeps the ids the engine sampled; the history before it is
-    re-tokenized from its text.  The engine's ids are the per-message tokenization except that
-    each generated token splits, with probability ``drift``, into two tokens of the same text
-    (a tokenization the model may sample, which re-tokenizing never gives back).  The split is a
-    function of the seed and the conversation up to the turn, so rows sharing a history share its
-    ids and log-probabilities."""
+    A row's ids are those of its exact form (docs/messages.md), one trajectory: the prompt of its
+    last call, re-tokenized from its text, then the ids the engine sampled for that call.  The
+    engine's ids are the completion's tokenization except that each generated token splits, with
+    probability ``drift``, into two tokens of the same text (a tokenization the model may sample,
+    which re-tokenizing never gives back).  Every target token gets a log-probability.  The split
+    and the log-probabilities of a call are a function of the seed and the conversation up to the
+    call, so rows sharing a history share its log-probabilities.  A row whose template re-renders
+    its history (several trajectories) is a ValueError."""
+    from .engine_records import merge_calls
     from .messages import ChatTokenizer, validate_messages
 
     chat = ChatTokenizer(tokenizer)
@@ -163,19 +166,31 @@ def add_engine_tokens(rows: List[dict], tokenizer, drift: float, seed: int = 0) 
             return ValueError(f"row {rec.get('id')!r}: {name}: {message}")
 
         messages, flags = validate_messages(rec["messages"], where)
-        turns = chat.tokenize(messages, flags, rec.get("tools"), where)
-        last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        calls, _ = chat.calls(messages, flags, rec.get("tools"), where)
+        segs = merge_calls(calls)
+        if len(segs) != 1:
+            raise ValueError(f"row {rec.get('id')!r}: the chat template re-renders the history: the exact form is "
+                             f"{len(segs)} trajectories, not one sequence of engine tokens")
+        seg = segs[0]
         ids: List[int] = []
         logprobs: List = []
-        for k, turn in enumerate(turns):
-            digest = hashlib.blake2b(json.dumps(rec["messages"][:k + 1], sort_keys=True).encode(),
+        pos = 0
+        for i, call in enumerate(calls):
+            start = call.prompt.shape[0]          # where the call's completion starts in the trajectory
+            ids.extend(seg.tokens[pos:start].tolist())
+            logprobs.extend([None] * (start - pos))
+            digest = hashlib.blake2b(json.dumps(rec["messages"][:call.index + 1], sort_keys=True).encode(),
                                      digest_size=16).digest()
             rng = np.random.default_rng([seed, *np.frombuffer(digest, dtype=np.uint32).tolist()])
-            for tid, m in zip(turn.ids.tolist(), turn.mask.tolist()):
-                parts = _split(tokenizer, tid, rng) if k == last and m and rng.random() < drift else [tid]
+            for tid in call.completion.tolist():
+                parts = _split(tokenizer, tid, rng) if i == len(calls) - 1 and rng.random() < drift else [tid]
                 ids.extend(parts)
-                logprobs.extend(float(-rng.exponential(0.7)) if m else None for _ in parts)
-        logprobs[0] = None
+                logprobs.extend(float(-rng.exponential(0.7)) for _ in parts)
+            pos = start + call.completion.shape[0]
+        ids.extend(seg.tokens[pos:].tolist())
+        logprobs.extend([None] * (seg.tokens.shape[0] - pos))
+        if ids:
+            logprobs[0] = None
         out.append(dict(rec, tokens=ids, old_logprobs=logprobs))
     return out
 
