@@ -257,3 +257,251 @@ def test_tree_data_imports_no_transformers():
 def test_report_lines_are_quiet_when_nothing_happened(tok):
     assert TokenizeReport().lines() == []
     assert ChatTokenizer(tok).eos == tok.eos_token_id
+
+
+# ---- the exact form: each call's prompt as the engine rendered it --------------------------------------------
+
+WORDS = ("the parser fails on empty input so check the split then run pytest again read file line config "
+         "tests pass fix edit done look value none error trace think why maybe because first second").split()
+
+
+def qwen_corpus():
+    from chat_tokenizer import QWEN_LIKE_TEMPLATE  # noqa: F401  (the template the corpus is rendered with)
+    text = " ".join(WORDS)
+    return [text, text.upper(), '<tool_call>{"name": "bash", "arguments": {"cmd": "pytest -q"}}</tool_call>',
+            "<tool_response>\n", "\n</tool_response>\n", "<think>", "</think>", "You are a helpful assistant."]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from chat_tokenizer import QWEN_LIKE_TEMPLATE
+    return load_chat_tokenizer(build_tokenizer(str(tmp_path_factory.mktemp("qwen")), qwen_corpus(),
+                                               template=QWEN_LIKE_TEMPLATE))
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return load_chat_tokenizer(build_tokenizer(str(tmp_path_factory.mktemp("plain")), qwen_corpus()))
+
+
+def engine_calls(tok, messages, tools=None):
+    """The (prompt ids, generated ids) of every assistant call, as an engine makes them: the render of
+    the messages before it with the generation prompt, tokenized as one text, and the text the
+    assistant message adds, tokenized on its own, through its last end-of-sequence token."""
+    out = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tok.apply_chat_template(messages[:k], tools=tools, tokenize=False, add_generation_prompt=True)
+        full = tok.apply_chat_template(messages[:k + 1], tools=tools, tokenize=False)
+        assert full.startswith(prompt)
+        gen = tok.encode(full[len(prompt):], add_special_tokens=False)
+        cut = max(j for j, i in enumerate(gen) if i == tok.eos_token_id) + 1
+        out.append((tuple(tok.encode(prompt, add_special_tokens=False)), tuple(gen[:cut])))
+    return out
+
+
+def trajectory_calls(trajs):
+    """Every run of targets of ``trajs`` with everything before it: (context, targets)."""
+    out = []
+    for t in trajs:
+        mask, j = t.loss_mask.tolist() + [0], 0
+        while j < len(t):
+            if mask[j]:
+                k = mask.index(0, j)
+                out.append((tuple(t.tokens[:j].tolist()), tuple(t.tokens[j:k].tolist())))
+                j = k
+            else:
+                j += 1
+    return out
+
+
+def assert_exact(tok, rows, trajs):
+    """The union of the trajectories' calls is, token for token, the calls an engine made: each once."""
+    want = sorted(c for r in rows for c in engine_calls(tok, r["messages"]))
+    assert sorted(trajectory_calls(trajs)) == want
+
+
+def call(cid, name="bash", cmd="pytest -q"):
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps({"cmd": cmd})}}
+
+
+FOLLOW_UP = [{"role": "user", "content": "fix the parser"},
+             {"role": "assistant", "content": "done", "reasoning_content": "check the split first"},
+             {"role": "user", "content": "and the tests"},
+             {"role": "assistant", "content": "tests pass", "reasoning_content": "run pytest again"}]
+
+
+def test_exact_form_branches_where_the_template_rerenders(qwen, tmp_path):
+    trajs, report = convert(qwen, [{"id": "r", "group": "g", "messages": FOLLOW_UP}], tmp_path)
+    assert_exact(qwen, [{"messages": FOLLOW_UP}], trajs)
+    assert [t.id for t in trajs] == ["r", "r#1"] and [t.group for t in trajs] == ["g", "g"]
+    first, second = (decode(qwen, t.tokens) for t in trajs)
+    assert first.endswith("<|assistant|>\n<think>check the split first</think>done<|end|>")
+    # the second call saw the first turn without its reasoning: that re-rendered turn is context only
+    assert "check the split first" not in second and second.endswith("<think>run pytest again</think>tests pass<|end|>")
+    assert decode(qwen, trajs[1].tokens[trajs[1].loss_mask == 1]) == "<think>run pytest again</think>tests pass<|end|>"
+    assert report.calls == 2 and report.branches == 1 and report.branch_conversations == ["r"]
+    # the tree computes the shared part once: the branch adds only its tokens after the first difference
+    shared = int(np.flatnonzero(trajs[0].tokens[:len(trajs[1])] != trajs[1].tokens[:len(trajs[0])])[0])
+    assert build_forest(trajs).stats()["unique_tokens"] == len(trajs[0]) + len(trajs[1]) - shared
+    prompt = int(np.flatnonzero(trajs[1].loss_mask)[0])
+    assert report.branch_tokens == min(len(trajs[0]), prompt) - shared > 0
+    assert any("1 start where the template re-renders" in line for line in report.lines())
+    # the single-trajectory form trains the second turn on a context holding the dropped reasoning
+    (t,), _ = read_messages([write_rows(tmp_path / "s.jsonl", [{"id": "r", "messages": FOLLOW_UP}])], qwen,
+                            form=SINGLE)
+    assert "check the split first" in decode(qwen, t.tokens)
+    with pytest.raises(AssertionError):
+        assert_exact(qwen, [{"messages": FOLLOW_UP}], [t])
+
+
+CASES = {
+    # two parallel calls and their results, which the template groups in one block
+    "parallel tool results": [
+        {"role": "user", "content": "run the tests and read the config"},
+        {"role": "assistant", "content": "", "reasoning_content": "two things",
+         "tool_calls": [call("c1"), call("c2", "read_file", "config")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "tests pass"},
+        {"role": "tool", "tool_call_id": "c2", "content": "value none"},
+        {"role": "assistant", "content": "done"}],
+    # the follow-up repeats a passage of the reasoning the template drops
+    "follow-up repeats reasoning": [
+        {"role": "user", "content": "fix the parser"},
+        {"role": "assistant", "content": "done", "reasoning_content": "the split fails on empty input"},
+        {"role": "user", "content": "the split fails on empty input"},
+        {"role": "assistant", "content": "fixed", "reasoning_content": "check again"}],
+    # the follow-up repeats a tool result
+    "follow-up repeats a tool result": [
+        {"role": "user", "content": "run the tests"},
+        {"role": "assistant", "content": "", "reasoning_content": "run them", "tool_calls": [call("c1")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "error trace line"},
+        {"role": "assistant", "content": "they fail"},
+        {"role": "user", "content": "error trace line"},
+        {"role": "assistant", "content": "look at the trace", "reasoning_content": "why"}],
+    "empty reasoning": [
+        {"role": "user", "content": "fix the parser"},
+        {"role": "assistant", "content": "done", "reasoning_content": ""},
+        {"role": "user", "content": "and the tests"},
+        {"role": "assistant", "content": "tests pass", "reasoning_content": ""}],
+    "reasoning in the content": [
+        {"role": "user", "content": "fix the parser"},
+        {"role": "assistant", "content": "<think>check the split</think>done"},
+        {"role": "user", "content": "and the tests"},
+        {"role": "assistant", "content": "<think>run pytest</think>tests pass"}],
+    # no system message: the template inserts its default system prompt (and always a BOS)
+    "template system prompt and BOS": [
+        {"role": "user", "content": "read the config"},
+        {"role": "assistant", "content": "value none", "reasoning_content": "read it"}],
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_exact_form_cases(qwen, tmp_path, name):
+    msgs = CASES[name]
+    trajs, report = convert(qwen, [{"id": "c", "messages": msgs}], tmp_path)
+    assert_exact(qwen, [{"messages": msgs}], trajs)
+    assert all(decode(qwen, t.tokens).startswith("<|bos|><|system|>\nYou are a helpful assistant.<|end|>\n")
+               for t in trajs)
+    turns = [k for k, m in enumerate(msgs) if m["role"] == "assistant"]
+    for context, _ in trajectory_calls(trajs):    # every message is in every later call's prompt
+        text = decode(qwen, context)
+        k = turns[text.count("<|assistant|>\n") - 1]
+        for m in msgs[:k]:
+            assert m["content"].split("</think>")[-1] in text, (k, m)
+    assert report.calls == sum(m["role"] == "assistant" for m in msgs)
+    assert report.targets == sum(len(g) for c in engine_calls(qwen, msgs) for g in c[1:])
+
+
+def test_parallel_tool_results_are_all_seen(qwen, tmp_path):
+    msgs = CASES["parallel tool results"]
+    trajs, _ = convert(qwen, [{"id": "p", "messages": msgs}], tmp_path)
+    assert len(trajs) == 1     # the grouped block extends the first call: one trajectory
+    assert "<tool_response>\ntests pass\n</tool_response>\n<tool_response>\nvalue none\n</tool_response>\n<|end|>" \
+        in decode(qwen, trajs[0].tokens)
+
+
+@pytest.mark.parametrize("name", ["follow-up repeats reasoning", "parallel tool results"])
+def test_single_trajectory_form_loses_no_message_silently(qwen, tmp_path, name):
+    """Where the single-trajectory form cannot place a message it refuses the row (it used to drop it)."""
+    msgs = CASES[name]
+    try:
+        trajs, _ = read_messages([write_rows(tmp_path / "s.jsonl", [{"id": "s", "messages": msgs}])], qwen,
+                                 form=SINGLE)
+    except TreeFormatError as e:
+        assert e.field.startswith("messages[")
+        return
+    text = decode(qwen, trajs[0].tokens)
+    for m in msgs:
+        assert m["content"].split("</think>")[-1] in text
+
+
+# ---- property: over random conversations and templates the exact form is the engine's calls -------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from megatron_harts.tree_data.messages import row_to_trajectories  # noqa: E402
+
+TEXT = st.lists(st.sampled_from(WORDS), min_size=1, max_size=5).map(" ".join)
+
+
+@st.composite
+def conversation(draw):
+    msgs, calls = [], 0
+    if draw(st.booleans()):
+        msgs.append({"role": "system", "content": draw(TEXT)})
+    for _ in range(draw(st.integers(1, 3))):
+        msgs.append({"role": "user", "content": draw(TEXT)})
+        steps = draw(st.integers(1, 3))
+        for s in range(steps):
+            m = {"role": "assistant", "content": draw(TEXT)}
+            style = draw(st.sampled_from(["field", "content", "empty", "none"]))
+            if style == "field":
+                m["reasoning_content"] = draw(TEXT)
+            elif style == "content":
+                m["content"] = f"<think>{draw(TEXT)}</think>{m['content']}"
+            elif style == "empty":
+                m["reasoning_content"] = ""
+            n = draw(st.integers(0, 2)) if s < steps - 1 else 0
+            ids = [f"c{calls + j}" for j in range(n)]
+            calls += n
+            if ids:
+                m["tool_calls"] = [call(c, cmd=draw(TEXT)) for c in ids]
+            msgs.append(m)
+            msgs.extend({"role": "tool", "tool_call_id": c, "content": draw(TEXT)} for c in ids)
+    return msgs
+
+
+@st.composite
+def group(draw):
+    """One to three conversations, each later one sharing a prefix of the first."""
+    first = draw(conversation())
+    rows = [first]
+    for _ in range(draw(st.integers(0, 2))):
+        k = draw(st.integers(1, len(first)))
+        rest = [m for m in draw(conversation()) if m["role"] != "system" and "tool_calls" not in m
+                and m["role"] != "tool"]
+        rows.append(first[:k] + rest)
+    return [{"id": f"r{j}", "group": "g", "messages": m} for j, m in enumerate(rows)]
+
+
+@pytest.mark.parametrize("template", ["qwen", "plain", "reasoning"])
+def test_property_exact_form_is_the_engine_calls(qwen, plain, tmp_path_factory, template):
+    if template == "reasoning":
+        tok = load_chat_tokenizer(build_tokenizer(str(tmp_path_factory.mktemp("rt")), qwen_corpus(),
+                                                  template=REASONING_TEMPLATE))
+    else:
+        tok = {"qwen": qwen, "plain": plain}[template]
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(group())
+    def check(rows):
+        chat, report = ChatTokenizer(tok), TokenizeReport()
+        trajs = [t for r in rows for t in row_to_trajectories(r, chat, report)]
+        # the union of the trajectories' calls is, token for token, the engine's calls, each once
+        assert_exact(tok, rows, trajs)
+        assert report.calls == sum(len(engine_calls(tok, r["messages"])) for r in rows)
+        build_forest(trajs)     # ids unique, one group: the branches merge with what they share
+
+    check()

@@ -434,9 +434,11 @@ class ChatTokenizer:
     def _turn(self, messages, flags, tools, k: int, before: str, where) -> _Turn:
         after = self._render(messages[:k + 1], tools, False, where, k)
         delta, rerendered = appended_text(before, after)
-        if delta is None:
-            raise where(f"messages[{k}]", "the chat template rewrites the end of the previous turn once this "
-                                          "message follows: cannot tell this message's text")
+        body = (messages[k].get("content") or "").split("</think>")[-1].strip()
+        if delta is None or (rerendered and (not delta or body not in delta)):
+            raise where(f"messages[{k}]", "the chat template re-renders the earlier turns once this message follows "
+                                          "and its text cannot be told apart from them: the single-trajectory form "
+                                          "would lose it (the exact form takes each call's prompt as rendered)")
         head, mismatch = "", False
         if messages[k]["role"] == "assistant":
             prompt, _ = appended_text(before, self._render(messages[:k], tools, True, where, k))
