@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from chat_tokenizer import REASONING_TEMPLATE, build_tokenizer, corpus_of
+from chat_tokenizer import CHAT_TEMPLATE, REASONING_TEMPLATE, build_tokenizer, corpus_of
 from megatron_harts.tree_data import TreeDataset, TreeFormatError, build_forest
 from megatron_harts.tree_data.agent_logs import AgentLogConfig, add_engine_tokens, synthesize_agent_logs
 from megatron_harts.tree_data.messages import (SINGLE, ChatTokenizer, TokenizeReport, load_chat_tokenizer,
@@ -505,3 +505,70 @@ def test_property_exact_form_is_the_engine_calls(qwen, plain, tmp_path_factory, 
         build_forest(trajs)     # ids unique, one group: the branches merge with what they share
 
     check()
+
+
+# ---- refusals: a message the template loses, a completion not after its prompt -----------------------------------
+
+DROPS_DEVELOPER = CHAT_TEMPLATE.replace("{% else %}<|{{ m['role'] }}|>", "{% elif m['role'] != 'developer' %}<|{{ m['role'] }}|>")
+NOT_AFTER_PROMPT = CHAT_TEMPLATE.replace("{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+                                         "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+@pytest.mark.parametrize("template,messages,k,needle", [
+    (DROPS_DEVELOPER, [USER, {"role": "developer", "content": "be brief"}, {"role": "assistant", "content": "ok"}],
+     1, "renders nothing of this message"),
+    (NOT_AFTER_PROMPT, [USER, {"role": "assistant", "content": "ok"}], 1, "after the prompt of its call"),
+])
+def test_exact_form_refuses_what_it_cannot_make_exact(tmp_path, capsys, template, messages, k, needle):
+    d = build_tokenizer(str(tmp_path / "tok"), qwen_corpus(), template=template)
+    work = tmp_path / "w"
+    work.mkdir()
+    rows = [_row([USER], id="ok/0"), _row(messages)]
+    src = write_rows(work / "bad.jsonl", rows)
+    with pytest.raises(TreeFormatError) as e:
+        read_messages([src], load_chat_tokenizer(d))
+    assert (e.value.line, e.value.trajectory, e.value.field) == (2, "bad/0", f"messages[{k}]")
+    code, _, err = run_tool(load_tool("convert_trajectories"), capsys, "--input", src, "--output", work / "ds",
+                            "--tokenizer", d)
+    assert_one_error(code, err, "bad.jsonl:2", "'bad/0'", f"messages[{k}]", needle)
+    assert sorted(os.listdir(work)) == ["bad.jsonl"]
+
+
+def test_engine_tokens_of_a_branching_conversation_are_refused(qwen, tmp_path, capsys):
+    ids = qwen.encode(qwen.apply_chat_template(FOLLOW_UP, tokenize=False), add_special_tokens=False)
+    src = write_rows(tmp_path / "e.jsonl", [{"id": "e", "messages": FOLLOW_UP, "tokens": ids}])
+    with pytest.raises(TreeFormatError) as e:
+        read_messages([src], qwen)
+    assert e.value.field == "tokens" and "2 trajectories" in str(e.value) and "message 3" in str(e.value)
+
+
+# ---- tokenizers that ship code ---------------------------------------------------------------------------------------
+
+SHIPPED = '''from transformers import PreTrainedTokenizerFast
+
+
+class ShippedTokenizer(PreTrainedTokenizerFast):
+    """A tokenizer class the directory ships: transformers runs this file only when trusted."""
+    shipped = True
+'''
+
+
+def test_tokenizer_that_ships_code_needs_trust_remote_code(tok_dir, tmp_path, capsys):
+    import shutil
+    d = tmp_path / "shipped"
+    shutil.copytree(tok_dir, d)
+    (d / "shipped_tokenizer.py").write_text(SHIPPED)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.update(tokenizer_class="ShippedTokenizer", auto_map={"AutoTokenizer": [None, "shipped_tokenizer.ShippedTokenizer"]})
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TreeFormatError, match="ships its own code .*--trust-remote-code"):
+        load_chat_tokenizer(str(d))
+    tok = load_chat_tokenizer(str(d), trust_remote_code=True)
+    assert type(tok).__name__ == "ShippedTokenizer" and tok.shipped
+    src = write_rows(tmp_path / "m.jsonl", synthesize_agent_logs(CFG)[:2])
+    for tool, args in (("convert_trajectories", ("--output", tmp_path / "ds")), ("tree_stats", ())):
+        code, _, err = run_tool(load_tool(tool), capsys, "--input", src, "--tokenizer", d, *args)
+        assert_one_error(code, err, "shipped", "ships its own code", "--trust-remote-code")
+        code, out, _ = run_tool(load_tool(tool), capsys, "--input", src, "--tokenizer", d, "--trust-remote-code",
+                                *args, "--json")
+        assert code == 0 and json.loads(out)["num_trajectories"] == 2
