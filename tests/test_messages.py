@@ -572,3 +572,69 @@ def test_tokenizer_that_ships_code_needs_trust_remote_code(tok_dir, tmp_path, ca
         code, out, _ = run_tool(load_tool(tool), capsys, "--input", src, "--tokenizer", d, "--trust-remote-code",
                                 *args, "--json")
         assert code == 0 and json.loads(out)["num_trajectories"] == 2
+
+
+# ---- the summary: per input, calls, branching and both forms side by side -------------------------------------------
+
+REASONING_CFG = AgentLogConfig(num_tasks=2, samples_per_task=2, min_turns=2, max_turns=4, prompt_words=12,
+                               action_words=6, observation_words=8, reasoning_words=6, followup_prob=0.4, seed=7)
+
+
+def test_generator_reasoning_and_followups():
+    rows = synthesize_agent_logs(REASONING_CFG)
+    assert rows == synthesize_agent_logs(REASONING_CFG)
+    turns = [m for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    assert turns and all(m["reasoning_content"] for m in turns)
+    follow = [k for r in rows for k, m in enumerate(r["messages"]) if m["role"] == "user" and k > 1]
+    assert follow and all(r["messages"][k - 1]["role"] == "tool" for r in rows for k, m in
+                          enumerate(r["messages"]) if m["role"] == "user" and k > 1)
+    plain_rows = synthesize_agent_logs(CFG)       # off by default
+    assert not any("reasoning_content" in m or (m["role"] == "user" and k > 1)
+                   for r in plain_rows for k, m in enumerate(r["messages"]))
+    with pytest.raises(ValueError, match="followup_prob"):
+        synthesize_agent_logs(AgentLogConfig(followup_prob=1.5))
+
+
+def test_summary_per_input_both_forms(qwen, tmp_path, capsys):
+    from megatron_harts.tree_data.messages import EXACT
+    rows = synthesize_agent_logs(REASONING_CFG)
+    half = len(rows) // 2
+    files = [write_rows(tmp_path / "a.jsonl", rows[:half]), write_rows(tmp_path / "b.jsonl", rows[half:])]
+    d = qwen.name_or_path
+    code, out, _ = run_tool(load_tool("convert_trajectories"), capsys, "--input", *files, "--output", tmp_path / "ds",
+                            "--tokenizer", d, "--json")
+    assert code == 0
+    conv = json.loads(out)
+    assert [r["input"] for r in conv["inputs"]] == files
+    for r, f in zip(conv["inputs"], files):
+        exact, rep = read_messages([f], qwen, form=EXACT)
+        single, _ = read_messages([f], qwen, form=SINGLE)
+        want = {k: build_forest(ts).stats() for k, ts in (("exact", exact), ("single_trajectory", single))}
+        mine = rows[:half] if f == files[0] else rows[half:]
+        assert r["calls"] == rep.calls == sum(m["role"] == "assistant" for row in mine for m in row["messages"])
+        assert r["conversations"] == len(mine)
+        assert r["trajectories"] == len(exact) == len(single) + r["branch_trajectories"]
+        assert r["branch_trajectories"] == rep.branches > 0 and r["branch_tokens"] == rep.branch_tokens > 0
+        for form in ("exact", "single_trajectory"):
+            assert r[form]["unique_tokens"] == want[form]["unique_tokens"]
+            assert r[form]["compression"] == pytest.approx(want[form]["compression"])
+        assert_exact(qwen, mine, exact)
+    assert conv["unique_tokens"] == build_forest(
+        [t for f in files for t in read_messages([f], qwen)[0]]).stats()["unique_tokens"]
+    code, out, _ = run_tool(load_tool("tree_stats"), capsys, "--input", *files, "--tokenizer", d, "--drift", "--json")
+    assert code == 0 and json.loads(out)["messages"] == conv["inputs"]
+    code, out, _ = run_tool(load_tool("convert_trajectories"), capsys, "--input", files[0], "--output",
+                            tmp_path / "ds2", "--tokenizer", d)
+    r = conv["inputs"][0]
+    assert code == 0 and (f"{r['branch_trajectories']:,} of them by re-render branching" in out
+                          and f"single-trajectory form (trained context differs from the rollout's) "
+                              f"{r['single_trajectory']['unique_tokens']:,}" in out)
+    # the opt-in form: one trajectory per conversation
+    code, out, _ = run_tool(load_tool("convert_trajectories"), capsys, "--input", files[0], "--output",
+                            tmp_path / "ds3", "--tokenizer", d, "--single-trajectory-context-differs-from-rollout",
+                            "--json")
+    assert code == 0 and json.loads(out)["num_trajectories"] == half
+    assert json.loads(out)["inputs"] == conv["inputs"][:1]
+    code, _, err = run_tool(load_tool("tree_stats"), capsys, "--input", files[0],
+                            "--single-trajectory-context-differs-from-rollout")
+    assert_one_error(code, err, "--single-trajectory-context-differs-from-rollout needs --tokenizer")

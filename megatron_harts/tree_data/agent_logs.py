@@ -13,6 +13,11 @@ around their medians (in words).
 - ``step-wise``: every assistant turn is its own row whose messages are the whole history up
   to it; only that turn is trainable (earlier assistant turns carry ``"trainable": false``).
 
+With ``reasoning_words`` > 0 every assistant turn carries ``reasoning_content`` (the thinking a
+reasoning model's template shows only after the last user message); with ``followup_prob`` > 0
+a user follow-up comes, with that probability, before each assistant turn but the first (the
+message after which such a template re-renders the earlier turns without their reasoning).
+
 Rewards are Bernoulli, advantages group-normalized.  ``add_engine_tokens`` adds the ids an
 inference engine would report, with a tokenizer: the common pipeline that drifts (see there).
 """
@@ -51,6 +56,8 @@ class AgentLogConfig:
     branch_prob: float = 0.3
     branch_factor: int = 2
     max_leaves: int = 8
+    reasoning_words: int = 0
+    followup_prob: float = 0.0
     seed: int = 0
 
     def validate(self) -> None:
@@ -64,6 +71,10 @@ class AgentLogConfig:
             raise ValueError(f"max_turns ({self.max_turns}) must be >= min_turns ({self.min_turns})")
         if not 0.0 <= self.branch_prob <= 1.0:
             raise ValueError(f"branch_prob must be in [0, 1], got {self.branch_prob}")
+        if self.reasoning_words < 0:
+            raise ValueError(f"reasoning_words must be >= 0, got {self.reasoning_words}")
+        if not 0.0 <= self.followup_prob <= 1.0:
+            raise ValueError(f"followup_prob must be in [0, 1], got {self.followup_prob}")
 
 
 class _Writer:
@@ -83,18 +94,33 @@ class _Writer:
         tool = TOOLS[int(self.rng.integers(0, len(TOOLS)))]
         args = json.dumps({"input": self.words(max(1, self.cfg.action_words // 4))})
         call = {"id": cid, "type": "function", "function": {"name": tool, "arguments": args}}
-        return [{"role": "assistant", "content": self.words(self.cfg.action_words), "tool_calls": [call]},
+        return [self.think({"role": "assistant", "content": self.words(self.cfg.action_words), "tool_calls": [call]}),
                 {"role": "tool", "tool_call_id": cid, "content": self.words(self.cfg.observation_words)}]
 
     def answer(self) -> dict:
-        return {"role": "assistant", "content": "done: " + self.words(self.cfg.action_words)}
+        return self.think({"role": "assistant", "content": "done: " + self.words(self.cfg.action_words)})
+
+    def think(self, m: dict) -> dict:
+        if self.cfg.reasoning_words:
+            m["reasoning_content"] = self.words(self.cfg.reasoning_words)
+        return m
+
+    def followup(self, path: List[dict], first: bool) -> List[dict]:
+        """``path``, with a user follow-up appended with probability ``followup_prob`` (never before
+        the first turn)."""
+        if first or not self.cfg.followup_prob or self.rng.random() >= self.cfg.followup_prob:
+            return path
+        return path + [{"role": "user", "content": "Also: " + self.words(max(1, self.cfg.prompt_words // 4))}]
 
 
 def _tree_step(w: _Writer, head: List[dict]) -> List[List[dict]]:
     c = w.cfg
     turns = int(w.rng.integers(c.min_turns, c.max_turns + 1))
     frontier = [head]
-    for _ in range(turns):
+    for turn in range(turns + 1):
+        frontier = [w.followup(path, turn == 0) for path in frontier]
+        if turn == turns:
+            break
         nxt = []
         for path in frontier:
             k = 1
@@ -110,6 +136,7 @@ def _step_wise(w: _Writer, head: List[dict]) -> List[List[dict]]:
     turns = int(w.rng.integers(c.min_turns, c.max_turns + 1))
     path, out = list(head), []
     for k in range(turns + 1):
+        path = w.followup(path, k == 0)
         msgs = w.turn() if k < turns else [w.answer()]
         frozen = [dict(m, trainable=False) if m["role"] == "assistant" else m for m in path]
         out.append(frozen + msgs[:1])
