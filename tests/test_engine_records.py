@@ -40,7 +40,8 @@ def test_calls_merge_by_prefix_and_branch(tmp_path):
     assert branch.tokens.tolist() == [1, 2, 10, 6, 8, 9, 11, 12] and branch.loss_mask.tolist() == [0] * 7 + [1]
     assert (a.group, a.reward, a.advantage, branch.group, branch.reward) == ("g", 1.0, 0.5, "g", 1.0)
     assert report.to_dict() == {"conversations": 2, "calls": 4, "trajectories": 3, "branch_trajectories": 1,
-                                "branch_tokens": 5}   # the branch re-renders a's tokens 2..6 (its prompt: 7)
+                                "branch_tokens": 5,   # the branch re-renders a's tokens 2..6 (its prompt: 7)
+                                "branch_calls": 1}
     assert "1 start where a prompt does not extend the previous call (e.g. 'a')" in report.lines()[0]
     # each completion is a target once: 6 targets over 3 trajectories; the tree shares [1, 2] and [1, 2, 3]
     assert sum(int(t.loss_mask.sum()) for t in trajs) == 6
@@ -102,7 +103,7 @@ def test_tools_take_records(tmp_path, capsys):
     assert code == 0
     conv = json.loads(out)
     assert conv["records"] == {"conversations": 2, "calls": 4, "trajectories": 3, "branch_trajectories": 1,
-                               "branch_tokens": 1}
+                               "branch_tokens": 1, "branch_calls": 1}
     (inp,) = conv["inputs"]
     assert inp["kind"] == "records" and inp["calls"] == 4 and inp["single_trajectory"] is None
     assert inp["exact"]["unique_tokens"] == conv["unique_tokens"] == 10

@@ -342,6 +342,7 @@ def test_exact_form_branches_where_the_template_rerenders(qwen, tmp_path):
     assert "check the split first" not in second and second.endswith("<think>run pytest again</think>tests pass<|end|>")
     assert decode(qwen, trajs[1].tokens[trajs[1].loss_mask == 1]) == "<think>run pytest again</think>tests pass<|end|>"
     assert report.calls == 2 and report.branches == 1 and report.branch_conversations == ["r"]
+    assert report.branch_calls == 1
     # the tree computes the shared part once: the branch adds only its tokens after the first difference
     shared = int(np.flatnonzero(trajs[0].tokens[:len(trajs[1])] != trajs[1].tokens[:len(trajs[0])])[0])
     assert build_forest(trajs).stats()["unique_tokens"] == len(trajs[0]) + len(trajs[1]) - shared
@@ -615,6 +616,10 @@ def test_summary_per_input_both_forms(qwen, tmp_path, capsys):
         assert r["conversations"] == len(mine)
         assert r["trajectories"] == len(exact) == len(single) + r["branch_trajectories"]
         assert r["branch_trajectories"] == rep.branches > 0 and r["branch_tokens"] == rep.branch_tokens > 0
+        # the calls of the branches: every call of a trajectory other than a conversation's first
+        firsts = {t.id for t in exact if "#" not in str(t.id)}
+        assert r["branch_calls"] == sum(len(engine_calls(qwen, row["messages"])) for row in mine) - len(
+            trajectory_calls([t for t in exact if t.id in firsts])) >= r["branch_trajectories"]
         for form in ("exact", "single_trajectory"):
             assert r[form]["unique_tokens"] == want[form]["unique_tokens"]
             assert r[form]["compression"] == pytest.approx(want[form]["compression"])

@@ -149,11 +149,13 @@ class RecordReport:
     trajectories: int = 0
     branches: int = 0                 # trajectories started because a prompt did not extend the previous call
     recomputed_tokens: int = 0        # re-rendered prompt tokens the branches compute again
+    branch_calls: int = 0             # calls in the branches
     examples: List = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"conversations": self.conversations, "calls": self.calls, "trajectories": self.trajectories,
-                "branch_trajectories": self.branches, "branch_tokens": self.recomputed_tokens}
+                "branch_trajectories": self.branches, "branch_tokens": self.recomputed_tokens,
+                "branch_calls": self.branch_calls}
 
     def lines(self) -> List[str]:
         out = [f"engine records: {self.calls:,} calls of {self.conversations:,} conversations -> "
@@ -267,6 +269,7 @@ def _conversation(cid, recs: List[Tuple[str, int, dict]], report: RecordReport,
     report.trajectories += len(segs)
     report.branches += len(segs) - 1
     report.recomputed_tokens += sum(s.recomputed for s in segs)
+    report.branch_calls += sum(len(s.calls) for s in segs[1:])
     if len(segs) > 1:
         report.examples.append(cid)
     return out

@@ -1,24 +1,25 @@
-"""Rollouts as chat messages -> token ids and a loss mask, prefix-stable (docs/messages.md).
+"""Rollouts as chat messages -> trajectories of token ids and loss masks (docs/messages.md).
 
 A row holds ``messages`` (OpenAI chat format) beside the RL fields of docs/data_format.md, and
 optionally the engine's ``tokens``.  A chat template (a transformers tokenizer directory) turns
-the messages into text, one message at a time:
+the messages into text.  Two forms:
 
-- message k contributes the text that rendering ``messages[:k+1]`` appends to the rendering of
-  ``messages[:k]``; that text is tokenized on its own, so the tokens of turn k never depend on
-  later turns and a history shared by several trajectories gets identical ids in all of them;
-- an assistant message is preceded by the template's generation prompt (the text rendering
-  ``messages[:k]`` with ``add_generation_prompt`` appends), which is context; the rest of the
-  turn is a target up to and including its last end-of-sequence token (what the model
-  generated); text the template puts after that token is context;
-- where the template renders earlier turns differently once a later message follows (e.g. it
-  drops earlier reasoning), the earlier turns stay as they were rendered when they were the
-  latest (what the model saw) and the new message contributes the text appended after them;
-  the report counts those boundaries.
+- ``exact`` (default): every target message k is the completion of one model call, whose prompt
+  is ``messages[:k]`` rendered with the generation prompt and tokenized as one text (what the
+  engine did), and whose completion is the text rendering ``messages[:k+1]`` adds, tokenized on
+  its own through its last end-of-sequence token.  The calls are merged by prefix
+  (engine_records.merge_calls): one trajectory while each prompt extends the previous prompt
+  plus completion token for token, a new trajectory ``ID#j`` where the template re-rendered the
+  history.  A message the template renders nothing of, or a completion not rendered after its
+  prompt, is an error naming it: no message is lost.
+- ``single-trajectory`` (opt-in): one trajectory per row, message by message: message k
+  contributes the text rendering ``messages[:k+1]`` appends to the rendering of ``messages[:k]``;
+  where the template re-renders earlier turns they stay as rendered when they were the latest,
+  so later turns are trained on a context the model did not see.
 
-With engine ``tokens`` the ids are the engine's; they must decode to the text of the messages,
-and the loss mask follows the characters each token covers.  transformers is imported only by
-``load_chat_tokenizer``.
+With engine ``tokens`` the ids are the engine's; they must decode to the text of the row's one
+trajectory, and the loss mask follows the characters each token covers.  transformers is
+imported only by ``load_chat_tokenizer``.
 """
 from __future__ import annotations
 
@@ -278,6 +279,8 @@ class TokenizeReport:
     targets: int = 0
     branches: int = 0                        # exact form: trajectories started by a prompt that re-renders history
     branch_tokens: int = 0                   # ... and the re-rendered tokens they compute again
+    branch_calls: int = 0                    # calls in those trajectories: the single-trajectory form trains them
+                                             # on a context that differs from the one the model saw
     branch_conversations: List = field(default_factory=list)
     unseen: int = 0                          # exact form: messages after the last call that no call saw, not stored
     rerendered: int = 0                      # single form: message boundaries where the template re-rendered
@@ -290,7 +293,7 @@ class TokenizeReport:
         return {"form": self.form, "conversations": self.conversations, "calls": self.calls,
                 "trajectories": self.trajectories, "messages": self.messages, "tokens": self.tokens,
                 "targets": self.targets, "branch_trajectories": self.branches, "branch_tokens": self.branch_tokens,
-                "unseen_messages": self.unseen, "rerendered_boundaries": self.rerendered,
+                "branch_calls": self.branch_calls, "unseen_messages": self.unseen, "rerendered_boundaries": self.rerendered,
                 "rerendered_trajectories": len(self.rerendered_trajectories), "prompt_mismatch": self.prompt_mismatch,
                 "engine_tokens": self.engine, "engine_tokens_differ": len(self.engine_differs)}
 
@@ -609,6 +612,7 @@ def row_to_trajectories(rec: dict, chat: ChatTokenizer, report: TokenizeReport, 
     report.calls += len(calls)
     report.branches += len(segs) - 1
     report.branch_tokens += sum(s.recomputed for s in segs)
+    report.branch_calls += sum(len(s.calls) for s in segs[1:])
     if len(segs) > 1:
         report.branch_conversations.append(tid)
     return out
@@ -750,7 +754,8 @@ def compare_forms(inputs: Sequence[InputReport], trajs: Sequence[Trajectory], to
         if inp.kind == "records":
             out.append({"input": inp.path, "kind": "records", "conversations": rep.conversations,
                         "calls": rep.calls, "trajectories": rep.trajectories, "branch_trajectories": rep.branches,
-                        "branch_tokens": rep.recomputed_tokens, "exact": _form_stats(mine),
+                        "branch_tokens": rep.recomputed_tokens, "branch_calls": rep.branch_calls,
+                        "exact": _form_stats(mine),
                         "single_trajectory": None})
             continue
         other = SINGLE if rep.form == EXACT else EXACT
@@ -762,7 +767,7 @@ def compare_forms(inputs: Sequence[InputReport], trajs: Sequence[Trajectory], to
         out.append({"input": inp.path, "kind": "messages", "conversations": ex_rep.conversations,
                     "calls": ex_rep.calls, "trajectories": ex_rep.trajectories,
                     "branch_trajectories": ex_rep.branches, "branch_tokens": ex_rep.branch_tokens,
-                    "exact": _form_stats(exact), "single_trajectory": _form_stats(single)})
+                    "branch_calls": ex_rep.branch_calls, "exact": _form_stats(exact), "single_trajectory": _form_stats(single)})
     return out
 
 
@@ -773,7 +778,8 @@ def compare_lines(rows: Sequence[dict]) -> List[str]:
         e, s = r["exact"], r["single_trajectory"]
         line = (f"{r['input']}: {r['calls']:,} calls of {r['conversations']:,} conversations -> "
                 f"{r['trajectories']:,} trajectories, {r['branch_trajectories']:,} of them by re-render branching "
-                f"({r['branch_tokens']:,} re-rendered tokens computed again); exact form {e['unique_tokens']:,} "
+                f"({r['branch_tokens']:,} re-rendered tokens computed again; {r['branch_calls']:,} calls whose "
+                f"context the single-trajectory form would change); exact form {e['unique_tokens']:,} "
                 f"unique tokens ({e['compression']:.2f}x)")
         if s is not None:
             line += (f", single-trajectory form (trained context differs from the rollout's) "
@@ -793,13 +799,13 @@ def merged_reports(inputs: Sequence[InputReport]) -> Tuple[Optional[TokenizeRepo
             if msg is None:
                 msg = TokenizeReport(form=r.form)
             for name in ("trajectories", "conversations", "messages", "calls", "tokens", "targets", "branches",
-                         "branch_tokens", "unseen", "rerendered", "prompt_mismatch", "engine"):
+                         "branch_tokens", "branch_calls", "unseen", "rerendered", "prompt_mismatch", "engine"):
                 setattr(msg, name, getattr(msg, name) + getattr(r, name))
             for name in ("branch_conversations", "rerendered_trajectories", "engine_differs"):
                 getattr(msg, name).extend(getattr(r, name))
         elif inp.kind == "records":
             rec = rec or RecordReport()
-            for name in ("conversations", "calls", "trajectories", "branches", "recomputed_tokens"):
+            for name in ("conversations", "calls", "trajectories", "branches", "recomputed_tokens", "branch_calls"):
                 setattr(rec, name, getattr(rec, name) + getattr(r, name))
             rec.examples.extend(r.examples)
     return msg, rec
