@@ -643,3 +643,17 @@ def test_summary_per_input_both_forms(qwen, tmp_path, capsys):
     code, _, err = run_tool(load_tool("tree_stats"), capsys, "--input", files[0],
                             "--single-trajectory-context-differs-from-rollout")
     assert_one_error(code, err, "--single-trajectory-context-differs-from-rollout needs --tokenizer")
+
+
+def test_messages_after_the_last_call(qwen, plain, tmp_path):
+    """Messages no call saw: context when the whole rendering extends the last trajectory, else counted."""
+    tail = CASES["parallel tool results"][:4]           # ends with the tool results of the first call
+    (t,), report = convert(plain, [{"id": "t", "messages": tail}], tmp_path)
+    assert decode(plain, t.tokens) == plain.apply_chat_template(tail, tokenize=False) and report.unseen == 0
+    assert decode(plain, t.tokens[t.loss_mask == 1]).endswith("<|end|>") and t.loss_mask[-1] == 0
+    (t,), report = convert(qwen, [{"id": "u", "messages": FOLLOW_UP[:3]}], tmp_path)   # the follow-up drops reasoning
+    assert "and the tests" not in decode(qwen, t.tokens) and report.unseen == 1
+    assert any("1 messages after the last call" in line for line in report.lines())
+    (t,), report = convert(qwen, [{"id": "v", "messages": FOLLOW_UP[:1]}], tmp_path)    # no call: context only
+    assert decode(qwen, t.tokens) == qwen.apply_chat_template(FOLLOW_UP[:1], tokenize=False)
+    assert not t.loss_mask.any() and report.calls == 0

@@ -45,7 +45,8 @@ from megatron_harts.tree_data.reprefill import reprefill, reprefill_tokens  # no
 
 def main(argv=None) -> int:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", required=True, nargs="+", metavar="FILE", help="trajectory files")
+    ap.add_argument("--input", required=True, nargs="+", metavar="FILE",
+                    help="trajectory files, engine token record files, or with --tokenizer chat-message files")
     ap.add_argument("--output", required=True, metavar="PREFIX", help="dataset prefix (PREFIX.bin, PREFIX.idx)")
     ap.add_argument("--vocab-size", type=int, default=None, metavar="N", help="reject token ids >= N")
     ap.add_argument("--workers", type=int, default=1, metavar="N", help="parallel JSONL parsing processes")
