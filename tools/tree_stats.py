@@ -39,7 +39,8 @@ def _cell(v) -> str:
 def main(argv=None) -> int:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, nargs="+", metavar="FILE",
-                    help="trajectory files (.jsonl, .jsonl.gz, .parquet) or one dataset prefix")
+                    help="trajectory files (.jsonl, .jsonl.gz, .parquet), engine token record files, chat-message "
+                         "files (with --tokenizer), or one dataset prefix")
     ap.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= N")
     ap.add_argument("--reprefill", action="store_true",
                     help="also the stats of the re-prefill form, and the tokens it re-prefills")
