@@ -1,5 +1,7 @@
-"""Rollouts as chat messages: prefix-stable tokenization with a chat template, the loss mask, engine
-tokens, re-rendering templates, bad input, and the tools end to end with a tokenizer built here."""
+"""Rollouts as chat messages: the exact form (each call's prompt as the engine rendered it, equal to the
+engine's calls over templates that re-render history), the single-trajectory form, the loss mask, engine
+tokens, bad input, tokenizers that ship code, the per-input summary, and the tools end to end with
+tokenizers built here."""
 import json
 import os
 import subprocess
@@ -7,12 +9,14 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from chat_tokenizer import CHAT_TEMPLATE, REASONING_TEMPLATE, build_tokenizer, corpus_of
+from chat_tokenizer import CHAT_TEMPLATE, QWEN_LIKE_TEMPLATE, REASONING_TEMPLATE, build_tokenizer, corpus_of
 from megatron_harts.tree_data import TreeDataset, TreeFormatError, build_forest
 from megatron_harts.tree_data.agent_logs import AgentLogConfig, add_engine_tokens, synthesize_agent_logs
-from megatron_harts.tree_data.messages import (SINGLE, ChatTokenizer, TokenizeReport, load_chat_tokenizer,
-                                               read_messages)
+from megatron_harts.tree_data.messages import (EXACT, SINGLE, ChatTokenizer, TokenizeReport, load_chat_tokenizer,
+                                               read_messages, row_to_trajectories)
 from tool_runner import assert_one_error, load_tool, run_tool
 
 CFG = AgentLogConfig(num_tasks=2, samples_per_task=2, min_turns=2, max_turns=3, prompt_words=12, action_words=6,
@@ -266,7 +270,7 @@ WORDS = ("the parser fails on empty input so check the split then run pytest aga
 
 
 def qwen_corpus():
-    from chat_tokenizer import QWEN_LIKE_TEMPLATE  # noqa: F401  (the template the corpus is rendered with)
+    """Texts to train a test BPE on for QWEN_LIKE_TEMPLATE conversations."""
     text = " ".join(WORDS)
     return [text, text.upper(), '<tool_call>{"name": "bash", "arguments": {"cmd": "pytest -q"}}</tool_call>',
             "<tool_response>\n", "\n</tool_response>\n", "<think>", "</think>", "You are a helpful assistant."]
@@ -274,7 +278,6 @@ def qwen_corpus():
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    from chat_tokenizer import QWEN_LIKE_TEMPLATE
     return load_chat_tokenizer(build_tokenizer(str(tmp_path_factory.mktemp("qwen")), qwen_corpus(),
                                                template=QWEN_LIKE_TEMPLATE))
 
@@ -439,11 +442,6 @@ def test_single_trajectory_form_loses_no_message_silently(qwen, tmp_path, name):
 
 # ---- property: over random conversations and templates the exact form is the engine's calls -------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from megatron_harts.tree_data.messages import row_to_trajectories  # noqa: E402
-
 TEXT = st.lists(st.sampled_from(WORDS), min_size=1, max_size=5).map(" ".join)
 
 
@@ -510,7 +508,8 @@ def test_property_exact_form_is_the_engine_calls(qwen, plain, tmp_path_factory, 
 
 # ---- refusals: a message the template loses, a completion not after its prompt -----------------------------------
 
-DROPS_DEVELOPER = CHAT_TEMPLATE.replace("{% else %}<|{{ m['role'] }}|>", "{% elif m['role'] != 'developer' %}<|{{ m['role'] }}|>")
+DROPS_DEVELOPER = CHAT_TEMPLATE.replace("{% else %}<|{{ m['role'] }}|>",
+                                        "{% elif m['role'] != 'developer' %}<|{{ m['role'] }}|>")
 NOT_AFTER_PROMPT = CHAT_TEMPLATE.replace("{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
                                          "{% if add_generation_prompt %}<|assistant|> {% endif %}")
 
@@ -560,7 +559,8 @@ def test_tokenizer_that_ships_code_needs_trust_remote_code(tok_dir, tmp_path, ca
     shutil.copytree(tok_dir, d)
     (d / "shipped_tokenizer.py").write_text(SHIPPED)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg.update(tokenizer_class="ShippedTokenizer", auto_map={"AutoTokenizer": [None, "shipped_tokenizer.ShippedTokenizer"]})
+    cfg.update(tokenizer_class="ShippedTokenizer",
+               auto_map={"AutoTokenizer": [None, "shipped_tokenizer.ShippedTokenizer"]})
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(TreeFormatError, match="ships its own code .*--trust-remote-code"):
         load_chat_tokenizer(str(d))
@@ -597,7 +597,6 @@ def test_generator_reasoning_and_followups():
 
 
 def test_summary_per_input_both_forms(qwen, tmp_path, capsys):
-    from megatron_harts.tree_data.messages import EXACT
     rows = synthesize_agent_logs(REASONING_CFG)
     half = len(rows) // 2
     files = [write_rows(tmp_path / "a.jsonl", rows[:half]), write_rows(tmp_path / "b.jsonl", rows[half:])]

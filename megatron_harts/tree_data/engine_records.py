@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple

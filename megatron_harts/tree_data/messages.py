@@ -293,7 +293,8 @@ class TokenizeReport:
         return {"form": self.form, "conversations": self.conversations, "calls": self.calls,
                 "trajectories": self.trajectories, "messages": self.messages, "tokens": self.tokens,
                 "targets": self.targets, "branch_trajectories": self.branches, "branch_tokens": self.branch_tokens,
-                "branch_calls": self.branch_calls, "unseen_messages": self.unseen, "rerendered_boundaries": self.rerendered,
+                "branch_calls": self.branch_calls, "unseen_messages": self.unseen,
+                "rerendered_boundaries": self.rerendered,
                 "rerendered_trajectories": len(self.rerendered_trajectories), "prompt_mismatch": self.prompt_mismatch,
                 "engine_tokens": self.engine, "engine_tokens_differ": len(self.engine_differs)}
 
@@ -767,7 +768,8 @@ def compare_forms(inputs: Sequence[InputReport], trajs: Sequence[Trajectory], to
         out.append({"input": inp.path, "kind": "messages", "conversations": ex_rep.conversations,
                     "calls": ex_rep.calls, "trajectories": ex_rep.trajectories,
                     "branch_trajectories": ex_rep.branches, "branch_tokens": ex_rep.branch_tokens,
-                    "branch_calls": ex_rep.branch_calls, "exact": _form_stats(exact), "single_trajectory": _form_stats(single)})
+                    "branch_calls": ex_rep.branch_calls, "exact": _form_stats(exact),
+                    "single_trajectory": _form_stats(single)})
     return out
 
 
