@@ -493,6 +493,8 @@ def test_property_exact_form_is_the_engine_calls(qwen, plain, tmp_path_factory, 
     else:
         tok = {"qwen": qwen, "plain": plain}[template]
 
+    branched = []
+
     @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(group())
     def check(rows):
@@ -502,8 +504,11 @@ def test_property_exact_form_is_the_engine_calls(qwen, plain, tmp_path_factory, 
         assert_exact(tok, rows, trajs)
         assert report.calls == sum(len(engine_calls(tok, r["messages"])) for r in rows)
         build_forest(trajs)     # ids unique, one group: the branches merge with what they share
+        branched.append(report.branches)
 
     check()
+    # the templates that re-render history did so on some of the conversations; the plain one never
+    assert (sum(branched) > 0) == (template != "plain")
 
 
 # ---- refusals: a message the template loses, a completion not after its prompt -----------------------------------
