@@ -661,3 +661,25 @@ def test_messages_after_the_last_call(qwen, plain, tmp_path):
     (t,), report = convert(qwen, [{"id": "v", "messages": FOLLOW_UP[:1]}], tmp_path)    # no call: context only
     assert decode(qwen, t.tokens) == qwen.apply_chat_template(FOLLOW_UP[:1], tokenize=False)
     assert not t.loss_mask.any() and report.calls == 0
+
+
+def test_synthesizer_reasoning_flags(qwen, tmp_path, capsys):
+    src = tmp_path / "r.jsonl"
+    code, out, _ = run_tool(load_tool("synthesize_rollouts"), capsys, "--format", "messages", "--output", src,
+                            "--num-tasks", 1, "--prompt-median", 12, "--action-median", 6, "--observation-median", 8,
+                            "--reasoning-median", 5, "--followup-prob", 0.5, "--json")
+    assert code == 0 and json.loads(out)["config"]["followup_prob"] == 0.5
+    rows = [json.loads(line) for line in open(src)]
+    assert all(m.get("reasoning_content") for r in rows for m in r["messages"] if m["role"] == "assistant")
+    # engine tokens of one sequence cannot hold a conversation whose template re-renders its history
+    code, _, err = run_tool(load_tool("synthesize_rollouts"), capsys, "--format", "messages", "--output",
+                            tmp_path / "e.jsonl", "--num-tasks", 1, "--reasoning-median", 5, "--followup-prob", 1.0,
+                            "--tokenizer", qwen.name_or_path)
+    assert_one_error(code, err, "re-renders the history")
+    code, _, err = run_tool(load_tool("synthesize_rollouts"), capsys, "--output", tmp_path / "t.jsonl",
+                            "--followup-prob", 0.5)
+    assert_one_error(code, err, "need --format messages")
+    code, _, err = run_tool(load_tool("synthesize_rollouts"), capsys, "--format", "messages", "--output",
+                            tmp_path / "t.jsonl", "--followup-prob", 2)
+    assert_one_error(code, err, "--followup-prob must be in [0, 1]")
+    assert sorted(os.listdir(tmp_path)) == ["r.jsonl"]
