@@ -32,12 +32,43 @@ REASONING_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# a reasoning model's template (Qwen3-like): BOS, a default system prompt when the conversation has
+# none, <think> shown only on assistant turns after the last user message (reasoning given as a
+# field or inside the content), tool calls as JSON in tags, consecutive tool results in one block
+QWEN_LIKE_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] != 'system' %}<|system|>\nYou are a helpful assistant.<|end|>\n{% endif %}"
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
+    "{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|user|>\n{% endif %}"
+    "<tool_response>\n{{ m['content'] }}\n</tool_response>\n"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|end|>\n{% endif %}"
+    "{% elif m['role'] == 'assistant' %}"
+    "{% set content = m['content'] or '' %}"
+    "{% set reasoning = m['reasoning_content'] if m['reasoning_content'] is string else '' %}"
+    "{% if '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "<|assistant|>\n"
+    "{% if loop.index0 > ns.last_user %}<think>{{ reasoning }}</think>{% endif %}"
+    "{{ content }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] }}}</tool_call>{% endfor %}"
+    "<|end|>\n"
+    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 SPECIAL = ["<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|call|>", "<|/call|>",
-           "<|developer|>"]
+           "<|developer|>", "<|bos|>"]
 
 
 def build_tokenizer(path: str, corpus, template: str = CHAT_TEMPLATE, vocab_size: int = 400) -> str:
-    """Train a byte-level BPE on ``corpus`` (strings) and save it with ``template`` under ``path``."""
+    """Train a byte-level BPE on ``corpus`` (strings) and save it with ``template`` under ``path``
+    (its BOS token is ``<|bos|>``, which only a template that writes ``bos_token`` uses)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,7 +78,8 @@ def build_tokenizer(path: str, corpus, template: str = CHAT_TEMPLATE, vocab_size
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(list(corpus), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|end|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|end|>",
+                                   bos_token="<|bos|>")
     fast.chat_template = template
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)

@@ -131,9 +131,12 @@ def test_readme_commands_run():
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_messages_doc_commands_run(tmp_path):
-    """docs/messages.md's commands, with TOKDIR a small chat tokenizer built here (no download)."""
+    """docs/messages.md's commands, with TOKDIR a small chat tokenizer built here (no download) and
+    REASONING_TOKDIR one whose template drops earlier reasoning after a user message (Qwen3-like)."""
     pytest.importorskip("tokenizers")
-    from chat_tokenizer import build_tokenizer, corpus_of
+    from chat_tokenizer import QWEN_LIKE_TEMPLATE, build_tokenizer, corpus_of
     from megatron_harts.tree_data.agent_logs import AgentLogConfig, synthesize_agent_logs
     tok = build_tokenizer(str(tmp_path / "tok"), corpus_of(synthesize_agent_logs(AgentLogConfig(num_tasks=3, seed=11))))
-    assert run_blocks(MESSAGES_DOC, {"TOKDIR": tok}) >= 1
+    rows = synthesize_agent_logs(AgentLogConfig(num_tasks=3, seed=11, reasoning_words=10, followup_prob=0.3))
+    reasoning = build_tokenizer(str(tmp_path / "rtok"), corpus_of(rows), template=QWEN_LIKE_TEMPLATE)
+    assert run_blocks(MESSAGES_DOC, {"TOKDIR": tok, "REASONING_TOKDIR": reasoning}) >= 3

@@ -12,13 +12,21 @@ ID/rk re-emits the tokens still visible at pk as context (loss mask 0) and conti
 tokens [pk, p(k+1)).  Every target is a target in exactly one sample; trajectories without
 events pass unchanged; a target at pk with every token before it evicted is an error.
 
+Engine token records (one row per model call with the engine's prompt and completion ids,
+docs/messages.md) are merged by prefix into trajectories with no re-tokenization.
+
 --tokenizer DIR (a transformers tokenizer directory with a chat template, read locally) also
-takes rollouts as chat messages (docs/messages.md): each message is tokenized after the ones
-before it, so shared histories get identical ids; assistant turns are targets, the rest
-context; engine `tokens` given beside the messages are kept after checking that they decode to
-them.  With a tokenizer the converter prints what it did and the tokenization drift of the set
-(text shared by trajectories of a group whose ids differ); --repair-drift re-tokenizes such
-context alike before the trees are built.
+takes rollouts as chat messages (docs/messages.md), in the exact form by default: every model
+call is the prompt the engine rendered for it (the messages before it, with the generation
+prompt) followed by what it generated; consecutive calls stay one trajectory while each prompt
+extends the previous prompt and completion token for token, and where the template re-renders
+the history the conversation continues as a new trajectory sharing the tokens up to the first
+difference.  --single-trajectory-context-differs-from-rollout keeps one trajectory per
+conversation instead, whose later turns are trained on a context the model did not see where
+the template re-renders history.  The converter prints, per input, the calls, the trajectories
+re-render branching made and their cost, and the unique tokens of both forms; and the
+tokenization drift of the set (text shared by trajectories of a group whose ids differ);
+--repair-drift re-tokenizes such context alike before the trees are built.
 """
 import argparse
 import os
@@ -30,13 +38,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_harts.cli import ArgumentParser, CliError, Progress, output_path, print_json, run  # noqa: E402
 from megatron_harts.tree_data import build_forest, write_dataset  # noqa: E402
 from megatron_harts.tree_data.drift import TokenText, analyze_drift, repair_drift, repair_lines  # noqa: E402
-from megatron_harts.tree_data.messages import load_chat_tokenizer, read_rollouts  # noqa: E402
+from megatron_harts.tree_data.messages import (EXACT, SINGLE, compare_forms, compare_lines,  # noqa: E402
+                                               load_chat_tokenizer, merged_reports, read_rollouts)
 from megatron_harts.tree_data.reprefill import reprefill, reprefill_tokens  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", required=True, nargs="+", metavar="FILE", help="trajectory files")
+    ap.add_argument("--input", required=True, nargs="+", metavar="FILE",
+                    help="trajectory files, engine token record files, or with --tokenizer chat-message files")
     ap.add_argument("--output", required=True, metavar="PREFIX", help="dataset prefix (PREFIX.bin, PREFIX.idx)")
     ap.add_argument("--vocab-size", type=int, default=None, metavar="N", help="reject token ids >= N")
     ap.add_argument("--workers", type=int, default=1, metavar="N", help="parallel JSONL parsing processes")
@@ -46,6 +56,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", metavar="DIR", default=None,
                     help="a transformers tokenizer directory with a chat template: input rows may hold chat "
                          "messages (docs/messages.md); prints the tokenization drift of the set")
+    ap.add_argument("--single-trajectory-context-differs-from-rollout", dest="single", action="store_true",
+                    help="with --tokenizer: one trajectory per conversation, every turn kept as rendered when it "
+                         "was the latest; where the chat template re-renders history, later turns are trained on a "
+                         "context that differs from the one the model saw in the rollout (off-policy)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="run the code a tokenizer directory ships (tiktoken-based tokenizers such as "
+                         "Kimi-Linear's); without it such a tokenizer is refused")
     ap.add_argument("--repair-drift", action="store_true",
                     help="with --tokenizer: re-tokenize context whose text a trajectory of its group holds with "
                          "other ids alike (targets are never changed) and report what changed")
@@ -60,19 +77,30 @@ def main(argv=None) -> int:
         raise CliError(f"--vocab-size must be >= 1, got {args.vocab_size}")
     if args.repair_drift and args.tokenizer is None:
         raise CliError("--repair-drift needs --tokenizer DIR to decode the token ids")
+    if args.single and args.tokenizer is None:
+        raise CliError("--single-trajectory-context-differs-from-rollout needs --tokenizer DIR (it applies to "
+                       "chat messages)")
     output_path(args.output, "--output")
     t0 = time.perf_counter()
-    tokenizer = load_chat_tokenizer(args.tokenizer) if args.tokenizer else None
+    tokenizer = load_chat_tokenizer(args.tokenizer, args.trust_remote_code) if args.tokenizer else None
     progress = Progress("reading", unit="lines")
-    trajs, tokenized = read_rollouts(args.input, tokenizer, vocab_size=args.vocab_size, workers=args.workers,
-                                     progress=progress)
+    trajs, inputs = read_rollouts(args.input, tokenizer, vocab_size=args.vocab_size, workers=args.workers,
+                                  progress=progress, form=SINGLE if args.single else EXACT)
     progress.close()
     extra, notes = {}, []
+    tokenized, records = merged_reports(inputs)
+    compared = compare_forms(inputs, trajs, tokenizer, vocab_size=args.vocab_size)
+    if compared:
+        extra["inputs"] = compared
+        notes += compare_lines(compared)
+    if records is not None:
+        extra["records"] = records.to_dict()
+        notes += records.lines()
     if tokenizer is not None:
         text_of = TokenText(tokenizer)
         drift = analyze_drift(trajs, text_of)
-        extra = {"messages": tokenized.to_dict(), "drift": drift.to_dict()}
-        notes = tokenized.lines() + drift.lines()
+        extra.update(messages=(tokenized.to_dict() if tokenized is not None else None), drift=drift.to_dict())
+        notes += (tokenized.lines() if tokenized is not None else []) + drift.lines()
         if args.repair_drift:
             before = build_forest(trajs).stats()["unique_tokens"]
             trajs, changes = repair_drift(trajs, text_of)

@@ -23,7 +23,9 @@ traces without events, and the compaction knobs then change nothing.
 --format messages writes agent logs as chat messages instead (docs/messages.md;
 megatron_harts/tree_data/agent_logs.py): a system prompt and a task per group, assistant turns
 with tool calls and tool results, the same --scheme, task/sample/turn/branch flags and --seed;
---prompt-median, --action-median and --observation-median count words.  With --tokenizer DIR
+--prompt-median, --action-median and --observation-median count words; --reasoning-median gives
+assistant turns reasoning_content and --followup-prob adds user follow-ups, the two things a
+reasoning model's template re-renders history on.  With --tokenizer DIR
 every row also carries the engine `tokens` (and old_logprobs) of a common pipeline: the last
 assistant turn as the engine sampled it, where each generated token splits with probability
 --engine-drift into two tokens of the same text, and the history re-tokenized from its text.
@@ -37,7 +39,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_harts.cli import ArgumentParser, CliError, output_path, print_json, run  # noqa: E402
-from megatron_harts.tree_data import write_jsonl  # noqa: E402
+from megatron_harts.tree_data import TreeFormatError, write_jsonl  # noqa: E402
 from megatron_harts.tree_data.readers import write_records  # noqa: E402
 from megatron_harts.tree_data.agent_logs import AgentLogConfig, add_engine_tokens, synthesize_agent_logs  # noqa: E402
 from megatron_harts.tree_data.synthetic import COMPACTIONS, SCHEMES, SweConfig, synthesize_swe  # noqa: E402
@@ -83,6 +85,15 @@ def main(argv=None) -> int:
                       help="tokens: token-id rollouts (default); messages: chat-message agent logs (see above)")
     logs.add_argument("--tokenizer", metavar="DIR", default=None,
                       help="with --format messages: add engine token ids made with this tokenizer directory")
+    logs.add_argument("--trust-remote-code", action="store_true",
+                      help="run the code the --tokenizer directory ships (tiktoken-based tokenizers such as "
+                           "Kimi-Linear's); without it such a tokenizer is refused")
+    logs.add_argument("--reasoning-median", type=int, default=0, metavar="WORDS",
+                      help="with --format messages: every assistant turn carries reasoning_content of about this "
+                           "many words (a reasoning model's thinking); default 0 (none)")
+    logs.add_argument("--followup-prob", type=float, default=0.0, metavar="P",
+                      help="with --format messages: probability of a user follow-up before each assistant turn but "
+                           "the first (where a reasoning template re-renders the history); default 0")
     logs.add_argument("--engine-drift", type=float, default=0.0, metavar="P",
                       help="with --tokenizer: probability that a generated token is split by the engine; default 0")
     ap.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -94,8 +105,10 @@ def main(argv=None) -> int:
         raise CliError(_flag_message(str(e))) from None
     if args.format == "messages":
         return _messages(args, cfg)
-    if args.tokenizer is not None or args.engine_drift:
-        raise CliError("--tokenizer and --engine-drift need --format messages")
+    if args.tokenizer is not None or args.engine_drift or args.reasoning_median or args.followup_prob \
+            or args.trust_remote_code:
+        raise CliError("--tokenizer, --trust-remote-code, --engine-drift, --reasoning-median and --followup-prob "
+                       "need --format messages")
     output_path(args.output, "--output")
     trajs = synthesize_swe(cfg)
     write_jsonl(trajs, args.output)
@@ -121,16 +134,26 @@ def _messages(args, cfg: SweConfig) -> int:
         raise CliError(f"--engine-drift must be in [0, 1], got {args.engine_drift}")
     if args.engine_drift and args.tokenizer is None:
         raise CliError("--engine-drift needs --tokenizer DIR")
+    if args.reasoning_median < 0:
+        raise CliError(f"--reasoning-median must be >= 0, got {args.reasoning_median}")
+    if not 0.0 <= args.followup_prob <= 1.0:
+        raise CliError(f"--followup-prob must be in [0, 1], got {args.followup_prob}")
     log = AgentLogConfig(scheme=cfg.scheme, num_tasks=cfg.num_tasks, samples_per_task=cfg.samples_per_task,
                          min_turns=cfg.min_turns, max_turns=cfg.max_turns, prompt_words=cfg.prompt_median,
                          action_words=cfg.action_median, observation_words=cfg.observation_median,
                          branch_prob=cfg.branch_prob, branch_factor=cfg.branch_factor, max_leaves=cfg.max_leaves,
-                         seed=cfg.seed)
+                         reasoning_words=args.reasoning_median, followup_prob=args.followup_prob, seed=cfg.seed)
     output_path(args.output, "--output")
     rows = synthesize_agent_logs(log)
     if args.tokenizer is not None:
         from megatron_harts.tree_data.messages import load_chat_tokenizer
-        rows = add_engine_tokens(rows, load_chat_tokenizer(args.tokenizer), args.engine_drift, seed=cfg.seed)
+        try:
+            rows = add_engine_tokens(rows, load_chat_tokenizer(args.tokenizer, args.trust_remote_code),
+                                     args.engine_drift, seed=cfg.seed)
+        except ValueError as e:
+            if isinstance(e, TreeFormatError):
+                raise
+            raise CliError(f"--tokenizer {args.tokenizer}: {e}") from None
     write_records(rows, args.output)
     summary = {"output": args.output, "format": "messages", "trajectories": len(rows),
                "messages": sum(len(r["messages"]) for r in rows), "config": dataclasses.asdict(log),

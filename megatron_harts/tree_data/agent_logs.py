@@ -13,6 +13,11 @@ around their medians (in words).
 - ``step-wise``: every assistant turn is its own row whose messages are the whole history up
   to it; only that turn is trainable (earlier assistant turns carry ``"trainable": false``).
 
+With ``reasoning_words`` > 0 every assistant turn carries ``reasoning_content`` (the thinking a
+reasoning model's template shows only after the last user message); with ``followup_prob`` > 0
+a user follow-up comes, with that probability, before each assistant turn but the first (the
+message after which such a template re-renders the earlier turns without their reasoning).
+
 Rewards are Bernoulli, advantages group-normalized.  ``add_engine_tokens`` adds the ids an
 inference engine would report, with a tokenizer: the common pipeline that drifts (see there).
 """
@@ -51,6 +56,8 @@ class AgentLogConfig:
     branch_prob: float = 0.3
     branch_factor: int = 2
     max_leaves: int = 8
+    reasoning_words: int = 0
+    followup_prob: float = 0.0
     seed: int = 0
 
     def validate(self) -> None:
@@ -64,6 +71,10 @@ class AgentLogConfig:
             raise ValueError(f"max_turns ({self.max_turns}) must be >= min_turns ({self.min_turns})")
         if not 0.0 <= self.branch_prob <= 1.0:
             raise ValueError(f"branch_prob must be in [0, 1], got {self.branch_prob}")
+        if self.reasoning_words < 0:
+            raise ValueError(f"reasoning_words must be >= 0, got {self.reasoning_words}")
+        if not 0.0 <= self.followup_prob <= 1.0:
+            raise ValueError(f"followup_prob must be in [0, 1], got {self.followup_prob}")
 
 
 class _Writer:
@@ -83,18 +94,33 @@ class _Writer:
         tool = TOOLS[int(self.rng.integers(0, len(TOOLS)))]
         args = json.dumps({"input": self.words(max(1, self.cfg.action_words // 4))})
         call = {"id": cid, "type": "function", "function": {"name": tool, "arguments": args}}
-        return [{"role": "assistant", "content": self.words(self.cfg.action_words), "tool_calls": [call]},
+        return [self.think({"role": "assistant", "content": self.words(self.cfg.action_words), "tool_calls": [call]}),
                 {"role": "tool", "tool_call_id": cid, "content": self.words(self.cfg.observation_words)}]
 
     def answer(self) -> dict:
-        return {"role": "assistant", "content": "done: " + self.words(self.cfg.action_words)}
+        return self.think({"role": "assistant", "content": "done: " + self.words(self.cfg.action_words)})
+
+    def think(self, m: dict) -> dict:
+        if self.cfg.reasoning_words:
+            m["reasoning_content"] = self.words(self.cfg.reasoning_words)
+        return m
+
+    def followup(self, path: List[dict], first: bool) -> List[dict]:
+        """``path``, with a user follow-up appended with probability ``followup_prob`` (never before
+        the first turn)."""
+        if first or not self.cfg.followup_prob or self.rng.random() >= self.cfg.followup_prob:
+            return path
+        return path + [{"role": "user", "content": "Also: " + self.words(max(1, self.cfg.prompt_words // 4))}]
 
 
 def _tree_step(w: _Writer, head: List[dict]) -> List[List[dict]]:
     c = w.cfg
     turns = int(w.rng.integers(c.min_turns, c.max_turns + 1))
     frontier = [head]
-    for _ in range(turns):
+    for turn in range(turns + 1):
+        frontier = [w.followup(path, turn == 0) for path in frontier]
+        if turn == turns:
+            break
         nxt = []
         for path in frontier:
             k = 1
@@ -110,6 +136,7 @@ def _step_wise(w: _Writer, head: List[dict]) -> List[List[dict]]:
     turns = int(w.rng.integers(c.min_turns, c.max_turns + 1))
     path, out = list(head), []
     for k in range(turns + 1):
+        path = w.followup(path, k == 0)
         msgs = w.turn() if k < turns else [w.answer()]
         frozen = [dict(m, trainable=False) if m["role"] == "assistant" else m for m in path]
         out.append(frozen + msgs[:1])
@@ -148,12 +175,15 @@ def synthesize_agent_logs(cfg: AgentLogConfig) -> List[dict]:
 def add_engine_tokens(rows: List[dict], tokenizer, drift: float, seed: int = 0) -> List[dict]:
     """``rows`` with the ``tokens`` and ``old_logprobs`` a common trainer pipeline would record.
 
-    The last assistant turn of a row keeps the ids the engine sampled; the history before it is
-    re-tokenized from its text.  The engine's ids are the per-message tokenization except that
-    each generated token splits, with probability ``drift``, into two tokens of the same text
-    (a tokenization the model may sample, which re-tokenizing never gives back).  The split is a
-    function of the seed and the conversation up to the turn, so rows sharing a history share its
-    ids and log-probabilities."""
+    A row's ids are those of its exact form (docs/messages.md), one trajectory: the prompt of its
+    last call, re-tokenized from its text, then the ids the engine sampled for that call.  The
+    engine's ids are the completion's tokenization except that each generated token splits, with
+    probability ``drift``, into two tokens of the same text (a tokenization the model may sample,
+    which re-tokenizing never gives back).  Every target token gets a log-probability.  The split
+    and the log-probabilities of a call are a function of the seed and the conversation up to the
+    call, so rows sharing a history share its log-probabilities.  A row whose template re-renders
+    its history (several trajectories) is a ValueError."""
+    from .engine_records import merge_calls
     from .messages import ChatTokenizer, validate_messages
 
     chat = ChatTokenizer(tokenizer)
@@ -163,19 +193,31 @@ def add_engine_tokens(rows: List[dict], tokenizer, drift: float, seed: int = 0) 
             return ValueError(f"row {rec.get('id')!r}: {name}: {message}")
 
         messages, flags = validate_messages(rec["messages"], where)
-        turns = chat.tokenize(messages, flags, rec.get("tools"), where)
-        last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        calls, _ = chat.calls(messages, flags, rec.get("tools"), where)
+        segs = merge_calls(calls)
+        if len(segs) != 1:
+            raise ValueError(f"row {rec.get('id')!r}: the chat template re-renders the history: the exact form is "
+                             f"{len(segs)} trajectories, not one sequence of engine tokens")
+        seg = segs[0]
         ids: List[int] = []
         logprobs: List = []
-        for k, turn in enumerate(turns):
-            digest = hashlib.blake2b(json.dumps(rec["messages"][:k + 1], sort_keys=True).encode(),
+        pos = 0
+        for i, call in enumerate(calls):
+            start = call.prompt.shape[0]          # where the call's completion starts in the trajectory
+            ids.extend(seg.tokens[pos:start].tolist())
+            logprobs.extend([None] * (start - pos))
+            digest = hashlib.blake2b(json.dumps(rec["messages"][:call.index + 1], sort_keys=True).encode(),
                                      digest_size=16).digest()
             rng = np.random.default_rng([seed, *np.frombuffer(digest, dtype=np.uint32).tolist()])
-            for tid, m in zip(turn.ids.tolist(), turn.mask.tolist()):
-                parts = _split(tokenizer, tid, rng) if k == last and m and rng.random() < drift else [tid]
+            for tid in call.completion.tolist():
+                parts = _split(tokenizer, tid, rng) if i == len(calls) - 1 and rng.random() < drift else [tid]
                 ids.extend(parts)
-                logprobs.extend(float(-rng.exponential(0.7)) if m else None for _ in parts)
-        logprobs[0] = None
+                logprobs.extend(float(-rng.exponential(0.7)) for _ in parts)
+            pos = start + call.completion.shape[0]
+        ids.extend(seg.tokens[pos:].tolist())
+        logprobs.extend([None] * (seg.tokens.shape[0] - pos))
+        if ids:
+            logprobs[0] = None
         out.append(dict(rec, tokens=ids, old_logprobs=logprobs))
     return out
 
