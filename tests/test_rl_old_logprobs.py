@@ -151,10 +151,10 @@ def test_driver_flag():
     args = parse("--rl-old-logprobs current --entropy-coef 0.01")
     assert ObjectiveConfig.from_args(args) == ObjectiveConfig(**A.objective_kwargs(args)) == \
         ObjectiveConfig(kind="ppo", entropy_coef=0.01, old_logprobs="current")
-    refused("--rl-old-logprobs current --kl-coef 0.1", "--kl-coef 0.1", "--rl-old-logprobs current")
+    refused("--rl-old-logprobs current --kl-coef 0.1 --kl-to old", "--kl-coef 0.1 --kl-to old", "--rl-old-logprobs current")
     refused("--rl-objective sft --rl-old-logprobs current", "--rl-old-logprobs current", "--rl-objective ppo")
     refused("--rl-old-logprobs old", "--rl-old-logprobs")
-    assert "--rl-old-logprobs {data,current}" in A.build_parser().format_help()
+    assert "--rl-old-logprobs {data,current,recompute}" in A.build_parser().format_help()
 
 
 # ---------------------------------------------------------------------------
