@@ -324,28 +324,7 @@ class Trainer:
         else:
             ref = build_hybrid_model(self.config, self.vocab_size, share_embeddings_and_output_weights=tied)
         ref.to(self.device)
-        from .checkpointing import TRACKER_FILENAME, load_checkpoint
-        if not os.path.exists(os.path.join(path, TRACKER_FILENAME)) and os.path.isfile(os.path.join(path, "config.json")):
-            if self.world > 1:
-                raise TrainingError(f"--ref-load {path}: a transformers directory loads on one process only; convert "
-                                    "it with tools/convert_hf_checkpoint.py --format dist for parallel runs")
-            from ..models.hf_convert import hf_to_megatron, load_hf_checkpoint
-            _, hf_state = load_hf_checkpoint(path, dtype=self.config.params_dtype)
-            try:
-                state = hf_to_megatron(hf_state, self.config)
-            except KeyError as e:
-                raise TrainingError(f"--ref-load {path}: not this model's checkpoint (missing {e})") from None
-            own = dict(ref.state_dict())
-            params = {n for n, _ in ref.named_parameters()}
-            missing = sorted(params - set(state))
-            if missing:
-                raise TrainingError(f"--ref-load {path}: no tensor for parameter {missing[0]}")
-            with torch.no_grad():
-                for k, v in state.items():
-                    if k in own:
-                        own[k].copy_(v.to(own[k].dtype))
-        elif load_checkpoint(path, [ref], None, None, load_optim=False, load_rng=False, finetune=True) is None:
-            raise TrainingError(f"--ref-load {path}: no checkpoint there (no {TRACKER_FILENAME})")
+        self._load_weights(ref, path, "--ref-load")
         ref.requires_grad_(False)
         ref.eval()
         if self.update.ref_placement == "offload":
@@ -354,6 +333,44 @@ class Trainer:
         self.ref_model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
         self._log(f"reference model from {path} ({self.ref_model_bytes / 2 ** 30:.3f} GiB of weights, "
                   f"--ref-placement {self.update.ref_placement})")
+
+    def _load_weights(self, module, path: str, what: str) -> None:
+        """Weights into ``module`` from a driver checkpoint directory (the newest in its tracker; a release
+        converted by tools/convert_hf_checkpoint.py), or from a transformers Kimi-Linear directory (one
+        process)."""
+        from .checkpointing import TRACKER_FILENAME, load_checkpoint
+        if not os.path.isdir(path):
+            raise TrainingError(f"{what} {path}: no such directory")
+        if not os.path.exists(os.path.join(path, TRACKER_FILENAME)) and os.path.isfile(os.path.join(path, "config.json")):
+            if self.world > 1:
+                raise TrainingError(f"{what} {path}: a transformers directory loads on one process only; convert "
+                                    "it with tools/convert_hf_checkpoint.py --format dist for parallel runs")
+            from ..models.hf_convert import hf_to_megatron, load_hf_checkpoint
+            _, hf_state = load_hf_checkpoint(path, dtype=self.config.params_dtype)
+            try:
+                state = hf_to_megatron(hf_state, self.config)
+            except KeyError as e:
+                raise TrainingError(f"{what} {path}: not this model's checkpoint (missing {e})") from None
+            own = dict(module.state_dict())
+            params = {n for n, _ in module.named_parameters()}
+            missing = sorted(params - set(state))
+            if missing:
+                raise TrainingError(f"{what} {path}: no tensor for parameter {missing[0]}")
+            with torch.no_grad():
+                for k, v in state.items():
+                    if k in own:
+                        if tuple(own[k].shape) != tuple(v.shape):
+                            raise TrainingError(f"{what} {path}: {k} has shape {tuple(v.shape)}, the model "
+                                                f"{tuple(own[k].shape)}")
+                        own[k].copy_(v.to(own[k].dtype))
+        elif load_checkpoint(path, [module], None, None, load_optim=False, load_rng=False, finetune=True) is None:
+            raise TrainingError(f"{what} {path}: no checkpoint there (no {TRACKER_FILENAME})")
+
+    def load_weights(self, path: str) -> None:
+        """Replace the policy's weights by those of ``path`` (a driver checkpoint or a transformers
+        directory, as ``--ref-load``); the optimizer's main parameters follow."""
+        self._load_weights(self.model[0].module, path, "load_weights")
+        self.optimizer.reload_model_params()
 
     # ---- the loop ---------------------------------------------------------------------------
     def _plan(self, forest):
