@@ -252,7 +252,7 @@ def initial_checkpoint(tmp_path_factory):
     """The initial weights of the driver model (seed 7), saved by the driver: a reference model."""
     from megatron_harts.training.trainer import Trainer
     d = tmp_path_factory.mktemp("ref") / "ckpt"
-    with Trainer.from_args(_argv("within", "--save", str(d))) as t:
+    with Trainer.from_args(_argv("within", "--save", str(d), "--save-interval", "1")) as t:
         t.save(announce=False)
     return str(d)
 
@@ -321,7 +321,7 @@ def test_logprobs_modes_reference_and_data_ref(initial_checkpoint):
     recs = _driver_records()[:10]
     got = {}
     for sharing in ("off", "within", "windows"):
-        with Trainer.from_args(_argv(sharing, "--load", initial_checkpoint)) as t:
+        with Trainer.from_args(_argv(sharing, "--load", initial_checkpoint, "--finetune")) as t:
             got[sharing] = t.logprobs(recs, entropy=True)
     lp0, ent0 = got["off"]
     assert [len(a) for a in lp0] == [len(r["tokens"]) for r in recs]
@@ -354,7 +354,8 @@ def test_logprobs_modes_reference_and_data_ref(initial_checkpoint):
 
 def test_logprobs_equal_transformers(tmp_path):
     """Trainer.logprobs of the driver model against transformers' KimiLinearForCausalLM on the exported
-    checkpoint, and a second trainer loading that transformers directory gives the same log-probs."""
+    checkpoint, and a second trainer (expanded mode, another seed) loading that transformers directory gives
+    the same log-probs."""
     transformers = pytest.importorskip("transformers")
     from megatron_harts.training.trainer import Trainer
     recs = _driver_records()[:4]
@@ -364,14 +365,16 @@ def test_logprobs_equal_transformers(tmp_path):
     with Trainer.from_args(_argv("off", "--norm-epsilon", "1e-6", "--seed", "11")) as t:
         t.load_weights(str(tmp_path / "hf"))
         again = t.logprobs(recs)
-    hf = transformers.KimiLinearForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float64).eval()
+    # transformers' grouped expert GEMM takes no float64: the oracle runs in float32 (tolerance 1e-5)
+    hf = transformers.KimiLinearForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
     with torch.no_grad():
         for rec, a, b in zip(recs, ours, again):
             toks = torch.tensor(rec["tokens"])[None]
             logp = hf(toks).logits[0].double().log_softmax(-1)
             want = logp[torch.arange(len(rec["tokens"]) - 1), toks[0, 1:]].numpy()
             np.testing.assert_allclose(a[1:], want, rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+            # transformers keeps dt_bias and the router in float32: the reloaded weights differ there by rounding
+            np.testing.assert_allclose(b, a, rtol=1e-7, atol=1e-7)
 
 
 def test_minibatches_keep_groups_whole():
