@@ -427,3 +427,54 @@ def test_trainer_step_data_errors():
             t.step(bad)
         with pytest.raises(ValueError, match="no `rollout_logprobs`"):
             t.step([{k: v for k, v in r.items() if k != "rollout_logprobs"} for r in recs])
+
+
+# ---------------------------------------------------------------------------
+# tools/score_logprobs.py
+# ---------------------------------------------------------------------------
+
+def test_score_logprobs_tool(initial_checkpoint, tmp_path, capsys):
+    """JSONL and Parquet out, the records unchanged but the field, values equal to Trainer.logprobs at the
+    checkpoint's weights; progress on stderr; --help; bad input is one error line."""
+    import json
+
+    import pyarrow.parquet as pq
+    from test_training_driver import MODEL
+    from tool_runner import assert_one_error, load_tool, run_tool
+    from megatron_harts.training.trainer import Trainer
+    tool = load_tool("score_logprobs")
+    recs = _driver_records()[:7]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    flags = MODEL + ["--seq-length", "48", "--tree-microbatch-tokens", "48", "--seed", "3"]
+    code, out, err = run_tool(tool, capsys, "--input", src, "--output", tmp_path / "out.jsonl", "--checkpoint",
+                              initial_checkpoint, "--batch-trajectories", "4", *flags)
+    assert code == 0, err
+    assert "scored 4/7 trajectories" in err and "scored 7/7 trajectories" in err
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    with Trainer.from_args(_argv("off", "--load", initial_checkpoint, "--finetune")) as t:
+        want = t.logprobs(recs)
+    assert [g["id"] for g in got] == [r["id"] for r in recs]
+    for g, r, w in zip(got, recs, want):
+        assert {k: v for k, v in g.items() if k != "old_logprobs"} == {k: v for k, v in r.items()
+                                                                        if k != "old_logprobs"}
+        assert g["old_logprobs"][0] is None
+        np.testing.assert_allclose(np.array(g["old_logprobs"][1:]), w[1:], rtol=1e-12, atol=1e-12)
+    code, _, err = run_tool(tool, capsys, "--input", src, "--output", tmp_path / "out.parquet", "--checkpoint",
+                            initial_checkpoint, "--field", "ref_logprobs", *flags)
+    assert code == 0, err
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    np.testing.assert_allclose(np.array(rows[2]["ref_logprobs"][1:]), want[2][1:], rtol=1e-12, atol=1e-12)
+    code, out, _ = run_tool(tool, capsys, "--help")
+    assert code == 0 and "--checkpoint" in out and "--field" in out
+    assert_one_error(*run_tool(tool, capsys, "--input", tmp_path / "nope.jsonl", "--output", tmp_path / "o.jsonl",
+                               "--checkpoint", initial_checkpoint, *flags)[::2], "--input", "nope.jsonl")
+    assert_one_error(*run_tool(tool, capsys, "--input", src, "--output", tmp_path / "o.csv", "--checkpoint",
+                               initial_checkpoint, *flags)[::2], "--output", ".parquet")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(recs[0]) + "\n" + json.dumps({"id": "x", "tokens": [1, -2]}) + "\n")
+    assert_one_error(*run_tool(tool, capsys, "--input", bad, "--output", tmp_path / "o.jsonl", "--checkpoint",
+                               initial_checkpoint, *flags)[::2], "bad.jsonl", "tokens")
+    assert_one_error(*run_tool(tool, capsys, "--input", src, "--output", tmp_path / "o.jsonl", "--checkpoint",
+                               tmp_path, *flags)[::2], "--checkpoint", "no checkpoint")
+    assert not (tmp_path / "o.jsonl").exists()

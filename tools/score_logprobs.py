@@ -4,7 +4,8 @@
 --input is a trajectory file (.jsonl, .jsonl.gz, .parquet) or a dataset prefix (tools/
 convert_trajectories.py); --checkpoint a driver checkpoint directory (--save of the driver, or a
 release from tools/convert_hf_checkpoint.py) or a transformers Kimi-Linear directory.  The model
-is described by the training driver's flags (harts-pretrain --help), given after the tool's own;
+is described by the training driver's flags (harts-pretrain --help), given after the tool's own
+(--train-iters, --global-batch-size and --lr are not needed);
 --tree-sharing (default within) and --tree-microbatch-tokens choose how the forward-only passes run
 (the log-probs do not depend on them).
 
@@ -98,6 +99,10 @@ def main(argv=None) -> int:
     for i, rec in enumerate(records):
         make_trajectory(rec, file=args.input, line=i + 1)      # every record valid before the model is built
 
+    # the driver's required training flags mean nothing for a forward-only pass
+    for name, value in (("--train-iters", "1"), ("--global-batch-size", "1"), ("--lr", "0")):
+        if not any(a == name or a.startswith(name + "=") for a in driver):
+            driver += [name, value]
     from megatron_harts.training.arguments import parse_args
     from megatron_harts.training.trainer import Trainer, TrainingError
     try:
