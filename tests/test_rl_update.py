@@ -478,3 +478,28 @@ def test_score_logprobs_tool(initial_checkpoint, tmp_path, capsys):
     assert_one_error(*run_tool(tool, capsys, "--input", src, "--output", tmp_path / "o.jsonl", "--checkpoint",
                                tmp_path, *flags)[::2], "--checkpoint", "no checkpoint")
     assert not (tmp_path / "o.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------
+# examples/rl_recipe_cpu.py (docs/training.md shows this command)
+# ---------------------------------------------------------------------------
+
+DOC_COMMAND = "python examples/rl_recipe_cpu.py --iterations 3"
+
+
+def test_recipe_example_prints_its_loss_curve(tmp_path, capsys):
+    import os
+    from tool_runner import ROOT, load_tool
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
+        assert DOC_COMMAND in f.read()
+    example = load_tool("rl_recipe_cpu", folder="examples")
+    assert example.main(DOC_COMMAND.split()[2:] + ["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    i = next(k for k, line in enumerate(out) if line.startswith("iteration"))
+    rows = [line.split() for line in out[i + 1:] if line.strip() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    values = np.array([[float(x) for x in r[1:]] for r in rows])
+    assert np.isfinite(values).all()
+    assert (values[:, 4] == 4).all()                           # 4 mini-batches: 4 optimizer steps per iteration
+    assert (values[:, 3] > 0).all()                            # the engine gap is measured
+    assert values[-1, 5] > values[0, 5]                        # completions with a positive advantage gain log-prob
