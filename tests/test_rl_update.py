@@ -503,3 +503,25 @@ def test_recipe_example_prints_its_loss_curve(tmp_path, capsys):
     assert (values[:, 4] == 4).all()                           # 4 mini-batches: 4 optimizer steps per iteration
     assert (values[:, 3] > 0).all()                            # the engine gap is measured
     assert values[-1, 5] > values[0, 5]                        # completions with a positive advantage gain log-prob
+
+
+# ---------------------------------------------------------------------------
+# benchmarks/bench_throughput.py --rl-recipe (the GPU measurement of a recipe update runs this)
+# ---------------------------------------------------------------------------
+
+def test_bench_throughput_runs_a_recipe_update(tmp_path):
+    import json
+    from tool_runner import load_tool
+    bt = load_tool("bench_throughput", folder="benchmarks")
+    out = tmp_path / "t.json"
+    bt.main(["--device", "cpu", "--preset", "tiny", "--schemes", "tree-step", "--num-tasks", "4",
+             "--samples-per-task", "2", "--max-tokens", "256", "--microbatch-tokens", "1024", "--iters", "1",
+             "--warmup", "0", "--tree-sharing", "within", "--kda-backend", "reference", "--attention-backend",
+             "reference", "--no-cosine", "--rl-recipe", "--rl-mini-batches", "4", "--out", str(out)])
+    row = json.loads(out.read_text())["schemes"]["tree-step"]
+    tree, exp = row["tree_within"], row["expanded"]
+    for m in (tree, exp):
+        assert m["microbatches"] >= 4 and math.isfinite(m["loss"])
+    # the same update in both modes (fp32 on the CPU: to rounding)
+    assert abs(tree["loss"] - exp["loss"]) <= 1e-5 * max(abs(exp["loss"]), 1e-3)
+    assert tree["rows_computed"] < exp["rows_computed"]
