@@ -525,3 +525,42 @@ def test_bench_throughput_runs_a_recipe_update(tmp_path):
     # the same update in both modes (fp32 on the CPU: to rounding)
     assert abs(tree["loss"] - exp["loss"]) <= 1e-5 * max(abs(exp["loss"]), 1e-3)
     assert tree["rows_computed"] < exp["rows_computed"]
+
+
+# ---------------------------------------------------------------------------
+# data parallel 2: the forward-only passes sum their replicas' targets
+# ---------------------------------------------------------------------------
+
+def _dp2_worker(rank, world, port, ref, out):
+    from test_training_driver import _params as full_params, _world
+    from megatron_harts.training.trainer import Trainer
+    _world(rank, world, port)
+    recs = _driver_records()
+    runs = {}
+    for sharing in ("off", "within"):
+        with Trainer.from_args(_argv(sharing, *RECIPE, "--ref-load", ref, n=len(recs))) as t:
+            lps = t.logprobs(recs[:9])
+            t.step(recs)
+            runs[sharing] = ([s.loss for s in t.last_update.steps], full_params(t), lps)
+    if rank == 0:
+        torch.save(runs, out)
+
+
+def test_dp2_recipe_update_and_logprobs(initial_checkpoint, tmp_path):
+    from megatron_cpu import free_port
+    from multiproc import run_ranks
+    from megatron_harts.training.trainer import Trainer
+    out = tmp_path / "out.pt"
+    run_ranks(_dp2_worker, 2, (free_port(), initial_checkpoint, str(out)), timeout=600)
+    runs = torch.load(out, weights_only=False)
+    with Trainer.from_args(_argv("within", "--load", initial_checkpoint, "--finetune")) as t:
+        single = t.logprobs(_driver_records()[:9])
+    (l_off, p_off, lp_off), (l_in, p_in, lp_in) = runs["off"], runs["within"]
+    assert len(l_off) == 4
+    for a, b in zip(l_in, l_off):
+        assert abs(a - b) <= 1e-10 * abs(b)
+    for k in p_off:
+        torch.testing.assert_close(p_in[k], p_off[k], rtol=1e-10, atol=1e-12)
+    for a, b, c in zip(lp_in, lp_off, single):
+        np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(b, c, rtol=1e-12, atol=1e-12)

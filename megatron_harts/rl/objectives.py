@@ -18,6 +18,8 @@ makes the sum of the microbatch losses equal the expanded global-batch loss:
    - ``token-mean``:          ``scale_i = w_i / N_tok``
    - ``seq-mean-token-mean``: ``scale_i = w_i / (n_t(i) * N_seq)``
    - ``seq-mean-token-sum``:  ``scale_i = w_i / N_seq``
+   - ``seq-mean-token-sum-norm`` (Dr.GRPO): ``scale_i = w_i / (N_seq * L)``, ``L`` the constant
+     ``loss_norm_length``
 
 3. :func:`objective_loss` returns ``sum_i scale_i * per_token_loss_i`` over the targets it is
    given.  The loss is linear in the per-target terms, so its value and gradient summed over
@@ -33,12 +35,16 @@ below, ``A`` = advantage from the data, scalar per trajectory broadcast or per t
 - ``sft``: ``-logp``; advantages and old log-probs are ignored.
 - ``ppo``: ``ratio = exp(logp - old)``,
   ``-min(ratio * A, clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high) * A)``.  GRPO-style
-  group-normalised advantages are the data's business; this module reads them as given.
-- either kind, ``kl_coef > 0``: ``+ kl_coef * k3`` with the "k3" estimator
-  ``k3 = exp(old - logp) - (old - logp) - 1`` (Schulman's low-variance KL estimator: always
-  >= 0, zero iff ``logp == old``; with tokens sampled from the current policy its mean is
-  ``KL(pi_theta || pi_old)``; the rollouts come from ``pi_old``, so it is that exactly on-policy
-  and a low-variance approximation otherwise).
+  group-normalised advantages are the data's business; this module reads them as given.  With
+  ``ratio_level`` "sequence" (GSPO) every target of trajectory t takes the ratio
+  ``exp(logp - sg(logp) + sg(S_t))``, ``S_t`` the mean of ``logp - old`` over t's targets (value:
+  the sequence ratio; gradient: it times ``grad logp``), clipped alike.  With ``tis_cap`` the
+  clipped term is multiplied by a rollout-correction weight (:func:`tis_weights`: ``exp(old -
+  rollout)`` per token or per trajectory, truncated at the cap or masked above it).
+- either kind, ``kl_coef > 0``: ``+ kl_coef * KL`` with :func:`kl_penalty`'s estimator
+  (``kl_estimator``: k1 ``d``, k2 ``d^2/2``, k3 ``exp(-d) + d - 1`` with ``d = logp - target``;
+  k3, Schulman's low-variance estimator, is >= 0 and zero iff equal) against the reference
+  log-probs (``kl_to`` "ref") or the old log-probs (``kl_to`` "old").
 - either kind, ``entropy_coef != 0``: ``- entropy_coef * H`` with ``H`` the entropy of the
   distribution of the row that predicts the target (an entropy bonus).
 
@@ -48,8 +54,14 @@ below, ``A`` = advantage from the data, scalar per trajectory broadcast or per t
 - ``current``: ``logp`` itself, detached (on-policy data, e.g. GRPO rollouts used for one update:
   the ratio is exactly 1 and its gradient is the policy gradient ``-A * grad logp``).  No extra
   forward: the log-probs of the same forward, so tree mode keeps its cost and equals expanded
-  mode exactly as with ``data``.  The k3 KL would then be 0 in value and gradient, so
-  ``current`` refuses ``kl_coef > 0``; it applies to ``ppo`` only (``sft`` reads no ``old``).
+  mode exactly as with ``data``.  A KL to the old log-probs would then be 0 in value and gradient,
+  so ``current`` refuses ``kl_to`` "old" with ``kl_coef > 0``; it applies to ``ppo`` only.
+- ``recompute``: the log-probs of a forward-only pass over the global batch before the update
+  (``training.rl_update``), passed in as ``old_logprobs``.
+
+Per-target values computed before a step (recomputed old log-probs, reference log-probs, rollout
+weights, sequence log-ratios) are inputs of :func:`objective_loss`, so the loss stays linear in
+the per-target terms and the microbatch partition invariant below holds for every flag.
 
 :func:`objective_loss_reference` computes the same global-batch loss trajectory by trajectory
 from expanded per-position arrays with padded [batch, length] masks; tests use it as the oracle.
