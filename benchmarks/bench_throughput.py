@@ -969,6 +969,8 @@ def main(argv=None):
                 "largest_microbatch_rows": max(max((int(mb.features.rows) for mb in plan.microbatches), default=0),
                                                pieces_accounting(plan)["largest"]),
                 "model_flops": flops, "model_tflops_per_s": flops["total"] / t / 1e12,
+                # --rl-recipe: optimizer steps per update and the reference's weight bytes
+                "optimizer_steps": m.get("optimizer_steps"), "ref_model_gib": m.get("ref_model_gib"),
                 "mfu": flops["total"] / (t * peak_flops) if peak_flops else None}
             results["schemes"][scheme] = row
             with open(out, "w") as f:      # after every mode: a cut-short run keeps what it measured
