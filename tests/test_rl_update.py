@@ -577,3 +577,22 @@ def test_dp2_recipe_update_and_logprobs(initial_checkpoint, tmp_path):
     for a, b, c in zip(lp_in, lp_off, single):
         np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(b, c, rtol=1e-12, atol=1e-12)
+
+
+def test_rollout_metrics_without_correction_and_on_policy():
+    """rollout_logprobs without --rl-tis-cap: the metrics only (the loss is the one without them); with
+    --rl-old-logprobs current there are no trainer old log-probs to compare: no metrics."""
+    from megatron_harts.training.trainer import Trainer
+    recs = _driver_records()[:10]
+    plain = [{k: v for k, v in r.items() if k != "rollout_logprobs"} for r in recs]
+    out = {}
+    for name, data, src in (("with", recs, "data"), ("without", plain, "data"), ("current", recs, "current")):
+        with Trainer.from_args(_argv("within", "--rl-old-logprobs", src)) as t:
+            out[name] = t.step(data)
+    assert "rollout/kl" in out["with"] and "rollout/kl" not in out["without"] and "rollout/kl" not in out["current"]
+    assert out["with"]["loss"] == out["without"]["loss"]
+    d = np.concatenate([(np.array(r["old_logprobs"]) - np.array(r["rollout_logprobs"]))[1:][np.array(r["loss_mask"][1:]) == 1]
+                        for r in recs])
+    assert math.isclose(out["with"]["rollout/abs_diff_mean"], float(np.abs(d).mean()), rel_tol=1e-12)
+    assert math.isclose(out["with"]["rollout/abs_diff_max"], float(np.abs(d).max()), rel_tol=1e-12)
+    assert math.isclose(out["with"]["rollout/kl"], float((np.exp(d) - d - 1).mean()), rel_tol=1e-12)

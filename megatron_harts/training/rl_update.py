@@ -32,9 +32,8 @@ every optimizer step equal expanded mode's (``--tree-sharing off``) for the same
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -339,14 +338,17 @@ def rl_update(model: list, optimizer, scheduler, forest, plan, *, settings, obje
     if needs_targets and data.get("rollout_logprobs"):
         if "old" in tables:
             old = tables["old"]
+        elif objective.old_logprobs == "current":     # the trainer's old log-probs are this step's own
+            old = {}
         else:
             old = {tid: sf.expand(tid).old_logprobs for tid in sf.traj_ids}
             old = {k: v for k, v in old.items() if v is not None}
-            missing = [tid for tid, m in targets.items() if m.any() and tid not in old]
-            if missing:
-                raise ValueError(f"trajectory {missing[0]!r}: rollout correction needs `old_logprobs` (or "
-                                 "--rl-old-logprobs recompute)")
-        metrics.update(rollout_metrics(targets, old, data["rollout_logprobs"]))
+        missing = [tid for tid, m in targets.items() if m.any() and tid not in old]
+        if missing and objective.tis_cap is not None:
+            raise ValueError(f"trajectory {missing[0]!r}: rollout correction needs `old_logprobs` (or "
+                             "--rl-old-logprobs recompute)")
+        if not missing:     # the rollout/* metrics compare the engine with the trainer's old log-probs
+            metrics.update(rollout_metrics(targets, old, data["rollout_logprobs"]))
         if objective.tis_cap is not None:
             tables["tis"] = _tis_table(targets, old, data["rollout_logprobs"], objective)
     elif objective.tis_cap is not None:

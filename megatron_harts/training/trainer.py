@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .fused_adam import use_fused_adam
-from .step import NonFiniteLoss, SharingSettings, StepResult, plan_step, train_step
+from .step import NonFiniteLoss, SharingSettings, StepResult, plan_step
 
 __all__ = ["Trainer", "TrainingError"]
 
