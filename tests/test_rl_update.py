@@ -9,7 +9,10 @@
   gradients and weights in expanded mode and both tree modes; ``recompute`` with one mini-batch is
   ``current``; a reference equal to the policy gives KL 0, the data's ``ref_logprobs`` from
   ``Trainer.logprobs`` equal ``--ref-load``'s; ``Trainer.logprobs`` is the same in every mode and
-  equals transformers on the exported checkpoint; mini-batches keep groups whole; refusals.
+  equals transformers on the exported checkpoint; mini-batches keep groups whole; refusals; data
+  parallel 2 and pipeline size 2 give the single-process numbers;
+- tools/score_logprobs.py, examples/rl_recipe_cpu.py (the command docs/training.md shows) and
+  benchmarks/bench_throughput.py --rl-recipe run.
 """
 import itertools
 import math
@@ -596,3 +599,40 @@ def test_rollout_metrics_without_correction_and_on_policy():
     assert math.isclose(out["with"]["rollout/abs_diff_mean"], float(np.abs(d).mean()), rel_tol=1e-12)
     assert math.isclose(out["with"]["rollout/abs_diff_max"], float(np.abs(d).max()), rel_tol=1e-12)
     assert math.isclose(out["with"]["rollout/kl"], float((np.exp(d) - d - 1).mean()), rel_tol=1e-12)
+
+
+def _pp2_worker(rank, world, port, ref, out):
+    from test_training_driver import _world
+    from megatron_harts.training.trainer import Trainer
+    _world(rank, world, port)
+    recs = _driver_records()[:12]
+    flags = ["--pipeline-model-parallel-size", "2", "--rl-old-logprobs", "recompute", "--kl-coef", "0.05",
+             "--ref-load", ref, "--rl-mini-batches", "2", "--load", ref, "--finetune"]
+    with Trainer.from_args(_argv("within", *flags, n=len(recs))) as t:
+        lps = t.logprobs(recs[:5])
+        t.step(recs)
+        losses = [s.loss for s in t.last_update.steps]
+    if rank == 0:
+        torch.save((lps, losses), out)
+
+
+def test_pp2_logprobs_and_recipe_update(initial_checkpoint, tmp_path):
+    """Pipeline size 2 (both runs start from the saved initial weights): the forward-only passes run through
+    the pipeline schedule; the log-probs and the update's losses are the single-stage run's."""
+    from megatron_cpu import free_port
+    from multiproc import run_ranks
+    from megatron_harts.training.trainer import Trainer
+    out = tmp_path / "out.pt"
+    run_ranks(_pp2_worker, 2, (free_port(), initial_checkpoint, str(out)), timeout=600)
+    lps, losses = torch.load(out, weights_only=False)
+    recs = _driver_records()[:12]
+    with Trainer.from_args(_argv("within", "--rl-old-logprobs", "recompute", "--kl-coef", "0.05", "--ref-load",
+                                 initial_checkpoint, "--rl-mini-batches", "2", "--load", initial_checkpoint,
+                                 "--finetune", n=len(recs))) as t:
+        want = t.logprobs(recs[:5])
+        t.step(recs)
+        want_losses = [s.loss for s in t.last_update.steps]
+    for a, b in zip(lps, want):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+    for a, b in zip(losses, want_losses):
+        assert abs(a - b) <= 1e-10 * abs(b)
