@@ -58,6 +58,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -793,6 +794,17 @@ def plan_only(p, scheme, forest, a):
     return out
 
 
+def rl_recipe_flags(common, mini_batches: int, ref_dir: str) -> list:
+    """The driver flags of ``--rl-recipe`` (after ``common``, so they override its ``--rl-objective sft``);
+    saves the initial weights of ``common``'s model (same seed) to ``ref_dir`` first: the reference."""
+    from megatron_harts.training.trainer import Trainer
+    with Trainer.from_args(common + ["--tree-sharing", "within", "--save", ref_dir, "--save-interval", "1"]) as t:
+        t.save(announce=False)
+    return ["--rl-objective", "ppo", "--clip-ratio-high", "0.28", "--rl-old-logprobs", "recompute",
+            "--kl-coef", "0.01", "--kl-to", "ref", "--kl-estimator", "k3", "--ref-load", ref_dir,
+            "--rl-mini-batches", str(mini_batches)]
+
+
 def main(argv=None):
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -849,6 +861,13 @@ def main(argv=None):
                     "while the fp32 oracle runs out of memory, down to 1024)")
     ap.add_argument("--driver-flags", default="", metavar="'FLAGS'",
                     help="more training-driver flags for every mode, e.g. '--tree-triton-max-configs 1'")
+    ap.add_argument("--rl-recipe", action="store_true",
+                    help="every mode trains an RL recipe update instead of an SFT step: PPO on the data's GRPO "
+                         "advantages, old log-probs recomputed by a forward-only pass, a k3 KL (--kl-coef 0.01) "
+                         "to a frozen reference model (the initial weights, saved once and read by --ref-load) and "
+                         "--rl-mini-batches optimizer steps of whole groups; step_seconds is the whole update")
+    ap.add_argument("--rl-mini-batches", type=int, default=4, metavar="M",
+                    help="with --rl-recipe: mini-batches per update (default 4; at most the number of tasks)")
     ap.add_argument("--profile", metavar="FILE",
                     help="profile one extra step of every mode (torch.profiler): kernel time per category into "
                          "the results JSON, the top kernels and CPU operators of each mode into FILE (text)")
@@ -916,6 +935,7 @@ def main(argv=None):
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                 time.strftime("throughput-%Y%m%d-%H%M%S.json"))
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    rl_reference = None
     for scheme in a.schemes:
         forest = synthesize(scheme, a.num_tasks, a.max_tokens, p["vocab"], seed=0, samples_per_task=a.samples_per_task,
                             **shape)
@@ -931,6 +951,10 @@ def main(argv=None):
             "--log-interval", "1000000", "--rl-objective", "sft", "--distributed-backend",
             "nccl" if a.device == "cuda" else "gloo", "--tree-kda-backend", a.kda_backend,
             "--tree-attention-backend", a.attention_backend] + a.driver_flags.split()
+        if a.rl_recipe:
+            if rl_reference is None:       # removed at exit
+                rl_reference = tempfile.TemporaryDirectory(prefix="harts-rl-reference-")
+            common += rl_recipe_flags(common, a.rl_mini_batches, os.path.join(rl_reference.name, scheme))
         row = {"forest": forest.stats()}
         warm = warmup_forest(forest, a.warmup_trajectories)
         modes = [(s, "harts", []) for s in a.tree_sharing] + [("within", p, []) for p in a.kda_call_plans] \
@@ -972,6 +996,8 @@ def main(argv=None):
                 "largest_microbatch_rows": max(max((int(mb.features.rows) for mb in plan.microbatches), default=0),
                                                pieces_accounting(plan)["largest"]),
                 "model_flops": flops, "model_tflops_per_s": flops["total"] / t / 1e12,
+                # --rl-recipe: optimizer steps per update and the reference's weight bytes
+                "optimizer_steps": m.get("optimizer_steps"), "ref_model_gib": m.get("ref_model_gib"),
                 "mfu": flops["total"] / (t * peak_flops) if peak_flops else None}
             results["schemes"][scheme] = row
             with open(out, "w") as f:      # after every mode: a cut-short run keeps what it measured

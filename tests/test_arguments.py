@@ -600,9 +600,10 @@ def test_cost_model_and_calibration(tmp_path):
 
 
 def test_objective_kwargs():
-    assert A.objective_kwargs(parse()) == dict(kind="ppo", clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.0,
-                                               entropy_coef=0.0, loss_agg_mode="token-mean", old_logprobs="data")
-    kw = A.objective_kwargs(parse("--clip-ratio-low 0.1 --clip-ratio-high 0.28 --kl-coef 0.01 --entropy-coef 0.001 "
+    from megatron_harts.rl import ObjectiveConfig
+    assert ObjectiveConfig(**A.objective_kwargs(parse())) == ObjectiveConfig()
+    kw = A.objective_kwargs(parse("--clip-ratio-low 0.1 --clip-ratio-high 0.28 --kl-coef 0.01 --kl-to old "
+                                  "--entropy-coef 0.001 "
                                   "--loss-agg-mode seq-mean-token-sum"))
     assert (kw["clip_ratio_low"], kw["clip_ratio_high"], kw["kl_coef"], kw["entropy_coef"], kw["loss_agg_mode"]) == \
         (0.1, 0.28, 0.01, 0.001, "seq-mean-token-sum")

@@ -162,7 +162,7 @@ def tree_loss(case, mbs, cfg, with_entropy=True):
     total, terms = 0.0, {}
     for lay, idx in mbs:
         lp, ent, old, adv, traj, weight = case.target_values(lay, idx)
-        scale = target_scale(case.normalizer, traj, weight, cfg.loss_agg_mode)
+        scale = target_scale(case.normalizer, traj, weight, cfg.loss_agg_mode, cfg.loss_norm_length)
         loss, t = objective_loss(lp, old, adv, scale, cfg, entropy=ent if with_entropy else None)
         loss.backward()
         total = total + loss.detach()
@@ -184,7 +184,10 @@ def assert_rel(a, b, rtol=1e-12, what=""):
 
 
 CLIPS = [(0.2, 0.2), (0.1, 0.28)]
-CONFIGS = [ObjectiveConfig(kind=k, loss_agg_mode=m, kl_coef=kl, entropy_coef=ec, clip_ratio_low=lo, clip_ratio_high=hi)
+#: the constant of seq-mean-token-sum-norm in these tests
+NORM_LENGTH = 12
+CONFIGS = [ObjectiveConfig(kind=k, loss_agg_mode=m, kl_coef=kl, entropy_coef=ec, clip_ratio_low=lo, clip_ratio_high=hi,
+                           kl_to="old", loss_norm_length=NORM_LENGTH)
            for k, m, kl, ec, (lo, hi) in itertools.product(("sft", "ppo"), LOSS_AGG_MODES, (0.0, 0.3), (0.0, 0.05), CLIPS)
            if not (k == "sft" and (lo, hi) != CLIPS[0])]
 
@@ -234,14 +237,14 @@ def test_local_normalization_differs_from_global(case):
     """The oracle tells global from per-microbatch normalization (the test above can fail)."""
     mbs = microbatch_splits(case)["per-tree"]
     for mode in LOSS_AGG_MODES:
-        cfg = ObjectiveConfig(kind="ppo", loss_agg_mode=mode)
+        cfg = ObjectiveConfig(kind="ppo", loss_agg_mode=mode, loss_norm_length=NORM_LENGTH)
         case.zero_grad()
         ref, _ = reference_loss(case, cfg)
         local = 0.0
         for lay, _ in mbs:
             lp, ent, old, adv, traj, weight = case.target_values(lay)
             own = batch_normalizer(traj, case.forest.num_trajectories)
-            local += float(objective_loss(lp, old, adv, target_scale(own, traj, weight, mode), cfg)[0].detach())
+            local += float(objective_loss(lp, old, adv, target_scale(own, traj, weight, mode, NORM_LENGTH), cfg)[0].detach())
         assert abs(local - float(ref)) > 1e-3 * abs(float(ref))
 
 
@@ -259,8 +262,10 @@ def test_hand_computed_values():
     pg = [-2.56, -2.0, 0.8]
     want = {"token-mean": (pg[0] + pg[1] + 3 * pg[2]) / 3,
             "seq-mean-token-mean": ((pg[0] + pg[1]) / 2 + 3 * pg[2]) / 2,
-            "seq-mean-token-sum": (pg[0] + pg[1] + 3 * pg[2]) / 2}
-    want_clip = {"token-mean": 4 / 3, "seq-mean-token-mean": (1 / 2 + 3) / 2, "seq-mean-token-sum": 4 / 2}
+            "seq-mean-token-sum": (pg[0] + pg[1] + 3 * pg[2]) / 2,
+            "seq-mean-token-sum-norm": (pg[0] + pg[1] + 3 * pg[2]) / 2 / 4}
+    want_clip = {"token-mean": 4 / 3, "seq-mean-token-mean": (1 / 2 + 3) / 2, "seq-mean-token-sum": 4 / 2,
+                 "seq-mean-token-sum-norm": 4 / 2 / 4}
     norm = batch_normalizer(traj, 2)
     assert norm.traj_tokens.tolist() == [2, 1] and norm.num_tokens == 3 and norm.num_sequences == 2
     trajs = [make_trajectory({"id": 0, "tokens": [1, 2, 3], "old_logprobs": [0.0, -1.0, -1.0], "advantage": 2.0}),
@@ -269,15 +274,15 @@ def test_hand_computed_values():
     per_pos = [torch.tensor([math.nan, -0.5, -1.0], dtype=torch.float64), torch.tensor([math.nan, -1.5],
                                                                                         dtype=torch.float64)]
     for mode in LOSS_AGG_MODES:
-        cfg = ObjectiveConfig(kind="ppo", clip_ratio_low=lo, clip_ratio_high=hi, loss_agg_mode=mode)
-        loss, terms = objective_loss(logp, old, adv, target_scale(norm, traj, weight, mode), cfg)
+        cfg = ObjectiveConfig(kind="ppo", clip_ratio_low=lo, clip_ratio_high=hi, loss_agg_mode=mode, loss_norm_length=4)
+        loss, terms = objective_loss(logp, old, adv, target_scale(norm, traj, weight, mode, 4), cfg)
         ref, ref_terms = objective_loss_reference(per_pos, trajs, cfg)
         for got in (loss, ref):
             assert math.isclose(float(got), want[mode], rel_tol=1e-14)
         for got in (terms["clip_fraction"], ref_terms["clip_fraction"]):
             assert math.isclose(float(got), want_clip[mode], rel_tol=1e-14)
     # k3 KL of one target: d = old - logp = -0.5 -> e^-0.5 + 0.5 - 1; entropy bonus subtracts
-    cfg = ObjectiveConfig(kind="sft", kl_coef=0.5, entropy_coef=0.1, loss_agg_mode="seq-mean-token-sum")
+    cfg = ObjectiveConfig(kind="sft", kl_coef=0.5, entropy_coef=0.1, loss_agg_mode="seq-mean-token-sum", kl_to="old")
     one = torch.tensor([1.0], dtype=torch.float64)
     loss, terms = objective_loss(logp[:1], old[:1], adv[:1], one, cfg, entropy=torch.tensor([2.0], dtype=torch.float64))
     k3 = math.exp(-0.5) + 0.5 - 1.0
@@ -326,7 +331,7 @@ def test_random_forests_sft(trajs, mode, parts, seed):
     assert c.normalizer.traj_tokens.tolist() == want
     if sum(want) == 0:
         return
-    cfg = ObjectiveConfig(kind="sft", loss_agg_mode=mode, entropy_coef=0.1)
+    cfg = ObjectiveConfig(kind="sft", loss_agg_mode=mode, entropy_coef=0.1, loss_norm_length=NORM_LENGTH)
     lay = build_layout(c.forest)
     perm = torch.from_numpy(np.random.default_rng(seed).permutation(lay.num_targets))
     got, _ = tree_loss(c, [(lay, chunk) for chunk in torch.tensor_split(perm, parts)], cfg)
@@ -342,7 +347,7 @@ def test_dtype_preserved(case):
     lay = build_layout(case.forest)
     lp, ent, old, adv, traj, weight = case.target_values(lay)
     scale = target_scale(case.normalizer, traj, weight, "token-mean")
-    cfg = ObjectiveConfig(kind="ppo", kl_coef=0.1, entropy_coef=0.01)
+    cfg = ObjectiveConfig(kind="ppo", kl_coef=0.1, entropy_coef=0.01, kl_to="old")
     loss64, terms64 = objective_loss(lp, old, adv, scale, cfg, entropy=ent)
     loss32, terms32 = objective_loss(lp.float(), old, adv, scale, cfg, entropy=ent.float())
     assert loss64.dtype == torch.float64 and all(v.dtype == torch.float64 for v in terms64.values())
@@ -427,7 +432,7 @@ def test_ppo_needs_advantage_and_old_logprobs(field, layout_field):
     assert bool(torch.isfinite(c.table.grad).all())
     if field == "old_logprobs":
         with pytest.raises(ObjectiveDataError, match="--kl-coef 0.1"):
-            objective_loss(lp, old, adv, scale, ObjectiveConfig(kind="sft", kl_coef=0.1))
+            objective_loss(lp, old, adv, scale, ObjectiveConfig(kind="sft", kl_coef=0.1, kl_to="old"))
 
 
 def _expanded_args(c):

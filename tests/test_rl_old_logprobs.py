@@ -42,7 +42,7 @@ def with_old():
 
 
 CURRENT = [ObjectiveConfig(kind="ppo", loss_agg_mode=m, entropy_coef=ec, clip_ratio_low=lo, clip_ratio_high=hi,
-                           old_logprobs="current")
+                           old_logprobs="current", loss_norm_length=12)
            for m in LOSS_AGG_MODES for ec in (0.0, 0.05) for lo, hi in ((0.2, 0.2), (0.1, 0.28))]
 
 
@@ -132,9 +132,9 @@ def test_data_without_old_logprobs_names_the_flag(on_policy):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"old_logprobs": "behaviour"}, "--rl-old-logprobs must be one of data, current, got 'behaviour'"),
+    ({"old_logprobs": "behaviour"}, "--rl-old-logprobs must be one of data, current, recompute, got 'behaviour'"),
     ({"kind": "sft", "old_logprobs": "current"}, "--rl-old-logprobs current only applies to --rl-objective ppo"),
-    ({"kl_coef": 0.1, "old_logprobs": "current"}, "--kl-coef 0.1 with --rl-old-logprobs current"),
+    ({"kl_coef": 0.1, "old_logprobs": "current", "kl_to": "old"}, "--kl-coef 0.1 --kl-to old with --rl-old-logprobs current"),
 ])
 def test_bad_config(kw, msg):
     with pytest.raises(ValueError) as e:
@@ -151,10 +151,10 @@ def test_driver_flag():
     args = parse("--rl-old-logprobs current --entropy-coef 0.01")
     assert ObjectiveConfig.from_args(args) == ObjectiveConfig(**A.objective_kwargs(args)) == \
         ObjectiveConfig(kind="ppo", entropy_coef=0.01, old_logprobs="current")
-    refused("--rl-old-logprobs current --kl-coef 0.1", "--kl-coef 0.1", "--rl-old-logprobs current")
+    refused("--rl-old-logprobs current --kl-coef 0.1 --kl-to old", "--kl-coef 0.1 --kl-to old", "--rl-old-logprobs current")
     refused("--rl-objective sft --rl-old-logprobs current", "--rl-old-logprobs current", "--rl-objective ppo")
     refused("--rl-old-logprobs old", "--rl-old-logprobs")
-    assert "--rl-old-logprobs {data,current}" in A.build_parser().format_help()
+    assert "--rl-old-logprobs {data,current,recompute}" in A.build_parser().format_help()
 
 
 # ---------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def argv(data, sharing, *extra):
                     "--seq-length", "48", "--tree-microbatch-tokens", "48", "--tree-sharing", sharing,
                     "--tree-planner", planner, "--lr", "3e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
                     "--seed", "7", "--log-interval", "1", "--rl-objective", "ppo", "--clip-ratio-low", "0.2",
-                    "--clip-ratio-high", "0.28", "--kl-coef", "0.05", "--entropy-coef", "0.01",
+                    "--clip-ratio-high", "0.28", "--kl-coef", "0.05", "--kl-to", "old", "--entropy-coef", "0.01",
                     "--loss-agg-mode", "seq-mean-token-mean", *extra]
 
 

@@ -102,13 +102,16 @@ import torch
 from ..cli import CliError
 from ..ops.key_paths import FLASH_MAX_HEAD_DIM, fa4_available
 from ..planner.baselines import CALL_PLANS
-from ..rl.objectives import LOSS_AGG_MODES, OLD_LOGPROBS_SOURCES
+from ..rl.flag_group import flag_fields, group_kwargs
+from ..rl.objectives import LOSS_AGG_MODES, OLD_LOGPROBS_SOURCES, ObjectiveConfig
+from .rl_update import RLUpdateConfig
 
 __all__ = [
     "ArgumentsError", "ArgumentsWarning", "MEGATRON_LM_FLAGS", "OWN_FLAGS", "TREE_SHARING_MODES",
     "TREE_PLANNERS", "PLANNERS_BY_SHARING", "build_parser", "parse_args", "parse_args_or_exit",
     "hybrid_config", "optimizer_config", "ddp_config", "scheduler_kwargs", "data_parallel_size",
-    "padded_vocab_size", "cost_model", "objective_kwargs", "resolved_backends", "supported_flags",
+    "padded_vocab_size", "cost_model", "objective_kwargs", "rl_update_kwargs", "add_flag_group",
+    "resolved_backends", "supported_flags",
     "unsupported_reason", "GROUP_TITLES",
 ]
 
@@ -408,7 +411,7 @@ OWN_FLAGS = frozenset({
     "--loss-agg-mode", "--rl-old-logprobs", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
     "--tree-logit-probe-oracle", "--tree-triton-max-configs", "--tree-recompute-producers",
     "--tree-logprob-chunk-rows", "--tree-memory-budget",
-})
+}) | frozenset(f.name for cls in (ObjectiveConfig, RLUpdateConfig) for f in flag_fields(cls))
 
 # ---------------------------------------------------------------------------------------------
 # why Megatron-LM flags are refused (where we know more than "not supported")
@@ -686,6 +689,37 @@ class _Parser(argparse.ArgumentParser):
 GROUP_TITLES = ("model shape", "MLA / KDA hybrid layers", "MoE", "parallelism", "training",
                 "optimizer and learning-rate schedule", "checkpointing", "logging", "data",
                 "tree sharing", "RL objective", "Megatron-LM compatibility")
+
+
+def add_flag_group(group, cls) -> None:
+    """Add the flags a typed flag-group dataclass declares (``rl.flag_group``) to an argparse group:
+    type, default, choices and bounds from the field, help from its declaration."""
+    for spec in flag_fields(cls):
+        if spec.type is bool:
+            group.add_argument(spec.name, action="store_true", default=spec.default, help=spec.help)
+            continue
+        if spec.type is str:
+            conv = str
+        elif spec.type is int:
+            conv = _int_at_least(int(spec.minimum)) if spec.minimum is not None else int
+        else:
+            conv = _finite_float(spec.minimum)
+            if spec.exclusive_minimum is not None:
+                conv = _float_above(spec.exclusive_minimum)
+        metavar = None if spec.choices else spec.type.__name__.upper() if spec.type is not str else "DIR"
+        default = "" if spec.default is None else f" (default {spec.default})"
+        group.add_argument(spec.name, dest=spec.dest, type=conv, default=spec.default, choices=spec.choices,
+                           metavar=metavar, help=spec.help if "default" in spec.help else spec.help + default)
+
+
+def _float_above(lo: float):
+    def parse(text: str) -> float:
+        v = _finite_float()(text)
+        if v <= lo:
+            raise argparse.ArgumentTypeError(f"must be > {lo:g}, got {text!r}")
+        return v
+    parse.__name__ = "float"
+    return parse
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -1014,8 +1048,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                     help="ppo: the old log-probs of the importance ratio. data (default): the trajectories' "
                          "old_logprobs (required); current: the policy's own log-probs from the same forward, "
                          "detached (on-policy data without old_logprobs, e.g. GRPO: ratio 1, the gradient is "
-                         "the policy gradient; no extra forward, tree mode stays exact). current excludes "
-                         "--kl-coef > 0 (the KL to the old log-probs would be 0)")
+                         "the policy gradient; no extra forward, tree mode stays exact); recompute: one "
+                         "forward-only pass over the global batch with the weights before the update, fixed for "
+                         "all its mini-batches and epochs. current excludes --kl-to old with --kl-coef > 0 (that "
+                         "KL would be 0)")
+    add_flag_group(rl, ObjectiveConfig)
+    add_flag_group(rl, RLUpdateConfig)
 
     cm = g["Megatron-LM compatibility"]
     cm.add_argument("--use-mcore-models", dest="deprecated_use_mcore_models", action="store_true",
@@ -1415,13 +1453,31 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
         if given:
             _fail(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to --rl-objective ppo")
         args.clip_ratio_low = args.clip_ratio_high = 0.2     # unused by sft; keeps the objective config complete
-    if args.rl_old_logprobs == "current":
-        if args.rl_objective != "ppo":
-            _fail("--rl-old-logprobs current only applies to --rl-objective ppo (sft reads no old log-probs)")
-        if args.kl_coef > 0:
-            _fail(f"--kl-coef {args.kl_coef} with --rl-old-logprobs current: the KL to the old log-probs would be 0 "
-                  "(old = the current log-probs, detached); drop --kl-coef, or use --rl-old-logprobs data with "
-                  "old_logprobs in the data")
+    if args.rl_old_logprobs in ("current", "recompute") and args.rl_objective != "ppo":
+        _fail(f"--rl-old-logprobs {args.rl_old_logprobs} only applies to --rl-objective ppo (sft reads no old "
+              "log-probs)")
+    if args.rl_old_logprobs == "current" and args.kl_coef > 0 and args.kl_to == "old":
+        _fail(f"--kl-coef {args.kl_coef} --kl-to old with --rl-old-logprobs current: the KL to the old log-probs "
+              "would be 0 (old = the current log-probs, detached); use --kl-to ref, or --rl-old-logprobs data "
+              "with old_logprobs in the data")
+    if args.loss_agg_mode == "seq-mean-token-sum-norm" and args.rl_loss_norm_length is None:
+        args.rl_loss_norm_length = args.seq_length
+    if args.ref_load is not None and not os.path.isdir(args.ref_load):
+        _fail(f"--ref-load {args.ref_load}: no such directory")
+    if args.ref_load is not None and not (args.kl_coef > 0 and args.kl_to == "ref"):
+        _fail(f"--ref-load {args.ref_load} is read only for the KL penalty: give --kl-coef > 0 (with --kl-to ref)")
+    if require_data:        # the dataset stores no per-token fields besides old_logprobs and advantages
+        if args.kl_coef > 0 and args.kl_to == "ref" and args.ref_load is None:
+            _fail(f"--kl-coef {args.kl_coef} --kl-to ref needs --ref-load DIR (reference log-probs in the records "
+                  "are read by Trainer.step only); or --kl-to old")
+        if args.rl_tis_cap is not None:
+            _fail(f"--rl-tis-cap {args.rl_tis_cap} needs the records' rollout_logprobs, which Trainer.step reads "
+                  "and the --data-path dataset does not store")
+    try:
+        ObjectiveConfig(**objective_kwargs(args))
+        RLUpdateConfig(**rl_update_kwargs(args))
+    except ValueError as e:
+        _fail(str(e).rsplit(" (", 1)[0] if str(e).endswith(")") else str(e))
 
 
 def _warmup_steps(args: argparse.Namespace) -> float:
@@ -1698,4 +1754,9 @@ def objective_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments of ``rl.objectives.ObjectiveConfig``."""
     return dict(kind=args.rl_objective, clip_ratio_low=args.clip_ratio_low, clip_ratio_high=args.clip_ratio_high,
                 kl_coef=args.kl_coef, entropy_coef=args.entropy_coef, loss_agg_mode=args.loss_agg_mode,
-                old_logprobs=args.rl_old_logprobs)
+                old_logprobs=args.rl_old_logprobs, **group_kwargs(ObjectiveConfig, args))
+
+
+def rl_update_kwargs(args: argparse.Namespace) -> dict:
+    """Keyword arguments of ``training.rl_update.RLUpdateConfig`` (copied by field name)."""
+    return group_kwargs(RLUpdateConfig, args)

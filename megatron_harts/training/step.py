@@ -278,7 +278,7 @@ def _count_experts(model, counters) -> None:
 
 
 def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *,
-                      aux_loss_scale: float, counters: Dict[str, Any]) -> Callable:
+                      aux_loss_scale: float, counters: Dict[str, Any], tables=None) -> Callable:
     """``forward_step_func(data_iterator, model)`` of the schedule for the driver's objective.
 
     The loss of a microbatch: the objective over the targets it owns, each scaled by its
@@ -286,7 +286,11 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
     ``objective.old_logprobs`` "current" the old log-probs are this forward's log-probs, detached
     (``objective_loss``): no extra forward, on the last pipeline stage like the rest of the loss.
     ``counters`` (pass ``{}``; its keys are filled here) accumulates the step's loss, objective
-    terms, KDA calls, KDA replay tokens and q-weighted tokens per expert.
+    terms, KDA calls, KDA replay tokens and q-weighted tokens per expert.  ``tables``
+    (``training.rl_update.TargetTables`` of the step's forest, or None): per-target values an RL
+    update computed before the step: "old" (recomputed old log-probs, replacing the data's), "ref"
+    (reference log-probs), "tis" (rollout-correction weights), "seq" (sequence log-ratios); targets
+    the microbatch does not own read 0 there (they weigh 0).
     """
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -317,13 +321,24 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
         traj = torch.as_tensor(host.traj_forest)[host.target_traj.cpu()]
         weight = host.target_weight.cpu()
         if mb.owned is None:
-            scale = target_scale(normalizer, traj, weight, objective.loss_agg_mode)
+            scale = target_scale(normalizer, traj, weight, objective.loss_agg_mode, objective.loss_norm_length)
         else:       # targets another microbatch owns weigh 0 (and need not belong to this step's normalizer)
             owned = mb.owned.cpu()
             scale = torch.zeros(batch.num_targets, dtype=torch.float64)
             if bool(owned.any()):
-                scale[owned] = target_scale(normalizer, traj[owned], weight[owned], objective.loss_agg_mode)
+                scale[owned] = target_scale(normalizer, traj[owned], weight[owned], objective.loss_agg_mode,
+                                            objective.loss_norm_length)
         scale = host_to_device(scale, dev)
+        extra: Dict[str, torch.Tensor] = {}
+        old_logprob = batch.target_old_logprob
+        if tables is not None:
+            for name, values in tables.gather(host).items():
+                if mb.owned is not None:
+                    values = torch.where(mb.owned.cpu(), values, torch.zeros((), dtype=values.dtype))
+                extra[name] = host_to_device(values, dev)
+            old_logprob = extra.pop("old", old_logprob)
+        kwargs = {key: extra[name] for name, key in (("ref", "ref_logprobs"), ("tis", "tis_weight"),
+                                                     ("seq", "seq_log_ratio")) if name in extra}
         if counts:
             # KDA calls per KDA layer: the tree schedule's, or one varlen call for packed trajectories
             counters["kda_calls"] += len(psp.kda_schedule.calls) if psp.kda_schedule is not None else 1
@@ -332,8 +347,8 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
 
         def loss_func(lp):
             try:
-                loss, terms = objective_loss(lp, batch.target_old_logprob.to(dev), batch.target_advantage.to(dev),
-                                             scale, objective, entropy=entropy)
+                loss, terms = objective_loss(lp, old_logprob.to(dev), batch.target_advantage.to(dev),
+                                             scale, objective, entropy=entropy, **kwargs)
             except ObjectiveDataError as e:
                 t = batch.traj_ids[int(batch.target_traj[e.target_index])]
                 raise ObjectiveDataError(f"trajectory {t!r}: {e}", e.field, e.count, e.target_index) from None
@@ -421,8 +436,12 @@ def run_schedule(model, items: List[WindowedMicrobatch], forward_step_func: Call
 
 
 def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: SharingSettings,
-               objective: ObjectiveConfig, iteration: int, device, plan_seconds: float = 0.0) -> StepResult:
-    """Run one optimizer step of the global batch ``forest`` planned as ``plan`` (module docstring)."""
+               objective: ObjectiveConfig, iteration: int, device, plan_seconds: float = 0.0,
+               tables: Optional[Dict[str, Dict[Any, np.ndarray]]] = None) -> StepResult:
+    """Run one optimizer step of the global batch ``forest`` planned as ``plan`` (module docstring).
+
+    ``tables``: ``{name: {trajectory id: per-position values}}`` an RL update computed for the step
+    (``training.rl_update``; :func:`make_forward_step` says which names)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
 
@@ -437,7 +456,13 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
     normalizer = forest_normalizer(forest)
     total_mbs = len(plan.microbatches) + (0 if plan.pieces is None else plan.pieces.num_microbatches)
     counters: Dict[str, Any] = {}
-    step_fn = make_forward_step(objective, normalizer, aux_loss_scale=aux_loss_scale(plan), counters=counters)
+    if tables:
+        from .rl_update import TargetTables
+        target_tables = TargetTables(forest, tables)
+    else:
+        target_tables = None
+    step_fn = make_forward_step(objective, normalizer, aux_loss_scale=aux_loss_scale(plan), counters=counters,
+                                tables=target_tables)
 
     for chunk in model:
         chunk.zero_grad_buffer()

@@ -11,7 +11,9 @@
 
 Then ``train()`` runs the loop of ``pretrain_tree_gpt.py`` (a loader of planned global batches,
 ``training.step.train_step`` per iteration, logging, checkpoints, exit conditions), and
-``step(trajectories)`` runs one step on in-memory trajectories for RL loops that own their data.
+``step(trajectories)`` runs one RL update on in-memory trajectories for RL loops that own their data
+(recompute, reference, rollout correction, mini-batches and epochs: ``training.rl_update``), and
+``logprobs(trajectories)`` returns the log-prob of every token, forward only.
 ``export_hf(path)`` writes the weights in transformers' Kimi-Linear format for rollout engines.
 
 Invariants:
@@ -44,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .fused_adam import use_fused_adam
-from .step import NonFiniteLoss, SharingSettings, StepResult, plan_step, train_step
+from .step import NonFiniteLoss, SharingSettings, StepResult, plan_step
 
 __all__ = ["Trainer", "TrainingError"]
 
@@ -94,6 +96,33 @@ def _drop_autograd_graphs(modules) -> None:
             for name, value in list(vars(owner).items()):
                 if isinstance(value, torch.Tensor) and value.grad_fn is not None:
                     setattr(owner, name, value.detach())
+
+
+#: per-token fields of a record that an RL update reads besides the trajectory's own
+RECORD_VALUES = ("rollout_logprobs", "ref_logprobs")
+
+
+def _record_values(trajectories) -> Dict[str, Dict[Any, Any]]:
+    """{field: {trajectory id: float64 per token, NaN for null}} of :data:`RECORD_VALUES` in dict records."""
+    import numpy as np
+    out: Dict[str, Dict[Any, Any]] = {}
+    for i, rec in enumerate(trajectories):
+        if not isinstance(rec, dict):
+            continue
+        for name in RECORD_VALUES:
+            v = rec.get(name)
+            if v is None:
+                continue
+            try:
+                arr = np.array([np.nan if x is None else x for x in v], dtype=np.float64)
+            except (TypeError, ValueError):
+                raise ValueError(f"record {i + 1}, trajectory {rec.get('id')!r}: {name} must be a list of numbers "
+                                 "or nulls") from None
+            if arr.shape != (len(rec["tokens"]),):
+                raise ValueError(f"record {i + 1}, trajectory {rec.get('id')!r}: {name} has {arr.shape[0]} entries "
+                                 f"but 'tokens' has {len(rec['tokens'])}")
+            out.setdefault(name, {})[rec["id"]] = arr
+    return out
 
 
 class _ExitSignal:
@@ -174,6 +203,11 @@ class Trainer:
             use_fused_adam(self.optimizer)             # CUDA: one pass per step (training/fused_adam.py)
             self.scheduler = OptimizerParamScheduler(self.optimizer, **scheduler_kwargs(args))
             self.objective = ObjectiveConfig.from_args(args)
+            from ..rl.flag_group import group_kwargs
+            from .rl_update import RLUpdateConfig
+            self.update = RLUpdateConfig(**group_kwargs(RLUpdateConfig, args))
+            self.last_update = None
+            self.ref_model = None
             self._memory_setup(args)
             self.settings = SharingSettings(sharing=args.tree_sharing, microbatch_tokens=args.tree_microbatch_tokens,
                                             planner=args.tree_planner, replay=not args.no_tree_replay,
@@ -186,6 +220,8 @@ class Trainer:
             self.data_state: Optional[dict] = None
             if args.load:
                 self._load()
+            if self.update.ref_load:
+                self._build_reference(args)
             if args.exit_signal_handler:
                 self._signal = _ExitSignal(args.exit_signal)
                 self._stack.callback(self._signal.close)
@@ -274,6 +310,68 @@ class Trainer:
         if a.save and os.path.realpath(a.save) == os.path.realpath(a.load):
             self.last_saved = self.iteration
 
+    def _build_reference(self, args) -> None:
+        """The frozen reference model of ``--ref-load`` (a driver checkpoint, or a transformers directory
+        at TP = PP = EP = 1), on the device or, with ``--ref-placement offload``, in host memory."""
+        from ..models.model import build_hybrid_model
+        path = self.update.ref_load
+        if not os.path.isdir(path):
+            raise TrainingError(f"--ref-load {path}: no such directory")
+        tied = not args.untie_embeddings_and_output_weights
+        if args.pipeline_model_parallel_size > 1:
+            from ..schedules.pipeline import build_stage_model
+            ref = build_stage_model(self.config, self.vocab_size, share_embeddings_and_output_weights=tied)
+        else:
+            ref = build_hybrid_model(self.config, self.vocab_size, share_embeddings_and_output_weights=tied)
+        ref.to(self.device)
+        self._load_weights(ref, path, "--ref-load")
+        ref.requires_grad_(False)
+        ref.eval()
+        if self.update.ref_placement == "offload":
+            ref.to("cpu")
+        self.ref_model = ref
+        self.ref_model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+        self._log(f"reference model from {path} ({self.ref_model_bytes / 2 ** 30:.3f} GiB of weights, "
+                  f"--ref-placement {self.update.ref_placement})")
+
+    def _load_weights(self, module, path: str, what: str) -> None:
+        """Weights into ``module`` from a driver checkpoint directory (the newest in its tracker; a release
+        converted by tools/convert_hf_checkpoint.py), or from a transformers Kimi-Linear directory (one
+        process)."""
+        from .checkpointing import TRACKER_FILENAME, load_checkpoint
+        if not os.path.isdir(path):
+            raise TrainingError(f"{what} {path}: no such directory")
+        if not os.path.exists(os.path.join(path, TRACKER_FILENAME)) and os.path.isfile(os.path.join(path, "config.json")):
+            if self.world > 1:
+                raise TrainingError(f"{what} {path}: a transformers directory loads on one process only; convert "
+                                    "it with tools/convert_hf_checkpoint.py --format dist for parallel runs")
+            from ..models.hf_convert import hf_to_megatron, load_hf_checkpoint
+            _, hf_state = load_hf_checkpoint(path, dtype=self.config.params_dtype)
+            try:
+                state = hf_to_megatron(hf_state, self.config)
+            except KeyError as e:
+                raise TrainingError(f"{what} {path}: not this model's checkpoint (missing {e})") from None
+            own = dict(module.state_dict())
+            params = {n for n, _ in module.named_parameters()}
+            missing = sorted(params - set(state))
+            if missing:
+                raise TrainingError(f"{what} {path}: no tensor for parameter {missing[0]}")
+            with torch.no_grad():
+                for k, v in state.items():
+                    if k in own:
+                        if tuple(own[k].shape) != tuple(v.shape):
+                            raise TrainingError(f"{what} {path}: {k} has shape {tuple(v.shape)}, the model "
+                                                f"{tuple(own[k].shape)}")
+                        own[k].copy_(v.to(own[k].dtype))
+        elif load_checkpoint(path, [module], None, None, load_optim=False, load_rng=False, finetune=True) is None:
+            raise TrainingError(f"{what} {path}: no checkpoint there (no {TRACKER_FILENAME})")
+
+    def load_weights(self, path: str) -> None:
+        """Replace the policy's weights by those of ``path`` (a driver checkpoint or a transformers
+        directory, as ``--ref-load``); the optimizer's main parameters follow."""
+        self._load_weights(self.model[0].module, path, "load_weights")
+        self.optimizer.reload_model_params()
+
     # ---- the loop ---------------------------------------------------------------------------
     def _plan(self, forest):
         return plan_step(forest, self.settings, self.dp)
@@ -297,7 +395,7 @@ class Trainer:
         if self.args.tree_logit_probe and self._probe_batch is None:
             self._probe_batch = batch
             self.probe()
-        result = self._run_step(batch.forest, batch.plan, batch.plan_seconds)
+        result = self._run_step(batch.forest, batch.plan, batch.plan_seconds, {})
         self.iteration += 1
         self.data_state = loader.state_dict()
         metrics = self.metrics(result)
@@ -364,17 +462,33 @@ class Trainer:
         hit = [n for n, f in zip(names, t.tolist()) if f]
         return hit[0] if hit else None
 
-    def _run_step(self, forest, plan, plan_seconds: float) -> StepResult:
+    def _run_step(self, forest, plan, plan_seconds: float, data) -> StepResult:
+        """One RL update of a planned global batch (``training.rl_update``): its last optimizer step's
+        result, the loss averaged over the update's optimizer steps; ``self.last_update`` keeps all."""
+        from .rl_update import rl_update
         if self.device.type == "cuda":      # measured_peak_gib: the allocator's peak over this step
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            return train_step(self.model, self.optimizer, self.scheduler, forest, plan, settings=self.settings,
-                              objective=self.objective, iteration=self.iteration + 1, device=self.device,
-                              plan_seconds=plan_seconds)
+            up = rl_update(self.model, self.optimizer, self.scheduler, forest, plan, settings=self.settings,
+                           objective=self.objective, update=self.update, iteration=self.iteration + 1,
+                           device=self.device, plan_fn=self._plan, data=data, ref_model=self.ref_model,
+                           plan_seconds=plan_seconds)
         except NonFiniteLoss as e:
             where = f"; the last good checkpoint is iteration {self.last_saved} in {self.args.save}" \
                 if self.last_saved is not None else ""
             raise TrainingError(f"{e}: stopping{where}") from None
+        self.last_update = up
+        last = up.steps[-1]
+        if len(up.steps) == 1:
+            return last
+        import dataclasses
+        n = len(up.steps)
+        return dataclasses.replace(
+            last, loss=sum(r.loss for r in up.steps) / n,
+            terms={k: sum(r.terms[k] for r in up.steps) / n for k in last.terms},
+            computed_tokens=sum(r.computed_tokens for r in up.steps),
+            trajectory_tokens=sum(r.trajectory_tokens for r in up.steps),
+            step_seconds=sum(r.step_seconds for r in up.steps), microbatches=sum(r.microbatches for r in up.steps))
 
     def step(self, trajectories) -> Dict[str, Any]:
         """One optimizer step on in-memory trajectories (the RL-loop entry).
@@ -392,13 +506,54 @@ class Trainer:
             if not trajs:
                 raise ValueError("step(): no trajectories")
             forest = build_forest(trajs)
+        data = _record_values(trajectories) if not isinstance(trajectories, Forest) else {}
         t0 = time.perf_counter()
         plan = self._plan(forest)
-        result = self._run_step(forest, plan, time.perf_counter() - t0)
+        result = self._run_step(forest, plan, time.perf_counter() - t0, data)
         self.iteration += 1
         metrics = self.metrics(result)
         self._report(metrics)
         return metrics
+
+    def logprobs(self, trajectories, entropy: bool = False):
+        """Forward only: the log-prob of every token of every trajectory given, in the order given.
+
+        ``trajectories``: as for :meth:`step` (records, ``Trajectory`` objects or a ``Forest``, whose
+        trajectories come in its order); loss masks, advantages and old log-probs are not read.  Runs
+        the planned microbatches of the run's ``--tree-sharing`` mode (trees by default, expanded
+        with ``off``) under ``no_grad``: no autograd graph, so no more memory than a training step.
+        Returns a list of float64 arrays, one per trajectory, aligned with its tokens: ``lp[j] = log
+        p(tokens[j] | tokens[:j])`` and ``lp[0]`` NaN (the data format of ``old_logprobs``); with
+        ``entropy``, ``(logprobs, entropies)``, ``ent[j]`` the entropy of the distribution that
+        predicts token j.  Collective: every rank passes the same trajectories.
+        """
+        from ..tree_data import Forest, build_forest, make_trajectory
+        from .rl_update import forward_logprobs, per_trajectory
+        from .step import step_forest
+        if isinstance(trajectories, Forest):
+            trajs = [trajectories.expand(tid) for tid in trajectories.traj_ids]
+        else:
+            trajs = [t if not isinstance(t, dict) else make_trajectory(t, line=i + 1)
+                     for i, t in enumerate(trajectories)]
+        if not trajs:
+            raise ValueError("logprobs(): no trajectories")
+        import dataclasses
+        import numpy as np
+        scored = []
+        for t in trajs:
+            mask = np.ones(len(t), dtype=np.uint8)
+            mask[0] = 0
+            scored.append(dataclasses.replace(t, loss_mask=mask, old_logprobs=None, advantage=None))
+        forest = build_forest(scored)
+        plan = self._plan(forest)
+        lp, ent = forward_logprobs(self.model, forest, plan, self.settings, entropy=entropy)
+        sf = step_forest(forest, plan)
+        lps = per_trajectory(sf, lp)
+        out = [lps[t.id] for t in trajs]
+        if not entropy:
+            return out
+        ents = per_trajectory(sf, ent)
+        return out, [ents[t.id] for t in trajs]
 
     # ---- metrics and logging ------------------------------------------------------------------
     def metrics(self, r: StepResult) -> Dict[str, Any]:
@@ -424,6 +579,12 @@ class Trainer:
         }
         for k, v in r.terms.items():
             m[f"objective/{k}"] = v
+        up = self.last_update
+        if up is not None:
+            m["optimizer_steps"] = len(up.steps)
+            m.update(up.metrics)
+        if self.ref_model is not None:
+            m["ref_model_gib"] = self.ref_model_bytes / 2 ** 30
         if r.tokens_per_expert is not None and r.tokens_per_expert.numel():
             tpe = r.tokens_per_expert.double()
             ratio = tpe.max(dim=1).values / tpe.mean(dim=1).clamp_min(1e-12)
@@ -514,6 +675,7 @@ class Trainer:
         for chunk in self.model or ():
             _drop_autograd_graphs(chunk.modules())
         self.model = self.optimizer = self.scheduler = None
+        self.ref_model = None
 
     def close(self) -> None:
         """End the run: release the model and optimizer, undo the patches, leave megatron's parallel
