@@ -2,7 +2,8 @@
 
 - Every test must leave ``os.environ`` as it found it (library code never writes it; a test that
   needs a variable uses ``monkeypatch.setenv``): a test that changes it fails, naming the
-  variables, and the environment is restored for the tests after it.
+  variables, and the environment is restored for the tests after it.  ``NOT_GUARDED`` lists the
+  variables pytest and torch's compiler set for themselves.
 - ``--shuffle SEED`` runs the files in a seeded random order and each file's tests in a seeded
   random order (a file's tests stay together, so its module fixtures are built once): the suite
   must pass in any order.
@@ -64,15 +65,21 @@ def pytest_collection_modifyitems(session, config, items):
         items.extend(tests)
 
 
+#: variables the guard leaves alone: pytest's own (set anew in each phase of a test) and those torch's
+#: compiler stack (inductor, its Triton launcher) sets once for the process to find its caches and tools
+NOT_GUARDED = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH",
+               "TRITON_LIBDEVICE_PATH", "KMP_DUPLICATE_LIB_OK", "CUDA_HOME", "CUBLAS_WORKSPACE_CONFIG")
+
+
 @pytest.fixture(autouse=True)
 def _environment_unchanged():
     """Fails a test that leaves ``os.environ`` changed, and restores it for the next test."""
     before = dict(os.environ)
     yield
     after = dict(os.environ)
-    for phase in ("PYTEST_CURRENT_TEST",):        # pytest's own, set anew in each phase of a test
-        before.pop(phase, None)
-        after.pop(phase, None)
+    for name in NOT_GUARDED:
+        before.pop(name, None)
+        after.pop(name, None)
     if after != before:
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
         for k in changed:
