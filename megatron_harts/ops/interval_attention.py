@@ -258,6 +258,16 @@ if triton is not None:
         return vis
 
     @triton.jit
+    def _visible_t(starts, ends, offs_n, offs_m, M):
+        """The transposed mask, [BN, BM]."""
+        vis = (offs_n[:, None] < 0) & (offs_m[None, :] < 0)
+        for j in range(M):
+            s = tl.load(starts + offs_n * M + j)
+            e = tl.load(ends + offs_n * M + j)
+            vis = vis | ((s[:, None] <= offs_m[None, :]) & (offs_m[None, :] < e[:, None]))
+        return vis
+
+    @triton.jit
     def _load_rows(ptr, offs, ok, stride, cols, width):
         """[len(offs), len(cols)] tile of a [rows, width] matrix (zeros outside)."""
         return tl.load(ptr + offs[:, None] * stride + cols[None, :], mask=ok[:, None] & (cols[None, :] < width),
@@ -407,7 +417,7 @@ if triton is not None:
             delta = tl.load(delta_head + offs_m, mask=row_ok, other=0.0)
             pt = tl.exp2(st * qk_scale - lse[None, :])
             if MASKED:
-                pt = tl.where(tl.trans(_visible(starts, ends, offs_m, offs_n, M)), pt, 0.0)
+                pt = tl.where(_visible_t(starts, ends, offs_n, offs_m, M), pt, 0.0)
             do = _load_rows(do_head, offs_m, row_ok, stride_om, d_v, DV)
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
             dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -465,13 +475,18 @@ _LOG2E = 1.4426950408889634
 
 
 def _launch_args(q, k, v, blocks: IntervalBlocks):
+    """Sizes, compile-time constants, and the forward's and backward's launch options (warps,
+    pipeline stages: the backward's tiles hold dk and dv or dq in registers, hence more warps)."""
     R, H, DQK = q.shape
     K, Hk, DV = v.shape
     da, db = _split_dim(DQK)
     meta = dict(BM=blocks.block_m, BN=blocks.block_n, DA=da, DB=db, DBP=db or 16,
                 BDV=max(16, triton.next_power_of_2(DV)), PREC="ieee" if q.dtype == torch.float32 else "tf32")
     sizes = (R, K, blocks.max_intervals, DQK, DV, H // Hk)
-    return sizes, meta
+    tile = max(blocks.block_m, blocks.block_n)
+    fwd = dict(num_warps=4 if tile <= 64 else 8, num_stages=3 if DQK + DV <= 256 else 2)
+    bwd = dict(num_warps=4 if tile <= 32 or DQK + DV <= 128 else 8, num_stages=2)
+    return sizes, meta, fwd, bwd
 
 
 class _IntervalAttention(torch.autograd.Function):
@@ -479,14 +494,14 @@ class _IntervalAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, blocks: IntervalBlocks, scale: float):
         R, H, _ = q.shape
         DV = v.shape[2]
-        sizes, meta = _launch_args(q, k, v, blocks)
+        sizes, meta, launch, _ = _launch_args(q, k, v, blocks)
         o = torch.empty(R, H, DV, dtype=q.dtype, device=q.device)
         lse = torch.empty(H, R, dtype=torch.float32, device=q.device)
         grid = (blocks.num_query_blocks, H)
         _fwd_kernel[grid](q, k, v, o, lse, blocks.q_offsets, blocks.q_num_full, blocks.q_blocks,
                           blocks.starts, blocks.ends, *sizes, scale * _LOG2E,
                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                          o.stride(0), o.stride(1), **meta)
+                          o.stride(0), o.stride(1), **meta, **launch)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.blocks = blocks
         ctx.scale = scale
@@ -500,16 +515,16 @@ class _IntervalAttention(torch.autograd.Function):
         R, H, _ = q.shape
         Hk = k.shape[1]
         delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()      # [H, R]
-        sizes, meta = _launch_args(q, k, v, blocks)
+        sizes, meta, _, launch = _launch_args(q, k, v, blocks)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    do.stride(0), do.stride(1))
         _dq_kernel[(blocks.num_query_blocks, H)](
             q, k, v, do, lse, delta, dq, blocks.q_offsets, blocks.q_num_full, blocks.q_blocks,
-            blocks.starts, blocks.ends, *sizes, scale * _LOG2E, scale, *strides, **meta)
+            blocks.starts, blocks.ends, *sizes, scale * _LOG2E, scale, *strides, **meta, **launch)
         _dkdv_kernel[(blocks.num_key_blocks, Hk)](
             q, k, v, do, lse, delta, dk, dv, blocks.k_offsets, blocks.k_num_full, blocks.k_blocks,
-            blocks.starts, blocks.ends, *sizes, scale * _LOG2E, scale, *strides, **meta)
+            blocks.starts, blocks.ends, *sizes, scale * _LOG2E, scale, *strides, **meta, **launch)
         return dq, dk, dv, None, None
 
 
