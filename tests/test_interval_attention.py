@@ -259,7 +259,7 @@ def test_kernels_bf16_close_to_fp32_oracle_cuda():
     pytest.importorskip("triton")
     lay = build_layout(swe(4, "markovian", max_tokens=2000, budget=512))
     for dims in ((192, 128), (96, 64)):
-        run_case(lay.visibility, None, torch.device("cuda"), 4, 4, *dims, block=64, dtype=torch.bfloat16, tol=2e-2)
+        run_case(lay.visibility, None, torch.device("cuda"), 4, 4, *dims, block=64, dtype=torch.bfloat16, tol=3e-2)
 
 
 _INTERPRETER_CASE = textwrap.dedent("""
