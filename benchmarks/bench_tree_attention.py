@@ -15,6 +15,10 @@ One run, same device, same dtype, fwd+bwd each:
   (``megatron_harts.ops.key_paths``; their build time is reported separately too).
 - ``tree_varlen_fa4``: the same key paths through flash-attn-4's Hopper kernels, where
   flash-attn-4 is installed (``key_paths.fa4_available``).
+- ``tree_interval``: ``backend="interval"``: Triton kernels reading keys/values in place over the
+  tiles that hold visible pairs (``megatron_harts.ops.interval_attention``; the tile lists' build
+  time is reported separately), where Triton and CUDA are available
+  (``interval_attention.interval_available``).  ``--interval-block M N`` sets its tile.
 - ``expanded_sdpa_loop`` (``--expanded-loop``): one causal SDPA call per trajectory.
 - ``tree_sdpa`` (``--tree-sdpa``, default on CPU): the chunked dense-mask fallback backend.
 
@@ -48,6 +52,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from megatron_harts.cli import ArgumentParser, CliError, run  # noqa: E402
 from megatron_harts.layout import Visibility, build_layout, sequence_visibility  # noqa: E402
+from megatron_harts.ops.interval_attention import build_interval_blocks, interval_available  # noqa: E402
 from megatron_harts.ops.key_paths import build_key_paths, fa4_available  # noqa: E402
 from megatron_harts.ops.tree_attention import (build_tree_block_mask, set_flex_compile_mode,  # noqa: E402
                                                 tree_attention)
@@ -78,6 +83,8 @@ def parse_args(argv=None):
                    help="q/k and v head dims (e.g. 96 64: the h200 preset's MLA); overrides --head-dim/--mla")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--interval-block", type=int, nargs=2, metavar=("M", "N"), default=(64, 64),
+                   help="query rows and keys per tile of the interval backend (powers of two >= 16; default 64 64)")
     p.add_argument("--kernel-options", default=None,
                    help='JSON dict passed to flex_attention as kernel_options, e.g. \'{"BLOCK_M": 64}\'')
     p.add_argument("--compile-mode", default=None, help="torch.compile mode for flex_attention on GPU "
@@ -98,6 +105,8 @@ def parse_args(argv=None):
         p.error("--kv-heads must divide --heads")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if any(b < 16 or b & (b - 1) for b in args.interval_block):
+        p.error("--interval-block sizes must be powers of two >= 16")
     if args.max_tokens is not None and args.max_tokens < 2:
         p.error("--max-tokens must be >= 2")
     if args.expanded_loop and args.compaction != "none":
@@ -270,6 +279,16 @@ def main(argv=None):
     key_paths_ms = timed(lambda: build_key_paths(layout.visibility, prev=prev, device=device), device, 1,
                          max(1, args.repeats // 2))
     exp_bm = build_tree_block_mask(exp_vis, block_size=args.block_size)
+    with_interval = interval_available(device) is None
+    interval_stats = None
+    if with_interval:
+        bm_, bn_ = args.interval_block
+        iblocks = build_interval_blocks(layout.visibility, block_m=bm_, block_n=bn_, device=device)
+        interval_ms = timed(lambda: build_interval_blocks(layout.visibility, block_m=bm_, block_n=bn_,
+                                                          device=device), device, 1, max(1, args.repeats // 2))
+        interval_stats = {"block_m": bm_, "block_n": bn_, "full_tiles": iblocks.num_full,
+                          "partial_tiles": iblocks.num_partial, "max_intervals": iblocks.max_intervals,
+                          "visible_pairs_per_computed_pair": iblocks.visible_fraction(), "build_ms": interval_ms}
 
     kernel_options = json.loads(args.kernel_options) if args.kernel_options else None
     tree_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="flex", block_mask=bm,
@@ -279,6 +298,8 @@ def main(argv=None):
     with_fa4 = fa4_available(device, (dqk, dv)) and dtype != torch.float32
     tree_fa4 = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="varlen", key_paths=paths,
                                                  varlen_kernel="fa4")
+    tree_interval = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="interval",
+                                                      interval_blocks=iblocks)
     exp_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, exp_vis, scale, backend="flex", block_mask=exp_bm,
                                                  kernel_options=kernel_options)
 
@@ -326,11 +347,21 @@ def main(argv=None):
             for name, a, b in zip("qkv", gf, gt):
                 check[f"fa4_grad_{name}_cosine_vs_flex"] = cosine(a, b)
             del out_f
+        if with_interval:
+            out_i = tree_interval(q, k, v)
+            check["interval_out_cosine"] = cosine(out_i.detach()[rows], out_e.detach())
+            check["interval_out_max_abs_err"] = float((out_i.detach()[rows] - out_e.detach()).abs().max())
+            if grad_ok:
+                gi = torch.autograd.grad(out_i, (q, k, v), g_rows)
+                for name, a, b in zip("qkv", gi, gt):
+                    check[f"interval_grad_{name}_cosine_vs_flex"] = cosine(a, b)
+            del out_i
         del out_t, out_e, out_v
 
     methods = [("tree_flex", tree_flex, (q, k, v), g, tree_pairs, True),
                ("tree_varlen", tree_varlen, (q, k, v), g, tree_pairs, False),
                *([("tree_varlen_fa4", tree_fa4, (q, k, v), g, tree_pairs, False)] if with_fa4 else []),
+               *([("tree_interval", tree_interval, (q, k, v), g, tree_pairs, False)] if with_interval else []),
                ("causal_sdpa", causal, (q, k, v), g, causal_pairs, False),
                ("expanded_flex", exp_flex, (qe, ke, ve), ge, expanded_pairs, True)]
     if args.expanded_loop:
@@ -363,6 +394,9 @@ def main(argv=None):
         "tree_varlen_fa4_per_pair_vs_causal_fwd_bwd": results.get("tree_varlen_fa4", {}).get(
             "fwd_bwd_per_pair_vs_causal"),
         "tree_varlen_fa4_per_pair_vs_causal_fwd": results.get("tree_varlen_fa4", {}).get("fwd_per_pair_vs_causal"),
+        "tree_interval_per_pair_vs_causal_fwd_bwd": results.get("tree_interval", {}).get(
+            "fwd_bwd_per_pair_vs_causal"),
+        "tree_interval_per_pair_vs_causal_fwd": results.get("tree_interval", {}).get("fwd_per_pair_vs_causal"),
         "target_per_pair_vs_causal": 1.5,
         "speedup_tree_vs_expanded_fwd_bwd": (ef[key] / tf[key]) if tf[key] and ef[key] else None,
         "speedup_tree_vs_expanded_fwd": ef["fwd_ms"] / tf["fwd_ms"],
@@ -377,7 +411,8 @@ def main(argv=None):
         "expanded_tokens": E, "compression": E / R,
         "pairs": {"tree": tree_pairs, "causal": causal_pairs, "expanded": expanded_pairs},
         "block_mask_build_ms": block_mask_ms, "tree_block_mask": block_stats,
-        "key_paths_build_ms": key_paths_ms,
+        "key_paths_build_ms": key_paths_ms, "interval_blocks": interval_stats,
+        "interval_unavailable": interval_available(device),
         "key_paths": {"runs": paths.num_runs, "gathered_keys": paths.gathered_keys, "max_q": paths.max_q,
                       "max_k": paths.max_k},
         "kernel_options": kernel_options, "compile_mode": args.compile_mode, "check": check, "methods": results, "summary": summary,
@@ -413,6 +448,13 @@ def main(argv=None):
     if with_fa4:
         print(f"tree_varlen_fa4 time/pair vs causal SDPA: {s['tree_varlen_fa4_per_pair_vs_causal_fwd_bwd']:.2f}x "
               f"(target <= 1.5)")
+    if with_interval:
+        ri = results["tree_interval"]
+        rel_i = ri["fwd_bwd_per_pair_vs_causal"] or ri["fwd_per_pair_vs_causal"]
+        print(f"tree_interval time/pair vs causal SDPA: {rel_i:.2f}x; tiles: {interval_stats['full_tiles']} full, "
+              f"{interval_stats['partial_tiles']} partial, build {interval_stats['build_ms']:.2f} ms")
+    else:
+        print(f"tree_interval not timed: {interval_available(device)}")
     return report
 
 

@@ -24,6 +24,10 @@ Backends, one interface:
   flash-attn-4's Hopper kernels where installed, else torch's flash-attention varlen kernels,
   elsewhere the per-run plain-torch kernel.  Tree visibilities only: one interval per key, or a
   layout's (its ``prev`` gives the tree) whose compaction events cut holes in its keys' intervals.
+- ``interval``: Triton kernels reading keys/values in place over the tiles that hold visible pairs
+  (:mod:`.interval_attention`), with :class:`~megatron_harts.ops.interval_attention.IntervalBlocks`
+  built once per microbatch; any visibility.  CUDA (or the CPU under ``TRITON_INTERPRET=1``) with
+  Triton installed; elsewhere it raises.
 
 Context keys come first on the key axis: keys ``[0, Rc)`` are context rows, ``[Rc, Rc+R)``
 the layout's rows.
@@ -38,11 +42,12 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import CompactLayout, Visibility, host_to_device
+from .interval_attention import IntervalBlocks, build_interval_blocks, interval_attention, interval_available
 from .key_paths import KeyPaths, build_key_paths, default_kernel, path_attention
 
 __all__ = ["tree_attention", "build_tree_block_mask", "set_flex_compile_mode", "BACKENDS"]
 
-BACKENDS = ("reference", "sdpa", "flex", "varlen")
+BACKENDS = ("reference", "sdpa", "flex", "varlen", "interval")
 
 VisibilityLike = Union[CompactLayout, Visibility]
 
@@ -262,6 +267,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
                    context_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                    context_visibility: Optional[Visibility] = None, block_mask=None,
                    key_paths: Optional[KeyPaths] = None, varlen_kernel: Optional[str] = None,
+                   interval_blocks: Optional[IntervalBlocks] = None,
                    query_block: int = 1024, kernel_options: Optional[dict] = None) -> torch.Tensor:
     """Attention of every row's query over the keys visible to it.
 
@@ -275,9 +281,11 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
     :func:`~megatron_harts.ops.key_paths.build_key_paths` (built here when omitted);
     ``varlen_kernel`` one of ``key_paths.KERNELS`` (default: ``key_paths.default_kernel``: fa4
     where flash-attn-4 runs, else torch's flash kernels on CUDA, else the plain-torch reference).
+    ``interval_blocks``: for ``backend="interval"``, the tiles from
+    :func:`~megatron_harts.ops.interval_attention.build_interval_blocks` (built here when omitted).
     A layout with context rows requires ``context_kv``.  Causal visibility (every layout) lets
     every row see itself; with a custom visibility a row that sees no key gets NaN from
-    ``reference``/``sdpa`` and 0 from ``flex``.
+    ``reference``/``sdpa`` and 0 from ``flex`` and ``interval``.
     ``query_block``: rows per SDPA call (``backend="sdpa"``).  Returns ``[R, H, Dv]``; differentiable in q, k, v and context.
     """
     if backend not in BACKENDS:
@@ -314,6 +322,13 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
                              f"expected {(R, R + n_ctx)}")
         return path_attention(q, k_all, v_all, key_paths, scale,
                               kernel=varlen_kernel or default_kernel(q, v.shape[-1]))
+    if backend == "interval":
+        reason = interval_available(q.device)
+        if reason is not None:
+            raise ValueError(f"tree attention backend 'interval': {reason}; use backend 'varlen', 'flex' or 'sdpa'")
+        if interval_blocks is None:
+            interval_blocks = build_interval_blocks(vis, ctx_vis, device=q.device)
+        return interval_attention(q, k_all, v_all, interval_blocks, scale)
     if block_mask is None:
         block_mask = build_tree_block_mask(vis, context_visibility=ctx_vis, device=q.device)
     if tuple(block_mask.seq_lengths) != (R, R + n_ctx):
