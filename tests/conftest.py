@@ -65,10 +65,22 @@ def pytest_collection_modifyitems(session, config, items):
         items.extend(tests)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _megatron_state_released():
+    """Fails the module that leaves megatron-core's model-parallel state initialized (a Trainer not
+    closed, a runtime not exited), and releases it, so the next module starts clean."""
+    yield
+    import sys
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and getattr(ps, "_DATA_PARALLEL_GROUP", None) is not None:
+        ps.destroy_model_parallel()
+        pytest.fail("the module left megatron-core's model-parallel state initialized", pytrace=False)
+
+
 #: variables the guard leaves alone: pytest's own (set anew in each phase of a test) and those torch's
 #: compiler stack (inductor, its Triton launcher) sets once for the process to find its caches and tools
-NOT_GUARDED = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH",
-               "TRITON_LIBDEVICE_PATH", "KMP_DUPLICATE_LIB_OK", "CUDA_HOME", "CUBLAS_WORKSPACE_CONFIG")
+NOT_GUARDED = ("PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "CUDA_HOME", "CUBLAS_WORKSPACE_CONFIG")
+NOT_GUARDED_PREFIXES = ("TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_")
 
 
 @pytest.fixture(autouse=True)
@@ -77,9 +89,9 @@ def _environment_unchanged():
     before = dict(os.environ)
     yield
     after = dict(os.environ)
-    for name in NOT_GUARDED:
-        before.pop(name, None)
-        after.pop(name, None)
+    for env in (before, after):
+        for name in [k for k in env if k in NOT_GUARDED or k.startswith(NOT_GUARDED_PREFIXES)]:
+            del env[name]
     if after != before:
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
         for k in changed:

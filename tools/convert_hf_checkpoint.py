@@ -46,12 +46,14 @@ def quiet_megatron():
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     warnings.filterwarnings("ignore", message="MLP requires ffn_hidden_size")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.getLogger("megatron").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    # through the libraries' own switches, not the environment (tests run this tool in their process)
+    from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    disable_progress_bars()
 
 
 def _torch_dtype(name):

@@ -60,7 +60,11 @@ def quiet_libraries():
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("megatron").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:        # transformers' own switch, not the environment (tests run this tool in their process)
+        from transformers.utils import logging as hf_logging
+    except ImportError:     # no transformers: nothing of it to quiet (--oracle hf says what it needs)
+        return
+    hf_logging.set_verbosity_error()
 
 
 #: --synthetic --compaction: the set's context budget and the strategies' knobs, scaled to its 48-token
