@@ -293,6 +293,28 @@ class Search {
         }
     }
 
+    // decode(r) after the dirty bins of replica r changed: they leave the order and go back in at their
+    // places (the keys are distinct: the same order as decode's sort).
+    std::tuple<int, double, i64> key(i64 c) const {
+        const int group = cell_units_[c].empty() ? 2 : (value_[c].producer ? 0 : 1);
+        return {group, group == 2 ? 0.0 : -value_[c].cost, c % S_};
+    }
+    void redecode(i64 r) {
+        auto& ob = order_bin_[r];
+        bins_.clear();
+        for (i64 c : ob)
+            if (std::find(dirty_.begin(), dirty_.end(), c) == dirty_.end()) bins_.push_back(c);
+        for (i64 c : dirty_) {
+            if (c / S_ != r) continue;
+            const auto kc = key(c);
+            auto at = std::lower_bound(bins_.begin(), bins_.end(), kc,
+                                       [this](i64 x, const std::tuple<int, double, i64>& k) { return key(x) < k; });
+            bins_.insert(at, c);
+        }
+        ob.swap(bins_);
+        for (i64 k = 0; k < S_; ++k) order_[r][k] = value_[ob[k]].cost;
+    }
+
     // Sum over slots of the costliest bin (one replica: every bin's cost, in slot order).
     double full_step() const {
         double step = 0.0;
@@ -339,7 +361,7 @@ class Search {
         }
         for (i64 r : reps_) {
             old_order_.emplace_back(order_[r], order_bin_[r]);
-            decode(r);
+            redecode(r);
         }
         step_ = full_step();
     }
@@ -447,7 +469,7 @@ class Search {
     double smooth_ = 0.0, step_ = 0.0;
     std::uint64_t rng_ = 1;
     std::vector<std::pair<i64, i64>> cand_, moved_;
-    std::vector<i64> dirty_, reps_;
+    std::vector<i64> dirty_, reps_, bins_;
     std::vector<std::pair<i64, CellValue>> old_;
 };
 
