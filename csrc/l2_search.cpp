@@ -74,28 +74,52 @@ class Search {
     // seg: length, pairs, logits per segment; units: kind (0 core, 1 item, 2 free), window (the core's
     // unit number; -1 free), replay, owned / recomputed / path segments as CSR.
     Search(i64 S_seg, const i64* length, const i64* pairs, const i64* logits, i64 U, const i64* kind,
-           const i64* win, const i64* replay, const i64* own_off, const i64* own, const i64* rec_off,
+           const i64* win, const i64* up, const i64* replay, const i64* own_off, const i64* own, const i64* rec_off,
            const i64* rec, const i64* path_off, const i64* path, i64 dp, i64 slots, i64 M, double overhead,
            double c_row, double c_pair, double c_logit, double c_replay, i64 base_tokens, double penalty)
-        : length_(length), pairs_(pairs), logits_(logits), U_(U), kind_(kind), win_(win), replay_(replay),
+        : length_(length), pairs_(pairs), logits_(logits), U_(U), kind_(kind), win_(win), up_(up), replay_(replay),
           own_off_(own_off), own_(own), rec_off_(rec_off), rec_(rec), path_off_(path_off), path_(path), R_(dp),
           S_(slots), M_(M), overhead_(overhead), c_row_(c_row), c_pair_(c_pair), c_logit_(c_logit),
-          c_replay_(c_replay), base_(base_tokens), penalty_(penalty), stamp_(S_seg, 0) {
+          c_replay_(c_replay), base_(base_tokens), penalty_(penalty), stamp_(S_seg, 0), replayed_(S_seg, 0) {
         cell_units_.assign(R_ * S_, {});
         cell_of_.assign(U_, -1);
         pos_.assign(U_, 0);
         items_of_.assign(U_, {});
         path_rows_.assign(U_, 0);
+        top_.assign(U_, -1);
+        root_.assign(U_, -1);
         for (i64 u = 0; u < U_; ++u) {
-            if (kind_[u] == 1) items_of_[win_[u]].push_back(u);
+            for (i64 k = own_off_[u]; k < own_off_[u + 1]; ++k)  // an item's root: its least segment
+                if (root_[u] < 0 || own_[k] < root_[u]) root_[u] = own_[k];
+            for (i64 k = rec_off_[u]; k < rec_off_[u + 1]; ++k)
+                if (root_[u] < 0 || rec_[k] < root_[u]) root_[u] = rec_[k];
+            if (kind_[u] == 1) {  // its block and every block above it: the item's cells change with theirs
+                for (i64 a = win_[u]; a >= 0; a = up_[a]) items_of_[a].push_back(u);
+                i64 t = win_[u];
+                while (up_[t] >= 0) t = up_[t];
+                top_[u] = t;
+                if (up_[win_[u]] >= 0) deep_.push_back(u);
+            }
             for (i64 k = path_off_[u]; k < path_off_[u + 1]; ++k) path_rows_[u] += length_[path_[k]];
         }
+        blocks_.assign(U_, {});
+        for (i64 u = 0; u < U_; ++u) {
+            if (kind_[u] != 0) continue;
+            for (i64 a = u; a >= 0; a = up_[a]) blocks_[a].push_back(u);
+        }
+        for (i64 u = 0; u < U_; ++u)  // the blocks of cores of two or more blocks
+            if (kind_[u] == 0 && (up_[u] >= 0 || blocks_[u].size() > 1)) cuts_.push_back(u);
+        ncore_.assign(R_ * S_, 0);
+        prod_.assign(R_, 0);
+        reading_.assign(U_, 0);
         value_.assign(R_ * S_, CellValue());
         order_.assign(R_, std::vector<double>(S_, 0.0));
         order_bin_.assign(R_, std::vector<i64>(S_, 0));
     }
 
     void place(const i64* cell0) {
+        std::fill(ncore_.begin(), ncore_.end(), 0);
+        std::fill(prod_.begin(), prod_.end(), 0);
         for (i64 u = 0; u < U_; ++u) insert(u, cell0[u]);
         for (i64 c = 0; c < R_ * S_; ++c) value_[c] = evaluate(c);
         total_tokens_ = 0;
@@ -174,8 +198,8 @@ class Search {
     // Whether item u reads its path from its producer in its cell (cores and free pieces: false).
     bool reads(i64 u) {
         if (kind_[u] != 1) return false;
-        const i64 c = cell_of_[u];
-        return reader(c) >= 0 && cell_of_[win_[u]] == reader(c);
+        reader(cell_of_[u]);
+        return reading_[u] != 0;
     }
 
     i64 tokens() const { return total_tokens_; }
@@ -191,6 +215,7 @@ class Search {
     i64 below(i64 n) { return n <= 1 ? 0 : static_cast<i64>(next() % static_cast<std::uint64_t>(n)); }
 
     void insert(i64 u, i64 c) {
+        if (kind_[u] == 0 && ncore_[c]++ == 0) ++prod_[c / S_];
         cell_of_[u] = c;
         pos_[u] = static_cast<i64>(cell_units_[c].size());
         cell_units_[c].push_back(u);
@@ -201,35 +226,74 @@ class Search {
         v[pos_[u]] = last;
         pos_[last] = pos_[u];
         v.pop_back();
+        const i64 c = cell_of_[u];
+        if (kind_[u] == 0 && --ncore_[c] == 0) --prod_[c / S_];
         cell_of_[u] = -1;
     }
 
-    // The producer cell that cell c reads (-1: none).
+    // Whether item u, in a bin of replica r holding no core, may read its block's producer: that bin is on
+    // replica r, and every block above it is on replica r or on a replica with no more producers than r
+    // (its producer then runs in an earlier slot than any consumer of r).
+    bool allowed(i64 u, i64 r) const {
+        if (cell_of_[win_[u]] / S_ != r) return false;
+        for (i64 a = up_[win_[u]]; a >= 0; a = up_[a]) {
+            const i64 ra = cell_of_[a] / S_;
+            if (ra != r && prod_[ra] > prod_[r]) return false;
+        }
+        return true;
+    }
+
+    // The producer cell that cell c reads (-1: none), reading_[u] set for the items of c that read it.  A
+    // bin holding a core reads nothing.  The items of one tree read together or not at all: a tree whose
+    // items all may read one producer offers it their path rows; the bin reads the producer offered the
+    // most (ties: the lower cell), and the items of the trees offering it read.
     i64 reader(i64 c) {
         const auto& us = cell_units_[c];
-        for (i64 u : us)
-            if (kind_[u] == 0) return -1;
+        for (i64 u : us) reading_[u] = 0;
+        if (ncore_[c] > 0) return -1;
         const i64 r = c / S_;
-        i64 best = -1, best_gain = -1;
-        cand_.clear();
+        trees_.clear();  // (top block, producer cell (-2: mixed), path rows)
         for (i64 u : us) {
             if (kind_[u] != 1) continue;
-            const i64 p = cell_of_[win_[u]];
-            if (p / S_ != r) continue;
+            const i64 p = allowed(u, r) ? cell_of_[win_[u]] : -2;
             bool found = false;
-            for (auto& pg : cand_)
-                if (pg.first == p) {
-                    pg.second += path_rows_[u];
+            for (auto& t : trees_)
+                if (std::get<0>(t) == top_[u]) {
+                    if (std::get<1>(t) != p) std::get<1>(t) = -2;
+                    std::get<2>(t) += path_rows_[u];
                     found = true;
                     break;
                 }
-            if (!found) cand_.emplace_back(p, path_rows_[u]);
+            if (!found) trees_.emplace_back(top_[u], p, path_rows_[u]);
         }
+        cand_.clear();
+        for (const auto& t : trees_) {
+            const i64 p = std::get<1>(t);
+            if (p < 0) continue;
+            bool found = false;
+            for (auto& pg : cand_)
+                if (pg.first == p) {
+                    pg.second += std::get<2>(t);
+                    found = true;
+                    break;
+                }
+            if (!found) cand_.emplace_back(p, std::get<2>(t));
+        }
+        i64 best = -1, best_gain = -1;
         for (const auto& pg : cand_)
             if (pg.second > best_gain || (pg.second == best_gain && pg.first < best)) {
                 best = pg.first;
                 best_gain = pg.second;
             }
+        if (best < 0) return -1;
+        for (i64 u : us) {
+            if (kind_[u] != 1 || cell_of_[win_[u]] != best) continue;
+            for (const auto& t : trees_)
+                if (std::get<0>(t) == top_[u]) {
+                    reading_[u] = std::get<1>(t) == best ? 1 : 0;
+                    break;
+                }
+        }
         return best;
     }
 
@@ -237,7 +301,7 @@ class Search {
         CellValue v;
         const auto& us = cell_units_[c];
         if (us.empty()) return v;
-        const i64 rd = reader(c);
+        reader(c);
         ++cur_;
         i64 rows = 0, pairs = 0, logits = 0, replay = 0;
         auto add = [&](i64 x) {
@@ -253,12 +317,13 @@ class Search {
                 logits += logits_[own_[k]];
             }
             for (i64 k = rec_off_[u]; k < rec_off_[u + 1]; ++k) add(rec_[k]);
-            if (kind_[u] == 1) {
-                if (rd >= 0 && cell_of_[win_[u]] == rd) {
+            if (kind_[u] == 1 && reading_[u]) {
+                if (replayed_[root_[u]] != cur_) {  // the pieces of one cut item replay once
+                    replayed_[root_[u]] = cur_;
                     replay += replay_[u];
-                } else {
-                    for (i64 k = path_off_[u]; k < path_off_[u + 1]; ++k) add(path_[k]);
                 }
+            } else {  // an item recomputing its path; a block's path (the core above it) always computed here
+                for (i64 k = path_off_[u]; k < path_off_[u + 1]; ++k) add(path_[k]);
             }
         }
         v.rows = rows;
@@ -337,6 +402,16 @@ class Search {
         erase(u);
         insert(u, c);
     }
+    // Moves unit u to cell c; a block with the blocks below it in its cell.
+    void shift(i64 u, i64 c) {
+        if (kind_[u] != 0) {
+            relocate(u, c);
+            return;
+        }
+        const i64 from = cell_of_[u];
+        for (i64 w : blocks_[u])
+            if (cell_of_[w] == from) relocate(w, c);
+    }
     void mark(i64 c) {
         if (std::find(dirty_.begin(), dirty_.end(), c) == dirty_.end()) dirty_.push_back(c);
     }
@@ -405,8 +480,39 @@ class Search {
         i64 a = next() & 1 ? heaviest(below(S_)) : cell_of_[below(U_)];
         if (cell_units_[a].empty()) return false;
         const i64 u = cell_units_[a][below(static_cast<i64>(cell_units_[a].size()))];
-        const i64 kind = below(8);
-        if (kind <= 2) {  // move u to another cell
+        const std::vector<i64> prod0(prod_);
+        const i64 kind = below(cuts_.empty() ? 8 : 9);
+        if (kind == 8) {  // cut a window: a block and the blocks below it to another bin; or joined to the block above
+            const i64 k = cuts_[below(static_cast<i64>(cuts_.size()))];
+            const i64 from = cell_of_[k];
+            const i64 how = below(3);
+            if (how == 2) {  // alone, to any bin
+                const i64 to = below(C);
+                if (to == from) return false;
+                relocate(k, to);
+            } else if (up_[k] < 0) {
+                return false;
+            } else if (how == 1) {  // joined to the block above
+                const i64 to = cell_of_[up_[k]];
+                if (to == from) return false;
+                for (i64 w : blocks_[k])
+                    if (cell_of_[w] == from) relocate(w, to);
+            } else {  // to a bin of another replica, the items of the block on other replicas to bins of that one
+                i64 rb = from / S_;
+                if (R_ > 1) {
+                    rb = below(R_ - 1);
+                    if (rb >= from / S_) ++rb;
+                }
+                const i64 to = rb * S_ + below(S_);
+                if (to == from) return false;
+                for (i64 w : blocks_[k])
+                    if (cell_of_[w] == from) relocate(w, to);
+                for (i64 i : items_of_[k])
+                    if (cell_of_[win_[i]] == to && cell_of_[i] / S_ != rb) relocate(i, rb * S_ + below(S_));
+            }
+        } else if (kind_[u] == 0 && up_[u] >= 0 && kind <= 4) {  // a block below a core's top moves by cuts
+            return false;
+        } else if (kind <= 2) {  // move u to another cell
             i64 b;
             if (kind == 0) {
                 b = below(C);
@@ -418,13 +524,14 @@ class Search {
                 b = below(C);
             }
             if (b == a) return false;
-            relocate(u, b);
+            shift(u, b);
         } else if (kind <= 4) {  // swap u with a unit of another cell
             const i64 b = kind == 3 ? cell_of_[below(U_)] : lightest(below(S_));
             if (b == a || cell_units_[b].empty()) return false;
             const i64 v = cell_units_[b][below(static_cast<i64>(cell_units_[b].size()))];
-            relocate(u, b);
-            relocate(v, a);
+            if (kind_[v] == 0 && up_[v] >= 0) return false;
+            shift(u, b);
+            shift(v, a);
         } else if (kind == 7) {  // every unit of a into another bin (a microbatch fewer)
             const i64 b = cell_of_[below(U_)];
             if (b == a) return false;
@@ -444,13 +551,22 @@ class Search {
             for (i64 w : uy) relocate(w, a);
             if (moved_.empty()) return false;
         }
+        if (prod_ != prod0)  // the producer counts changed: which items may read a split window's producer too
+            for (i64 i : deep_) {
+                const i64 r = cell_of_[i] / S_;
+                for (i64 a = up_[win_[i]]; a >= 0; a = up_[a])
+                    if (cell_of_[a] / S_ != r) {
+                        mark(cell_of_[i]);
+                        break;
+                    }
+            }
         commit();
         return true;
     }
 
     const i64 *length_, *pairs_, *logits_;
     i64 U_;
-    const i64 *kind_, *win_, *replay_, *own_off_, *own_, *rec_off_, *rec_, *path_off_, *path_;
+    const i64 *kind_, *win_, *up_, *replay_, *own_off_, *own_, *rec_off_, *rec_, *path_off_, *path_;
     i64 R_, S_, M_;
     double overhead_, c_row_, c_pair_, c_logit_, c_replay_;
     i64 base_;
@@ -470,6 +586,11 @@ class Search {
     std::uint64_t rng_ = 1;
     std::vector<std::pair<i64, i64>> cand_, moved_;
     std::vector<i64> dirty_, reps_, bins_;
+    std::vector<std::vector<i64>> blocks_;  // per block: it and the blocks below it
+    std::vector<i64> replayed_, root_;
+    std::vector<i64> top_, deep_, cuts_, ncore_, prod_;
+    std::vector<char> reading_;
+    std::vector<std::tuple<i64, i64, i64>> trees_;
     std::vector<std::pair<i64, CellValue>> old_;
 };
 
@@ -486,7 +607,8 @@ void check_csr(const I64Array& off, const I64Array& ids, i64 U, i64 S_seg, const
 
 // The search (module comment); returns (cell per unit, reads per unit (0/1), objective (overflow,
 // primary, smooth), estimated tokens, estimated step).
-py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array kind, I64Array win, I64Array replay,
+py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array kind, I64Array win, I64Array up,
+                    I64Array replay,
                     I64Array own_off, I64Array own, I64Array rec_off, I64Array rec, I64Array path_off, I64Array path,
                     I64Array cell0, i64 dp, i64 slots, i64 M, double overhead, double c_row, double c_pair,
                     double c_logit, double c_replay, i64 base_tokens, double penalty, i64 moves, double temperature,
@@ -498,6 +620,7 @@ py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array k
     checked_vector(logits, S_seg, "logits");
     const i64* kd = checked_vector(kind, U, "kind");
     const i64* wn = checked_vector(win, U, "win");
+    const i64* upp = checked_vector(up, U, "up");
     checked_vector(replay, U, "replay");
     const i64* c0 = checked_vector(cell0, U, "cell0");
     check_csr(own_off, own, U, S_seg, "own");
@@ -507,9 +630,11 @@ py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array k
         if (kd[u] < 0 || kd[u] > 2) throw py::value_error("kind: a unit kind is not 0, 1 or 2");
         if (kd[u] == 1 && (wn[u] < 0 || wn[u] >= U || kd[wn[u]] != 0))
             throw py::value_error("win: an item's window is not a core unit");
+        if (upp[u] != -1 && (kd[u] != 0 || upp[u] < 0 || upp[u] >= u || kd[upp[u]] != 0))
+            throw py::value_error("up: a block's upper block is not an earlier core unit");
         if (c0[u] < 0 || c0[u] >= dp * slots) throw py::value_error("cell0: a cell out of the grid");
     }
-    Search search(S_seg, length.data(), pairs.data(), logits.data(), U, kd, wn, replay.data(), own_off.data(),
+    Search search(S_seg, length.data(), pairs.data(), logits.data(), U, kd, wn, upp, replay.data(), own_off.data(),
                   own.data(), rec_off.data(), rec.data(), path_off.data(), path.data(), dp, slots, M, overhead, c_row,
                   c_pair, c_logit, c_replay, base_tokens, penalty);
     {
@@ -528,7 +653,7 @@ py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array k
 
 void register_l2_search(py::module_& m) {
     m.def("l2_search", &l2_search, py::arg("length"), py::arg("pairs"), py::arg("logits"), py::arg("kind"),
-          py::arg("win"), py::arg("replay"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"),
+          py::arg("win"), py::arg("up"), py::arg("replay"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"),
           py::arg("path_off"), py::arg("path"), py::arg("cell0"), py::arg("dp"), py::arg("slots"), py::arg("M"),
           py::arg("overhead"), py::arg("c_row"), py::arg("c_pair"), py::arg("c_logit"), py::arg("c_replay"),
           py::arg("base_tokens"), py::arg("penalty"), py::arg("moves"), py::arg("temperature"), py::arg("seed"),

@@ -24,25 +24,37 @@ def _csr(lists):
 
 
 def random_instance(seed: int, units: int, dp: int, bins: int) -> l2_search.L2Instance:
-    """A core owning segments 0..2 (a chain), items below it (their path: the core's top 1..3 segments,
-    some with a segment of their own recomputed), free pieces sharing a recomputed segment; random
-    lengths, pairs, logits and start bins; a budget some bins exceed."""
+    """A core of segments 0..2 (a chain; in every other instance two blocks, 0 and 1..2 below it), items
+    below it (their path: the core's top 1..3 segments, some with a segment of their own recomputed, some
+    cut in two pieces), free
+    pieces sharing a recomputed segment; random lengths, pairs, logits and start bins; a budget some bins
+    exceed."""
     rng = np.random.default_rng(seed)
     nseg = 3 + 2 * units + 2
     length = rng.integers(1, 40, nseg).astype(np.int64)
     pairs = (length * rng.integers(1, 60, nseg)).astype(np.int64)
     logits = rng.integers(0, length + 1).astype(np.int64)
-    kind, win, replay, own, rec, path = [0], [-1], [0], [[0, 1, 2]], [[], ], [[]]
+    kind, win, up, replay, own, rec, path = [0], [-1], [-1], [0], [[0, 1, 2]], [[], ], [[]]
+    if seed % 2:  # the core in two blocks
+        own[0] = [0]
+        kind.append(0), win.append(-1), up.append(0), replay.append(0), own.append([1, 2]), rec.append([])
+        path.append([0])
     free_shared = nseg - 1
     nxt = 3
-    for _ in range(units - 1):
-        if rng.random() < 0.7:
+    for _ in range(units - len(kind)):
+        up.append(-1)
+        if kind[-1] == 1 and rng.random() < 0.3:  # a piece of the item before (a cut item): its root recomputed
+            kind.append(1), win.append(win[-1]), replay.append(replay[-1]), path.append(path[-1])
+            own.append([nxt])
+            rec.append(sorted(own[-2] + rec[-2]))
+        elif rng.random() < 0.7:
+            p = list(range(int(rng.integers(1, 4))))
             kind.append(1)
-            win.append(0)
+            win.append(1 if seed % 2 and len(p) > 1 else 0)
             replay.append(int(rng.integers(0, 20)))
             own.append([nxt])
             rec.append([nxt + 1] if rng.random() < 0.3 else [])
-            path.append(list(range(int(rng.integers(1, 4)))))
+            path.append(p)
         else:
             kind.append(2)
             win.append(-1)
@@ -54,7 +66,7 @@ def random_instance(seed: int, units: int, dp: int, bins: int) -> l2_search.L2In
     total = int(length.sum())
     cell0 = rng.integers(0, dp * bins, units).astype(np.int64)
     return l2_search.L2Instance(length, pairs, logits, np.array(kind, dtype=np.int64), np.array(win, dtype=np.int64),
-                                np.array(replay, dtype=np.int64), *_csr(own), *_csr(rec), *_csr(path), cell0, dp,
+                                np.array(up, dtype=np.int64), np.array(replay, dtype=np.int64), *_csr(own), *_csr(rec), *_csr(path), cell0, dp,
                                 bins, int(rng.integers(total // 3, total)), 0.02, 4.5e-5, 1.4e-9, 5.7e-6, 9e-6,
                                 int(rng.integers(total // 2, total)), 100 * 4.5e-5)
 
@@ -66,15 +78,20 @@ def test_search_reaches_the_brute_force_optimum(seed, units, dp, bins):
         units -= 1
     inst = random_instance(seed, units, dp, bins)
     best, _ = l2_bruteforce.optimum(inst)
-    cells, reads, (overflow, primary, _), _, step = l2_search.search(inst, 3000)
+    cells, reads, (overflow, primary, _), _, step = l2_search.search(inst, 20000)
     assert (overflow, primary) <= (best[0], best[1] + 1e-9 * (1 + abs(best[1])))
     # the compiled objective is the Python one, on the state it returns (slots as run)
     o = l2_bruteforce.objective(inst, cells.tolist())
     assert o[0] == overflow and o[1] == pytest.approx(primary, rel=1e-12, abs=1e-15)
     assert sum(o[2]) == pytest.approx(step, rel=1e-12)
-    # an item reads only a producer of its replica and never where its bin holds a core
+    # an item reads only a producer of its replica, never where its bin holds a core, and the producers
+    # of the blocks above its block run in earlier slots
     for u in np.flatnonzero(reads):
         assert inst.kind[u] == 1 and cells[u] // bins == cells[inst.win[u]] // bins
+        a = inst.up[inst.win[u]]
+        while a >= 0:
+            assert cells[a] % bins < cells[u] % bins
+            a = inst.up[a]
         assert not any(inst.kind[v] == 0 and cells[v] == cells[u] for v in range(units))
 
 

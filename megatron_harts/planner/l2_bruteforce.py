@@ -29,29 +29,58 @@ def objective(inst: L2Instance, bins: Sequence[int]) -> Tuple[int, float, List[f
         units.setdefault(int(b), []).append(u)
     length, pairs, logits = inst.length.tolist(), inst.pairs.tolist(), inst.logits.tolist()
     cost: Dict[int, float] = {}
-    producer: Dict[int, bool] = {}
+    producer = {b: any(inst.kind[u] == 0 for u in us) for b, us in units.items()}
+    producers = [sum(1 for b in units if b // K == r and producer[b]) for r in range(R)]
+
+    def top(k: int) -> int:
+        while inst.up[k] >= 0:
+            k = int(inst.up[k])
+        return k
+
+    def source(u: int, r: int) -> int:
+        """The bin item ``u`` on replica ``r`` may read (-1: none): its block's, on ``r``, every block
+        above it on ``r`` or on a replica with no more producers."""
+        p = int(bins[inst.win[u]])
+        if p // K != r:
+            return -1
+        a = int(inst.up[inst.win[u]])
+        while a >= 0:
+            ra = int(bins[a]) // K
+            if ra != r and producers[ra] > producers[r]:
+                return -1
+            a = int(inst.up[a])
+        return p
+
     overflow = tokens = 0
     for b, us in units.items():
-        producer[b] = any(inst.kind[u] == 0 for u in us)
-        reader = -1
+        reads = set()
         if not producer[b]:
-            gain: Dict[int, int] = {}
+            per_tree: Dict[int, List[int]] = {}
             for u in us:
-                if inst.kind[u] == 1 and int(bins[inst.win[u]]) // K == b // K:
-                    p = int(bins[inst.win[u]])
-                    gain[p] = gain.get(p, 0) + sum(length[x] for x in inst.segments("path", u).tolist())
+                if inst.kind[u] == 1:
+                    per_tree.setdefault(top(int(inst.win[u])), []).append(u)
+            gain: Dict[int, int] = {}
+            for t, its in per_tree.items():
+                srcs = {source(u, b // K) for u in its}
+                if len(srcs) == 1 and -1 not in srcs:
+                    p = srcs.pop()
+                    gain[p] = gain.get(p, 0) + sum(length[x] for u in its for x in inst.segments("path", u).tolist())
             if gain:
                 reader = min(gain, key=lambda p: (-gain[p], p))
-        comp, owned, replay = set(), [], 0
+                reads = {u for t, its in per_tree.items() if {source(v, b // K) for v in its} == {reader}
+                         for u in its}
+        comp, owned, replay, replayed = set(), [], 0, set()
         for u in us:
             owned.extend(inst.segments("own", u).tolist())
             comp.update(inst.segments("own", u).tolist())
             comp.update(inst.segments("rec", u).tolist())
-            if inst.kind[u] == 1:
-                if reader >= 0 and int(bins[inst.win[u]]) == reader:
+            if u in reads:
+                root = min(inst.segments("own", u).tolist() + inst.segments("rec", u).tolist())
+                if root not in replayed:  # the pieces of one cut item replay once
+                    replayed.add(root)
                     replay += int(inst.replay[u])
-                else:
-                    comp.update(inst.segments("path", u).tolist())
+            else:  # an item recomputing its path; a block's path (the core above it) always computed
+                comp.update(inst.segments("path", u).tolist())
         rows = sum(length[x] for x in comp)
         cost[b] = (inst.overhead + inst.c_row * rows + inst.c_pair * sum(pairs[x] for x in comp)
                    + inst.c_logit * sum(logits[x] for x in owned) + inst.c_replay * replay)

@@ -49,6 +49,7 @@ import numpy as np
 
 from .compiled import compiled
 from .cost_model import CostModel, ForestIndex
+from .l1 import split_piece
 from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, slot_step
 
 __all__ = ["plan_l2_search", "l2_units", "L2Instance", "search", "groups_of",
@@ -84,6 +85,7 @@ class L2Instance:
     logits: np.ndarray
     kind: np.ndarray
     win: np.ndarray
+    up: np.ndarray
     replay: np.ndarray
     own_off: np.ndarray
     own: np.ndarray
@@ -120,7 +122,7 @@ def _csr(lists) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer_rows: int,
-             base_tokens: int) -> L2Instance:
+             base_tokens: int, blocks: bool = True) -> L2Instance:
     """The units of ``l1`` (module docstring) in L1's cells."""
     M, dp = l1.row_budget, l1.num_replicas
     slots = l1.num_slots + EXTRA_SLOTS
@@ -131,6 +133,7 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
     length, start, par, children = ix.length_list, ix.start_list, ix.parent, ix.children
     tree_of = ix.seg_tree.tolist()
     B = model.chunk_size
+    cut = max(1, sum(int(m.rows) for m in mbs) // max(1, len(mbs)))  # an item's pieces: at most an L1 microbatch's mean rows
     cores: Dict[int, set] = {}
     for s in range(S):
         if count[s] >= 2:
@@ -150,17 +153,30 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
             core = cores[t] = top
         if sum(length[s] for s in core) < min_producer_rows:
             del cores[t]
-    kind, win, replay, own, rec, path, cell0 = [], [], [], [], [], [], []
-    core_unit: Dict[int, int] = {}
-    for t in sorted(cores):  # cores first: an item names its core's unit
-        core_unit[t] = len(kind)
-        kind.append(0)
-        win.append(-1)
-        replay.append(0)
-        own.append(sorted(cores[t]))
-        rec.append([])
-        path.append([])
-        cell0.append(-1)
+    kind, win, up, replay, own, rec, path, cell0 = [], [], [], [], [], [], [], []
+    block_unit: Dict[int, int] = {}  # a core segment -> the unit of its block
+    core_cell: Dict[int, int] = {}
+    for t in sorted(cores):  # blocks first: an item names its block's unit
+        core = cores[t]
+        for s in sorted(core):  # preorder: a block's top before its segments, a block before those below it
+            p = par[s]
+            if p in core and (len(children[p]) < 2 or not blocks):
+                block_unit[s] = block_unit[p]
+                own[block_unit[s]].append(s)
+                continue
+            block_unit[s] = len(kind)
+            kind.append(0)
+            win.append(-1)
+            up.append(block_unit[p] if p in core else -1)
+            replay.append(0)
+            own.append([s])
+            rec.append([])
+            above, a = [], p
+            while a >= 0:
+                above.append(a)
+                a = par[a]
+            path.append(sorted(above))
+            cell0.append(t)  # the tree, until its core's cell is known
     for m in mbs:
         cell = m.replica * slots + m.slot
         per: Dict[int, Tuple[List[int], List[int]]] = {}
@@ -174,6 +190,7 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
             if t not in cores:
                 kind.append(2)
                 win.append(-1)
+                up.append(-1)
                 replay.append(0)
                 own.append(o)
                 rec.append(r)
@@ -181,8 +198,8 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
                 cell0.append(cell)
                 continue
             core = cores[t]
-            if core & set(o):
-                cell0[core_unit[t]] = cell if cell0[core_unit[t]] < 0 or min(core) in o else cell0[core_unit[t]]
+            if core & set(o) and (t not in core_cell or min(core) in o):
+                core_cell[t] = cell
             mine = [x for x in o if x not in core]
             mine_set = set(mine)
             branches: Dict[int, List[int]] = {}  # the item's segments by the top of their branch below the core
@@ -203,15 +220,28 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
                 below = sorted(a for a in need if a not in core)
                 above = sorted(a for a in need if a in core)
                 comp = part_set.union(below)
-                kind.append(1)
-                win.append(core_unit[t])
-                replay.append(sum(start[x] % B for x in comp if par[x] >= 0 and par[x] not in comp))
-                own.append(sorted(part))
-                rec.append(below)
-                path.append(above)
-                cell0.append(cell)
+                rp = sum(start[x] % B for x in comp if par[x] >= 0 and par[x] not in comp)
+                pieces = [(sorted(part), below)]
+                if sum(length[x] for x in comp) > cut:  # cut the item as L1 cuts a piece
+                    root = min(comp)
+                    deepest = max(start[x] + length[x] for x in comp)
+                    pieces = [(sorted(o), sorted(r)) for o, r, _ in
+                              split_piece(ix, sorted(part), below, max(start[root] + cut, deepest))]
+                for o, r in pieces:
+                    kind.append(1)
+                    win.append(block_unit[max(above)])
+                    up.append(-1)
+                    replay.append(rp)
+                    own.append(o)
+                    rec.append(r)
+                    path.append(above)
+                    cell0.append(cell)
+    for u in range(len(kind)):
+        if kind[u] == 0:
+            cell0[u] = core_cell[cell0[u]]
     c = model.coefficients
-    return L2Instance(ix.length, ix.seg_pairs, ix.seg_logits, np.array(kind, dtype=np.int64), np.array(win, dtype=np.int64), np.array(replay, dtype=np.int64),
+    return L2Instance(ix.length, ix.seg_pairs, ix.seg_logits, np.array(kind, dtype=np.int64), np.array(win, dtype=np.int64),
+                      np.array(up, dtype=np.int64), np.array(replay, dtype=np.int64),
                       *_csr(own), *_csr(rec), *_csr(path), np.array(cell0, dtype=np.int64), dp, slots, M,
                       float(c.microbatch + c.kda_call), float(c.row), float(c.attention_pair), float(c.logits_row),
                       float(c.kda_replay_token), int(base_tokens), float(TOKEN_PENALTY * c.row))
@@ -220,7 +250,7 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
 def search(inst: L2Instance, moves: int):
     """``_C.l2_search`` on ``inst``: (cell per unit (``replica * slots + slot``, slots as run), reads per unit,
     objective (rows over the budget, step + penalty, sum of squared costs), estimated tokens, estimated step)."""
-    return _SEARCH(inst.length, inst.pairs, inst.logits, inst.kind, inst.win, inst.replay, inst.own_off,
+    return _SEARCH(inst.length, inst.pairs, inst.logits, inst.kind, inst.win, inst.up, inst.replay, inst.own_off,
                    inst.own, inst.rec_off, inst.rec, inst.path_off, inst.path, inst.cell0, inst.dp, inst.slots,
                    inst.row_budget, inst.overhead, inst.c_row, inst.c_pair, inst.c_logit, inst.c_replay,
                    inst.base_tokens, inst.penalty, int(moves), TEMPERATURE, _SEED)
@@ -234,7 +264,7 @@ def groups_of(inst: L2Instance, cells: np.ndarray, reads: np.ndarray):
     for u, c in enumerate(cells.tolist()):
         owned.setdefault(c, []).append(inst.segments("own", u))
         recd.setdefault(c, []).append(inst.segments("rec", u))
-        if inst.kind[u] == 1 and not reads[u]:
+        if not reads[u]:  # a block's path, an item's path unless it reads it
             recd[c].append(inst.segments("path", u))
     groups, placement = [], []
     for c in sorted(owned):
