@@ -1,28 +1,34 @@
-// L2's local search (megatron_harts.planner.l2): units placed on a grid of (replica, slot) cells,
+// L2's local search (megatron_harts.planner.l2_search): units placed on a grid of (replica, slot) cells,
 // one objective, one move set.  megatron_harts.planner.l2_bruteforce.objective is the objective
 // written in Python; the tests hold this search to that objective's brute-force optimum on small
 // instances and hold the two objectives equal.
 //
-// A unit is a core (a produced tree's shared prefix: its producer rows), an item (a branch of an L1
-// microbatch's share of a produced tree below the core: its owned segments, the segments below the
-// core its root paths need, recomputed, and its path: the core segments above it) or a free piece (an
-// L1 microbatch's share of a tree without a producer).  The state puts every unit into a bin
-// (replica, bin); a non-empty bin is a microbatch computing the union of its units' owned and
-// recomputed segments.  A replica runs its bins in a decoded order: the bins holding a core (its
-// producers) first, then the others, each group costliest first; slot k of the step is the k-th bin
-// of every replica.  An item reads its path from its core's bin when that bin is on its replica and
-// its own bin holds no core (a producer reads nothing, and runs before every other bin of its
-// replica); of several such producers a bin reads the one saving it the most path rows (ties: the
-// lower bin), the items of every other window recompute their paths.  That is what the window
-// schedule runs (megatron_harts.planner.microbatch.replica_windows): one producer per consumer, of
-// its replica, earlier, not itself a consumer.
+// A unit is a block (a produced tree's shared prefix is cut at its branch points into blocks; `up` names
+// the block above, and a block's path, the core above it, is computed wherever the block is), an item
+// (a branch of an L1 microbatch's share of a produced tree below the core, or a piece of one cut as L1
+// cuts: its owned segments, the segments below the core its root paths need, recomputed, and its path:
+// the core segments above it; `win` names the block holding its parent) or a free piece (an L1
+// microbatch's share of a tree without a producer).  The state puts every unit into a bin (replica,
+// bin); a non-empty bin is a microbatch computing the union of its units' owned and recomputed
+// segments.  A replica runs its bins in a decoded order: the bins holding a block (its producers)
+// first, then the others, each group costliest first; slot k of the step is the k-th bin of every
+// replica.  An item may read its path from its block's bin when that bin is on its replica, its own
+// bin holds no block, and every block above its block is on its replica or on a replica with no more
+// producers (their bins then run in earlier slots than any consumer of its replica); the items of one
+// tree in a bin read together or not at all; of several producers a bin reads the one saving it the
+// most path rows (ties: the lower bin), the items of every other window recompute their paths; the
+// pieces of one item (one root segment) in a bin replay once.  That is what the window schedule runs
+// (megatron_harts.planner.microbatch.replica_windows): one producer per consumer, of its replica,
+// earlier, not itself a consumer.
 //
 // Bin cost (the cost model's terms; KDA calls estimated as one per microbatch, replay as the
 // reading items' replay):
 //   overhead + row * rows + pair * pairs + logit * logits rows + replay * replay tokens.
-// Moves: a unit to another bin (any, the lightest of a slot, one of its producer's replica); every
-// unit of a bin into another; two units swapped; two bins exchanged (any two, two of different
-// replicas).
+// Moves: a unit to another bin (any, the lightest of a slot, one of its producer's replica; a top
+// block with the blocks below it in its bin); every unit of a bin into another; two units swapped;
+// two bins exchanged (any two, two of different replicas); a window cut (a block alone to any bin; a
+// block with the blocks below it in its bin to a bin of another replica, the items of the moved
+// blocks on other replicas to bins of that one; or back into the bin of the block above).
 // Objective, compared lexicographically: (rows over the budget summed over bins,
 // step + penalty * max(0, tokens - base_tokens), sum of squared bin costs), step = sum over slots of
 // the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
@@ -551,14 +557,16 @@ class Search {
             for (i64 w : uy) relocate(w, a);
             if (moved_.empty()) return false;
         }
-        if (prod_ != prod0)  // the producer counts changed: which items may read a split window's producer too
+        if (prod_ != prod0)  // producer counts changed: the items comparing them (a block above on another replica)
             for (i64 i : deep_) {
                 const i64 r = cell_of_[i] / S_;
-                for (i64 a = up_[win_[i]]; a >= 0; a = up_[a])
-                    if (cell_of_[a] / S_ != r) {
+                for (i64 a = up_[win_[i]]; a >= 0; a = up_[a]) {
+                    const i64 ra = cell_of_[a] / S_;
+                    if (ra != r && (prod_[ra] != prod0[ra] || prod_[r] != prod0[r])) {
                         mark(cell_of_[i]);
                         break;
                     }
+                }
             }
         commit();
         return true;

@@ -1,9 +1,11 @@
 """The L2 search's objective in Python, and its optimum over every state of a small instance.
 
 ``objective(inst, bins)`` is ``_C.l2_search``'s objective (``planner.l2_search`` module docstring)
-of units placed in bins (``replica * slots + bin``), written plainly: per bin its segments, the
-producer it reads, its cost; per replica its bins in run order (producers first, then the others,
-costliest first); the step.  ``optimum(inst)`` tries every assignment of the units to the bins
+of units placed in bins (``replica * slots + bin``), written plainly: per replica its producers
+(bins holding a block); per bin its segments, the producer it reads (per tree: the bin of its items'
+block, when every block above it is on the bin's replica or on one with no more producers), its
+cost (a cut item's pieces replaying once); per replica its bins in run order (producers first,
+then the others, costliest first); the step.  ``optimum(inst)`` tries every assignment of the units to the bins
 (``(dp * slots) ** units`` states: instances of up to 8 units on a few bins) and returns the least
 ``(rows over the budget, step + penalty)``.  The tests hold the compiled search to it.
 """

@@ -3,29 +3,38 @@
 **Units** (``l2_units``).  A segment computed in two or more of L1's microbatches is shared; per
 tree the shared set ``U`` (closed under ancestors) gives a **core**: ``U`` when it fits the row
 budget, else its most shared top that fits.  A tree whose core has at least ``min_producer_rows``
-rows is *produced*: its core is one unit (a producer's rows), and each L1 microbatch's share of
-the tree, less the core, is cut into **items**, one per branch hanging below the core: its owned
-segments, the segments below the core its root paths need (recomputed), and its **path** (the
-core segments above it), read from the core's microbatch or recomputed.  Every other tree keeps
-its L1 pieces as **free** units.
+rows is *produced*: its core is cut at its branch points into **blocks** (a core segment whose
+parent has two or more children in the core starts one), one unit each, whose path (the core above the block)
+is computed wherever the block is; each L1 microbatch's share of the tree, less the core, is cut
+into **items**, one per branch hanging below the core: its owned segments, the segments below the
+core its root paths need (recomputed), and its **path** (the core segments above it), read from
+the producer of its block (the block holding its parent) or recomputed.  An item of more rows than
+L1's mean microbatch is cut as L1 cuts a piece (``l1.split_piece``): its pieces recompute the
+item's segments above them.  Every other tree keeps its L1 pieces as **free** units.
 
 **State.**  Every unit sits in a bin ``(replica, bin)``, ``dp`` replicas of L1's slot count plus
 ``EXTRA_SLOTS`` bins; a non-empty bin is a microbatch.  A replica runs its producers (bins holding
-a core) first, then its other bins, each group costliest first; slot ``k`` is the ``k``-th bin of
-every replica.  An item reads its path from its core's bin when that bin is on its replica and its
-own bin holds no core (a producer reads nothing); a bin reads one producer (the one saving it the
-most path rows), the items of other windows recompute their paths.  That is what the window
-schedule (``microbatch.replica_windows``) runs, so every planned window runs.
+a block) first, then its other bins, each group costliest first; slot ``k`` is the ``k``-th bin of
+every replica.  An item may read its path from its block's bin when that bin is on its replica,
+its own bin holds no block, and every block above its block sits on its replica or on one with no
+more producers (their owners then run in earlier slots); the items of one tree in a bin read
+together or not at all; a bin reads one producer (the one saving it the most path rows), the
+items of other windows recompute their paths; the pieces of one item in one bin replay its path
+once.  That is what the window schedule (``microbatch.replica_windows``) runs, so every planned
+window runs.  A core whose blocks sit in several bins is a cut window: a producer per bin.
 
 **Objective**, compared in order: rows over the budget (summed over bins), then the modelled step
 (sum over slots of the costliest bin, each bin costed by the cost model's terms, KDA calls
 estimated as one per microbatch and replay as the reading items' replay) plus ``TOKEN_PENALTY`` row
 costs per token computed above L1's tokens, then the sum of squared bin costs.
 
-**Moves**: a unit to another bin (any, the lightest of a slot, or one of its producer's replica);
-every unit of a bin into another (a microbatch fewer); two units swapped; two bins exchanged (any two, or two of different replicas: a microbatch changes
-replica).  A unit moved away from its producer's replica is *cut* from its window (it recomputes
-its path).  The search (compiled: ``_C.l2_search``) starts from L1's plan and anneals: a move is
+**Moves**: a unit to another bin (any, the lightest of a slot, or one of its producer's replica; a
+core's top block with the blocks below it in its bin); every unit of a bin into another (a
+microbatch fewer); two units swapped; two bins exchanged (any two, or two of different replicas: a
+microbatch changes replica); a window cut (a block alone to any bin; a block with the blocks below
+it in its bin to a bin of another replica, its items on other replicas to bins of that one; or
+back into the bin of the block above it).  A unit moved away from its producer's replica
+recomputes its path.  The search (compiled: ``_C.l2_search``) starts from L1's plan and anneals: a move is
 taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what it adds to
 the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0; the
 best state of ``moves`` tries (default ``MOVES_PER_UNIT`` per unit) is the result.
@@ -76,8 +85,8 @@ _WARNED: List[bool] = []
 @dataclass
 class L2Instance:
     """What the search reads: per segment its ``length``, attention ``pairs`` and ``logits`` rows;
-    ``units`` unit arrays (kind 0 core / 1 item / 2 free; ``win`` the
-    item's core unit, else -1; ``replay`` the item's replay tokens when it reads its path; owned,
+    ``units`` unit arrays (kind 0 block of a core / 1 item / 2 free; ``win`` the
+    item's block unit, else -1; ``up`` a block's upper block, else -1; ``replay`` the item's replay tokens when it reads its path; owned,
     recomputed and path segments as CSR), the start cell of each unit (``replica * slots + slot``),
     the grid, the budget, the cost model's coefficients, L1's tokens and the penalty per token."""
     length: np.ndarray
@@ -122,7 +131,7 @@ def _csr(lists) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer_rows: int,
-             base_tokens: int, blocks: bool = True) -> L2Instance:
+             base_tokens: int) -> L2Instance:
     """The units of ``l1`` (module docstring) in L1's cells."""
     M, dp = l1.row_budget, l1.num_replicas
     slots = l1.num_slots + EXTRA_SLOTS
@@ -160,7 +169,7 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
         core = cores[t]
         for s in sorted(core):  # preorder: a block's top before its segments, a block before those below it
             p = par[s]
-            if p in core and (len(children[p]) < 2 or not blocks):
+            if p in core and sum(1 for c in children[p] if c in core) < 2:
                 block_unit[s] = block_unit[p]
                 own[block_unit[s]].append(s)
                 continue
