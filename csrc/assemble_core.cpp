@@ -134,4 +134,5 @@ void register_l2(pybind11::module_& m) {
     register_even(m);
     register_one_slot(m);
     register_packing(m);
+    register_l2_search(m);
 }

@@ -39,6 +39,8 @@ void register_windows(pybind11::module_& m);
 void register_even(pybind11::module_& m);
 // L2's one-slot packer search (csrc/l2_oneslot.cpp), registered by register_l2.
 void register_one_slot(pybind11::module_& m);
+// L2's local search (csrc/l2_search.cpp), registered by register_l2.
+void register_l2_search(pybind11::module_& m);
 // L1's planning core (csrc/l1_plan.cpp), registered by register_packing (csrc/l2_packing.cpp).
 void register_l1(pybind11::module_& m);
 // The forest index (csrc/forest_index.cpp), registered by register_packing.

@@ -139,7 +139,6 @@ class ForestIndex:
     def __init__(self, forest, compiled_core: bool = True):
         """``compiled_core``: build the arrays with ``_C.forest_index`` when it is built (the same
         values as ``_build_python``, the reference; False: the reference)."""
-        global _FOREST_INDEX
         self.forest = forest
         f = forest
         self.num_segments = f.num_segments
@@ -154,13 +153,10 @@ class ForestIndex:
         out = None
         if compiled_core and _FOREST_INDEX is not None:
             exc = f.exc_loss_mask
-            try:
-                out = _FOREST_INDEX(self.parent_arr, self.start, self.length, self.row,
-                                    self.tree_offsets, f.row_loss_mask, f.traj_leaf,
-                                    self.traj_length, f.seg_traj_lo, f.seg_traj_hi, exc.traj,
-                                    exc.pos, exc.value)
-            except TypeError:  # a different compiled signature: the Python path
-                _FOREST_INDEX = None
+            out = _FOREST_INDEX(self.parent_arr, self.start, self.length, self.row,
+                                self.tree_offsets, f.row_loss_mask, f.traj_leaf,
+                                self.traj_length, f.seg_traj_lo, f.seg_traj_hi, exc.traj,
+                                exc.pos, exc.value)
         if out is None:
             self._build_python()
         else:
@@ -249,14 +245,10 @@ def _exception_targets(f, parent: np.ndarray, start: np.ndarray, length: np.ndar
                        last: np.ndarray):
     """``_exception_targets_python``'s arrays, from the compiled ``_C.l2_exception_targets`` when it is
     built (the same values)."""
-    global _EXC_TARGETS
     exc = f.exc_loss_mask
     if _EXC_TARGETS is not None and exc.traj.size:
-        try:
-            return _EXC_TARGETS(parent, start, length, seg_row, f.traj_leaf, f.row_loss_mask, last, exc.traj,
-                                exc.pos, exc.value)
-        except TypeError:  # a different compiled signature: the Python path
-            _EXC_TARGETS = None
+        return _EXC_TARGETS(parent, start, length, seg_row, f.traj_leaf, f.row_loss_mask, last, exc.traj,
+                            exc.pos, exc.value)
     return _exception_targets_python(f, parent, start, length, seg_row, last)
 
 
@@ -328,14 +320,10 @@ _MB_FEATURES = compiled("microbatch_features")   # features of many microbatches
 
 def _plan_calls_count(parent, start, length, B) -> Tuple[int, int]:
     """(calls, replay) of the call planner on arrays the caller built valid."""
-    global _KDA
     if _KDA is not None:
-        try:
-            out = _KDA(np.asarray(parent, np.int64), np.asarray(start, np.int64),
-                       np.asarray(length, np.int64), B, True)
-            return int(out["num_calls"]), int(out["replay_tokens"])
-        except TypeError:  # a different compiled signature: use the checked entry point
-            _KDA = None
+        out = _KDA(np.asarray(parent, np.int64), np.asarray(start, np.int64),
+                   np.asarray(length, np.int64), B, True)
+        return int(out["num_calls"]), int(out["replay_tokens"])
     from .calls import plan_calls
     plan = plan_calls(parent, start, length, B)
     return plan.num_calls, plan.replay_tokens
@@ -375,13 +363,9 @@ class CostModel:
         compiled ``_C.microbatch_kda`` when built, else :meth:`_kda_python` (same numbers)."""
         if len(computed) == 0:
             return 0, 0, 0
-        global _MB_KDA
         if _MB_KDA is not None:
-            try:
-                calls, replay, ext = _MB_KDA(ix.parent_arr, ix.start, ix.length, computed, self.chunk_size)
-                return int(calls), int(replay), int(ext)
-            except TypeError:  # a different compiled signature: the Python path
-                _MB_KDA = None
+            calls, replay, ext = _MB_KDA(ix.parent_arr, ix.start, ix.length, computed, self.chunk_size)
+            return int(calls), int(replay), int(ext)
         return self._kda_python(ix, computed)
 
     def _kda_python(self, ix: ForestIndex, computed: np.ndarray) -> Tuple[int, int, int]:
@@ -444,20 +428,15 @@ class CostModel:
         """``features`` of many microbatches (``computed[j]`` sorted and distinct, ``owned[j]``):
         the compiled ``_C.microbatch_features`` in one call when built, else
         :meth:`features_many_python` (the reference: the same numbers)."""
-        global _MB_FEATURES
         if _MB_FEATURES is not None and len(computed):
             comp_off = np.zeros(len(computed) + 1, dtype=np.int64)
             own_off = np.zeros(len(owned) + 1, dtype=np.int64)
             np.cumsum([len(c) for c in computed], out=comp_off[1:])
             np.cumsum([len(o) for o in owned], out=own_off[1:])
-            try:
-                out = _MB_FEATURES(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits, comp_off,
-                                   np.concatenate(computed).astype(np.int64, copy=False), own_off,
-                                   np.concatenate(owned).astype(np.int64, copy=False), self.chunk_size)
-            except TypeError:  # a different compiled signature: the Python path
-                _MB_FEATURES = None
-            else:
-                return [CostFeatures(*row) for row in out.tolist()]
+            out = _MB_FEATURES(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits, comp_off,
+                               np.concatenate(computed).astype(np.int64, copy=False), own_off,
+                               np.concatenate(owned).astype(np.int64, copy=False), self.chunk_size)
+            return [CostFeatures(*row) for row in out.tolist()]
         return self.features_many_python(ix, computed, owned)
 
     def features_many_python(self, ix: ForestIndex, computed: Sequence[np.ndarray],

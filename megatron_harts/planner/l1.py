@@ -213,23 +213,18 @@ def _piece_costs(ix: ForestIndex, model: CostModel, pieces: Sequence[Piece]) -> 
     """``_piece_cost`` of every piece, the features of all of them in one call of the compiled
     ``_C.microbatch_features`` when built (the id lists read into two flat arrays in one pass each),
     else ``_piece_costs_python`` (the same floats; tests hold them equal)."""
-    global _MB_FEATURES
     if _MB_FEATURES is not None and pieces:
         comps = [sorted(p[0] + p[1]) for p in pieces]
         comp_n = [0, *accumulate(map(len, comps))]
         own_n = [0, *accumulate([len(p[0]) for p in pieces])]
-        try:
-            out = _MB_FEATURES(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits,
-                               np.array(comp_n, dtype=np.int64),
-                               np.fromiter(chain.from_iterable(comps), dtype=np.int64, count=comp_n[-1]),
-                               np.array(own_n, dtype=np.int64),
-                               np.fromiter(chain.from_iterable([p[0] for p in pieces]), dtype=np.int64,
-                                           count=own_n[-1]), model.chunk_size)
-        except TypeError:  # a different compiled signature: the Python path
-            _MB_FEATURES = None
-        else:
-            mb = model.coefficients.microbatch
-            return [model.cost(CostFeatures(*row)) - mb for row in out.tolist()]
+        out = _MB_FEATURES(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits,
+                           np.array(comp_n, dtype=np.int64),
+                           np.fromiter(chain.from_iterable(comps), dtype=np.int64, count=comp_n[-1]),
+                           np.array(own_n, dtype=np.int64),
+                           np.fromiter(chain.from_iterable([p[0] for p in pieces]), dtype=np.int64,
+                                       count=own_n[-1]), model.chunk_size)
+        mb = model.coefficients.microbatch
+        return [model.cost(CostFeatures(*row)) - mb for row in out.tolist()]
     return _piece_costs_python(ix, model, pieces)
 
 
@@ -320,19 +315,14 @@ def _compiled_model(model: CostModel) -> bool:
 def _plan_compiled(ix: ForestIndex, model: CostModel, dp: int, M: int):
     """``_plan_python``'s (groups, placement) from ``_C.l1_plan`` (the same values; tests hold them
     equal), or None when it is not built or does not take ``model``."""
-    global _L1_PLAN
     if _L1_PLAN is None or not _compiled_model(model):
         return None
     c = model.coefficients
     coef = np.array([c.microbatch, c.row, c.attention_pair, c.kda_call, c.kda_replay_token, c.logits_row],
                     dtype=np.float64)
     factors = np.array([-1.0 if f is None else float(f) for f in SPLIT_FACTORS], dtype=np.float64)
-    try:
-        own_off, own, rec_off, rec, place = _L1_PLAN(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits,
-                                                      ix.tree_offsets, coef, model.chunk_size, dp, M, factors)
-    except TypeError:  # a different compiled signature: the Python path
-        _L1_PLAN = None
-        return None
+    own_off, own, rec_off, rec, place = _L1_PLAN(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits,
+                                                  ix.tree_offsets, coef, model.chunk_size, dp, M, factors)
     oo, ro = own_off.tolist(), rec_off.tolist()
     groups = [(own[oo[j]:oo[j + 1]], rec[ro[j]:ro[j + 1]]) for j in range(len(oo) - 1)]
     return groups, [tuple(p) for p in place.tolist()]

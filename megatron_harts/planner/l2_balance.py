@@ -613,16 +613,12 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
     split windows' items move too, alone (to their window's producer or to a microbatch of its replica
     that reads that producer alone; never with their root path recomputed), their consumers placed after
     their path's owner as the packers place them (otherwise they stay where the packer put them)."""
-    global _REBALANCE, _REBALANCE_PACKING
     swaps = BALANCE_SWAP_BINS if swap_bins is None else int(swap_bins)
     weight = BALANCE_WEIGHT if weight is None else float(weight)
     if arrays is not None and _REBALANCE_PACKING is not None and not isinstance(packed, tuple):
-        try:
-            return _REBALANCE_PACKING(packed, ix.length, *arrays, dp, M, overhead, BALANCE_MOVES,
-                                      BALANCE_SLOTS, weight, swaps, BALANCE_WIDE,
-                                      max(0, int(spend)), bool(ordered), bool(split))
-        except TypeError:  # a different compiled signature: the path below
-            _REBALANCE_PACKING = None
+        return _REBALANCE_PACKING(packed, ix.length, *arrays, dp, M, overhead, BALANCE_MOVES,
+                                  BALANCE_SLOTS, weight, swaps, BALANCE_WIDE,
+                                  max(0, int(spend)), bool(ordered), bool(split))
     groups, placement, loads, entries = packed[:4]
     n = len(groups)
     if n < 2 or dp < 2 or n < dp:  # fewer microbatches than replicas: every slot has idle ones
@@ -633,10 +629,7 @@ def rebalance(ix: ForestIndex, packed, dp: int, M: int, overhead: float, spend: 
             max(0, int(spend)), bool(ordered), bool(split))
     out = None
     if _REBALANCE is not None:
-        try:
-            out = _rebalance_compiled(ix, units, rep, ent, *args)
-        except TypeError:  # a different compiled signature: the Python path
-            _REBALANCE = None
+        out = _rebalance_compiled(ix, units, rep, ent, *args)
     if out is None:
         out = _rebalance_python(units, rep, ent, ix.length_list, *args)
     moved, rep, ent = out

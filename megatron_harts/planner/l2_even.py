@@ -420,21 +420,17 @@ def even_slots(ix: ForestIndex, plan: MicrobatchPlan, model: CostModel, spend: i
     coef = (c.row, c.attention_pair, c.logits_row)
     spend = max(0, int(spend))
     out = None
-    global _EVEN
     if _EVEN is not None:
-        try:
-            own_off, own = _csr([m.owned for m in mbs])
-            rec_off, rec = _csr([m.recomputed for m in mbs])
-            pin_off, pin = _csr(pinned)
-            moved, oo, o, ro, r = _EVEN(ix.parent_arr, ix.length, ix.seg_pairs, ix.seg_logits, ix.sub_size,
-                                        np.asarray(rep, dtype=np.int64), np.asarray(slot, dtype=np.int64),
-                                        own_off, own, rec_off, rec, np.asarray(cost, dtype=np.float64),
-                                        np.asarray(is_prod, dtype=np.int64), pin_off, pin,
-                                        np.asarray(reads, dtype=np.int64), dp, S, M,
-                                        coef[0], coef[1], coef[2], EVEN_MOVES, EVEN_SLOTS, EVEN_WEIGHT, spend)
-            out = (bool(moved), _split(oo, o), _split(ro, r))
-        except TypeError:  # a different compiled signature: the reference
-            _EVEN = None
+        own_off, own = _csr([m.owned for m in mbs])
+        rec_off, rec = _csr([m.recomputed for m in mbs])
+        pin_off, pin = _csr(pinned)
+        moved, oo, o, ro, r = _EVEN(ix.parent_arr, ix.length, ix.seg_pairs, ix.seg_logits, ix.sub_size,
+                                    np.asarray(rep, dtype=np.int64), np.asarray(slot, dtype=np.int64),
+                                    own_off, own, rec_off, rec, np.asarray(cost, dtype=np.float64),
+                                    np.asarray(is_prod, dtype=np.int64), pin_off, pin,
+                                    np.asarray(reads, dtype=np.int64), dp, S, M,
+                                    coef[0], coef[1], coef[2], EVEN_MOVES, EVEN_SLOTS, EVEN_WEIGHT, spend)
+        out = (bool(moved), _split(oo, o), _split(ro, r))
     if out is None:
         out = _even_python(ix.parent, ix.length_list, ix.seg_pairs.tolist(), ix.seg_logits.tolist(),
                            ix.sub_size_list, rep, slot, [m.owned.tolist() for m in mbs],

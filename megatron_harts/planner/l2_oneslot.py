@@ -307,20 +307,16 @@ def search_slots(ix, units, plan, model, max_rows: int, arrays=None):
 def _search(ix, units, model, dp, S, M, max_rows, arrays, start):
     """(the search's microbatches, the segments' recomputed costs as a list): ``_C.l2_slot_search`` when
     built, else ``_search_python``."""
-    global _SEARCH
     ints, flts, _, _, _, _, path_off, path = unit_arrays(units) if arrays is None else arrays
     kind, win, rows, cost, replay = ints[:, 0], ints[:, 2], ints[:, 7], flts[:, 0], flts[:, 1]
     c = model.coefficients
     body = c.row * ix.length + c.attention_pair * ix.seg_pairs
     if _SEARCH is not None:
-        try:
-            eo, eu = _SEARCH(kind, win, cost, rows, replay, path_off, path, ix.length, body, dp, S, M, int(max_rows),
-                             ONE_SLOT_STEPS, np.asarray([] if start is None else start, dtype=np.int64))
-            eo, eu = eo.tolist(), eu.tolist()
-            ent = None if len(eo) == 1 else [eu[eo[b]:eo[b + 1]] for b in range(len(eo) - 1)]
-            return ent, body.tolist()
-        except TypeError:  # a different compiled signature: the Python path
-            _SEARCH = None
+        eo, eu = _SEARCH(kind, win, cost, rows, replay, path_off, path, ix.length, body, dp, S, M, int(max_rows),
+                         ONE_SLOT_STEPS, np.asarray([] if start is None else start, dtype=np.int64))
+        eo, eu = eo.tolist(), eu.tolist()
+        ent = None if len(eo) == 1 else [eu[eo[b]:eo[b + 1]] for b in range(len(eo) - 1)]
+        return ent, body.tolist()
     ent = _search_python(kind.tolist(), win.tolist(), cost.tolist(), rows.tolist(), replay.tolist(),
                          path_off.tolist(), path.tolist(), ix.length_list, body.tolist(), dp, S, M, int(max_rows),
                          ONE_SLOT_STEPS, start)

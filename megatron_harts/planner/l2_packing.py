@@ -20,8 +20,7 @@ class CompiledPacker:
     """An L2 packer called as ``packer(ix, units, dp, M, S, eps=0.01, arrays=None)``, returning
     (packings, bound): its compiled core ``_C.<name>`` when built (and ``dp >= min_dp``), else its
     Python ``reference`` (the same values; tests hold them equal).  ``arrays``: ``unit_arrays(units)``
-    when the caller has them.  ``fast`` is the compiled core (None: the reference only; a different
-    compiled signature, a TypeError, sets it so)."""
+    when the caller has them.  ``fast`` is the compiled core (None: the reference only)."""
 
     def __init__(self, name: str, reference: Callable, min_dp: int = 1, doc: str = ""):
         self.fast = compiled(name)
@@ -33,13 +32,9 @@ class CompiledPacker:
 
     def __call__(self, ix, units, dp: int, M: int, S: int, eps: float = 0.01, arrays=None):
         if self.fast is not None and dp >= self.min_dp:
-            try:
-                packings, bound = self.fast(units, ix.length, *(arrays if arrays is not None else unit_arrays(units)),
-                                            dp, M, S, eps)
-            except TypeError:  # a different compiled signature: the Python path
-                self.fast = None
-            else:
-                return [p for p in packings if p is not None], bool(bound)
+            packings, bound = self.fast(units, ix.length, *(arrays if arrays is not None else unit_arrays(units)),
+                                        dp, M, S, eps)
+            return [p for p in packings if p is not None], bool(bound)
         return self.reference(ix, units, dp, M, S, eps)
 
     def many(self, ix, units, dp: int, M: int, slots, epss, arrays=None) -> list:
@@ -48,12 +43,8 @@ class CompiledPacker:
         placement turned away: a larger tolerance may pack differently), concatenated: one call of
         the compiled ``_C.<name>_many`` when built (this loop is its reference)."""
         if self.fast is not None and self.fast_many is not None and dp >= self.min_dp:
-            try:
-                return self.fast_many(units, ix.length,
-                                      *(arrays if arrays is not None else unit_arrays(units)),
-                                      dp, M, list(slots), list(epss))
-            except TypeError:  # a different compiled signature: the loop below
-                self.fast_many = None
+            return self.fast_many(units, ix.length, *(arrays if arrays is not None else unit_arrays(units)),
+                                  dp, M, list(slots), list(epss))
         out = []
         for S in slots:
             for eps in epss:

@@ -423,14 +423,10 @@ def _split_csr(off: np.ndarray, ids: np.ndarray) -> List[np.ndarray]:
 
 def _core_out(ix: ForestIndex, model: CostModel, own_off, own, rec_off, rec):
     """The compiled ``_C.assemble_core``'s output for microbatches given as CSR, or None when it
-    is not built (or takes other arguments)."""
-    global _ASSEMBLE
+    is not built."""
     if _ASSEMBLE is not None and own_off.shape[0] > 1:
-        try:
-            return _ASSEMBLE(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits,
-                             own_off, own, rec_off, rec, model.chunk_size)
-        except TypeError:  # a different compiled signature: the Python path
-            _ASSEMBLE = None
+        return _ASSEMBLE(ix.parent_arr, ix.start, ix.length, ix.seg_pairs, ix.seg_logits,
+                         own_off, own, rec_off, rec, model.chunk_size)
     return None
 
 

@@ -1,0 +1,670 @@
+// L2's local search (megatron_harts.planner.l2_search): units placed on a grid of (replica, slot) cells,
+// one objective, one move set.  megatron_harts.planner.l2_bruteforce.objective is the objective
+// written in Python; the tests hold this search to that objective's brute-force optimum on small
+// instances and hold the two objectives equal.
+//
+// A unit is a block (a produced tree's shared prefix is cut at its branch points into blocks; `up` names
+// the block above, and a block's path, the core above it, is computed wherever the block is), an item
+// (a branch of an L1 microbatch's share of a produced tree below the core, or a piece of one cut as L1
+// cuts: its owned segments, the segments below the core its root paths need, recomputed, and its path:
+// the core segments above it; `win` names the block holding its parent) or a free piece (an L1
+// microbatch's share of a tree without a producer).  The state puts every unit into a bin (replica,
+// bin); a non-empty bin is a microbatch computing the union of its units' owned and recomputed
+// segments.  A replica runs its bins in a decoded order: the bins holding a block (its producers)
+// first, then the others, each group costliest first; slot k of the step is the k-th bin of every
+// replica.  An item may read its path from its block's bin when that bin is on its replica, its own
+// bin holds no block, and every block above its block is on its replica or on a replica with no more
+// producers (their bins then run in earlier slots than any consumer of its replica); the items of one
+// tree in a bin read together or not at all; of several producers a bin reads the one saving it the
+// most path rows (ties: the lower bin), the items of every other window recompute their paths; the
+// pieces of one item (one root segment) in a bin replay once.  That is what the window schedule runs
+// (megatron_harts.planner.microbatch.replica_windows): one producer per consumer, of its replica,
+// earlier, not itself a consumer.
+//
+// Bin cost (the cost model's terms; KDA calls estimated as one per microbatch, replay as the
+// reading items' replay):
+//   overhead + row * rows + pair * pairs + logit * logits rows + replay * replay tokens.
+// Moves: a unit to another bin (any, the lightest of a slot, one of its producer's replica; a top
+// block with the blocks below it in its bin); every unit of a bin into another; two units swapped;
+// two bins exchanged (any two, two of different replicas); a window cut (a block alone to any bin; a
+// block with the blocks below it in its bin to a bin of another replica, the items of the moved
+// blocks on other replicas to bins of that one; or back into the bin of the block above).
+// Objective, compared lexicographically: (rows over the budget summed over bins,
+// step + penalty * max(0, tokens - base_tokens), sum of squared bin costs), step = sum over slots of
+// the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
+// energy (step + penalty * (tokens above the base + rows over the budget)) above the current one, t
+// falling linearly from `temperature` times the mean bin cost of the start to 0.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "planner_l2.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using i64 = std::int64_t;
+using I64Array = py::array_t<i64, py::array::c_style | py::array::forcecast>;
+
+struct CellValue {
+    double cost = 0.0;
+    i64 rows = 0;
+    i64 tokens = 0;
+    bool producer = false;
+};
+
+struct Objective {
+    i64 overflow = 0;
+    double primary = 0.0;
+    double smooth = 0.0;
+};
+
+bool better(const Objective& a, const Objective& b) {
+    if (a.overflow != b.overflow) return a.overflow < b.overflow;
+    const double tol = 1e-12 * (1.0 + std::fabs(b.primary));
+    if (a.primary < b.primary - tol) return true;
+    if (a.primary > b.primary + tol) return false;
+    return a.smooth < b.smooth * (1.0 - 1e-12) - 1e-300;
+}
+
+class Search {
+  public:
+    // seg: length, pairs, logits per segment; units: kind (0 core, 1 item, 2 free), window (the core's
+    // unit number; -1 free), replay, owned / recomputed / path segments as CSR.
+    Search(i64 S_seg, const i64* length, const i64* pairs, const i64* logits, i64 U, const i64* kind,
+           const i64* win, const i64* up, const i64* replay, const i64* own_off, const i64* own, const i64* rec_off,
+           const i64* rec, const i64* path_off, const i64* path, i64 dp, i64 slots, i64 M, double overhead,
+           double c_row, double c_pair, double c_logit, double c_replay, i64 base_tokens, double penalty)
+        : length_(length), pairs_(pairs), logits_(logits), U_(U), kind_(kind), win_(win), up_(up), replay_(replay),
+          own_off_(own_off), own_(own), rec_off_(rec_off), rec_(rec), path_off_(path_off), path_(path), R_(dp),
+          S_(slots), M_(M), overhead_(overhead), c_row_(c_row), c_pair_(c_pair), c_logit_(c_logit),
+          c_replay_(c_replay), base_(base_tokens), penalty_(penalty), stamp_(S_seg, 0), replayed_(S_seg, 0) {
+        cell_units_.assign(R_ * S_, {});
+        cell_of_.assign(U_, -1);
+        pos_.assign(U_, 0);
+        items_of_.assign(U_, {});
+        path_rows_.assign(U_, 0);
+        top_.assign(U_, -1);
+        root_.assign(U_, -1);
+        for (i64 u = 0; u < U_; ++u) {
+            for (i64 k = own_off_[u]; k < own_off_[u + 1]; ++k)  // an item's root: its least segment
+                if (root_[u] < 0 || own_[k] < root_[u]) root_[u] = own_[k];
+            for (i64 k = rec_off_[u]; k < rec_off_[u + 1]; ++k)
+                if (root_[u] < 0 || rec_[k] < root_[u]) root_[u] = rec_[k];
+            if (kind_[u] == 1) {  // its block and every block above it: the item's cells change with theirs
+                for (i64 a = win_[u]; a >= 0; a = up_[a]) items_of_[a].push_back(u);
+                i64 t = win_[u];
+                while (up_[t] >= 0) t = up_[t];
+                top_[u] = t;
+                if (up_[win_[u]] >= 0) deep_.push_back(u);
+            }
+            for (i64 k = path_off_[u]; k < path_off_[u + 1]; ++k) path_rows_[u] += length_[path_[k]];
+        }
+        blocks_.assign(U_, {});
+        for (i64 u = 0; u < U_; ++u) {
+            if (kind_[u] != 0) continue;
+            for (i64 a = u; a >= 0; a = up_[a]) blocks_[a].push_back(u);
+        }
+        for (i64 u = 0; u < U_; ++u)  // the blocks of cores of two or more blocks
+            if (kind_[u] == 0 && (up_[u] >= 0 || blocks_[u].size() > 1)) cuts_.push_back(u);
+        ncore_.assign(R_ * S_, 0);
+        prod_.assign(R_, 0);
+        reading_.assign(U_, 0);
+        value_.assign(R_ * S_, CellValue());
+        order_.assign(R_, std::vector<double>(S_, 0.0));
+        order_bin_.assign(R_, std::vector<i64>(S_, 0));
+    }
+
+    void place(const i64* cell0) {
+        std::fill(ncore_.begin(), ncore_.end(), 0);
+        std::fill(prod_.begin(), prod_.end(), 0);
+        for (i64 u = 0; u < U_; ++u) insert(u, cell0[u]);
+        for (i64 c = 0; c < R_ * S_; ++c) value_[c] = evaluate(c);
+        total_tokens_ = 0;
+        overflow_ = 0;
+        smooth_ = 0.0;
+        for (i64 c = 0; c < R_ * S_; ++c) account(value_[c], 1);
+        for (i64 r = 0; r < R_; ++r) decode(r);
+        step_ = full_step();
+    }
+
+    Objective objective() const {
+        Objective o;
+        o.overflow = overflow_;
+        o.primary = step_ + penalty_ * static_cast<double>(std::max<i64>(0, total_tokens_ - base_));
+        o.smooth = smooth_;
+        return o;
+    }
+
+    // Energy of a state for the annealing: step + penalty * (tokens above the base + rows over the budget).
+    double energy(const Objective& o) const { return o.primary + penalty_ * static_cast<double>(o.overflow); }
+
+    // The search: `moves` tried moves, simulated annealing from temperature `t0` down to 0 (a move that
+    // adds d to the energy is taken with probability exp(-d / t)); the best state seen is the result.
+    void run(i64 moves, double t0, std::uint64_t seed) {
+        rng_ = seed * 0x9E3779B97F4A7C15ULL + 1;
+        std::vector<i64> best_cells(cell_of_);
+        Objective best = objective();
+        Objective cur = best;
+        for (i64 it = 0; it < moves; ++it) {
+            if (!propose()) continue;
+            const Objective now = objective();
+            bool take = better(now, cur);
+            if (!take && t0 > 0.0) {
+                const double t = t0 * static_cast<double>(moves - it) / static_cast<double>(moves);
+                const double d = energy(now) - energy(cur);
+                take = d <= 0.0 || static_cast<double>(next() >> 11) * 0x1.0p-53 < std::exp(-d / t);
+            }
+            if (take) {
+                cur = now;
+                if (better(cur, best)) {
+                    best = cur;
+                    best_cells = cell_of_;
+                }
+            } else {
+                undo();
+            }
+        }
+        if (cell_of_ != best_cells) {
+            for (i64 c = 0; c < R_ * S_; ++c) cell_units_[c].clear();
+            place(best_cells.data());
+        }
+    }
+
+    // Mean cost of the non-empty cells.
+    double mean_cost() const {
+        double sum = 0.0;
+        i64 n = 0;
+        for (const auto& v : value_)
+            if (v.rows > 0) {
+                sum += v.cost;
+                ++n;
+            }
+        return n ? sum / static_cast<double>(n) : 0.0;
+    }
+
+    // Per unit its (replica, slot) as replica * slots + slot, slots as decoded.
+    std::vector<i64> cells() {
+        for (i64 r = 0; r < R_; ++r) decode(r);
+        std::vector<i64> at(R_ * S_), out(U_);
+        for (i64 r = 0; r < R_; ++r)
+            for (i64 k = 0; k < S_; ++k) at[order_bin_[r][k]] = r * S_ + k;
+        for (i64 u = 0; u < U_; ++u) out[u] = at[cell_of_[u]];
+        return out;
+    }
+
+    // Whether item u reads its path from its producer in its cell (cores and free pieces: false).
+    bool reads(i64 u) {
+        if (kind_[u] != 1) return false;
+        reader(cell_of_[u]);
+        return reading_[u] != 0;
+    }
+
+    i64 tokens() const { return total_tokens_; }
+    double step() const { return step_; }
+
+  private:
+    std::uint64_t next() {
+        rng_ ^= rng_ << 13;
+        rng_ ^= rng_ >> 7;
+        rng_ ^= rng_ << 17;
+        return rng_;
+    }
+    i64 below(i64 n) { return n <= 1 ? 0 : static_cast<i64>(next() % static_cast<std::uint64_t>(n)); }
+
+    void insert(i64 u, i64 c) {
+        if (kind_[u] == 0 && ncore_[c]++ == 0) ++prod_[c / S_];
+        cell_of_[u] = c;
+        pos_[u] = static_cast<i64>(cell_units_[c].size());
+        cell_units_[c].push_back(u);
+    }
+    void erase(i64 u) {
+        auto& v = cell_units_[cell_of_[u]];
+        const i64 last = v.back();
+        v[pos_[u]] = last;
+        pos_[last] = pos_[u];
+        v.pop_back();
+        const i64 c = cell_of_[u];
+        if (kind_[u] == 0 && --ncore_[c] == 0) --prod_[c / S_];
+        cell_of_[u] = -1;
+    }
+
+    // Whether item u, in a bin of replica r holding no core, may read its block's producer: that bin is on
+    // replica r, and every block above it is on replica r or on a replica with no more producers than r
+    // (its producer then runs in an earlier slot than any consumer of r).
+    bool allowed(i64 u, i64 r) const {
+        if (cell_of_[win_[u]] / S_ != r) return false;
+        for (i64 a = up_[win_[u]]; a >= 0; a = up_[a]) {
+            const i64 ra = cell_of_[a] / S_;
+            if (ra != r && prod_[ra] > prod_[r]) return false;
+        }
+        return true;
+    }
+
+    // The producer cell that cell c reads (-1: none), reading_[u] set for the items of c that read it.  A
+    // bin holding a core reads nothing.  The items of one tree read together or not at all: a tree whose
+    // items all may read one producer offers it their path rows; the bin reads the producer offered the
+    // most (ties: the lower cell), and the items of the trees offering it read.
+    i64 reader(i64 c) {
+        const auto& us = cell_units_[c];
+        for (i64 u : us) reading_[u] = 0;
+        if (ncore_[c] > 0) return -1;
+        const i64 r = c / S_;
+        trees_.clear();  // (top block, producer cell (-2: mixed), path rows)
+        for (i64 u : us) {
+            if (kind_[u] != 1) continue;
+            const i64 p = allowed(u, r) ? cell_of_[win_[u]] : -2;
+            bool found = false;
+            for (auto& t : trees_)
+                if (std::get<0>(t) == top_[u]) {
+                    if (std::get<1>(t) != p) std::get<1>(t) = -2;
+                    std::get<2>(t) += path_rows_[u];
+                    found = true;
+                    break;
+                }
+            if (!found) trees_.emplace_back(top_[u], p, path_rows_[u]);
+        }
+        cand_.clear();
+        for (const auto& t : trees_) {
+            const i64 p = std::get<1>(t);
+            if (p < 0) continue;
+            bool found = false;
+            for (auto& pg : cand_)
+                if (pg.first == p) {
+                    pg.second += std::get<2>(t);
+                    found = true;
+                    break;
+                }
+            if (!found) cand_.emplace_back(p, std::get<2>(t));
+        }
+        i64 best = -1, best_gain = -1;
+        for (const auto& pg : cand_)
+            if (pg.second > best_gain || (pg.second == best_gain && pg.first < best)) {
+                best = pg.first;
+                best_gain = pg.second;
+            }
+        if (best < 0) return -1;
+        for (i64 u : us) {
+            if (kind_[u] != 1 || cell_of_[win_[u]] != best) continue;
+            for (const auto& t : trees_)
+                if (std::get<0>(t) == top_[u]) {
+                    reading_[u] = std::get<1>(t) == best ? 1 : 0;
+                    break;
+                }
+        }
+        return best;
+    }
+
+    CellValue evaluate(i64 c) {
+        CellValue v;
+        const auto& us = cell_units_[c];
+        if (us.empty()) return v;
+        reader(c);
+        ++cur_;
+        i64 rows = 0, pairs = 0, logits = 0, replay = 0;
+        auto add = [&](i64 x) {
+            if (stamp_[x] != cur_) {
+                stamp_[x] = cur_;
+                rows += length_[x];
+                pairs += pairs_[x];
+            }
+        };
+        for (i64 u : us) {
+            for (i64 k = own_off_[u]; k < own_off_[u + 1]; ++k) {
+                add(own_[k]);
+                logits += logits_[own_[k]];
+            }
+            for (i64 k = rec_off_[u]; k < rec_off_[u + 1]; ++k) add(rec_[k]);
+            if (kind_[u] == 1 && reading_[u]) {
+                if (replayed_[root_[u]] != cur_) {  // the pieces of one cut item replay once
+                    replayed_[root_[u]] = cur_;
+                    replay += replay_[u];
+                }
+            } else {  // an item recomputing its path; a block's path (the core above it) always computed here
+                for (i64 k = path_off_[u]; k < path_off_[u + 1]; ++k) add(path_[k]);
+            }
+        }
+        v.rows = rows;
+        for (i64 u : us)
+            if (kind_[u] == 0) v.producer = true;
+        v.tokens = rows + replay;
+        v.cost = overhead_ + c_row_ * static_cast<double>(rows) + c_pair_ * static_cast<double>(pairs) +
+                 c_logit_ * static_cast<double>(logits) + c_replay_ * static_cast<double>(replay);
+        return v;
+    }
+
+    void account(const CellValue& v, int sign) {
+        total_tokens_ += sign * v.tokens;
+        overflow_ += sign * std::max<i64>(0, v.rows - M_);
+        smooth_ += sign * v.cost * v.cost;
+    }
+
+    // Replica r's bins in run order (producers first, then the others, costliest first in each; empty
+    // bins last, by number): their costs in order_[r], their numbers in order_bin_[r].
+    void decode(i64 r) {
+        keyed_.clear();
+        for (i64 b = 0; b < S_; ++b) {
+            const CellValue& v = value_[r * S_ + b];
+            const int group = cell_units_[r * S_ + b].empty() ? 2 : (v.producer ? 0 : 1);
+            keyed_.push_back({group, group == 2 ? 0.0 : -v.cost, b});
+        }
+        std::sort(keyed_.begin(), keyed_.end());
+        for (i64 k = 0; k < S_; ++k) {
+            const i64 b = std::get<2>(keyed_[k]);
+            order_bin_[r][k] = r * S_ + b;
+            order_[r][k] = value_[r * S_ + b].cost;
+        }
+    }
+
+    // decode(r) after the dirty bins of replica r changed: they leave the order and go back in at their
+    // places (the keys are distinct: the same order as decode's sort).
+    std::tuple<int, double, i64> key(i64 c) const {
+        const int group = cell_units_[c].empty() ? 2 : (value_[c].producer ? 0 : 1);
+        return {group, group == 2 ? 0.0 : -value_[c].cost, c % S_};
+    }
+    void redecode(i64 r) {
+        auto& ob = order_bin_[r];
+        bins_.clear();
+        for (i64 c : ob)
+            if (std::find(dirty_.begin(), dirty_.end(), c) == dirty_.end()) bins_.push_back(c);
+        for (i64 c : dirty_) {
+            if (c / S_ != r) continue;
+            const auto kc = key(c);
+            auto at = std::lower_bound(bins_.begin(), bins_.end(), kc,
+                                       [this](i64 x, const std::tuple<int, double, i64>& k) { return key(x) < k; });
+            bins_.insert(at, c);
+        }
+        ob.swap(bins_);
+        for (i64 k = 0; k < S_; ++k) order_[r][k] = value_[ob[k]].cost;
+    }
+
+    // Sum over slots of the costliest bin (one replica: every bin's cost, in slot order).
+    double full_step() const {
+        double step = 0.0;
+        for (i64 k = 0; k < S_; ++k) {
+            double m = 0.0;
+            for (i64 r = 0; r < R_; ++r) m = std::max(m, order_[r][k]);
+            step += m;
+        }
+        return step;
+    }
+
+    // Moves unit u to cell c, noting what to undo and which cells to evaluate again.
+    void relocate(i64 u, i64 c) {
+        moved_.emplace_back(u, cell_of_[u]);
+        mark(cell_of_[u]);
+        mark(c);
+        if (kind_[u] == 0) {
+            for (i64 i : items_of_[u]) mark(cell_of_[i]);
+        }
+        erase(u);
+        insert(u, c);
+    }
+    // Moves unit u to cell c; a block with the blocks below it in its cell.
+    void shift(i64 u, i64 c) {
+        if (kind_[u] != 0) {
+            relocate(u, c);
+            return;
+        }
+        const i64 from = cell_of_[u];
+        for (i64 w : blocks_[u])
+            if (cell_of_[w] == from) relocate(w, c);
+    }
+    void mark(i64 c) {
+        if (std::find(dirty_.begin(), dirty_.end(), c) == dirty_.end()) dirty_.push_back(c);
+    }
+
+    // Evaluates the dirty cells again and updates the totals (old values kept for undo).
+    void commit() {
+        old_.clear();
+        reps_.clear();
+        for (i64 c : dirty_) {
+            old_.emplace_back(c, value_[c]);
+            account(value_[c], -1);
+            value_[c] = evaluate(c);
+            account(value_[c], 1);
+            const i64 r = c / S_;
+            if (std::find(reps_.begin(), reps_.end(), r) == reps_.end()) reps_.push_back(r);
+        }
+        old_order_.clear();
+        old_step_ = step_;
+        if (R_ == 1) {  // one replica: the step is every bin's cost, in any order (decoded for the output)
+            for (const auto& cv : old_) step_ += value_[cv.first].cost - cv.second.cost;
+            return;
+        }
+        for (i64 r : reps_) {
+            old_order_.emplace_back(order_[r], order_bin_[r]);
+            redecode(r);
+        }
+        step_ = full_step();
+    }
+
+    void undo() {
+        for (auto it = moved_.rbegin(); it != moved_.rend(); ++it) {
+            erase(it->first);
+            insert(it->first, it->second);
+        }
+        for (const auto& cv : old_) {
+            account(value_[cv.first], -1);
+            value_[cv.first] = cv.second;
+            account(cv.second, 1);
+        }
+        for (std::size_t k = 0; k < old_order_.size(); ++k) {
+            order_[reps_[k]] = old_order_[k].first;
+            order_bin_[reps_[k]] = old_order_[k].second;
+        }
+        step_ = old_step_;
+    }
+
+    // The bin of the heaviest replica at slot k, and of the lightest.
+    i64 heaviest(i64 k) const {
+        i64 b = 0;
+        for (i64 r = 1; r < R_; ++r)
+            if (order_[r][k] > order_[b][k]) b = r;
+        return order_bin_[b][k];
+    }
+    i64 lightest(i64 k) const {
+        i64 b = 0;
+        for (i64 r = 1; r < R_; ++r)
+            if (order_[r][k] < order_[b][k]) b = r;
+        return order_bin_[b][k];
+    }
+
+    // One random move of the move set, applied (false: none possible this time).
+    bool propose() {
+        moved_.clear();
+        dirty_.clear();
+        const i64 C = R_ * S_;
+        i64 a = next() & 1 ? heaviest(below(S_)) : cell_of_[below(U_)];
+        if (cell_units_[a].empty()) return false;
+        const i64 u = cell_units_[a][below(static_cast<i64>(cell_units_[a].size()))];
+        const std::vector<i64> prod0(prod_);
+        const i64 kind = below(cuts_.empty() ? 8 : 9);
+        if (kind == 8) {  // cut a window: a block and the blocks below it to another bin; or joined to the block above
+            const i64 k = cuts_[below(static_cast<i64>(cuts_.size()))];
+            const i64 from = cell_of_[k];
+            const i64 how = below(3);
+            if (how == 2) {  // alone, to any bin
+                const i64 to = below(C);
+                if (to == from) return false;
+                relocate(k, to);
+            } else if (up_[k] < 0) {
+                return false;
+            } else if (how == 1) {  // joined to the block above
+                const i64 to = cell_of_[up_[k]];
+                if (to == from) return false;
+                for (i64 w : blocks_[k])
+                    if (cell_of_[w] == from) relocate(w, to);
+            } else {  // to a bin of another replica, the items of the block on other replicas to bins of that one
+                i64 rb = from / S_;
+                if (R_ > 1) {
+                    rb = below(R_ - 1);
+                    if (rb >= from / S_) ++rb;
+                }
+                const i64 to = rb * S_ + below(S_);
+                if (to == from) return false;
+                for (i64 w : blocks_[k])
+                    if (cell_of_[w] == from) relocate(w, to);
+                for (i64 i : items_of_[k])
+                    if (cell_of_[win_[i]] == to && cell_of_[i] / S_ != rb) relocate(i, rb * S_ + below(S_));
+            }
+        } else if (kind_[u] == 0 && up_[u] >= 0 && kind <= 4) {  // a block below a core's top moves by cuts
+            return false;
+        } else if (kind <= 2) {  // move u to another cell
+            i64 b;
+            if (kind == 0) {
+                b = below(C);
+            } else if (kind == 1) {
+                b = lightest(below(S_));
+            } else if (kind_[u] == 1) {  // a bin of its producer's replica
+                b = (cell_of_[win_[u]] / S_) * S_ + below(S_);
+            } else {
+                b = below(C);
+            }
+            if (b == a) return false;
+            shift(u, b);
+        } else if (kind <= 4) {  // swap u with a unit of another cell
+            const i64 b = kind == 3 ? cell_of_[below(U_)] : lightest(below(S_));
+            if (b == a || cell_units_[b].empty()) return false;
+            const i64 v = cell_units_[b][below(static_cast<i64>(cell_units_[b].size()))];
+            if (kind_[v] == 0 && up_[v] >= 0) return false;
+            shift(u, b);
+            shift(v, a);
+        } else if (kind == 7) {  // every unit of a into another bin (a microbatch fewer)
+            const i64 b = cell_of_[below(U_)];
+            if (b == a) return false;
+            std::vector<i64> ux(cell_units_[a]);
+            for (i64 w : ux) relocate(w, b);
+        } else {  // bins exchanged: a with any bin (5), with a bin of another replica (6)
+            const i64 ra = a / S_;
+            i64 b = below(C);
+            if (kind == 6 && R_ > 1) {
+                i64 rb = below(R_ - 1);
+                if (rb >= ra) ++rb;
+                b = rb * S_ + below(S_);
+            }
+            if (b == a) return false;
+            std::vector<i64> ux(cell_units_[a]), uy(cell_units_[b]);
+            for (i64 w : ux) relocate(w, b);
+            for (i64 w : uy) relocate(w, a);
+            if (moved_.empty()) return false;
+        }
+        if (prod_ != prod0)  // producer counts changed: the items comparing them (a block above on another replica)
+            for (i64 i : deep_) {
+                const i64 r = cell_of_[i] / S_;
+                for (i64 a = up_[win_[i]]; a >= 0; a = up_[a]) {
+                    const i64 ra = cell_of_[a] / S_;
+                    if (ra != r && (prod_[ra] != prod0[ra] || prod_[r] != prod0[r])) {
+                        mark(cell_of_[i]);
+                        break;
+                    }
+                }
+            }
+        commit();
+        return true;
+    }
+
+    const i64 *length_, *pairs_, *logits_;
+    i64 U_;
+    const i64 *kind_, *win_, *up_, *replay_, *own_off_, *own_, *rec_off_, *rec_, *path_off_, *path_;
+    i64 R_, S_, M_;
+    double overhead_, c_row_, c_pair_, c_logit_, c_replay_;
+    i64 base_;
+    double penalty_;
+    std::vector<i64> stamp_;
+    i64 cur_ = 0;
+    std::vector<std::vector<i64>> cell_units_, items_of_;
+    std::vector<i64> cell_of_, pos_, path_rows_;
+    std::vector<CellValue> value_;
+    std::vector<std::vector<double>> order_;
+    std::vector<std::vector<i64>> order_bin_;
+    std::vector<std::tuple<int, double, i64>> keyed_;
+    std::vector<std::pair<std::vector<double>, std::vector<i64>>> old_order_;
+    double old_step_ = 0.0;
+    i64 total_tokens_ = 0, overflow_ = 0;
+    double smooth_ = 0.0, step_ = 0.0;
+    std::uint64_t rng_ = 1;
+    std::vector<std::pair<i64, i64>> cand_, moved_;
+    std::vector<i64> dirty_, reps_, bins_;
+    std::vector<std::vector<i64>> blocks_;  // per block: it and the blocks below it
+    std::vector<i64> replayed_, root_;
+    std::vector<i64> top_, deep_, cuts_, ncore_, prod_;
+    std::vector<char> reading_;
+    std::vector<std::tuple<i64, i64, i64>> trees_;
+    std::vector<std::pair<i64, CellValue>> old_;
+};
+
+void check_csr(const I64Array& off, const I64Array& ids, i64 U, i64 S_seg, const char* name) {
+    const i64* o = checked_vector(off, U + 1, name);
+    const i64* x = checked_vector(ids, -1, name);
+    if (o[0] != 0 || o[U] != ids.shape(0))
+        throw py::value_error(std::string(name) + ": offsets do not match the ids");
+    for (i64 k = 1; k <= U; ++k)
+        if (o[k] < o[k - 1]) throw py::value_error(std::string(name) + ": offsets decrease");
+    for (i64 k = 0; k < ids.shape(0); ++k)
+        if (x[k] < 0 || x[k] >= S_seg) throw py::value_error(std::string(name) + ": segment out of range");
+}
+
+// The search (module comment); returns (cell per unit, reads per unit (0/1), objective (overflow,
+// primary, smooth), estimated tokens, estimated step).
+py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array kind, I64Array win, I64Array up,
+                    I64Array replay,
+                    I64Array own_off, I64Array own, I64Array rec_off, I64Array rec, I64Array path_off, I64Array path,
+                    I64Array cell0, i64 dp, i64 slots, i64 M, double overhead, double c_row, double c_pair,
+                    double c_logit, double c_replay, i64 base_tokens, double penalty, i64 moves, double temperature,
+                    std::uint64_t seed) {
+    const i64 S_seg = length.shape(0);
+    const i64 U = kind.shape(0);
+    if (dp < 1 || slots < 1 || M < 1) throw py::value_error("l2_search: dp, slots and M must be >= 1");
+    checked_vector(pairs, S_seg, "pairs");
+    checked_vector(logits, S_seg, "logits");
+    const i64* kd = checked_vector(kind, U, "kind");
+    const i64* wn = checked_vector(win, U, "win");
+    const i64* upp = checked_vector(up, U, "up");
+    checked_vector(replay, U, "replay");
+    const i64* c0 = checked_vector(cell0, U, "cell0");
+    check_csr(own_off, own, U, S_seg, "own");
+    check_csr(rec_off, rec, U, S_seg, "rec");
+    check_csr(path_off, path, U, S_seg, "path");
+    for (i64 u = 0; u < U; ++u) {
+        if (kd[u] < 0 || kd[u] > 2) throw py::value_error("kind: a unit kind is not 0, 1 or 2");
+        if (kd[u] == 1 && (wn[u] < 0 || wn[u] >= U || kd[wn[u]] != 0))
+            throw py::value_error("win: an item's window is not a core unit");
+        if (upp[u] != -1 && (kd[u] != 0 || upp[u] < 0 || upp[u] >= u || kd[upp[u]] != 0))
+            throw py::value_error("up: a block's upper block is not an earlier core unit");
+        if (c0[u] < 0 || c0[u] >= dp * slots) throw py::value_error("cell0: a cell out of the grid");
+    }
+    Search search(S_seg, length.data(), pairs.data(), logits.data(), U, kd, wn, upp, replay.data(), own_off.data(),
+                  own.data(), rec_off.data(), rec.data(), path_off.data(), path.data(), dp, slots, M, overhead, c_row,
+                  c_pair, c_logit, c_replay, base_tokens, penalty);
+    {
+        py::gil_scoped_release release;
+        search.place(c0);
+        search.run(moves, temperature * search.mean_cost(), seed);
+    }
+    std::vector<i64> reads(U);
+    for (i64 u = 0; u < U; ++u) reads[u] = search.reads(u) ? 1 : 0;
+    const Objective o = search.objective();
+    return py::make_tuple(int64_array(search.cells()), int64_array(reads),
+                          py::make_tuple(o.overflow, o.primary, o.smooth), search.tokens(), search.step());
+}
+
+}  // namespace
+
+void register_l2_search(py::module_& m) {
+    m.def("l2_search", &l2_search, py::arg("length"), py::arg("pairs"), py::arg("logits"), py::arg("kind"),
+          py::arg("win"), py::arg("up"), py::arg("replay"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"),
+          py::arg("path_off"), py::arg("path"), py::arg("cell0"), py::arg("dp"), py::arg("slots"), py::arg("M"),
+          py::arg("overhead"), py::arg("c_row"), py::arg("c_pair"), py::arg("c_logit"), py::arg("c_replay"),
+          py::arg("base_tokens"), py::arg("penalty"), py::arg("moves"), py::arg("temperature"), py::arg("seed"),
+          "L2's local search (megatron_harts.planner.l2): (cell per unit, reads per unit, objective "
+          "(overflow, step + penalty, sum of squared costs), estimated tokens, estimated step).");
+}

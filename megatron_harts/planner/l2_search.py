@@ -1,0 +1,336 @@
+"""L2 as one local search over L1's plan, with sharing windows the schedule runs as planned.
+
+**Units** (``l2_units``).  A segment computed in two or more of L1's microbatches is shared; per
+tree the shared set ``U`` (closed under ancestors) gives a **core**: ``U`` when it fits the row
+budget, else its most shared top that fits.  A tree whose core has at least ``min_producer_rows``
+rows is *produced*: its core is cut at its branch points into **blocks** (a core segment whose
+parent has two or more children in the core starts one), one unit each, whose path (the core above the block)
+is computed wherever the block is; each L1 microbatch's share of the tree, less the core, is cut
+into **items**, one per branch hanging below the core: its owned segments, the segments below the
+core its root paths need (recomputed), and its **path** (the core segments above it), read from
+the producer of its block (the block holding its parent) or recomputed.  An item of more rows than
+L1's mean microbatch is cut as L1 cuts a piece (``l1.split_piece``): its pieces recompute the
+item's segments above them.  Every other tree keeps its L1 pieces as **free** units.
+
+**State.**  Every unit sits in a bin ``(replica, bin)``, ``dp`` replicas of L1's slot count plus
+``EXTRA_SLOTS`` bins; a non-empty bin is a microbatch.  A replica runs its producers (bins holding
+a block) first, then its other bins, each group costliest first; slot ``k`` is the ``k``-th bin of
+every replica.  An item may read its path from its block's bin when that bin is on its replica,
+its own bin holds no block, and every block above its block sits on its replica or on one with no
+more producers (their owners then run in earlier slots); the items of one tree in a bin read
+together or not at all; a bin reads one producer (the one saving it the most path rows), the
+items of other windows recompute their paths; the pieces of one item in one bin replay its path
+once.  That is what the window schedule (``microbatch.replica_windows``) runs, so every planned
+window runs.  A core whose blocks sit in several bins is a cut window: a producer per bin.
+
+**Objective**, compared in order: rows over the budget (summed over bins), then the modelled step
+(sum over slots of the costliest bin, each bin costed by the cost model's terms, KDA calls
+estimated as one per microbatch and replay as the reading items' replay) plus ``TOKEN_PENALTY`` row
+costs per token computed above L1's tokens, then the sum of squared bin costs.
+
+**Moves**: a unit to another bin (any, the lightest of a slot, or one of its producer's replica; a
+core's top block with the blocks below it in its bin); every unit of a bin into another (a
+microbatch fewer); two units swapped; two bins exchanged (any two, or two of different replicas: a
+microbatch changes replica); a window cut (a block alone to any bin; a block with the blocks below
+it in its bin to a bin of another replica, its items on other replicas to bins of that one; or
+back into the bin of the block above it).  A unit moved away from its producer's replica
+recomputes its path.  The search (compiled: ``_C.l2_search``) starts from L1's plan and anneals: a move is
+taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what it adds to
+the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0; the
+best state of ``moves`` tries (default ``MOVES_PER_UNIT`` per unit) is the result.
+
+**Judge.**  The best state is assembled (``microbatch.packing_key``: the exact cost model, KDA
+call planner included) and kept when it computes no more tokens than L1 and its modelled step is
+shorter (then: fewer tokens); otherwise L1's microbatches are returned with L1's placement.
+
+``l2_bruteforce`` holds the same objective in Python and its optimum over every assignment of a
+small instance: the tests hold the search to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .compiled import compiled
+from .cost_model import CostModel, ForestIndex
+from .l1 import split_piece
+from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, slot_step
+
+__all__ = ["plan_l2_search", "l2_units", "L2Instance", "search", "groups_of",
+           "TOKEN_PENALTY", "MOVES_PER_UNIT", "TEMPERATURE", "EXTRA_SLOTS"]
+
+#: cost of a token computed above L1's tokens, in row costs (``CostCoefficients.row``): steep, as a
+#: plan computing more than L1 is never kept, but finite, so that the search may pass through such
+#: states (an item moved before its producer is)
+TOKEN_PENALTY = 100.0
+#: moves tried per unit (the default budget: the one effort knob of ``plan_l2``)
+MOVES_PER_UNIT = 400
+#: the annealing's start temperature, in mean microbatch costs of the start state: a move lengthening the
+#: step by that much is taken with probability 1/e at the start, never at the end
+TEMPERATURE = 0.005
+#: empty slots the grid has after L1's: room for producers ahead of their consumers and for new microbatches
+EXTRA_SLOTS = 2
+#: the search's random seed (the plan depends on nothing else)
+_SEED = 1
+
+_SEARCH = compiled("l2_search")
+_WARNED: List[bool] = []
+
+
+@dataclass
+class L2Instance:
+    """What the search reads: per segment its ``length``, attention ``pairs`` and ``logits`` rows;
+    ``units`` unit arrays (kind 0 block of a core / 1 item / 2 free; ``win`` the
+    item's block unit, else -1; ``up`` a block's upper block, else -1; ``replay`` the item's replay tokens when it reads its path; owned,
+    recomputed and path segments as CSR), the start cell of each unit (``replica * slots + slot``),
+    the grid, the budget, the cost model's coefficients, L1's tokens and the penalty per token."""
+    length: np.ndarray
+    pairs: np.ndarray
+    logits: np.ndarray
+    kind: np.ndarray
+    win: np.ndarray
+    up: np.ndarray
+    replay: np.ndarray
+    own_off: np.ndarray
+    own: np.ndarray
+    rec_off: np.ndarray
+    rec: np.ndarray
+    path_off: np.ndarray
+    path: np.ndarray
+    cell0: np.ndarray
+    dp: int
+    slots: int
+    row_budget: int
+    overhead: float
+    c_row: float
+    c_pair: float
+    c_logit: float
+    c_replay: float
+    base_tokens: int
+    penalty: float
+
+    @property
+    def num_units(self) -> int:
+        return int(self.kind.shape[0])
+
+    def segments(self, which: str, u: int) -> np.ndarray:
+        off, ids = getattr(self, which + "_off"), getattr(self, which)
+        return ids[off[u]:off[u + 1]]
+
+
+def _csr(lists) -> Tuple[np.ndarray, np.ndarray]:
+    off = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in lists], out=off[1:])
+    ids = np.fromiter((x for xs in lists for x in xs), dtype=np.int64, count=int(off[-1]))
+    return off, ids
+
+
+def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer_rows: int,
+             base_tokens: int) -> L2Instance:
+    """The units of ``l1`` (module docstring) in L1's cells."""
+    M, dp = l1.row_budget, l1.num_replicas
+    slots = l1.num_slots + EXTRA_SLOTS
+    S = ix.num_segments
+    mbs = l1.microbatches
+    ids_all = [m.owned for m in mbs] + [m.recomputed for m in mbs]
+    count = np.bincount(np.concatenate(ids_all), minlength=S).tolist() if ids_all else [0] * S
+    length, start, par, children = ix.length_list, ix.start_list, ix.parent, ix.children
+    tree_of = ix.seg_tree.tolist()
+    B = model.chunk_size
+    cut = max(1, sum(int(m.rows) for m in mbs) // max(1, len(mbs)))  # an item's pieces: at most an L1 microbatch's mean rows
+    cores: Dict[int, set] = {}
+    for s in range(S):
+        if count[s] >= 2:
+            cores.setdefault(tree_of[s], set()).add(s)
+    for t, core in list(cores.items()):
+        if sum(length[s] for s in core) > M:  # the most shared top of U that fits
+            root = int(ix.tree_offsets[t])
+            top, rows, heap = set(), 0, [(-count[root], root)]
+            while heap:
+                heap.sort()
+                _, s = heap.pop(0)
+                if rows + length[s] > M:
+                    continue
+                top.add(s)
+                rows += length[s]
+                heap.extend((-count[c], c) for c in children[s] if count[c] >= 2)
+            core = cores[t] = top
+        if sum(length[s] for s in core) < min_producer_rows:
+            del cores[t]
+    kind, win, up, replay, own, rec, path, cell0 = [], [], [], [], [], [], [], []
+    block_unit: Dict[int, int] = {}  # a core segment -> the unit of its block
+    core_cell: Dict[int, int] = {}
+    for t in sorted(cores):  # blocks first: an item names its block's unit
+        core = cores[t]
+        for s in sorted(core):  # preorder: a block's top before its segments, a block before those below it
+            p = par[s]
+            if p in core and sum(1 for c in children[p] if c in core) < 2:
+                block_unit[s] = block_unit[p]
+                own[block_unit[s]].append(s)
+                continue
+            block_unit[s] = len(kind)
+            kind.append(0)
+            win.append(-1)
+            up.append(block_unit[p] if p in core else -1)
+            replay.append(0)
+            own.append([s])
+            rec.append([])
+            above, a = [], p
+            while a >= 0:
+                above.append(a)
+                a = par[a]
+            path.append(sorted(above))
+            cell0.append(t)  # the tree, until its core's cell is known
+    for m in mbs:
+        cell = m.replica * slots + m.slot
+        per: Dict[int, Tuple[List[int], List[int]]] = {}
+        for x in m.owned.tolist():
+            per.setdefault(tree_of[x], ([], []))[0].append(x)
+        for x in m.recomputed.tolist():
+            per.setdefault(tree_of[x], ([], []))[1].append(x)
+        for t, (o, r) in per.items():
+            if not o:
+                continue
+            if t not in cores:
+                kind.append(2)
+                win.append(-1)
+                up.append(-1)
+                replay.append(0)
+                own.append(o)
+                rec.append(r)
+                path.append([])
+                cell0.append(cell)
+                continue
+            core = cores[t]
+            if core & set(o) and (t not in core_cell or min(core) in o):
+                core_cell[t] = cell
+            mine = [x for x in o if x not in core]
+            mine_set = set(mine)
+            branches: Dict[int, List[int]] = {}  # the item's segments by the top of their branch below the core
+            top_of: Dict[int, int] = {}
+            for x in mine:  # ids in preorder: a parent's top is known before its children's
+                p = par[x]
+                top_of[x] = top_of[p] if p in mine_set else x
+                branches.setdefault(top_of[x], []).append(x)
+            for part in branches.values():
+                part_set = set(part)
+                need, seen = [], set()
+                for x in part:
+                    a = par[x]
+                    while a >= 0 and a not in part_set and a not in seen:
+                        seen.add(a)
+                        need.append(a)
+                        a = par[a]
+                below = sorted(a for a in need if a not in core)
+                above = sorted(a for a in need if a in core)
+                comp = part_set.union(below)
+                rp = sum(start[x] % B for x in comp if par[x] >= 0 and par[x] not in comp)
+                pieces = [(sorted(part), below)]
+                if sum(length[x] for x in comp) > cut:  # cut the item as L1 cuts a piece
+                    root = min(comp)
+                    deepest = max(start[x] + length[x] for x in comp)
+                    pieces = [(sorted(o), sorted(r)) for o, r, _ in
+                              split_piece(ix, sorted(part), below, max(start[root] + cut, deepest))]
+                for o, r in pieces:
+                    kind.append(1)
+                    win.append(block_unit[max(above)])
+                    up.append(-1)
+                    replay.append(rp)
+                    own.append(o)
+                    rec.append(r)
+                    path.append(above)
+                    cell0.append(cell)
+    for u in range(len(kind)):
+        if kind[u] == 0:
+            cell0[u] = core_cell[cell0[u]]
+    c = model.coefficients
+    return L2Instance(ix.length, ix.seg_pairs, ix.seg_logits, np.array(kind, dtype=np.int64), np.array(win, dtype=np.int64),
+                      np.array(up, dtype=np.int64), np.array(replay, dtype=np.int64),
+                      *_csr(own), *_csr(rec), *_csr(path), np.array(cell0, dtype=np.int64), dp, slots, M,
+                      float(c.microbatch + c.kda_call), float(c.row), float(c.attention_pair), float(c.logits_row),
+                      float(c.kda_replay_token), int(base_tokens), float(TOKEN_PENALTY * c.row))
+
+
+def search(inst: L2Instance, moves: int):
+    """``_C.l2_search`` on ``inst``: (cell per unit (``replica * slots + slot``, slots as run), reads per unit,
+    objective (rows over the budget, step + penalty, sum of squared costs), estimated tokens, estimated step)."""
+    return _SEARCH(inst.length, inst.pairs, inst.logits, inst.kind, inst.win, inst.up, inst.replay, inst.own_off,
+                   inst.own, inst.rec_off, inst.rec, inst.path_off, inst.path, inst.cell0, inst.dp, inst.slots,
+                   inst.row_budget, inst.overhead, inst.c_row, inst.c_pair, inst.c_logit, inst.c_replay,
+                   inst.base_tokens, inst.penalty, int(moves), TEMPERATURE, _SEED)
+
+
+def groups_of(inst: L2Instance, cells: np.ndarray, reads: np.ndarray):
+    """(groups, placement) of a state: per non-empty cell its owned and recomputed segments (an item's path
+    recomputed unless it reads it) and its (replica, slot)."""
+    owned: Dict[int, List[np.ndarray]] = {}
+    recd: Dict[int, List[np.ndarray]] = {}
+    for u, c in enumerate(cells.tolist()):
+        owned.setdefault(c, []).append(inst.segments("own", u))
+        recd.setdefault(c, []).append(inst.segments("rec", u))
+        if not reads[u]:  # a block's path, an item's path unless it reads it
+            recd[c].append(inst.segments("path", u))
+    groups, placement = [], []
+    for c in sorted(owned):
+        o = np.unique(np.concatenate(owned[c]))
+        r = np.setdiff1d(np.concatenate(recd[c]), o)
+        groups.append((o, r))
+        placement.append((c // inst.slots, c % inst.slots))
+    return groups, placement
+
+
+@gc_paused
+def plan_l2_search(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = None,
+            index: Optional[ForestIndex] = None, min_producer_rows: Optional[int] = None,
+            moves: Optional[int] = None) -> MicrobatchPlan:
+    """Refine an L1 plan by the local search (module docstring).  ``plan_seconds`` counts L2 alone.
+
+    ``min_producer_rows``: a tree's shared prefix shorter than this stays recomputed (default:
+    the KDA chunk size).  ``moves``: the search's budget (default ``MOVES_PER_UNIT`` per unit).
+    Without the compiled core (``megatron_harts._C``) L1's plan is returned, with one warning.
+    """
+    t0 = time.perf_counter()
+    if l1.mode != "tree":
+        raise ValueError("L2 refines a tree-mode (L1) plan")
+    model = cost_model or l1.cost_model
+    ix = index if index is not None else ForestIndex(forest)
+    dp, M = l1.num_replicas, l1.row_budget
+    mpr = model.chunk_size if min_producer_rows is None else int(min_producer_rows)
+    if model != l1.cost_model:  # judge L1's microbatches with this cost model
+        groups = [(m.owned, m.recomputed) for m in l1.microbatches]
+        placement = [(m.replica, m.slot) for m in l1.microbatches]
+        keep = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
+    else:
+        keep = dataclasses.replace(l1, planner="harts_l1l2", windows=list(l1.windows),
+                                   microbatches=list(l1.microbatches), slots=l1.slots.copy())
+    plan = keep
+    if _SEARCH is None:  # no compiled core: said once
+        if not _WARNED:
+            _WARNED.append(True)
+            warnings.warn("megatron_harts._C is not built (python setup.py build_ext --inplace): L2 returns "
+                          "L1's plans", RuntimeWarning, stacklevel=2)
+    elif l1.microbatches:
+        keep_key = (step_cost(keep), keep.tokens_computed)
+        inst = l2_units(ix, l1, model, mpr, keep_key[1])
+        budget = MOVES_PER_UNIT * inst.num_units if moves is None else int(moves)
+        cells, reads, _, _, _ = search(inst, budget)
+        groups, placement = groups_of(inst, cells, reads)
+        judged: dict = {}
+        key = packing_key(ix, groups, placement, dp=dp, row_budget=M, cost_model=model, keep=judged)
+        if key is not None and key[1] <= keep_key[1] and key < keep_key:
+            plan = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M,
+                                 cost_model=model, keep=judged)
+    plan.plan_seconds = time.perf_counter() - t0
+    return plan
+
+
+def step_cost(plan: MicrobatchPlan) -> float:
+    """Modelled step time: sum over slots of the costliest microbatch (``l2.step_cost``)."""
+    R, S = plan.slots.shape
+    mbs = plan.microbatches
+    return slot_step(R, S, [m.slot for m in mbs], [m.cost for m in mbs])

@@ -1,0 +1,148 @@
+"""L2's local search (planner.l2_search, compiled _C.l2_search): held to the brute-force optimum of its
+objective (planner.l2_bruteforce) on small instances, and its plans valid, no worse than L1's, run as
+planned by the window schedule."""
+import warnings
+
+import numpy as np
+import pytest
+from test_l2_executed import check_executes_as_planned
+
+from megatron_harts.planner import l2_bruteforce, l2_search
+from megatron_harts.planner.cost_model import CostModel, ForestIndex
+from megatron_harts.planner.l1 import plan_l1
+from megatron_harts.planner.metrics import plan_metrics
+from megatron_harts.tree_data import build_forest
+from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
+
+needs_core = pytest.mark.skipif(l2_search._SEARCH is None, reason="megatron_harts._C is not built")
+
+
+def _csr(lists):
+    off = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in lists], out=off[1:])
+    return off, np.array([x for xs in lists for x in xs], dtype=np.int64)
+
+
+def random_instance(seed: int, units: int, dp: int, bins: int) -> l2_search.L2Instance:
+    """A core of segments 0..2 (a chain; in every other instance two blocks, 0 and 1..2 below it), items
+    below it (their path: the core's top 1..3 segments, some with a segment of their own recomputed, some
+    cut in two pieces), free
+    pieces sharing a recomputed segment; random lengths, pairs, logits and start bins; a budget some bins
+    exceed."""
+    rng = np.random.default_rng(seed)
+    nseg = 3 + 2 * units + 2
+    length = rng.integers(1, 40, nseg).astype(np.int64)
+    pairs = (length * rng.integers(1, 60, nseg)).astype(np.int64)
+    logits = rng.integers(0, length + 1).astype(np.int64)
+    kind, win, up, replay, own, rec, path = [0], [-1], [-1], [0], [[0, 1, 2]], [[], ], [[]]
+    if seed % 2:  # the core in two blocks
+        own[0] = [0]
+        kind.append(0), win.append(-1), up.append(0), replay.append(0), own.append([1, 2]), rec.append([])
+        path.append([0])
+    free_shared = nseg - 1
+    nxt = 3
+    for _ in range(units - len(kind)):
+        up.append(-1)
+        if kind[-1] == 1 and rng.random() < 0.3:  # a piece of the item before (a cut item): its root recomputed
+            kind.append(1), win.append(win[-1]), replay.append(replay[-1]), path.append(path[-1])
+            own.append([nxt])
+            rec.append(sorted(own[-2] + rec[-2]))
+        elif rng.random() < 0.7:
+            p = list(range(int(rng.integers(1, 4))))
+            kind.append(1)
+            win.append(1 if seed % 2 and len(p) > 1 else 0)
+            replay.append(int(rng.integers(0, 20)))
+            own.append([nxt])
+            rec.append([nxt + 1] if rng.random() < 0.3 else [])
+            path.append(p)
+        else:
+            kind.append(2)
+            win.append(-1)
+            replay.append(0)
+            own.append([nxt])
+            rec.append([free_shared])
+            path.append([])
+        nxt += 2
+    total = int(length.sum())
+    cell0 = rng.integers(0, dp * bins, units).astype(np.int64)
+    return l2_search.L2Instance(length, pairs, logits, np.array(kind, dtype=np.int64), np.array(win, dtype=np.int64),
+                                np.array(up, dtype=np.int64), np.array(replay, dtype=np.int64), *_csr(own), *_csr(rec), *_csr(path), cell0, dp,
+                                bins, int(rng.integers(total // 3, total)), 0.02, 4.5e-5, 1.4e-9, 5.7e-6, 9e-6,
+                                int(rng.integers(total // 2, total)), 100 * 4.5e-5)
+
+
+@needs_core
+@pytest.mark.parametrize("seed,units,dp,bins", [(s, 4 + s % 5, 1 + s % 2, 2 + (s // 2) % 2) for s in range(10)])
+def test_search_reaches_the_brute_force_optimum(seed, units, dp, bins):
+    if (dp * bins) ** units > 70000:
+        units -= 1
+    inst = random_instance(seed, units, dp, bins)
+    best, _ = l2_bruteforce.optimum(inst)
+    cells, reads, (overflow, primary, _), _, step = l2_search.search(inst, 20000)
+    assert (overflow, primary) <= (best[0], best[1] + 1e-9 * (1 + abs(best[1])))
+    # the compiled objective is the Python one, on the state it returns (slots as run)
+    o = l2_bruteforce.objective(inst, cells.tolist())
+    assert o[0] == overflow and o[1] == pytest.approx(primary, rel=1e-12, abs=1e-15)
+    assert sum(o[2]) == pytest.approx(step, rel=1e-12)
+    # an item reads only a producer of its replica, never where its bin holds a core, and the producers
+    # of the blocks above its block run in earlier slots
+    for u in np.flatnonzero(reads):
+        assert inst.kind[u] == 1 and cells[u] // bins == cells[inst.win[u]] // bins
+        a = inst.up[inst.win[u]]
+        while a >= 0:
+            assert cells[a] % bins < cells[u] % bins
+            a = inst.up[a]
+        assert not any(inst.kind[v] == 0 and cells[v] == cells[u] for v in range(units))
+
+
+def test_bruteforce_refuses_large_instances():
+    with pytest.raises(ValueError, match="up to 8 units"):
+        l2_bruteforce.optimum(random_instance(0, 9, 1, 2))
+
+
+def _forest(seed: int, scheme: str):
+    cfg = SweConfig(scheme=scheme, num_tasks=3, samples_per_task=3, seed=seed, prompt_median=1200, max_tokens=6000)
+    return build_forest(synthesize_swe(cfg))
+
+
+@needs_core
+@pytest.mark.parametrize("dp", [1, 2, 4])
+@pytest.mark.parametrize("scheme", ["tree-step", "step-wise"])
+def test_search_plans_are_valid_no_worse_than_l1_and_run_as_planned(dp, scheme):
+    forest = _forest(dp, scheme)
+    ix = ForestIndex(forest)
+    model = CostModel()
+    M = int(ix.tree_max_path.max()) * 2
+    l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
+    plan = l2_search.plan_l2_search(forest, l1, cost_model=model, index=ix)
+    plan.validate(forest)
+    assert plan.planner == "harts_l1l2"
+    assert plan.tokens_computed <= l1.tokens_computed
+    assert plan_metrics(plan)["step_cost"] <= plan_metrics(l1)["step_cost"]
+    check_executes_as_planned(forest, plan)  # every planned window runs
+
+
+@needs_core
+def test_search_budget_is_the_effort_knob():
+    forest = _forest(7, "tree-step")
+    ix = ForestIndex(forest)
+    l1 = plan_l1(forest, 2, int(ix.tree_max_path.max()) * 2, index=ix)
+    none = l2_search.plan_l2_search(forest, l1, index=ix, moves=0)
+    assert plan_metrics(none)["step_cost"] <= plan_metrics(l1)["step_cost"]
+    a = l2_search.plan_l2_search(forest, l1, index=ix, moves=5000)
+    b = l2_search.plan_l2_search(forest, l1, index=ix, moves=5000)
+    assert [m.owned.tolist() for m in a.microbatches] == [m.owned.tolist() for m in b.microbatches]
+
+
+def test_without_the_compiled_core_l1_plans_with_one_warning(monkeypatch):
+    forest = _forest(3, "tree-step")
+    ix = ForestIndex(forest)
+    l1 = plan_l1(forest, 2, int(ix.tree_max_path.max()) * 2, index=ix)
+    monkeypatch.setattr(l2_search, "_SEARCH", None)
+    monkeypatch.setattr(l2_search, "_WARNED", [])
+    with pytest.warns(RuntimeWarning, match="not built"):
+        plan = l2_search.plan_l2_search(forest, l1, index=ix)
+    assert [m.owned.tolist() for m in plan.microbatches] == [m.owned.tolist() for m in l1.microbatches]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        l2_search.plan_l2_search(forest, l1, index=ix)  # said once
