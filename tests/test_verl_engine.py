@@ -91,3 +91,91 @@ def _worker(sharing, loss_agg_mode="token-mean"):
     w.reset()
     w.set_loss_fn(partial(ppo_loss, actor))
     return w, actor
+
+
+@pytest.fixture(scope="module")
+def verl_world():
+    """A one-process gloo world made before verl's worker looks for one (verl would ask for NCCL), and the
+    launcher variables verl's Worker reads; both undone at the end."""
+    import torch.distributed as dist
+    mp = pytest.MonkeyPatch()
+    for k, v in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        mp.setenv(k, v)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+    mp.undo()
+
+
+def _close(w):
+    w.engine.trainer.close()
+
+
+def _params(w):
+    return {n: p.detach().clone() for n, p in w.engine.model.module.named_parameters()}
+
+
+def _grads(w):
+    return {n: p.main_grad.detach().clone() for n, p in w.engine.model.module.named_parameters()}
+
+
+def _train_inputs(b):
+    from verl.utils import tensordict_utils as tu
+    tu.assign_non_tensor(b, global_batch_size=6, mini_batch_size=6, epochs=2, seed=3, calculate_entropy=True,
+                         dataloader_kwargs={"shuffle": False})
+    return b
+
+
+def test_registry_returns_our_engine():
+    from verl.workers.engine.base import EngineRegistry
+    assert EngineRegistry.get_engine_cls("language_model", "megatron_harts") is harts_verl.MegatronHartsEngine
+    assert harts_verl.registered() is harts_verl.MegatronHartsEngine
+
+
+def test_refused_settings_name_themselves(verl_world):
+    e = harts_verl.MegatronHartsEngine(
+        model_config=_ModelConfig(), optimizer_config=harts_verl.MegatronHartsOptimizerConfig(lr_warmup_steps=5),
+        engine_config=harts_verl.MegatronHartsEngineConfig(harts_args=FLAGS, param_offload=True))
+    with pytest.raises(harts_verl.VerlEngineError, match=r"^error: megatron_harts engine: engine param_offload"):
+        e.initialize()
+    e = harts_verl.MegatronHartsEngine(
+        model_config=_ModelConfig(), optimizer_config=harts_verl.MegatronHartsOptimizerConfig(lr_warmup_steps=5),
+        engine_config=harts_verl.MegatronHartsEngineConfig(harts_args=FLAGS))
+    with pytest.raises(harts_verl.VerlEngineError, match="lr_warmup_steps"):
+        e.initialize()
+    e = harts_verl.MegatronHartsEngine(
+        model_config=_ModelConfig(), optimizer_config=harts_verl.MegatronHartsOptimizerConfig(),
+        engine_config=harts_verl.MegatronHartsEngineConfig(harts_args=FLAGS + ["--lr", "1"]))
+    with pytest.raises(harts_verl.VerlEngineError, match="harts_args --lr"):
+        e.initialize()
+    with pytest.raises(harts_verl.VerlEngineError, match="tree_sharing"):
+        harts_verl.MegatronHartsEngineConfig(tree_sharing="trees")
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_train_mini_batch_tree_equals_expanded(verl_world, agg):
+    """verl's TrainingWorker: 2 epochs x 2 mini-batches of 3 micro-batches each (groups sharing prompts and a
+    first turn): the same per-micro-batch losses, metrics, gradient norms, last gradients and final weights in
+    tree (within, windows) and expanded mode."""
+    runs = {}
+    for sharing in ("off", "within", "windows"):
+        w, _ = _worker(sharing, agg)
+        try:
+            out = w.train_mini_batch(_train_inputs(_batch(_samples())))
+            runs[sharing] = (out["metrics"], _grads(w), _params(w))
+        finally:
+            _close(w)
+    m0, g0, p0 = runs["off"]
+    assert len(m0["loss"]) == 4 and len(m0["grad_norm"]) == 4 and m0["kl_loss"][0] > 0
+    assert any(float(g.abs().max()) > 0 for g in g0.values())
+    for sharing in ("within", "windows"):
+        m, g, p = runs[sharing]
+        for key in ("loss", "grad_norm", "actor/pg_loss", "actor/entropy_loss", "kl_loss", "actor/ppo_kl"):
+            np.testing.assert_allclose(np.asarray(m[key], dtype=np.float64), np.asarray(m0[key], dtype=np.float64),
+                                       rtol=0, atol=1e-10, err_msg=f"{sharing} {key}")
+        for n in g0:
+            torch.testing.assert_close(g[n], g0[n], rtol=0, atol=1e-10, msg=lambda s: f"{sharing} grad {n}: {s}")
+            torch.testing.assert_close(p[n], p0[n], rtol=0, atol=1e-10, msg=lambda s: f"{sharing} param {n}: {s}")
