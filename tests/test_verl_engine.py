@@ -179,3 +179,108 @@ def test_train_mini_batch_tree_equals_expanded(verl_world, agg):
         for n in g0:
             torch.testing.assert_close(g[n], g0[n], rtol=0, atol=1e-10, msg=lambda s: f"{sharing} grad {n}: {s}")
             torch.testing.assert_close(p[n], p0[n], rtol=0, atol=1e-10, msg=lambda s: f"{sharing} param {n}: {s}")
+
+
+def _hf_from_engine(w):
+    """transformers' KimiLinearForCausalLM (fp64) loaded from the engine's weight-sync stream."""
+    from megatron_harts.models.hf_convert import kimi_linear_hf_config
+    t = w.engine.trainer
+    gen, peft = w.engine.get_per_tensor_param()
+    assert peft is None
+    cfg = kimi_linear_hf_config(t.config, t.vocab_size)
+    cfg._experts_implementation = "eager"          # grouped_mm takes no fp64
+    hf = transformers.KimiLinearForCausalLM(cfg).double()
+    missing, unexpected = hf.load_state_dict(dict(gen), strict=False)
+    assert not missing and not unexpected
+    return hf
+
+
+def _hf_outputs(hf, ids):
+    """verl's convention per sample: log_probs[t] = log p(ids[t+1] | ids[:t+1]) and the entropy at t; 0 at the end."""
+    logits = hf(ids[None]).logits[0].double()
+    logp = logits.log_softmax(-1)
+    lp = torch.cat([logp[:-1].gather(1, ids[1:, None])[:, 0], logp.new_zeros(1)])
+    ent = torch.cat([-(logp.exp() * logp).sum(-1)[:-1], logp.new_zeros(1)])
+    return lp, ent
+
+
+def _plain_outputs(module, ids):
+    """One sample alone through our model (a packed batch of one sequence, autograd on): verl's convention."""
+    from megatron_harts.models.packed import TreePackedSeqParams
+    L = int(ids.shape[0])
+    psp = TreePackedSeqParams.for_sequences([L])
+    lp, ent = module(ids[None], psp.position_ids[None], packed_seq_params=psp, pair_row=torch.arange(L - 1),
+                     pair_token=ids[1:].clone(), return_entropy=True)
+    return torch.cat([lp, lp.new_zeros(1)]), torch.cat([ent[:L - 1], ent.new_zeros(1)])
+
+
+def test_infer_batch_and_weight_sync_match_transformers(verl_world):
+    """infer_batch's log-probs and entropies equal transformers' KimiLinearForCausalLM loaded from the engine's
+    get_per_tensor_param stream (transformers keeps dt_bias and the router in float32: 1e-6)."""
+    from verl.utils import tensordict_utils as tu
+    w, _ = _worker("within")
+    try:
+        hf = _hf_from_engine(w).eval()
+        b = _batch(_samples())
+        tu.assign_non_tensor(b, calculate_entropy=True, compute_loss=False)
+        out = w.infer_batch(b)
+        with torch.no_grad():
+            ref = [_hf_outputs(hf, ids) for ids in _batch(_samples())["input_ids"].unbind()]
+        for i, (lp, ent) in enumerate(ref):
+            torch.testing.assert_close(out["log_probs"][i], lp, rtol=0, atol=1e-6, msg=lambda s: f"lp {i}: {s}")
+            torch.testing.assert_close(out["entropy"][i], ent, rtol=0, atol=1e-6, msg=lambda s: f"ent {i}: {s}")
+    finally:
+        _close(w)
+
+
+@pytest.mark.parametrize("sharing", ["within", "off"])
+def test_loss_and_gradients_equal_plain_per_sample_ppo_loss(verl_world, sharing):
+    """infer_batch's log-probs and one forward_backward_batch's per-micro-batch losses and every gradient equal
+    (1e-10) a plain per-sample computation: each sample alone through our model, verl's own micro-batches and
+    normalisation, verl's ppo_loss (KL, entropy bonus, clipping), one backward per micro-batch."""
+    from functools import partial
+
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+    from verl.workers.utils.losses import ppo_loss
+    w, actor = _worker(sharing)
+    try:
+        module = w.engine.model.module
+        b = _batch(_samples())
+        tu.assign_non_tensor(b, calculate_entropy=True, compute_loss=False)
+        out = w.infer_batch(b)
+        with torch.no_grad():
+            for i, ids in enumerate(_batch(_samples())["input_ids"].unbind()):
+                lp, ent = _plain_outputs(module, ids)
+                torch.testing.assert_close(out["log_probs"][i], lp, rtol=0, atol=1e-10)
+                torch.testing.assert_close(out["entropy"][i], ent, rtol=0, atol=1e-10)
+
+        def prepared():       # verl's keys as its worker sets them
+            d = _batch(_samples())
+            tu.assign_non_tensor(d, calculate_entropy=True, global_batch_size=12, use_dynamic_bsz=False,
+                                 micro_batch_size_per_gpu=2, use_remove_padding=True)
+            return d
+        loss_fn = partial(ppo_loss, actor)
+        w.engine.optimizer_zero_grad()
+        with w.engine.train_mode():
+            res = w.engine.forward_backward_batch(prepared(), loss_fn, forward_only=False)
+        ours = _grads(w)
+        assert any(float(g.abs().max()) > 0 for g in ours.values())
+
+        w.engine.optimizer_zero_grad()
+        d = prepared()
+        tu.assign_non_tensor(d, batch_num_tokens=int(d["loss_mask"].sum()), dp_size=1)
+        mbs, _ = prepare_micro_batches(d)
+        assert len(mbs) == 6 and len(res["loss"]) == 6
+        nested = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)
+        for k, mb in enumerate(mbs):
+            outs = [_plain_outputs(module, ids) for ids in mb["input_ids"].unbind()]
+            loss, _ = loss_fn(model_output={"log_probs": nested([o[0] for o in outs]),
+                                            "entropy": nested([o[1] for o in outs])}, data=mb)
+            loss.backward()
+            assert abs(float(loss) - res["loss"][k]) < 1e-10
+        plain = _grads(w)
+        for n in ours:
+            torch.testing.assert_close(ours[n], plain[n], rtol=0, atol=1e-10, msg=lambda s: f"grad {n}: {s}")
+    finally:
+        _close(w)
