@@ -18,7 +18,11 @@ from test_training_driver import MODEL
 
 transformers = pytest.importorskip("transformers")
 
-FLAGS = [f for f in MODEL] + ["--seed", "7", "--seq-length", "64", "--log-interval", "1000"]
+def _flags(seed=7):
+    return list(MODEL) + ["--seed", str(seed), "--seq-length", "64", "--log-interval", "1000"]
+
+
+FLAGS = _flags()
 
 
 class _ModelConfig(dict):
@@ -71,7 +75,7 @@ def _batch(samples, seed=1):
     return td
 
 
-def _worker(sharing, loss_agg_mode="token-mean"):
+def _worker(sharing, loss_agg_mode="token-mean", harts_args=None, load_weights=None):
     """verl's TrainingWorker over our engine, with verl's ppo_loss (KL to a reference, entropy bonus)."""
     from functools import partial
 
@@ -81,7 +85,8 @@ def _worker(sharing, loss_agg_mode="token-mean"):
     actor = harts_verl.MegatronHartsActorConfig(loss_agg_mode=loss_agg_mode, use_kl_loss=True, kl_loss_coef=0.05,
                                                kl_loss_type="low_var_kl", entropy_coeff=0.01, clip_ratio_high=0.28,
                                                ppo_micro_batch_size_per_gpu=2)
-    engine = harts_verl.MegatronHartsEngineConfig(harts_args=FLAGS, tree_sharing=sharing, tree_microbatch_tokens=64,
+    engine = harts_verl.MegatronHartsEngineConfig(harts_args=harts_args or FLAGS, tree_sharing=sharing,
+                                                  tree_microbatch_tokens=64, load_weights=load_weights,
                                                   micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=3)
     optim = harts_verl.MegatronHartsOptimizerConfig(lr=1e-3, weight_decay=0.0, clip_grad=0.0)
     cfg = TrainingWorkerConfig(model_type="language_model", model_config=_ModelConfig(use_remove_padding=True),
@@ -214,7 +219,7 @@ def _plain_outputs(module, ids):
     return torch.cat([lp, lp.new_zeros(1)]), torch.cat([ent[:L - 1], ent.new_zeros(1)])
 
 
-def test_infer_batch_and_weight_sync_match_transformers(verl_world):
+def test_infer_batch_and_weight_sync_match_transformers(verl_world, tmp_path):
     """infer_batch's log-probs and entropies equal transformers' KimiLinearForCausalLM loaded from the engine's
     get_per_tensor_param stream (transformers keeps dt_bias and the router in float32: 1e-6)."""
     from verl.utils import tensordict_utils as tu
@@ -229,8 +234,21 @@ def test_infer_batch_and_weight_sync_match_transformers(verl_world):
         for i, (lp, ent) in enumerate(ref):
             torch.testing.assert_close(out["log_probs"][i], lp, rtol=0, atol=1e-6, msg=lambda s: f"lp {i}: {s}")
             torch.testing.assert_close(out["entropy"][i], ent, rtol=0, atol=1e-6, msg=lambda s: f"ent {i}: {s}")
+        w.engine.trainer.export_hf(str(tmp_path / "hf"))
     finally:
         _close(w)
+    # the other direction: an engine of another seed starting from that transformers directory
+    w2, _ = _worker("off", harts_args=_flags(11), load_weights=str(tmp_path / "hf"))
+    try:
+        b = _batch(_samples())
+        tu.assign_non_tensor(b, calculate_entropy=False, compute_loss=False)
+        again = w2.infer_batch(b)
+        for i in range(len(ref)):
+            # transformers keeps dt_bias and the router in float32: the reloaded weights differ there by rounding
+            torch.testing.assert_close(again["log_probs"][i], out["log_probs"][i], rtol=0, atol=1e-6)
+        assert not torch.equal(again["log_probs"].values(), torch.zeros_like(again["log_probs"].values()))
+    finally:
+        _close(w2)
 
 
 @pytest.mark.parametrize("sharing", ["within", "off"])
@@ -284,3 +302,47 @@ def test_loss_and_gradients_equal_plain_per_sample_ppo_loss(verl_world, sharing)
             torch.testing.assert_close(ours[n], plain[n], rtol=0, atol=1e-10, msg=lambda s: f"grad {n}: {s}")
     finally:
         _close(w)
+
+
+def test_bench_verl_smoke_on_the_cpu(tmp_path):
+    """benchmarks/bench_verl.py on a tiny fp64 model: every mode runs verl's update, the same first loss."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_verl.py"), "--model-args",
+                        " ".join(MODEL), "--modes", "within", "off", "--prompts", "2", "--group", "3",
+                        "--prompt-tokens", "6", "--turn-tokens", "4", "--tool-tokens", "2", "--response-tokens", "5",
+                        "--micro-batch", "3", "--microbatch-tokens", "64", "--iters", "1", "--warmup", "0",
+                        "--out", str(out)], capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["modes"]) == {"within", "off"} and res["samples"] == 6
+    assert abs(res["modes"]["within"]["first_loss"] - res["modes"]["off"]["first_loss"]) < 1e-10
+    assert res["modes"]["within"]["update_speedup"] > 0
+    bad = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_verl.py"), "--micro-batch", "5",
+                          "--prompts", "2", "--group", "3"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --micro-batch 5")
+
+
+def test_recipe_config_groups_build_our_dataclasses():
+    """The config lines of docs/verl.md, through verl's omega_conf_to_dataclass (what its trainer calls)."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    actor = OmegaConf.create({
+        "_target_": "megatron_harts.integrations.verl.MegatronHartsActorConfig", "strategy": "megatron_harts",
+        "use_dynamic_bsz": False, "ppo_micro_batch_size_per_gpu": 8,
+        "engine": {"_target_": "megatron_harts.integrations.verl.MegatronHartsEngineConfig",
+                   "load_weights": "/models/kimi", "harts_args": ["--num-layers", "27"], "tree_sharing": "within",
+                   "tree_microbatch_tokens": 16384},
+        "optim": {"_target_": "megatron_harts.integrations.verl.MegatronHartsOptimizerConfig", "lr": 1e-6,
+                  "clip_grad": 1.0}})
+    cfg = omega_conf_to_dataclass(actor)
+    assert isinstance(cfg, harts_verl.MegatronHartsActorConfig) and cfg.strategy == "megatron_harts"
+    assert isinstance(cfg.engine, harts_verl.MegatronHartsEngineConfig) and cfg.engine.strategy == "megatron_harts"
+    assert cfg.engine.tree_microbatch_tokens == 16384 and list(cfg.engine.harts_args) == ["--num-layers", "27"]
+    assert isinstance(cfg.optim, harts_verl.MegatronHartsOptimizerConfig) and cfg.optim.lr == 1e-6
+    assert harts_verl._refusals(cfg.engine, cfg.optim, None) == []

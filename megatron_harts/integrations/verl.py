@@ -58,6 +58,8 @@ class VerlEngineError(ValueError):
 class MegatronHartsEngineConfig(EngineConfig):
     """verl engine config of the megatron_harts backend (``actor.strategy: megatron_harts``).
 
+    ``load_weights``: the initial weights (a transformers Kimi-Linear directory, e.g. the recipe's
+    ``actor_rollout_ref.model.path``, or a driver checkpoint); the model flags must describe that model.
     ``harts_args``: the trainer's model and run flags (the ``pretrain_tree.py`` flags: model shape,
     ``--fp64``/``--bf16``, ``--seed``, ``--load``, ...), without the optimizer flags, which come from
     verl's optimizer config.  ``tree_sharing``/``tree_microbatch_tokens``/``tree_planner``: how a batch
@@ -68,6 +70,8 @@ class MegatronHartsEngineConfig(EngineConfig):
     tree_sharing: str = "within"
     tree_microbatch_tokens: int = 8192
     tree_planner: Optional[str] = None     # None: ffd (off), l1 (within), l1l2 (windows)
+    # initial weights: a transformers Kimi-Linear directory (the rollout model's path) or a driver checkpoint
+    load_weights: Optional[str] = None
     dtype: str = "float32"
     use_dynamic_bsz: bool = False
     micro_batch_size_per_gpu: int = 1
@@ -193,6 +197,13 @@ class MegatronHartsEngine(BaseEngine):
             raise VerlEngineError(f"error: {BACKEND} engine: {err}") from None
         except SystemExit as err:      # an unknown flag: the parser printed its error line
             raise VerlEngineError(f"error: {BACKEND} engine: harts_args rejected (exit {err.code})") from None
+        if e.load_weights:
+            try:
+                self.trainer.load_weights(e.load_weights)
+            except TrainingError as err:
+                self.trainer.close()
+                self.trainer = None
+                raise VerlEngineError(f"error: {BACKEND} engine: {err}") from None
         from megatron.core import parallel_state as ps
         sizes = {"tensor": ps.get_tensor_model_parallel_world_size(),
                  "pipeline": ps.get_pipeline_model_parallel_world_size(),
@@ -320,6 +331,12 @@ class MegatronHartsEngine(BaseEngine):
         if temperature is not None and bool(torch.as_tensor(temperature, dtype=torch.float64).ne(1.0).any()):
             raise VerlEngineError(f"error: {BACKEND} engine: temperature {temperature}: log-probs are computed at "
                                   "temperature 1 only")
+        tokens = data["input_ids"].values()
+        vocab = int(self.trainer.vocab_size)
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+            bad = int(tokens.max()) if int(tokens.max()) >= vocab else int(tokens.min())
+            raise VerlEngineError(f"error: {BACKEND} engine: input_ids: token {bad} is outside the model's "
+                                  f"vocabulary (size {vocab})")
         group = self.get_data_parallel_group()
         # verl's normalisation: loss-mask tokens over the data-parallel group, and the group's size
         batch_num_tokens = data["loss_mask"].sum().to(self.trainer.device)
