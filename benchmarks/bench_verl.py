@@ -151,16 +151,16 @@ def main(argv=None):
         raise CliError("--tool-tokens and --warmup must be >= 0")
     if (a.prompts * a.group) % a.micro_batch:
         raise CliError(f"--micro-batch {a.micro_batch}: must divide the batch ({a.prompts * a.group} samples)")
-    try:
-        import verl  # noqa: F401
-    except ImportError as e:
-        raise CliError(f"verl is not importable ({e}): pip install -e '.[verl]' (docs/verl.md)") from None
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                 time.strftime("verl-%Y%m%d-%H%M%S.json"))
     if a.out:
         output_path(out, "--out")
     else:
         os.makedirs(os.path.dirname(out), exist_ok=True)
+    try:
+        import verl  # noqa: F401
+    except ImportError as e:
+        raise CliError(f"verl is not importable ({e}): pip install -e '.[verl]' (docs/verl.md)") from None
 
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu

@@ -296,7 +296,7 @@ def test_loss_and_gradients_equal_plain_per_sample_ppo_loss(verl_world, sharing)
             loss, _ = loss_fn(model_output={"log_probs": nested([o[0] for o in outs]),
                                             "entropy": nested([o[1] for o in outs])}, data=mb)
             loss.backward()
-            assert abs(float(loss) - res["loss"][k]) < 1e-10
+            assert abs(loss.item() - res["loss"][k]) < 1e-10
         plain = _grads(w)
         for n in ours:
             torch.testing.assert_close(ours[n], plain[n], rtol=0, atol=1e-10, msg=lambda s: f"grad {n}: {s}")
@@ -346,3 +346,36 @@ def test_recipe_config_groups_build_our_dataclasses():
     assert cfg.engine.tree_microbatch_tokens == 16384 and list(cfg.engine.harts_args) == ["--num-layers", "27"]
     assert isinstance(cfg.optim, harts_verl.MegatronHartsOptimizerConfig) and cfg.optim.lr == 1e-6
     assert harts_verl._refusals(cfg.engine, cfg.optim, None) == []
+
+
+def test_plugin_entry_point_registers_the_engine():
+    """setup.py's "verl.plugins" entry point (verl loads every one at import) names this module."""
+    import os
+    import re
+    from importlib.metadata import EntryPoint
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "setup.py")).read()
+    m = re.search(r'"verl\.plugins":\s*\["(\w+)\s*=\s*([\w.]+)"\]', text)
+    assert m, "setup.py declares no verl.plugins entry point"
+    module = EntryPoint(m.group(1), m.group(2), "verl.plugins").load()
+    assert module.MegatronHartsEngine is harts_verl.MegatronHartsEngine
+    assert re.search(r'"verl":\s*\["verl==' + re.escape(harts_verl.TESTED_VERL) + '"', text)
+
+
+def test_checkpoint_round_trip(verl_world, tmp_path):
+    """save_checkpoint, an update, load_checkpoint: the saved weights again, and the same next update."""
+    w, _ = _worker("within")
+    try:
+        w.train_mini_batch(_train_inputs(_batch(_samples(seed=5))))     # an optimizer state to save
+        w.save_checkpoint(str(tmp_path / "ckpt"), global_step=3)
+        saved = _params(w)
+        first = w.train_mini_batch(_train_inputs(_batch(_samples())))["metrics"]["loss"]
+        assert any(not torch.equal(v, saved[n]) for n, v in _params(w).items())
+        w.load_checkpoint(str(tmp_path / "ckpt"))
+        assert w.engine.trainer.iteration == 3
+        for n, v in _params(w).items():
+            assert torch.equal(v, saved[n]), n
+        again = w.train_mini_batch(_train_inputs(_batch(_samples())))["metrics"]["loss"]
+        np.testing.assert_allclose(again, first, rtol=0, atol=1e-12)
+    finally:
+        _close(w)

@@ -280,7 +280,8 @@ class MegatronHartsEngine(BaseEngine):
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
         super().to(device, model=model, optimizer=optimizer, grad=grad)
         here = self.trainer.device.type
-        if torch.device(device).type != here:
+        # verl's mode contexts call to("cpu", model=False, optimizer=False, grad=False) on exit: nothing moves
+        if (model or optimizer or grad) and torch.device(device).type != here:
             raise VerlEngineError(f"error: {BACKEND} engine: to({device!r}): the model lives on {here} "
                                   "(offload is not supported)")
 
@@ -519,6 +520,8 @@ class _TreeStep:
         from ..models.experts import expert_grad_hooks_off
         clp = self._flat(coef_lp)
         cent = self._flat(coef_ent) if coef_ent is not None else None
+        if cent is not None and not cent.any():       # the loss does not read the entropies
+            cent = None
         need_entropy = cent is not None
         scale = aux_loss_scale(self.plan)
         device = self.trainer.device
