@@ -100,13 +100,11 @@ class MegatronHartsActorConfig(ActorConfig):
     ppo_micro_batch_size_per_gpu: Optional[int] = 1
 
 
-# the optimizer flags this engine sets itself from verl's optimizer config
+# the flags this engine sets itself (from verl's configs and its own fields), or that it does not support
 _OWN_FLAGS = ("--lr", "--weight-decay", "--adam-beta1", "--adam-beta2", "--clip-grad", "--train-iters",
               "--lr-decay-style", "--tree-sharing", "--tree-microbatch-tokens", "--tree-planner", "--micro-batch-size",
               "--global-batch-size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
               "--expert-model-parallel-size", "--context-parallel-size")
-_PARALLEL_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size",
-                   "--context-parallel-size")
 
 
 def _refusals(engine_config, optimizer_config, model_config) -> List[str]:
@@ -137,8 +135,6 @@ def _refusals(engine_config, optimizer_config, model_config) -> List[str]:
         style = getattr(o, "lr_scheduler_type", "constant")
         if style not in (None, "constant"):
             out.append(f"optim lr_scheduler_type {style!r}: only constant")
-        if getattr(o, "grad_clip", None) is not None:
-            out.append("optim grad_clip: use clip_grad")
         min_lr = getattr(o, "min_lr_ratio", None)
         if min_lr not in (None, 0.0, 1.0):
             out.append(f"optim min_lr_ratio {min_lr}: constant lr only")
