@@ -171,6 +171,11 @@ def test_train_mini_batch_tree_equals_expanded(verl_world, agg):
         try:
             out = w.train_mini_batch(_train_inputs(_batch(_samples())))
             runs[sharing] = (out["metrics"], _grads(w), _params(w))
+            tokens = w.engine.last_batch_tokens         # the last mini-batch's log-prob pass
+            if sharing == "off":
+                assert tokens["computed"] == tokens["trajectory"]
+            else:       # the groups' shared prompts and turns ran once
+                assert tokens["computed"] < tokens["trajectory"], tokens
         finally:
             _close(w)
     m0, g0, p0 = runs["off"]

@@ -168,6 +168,7 @@ class MegatronHartsEngine(BaseEngine):
         self.checkpoint_config = checkpoint_config
         self.trainer = None
         self.mode = None
+        self.last_batch_tokens: Optional[dict] = None
         self._forward_only = bool(getattr(engine_config, "forward_only", False))
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -347,6 +348,8 @@ class MegatronHartsEngine(BaseEngine):
         uids = [_uids(mb) for mb in micro_batches]
         step = _TreeStep(self.trainer, [s for nt in seqs for s in nt.unbind()], [u for us in uids for u in us])
         lp, ent = step.logprobs(entropy)
+        # what the log-prob pass computed against the batch's tokens (tree sharing: fewer)
+        self.last_batch_tokens = {"computed": step.computed_tokens, "trajectory": step.trajectory_tokens}
 
         outputs, coef_lp, coef_ent = [], [], []
         first = 0
@@ -476,6 +479,7 @@ class _TreeStep:
         from ..training.step import _unwrap, run_schedule
         total = int(self.offsets[-1])
         acc = np.zeros((3, total), dtype=np.float64)
+        rows = [0]
         chunk = self.trainer.model[0]
 
         def forward_step(data_iterator, model):
@@ -487,6 +491,7 @@ class _TreeStep:
             lp_pairs, ent_rows = out if entropy else (out, None)
             lp = lp_pairs.index_select(0, batch.target_pair)
             if not getattr(psp, "preview", False):
+                rows[0] += int(batch.num_rows)
                 np.add.at(acc[0], flat[keep], lp.detach().double().cpu().numpy()[keep])
                 np.add.at(acc[1], flat[keep], 1.0)
                 if entropy:
@@ -504,6 +509,7 @@ class _TreeStep:
             lo = self.offsets[self.step_index[i]]
             if not bool((acc[1, lo + 1:lo + L] == 1).all()):
                 raise RuntimeError(f"verl engine: sample {i}: a position has no log-prob")
+        self.computed_tokens, self.trajectory_tokens = rows[0], int(sum(self.lengths))
         lps = self._per_sample(acc[0])
         return lps, (self._per_sample(acc[2]) if entropy else None)
 
