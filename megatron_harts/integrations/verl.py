@@ -355,8 +355,9 @@ class MegatronHartsEngine(BaseEngine):
         first = 0
         for mb in micro_batches:
             n = len(mb)
-            mlp = [torch.from_numpy(x) for x in lp[first:first + n]]
-            ment = [torch.from_numpy(x) for x in ent[first:first + n]] if entropy else None
+            dev = mb["loss_mask"].device          # the loss runs where verl's batch lives
+            mlp = [torch.from_numpy(x).to(dev) for x in lp[first:first + n]]
+            ment = [torch.from_numpy(x).to(dev) for x in ent[first:first + n]] if entropy else None
             first += n
             if forward_only:
                 model_output = {"log_probs": _nested(mlp)}
@@ -385,12 +386,10 @@ class MegatronHartsEngine(BaseEngine):
 
 
 class _Ctx(BaseEngineCtx):
+    """verl's mode context; also sets the model's train/eval mode."""
     def __enter__(self):
         super().__enter__()
         self.engine.model.train(self.mode == "train")
-
-    def __exit__(self, exc_type, exc_val, exc_tb):
-        super().__exit__(exc_type, exc_val, exc_tb)
 
 
 def _uids(mb: TensorDict) -> List[Any]:
@@ -408,7 +407,7 @@ def _nested(parts: List[torch.Tensor]) -> torch.Tensor:
 
 
 def _grad(x: torch.Tensor) -> np.ndarray:
-    return np.zeros(x.shape[0]) if x.grad is None else x.grad.detach().double().numpy()
+    return np.zeros(x.shape[0]) if x.grad is None else x.grad.detach().double().cpu().numpy()
 
 
 def _detach(obj):
