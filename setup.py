@@ -64,8 +64,12 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "transformers>=5.6", "tensorboard>=2.15"],
         "bench": ["ortools>=9.10"],
         "plot": ["matplotlib>=3.5"],
+        # the verl engine (megatron_harts/integrations/verl.py, docs/verl.md): the verl release it is tested with
+        "verl": ["verl==0.9.1", "tensordict>=0.8,<=0.10,!=0.9.0"],
     },
-    entry_points={"console_scripts": ["harts-pretrain = megatron_harts.training.pretrain:console_main"]},
+    entry_points={"console_scripts": ["harts-pretrain = megatron_harts.training.pretrain:console_main"],
+                  # verl imports every "verl.plugins" entry point at start: this registers the engine
+                  "verl.plugins": ["megatron_harts = megatron_harts.integrations.verl"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,

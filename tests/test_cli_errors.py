@@ -68,6 +68,8 @@ CASES = {
     "benchmarks/bench_pp_schedule": (py("benchmarks", "bench_pp_schedule", BAD_FLAG), None),
     "benchmarks/bench_throughput": (py("benchmarks", "bench_throughput", BAD_FLAG), None),
     "benchmarks/bench_tree_attention": (py("benchmarks", "bench_tree_attention", BAD_FLAG), None),
+    "benchmarks/bench_verl": (py("benchmarks", "bench_verl", BAD_FLAG),
+                              py("benchmarks", "bench_verl", "--out", os.path.join("no_dir", "v.json"))),
     "benchmarks/calibrate_cost": (py("benchmarks", "calibrate_cost", "--preset", "tiny", BAD_FLAG),
                                   py("benchmarks", "calibrate_cost", "--preset", "tiny", "--device", "cpu", "--out",
                                      os.path.join("no_dir", "c.json"))),
