@@ -65,6 +65,19 @@ def pytest_collection_modifyitems(session, config, items):
         items.extend(tests)
 
 
+@pytest.fixture
+def cpu_world_for_the_test():
+    """``cpu_world`` for one test only: for a module whose other tests build a ``Trainer`` (which makes
+    megatron's parallel state itself, so none may be left from an earlier test in any order)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    patches.apply()
+    with megatron_cpu():
+        yield
+    patches.undo()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _megatron_state_released():
     """Fails the module that leaves megatron-core's model-parallel state initialized (a Trainer not

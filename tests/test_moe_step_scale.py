@@ -130,7 +130,7 @@ def test_step_token_weights_add_up_to_its_trajectory_tokens(sharing, budget, dp)
 
 
 @pytest.mark.parametrize("sharing,budget", [("within", 48), ("windows", 48), ("off", 48)])
-def test_microbatch_token_weight_total_is_known_on_the_host(cpu_world, sharing, budget):
+def test_microbatch_token_weight_total_is_known_on_the_host(cpu_world_for_the_test, sharing, budget):
     """The packed params of every microbatch the schedule builds (plain, producer, expanded, with
     rows left uncounted) carry ``token_weight.sum()`` as a host number, so the MoE layers never
     read it from the device: it equals the device sum exactly, and padding keeps it."""
