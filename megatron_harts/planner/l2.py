@@ -91,7 +91,6 @@ so the plan does not depend on the thread count.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -107,6 +106,7 @@ from .l2_balance import (BALANCE_MORE_BINS, BALANCE_MOVES, BALANCE_PACKINGS, BAL
 from .l2_even import EVEN_BINS, EVEN_SPEND, even_slots
 from .l2_oneslot import pack_one_slot, search_slots
 from .l2_packing import estimate_step, packed_rows
+from .l2_search import l1_as_l1l2
 from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
 from .l2_windows import pack_windows
@@ -208,19 +208,9 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     the KDA chunk size).
     """
     t0 = time.perf_counter()
-    if l1.mode != "tree":
-        raise ValueError("L2 refines a tree-mode (L1) plan")
-    model = cost_model or l1.cost_model
-    ix = index if index is not None else ForestIndex(forest)
+    model, ix, keep = l1_as_l1l2(forest, l1, cost_model, index)
     dp, M = l1.num_replicas, l1.row_budget
     mpr = model.chunk_size if min_producer_rows is None else int(min_producer_rows)
-    if model != l1.cost_model:  # judge L1's microbatches with this cost model
-        groups = [(m.owned, m.recomputed) for m in l1.microbatches]
-        placement = [(m.replica, m.slot) for m in l1.microbatches]
-        keep = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
-    else:
-        keep = dataclasses.replace(l1, planner="harts_l1l2", windows=list(l1.windows),
-                                   microbatches=list(l1.microbatches), slots=l1.slots.copy())
     keep_tokens = keep.tokens_computed
     plan, plan_key = keep, (step_cost(keep), keep_tokens)
     plan_packed = None  # the packing the best plan so far is assembled from, before the balance pass (None: L1's)

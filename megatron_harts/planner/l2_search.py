@@ -284,6 +284,24 @@ def groups_of(inst: L2Instance, cells: np.ndarray, reads: np.ndarray):
     return groups, placement
 
 
+def l1_as_l1l2(forest, l1: MicrobatchPlan, cost_model: Optional[CostModel], index: Optional[ForestIndex]):
+    """(cost model, forest index, L1's plan as an L1+L2 plan judged by that model): where every L2
+    starts, and what it returns when it finds nothing better."""
+    if l1.mode != "tree":
+        raise ValueError("L2 refines a tree-mode (L1) plan")
+    model = cost_model or l1.cost_model
+    ix = index if index is not None else ForestIndex(forest)
+    if model != l1.cost_model:  # judge L1's microbatches with this cost model
+        groups = [(m.owned, m.recomputed) for m in l1.microbatches]
+        placement = [(m.replica, m.slot) for m in l1.microbatches]
+        keep = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=l1.num_replicas,
+                             row_budget=l1.row_budget, cost_model=model)
+    else:
+        keep = dataclasses.replace(l1, planner="harts_l1l2", windows=list(l1.windows),
+                                   microbatches=list(l1.microbatches), slots=l1.slots.copy())
+    return model, ix, keep
+
+
 @gc_paused
 def plan_l2_search(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = None,
             index: Optional[ForestIndex] = None, min_producer_rows: Optional[int] = None,
@@ -295,19 +313,9 @@ def plan_l2_search(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel
     Without the compiled core (``megatron_harts._C``) L1's plan is returned, with one warning.
     """
     t0 = time.perf_counter()
-    if l1.mode != "tree":
-        raise ValueError("L2 refines a tree-mode (L1) plan")
-    model = cost_model or l1.cost_model
-    ix = index if index is not None else ForestIndex(forest)
+    model, ix, keep = l1_as_l1l2(forest, l1, cost_model, index)
     dp, M = l1.num_replicas, l1.row_budget
     mpr = model.chunk_size if min_producer_rows is None else int(min_producer_rows)
-    if model != l1.cost_model:  # judge L1's microbatches with this cost model
-        groups = [(m.owned, m.recomputed) for m in l1.microbatches]
-        placement = [(m.replica, m.slot) for m in l1.microbatches]
-        keep = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model)
-    else:
-        keep = dataclasses.replace(l1, planner="harts_l1l2", windows=list(l1.windows),
-                                   microbatches=list(l1.microbatches), slots=l1.slots.copy())
     plan = keep
     if _SEARCH is None:  # no compiled core: said once
         if not _WARNED:
