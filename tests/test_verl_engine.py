@@ -101,10 +101,13 @@ def _worker(sharing, loss_agg_mode="token-mean", harts_args=None, load_weights=N
 @pytest.fixture(scope="module")
 def verl_world():
     """A one-process gloo world made before verl's worker looks for one (verl would ask for NCCL), and the
-    launcher variables verl's Worker reads; both undone at the end."""
+    launcher variables verl's Worker reads; both undone at the end.  verl's Worker also writes
+    LOCAL_WORLD_SIZE and REDIS_STORE_SERVER_HOST into the environment when it is built: they are set
+    here to the values it writes, so no test changes the environment and the module's end restores it."""
     import torch.distributed as dist
     mp = pytest.MonkeyPatch()
-    for k, v in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+    for k, v in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                     LOCAL_WORLD_SIZE="1", REDIS_STORE_SERVER_HOST="127.0.0.1").items():
         mp.setenv(k, v)
     created = not dist.is_initialized()
     if created:
