@@ -134,15 +134,37 @@ def test_search_budget_is_the_effort_knob():
     assert [m.owned.tolist() for m in a.microbatches] == [m.owned.tolist() for m in b.microbatches]
 
 
-def test_without_the_compiled_core_l1_plans_with_one_warning(monkeypatch):
+def test_without_the_compiled_core_l1_plans_and_the_planner_says_so_once(monkeypatch):
+    import sys
+
+    from megatron_harts.planner import compiled as compiled_mod
+
     forest = _forest(3, "tree-step")
     ix = ForestIndex(forest)
     l1 = plan_l1(forest, 2, int(ix.tree_max_path.max()) * 2, index=ix)
-    monkeypatch.setattr(l2_search, "_SEARCH", None)
-    monkeypatch.setattr(l2_search, "_WARNED", [])
-    with pytest.warns(RuntimeWarning, match="not built"):
-        plan = l2_search.plan_l2_search(forest, l1, index=ix)
-    assert [m.owned.tolist() for m in plan.microbatches] == [m.owned.tolist() for m in l1.microbatches]
+    import megatron_harts
+
+    monkeypatch.setitem(sys.modules, "megatron_harts._C", None)  # the extension cannot be imported
+    monkeypatch.delattr(megatron_harts, "_C", raising=False)
+    monkeypatch.setattr(compiled_mod, "_SAID", [])
+    with pytest.warns(compiled_mod.CompiledCoreMissing, match="not built"):
+        routine = compiled_mod.compiled("l2_search")
+    assert routine is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        l2_search.plan_l2_search(forest, l1, index=ix)  # said once
+        assert compiled_mod.compiled("plan_calls") is None  # said once per process
+        from megatron_harts.planner.calls import plan_calls
+        got = plan_calls([-1, 0], [0, 5], [5, 7], 4)  # the reference, silently after the one warning
+        ref = plan_calls([-1, 0], [0, 5], [5, 7], 4, backend="python")
+        assert (got.num_calls, got.replay_tokens) == (ref.num_calls, ref.replay_tokens)
+        monkeypatch.setattr(l2_search, "_SEARCH", routine)
+        plan = l2_search.plan_l2_search(forest, l1, index=ix)
+    assert [m.owned.tolist() for m in plan.microbatches] == [m.owned.tolist() for m in l1.microbatches]
+
+
+@needs_core
+def test_an_extension_without_a_routine_is_refused_at_lookup():
+    from megatron_harts.planner.compiled import compiled
+
+    with pytest.raises(ImportError, match="rebuild it"):
+        compiled("no_such_routine")

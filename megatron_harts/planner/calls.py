@@ -34,6 +34,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .compiled import compiled
+
 __all__ = ["CallPlan", "plan_calls", "check_inputs"]
 
 
@@ -272,21 +274,19 @@ def plan_calls(parent, start, length, chunk_size, *, backend: str = "auto",
     ``parent``/``start``/``length`` describe segments in DFS preorder (``parent[i] < i``, -1 for
     roots; ``start`` the path position of the segment's first token).  ``backend`` is ``"cpp"``
     (the compiled ``megatron_harts._C``), ``"python"`` (this module's reference) or ``"auto"``
-    (C++ when built).  Both return identical plans.
+    (C++ when built; without it the reference, said once by ``planner.compiled``).  Both return identical plans.
     """
     if backend not in ("auto", "cpp", "python"):
         raise ValueError(f"backend must be 'auto', 'cpp' or 'python', got {backend!r}")
     parent, start, length = check_inputs(parent, start, length, chunk_size)
     B = int(chunk_size)
     if backend != "python":
-        try:
-            from megatron_harts import _C  # noqa: WPS433 (optional compiled core)
-        except ImportError:
-            if backend == "cpp":
-                raise
-            _C = None
-        if _C is not None:
-            out = _C.plan_calls(parent, start, length, B, bool(replay))
+        routine = compiled("plan_calls")
+        if routine is None and backend == "cpp":
+            raise ImportError("plan_calls(backend='cpp'): megatron_harts._C is not built "
+                              "(python setup.py build_ext --inplace)")
+        if routine is not None:
+            out = routine(parent, start, length, B, bool(replay))
             arrays = {name: out[name] for name in CallPlan.ARRAY_FIELDS}
             return CallPlan.from_arrays(out["num_calls"], out["replay_tokens"], B, replay, arrays)
     return _plan_python(parent, start, length, B, bool(replay))

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -79,7 +78,6 @@ EXTRA_SLOTS = 2
 _SEED = 1
 
 _SEARCH = compiled("l2_search")
-_WARNED: List[bool] = []
 
 
 @dataclass
@@ -317,11 +315,8 @@ def plan_l2_search(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel
     dp, M = l1.num_replicas, l1.row_budget
     mpr = model.chunk_size if min_producer_rows is None else int(min_producer_rows)
     plan = keep
-    if _SEARCH is None:  # no compiled core: said once
-        if not _WARNED:
-            _WARNED.append(True)
-            warnings.warn("megatron_harts._C is not built (python setup.py build_ext --inplace): L2 returns "
-                          "L1's plans", RuntimeWarning, stacklevel=2)
+    if _SEARCH is None:  # no compiled core (said once by planner.compiled): L1's plan
+        pass
     elif l1.microbatches:
         keep_key = (step_cost(keep), keep.tokens_computed)
         inst = l2_units(ix, l1, model, mpr, keep_key[1])
