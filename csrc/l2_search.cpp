@@ -30,9 +30,9 @@
 // block with the blocks below it in its bin to a bin of another replica, the items of the moved
 // blocks on other replicas to bins of that one; or back into the bin of the block above).
 // Objective, compared lexicographically: (rows over the budget summed over bins,
-// step + penalty * max(0, tokens - base_tokens), sum of squared bin costs), step = sum over slots of
-// the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
-// energy (step + penalty * (tokens above the base + rows over the budget)) above the current one, t
+// step + penalty * max(0, tokens - base_tokens) + load_weight * (sum of bin costs) / dp, sum of squared
+// bin costs), step = sum over slots of the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
+// energy (the objective's second term + penalty * rows over the budget) above the current one, t
 // falling linearly from `temperature` times the mean bin cost of the start to 0.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -82,11 +82,12 @@ class Search {
     Search(i64 S_seg, const i64* length, const i64* pairs, const i64* logits, i64 U, const i64* kind,
            const i64* win, const i64* up, const i64* replay, const i64* own_off, const i64* own, const i64* rec_off,
            const i64* rec, const i64* path_off, const i64* path, i64 dp, i64 slots, i64 M, double overhead,
-           double c_row, double c_pair, double c_logit, double c_replay, i64 base_tokens, double penalty)
+           double c_row, double c_pair, double c_logit, double c_replay, i64 base_tokens, double penalty,
+           double load_weight)
         : length_(length), pairs_(pairs), logits_(logits), U_(U), kind_(kind), win_(win), up_(up), replay_(replay),
           own_off_(own_off), own_(own), rec_off_(rec_off), rec_(rec), path_off_(path_off), path_(path), R_(dp),
           S_(slots), M_(M), overhead_(overhead), c_row_(c_row), c_pair_(c_pair), c_logit_(c_logit),
-          c_replay_(c_replay), base_(base_tokens), penalty_(penalty), stamp_(S_seg, 0), replayed_(S_seg, 0) {
+          c_replay_(c_replay), base_(base_tokens), penalty_(penalty), load_weight_(load_weight), stamp_(S_seg, 0), replayed_(S_seg, 0) {
         cell_units_.assign(R_ * S_, {});
         cell_of_.assign(U_, -1);
         pos_.assign(U_, 0);
@@ -131,6 +132,7 @@ class Search {
         total_tokens_ = 0;
         overflow_ = 0;
         smooth_ = 0.0;
+        total_cost_ = 0.0;
         for (i64 c = 0; c < R_ * S_; ++c) account(value_[c], 1);
         for (i64 r = 0; r < R_; ++r) decode(r);
         step_ = full_step();
@@ -139,12 +141,13 @@ class Search {
     Objective objective() const {
         Objective o;
         o.overflow = overflow_;
-        o.primary = step_ + penalty_ * static_cast<double>(std::max<i64>(0, total_tokens_ - base_));
+        o.primary = step_ + penalty_ * static_cast<double>(std::max<i64>(0, total_tokens_ - base_)) +
+                    load_weight_ * total_cost_ / static_cast<double>(R_);
         o.smooth = smooth_;
         return o;
     }
 
-    // Energy of a state for the annealing: step + penalty * (tokens above the base + rows over the budget).
+    // Energy of a state for the annealing: the objective's second term + penalty * rows over the budget.
     double energy(const Objective& o) const { return o.primary + penalty_ * static_cast<double>(o.overflow); }
 
     // The search: `moves` tried moves, simulated annealing from temperature `t0` down to 0 (a move that
@@ -345,6 +348,7 @@ class Search {
         total_tokens_ += sign * v.tokens;
         overflow_ += sign * std::max<i64>(0, v.rows - M_);
         smooth_ += sign * v.cost * v.cost;
+        total_cost_ += sign * v.cost;
     }
 
     // Replica r's bins in run order (producers first, then the others, costliest first in each; empty
@@ -578,7 +582,7 @@ class Search {
     i64 R_, S_, M_;
     double overhead_, c_row_, c_pair_, c_logit_, c_replay_;
     i64 base_;
-    double penalty_;
+    double penalty_, load_weight_;
     std::vector<i64> stamp_;
     i64 cur_ = 0;
     std::vector<std::vector<i64>> cell_units_, items_of_;
@@ -590,7 +594,7 @@ class Search {
     std::vector<std::pair<std::vector<double>, std::vector<i64>>> old_order_;
     double old_step_ = 0.0;
     i64 total_tokens_ = 0, overflow_ = 0;
-    double smooth_ = 0.0, step_ = 0.0;
+    double smooth_ = 0.0, step_ = 0.0, total_cost_ = 0.0;
     std::uint64_t rng_ = 1;
     std::vector<std::pair<i64, i64>> cand_, moved_;
     std::vector<i64> dirty_, reps_, bins_;
@@ -619,7 +623,8 @@ py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array k
                     I64Array replay,
                     I64Array own_off, I64Array own, I64Array rec_off, I64Array rec, I64Array path_off, I64Array path,
                     I64Array cell0, i64 dp, i64 slots, i64 M, double overhead, double c_row, double c_pair,
-                    double c_logit, double c_replay, i64 base_tokens, double penalty, i64 moves, double temperature,
+                    double c_logit, double c_replay, i64 base_tokens, double penalty, double load_weight, i64 moves,
+                    double temperature,
                     std::uint64_t seed) {
     const i64 S_seg = length.shape(0);
     const i64 U = kind.shape(0);
@@ -644,7 +649,7 @@ py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array k
     }
     Search search(S_seg, length.data(), pairs.data(), logits.data(), U, kd, wn, upp, replay.data(), own_off.data(),
                   own.data(), rec_off.data(), rec.data(), path_off.data(), path.data(), dp, slots, M, overhead, c_row,
-                  c_pair, c_logit, c_replay, base_tokens, penalty);
+                  c_pair, c_logit, c_replay, base_tokens, penalty, load_weight);
     {
         py::gil_scoped_release release;
         search.place(c0);
@@ -664,7 +669,7 @@ void register_l2_search(py::module_& m) {
           py::arg("win"), py::arg("up"), py::arg("replay"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"),
           py::arg("path_off"), py::arg("path"), py::arg("cell0"), py::arg("dp"), py::arg("slots"), py::arg("M"),
           py::arg("overhead"), py::arg("c_row"), py::arg("c_pair"), py::arg("c_logit"), py::arg("c_replay"),
-          py::arg("base_tokens"), py::arg("penalty"), py::arg("moves"), py::arg("temperature"), py::arg("seed"),
+          py::arg("base_tokens"), py::arg("penalty"), py::arg("load_weight"), py::arg("moves"), py::arg("temperature"), py::arg("seed"),
           "L2's local search (megatron_harts.planner.l2): (cell per unit, reads per unit, objective "
           "(overflow, step + penalty, sum of squared costs), estimated tokens, estimated step).");
 }

@@ -23,8 +23,8 @@ MAX_UNITS = 8
 
 
 def objective(inst: L2Instance, bins: Sequence[int]) -> Tuple[int, float, List[float]]:
-    """(rows over the budget, step + penalty * tokens above the base, per slot the costliest bin) of
-    the units in ``bins``."""
+    """(rows over the budget, step + penalty * tokens above the base + load weight * mean replica load, per
+    slot the costliest bin) of the units in ``bins``."""
     K, R = inst.slots, inst.dp
     units: Dict[int, List[int]] = {}
     for u, b in enumerate(bins):
@@ -97,7 +97,10 @@ def objective(inst: L2Instance, bins: Sequence[int]) -> Tuple[int, float, List[f
     step = 0.0
     for t in tops:
         step += t
-    return overflow, step + inst.penalty * max(0, tokens - inst.base_tokens), tops
+    load = 0.0
+    for b in sorted(cost):
+        load += cost[b]
+    return overflow, step + inst.penalty * max(0, tokens - inst.base_tokens) + inst.load_weight * load / R, tops
 
 
 def optimum(inst: L2Instance) -> Tuple[Tuple[int, float], Tuple[int, ...]]:
