@@ -413,10 +413,10 @@ def test_minibatches_keep_groups_whole():
 
 
 def test_driver_refusals(tmp_path):
-    from test_arguments import refused
+    from test_arguments import parse, refused
     from megatron_harts.training import arguments as A
-    refused("--rl-tis-cap 2 --rl-old-logprobs recompute", "--rl-tis-cap 2.0", "rollout_logprobs")
-    refused("--kl-coef 0.1", "--kl-coef 0.1 --kl-to ref needs --ref-load")
+    # the data may carry rollout_logprobs and ref_logprobs: these parse, the data is checked when read
+    parse("--rl-tis-cap 2 --rl-old-logprobs recompute --kl-coef 0.1")
     refused(f"--kl-coef 0.1 --ref-load {tmp_path / 'nope'}", "--ref-load", "no such directory")
     refused(f"--ref-load {tmp_path}", "--ref-load", "--kl-coef > 0")
     refused("--rl-mini-batches 0", "--rl-mini-batches")
@@ -427,7 +427,6 @@ def test_driver_refusals(tmp_path):
     for f in ("--kl-estimator {k1,k2,k3}", "--rl-ratio-level {token,sequence}", "--ref-placement {device,offload}",
               "--rl-mini-batches INT", "--rl-loss-norm-length INT"):
         assert f in help_text
-    from test_arguments import parse
     args = parse("--loss-agg-mode seq-mean-token-sum-norm --rl-mini-batches 4 --rl-epochs 2")
     assert args.rl_loss_norm_length == args.seq_length
     assert A.rl_update_kwargs(args) == {"mini_batches": 4, "epochs": 2, "ref_load": None, "ref_placement": "device"}
@@ -439,10 +438,16 @@ def test_trainer_step_data_errors():
     bad = [dict(r) for r in recs]
     bad[2]["rollout_logprobs"] = bad[2]["rollout_logprobs"][:-1]
     with Trainer.from_args(_argv("within", "--rl-old-logprobs", "recompute", "--rl-tis-cap", "2")) as t:
-        with pytest.raises(ValueError, match=r"record 3, trajectory 't0/b1/s0': rollout_logprobs has \d+ entries"):
+        with pytest.raises(ValueError, match=r"line 3: trajectory 't0/b1/s0': field 'rollout_logprobs': has \d+ "
+                                             r"entries but 'tokens' has \d+"):
             t.step(bad)
-        with pytest.raises(ValueError, match="no `rollout_logprobs`"):
+        with pytest.raises(ValueError, match=r"--rl-tis-cap 2.0: the trajectories carry no `rollout_logprobs`"):
             t.step([{k: v for k, v in r.items() if k != "rollout_logprobs"} for r in recs])
+        some = [dict(r) for r in recs]
+        del some[4]["rollout_logprobs"]
+        with pytest.raises(ValueError, match=r"trajectory 't0/b2/s0': --rl-tis-cap 2.0 needs `rollout_logprobs` at "
+                                             r"every trained token"):
+            t.step(some)
 
 
 # ---------------------------------------------------------------------------
