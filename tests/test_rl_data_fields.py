@@ -102,6 +102,15 @@ def test_corrupt_rollout_bytes_fail_the_tree_checksum(tmp_path):
         bad.forest()
 
 
+def test_data_format_example_reads():
+    """The record docs/data_format.md shows reads, with its engine log-probs."""
+    from tool_runner import ROOT
+    with open(os.path.join(ROOT, "docs", "data_format.md")) as f:
+        line = next(x for x in f if x.startswith('{"id": "task7/s0/b1"'))
+    t = make_trajectory(json.loads(line))
+    assert np.array_equal(t.rollout_logprobs, [np.nan, np.nan, np.nan, -0.29, -1.26], equal_nan=True)
+
+
 def test_record_errors():
     r = _with_fields(_records())[0]
     for name in FIELDS:

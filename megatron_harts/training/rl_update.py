@@ -74,7 +74,8 @@ class RLUpdateConfig:
                        "those of the global batch (default 1)", minimum=1)
     ref_load: Optional[str] = flag(None, "--ref-load", "frozen reference model for --kl-to ref: a driver checkpoint "
                                    "directory (also a release converted by tools/convert_hf_checkpoint.py --format "
-                                   "dist) or a transformers Kimi-Linear directory (TP = PP = EP = 1)")
+                                   "dist) or a transformers Kimi-Linear directory (TP = PP = EP = 1); with it the "
+                                   "data's ref_logprobs are not read")
     ref_placement: str = flag("device", "--ref-placement", "where the reference weights live: device (default: on "
                               "the GPU, their parameter bytes, no gradients or optimizer state) or offload (in host "
                               "memory, copied to the GPU for each reference pass and back)", choices=REF_PLACEMENTS)
