@@ -308,9 +308,10 @@ def test_ref_load_wins_over_the_data(scored_dataset, capsys):
     one of the same records without ref_logprobs), said once."""
     from megatron_harts.training.trainer import Trainer
     s = scored_dataset
-    bogus = [dict(r, ref_logprobs=[None] + [-30.0] * (len(r["tokens"]) - 1)) for r in s["records"]]
+    recs4 = s["records"][:4]
+    bogus = [dict(r, ref_logprobs=[None] + [-30.0] * (len(r["tokens"]) - 1)) for r in recs4]
     out = {}
-    for name, recs in (("bogus", bogus), ("none", s["records"])):
+    for name, recs in (("bogus", bogus), ("none", recs4)):
         with Trainer.from_args(_data_argv("within", s["prefix"], *FLAGS, "--ref-load", s["ref"])) as t:
             out[name] = t.step(recs)["loss"]
     assert out["bogus"] == out["none"]
