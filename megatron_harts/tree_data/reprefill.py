@@ -83,7 +83,8 @@ def reprefill_trajectory(t: Trajectory, split: Optional[Mapping[TrajectoryId, in
             link = (parent[0], min(parent[1], int(pos.size)))
         else:
             link = (f"{t.id}/r0", 0)
-        out.append(Trajectory(id=f"{t.id}/r{k}", tokens=t.tokens[pos], loss_mask=mask, advantage=adv, reward=t.reward, weight=t.weight, group=t.group, parent=link,
+        out.append(Trajectory(id=f"{t.id}/r{k}", tokens=t.tokens[pos], loss_mask=mask, advantage=adv, reward=t.reward,
+                              weight=t.weight, group=t.group, parent=link,
                               compactions=None, source=t.source, **logprobs))
     return out
 
