@@ -588,9 +588,8 @@ def objective_loss_reference(trajectories_logprobs: Sequence[torch.Tensor], traj
     ``ref_logprobs`` and ``rollout_logprobs`` likewise (default: the trajectories' own fields).  Builds
     padded [batch, length] arrays and a loss mask (``loss_mask[j] == 1``, ``j >= 1``) and aggregates
     like ``loss_agg_mode`` says, weighting each trajectory by its ``weight`` (1.0 when absent); with
-    ``old_logprobs`` "current"
-    the old log-probs are the given log-probs, detached; the sequence-level ratio and the
-    sequence-level rollout weights are computed here from the whole rows.  Returns
+    ``old_logprobs`` "current" the old log-probs are the given log-probs, detached; the
+    sequence-level ratio and the sequence-level rollout weights are computed here from the whole rows.  Returns
     ``(loss, terms)`` with the keys of :func:`objective_loss`.
     """
     B = len(trajectories)
