@@ -585,11 +585,11 @@ def objective_loss_reference(trajectories_logprobs: Sequence[torch.Tensor], traj
     non-target positions are ignored, NaN allowed); ``trajectories_entropy[b][j]``: entropy of
     the distribution that predicts token j (ignored likewise).  ``old_logprobs`` (per trajectory,
     per position; default: the trajectories' own, e.g. recomputed ones for "recompute"),
-    ``ref_logprobs`` and ``rollout_logprobs`` likewise.  Builds padded [batch, length] arrays and a
-    loss mask (``loss_mask[j] == 1``, ``j >= 1``) and aggregates like ``loss_agg_mode`` says,
-    weighting each trajectory by its ``weight`` (1.0 when absent); with ``old_logprobs`` "current"
-    the old log-probs are the given log-probs, detached; the sequence-level ratio and the
-    sequence-level rollout weights are computed here from the whole rows.  Returns
+    ``ref_logprobs`` and ``rollout_logprobs`` likewise (default: the trajectories' own fields).  Builds
+    padded [batch, length] arrays and a loss mask (``loss_mask[j] == 1``, ``j >= 1``) and aggregates
+    like ``loss_agg_mode`` says, weighting each trajectory by its ``weight`` (1.0 when absent); with
+    ``old_logprobs`` "current" the old log-probs are the given log-probs, detached; the
+    sequence-level ratio and the sequence-level rollout weights are computed here from the whole rows.  Returns
     ``(loss, terms)`` with the keys of :func:`objective_loss`.
     """
     B = len(trajectories)
@@ -611,8 +611,10 @@ def objective_loss_reference(trajectories_logprobs: Sequence[torch.Tensor], traj
         m[0] = False
         mask_rows.append(m)
         old = _per_position(tr.old_logprobs if old_logprobs is None else old_logprobs[b], n, "old_logprobs", tr.id)
-        ref = _per_position(None if ref_logprobs is None else ref_logprobs[b], n, "ref_logprobs", tr.id)
-        roll = _per_position(None if rollout_logprobs is None else rollout_logprobs[b], n, "rollout_logprobs", tr.id)
+        ref = _per_position(getattr(tr, "ref_logprobs", None) if ref_logprobs is None else ref_logprobs[b], n,
+                            "ref_logprobs", tr.id)
+        roll = _per_position(getattr(tr, "rollout_logprobs", None) if rollout_logprobs is None else rollout_logprobs[b],
+                             n, "rollout_logprobs", tr.id)
         if isinstance(tr.advantage, np.ndarray):
             adv = torch.as_tensor(tr.advantage, dtype=torch.float64)
         else:

@@ -1466,13 +1466,6 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
         _fail(f"--ref-load {args.ref_load}: no such directory")
     if args.ref_load is not None and not (args.kl_coef > 0 and args.kl_to == "ref"):
         _fail(f"--ref-load {args.ref_load} is read only for the KL penalty: give --kl-coef > 0 (with --kl-to ref)")
-    if require_data:        # the dataset stores no per-token fields besides old_logprobs and advantages
-        if args.kl_coef > 0 and args.kl_to == "ref" and args.ref_load is None:
-            _fail(f"--kl-coef {args.kl_coef} --kl-to ref needs --ref-load DIR (reference log-probs in the records "
-                  "are read by Trainer.step only); or --kl-to old")
-        if args.rl_tis_cap is not None:
-            _fail(f"--rl-tis-cap {args.rl_tis_cap} needs the records' rollout_logprobs, which Trainer.step reads "
-                  "and the --data-path dataset does not store")
     try:
         ObjectiveConfig(**objective_kwargs(args))
         RLUpdateConfig(**rl_update_kwargs(args))

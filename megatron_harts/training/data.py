@@ -398,6 +398,11 @@ class TreeBatchLoader:
         return self._source.name
 
     @property
+    def source_forest(self) -> Forest:
+        """The whole source as one forest (a dataset's: index tables in memory, rows memory-mapped)."""
+        return self._source.forest
+
+    @property
     def num_trees(self) -> int:
         return self._source.num_trees
 

@@ -7,8 +7,9 @@ One RL update of a global batch (:func:`rl_update`):
    weights before the update (:func:`forward_logprobs`); these old log-probs hold for every
    mini-batch and epoch of the update.
 2. ``--kl-coef`` with ``--kl-to ref``: the reference log-probs of every target, from the frozen
-   reference model (``--ref-load``; one forward-only pass) or the data's ``ref_logprobs``.
-3. ``--rl-tis-cap``: rollout-correction weights from the old log-probs and the data's
+   reference model (``--ref-load``; one forward-only pass) or, without one, the trajectories'
+   ``ref_logprobs`` (with ``--ref-load`` the reference model's are used and the data's are not read).
+3. ``--rl-tis-cap``: rollout-correction weights from the old log-probs and the trajectories'
    ``rollout_logprobs`` (token or sequence level, truncated or masked); the step metrics
    ``rollout/abs_diff_mean``, ``rollout/abs_diff_max`` and ``rollout/kl`` (k3 estimate of
    KL(rollout || trainer), tokens sampled by the rollout engine) over the trained tokens.
@@ -19,8 +20,11 @@ One RL update of a global batch (:func:`rl_update`):
    ``--rl-ratio-level sequence`` each mini-batch first runs a forward-only pass at the current
    weights for every trajectory's mean log-ratio (the GSPO ratio's value).
 
-Per-position values (old, reference, rollout log-probs, rollout weights, sequence log-ratios)
-travel as ``{name: {trajectory id: float64 array over positions}}``; a step looks them up per
+The trajectories' own per-token fields (``rollout_logprobs``, ``ref_logprobs``) come from the
+forest (records, a dataset and ``Forest.select`` keep them); a trajectory with a trained target but
+without a field the flags need is refused before any pass (:class:`RLDataError`, naming the
+trajectory and the flag).  Per-position values (old, reference, rollout log-probs, rollout weights,
+sequence log-ratios) travel as ``{name: {trajectory id: float64 array over positions}}``; a step looks them up per
 target by (trajectory, position) (:class:`TargetTables`), so tree and expanded mode, microbatch
 cuts and pieces read the same numbers.
 
@@ -42,12 +46,23 @@ import torch.distributed as dist
 from ..rl.flag_group import check_group, flag
 from ..rl.objectives import ObjectiveConfig, tis_weights
 
-__all__ = ["RLUpdateConfig", "REF_PLACEMENTS", "TargetTables", "forward_logprobs", "minibatch_trees", "rl_update",
-           "per_trajectory", "rollout_metrics", "RLUpdateResult"]
+__all__ = ["RLUpdateConfig", "REF_PLACEMENTS", "RLDataError", "TargetTables", "data_logprobs", "forward_logprobs",
+           "minibatch_trees", "rl_update", "per_trajectory", "rollout_metrics", "RLUpdateResult"]
 
 REF_PLACEMENTS = ("device", "offload")
 
 PerTrajectory = Dict[Hashable, np.ndarray]
+
+
+class RLDataError(ValueError):
+    """The trajectories lack a per-token field the update's flags need (one line naming the
+    trajectory, the field and the flag)."""
+
+
+def data_logprobs(forest, name: str) -> PerTrajectory:
+    """{trajectory id: float64 per position} of the per-token field ``name`` (``rollout_logprobs``,
+    ``ref_logprobs``) for the trajectories of ``forest`` that carry it."""
+    return {forest.traj_ids[t]: forest.trajectory_logprobs(name, t) for t in np.flatnonzero(forest.has_logprobs(name))}
 
 
 @dataclass(frozen=True)
@@ -59,7 +74,8 @@ class RLUpdateConfig:
                        "those of the global batch (default 1)", minimum=1)
     ref_load: Optional[str] = flag(None, "--ref-load", "frozen reference model for --kl-to ref: a driver checkpoint "
                                    "directory (also a release converted by tools/convert_hf_checkpoint.py --format "
-                                   "dist) or a transformers Kimi-Linear directory (TP = PP = EP = 1)")
+                                   "dist) or a transformers Kimi-Linear directory (TP = PP = EP = 1); with it the "
+                                   "data's ref_logprobs are not read")
     ref_placement: str = flag("device", "--ref-placement", "where the reference weights live: device (default: on "
                               "the GPU, their parameter bytes, no gradients or optimizer state) or offload (in host "
                               "memory, copied to the GPU for each reference pass and back)", choices=REF_PLACEMENTS)
@@ -263,7 +279,8 @@ def _tis_table(targets, old: PerTrajectory, rollout: PerTrajectory, objective: O
             continue
         o, r = old.get(tid), rollout.get(tid)
         if r is None or np.isnan(r[m]).any():
-            raise ValueError(f"trajectory {tid!r}: --rl-tis-cap needs `rollout_logprobs` at every trained token")
+            raise RLDataError(f"trajectory {tid!r}: --rl-tis-cap {objective.tis_cap} needs `rollout_logprobs` at "
+                              "every trained token")
         d = np.where(m, o - r, 0.0)
         if objective.tis_level == "sequence":
             d = np.where(m, d[m].sum(), 0.0)
@@ -312,30 +329,39 @@ def _placed(module, device, placement: str):
 
 
 def rl_update(model: list, optimizer, scheduler, forest, plan, *, settings, objective: ObjectiveConfig,
-              update: RLUpdateConfig, iteration: int, device, plan_fn, data: Dict[str, PerTrajectory],
-              ref_model=None, plan_seconds: float = 0.0) -> RLUpdateResult:
+              update: RLUpdateConfig, iteration: int, device, plan_fn, ref_model=None,
+              plan_seconds: float = 0.0) -> RLUpdateResult:
     """One RL update of the global batch ``forest`` planned as ``plan`` (module docstring).
 
-    ``data``: per-position values the records carried (``rollout_logprobs``, ``ref_logprobs``);
+    The trajectories' ``rollout_logprobs`` and ``ref_logprobs`` are read from ``forest``;
     ``ref_model``: the frozen reference module (``--ref-load``) or None; ``plan_fn(forest)`` plans a
     mini-batch."""
     from .step import step_forest, train_step
     metrics: Dict[str, float] = {}
     sf = step_forest(forest, plan)
     tables: Dict[str, PerTrajectory] = {}
-    needs_targets = objective.tis_cap is not None or bool(data.get("rollout_logprobs"))
+    rollout = data_logprobs(sf, "rollout_logprobs")
+    data_ref = objective.kl_coef > 0 and objective.kl_to == "ref" and ref_model is None
+    needs_targets = objective.tis_cap is not None or bool(rollout) or data_ref
     targets = _targets(sf) if needs_targets else None
+    if data_ref:
+        ref = data_logprobs(sf, "ref_logprobs")
+        for tid, m in targets.items():
+            if m.any() and tid not in ref:
+                raise RLDataError(f"trajectory {tid!r}: --kl-coef {objective.kl_coef} --kl-to ref needs "
+                                  "`ref_logprobs` (none given and no --ref-load): give --ref-load DIR, or score the "
+                                  "data with tools/score_logprobs.py --field ref_logprobs")
+        tables["ref"] = ref
+    if objective.tis_cap is not None and not rollout:
+        raise RLDataError(f"--rl-tis-cap {objective.tis_cap}: the trajectories carry no `rollout_logprobs`")
     if objective.old_logprobs == "recompute":
         lp, _ = forward_logprobs(model, forest, plan, settings)
         tables["old"] = per_trajectory(sf, lp)
-    if objective.kl_coef > 0 and objective.kl_to == "ref":
-        if ref_model is not None:
-            with _placed(ref_model, device, update.ref_placement):
-                lp, _ = forward_logprobs(ref_model, forest, plan, settings)
-            tables["ref"] = per_trajectory(sf, lp)
-        else:
-            tables["ref"] = dict(data.get("ref_logprobs", {}))
-    if needs_targets and data.get("rollout_logprobs"):
+    if objective.kl_coef > 0 and objective.kl_to == "ref" and ref_model is not None:
+        with _placed(ref_model, device, update.ref_placement):
+            lp, _ = forward_logprobs(ref_model, forest, plan, settings)
+        tables["ref"] = per_trajectory(sf, lp)
+    if rollout:
         if "old" in tables:
             old = tables["old"]
         elif objective.old_logprobs == "current":     # the trainer's old log-probs are this step's own
@@ -345,14 +371,12 @@ def rl_update(model: list, optimizer, scheduler, forest, plan, *, settings, obje
             old = {k: v for k, v in old.items() if v is not None}
         missing = [tid for tid, m in targets.items() if m.any() and tid not in old]
         if missing and objective.tis_cap is not None:
-            raise ValueError(f"trajectory {missing[0]!r}: rollout correction needs `old_logprobs` (or "
-                             "--rl-old-logprobs recompute)")
+            raise RLDataError(f"trajectory {missing[0]!r}: rollout correction needs `old_logprobs` (or "
+                              "--rl-old-logprobs recompute)")
         if not missing:     # the rollout/* metrics compare the engine with the trainer's old log-probs
-            metrics.update(rollout_metrics(targets, old, data["rollout_logprobs"]))
+            metrics.update(rollout_metrics(targets, old, rollout))
         if objective.tis_cap is not None:
-            tables["tis"] = _tis_table(targets, old, data["rollout_logprobs"], objective)
-    elif objective.tis_cap is not None:
-        raise ValueError(f"--rl-tis-cap {objective.tis_cap}: the trajectories carry no `rollout_logprobs`")
+            tables["tis"] = _tis_table(targets, old, rollout, objective)
 
     groups = minibatch_trees(forest, update.mini_batches) if update.mini_batches > 1 else None
     subsets = [(forest, plan)] if groups is None else None

@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from .fused_adam import use_fused_adam
+from ..rl.objectives import ObjectiveDataError
+from .rl_update import RLDataError
 from .step import NonFiniteLoss, SharingSettings, StepResult, plan_step
 
 __all__ = ["Trainer", "TrainingError"]
@@ -96,33 +98,6 @@ def _drop_autograd_graphs(modules) -> None:
             for name, value in list(vars(owner).items()):
                 if isinstance(value, torch.Tensor) and value.grad_fn is not None:
                     setattr(owner, name, value.detach())
-
-
-#: per-token fields of a record that an RL update reads besides the trajectory's own
-RECORD_VALUES = ("rollout_logprobs", "ref_logprobs")
-
-
-def _record_values(trajectories) -> Dict[str, Dict[Any, Any]]:
-    """{field: {trajectory id: float64 per token, NaN for null}} of :data:`RECORD_VALUES` in dict records."""
-    import numpy as np
-    out: Dict[str, Dict[Any, Any]] = {}
-    for i, rec in enumerate(trajectories):
-        if not isinstance(rec, dict):
-            continue
-        for name in RECORD_VALUES:
-            v = rec.get(name)
-            if v is None:
-                continue
-            try:
-                arr = np.array([np.nan if x is None else x for x in v], dtype=np.float64)
-            except (TypeError, ValueError):
-                raise ValueError(f"record {i + 1}, trajectory {rec.get('id')!r}: {name} must be a list of numbers "
-                                 "or nulls") from None
-            if arr.shape != (len(rec["tokens"]),):
-                raise ValueError(f"record {i + 1}, trajectory {rec.get('id')!r}: {name} has {arr.shape[0]} entries "
-                                 f"but 'tokens' has {len(rec['tokens'])}")
-            out.setdefault(name, {})[rec["id"]] = arr
-    return out
 
 
 class _ExitSignal:
@@ -208,6 +183,7 @@ class Trainer:
             self.update = RLUpdateConfig(**group_kwargs(RLUpdateConfig, args))
             self.last_update = None
             self.ref_model = None
+            self._said_ref_rule = False
             self._memory_setup(args)
             self.settings = SharingSettings(sharing=args.tree_sharing, microbatch_tokens=args.tree_microbatch_tokens,
                                             planner=args.tree_planner, replay=not args.no_tree_replay,
@@ -382,11 +358,29 @@ class Trainer:
         a = self.args
         if not a.data_path:
             raise TrainingError("--data-path is required to train from a dataset")
-        self.loader = TreeBatchLoader(a.data_path, global_batch_size=a.global_batch_size, seed=a.seed,
-                                      plan_fn=self._plan, prefetch=1, start=self.data_state,
-                                      vocab_size=a.vocab_size)
-        self._stack.callback(self.loader.close)
+        loader = TreeBatchLoader(a.data_path, global_batch_size=a.global_batch_size, seed=a.seed,
+                                 plan_fn=self._plan, prefetch=1, start=self.data_state, vocab_size=a.vocab_size)
+        self._stack.callback(loader.close)
+        self._check_data_fields(loader.source_forest, loader.source_name)
+        self.loader = loader
         return self.loader
+
+    def _check_data_fields(self, forest, name: str) -> None:
+        """Refuse, before the first step, a source none of whose trajectories carries a per-token field the
+        flags need (a trajectory lacking it among others that carry it is refused at its step)."""
+        o = self.objective
+        need = []
+        if o.tis_cap is not None:
+            need.append(("rollout_logprobs", f"--rl-tis-cap {o.tis_cap}",
+                         "an inference engine's log-probs of the sampled tokens (engine records' "
+                         "completion_logprobs give them)"))
+        if o.kl_coef > 0 and o.kl_to == "ref" and self.ref_model is None:
+            need.append(("ref_logprobs", f"--kl-coef {o.kl_coef} --kl-to ref",
+                         "give --ref-load DIR, or score the data with tools/score_logprobs.py --field ref_logprobs"))
+        for field, flag, how in need:
+            if not forest.has_logprobs(field).any():
+                raise TrainingError(f"{name}: {flag} needs `{field}` per token and no trajectory of the data has "
+                                    f"it ({how})")
 
     def train_iteration(self) -> Dict[str, Any]:
         """One iteration from the loader: next planned global batch, one optimizer step; its metrics."""
@@ -395,7 +389,10 @@ class Trainer:
         if self.args.tree_logit_probe and self._probe_batch is None:
             self._probe_batch = batch
             self.probe()
-        result = self._run_step(batch.forest, batch.plan, batch.plan_seconds, {})
+        try:
+            result = self._run_step(batch.forest, batch.plan, batch.plan_seconds)
+        except (RLDataError, ObjectiveDataError) as e:
+            raise TrainingError(f"{loader.source_name}: {e}") from None
         self.iteration += 1
         self.data_state = loader.state_dict()
         metrics = self.metrics(result)
@@ -462,16 +459,20 @@ class Trainer:
         hit = [n for n, f in zip(names, t.tolist()) if f]
         return hit[0] if hit else None
 
-    def _run_step(self, forest, plan, plan_seconds: float, data) -> StepResult:
+    def _run_step(self, forest, plan, plan_seconds: float) -> StepResult:
         """One RL update of a planned global batch (``training.rl_update``): its last optimizer step's
         result, the loss averaged over the update's optimizer steps; ``self.last_update`` keeps all."""
         from .rl_update import rl_update
+        if self.ref_model is not None and not self._said_ref_rule and forest.has_logprobs("ref_logprobs").any():
+            self._said_ref_rule = True
+            self._log("--ref-load is given: the reference log-probs come from the reference model; the data's "
+                      "ref_logprobs are not read")
         if self.device.type == "cuda":      # measured_peak_gib: the allocator's peak over this step
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
             up = rl_update(self.model, self.optimizer, self.scheduler, forest, plan, settings=self.settings,
                            objective=self.objective, update=self.update, iteration=self.iteration + 1,
-                           device=self.device, plan_fn=self._plan, data=data, ref_model=self.ref_model,
+                           device=self.device, plan_fn=self._plan, ref_model=self.ref_model,
                            plan_seconds=plan_seconds)
         except NonFiniteLoss as e:
             where = f"; the last good checkpoint is iteration {self.last_saved} in {self.args.save}" \
@@ -494,8 +495,9 @@ class Trainer:
         """One optimizer step on in-memory trajectories (the RL-loop entry).
 
         ``trajectories``: a ``Forest``, or a sequence of ``Trajectory`` objects or records
-        (dicts in the JSONL format of docs/data_format.md).  Every rank must pass the same
-        trajectories (the whole global batch); each runs its replica's share.
+        (dicts in the JSONL format of docs/data_format.md, with ``rollout_logprobs`` and
+        ``ref_logprobs`` read as the dataset's are).  Every rank must pass the same trajectories
+        (the whole global batch); each runs its replica's share.
         """
         from ..tree_data import Forest, build_forest, make_trajectory
         if isinstance(trajectories, Forest):
@@ -506,10 +508,9 @@ class Trainer:
             if not trajs:
                 raise ValueError("step(): no trajectories")
             forest = build_forest(trajs)
-        data = _record_values(trajectories) if not isinstance(trajectories, Forest) else {}
         t0 = time.perf_counter()
         plan = self._plan(forest)
-        result = self._run_step(forest, plan, time.perf_counter() - t0, data)
+        result = self._run_step(forest, plan, time.perf_counter() - t0)
         self.iteration += 1
         metrics = self.metrics(result)
         self._report(metrics)

@@ -14,7 +14,11 @@ reading the whole file; a truncated .bin is found on open (its size is in the
 header).
 
 Versions: 2 adds the compaction events (``seg_evt_offsets`` and ``traj_evt_offsets`` in the
-index, the event arrays in the .bin); version 1 files (no events) are still read.
+index, the event arrays in the .bin); version 1 files (no events) are still read.  3 adds the
+per-token ``rollout_logprobs`` and ``ref_logprobs``, each stored as ``old_logprobs`` is (row array
+and exception table in the .bin, ``traj_has_*`` in the index, in the tree CRC32s) and only when
+some trajectory has it; a forest with neither is written as version 2, which builds that read
+versions 1 and 2 read too.
 
 Writes are atomic: both files go to temporary names, are fsynced, then renamed
 (.bin first; a stale .idx cannot pass with a new .bin since sizes and CRCs
@@ -31,11 +35,11 @@ from typing import Dict, Optional
 import numpy as np
 
 from .errors import TreeFormatError
-from .forest import Exceptions, Forest, build_forest
+from .forest import EXTRA_LOGPROBS, Exceptions, Forest, build_forest
 from .readers import read_trajectories
 
-VERSION = 2
-READS = (1, 2)
+VERSION = 3
+READS = (1, 2, 3)
 BIN_MAGIC = b"HARTSBIN"
 IDX_MAGIC = b"HARTSIDX"
 _ALIGN = 64
@@ -47,6 +51,11 @@ _TRAJ_ARRAYS = ("traj_leaf", "traj_length", "traj_has_old_logprobs", "traj_adv_k
                 "traj_reward", "traj_weight")
 _EVT_OFFSETS = ("seg_evt_offsets", "traj_evt_offsets")      # index tables (version 2)
 _EVT_ARRAYS = ("evt_at", "evt_start", "evt_end", "traj_evt")  # .bin arrays (version 2)
+
+
+def _extras(f: Forest):
+    """The optional log-prob fields ``f`` holds (version 3): names in EXTRA_LOGPROBS order."""
+    return [name for name in EXTRA_LOGPROBS if getattr(f, f"row_{name}") is not None]
 
 
 def dataset_paths(prefix: str):
@@ -92,9 +101,11 @@ def _tree_crc(f: Forest, tokens: np.ndarray, i: int) -> int:
     r1 = int(f.seg_row[s1 - 1] + f.seg_length[s1 - 1])
     t0, t1 = int(f.seg_traj_lo[s0]), int(f.seg_traj_hi[s0])
     crc = 0
-    for arr in (tokens, f.row_loss_mask, f.row_old_logprobs, f.row_advantage):
+    extras = _extras(f)
+    for arr in (tokens, f.row_loss_mask, f.row_old_logprobs, f.row_advantage,
+                *(getattr(f, f"row_{name}") for name in extras)):
         crc = zlib.crc32(np.ascontiguousarray(arr[r0:r1]).tobytes(), crc)
-    for name in _EXC_FIELDS:
+    for name in _EXC_FIELDS + tuple(f"exc_{name}" for name in extras):
         exc: Exceptions = getattr(f, name)
         a, b = np.searchsorted(exc.traj, [t0, t1])
         for arr in (exc.traj, exc.pos, exc.value):
@@ -115,14 +126,16 @@ def write_dataset(forest: Forest, prefix: str) -> None:
     tmp_idx = f"{idx_path}.tmp.{os.getpid()}"
     tok = forest.tokens
     tokens = tok.astype(np.int32) if (tok.size == 0 or tok.max() < 2 ** 31) else tok.astype(np.int64)
+    extras = _extras(forest)
+    version = VERSION if extras else 2
     try:
         with open(tmp_bin, "wb") as fh:
-            fh.write(BIN_MAGIC + struct.pack("<II", VERSION, 0))
+            fh.write(BIN_MAGIC + struct.pack("<II", version, 0))
             w = _Writer(fh, 16)
             w.add("tokens", tokens)
-            for name in _ROW_ARRAYS[1:]:
+            for name in _ROW_ARRAYS[1:] + tuple(f"row_{name}" for name in extras):
                 w.add(name, getattr(forest, name))
-            for name in _EXC_FIELDS:
+            for name in _EXC_FIELDS + tuple(f"exc_{name}" for name in extras):
                 exc: Exceptions = getattr(forest, name)
                 w.add(name + ".traj", exc.traj)
                 w.add(name + ".pos", exc.pos)
@@ -134,12 +147,13 @@ def write_dataset(forest: Forest, prefix: str) -> None:
             bin_size = w.pos
             bin_dir = w.directory
 
-        tables = {name: getattr(forest, name) for name in _SEG_ARRAYS + _TRAJ_ARRAYS + _EVT_OFFSETS}
+        tables = {name: getattr(forest, name) for name in _SEG_ARRAYS + _TRAJ_ARRAYS + _EVT_OFFSETS
+                  + tuple(f"traj_has_{name}" for name in extras)}
         tables["tree_offsets"] = forest.tree_offsets
         tables["tree_crc"] = np.array([_tree_crc(forest, tokens, i) for i in range(forest.num_trees)],
                                       dtype=np.uint32)
         header = {
-            "version": VERSION, "bin_size": bin_size, "bin": bin_dir,
+            "version": version, "bin_size": bin_size, "bin": bin_dir,
             "traj_ids": forest.traj_ids, "traj_group": forest.traj_group,
             "traj_parent": [None if p is None else list(p) for p in forest.traj_parent],
             "stats": forest.stats(),
@@ -154,7 +168,7 @@ def write_dataset(forest: Forest, prefix: str) -> None:
             body.extend(arr.tobytes())
         header["idx"] = idx_dir
         hjson = json.dumps(header, separators=(",", ":")).encode()
-        head = IDX_MAGIC + struct.pack("<IQ", VERSION, len(hjson)) + hjson
+        head = IDX_MAGIC + struct.pack("<IQ", version, len(hjson)) + hjson
         head += b"\0" * ((-len(head)) % _ALIGN)
         blob = head + bytes(body)
         with open(tmp_idx, "wb") as fh:
@@ -244,6 +258,11 @@ class TreeDataset:
         if self.version >= 2:
             ex.update({name: t[name] for name in _EVT_OFFSETS})
             ex.update({name: a[name] for name in _EVT_ARRAYS})
+        for name in EXTRA_LOGPROBS:     # version 3, where some trajectory has the field
+            if f"row_{name}" in a:
+                ex.update({f"row_{name}": a[f"row_{name}"], f"traj_has_{name}": t[f"traj_has_{name}"],
+                           f"exc_{name}": Exceptions(a[f"exc_{name}.traj"], a[f"exc_{name}.pos"],
+                                                     a[f"exc_{name}.value"])})
         return Forest(
             tokens=a["tokens"], row_loss_mask=a["row_loss_mask"], row_old_logprobs=a["row_old_logprobs"],
             row_advantage=a["row_advantage"],

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .trajectory import Trajectory
+from .trajectory import LOGPROB_FIELDS, Trajectory
 
 MAX_ALL_PAIRS = 64     # scopes up to this size compare every pair; larger ones their text-order neighbours
 NEIGHBOURS = 8
@@ -211,8 +211,8 @@ def _replace(t: Trajectory, d: _Doc, donor: _Doc, p: _Pair) -> Tuple[Trajectory,
     added = ju - s
     tokens = np.concatenate([t.tokens[:s], donor.tokens[s:ju], t.tokens[jt:]])
     mask = np.concatenate([t.loss_mask[:s], np.zeros(added, np.uint8), t.loss_mask[jt:]])
-    old = None if t.old_logprobs is None else np.concatenate(
-        [t.old_logprobs[:s], np.full(added, np.nan), t.old_logprobs[jt:]])
+    logprobs = {name: None if getattr(t, name) is None else np.concatenate(
+        [getattr(t, name)[:s], np.full(added, np.nan), getattr(t, name)[jt:]]) for name in LOGPROB_FIELDS}
     adv = t.advantage
     if isinstance(adv, np.ndarray):
         adv = np.concatenate([adv[:s], np.zeros(added), adv[jt:]])
@@ -220,7 +220,7 @@ def _replace(t: Trajectory, d: _Doc, donor: _Doc, p: _Pair) -> Tuple[Trajectory,
         mask[0] = 0
     offs = np.concatenate([donor.offs[:ju + 1], d.offs[jt + 1:]])
     valid = np.concatenate([donor.valid[:ju + 1], d.valid[jt + 1:]])
-    new = dataclasses.replace(t, tokens=tokens, loss_mask=mask, old_logprobs=old, advantage=adv)
+    new = dataclasses.replace(t, tokens=tokens, loss_mask=mask, advantage=adv, **logprobs)
     new.source = t.source
     return new, _Doc(tokens, mask, d.text, d.codes, offs, valid)
 

@@ -260,8 +260,9 @@ def _conversation(cid, recs: List[Tuple[str, int, dict]], report: RecordReport,
         path, line, _ = recs[s.calls[0]]
         rec = {"id": segment_id(cid, j), "tokens": s.tokens, "loss_mask": s.mask,
                **{name: v[0] for name, v in shared.items()}}
-        if s.logprobs is not None:
-            rec["old_logprobs"] = [None if np.isnan(v) else float(v) for v in s.logprobs]
+        if s.logprobs is not None:      # the engine's log-probs: the rollout's, and the data's old ones
+            lp = [None if np.isnan(v) else float(v) for v in s.logprobs]
+            rec["old_logprobs"] = rec["rollout_logprobs"] = lp
         out.append(make_trajectory(rec, file=path, line=line, vocab_size=vocab_size))
     report.conversations += 1
     report.calls += len(calls)

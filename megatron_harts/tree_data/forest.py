@@ -15,7 +15,10 @@ Layout invariants every consumer may rely on (tests pin them):
   ``traj_leaf[t]`` (its path is the root path of that segment).
 - Per-token metadata is stored once per row (``row_*``) with per-(trajectory,
   position) exceptions where a trajectory's value differs from its row's, so
-  ``expand`` returns every trajectory's metadata exactly as given.
+  ``expand`` returns every trajectory's metadata exactly as given.  The log-prob
+  fields ``rollout_logprobs`` and ``ref_logprobs`` are stored exactly as
+  ``old_logprobs`` (rows, ``traj_has_*``, exceptions); their three arrays are None
+  when no trajectory of the forest has the field.
 - Compaction (KV-eviction) events: two trajectories share a position only if their
   tokens and their events with ``at`` up to that position agree, so the events at a
   path position belong to the one segment holding it.  ``seg_evt_*`` lists each
@@ -32,6 +35,9 @@ import numpy as np
 
 from .errors import TreeFormatError
 from .trajectory import Trajectory, TrajectoryId
+
+#: per-token log-prob fields stored like ``old_logprobs`` but optional as a whole (None: no trajectory has one)
+EXTRA_LOGPROBS = ("rollout_logprobs", "ref_logprobs")
 
 # advantage kinds per trajectory
 ADV_NONE, ADV_SCALAR, ADV_TOKEN = 0, 1, 2
@@ -96,6 +102,13 @@ class Forest:
     evt_end: Optional[np.ndarray] = None           # int64[E]
     traj_evt_offsets: Optional[np.ndarray] = None  # int64[N+1]
     traj_evt: Optional[np.ndarray] = None          # int64[E', 3]: (at, start, end) as given
+    # the engine's and a reference model's log-probs (all three None when no trajectory has the field)
+    row_rollout_logprobs: Optional[np.ndarray] = None        # float64[U], NaN where no trajectory gives one
+    traj_has_rollout_logprobs: Optional[np.ndarray] = None   # bool[N]
+    exc_rollout_logprobs: Optional[Exceptions] = None
+    row_ref_logprobs: Optional[np.ndarray] = None
+    traj_has_ref_logprobs: Optional[np.ndarray] = None
+    exc_ref_logprobs: Optional[Exceptions] = None
     _id_index: Optional[Dict[TrajectoryId, int]] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -231,6 +244,22 @@ class Forest:
         path = self.segment_path(int(self.traj_leaf[t]))
         return np.concatenate([np.arange(self.seg_row[s], self.seg_row[s] + self.seg_length[s]) for s in path])
 
+    def has_logprobs(self, name: str) -> np.ndarray:
+        """bool[N]: which trajectories carry the per-token field ``name`` (``old_logprobs``,
+        ``rollout_logprobs`` or ``ref_logprobs``)."""
+        has = getattr(self, f"traj_has_{name}")
+        return np.zeros(self.num_trajectories, dtype=bool) if has is None else np.asarray(has, dtype=bool)
+
+    def trajectory_logprobs(self, name: str, t: int, rows: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+        """Trajectory ``t``'s per-token field ``name`` as given (float64, NaN for null), or None when it
+        has none; ``rows``: its ``trajectory_rows(t)`` when the caller has them."""
+        has = getattr(self, f"traj_has_{name}")
+        if has is None or not has[t]:
+            return None
+        rows = self.trajectory_rows(t) if rows is None else rows
+        return getattr(self, f"exc_{name}").apply(t, np.asarray(getattr(self, f"row_{name}")[rows],
+                                                                dtype=np.float64))
+
     # ---- expansion -----------------------------------------------------------
     def expand(self, traj_id: TrajectoryId) -> Trajectory:
         """The trajectory with its tokens and metadata exactly as given."""
@@ -253,7 +282,8 @@ class Forest:
         return Trajectory(id=self.traj_ids[t], tokens=self.tokens[rows].astype(np.int64),
                           loss_mask=loss_mask.astype(np.uint8), old_logprobs=old_logprobs,
                           advantage=advantage, reward=reward, weight=weight,
-                          group=self.traj_group[t], parent=self.traj_parent[t], compactions=compactions)
+                          group=self.traj_group[t], parent=self.traj_parent[t], compactions=compactions,
+                          **{name: self.trajectory_logprobs(name, t, rows) for name in EXTRA_LOGPROBS})
 
     # ---- per-tree views -------------------------------------------------------
     def tree(self, i: int) -> "Forest":
@@ -335,6 +365,10 @@ class Forest:
             exc_old_logprobs=_select_exceptions(self.exc_old_logprobs, t0, t1, new_t0),
             exc_advantage=_select_exceptions(self.exc_advantage, t0, t1, new_t0),
             **_select_events(self, s0, s1, t0, t1),
+            **{f"{part}_{name}": value for name in EXTRA_LOGPROBS if getattr(self, f"row_{name}") is not None
+               for part, value in (("row", getattr(self, f"row_{name}")[row_sel]),
+                                   ("traj_has", getattr(self, f"traj_has_{name}")[traj_sel]),
+                                   ("exc", _select_exceptions(getattr(self, f"exc_{name}"), t0, t1, new_t0)))},
         )
 
     def cut_at_depths(self, trees: Sequence[int], width: int) -> "Forest":
@@ -714,7 +748,7 @@ def build_forest(trajectories: Sequence[Trajectory]) -> Forest:
         traj_has_old_logprobs=np.array([t.old_logprobs is not None for t in sorted_trajs], dtype=bool),
         traj_adv_kind=adv_kind, traj_advantage=adv, traj_reward=reward, traj_weight=weight,
         traj_group=[t.group for t in sorted_trajs], traj_parent=[t.parent for t in sorted_trajs],
-        **fields["exceptions"],
+        **fields["exceptions"], **fields["extra"],
     )
 
 
@@ -799,7 +833,14 @@ def _store_token_fields(trajs, lengths, seg_start, seg_length, seg_row, seg_traj
     row_lp, exc_lp = _token_field(trajs, lambda t: t.old_logprobs, *seg, np.nan, np.float64)
     row_av, exc_av = _token_field(
         trajs, lambda t: t.advantage if isinstance(t.advantage, np.ndarray) else None, *seg, np.nan, np.float64)
+    extra = {}
+    for name in EXTRA_LOGPROBS:
+        has = np.array([getattr(t, name) is not None for t in trajs], dtype=bool)
+        if has.any():       # merged at shared tokens exactly as old_logprobs: rows, then exceptions
+            row, exc = _token_field(trajs, lambda t: getattr(t, name), *seg, np.nan, np.float64)
+            extra.update({f"row_{name}": row, f"traj_has_{name}": has, f"exc_{name}": exc})
     return {
         "rows": {"row_loss_mask": row_lm, "row_old_logprobs": row_lp, "row_advantage": row_av},
         "exceptions": {"exc_loss_mask": exc_lm, "exc_old_logprobs": exc_lp, "exc_advantage": exc_av},
+        "extra": extra,
     }

@@ -37,7 +37,7 @@ from .drift import TokenText
 from .engine_records import Call, Segment, merge_calls, segment_id
 from .errors import TreeFormatError
 from .readers import KNOWN_FIELDS, UnknownFieldsWarning
-from .trajectory import Trajectory, make_trajectory
+from .trajectory import LOGPROB_FIELDS, Trajectory, make_trajectory
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ROW_FIELDS = KNOWN_FIELDS | {"messages", "tools"}
@@ -503,7 +503,8 @@ def _engine_mask(text_of: TokenText, tokens: np.ndarray, text: str, char_mask: n
 
 
 def _per_token(values, n: int, targets: np.ndarray, where, name: str):
-    """``old_logprobs`` one per token, or one per target token (scattered, null elsewhere)."""
+    """A log-prob field (``old_logprobs``, ``rollout_logprobs``, ``ref_logprobs``) one per token, or one
+    per target token (scattered, null elsewhere)."""
     if not isinstance(values, (list, tuple)):
         return values      # make_trajectory names the problem
     if len(values) == n:
@@ -543,9 +544,10 @@ def _row_prelude(rec: dict, file, line):
             raise where("tokens", "must be a list of token ids >= 0")
         engine = np.asarray(engine, dtype=np.int64)
     else:
-        if rec.get("old_logprobs") is not None:
-            raise where("old_logprobs", "needs the engine 'tokens' it belongs to (the messages alone give no "
-                                        "sampled token ids)")
+        for name in LOGPROB_FIELDS:
+            if rec.get(name) is not None:
+                raise where(name, "needs the engine 'tokens' it belongs to (the messages alone give no "
+                                  "sampled token ids)")
         if isinstance(rec.get("advantage"), (list, tuple)):
             raise where("advantage", "per-token advantages need the engine 'tokens' they belong to")
     return tid, where, messages, flags, tools, engine
@@ -584,7 +586,7 @@ def row_to_trajectories(rec: dict, chat: ChatTokenizer, report: TokenizeReport, 
                                   f"at message {calls[segs[1].calls[0]].index}: in the exact form this conversation "
                                   f"is {len(segs)} trajectories (give the engine's ids per call as engine token "
                                   f"records, docs/messages.md)")
-    base = {k: v for k, v in rec.items() if k in KNOWN_FIELDS and k not in ("tokens", "loss_mask", "old_logprobs")}
+    base = {k: v for k, v in rec.items() if k in KNOWN_FIELDS and k not in ("tokens", "loss_mask", *LOGPROB_FIELDS)}
     out = []
     for j, s in enumerate(segs):
         row = {k: v for k, v in base.items() if j == 0 or k not in ("parent", "compactions")}
@@ -600,9 +602,9 @@ def row_to_trajectories(rec: dict, chat: ChatTokenizer, report: TokenizeReport, 
                 row["loss_mask"] = _engine_mask(chat.text_of, engine, text, char_mask, where)
                 row["loss_mask"][0] = 0
                 row["tokens"] = engine
-            if rec.get("old_logprobs") is not None:
-                row["old_logprobs"] = _per_token(rec["old_logprobs"], engine.shape[0], row["loss_mask"], where,
-                                                 "old_logprobs")
+            for name in LOGPROB_FIELDS:
+                if rec.get(name) is not None:
+                    row[name] = _per_token(rec[name], engine.shape[0], row["loss_mask"], where, name)
         t = make_trajectory(row, file=file, line=line, vocab_size=vocab_size)
         out.append(t)
         report.tokens += len(t)
@@ -642,8 +644,9 @@ def row_to_trajectory(rec: dict, chat: ChatTokenizer, report: TokenizeReport, *,
     mask[0] = 0
     out["tokens"] = ids
     out["loss_mask"] = mask
-    if rec.get("old_logprobs") is not None:
-        out["old_logprobs"] = _per_token(rec["old_logprobs"], ids.shape[0], mask, where, "old_logprobs")
+    for name in LOGPROB_FIELDS:
+        if rec.get(name) is not None:
+            out[name] = _per_token(rec[name], ids.shape[0], mask, where, name)
     report.trajectories += 1
     report.conversations += 1
     report.calls += sum(flags)

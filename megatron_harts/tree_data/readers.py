@@ -15,10 +15,10 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .errors import TreeFormatError
-from .trajectory import Trajectory, make_trajectory
+from .trajectory import LOGPROB_FIELDS, Trajectory, make_trajectory
 
 KNOWN_FIELDS = frozenset(
-    ["id", "tokens", "loss_mask", "old_logprobs", "advantage", "reward", "weight", "group", "parent",
+    ["id", "tokens", "loss_mask", *LOGPROB_FIELDS, "advantage", "reward", "weight", "group", "parent",
      "compactions"])
 
 
@@ -142,8 +142,10 @@ def read_trajectories(paths: Iterable[str], *, vocab_size: Optional[int] = None,
 def trajectory_record(t: Trajectory) -> dict:
     """The JSON-able record of a trajectory (the inverse of make_trajectory)."""
     rec = {"id": t.id, "tokens": t.tokens.tolist(), "loss_mask": t.loss_mask.tolist()}
-    if t.old_logprobs is not None:
-        rec["old_logprobs"] = [None if v != v else v for v in t.old_logprobs.tolist()]
+    for name in LOGPROB_FIELDS:
+        values = getattr(t, name)
+        if values is not None:
+            rec[name] = [None if v != v else v for v in values.tolist()]
     if t.advantage is not None:
         rec["advantage"] = t.advantage.tolist() if hasattr(t.advantage, "tolist") else t.advantage
     for name in ("reward", "weight", "group"):

@@ -12,7 +12,7 @@ A trajectory with compaction events at the distinct times ``p_1 < ... < p_m`` be
 
 So every original token is new in exactly one sample and every original target is a
 target there, predicted from the tokens visible at that point; a sample's positions
-start again at 0 and it carries no events.  Per-token ``old_logprobs`` and advantages
+start again at 0 and it carries no events.  Per-token log-probs (old, rollout, reference) and advantages
 are gathered with the tokens; scalar advantage, reward, weight and group carry over.
 Trajectories without events pass unchanged.
 """
@@ -23,7 +23,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .trajectory import Trajectory, TrajectoryId
+from .trajectory import LOGPROB_FIELDS, Trajectory, TrajectoryId
 
 
 def _event_times(t: Trajectory) -> np.ndarray:
@@ -75,7 +75,7 @@ def reprefill_trajectory(t: Trajectory, split: Optional[Mapping[TrajectoryId, in
     for k, (pos, ctx) in enumerate(_sample_positions(t)):
         mask = t.loss_mask[pos].copy()
         mask[:ctx] = 0
-        old = None if t.old_logprobs is None else t.old_logprobs[pos]
+        logprobs = {name: None if getattr(t, name) is None else getattr(t, name)[pos] for name in LOGPROB_FIELDS}
         adv = t.advantage[pos] if isinstance(t.advantage, np.ndarray) else t.advantage
         if parent is None:
             link = None
@@ -83,9 +83,9 @@ def reprefill_trajectory(t: Trajectory, split: Optional[Mapping[TrajectoryId, in
             link = (parent[0], min(parent[1], int(pos.size)))
         else:
             link = (f"{t.id}/r0", 0)
-        out.append(Trajectory(id=f"{t.id}/r{k}", tokens=t.tokens[pos], loss_mask=mask, old_logprobs=old,
-                              advantage=adv, reward=t.reward, weight=t.weight, group=t.group, parent=link,
-                              compactions=None, source=t.source))
+        out.append(Trajectory(id=f"{t.id}/r{k}", tokens=t.tokens[pos], loss_mask=mask, advantage=adv, reward=t.reward,
+                              weight=t.weight, group=t.group, parent=link,
+                              compactions=None, source=t.source, **logprobs))
     return out
 
 

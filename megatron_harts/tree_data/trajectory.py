@@ -7,7 +7,11 @@ Field semantics (docs/design.md, glossary "trajectory"):
   from token j-1, so ``loss_mask[0]`` is always 0.  Default: all 1 after the
   first token.
 - ``old_logprobs``: float64 per token, or None.  ``null`` in JSON becomes NaN
-  (allowed only where ``loss_mask`` is 0).
+  (allowed only where ``loss_mask`` is 0).  The log-probs the PPO ratio divides by.
+- ``rollout_logprobs``: the inference engine's log-prob of each token (the sampler's),
+  same form; read by rollout correction (``--rl-tis-cap``) and the ``rollout/*`` metrics.
+- ``ref_logprobs``: a reference model's log-prob of each token, same form; the target of
+  the KL penalty (``--kl-to ref``) when no reference model is loaded.
 - ``advantage``: None, a float (one value for the whole trajectory) or a
   float64 array (one value per token).
 - ``reward``, ``weight``: optional floats.
@@ -30,6 +34,10 @@ from .errors import TreeFormatError
 
 TrajectoryId = Union[str, int]
 
+#: the per-token log-prob fields of a trajectory, stored alike (float64 per token, NaN for null,
+#: null only where loss_mask is 0)
+LOGPROB_FIELDS = ("old_logprobs", "rollout_logprobs", "ref_logprobs")
+
 
 @dataclass
 class Trajectory:
@@ -43,6 +51,8 @@ class Trajectory:
     group: Optional[str] = None
     parent: Optional[Tuple[TrajectoryId, int]] = None
     compactions: Optional[np.ndarray] = None
+    rollout_logprobs: Optional[np.ndarray] = None
+    ref_logprobs: Optional[np.ndarray] = None
     source: Tuple[Optional[str], Optional[int]] = field(default=(None, None), compare=False, repr=False)
 
     def __len__(self) -> int:
@@ -171,13 +181,17 @@ def make_trajectory(record: dict, *, file: Optional[str] = None, line: Optional[
             raise where("loss_mask", "entry 0 is 1, but the first token has no predecessor to predict it")
         loss_mask = lm.astype(np.uint8)
 
-    old_logprobs = None
-    if record.get("old_logprobs") is not None:
-        old_logprobs = _float_array(record["old_logprobs"], where, "old_logprobs", n, allow_null=True)
-        missing = np.isnan(old_logprobs) & (loss_mask == 1)
+    logprobs = {}
+    for name in LOGPROB_FIELDS:
+        if record.get(name) is None:
+            logprobs[name] = None
+            continue
+        values = _float_array(record[name], where, name, n, allow_null=True)
+        missing = np.isnan(values) & (loss_mask == 1)
         if missing.any():
             j = int(np.argmax(missing))
-            raise where("old_logprobs", f"entry {j} is null/NaN where loss_mask is 1")
+            raise where(name, f"entry {j} is null/NaN where loss_mask is 1")
+        logprobs[name] = values
 
     advantage = record.get("advantage")
     if advantage is not None:
@@ -212,9 +226,9 @@ def make_trajectory(record: dict, *, file: Optional[str] = None, line: Optional[
     if record.get("compactions") is not None:
         compactions = parse_compactions(record["compactions"], n, where)
 
-    return Trajectory(id=tid, tokens=tokens, loss_mask=loss_mask, old_logprobs=old_logprobs,
-                      advantage=advantage, reward=reward, weight=weight, group=group,
-                      parent=parent, compactions=compactions, source=(file, line))
+    return Trajectory(id=tid, tokens=tokens, loss_mask=loss_mask, advantage=advantage, reward=reward,
+                      weight=weight, group=group, parent=parent, compactions=compactions, source=(file, line),
+                      **logprobs)
 
 
 COMPACTION_KEYS = ("at", "start", "end")
