@@ -26,6 +26,7 @@ where kernels overlap (several streams).
 from __future__ import annotations
 
 import re
+import sys
 import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -96,8 +97,9 @@ def _union_seconds(intervals: List[Tuple[float, float]]) -> float:
 
 
 def profile_work(events, device: str, attention_range: str, kda_range: str, pieces_range: str):
-    """The device work of a profile's events (``prof.events()``) as ``(name, seconds, scopes)``, and
-    the seconds the device was busy (module docstring)."""
+    """The device work of a profile's events (``prof.events()``) as ``(name, seconds, scopes)``, the
+    seconds the device was busy (module docstring), and how many kernels the profile does not link
+    to the host operator that launched them (bucketed by name alone)."""
     from torch.autograd import DeviceType
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     ranges = {attention_range: "attention_forward", kda_range: "kda", pieces_range: "pieces_extra_forward"}
@@ -130,22 +132,25 @@ def profile_work(events, device: str, attention_range: str, kda_range: str, piec
 
     if device == "cuda":
         by_id = {e.id: e for e in cpu}
-        work, spans = [], []
+        work, spans, unlinked = [], [], 0
         for e in events:
             if e.device_type != DeviceType.CUDA:
                 continue
             start, end = e.time_range.start, e.time_range.end
             launcher = by_id.get(getattr(e, "linked_correlation_id", 0))
+            unlinked += launcher is None
             work.append((e.name, (end - start) / 1e6, scopes(launcher) if launcher is not None else frozenset()))
             spans.append((start, end))
-        return work, _union_seconds(spans)
+        return work, _union_seconds(spans), unlinked
     work = [(e.name, e.self_cpu_time_total / 1e6, scopes(e)) for e in cpu if e.name.startswith("aten::")]
-    return work, sum(w[1] for w in work)
+    return work, sum(w[1] for w in work), 0
 
 
 def profiled_split(step, device: str) -> dict:
     """Run ``step()`` (one training step) under ``torch.profiler`` and return its split
-    (``split_step``), with ``launches`` (the device work's pieces)."""
+    (``split_step``), with ``launches`` (the device work's pieces) and ``unlinked_launches`` (kernels
+    bucketed by name alone: the profile does not say which operator launched them; said once on
+    stderr when there are any)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_harts.models.cores import ATTENTION_RANGE, KDA_RANGE
@@ -159,8 +164,15 @@ def profiled_split(step, device: str) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    work, busy = profile_work(prof.events(), device, ATTENTION_RANGE, KDA_RANGE, PIECES_RANGE)
-    return {**split_step(work, wall, busy), "launches": len(work)}
+    work, busy, unlinked = profile_work(prof.events(), device, ATTENTION_RANGE, KDA_RANGE, PIECES_RANGE)
+    if unlinked and not _SAID:
+        _SAID.append(True)
+        print(f"step_profile: {unlinked} of {len(work)} kernels have no launching operator in the profile; "
+              f"they are bucketed by kernel name alone", file=sys.stderr, flush=True)
+    return {**split_step(work, wall, busy), "launches": len(work), "unlinked_launches": unlinked}
+
+
+_SAID: list = []      # the unlinked-kernels note is said once a process
 
 
 def split_table(rows: Dict[str, dict]) -> str:

@@ -81,7 +81,8 @@ def test_a_profiled_cpu_step_finds_the_backward_of_its_ranges(sp):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    work, busy = sp.profile_work(prof.events(), "cpu", "test.attn", "test.kda", "test.pieces")
+    work, busy, unlinked = sp.profile_work(prof.events(), "cpu", "test.attn", "test.kda", "test.pieces")
+    assert unlinked == 0
     kinds = {}
     for name, s, scopes in work:
         kinds.setdefault(sp.bucket(name, scopes), set()).add(name)
