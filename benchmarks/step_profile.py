@@ -131,7 +131,9 @@ def profile_work(events, device: str, attention_range: str, kda_range: str, piec
         return full[key]
 
     if device == "cuda":
-        by_id = {e.id: e for e in cpu}
+        # the operators (a kernel's linked correlation id is its launching operator's id; the runtime
+        # calls, linked themselves, number in another space)
+        by_id = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
         work, spans, unlinked = [], [], 0
         for e in events:
             if e.device_type != DeviceType.CUDA:

@@ -97,3 +97,45 @@ def test_a_profiled_cpu_step_finds_the_backward_of_its_ranges(sp):
                                                "pieces_extra_forward"))
     table = sp.split_table({"kv_tree_within": out})
     assert table.splitlines()[1].startswith("kv_tree_within") and "attn bwd" in table
+
+
+def test_gpu_kernels_take_their_launching_operators_scopes(sp):
+    """The CUDA path on stand-in events: each kernel finds its launching operator by its linked
+    correlation id (not a runtime call that shares the number), that operator's ranges and the
+    backward of the nodes the attention range created; busy time is the kernels' union; a kernel
+    with no operator counts as unlinked and goes by its name."""
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+
+    def op(name, id, parent=None, seq=-1, thread=1, fwd_thread=0, linked=0):
+        return E(name=name, id=id, cpu_parent=parent, sequence_nr=seq, thread=thread, fwd_thread=fwd_thread,
+                 linked_correlation_id=linked, device_type=cpu)
+
+    def kernel(name, linked, start, end):
+        return E(name=name, device_type=gpu, linked_correlation_id=linked, time_range=E(start=start, end=end),
+                 cpu_parent=None, sequence_nr=-1)
+
+    attn = op("harts.attention", 1)
+    mm = op("aten::bmm", 2, attn, seq=7)
+    launch = op("cudaLaunchKernel", 3, mm, linked=2)
+    bwd = op("autograd::engine::evaluate_function: BmmBackward0", 4, seq=7, thread=2, fwd_thread=1)
+    bwd_mm = op("aten::bmm", 5, bwd)
+    pieces = op("harts.pieces_extra_forward", 6)
+    lin = op("aten::addmm", 8, pieces)
+    other = op("aten::addmm", 9)
+    clash = op("cudaLaunchKernel", 5, other, linked=9)      # a runtime call numbered like an operator
+    events = [attn, mm, launch, bwd, bwd_mm, pieces, lin, other, clash,
+              kernel("sm90_xmma_gemm_bf16", 2, 0, 10),
+              kernel("sm90_xmma_gemm_bf16", 5, 20, 40),
+              kernel("sm90_xmma_gemm_bf16", 8, 35, 45),
+              kernel("sm90_xmma_gemm_bf16", 9, 50, 51),
+              kernel("flash_bwd_kernel", 0, 60, 70)]
+    work, busy, unlinked = sp.profile_work(events, "cuda", "harts.attention", "harts.kda",
+                                           "harts.pieces_extra_forward")
+    assert [sp.bucket(w[0], w[2]) for w in work] == ["attention_forward", "attention_backward",
+                                                     "pieces_extra_forward", "gemm", "attention_backward"]
+    assert unlinked == 1 and busy == pytest.approx(46e-6)       # [0,10) + [20,45) + [50,51) + [60,70)
+    out = sp.split_step(work, 1e-4, busy)
+    assert out["device_seconds"] == pytest.approx(51e-6) and out["seconds"]["host"] == pytest.approx(54e-6)
