@@ -223,16 +223,20 @@ def test_documented_gpu_commands_parse(bc, tmp_path):
 def test_full_size_long_set_holds_what_docs_say(bc, tmp_path):
     """The set at full size (synthesized only, no training): 24 traces of up to ~74k tokens in 6
     groups, two of each strategy, forks after events, the longest trace above the row budget, and
-    docs/benchmarks.md's figures at budget 8192."""
-    a = bc.parse(["--device", "cpu", "--set", "long-mixed", "--budgets", "8192", "--out", str(tmp_path / "c.json")])
-    s = bc.build_long_set(a, 8192)
-    kv = s["forests"]["kv"]
-    assert kv.num_trajectories == 24 and s["groups"] == {f"task{g}": 4 for g in range(6)}
-    assert sorted(s["group_strategies"].values()) == sorted(["sliding-window", "markovian", "summary"] * 2)
-    assert 64000 < int(kv.traj_length.max()) <= 74000 and int(kv.traj_length.max()) > a.microbatch_tokens
-    assert (s["N"], kv.num_rows, kv.stats()["compaction_events"], s["forks"], s["forks_after_events"]) == \
-        (1310172, 883670, 213, 18, 15)
-    assert s["N"] + s["reprefilled"] == 1778396
+    docs/benchmarks.md's figures at both budgets."""
+    a = bc.parse(["--device", "cpu", "--set", "long-mixed", "--out", str(tmp_path / "c.json")])
+    documented = {8192: (1310172, 883670, 213, 154, 18, 15, 1778396, 1177388),
+                  4096: (1096697, 696126, 412, 267, 18, 18, 1638393, 961358)}
+    assert a.budgets == [4096, 8192]
+    for budget in a.budgets:
+        s = bc.build_long_set(a, budget)
+        kv, rp = s["forests"]["kv"], s["forests"]["reprefill"]
+        assert kv.num_trajectories == 24 and s["groups"] == {f"task{g}": 4 for g in range(6)}
+        assert sorted(s["group_strategies"].values()) == sorted(["sliding-window", "markovian", "summary"] * 2)
+        assert 64000 < int(kv.traj_length.max()) <= 74000 and int(kv.traj_length.max()) > a.microbatch_tokens
+        st = kv.stats()
+        assert (s["N"], kv.num_rows, st["compaction_events"], st["compaction_events_tree"], s["forks"],
+                s["forks_after_events"], s["N"] + s["reprefilled"], rp.num_rows) == documented[budget]
 
 
 def test_long_mixed_refuses_grid_flags(bc, capsys, tmp_path):
