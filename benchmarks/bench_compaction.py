@@ -37,6 +37,17 @@ run: ``--device cpu --preset tiny`` with small ``--max-tokens``, ``--budgets``, 
 ``--action-median``, ``--observation-median``, ``--keep-prefix``, ``--keep-last``, ``--summary-tokens``.
 ``--profile FILE`` adds one profiled step per mode (where the time goes: GPU kernel seconds by category,
 the top kernels and operators).
+
+``--set long-mixed``: instead of the grid, one set per budget of long agent-like traces
+(``tree_data.synthetic.synthesize_forks``): ``--num-tasks`` 6 GRPO-like groups of ``--samples-per-task``
+4 traces, each group's later traces forking from an earlier one at a random turn (before or after
+compaction events), each trace running to its own cap between half of ``--max-tokens`` 74,000 and it,
+the groups cycling through ``--strategies`` (sliding-window evicting half the budget), a row budget of
+32,768 below the longest trace (pieces), the four modes of the comparison (re-prefill and KV-streams,
+expanded and within).  Its row records the groups' strategies, the forks and those after events.
+``--split`` (on for this set): one more profiled step per mode split into attention forward, attention
+backward, KDA, GEMMs, the pieces' extra forward, other device work and host (``step_profile.py``),
+into the mode's ``split`` and a table.  ``--scale S`` multiplies every token count (a CPU-sized set).
 """
 import argparse
 import contextlib
@@ -55,13 +66,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_throughput import (PRESETS, check_device, model_flags, pieces_accounting, release_memory,  # noqa: E402
-                              run_mode, visible_pairs)
+from bench_throughput import (PRESETS, check_device, model_flags, pieces_accounting, profile_step,  # noqa: E402
+                              release_memory, run_mode, visible_pairs)
+from step_profile import profiled_split, split_table  # noqa: E402
 from megatron_harts.cli import ArgumentParser, CliError, output_path, run  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEMES = ("tree-step", "step-wise")
 STRATEGIES = ("sliding-window", "markovian", "summary")
+SETS = ("grid", "long-mixed")
+#: the arguments holding token counts (``--scale`` multiplies them)
+SCALED = ("max_tokens", "prompt_median", "action_median", "observation_median", "budgets", "keep_prefix",
+          "keep_last", "evict_chunk", "summary_tokens", "microbatch_tokens")
 #: (form, sharing): the modes of every set, in the order they run
 MODES = (("reprefill", "off"), ("reprefill", "within"), ("kv", "off"), ("kv", "within"), ("kv", "windows"))
 #: the generator's fields (``SweConfig``) that flags set, by flag
@@ -94,27 +110,79 @@ def swe_config(a, scheme: str, strategy: str, budget: int):
                      evict_chunk=a.evict_chunk or max(1, budget // 4), summary_tokens=a.summary_tokens)
 
 
-def build_set(a, scheme: str, strategy: str, budget: int) -> dict:
-    """One set's rollouts in both forms: ``kv`` (the traces) and ``reprefill`` (their samples) as
-    forests, N (the traces' tokens) and the re-prefilled tokens (the samples hold N + that many)."""
+def _synthesize(where: str, make):
+    """``make()``'s trajectories; the generator's errors name its fields: here the flags."""
+    try:
+        return make()
+    except ValueError as e:
+        message = re.sub(r"\b(" + "|".join(KNOBS) + r")\b", lambda m: KNOBS[m.group(1)], str(e))
+        raise CliError(f"{where}: {message}") from None
+
+
+def _forms(name: str, traces) -> dict:
+    """Both forms of ``traces``: ``kv`` (the traces) and ``reprefill`` (their samples) as forests, N
+    (the traces' tokens) and the re-prefilled tokens (the samples hold N + that many)."""
     from megatron_harts.tree_data import build_forest
     from megatron_harts.tree_data.reprefill import reprefill, reprefill_tokens
-    from megatron_harts.tree_data.synthetic import synthesize_swe
-    cfg = swe_config(a, scheme, strategy, budget)
-    try:
-        traces = synthesize_swe(cfg)
-    except ValueError as e:        # the generator names its fields: name the flags
-        message = re.sub(r"\b(" + "|".join(KNOBS) + r")\b", lambda m: KNOBS[m.group(1)], str(e))
-        raise CliError(f"--schemes {scheme} --strategies {strategy} --budgets {budget}: {message}") from None
     samples = reprefill(traces)
     kv, rp = build_forest(traces), build_forest(samples)
     n, extra = int(kv.traj_length.sum()), reprefill_tokens(traces)
     if int(rp.traj_length.sum()) != n + extra:
-        raise AssertionError(f"{scheme}/{strategy}/{budget}: the re-prefill samples hold {int(rp.traj_length.sum())} "
+        raise AssertionError(f"{name}: the re-prefill samples hold {int(rp.traj_length.sum())} "
                              f"tokens, not N + re-prefilled = {n} + {extra}")
-    return {"name": f"{scheme}/{strategy}/{budget}", "scheme": scheme, "strategy": strategy, "budget": budget,
-            "forests": {"kv": kv, "reprefill": rp}, "N": n, "reprefilled": extra,
+    return {"forests": {"kv": kv, "reprefill": rp}, "N": n, "reprefilled": extra}
+
+
+def build_set(a, scheme: str, strategy: str, budget: int) -> dict:
+    """One grid set's rollouts in both forms (``_forms``)."""
+    from megatron_harts.tree_data.synthetic import synthesize_swe
+    cfg = swe_config(a, scheme, strategy, budget)
+    traces = _synthesize(f"--schemes {scheme} --strategies {strategy} --budgets {budget}", lambda: synthesize_swe(cfg))
+    name = f"{scheme}/{strategy}/{budget}"
+    return {"name": name, "scheme": scheme, "strategy": strategy, "budget": budget, **_forms(name, traces),
             "evict_chunk": cfg.evict_chunk}
+
+
+def fork_facts(traces) -> dict:
+    """Where a set's rollouts fork: per group its trajectories, and over the set the forks (each
+    trajectory after its group's first, at its longest common prefix with an earlier one of the
+    group) and the forks that inherit compaction events (an event before the fork point)."""
+    groups: dict = {}
+    for t in traces:
+        groups.setdefault(t.group, []).append(t)
+    forks = after = 0
+    for members in groups.values():
+        for j in range(1, len(members)):
+            t = members[j]
+            at = max(_common_prefix(t.tokens, m.tokens) for m in members[:j])
+            forks += 1
+            ev = t.compactions
+            after += int(ev is not None and bool((ev[:, 0] < at).any()))
+    return {"groups": {g: len(m) for g, m in groups.items()}, "forks": forks, "forks_after_events": after}
+
+
+def _common_prefix(x: np.ndarray, y: np.ndarray) -> int:
+    n = min(len(x), len(y))
+    d = np.flatnonzero(x[:n] != y[:n])
+    return int(d[0]) if len(d) else n
+
+
+def build_long_set(a, budget: int) -> dict:
+    """The long mixed set at ``budget`` (``tree_data.synthetic.synthesize_forks``): ``--num-tasks``
+    groups of ``--samples-per-task`` traces forking at random turns, the groups' strategies cycling
+    through ``--strategies``, in both forms (``_forms``)."""
+    from megatron_harts.tree_data.synthetic import SweConfig, synthesize_forks
+    cfg = SweConfig(scheme="tree-step", num_tasks=a.num_tasks, samples_per_task=a.samples_per_task,
+                    prompt_median=a.prompt_median, min_turns=1, max_turns=a.max_turns,
+                    action_median=a.action_median, observation_median=a.observation_median,
+                    max_tokens=a.max_tokens, vocab_size=PRESETS[a.preset]["vocab"], seed=a.seed,
+                    context_budget=budget, keep_prefix=a.keep_prefix, keep_last=a.keep_last,
+                    evict_chunk=a.evict_chunk or max(1, budget // 2), summary_tokens=a.summary_tokens)
+    traces = _synthesize(f"--set long-mixed --budgets {budget}", lambda: synthesize_forks(cfg, a.strategies))
+    name = f"long-mixed/{budget}"
+    strategy_of = {f"task{g}": a.strategies[g % len(a.strategies)] for g in range(a.num_tasks)}
+    return {"name": name, "scheme": "forks", "strategy": "mixed", "budget": budget, **_forms(name, traces),
+            "evict_chunk": cfg.evict_chunk, "group_strategies": strategy_of, **fork_facts(traces)}
 
 
 def driver_argv(a, sets) -> list:
@@ -134,13 +202,20 @@ def driver_argv(a, sets) -> list:
 
 def measure(argv, forest, n: int, a, title: str) -> dict:
     """One mode: ``run_mode``'s timed steps and their figures (module docstring); N = ``n``.  With
-    ``--profile`` one more step under the profiler: its wall and GPU kernel seconds, kernel time per
-    category in the result, its tables appended to the file under ``title``."""
-    times, metrics, losses, peak, plan, prof, _, backends = run_mode(argv, forest, a.iters, a.warmup, a.device,
-                                                                     profile=bool(a.profile))
+    ``--split`` one more step under the profiler split by what runs (``step_profile``); with
+    ``--profile`` one more: its wall and GPU kernel seconds, kernel time per category in the result,
+    its tables appended to the file under ``title``."""
+    def probe(trainer, f):
+        split = profiled_split(lambda: trainer.step(f), a.device) if a.split else None
+        return split, profile_step(trainer, f, a.device) if a.profile else None
+    times, metrics, losses, peak, plan, probed, _, backends = run_mode(
+        argv, forest, a.iters, a.warmup, a.device, profile=probe if a.split or a.profile else False)
+    split, prof = probed if probed is not None else (None, None)
     t = statistics.median(times)
     m = metrics[-1]
     extra = {}
+    if split is not None:
+        extra["split"] = split
     if prof is not None:
         summary, tables = prof
         extra["profile"] = summary
@@ -149,11 +224,13 @@ def measure(argv, forest, n: int, a, title: str) -> dict:
                     f"({summary['kernel_launches']} launches)\n"
                     + "".join(f"  {cat:>14}: {v['seconds']:.3f} s, {v['launches']} launches\n"
                               for cat, v in summary["categories"].items()) + tables + "\n")
+    pieces = pieces_accounting(plan)
     return {**extra, "step_seconds": t, "step_seconds_all": times, "trajectory_tokens_per_s": n / t,
             "rows_computed": int(m["computed_tokens"]), "sample_tokens": int(m["trajectory_tokens"]),
             "visible_pairs": int(visible_pairs(plan)), "peak_memory_gib": peak,
             "largest_microbatch_rows": max(max((int(mb.features.rows) for mb in plan.microbatches), default=0),
-                                           pieces_accounting(plan)["largest"]),
+                                           pieces["largest"]),
+            "piece_microbatches": pieces["microbatches"], "piece_rows": pieces["rows"],
             "loss_first_step": losses[0][0], "loss_after_one_step": losses[1][0] if len(losses) > 1 else None,
             "loss_per_step": [loss for loss, _ in losses], "grad_norm_per_step": [g for _, g in losses],
             "microbatches": m["microbatches"], "kda_calls": m["kda_calls"], "planner": plan.planner, **backends}
@@ -219,41 +296,57 @@ def parse(argv):
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="h200", choices=sorted(PRESETS),
                     help="model of benchmarks/bench_throughput.py (tiny: CPU smoke run)")
-    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    ap.add_argument("--set", default="grid", choices=SETS,
+                    help="grid: one set per scheme, strategy and budget (33k-35k-token traces, one strategy a "
+                         "set); long-mixed: one set per budget of 6 GRPO-like groups of 4 traces of up to 74k "
+                         "tokens forking at random turns, the strategies mixed over the groups, 32k-row budget")
+    ap.add_argument("--scale", type=float, default=1.0, metavar="S",
+                    help="multiply every token count of the set (lengths, budgets, kept, evicted and summary "
+                         "tokens, the row budget; given or default) by S: e.g. 0.02 for a CPU-sized long-mixed set")
+    ap.add_argument("--schemes", nargs="+", default=None, choices=SCHEMES,
+                    help="--set grid: rollout schemes (default both)")
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
                     help="compaction strategies (tree_data.synthetic: sliding-window evicts --evict-chunk tokens "
                          "wherever the budget would be exceeded; markovian keeps --keep-last tokens at a message "
                          "boundary; summary evicts everything after the prefix and adds a --summary-tokens bridge)")
     ap.add_argument("--budgets", nargs="+", type=int, default=[4096, 8192], metavar="C",
                     help="context budgets: live tokens a rollout holds at most (default 4096 8192)")
-    ap.add_argument("--tree-sharing", nargs="+", default=["within", "windows"], choices=["within", "windows"],
-                    help="tree modes of the traces beside expanded (windows runs where the driver accepts "
-                         "compaction events in sharing windows; else its refusal is recorded)")
+    ap.add_argument("--tree-sharing", nargs="+", default=None, choices=["within", "windows"],
+                    help="tree modes of the traces beside expanded (default within windows; long-mixed: within; "
+                         "windows runs where the driver accepts compaction events in sharing windows; else its "
+                         "refusal is recorded)")
     ap.add_argument("--forms", nargs="+", default=["reprefill", "kv"], choices=["reprefill", "kv"],
                     help="forms to train (default both; kv alone: the traces' modes, e.g. to profile them)")
-    ap.add_argument("--num-tasks", type=int, default=1, help="rollout tasks (trees) per set")
-    ap.add_argument("--samples-per-task", type=int, default=1, help="rollouts per task")
-    ap.add_argument("--max-tokens", type=int, default=35000,
-                    help="trace length cap: rollouts run until the next turn would pass it")
+    ap.add_argument("--num-tasks", type=int, default=None,
+                    help="rollout tasks (trees; long-mixed: GRPO groups) per set (default 1; long-mixed 6)")
+    ap.add_argument("--samples-per-task", type=int, default=None,
+                    help="rollouts per task (default 1; long-mixed: traces per group, 4)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="trace length cap: rollouts run until the next turn would pass it (default 35000; "
+                         "long-mixed 74000, each trace its own cap between half of it and it)")
     ap.add_argument("--max-turns", type=int, default=200,
                     help="turns per rollout (enough that rollouts end at --max-tokens)")
     ap.add_argument("--prompt-median", type=int, default=3000)
     ap.add_argument("--action-median", type=int, default=200)
     ap.add_argument("--observation-median", type=int, default=600)
-    ap.add_argument("--branch-prob", type=float, default=0.05,
-                    help="Tree-Step: probability that a step branches (low: rollouts fork late and share more)")
-    ap.add_argument("--branch-factor", type=int, default=2, help="Tree-Step: children of a branching step")
-    ap.add_argument("--max-leaves", type=int, default=2, help="Tree-Step: leaves per rollout at most")
+    ap.add_argument("--branch-prob", type=float, default=None,
+                    help="--set grid, Tree-Step: probability that a step branches (default 0.05: rollouts fork "
+                         "late and share more)")
+    ap.add_argument("--branch-factor", type=int, default=None,
+                    help="--set grid, Tree-Step: children of a branching step (default 2)")
+    ap.add_argument("--max-leaves", type=int, default=None,
+                    help="--set grid, Tree-Step: leaves per rollout at most (default 2)")
     ap.add_argument("--keep-prefix", type=int, default=256, help="tokens never evicted (system prompt, task)")
     ap.add_argument("--keep-last", type=int, default=512, help="markovian: tokens kept before a message")
     ap.add_argument("--evict-chunk", type=int, default=None,
-                    help="sliding-window: tokens evicted per compaction (default a quarter of the budget)")
+                    help="sliding-window: tokens evicted per compaction (default a quarter of the budget; "
+                         "long-mixed: half)")
     ap.add_argument("--summary-tokens", type=int, default=256, help="summary: bridge tokens after a compaction")
     ap.add_argument("--seed", type=int, default=0, help="generator seed")
     ap.add_argument("--microbatch-tokens", type=int, default=None,
                     help="--tree-microbatch-tokens of every mode (default the rows of the largest tree of traces, "
-                         "rounded up to a multiple of 1024: every rollout's trace tree fits one microbatch; below "
-                         "the longest trace, traces train in pieces)")
+                         "rounded up to a multiple of 1024: every rollout's trace tree fits one microbatch; "
+                         "long-mixed: 32768; below the longest trace, traces train in pieces)")
     ap.add_argument("--iters", type=int, default=1, help="timed steps per mode (the step time is their median)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per mode before them")
     ap.add_argument("--kda-backend", default="auto")
@@ -266,8 +359,35 @@ def parse(argv):
                     help="profile one more step of every mode (torch.profiler): wall and GPU kernel seconds and "
                          "kernel time per category into the results (and the kernel-time speedup of tree over "
                          "expanded), the top kernels and operators appended to FILE")
-    ap.add_argument("--json", action="store_true", help="print the results JSON")
+    ap.add_argument("--split", action=argparse.BooleanOptionalAction, default=None,
+                    help="one more profiled step per mode split into attention forward and backward, KDA, GEMMs, "
+                         "the pieces' extra forward, other device work and host (benchmarks/step_profile.py) "
+                         "into the results and a table (default: on with --set long-mixed)")
+    ap.add_argument("--json", action="store_true",
+                    help="print the results JSON on stdout (the tables then go to stderr)")
     a = ap.parse_args(argv)
+    long = a.set == "long-mixed"
+    if long:
+        for flag, value in (("--schemes", a.schemes), ("--branch-prob", a.branch_prob),
+                            ("--branch-factor", a.branch_factor), ("--max-leaves", a.max_leaves)):
+            if value is not None:
+                raise CliError(f"{flag} applies to --set grid (long-mixed groups fork at random turns)")
+    defaults = {"schemes": list(SCHEMES), "num_tasks": 6 if long else 1, "samples_per_task": 4 if long else 1,
+                "max_tokens": 74000 if long else 35000, "branch_prob": 0.05, "branch_factor": 2, "max_leaves": 2,
+                "tree_sharing": ["within"] if long else ["within", "windows"], "split": long,
+                "microbatch_tokens": 32768 if long else None}
+    for key, value in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if not a.scale > 0 or not math.isfinite(a.scale):
+        raise CliError(f"--scale must be a positive number, got {a.scale}")
+    if a.scale != 1.0:
+        for key in SCALED:
+            value = getattr(a, key)
+            if isinstance(value, list):
+                setattr(a, key, [max(1, round(v * a.scale)) for v in value])
+            elif value is not None:
+                setattr(a, key, max(min(value, 1), round(value * a.scale)))
     for flag, value, low in (("--num-tasks", a.num_tasks, 1), ("--samples-per-task", a.samples_per_task, 1),
                              ("--max-tokens", a.max_tokens, 2), ("--max-turns", a.max_turns, 1),
                              ("--iters", a.iters, 1), ("--warmup", a.warmup, 0)):
@@ -319,13 +439,46 @@ def summary_line(row: dict) -> str:
     return f"{row['set']}: " + " | ".join(parts)
 
 
+def set_line(row: dict) -> str:
+    """What a long mixed set holds, on one line."""
+    kv = row["forms"]["kv"]
+    mix = ", ".join(f"{st} {n}" for st, n in row["strategies"].items())
+    return (f"{row['set']}: {kv['num_trajectories']} traces in {len(row['groups'])} groups ({mix}), "
+            f"{kv['min_trajectory_tokens']:,}-{row['longest_trace_tokens']:,} tokens, N = {row['trace_tokens']:,}, "
+            f"{kv['compaction_events']} events ({kv['compaction_events_tree']} as a forest), {row['forks']} forks "
+            f"({row['forks_after_events']} after events); re-prefill form "
+            f"{row['trace_tokens'] + row['reprefilled_tokens']:,} tokens; row budget {row['microbatch_tokens']:,}")
+
+
+def mode_table(row: dict) -> str:
+    """Each mode's rows, visible attention pairs, step time and peak memory, then where its profiled
+    step's time goes (``--split``)."""
+    lines = [f"{'mode':<24}{'rows':>11}{'pairs':>11}{'pieces':>8}{'step s':>9}{'peak GiB':>10}"]
+    splits = {}
+    for key, m in row["modes"].items():
+        if "skipped" in m:
+            lines.append(f"{key:<24}  not run")
+            continue
+        peak = "-" if m["peak_memory_gib"] is None else f"{m['peak_memory_gib']:.1f}"
+        lines.append(f"{key:<24}{m['rows_computed']:>11,}{m['visible_pairs']:>11.3g}{m['piece_microbatches']:>8}"
+                     f"{m['step_seconds']:>9.3f}{peak:>10}")
+        if "split" in m:
+            splits[key] = m["split"]
+    out = "\n".join(lines) + "\n"
+    if splits:
+        out += "profiled step: seconds (share of its wall time)\n" + split_table(splits)
+    return out
+
+
 def main(argv=None):
     a = parse(argv)
     from megatron_harts.planner.microbatch import PlanningError
     results = {"machine": machine(a.device), "preset": a.preset, "model": PRESETS[a.preset], "args": vars(a),
                "sets": {}}
-    sets = [build_set(a, scheme, strategy, budget)        # bad knobs fail here, before any output
-            for scheme in a.schemes for strategy in a.strategies for budget in a.budgets]
+    # bad knobs fail here, before any output
+    sets = [build_long_set(a, budget) for budget in a.budgets] if a.set == "long-mixed" else \
+        [build_set(a, scheme, strategy, budget)
+         for scheme in a.schemes for strategy in a.strategies for budget in a.budgets]
     longest = max(int(s["forests"]["kv"].traj_length.max()) for s in sets)
     largest = max(int(np.add.reduceat(f.seg_length, f.tree_offsets[:-1]).max())
                   for f in (s["forests"]["kv"] for s in sets))
@@ -336,7 +489,11 @@ def main(argv=None):
         _progress(f"{s['name']}: {kv.num_trajectories} traces of {int(kv.traj_length.min())}-"
                   f"{int(kv.traj_length.max())} tokens, N = {s['N']}, {kv.num_rows} rows as a forest; "
                   f"{rp.num_trajectories} re-prefill samples, {s['reprefilled']} re-prefilled tokens")
-    _progress(f"--tree-microbatch-tokens {a.microbatch_tokens} (the largest tree of traces: {largest} rows)")
+    pieces = ": traces longer train in pieces" if longest > a.microbatch_tokens else ""
+    _progress(f"--tree-microbatch-tokens {a.microbatch_tokens} (the largest tree of traces: {largest} rows, the "
+              f"longest trace {longest} tokens{pieces})")
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if a.json else \
+        (lambda text: print(text, flush=True))         # --json: stdout holds the JSON only
     common = driver_argv(a, sets)
     results["driver_argv"] = common
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -346,8 +503,16 @@ def main(argv=None):
     failed = []
     for n_set, s in enumerate(sets):
         row = {"set": s["name"], "scheme": s["scheme"], "strategy": s["strategy"], "budget": s["budget"],
-               "evict_chunk": s["evict_chunk"] if s["strategy"] == "sliding-window" else None,
-               "trace_tokens": s["N"], "reprefilled_tokens": s["reprefilled"], "forms": form_stats(s), "modes": {}}
+               "evict_chunk": s["evict_chunk"] if s["strategy"] == "sliding-window" or
+               "sliding-window" in s.get("group_strategies", {}).values() else None,
+               "trace_tokens": s["N"], "reprefilled_tokens": s["reprefilled"], "forms": form_stats(s),
+               "longest_trace_tokens": int(s["forests"]["kv"].traj_length.max()),
+               "microbatch_tokens": a.microbatch_tokens, "modes": {}}
+        if "group_strategies" in s:
+            row.update({k: s[k] for k in ("group_strategies", "groups", "forks", "forks_after_events")})
+            row["strategies"] = {st: list(s["group_strategies"].values()).count(st)
+                                 for st in dict.fromkeys(s["group_strategies"].values())}
+            say(set_line(row))
         results["sets"][s["name"]] = row
         for form, sharing in modes:
             key = mode_key(form, sharing)
@@ -373,10 +538,11 @@ def main(argv=None):
                 json.dump(results, f, indent=2, default=float)
         row["derived"] = derived(row)
         rc = row["derived"]["rows_check"]
-        print(f"{s['name']}: rows KV-streams expanded {rc['kv_expanded_rows']} (N = {rc['N']}), re-prefill "
-              f"expanded {rc['reprefill_expanded_rows']} (N + re-prefilled = {rc['N']} + {rc['reprefilled_tokens']})"
-              f"{'' if rc['ok'] else ' MISMATCH'}", flush=True)
-        print(summary_line(row), flush=True)
+        say(f"{s['name']}: rows KV-streams expanded {rc['kv_expanded_rows']} (N = {rc['N']}), re-prefill "
+            f"expanded {rc['reprefill_expanded_rows']} (N + re-prefilled = {rc['N']} + {rc['reprefilled_tokens']})"
+            f"{'' if rc['ok'] else ' MISMATCH'}")
+        say(summary_line(row))
+        say(mode_table(row))
         if not rc["ok"]:
             failed.append(s["name"])
         with open(a.out, "w") as f:

@@ -361,7 +361,8 @@ def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, s
     """Timed steps of one mode (median after ``warmup``), their metrics, the loss and gradient norm of
     every step (warm-ups included: the first at the initial weights, the same in every mode up to
     rounding; warm-ups train ``warm`` where given, :func:`warmup_forest`), peak memory, the plan,
-    with ``profile`` the profile of one more step, with
+    with ``profile`` the profile of one more step (``profile_step``; a callable ``profile(trainer, forest)``:
+    its result instead), with
     ``memory`` where the bytes live at the peak of one more step (``memory_step``), and the
     backends the driver resolved (``auto`` made concrete)."""
     from megatron_harts.training.trainer import Trainer
@@ -383,7 +384,8 @@ def run_mode(argv, forest, iters, warmup, device, profile=False, memory=False, s
         # the driver resets the allocator's peak at every step (its measured_peak_gib): the timed steps' largest
         peak = max(m["measured_peak_gib"] for m in metrics) if device == "cuda" else None
         plan = t._plan(forest)
-        prof = profile_step(t, forest, device, stacks=stacks, op_names=op_names) if profile else None
+        prof = None if not profile else profile(t, forest) if callable(profile) else \
+            profile_step(t, forest, device, stacks=stacks, op_names=op_names)
         mem = memory_step(t, forest) if memory and device == "cuda" else None
         backends = {"kda_backend": t.config.kda_backend, "attention_backend": t.config.tree_attention_backend}
         return times, metrics, losses, peak, plan, prof, mem, backends

@@ -146,3 +146,102 @@ def test_traces_longer_than_the_row_budget_train_in_pieces(bc, tmp_path):
         assert m["largest_microbatch_rows"] <= 256, key
     first = {m["loss_first_step"] for m in row["modes"].values() if m["form"] == "kv"}
     assert max(first) - min(first) < 1e-4
+
+
+def documented_long_commands():
+    """docs/benchmarks.md's long-mixed commands as argv lists (``python benchmarks/bench_compaction.py``
+    dropped): the CPU one (``--scale``) and the GPU ones."""
+    import os
+    import re
+    import shlex
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "benchmarks.md")).read()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for cmd in re.sub(r"\\\n", " ", block).splitlines():
+            if "--set long-mixed" in cmd:
+                argv = shlex.split(cmd, comments=True)
+                assert argv[:2] == ["python", "benchmarks/bench_compaction.py"], cmd
+                out.append(argv[2:])
+    return out
+
+
+#: the long mixed set scaled down to CPU size as docs/benchmarks.md runs it: 2 groups (sliding-window,
+#: summary) of 2 traces forking at random turns, the KV-streams modes, the tiny model
+(LONG,) = [c for c in documented_long_commands() if "--scale" in c]
+LONG = LONG[:LONG.index("--out")] + LONG[LONG.index("--out") + 2:]
+
+
+def test_long_mixed_set_end_to_end(bc, tmp_path, capsys):
+    """--set long-mixed, scaled down, KV-streams expanded and tree: the set holds what it promises
+    (strategies mixed over its groups, forks after compaction events, the longest trace above the row
+    budget, so traces train in pieces), every mode's figures and its profiled step's split, --json's
+    stdout the results alone."""
+    out = tmp_path / "c.json"
+    code, stdout, err = run_tool(bc, capsys, *LONG, "--device", DEVICE, "--out", out, "--json")
+    assert code in (0, None), err
+    res = json.loads(stdout)
+    assert res == json.loads(out.read_text())
+    (name, row), = res["sets"].items()
+    assert name == "long-mixed/20" and row["budget"] == 20 and row["evict_chunk"] == 10
+    assert row["strategies"] == {"sliding-window": 1, "summary": 1}
+    assert row["groups"] == {"task0": 2, "task1": 2} and row["forks"] == 2
+    assert row["forks_after_events"] >= 1
+    assert row["microbatch_tokens"] == 82 < row["longest_trace_tokens"]
+    kv = row["forms"]["kv"]
+    assert kv["compaction_events"] > 0 and kv["num_trajectories"] == 4
+    assert row["reprefilled_tokens"] > 0 and row["trace_tokens"] == kv["expanded_tokens"]
+    assert list(row["modes"]) == ["kv_expanded", "kv_tree_within"]
+    for key, m in row["modes"].items():
+        assert set(FIELDS) <= set(m), key
+        assert m["largest_microbatch_rows"] <= 82 and m["piece_microbatches"] > 0, key
+        s = m["split"]
+        assert set(s["seconds"]) == {"attention_forward", "attention_backward", "kda", "gemm",
+                                     "pieces_extra_forward", "other", "host"}
+        device = sum(v for b, v in s["seconds"].items() if b != "host")
+        assert s["device_seconds"] == pytest.approx(device) and 0 < s["busy_seconds"] <= s["wall_seconds"]
+        assert s["seconds"]["host"] == pytest.approx(s["wall_seconds"] - s["busy_seconds"])
+        for bucket in ("attention_forward", "attention_backward", "kda", "gemm", "pieces_extra_forward"):
+            assert s["seconds"][bucket] > 0, (key, bucket)
+    assert row["modes"]["kv_tree_within"]["rows_computed"] < row["modes"]["kv_expanded"]["rows_computed"]
+    assert row["derived"]["rows_check"]["ok"]
+    assert "attn fwd" in err and "kv_tree_within" in err and "2 forks" in err      # the tables, on stderr
+
+
+def test_documented_gpu_commands_parse(bc, tmp_path):
+    """The GPU commands of docs/benchmarks.md parse (on this machine's device) into the long set at the
+    budget each names, the four modes, the split on, the 32k row budget."""
+    gpu = [c for c in documented_long_commands() if "--scale" not in c]
+    assert sorted(c[c.index("--budgets") + 1] for c in gpu) == ["4096", "8192"]
+    for argv in gpu:
+        argv[argv.index("--out") + 1] = str(tmp_path / "c.json")
+        a = bc.parse(argv + ["--device", "cpu"])
+        assert a.set == "long-mixed" and a.split and a.microbatch_tokens == 32768 and a.tree_sharing == ["within"]
+        assert a.forms == ["reprefill", "kv"] and (a.num_tasks, a.samples_per_task, a.max_tokens) == (6, 4, 74000)
+
+
+def test_full_size_long_set_holds_what_docs_say(bc, tmp_path):
+    """The set at full size (synthesized only, no training): 24 traces of up to ~74k tokens in 6
+    groups, two of each strategy, forks after events, the longest trace above the row budget, and
+    docs/benchmarks.md's figures at both budgets."""
+    a = bc.parse(["--device", "cpu", "--set", "long-mixed", "--out", str(tmp_path / "c.json")])
+    documented = {8192: (1310172, 883670, 213, 154, 18, 15, 1778396, 1177388),
+                  4096: (1096697, 696126, 412, 267, 18, 18, 1638393, 961358)}
+    assert a.budgets == [4096, 8192]
+    for budget in a.budgets:
+        s = bc.build_long_set(a, budget)
+        kv, rp = s["forests"]["kv"], s["forests"]["reprefill"]
+        assert kv.num_trajectories == 24 and s["groups"] == {f"task{g}": 4 for g in range(6)}
+        assert sorted(s["group_strategies"].values()) == sorted(["sliding-window", "markovian", "summary"] * 2)
+        assert 64000 < int(kv.traj_length.max()) <= 74000 and int(kv.traj_length.max()) > a.microbatch_tokens
+        st = kv.stats()
+        assert (s["N"], kv.num_rows, st["compaction_events"], st["compaction_events_tree"], s["forks"],
+                s["forks_after_events"], s["N"] + s["reprefilled"], rp.num_rows) == documented[budget]
+
+
+def test_long_mixed_refuses_grid_flags(bc, capsys, tmp_path):
+    for argv, needle in ((["--schemes", "step-wise"], "--schemes"), (["--branch-prob", "0.5"], "--branch-prob"),
+                         (["--scale", "0"], "--scale")):
+        code, out, err = run_tool(bc, capsys, *LONG, "--device", DEVICE, *argv, "--out", str(tmp_path / "c.json"))
+        assert_one_error(code, err, needle)
+        assert out == "" and list(tmp_path.iterdir()) == []

@@ -177,3 +177,52 @@ def test_none_is_the_generator_without_compaction(tmp_path, scheme):
 def test_invalid_compaction_config(bad, match):
     with pytest.raises(ValueError, match=match):
         SweConfig(**bad).validate()
+
+
+FORKS = dict(num_tasks=3, samples_per_task=4, prompt_median=300, action_median=100, observation_median=200,
+             max_tokens=6000, max_turns=200, seed=3, **KNOBS)
+
+
+def common_prefix(a, b):
+    n = min(len(a), len(b))
+    d = np.flatnonzero(a.tokens[:n] != b.tokens[:n])
+    return int(d[0]) if len(d) else n
+
+
+def test_forking_groups_mix_strategies_and_fork_after_events():
+    """synthesize_forks: each group under its strategy (the live context within the budget, the
+    strategy's own events), every later trace forking from an earlier one of its group and sharing
+    the events before its fork, some forks after events; seeded."""
+    from megatron_harts.tree_data.synthetic import synthesize_forks
+    trajs = synthesize_forks(SweConfig(**FORKS), STRATEGIES)
+    groups = {}
+    for t in trajs:
+        groups.setdefault(t.group, []).append(t)
+    assert list(groups) == ["task0", "task1", "task2"] and all(len(g) == 4 for g in groups.values())
+    after = 0
+    for g, (name, members) in enumerate(groups.items()):
+        strategy = STRATEGIES[g]
+        for t in members:
+            assert len(t) <= FORKS["max_tokens"] and live_counts(t)[0].max() <= BUDGET, t.id
+            for at, a, b in events(t):
+                if strategy == "sliding-window":
+                    assert b - a == KNOBS["evict_chunk"]
+                elif strategy == "markovian":
+                    assert at - b == KNOBS["keep_last"]
+                else:                       # summary: everything after the prefix up to the event
+                    assert b == at and t.loss_mask[at:at + KNOBS["summary_tokens"]].all()
+        for j in range(1, len(members)):
+            t = members[j]
+            fork = max(common_prefix(t, m) for m in members[:j])
+            assert 0 < fork < len(t), t.id                     # forks from its group, then runs on
+            parent = max(members[:j], key=lambda m: common_prefix(t, m))
+            inherited = [e for e in events(t) if e[0] < fork]
+            assert inherited == [e for e in events(parent) if e[0] < fork]
+            after += bool(inherited)
+    assert after >= 2
+    again = synthesize_forks(SweConfig(**FORKS), STRATEGIES)
+    assert [t.tokens.tobytes() for t in again] == [t.tokens.tobytes() for t in trajs]
+    assert [events(t) for t in again] == [events(t) for t in trajs]
+    # a strategy's knobs are checked: markovian cannot keep more than the budget holds
+    with pytest.raises(ValueError, match="keep_last"):
+        synthesize_forks(SweConfig(**{**FORKS, "keep_last": BUDGET}), ["summary", "markovian"])

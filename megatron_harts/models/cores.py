@@ -54,6 +54,10 @@ from .common import (from_sequence_order, sequence_lengths, sequences_unview, se
                      to_sequence_order)
 
 ROW_MODES = ("tree", "packed", "batched")
+#: ``torch.profiler.record_function`` names around the cores' forward (a profile finds their
+#: backward through the autograd nodes those forwards create)
+ATTENTION_RANGE = "harts.attention"
+KDA_RANGE = "harts.kda"
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,8 @@ class KDACore(MegatronModule):
     def forward(self, q, k, v, g, beta, conv_weights, packed_seq_params=None, *, shape: Tuple[int, int]):
         mode = row_mode(packed_seq_params)
         run = self._tree if mode.tree else self._sequences
-        return run(mode, q, k, v, g, beta, conv_weights, packed_seq_params, shape)
+        with torch.profiler.record_function(KDA_RANGE):
+            return run(mode, q, k, v, g, beta, conv_weights, packed_seq_params, shape)
 
     def _tree(self, mode, q, k, v, g, beta, conv_weights, psp, shape):
         if shape[1] != 1:
@@ -198,7 +203,8 @@ class MLACoreAttention(MegatronModule):
         k, v = keys_values(kv_latent, k_rope)
         if mode.tree:
             return self._tree(mode, query, k, v, kv_latent, k_rope, keys_values, packed_seq_params, shape)
-        return self._sequences(query, k, v, packed_seq_params, shape)
+        with torch.profiler.record_function(ATTENTION_RANGE):
+            return self._sequences(query, k, v, packed_seq_params, shape)
 
     def _tree(self, mode, q, k, v, kv_latent, k_rope, keys_values, psp, shape):
         if shape[1] != 1:
@@ -212,9 +218,10 @@ class MLACoreAttention(MegatronModule):
             psp.record_export(self.layer_number, {"kv_latent": kv_latent.index_select(0, rows),
                                                   "k_rope": k_rope.index_select(0, rows)})
         R = psp.layout.num_rows  # rows after R are padding: zero attention output
-        o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale,
-                           backend=psp.attention_backend or self.config.tree_attention_backend,
-                           block_mask=psp.block_mask, key_paths=psp.key_paths, context_kv=context_kv)
+        with torch.profiler.record_function(ATTENTION_RANGE):
+            o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale,
+                               backend=psp.attention_backend or self.config.tree_attention_backend,
+                               block_mask=psp.block_mask, key_paths=psp.key_paths, context_kv=context_kv)
         return psp.attach_injected(self.layer_number, _zero_pad(o, mode.pad_rows))
 
     def _sequences(self, q, k, v, psp, shape):

@@ -100,8 +100,9 @@ import torch
 import torch.distributed as dist
 
 from .simulator import _check_producers, _check_stages, schedule_ops
-from .windows import (WindowedMicrobatch, _loss_of, _model_config, _piece_params, _plan_pieces, check_windows,
-                      microbatch_on, microbatch_params, model_device, producer_forward, producer_params)
+from .windows import (PIECES_RANGE, WindowedMicrobatch, _loss_of, _model_config, _piece_params, _plan_pieces,
+                      check_windows, microbatch_on, microbatch_params, model_device, producer_forward,
+                      producer_params)
 
 __all__ = ["SCHEDULES", "stage_orders", "check_stage_orders", "piece_orders", "piece_backward_order",
            "piece_positions", "forward_backward_pipelining_windows",
@@ -514,7 +515,7 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
             st = {"x": x, "shape": shape}
             if i in pieces.readers:              # read later: exports only (its backward recomputes the forward)
                 psp.preview = not forward_only
-                with torch.no_grad(), producer_forward(cfg):
+                with torch.no_grad(), producer_forward(cfg), torch.profiler.record_function(PIECES_RANGE):
                     output, loss_func = forward_step_func(iter([(mb, psp)]), model)
                 if last and forward_only:
                     store.append(_loss_of(loss_func, output)[1])

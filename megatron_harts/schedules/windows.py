@@ -219,6 +219,8 @@ def _root_paths(forest, segments: np.ndarray) -> np.ndarray:
 
 
 _KINDS = ("rows", "conv_rows", "replay_rows", "state_rows")
+#: ``torch.profiler.record_function`` name of a read piece's exports-only forward (its extra forward)
+PIECES_RANGE = "harts.pieces_extra_forward"
 
 
 def _host_layout(layout):
@@ -591,7 +593,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
             if i in pieces.readers:                 # read later: exports only, forward and backward at the end
                 psp = piece_params(i, mb)
                 psp.preview = True
-                with torch.no_grad(), producer_forward(cfg):
+                with torch.no_grad(), producer_forward(cfg), torch.profiler.record_function(PIECES_RANGE):
                     forward_step_func(iter([(mb, psp)]), model)
                 leaves[i] = psp.recorded.detached()
                 waiting[i] = mb

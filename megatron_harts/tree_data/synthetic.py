@@ -52,12 +52,19 @@ message that does not fit even after compaction ends its rollout, like one past
 tokens.  In ``step-wise`` data a step's targets are the policy tokens new since the
 previous step: its action and any bridge before it.  ``compaction="none"`` gives
 exactly the output of the generator without compaction.
+
+``synthesize_forks`` builds GRPO-like groups of long traces instead: per task (group) one
+rollout, then ``samples_per_task - 1`` more, each forking from an earlier rollout of its group at
+a random turn (so at random depths, before or after the compaction events on the way, which it
+inherits), every rollout running until its next turn would pass its own length cap (drawn
+between ``max_tokens / 2`` and ``max_tokens``).  Each group compacts under one strategy of a
+list, cycled over the groups, so one set mixes strategies.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -337,5 +344,61 @@ def synthesize_swe(cfg: SweConfig) -> List[Trajectory]:
         std = rewards.std()
         for g in group:
             g.advantage = float((g.reward - rewards.mean()) / (std + 1e-6))
+        trajs.extend(group)
+    return trajs
+
+
+def _forking_group(s: _Sampler, task: str, prompt: _Piece) -> List[Trajectory]:
+    """One group of ``synthesize_forks`` (module docstring) under ``s.cfg``'s strategy."""
+    c = s.cfg
+    comp = _Compactor(c)
+    start = comp.start(prompt)
+    rollouts: List[List[_Path]] = []      # each rollout's path after the prompt and after every turn
+
+    def run(turns: List[_Path], cap: int) -> List[_Path]:
+        while len(turns) <= c.max_turns:
+            act, obs = s.action(), s.observation()
+            child = comp.extend(turns[-1], act)
+            child = child and comp.extend(child, obs)
+            if child is None or child.n > cap:
+                break
+            turns = turns + [child]
+        return turns
+
+    for b in range(c.samples_per_task):
+        cap = int(s.rng.integers(max(1, c.max_tokens // 2), c.max_tokens + 1))
+        if not rollouts:
+            rollouts.append(run([start], cap))
+            continue
+        for _ in range(8):          # a fork with no room for a turn under its cap is drawn again
+            parent = rollouts[int(s.rng.integers(len(rollouts)))]
+            at = int(s.rng.integers(len(parent)))       # after the prompt (0) or after turn ``at``
+            turns = run(parent[:at + 1], max(cap, parent[at].n))
+            if len(turns) > at + 1:
+                break
+        rollouts.append(turns)
+    rewards = s.rng.random(len(rollouts)) < 0.4
+    return [_trajectory(f"{task}/b{j}", task, _join(turns[-1].pieces), float(r), turns[-1].events)
+            for j, (turns, r) in enumerate(zip(rollouts, rewards))]
+
+
+def synthesize_forks(cfg: SweConfig, strategies: Sequence[str]) -> List[Trajectory]:
+    """``cfg.num_tasks`` groups of ``cfg.samples_per_task`` rollouts forking at random turns
+    (module docstring), group ``g`` under compaction ``strategies[g % len(strategies)]`` (``cfg``'s
+    own ``compaction`` and ``scheme`` are not read); identical output for identical arguments."""
+    if not strategies:
+        raise ValueError("strategies must name at least one compaction strategy")
+    cfgs = [replace(cfg, compaction=st) for st in strategies]
+    for c in cfgs:
+        c.validate()
+    rng = np.random.default_rng(cfg.seed)
+    trajs: List[Trajectory] = []
+    for t in range(cfg.num_tasks):
+        s = _Sampler(cfgs[t % len(cfgs)])
+        s.rng = rng                         # one stream for the whole set
+        group = _forking_group(s, f"task{t}", s.prompt())
+        rewards = np.array([g.reward for g in group])
+        for g in group:
+            g.advantage = float((g.reward - rewards.mean()) / (rewards.std() + 1e-6))
         trajs.extend(group)
     return trajs

@@ -1,0 +1,141 @@
+"""benchmarks/step_profile.py: the buckets of a step's device work (synthetic (name, time) lists), the
+busy time of overlapping kernels, and a real profiled CPU step whose attention backward is found
+through the autograd nodes its forward range created."""
+import pytest
+import torch
+
+from tool_runner import load_tool
+
+
+@pytest.fixture(scope="module")
+def sp():
+    return load_tool("step_profile", "benchmarks")
+
+
+def test_buckets_by_scope_then_by_name(sp):
+    work = [
+        ("flash_fwd_kernel", 1.0),                                   # attention by name, forward
+        ("flash_bwd_dq_dk_dv_loop_kernel", 2.0),                     # attention by name, backward
+        ("triton_tem_fused_flex_attention_backward", 0.5),           # flex backward
+        ("chunk_kda_fwd_kernel_o", 0.25),                            # KDA by name
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 4.0),                    # a GEMM
+        ("aten::mm", 0.75),                                          # a CPU GEMM
+        ("elementwise_kernel", 0.125),                               # other
+        ("void at::native::index_elementwise_kernel", 0.5, ("attention_forward",)),   # a gather in the range
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 3.0, ("attention_backward",)),           # a GEMM in its backward
+        ("elementwise_kernel", 0.25, ("kda",)),
+        # the pieces' extra forward wins over the ranges inside it
+        ("flash_fwd_kernel", 1.5, ("pieces_extra_forward", "attention_forward")),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", 0.5, ("pieces_extra_forward",)),
+    ]
+    out = sp.split_step(work, wall_seconds=20.0)
+    sec = out["seconds"]
+    assert sec["attention_forward"] == pytest.approx(1.5)
+    assert sec["attention_backward"] == pytest.approx(5.5)
+    assert sec["kda"] == pytest.approx(0.5)
+    assert sec["gemm"] == pytest.approx(4.75)
+    assert sec["pieces_extra_forward"] == pytest.approx(2.0)
+    assert sec["other"] == pytest.approx(0.125)
+    busy = sum(w[1] for w in work)
+    assert out["device_seconds"] == pytest.approx(busy) == pytest.approx(out["busy_seconds"])
+    assert sec["host"] == pytest.approx(20.0 - busy)
+    assert sum(sec.values()) == pytest.approx(20.0)
+    assert out["fraction"]["gemm"] == pytest.approx(4.75 / 20.0)
+    assert tuple(sec) == sp.BUCKETS
+
+
+def test_host_is_wall_less_busy_and_never_negative(sp):
+    out = sp.split_step([("gemm", 3.0), ("gemm", 3.0)], wall_seconds=5.0, busy_seconds=4.0)   # overlapping
+    assert out["seconds"]["gemm"] == 6.0 and out["seconds"]["host"] == pytest.approx(1.0)
+    assert sp.split_step([("gemm", 6.0)], wall_seconds=5.0)["seconds"]["host"] == 0.0
+    with pytest.raises(ValueError, match="wall_seconds"):
+        sp.split_step([], wall_seconds=0.0)
+    with pytest.raises(ValueError, match="negative"):
+        sp.split_step([("x", -1.0)], wall_seconds=1.0)
+
+
+def test_union_of_intervals(sp):
+    # microseconds: [0, 10) and [5, 20) overlap, [30, 31) apart, [6, 8) inside
+    assert sp._union_seconds([(0, 10), (30, 31), (5, 20), (6, 8)]) == pytest.approx(21e-6)
+    assert sp._union_seconds([]) == 0.0
+
+
+def test_a_profiled_cpu_step_finds_the_backward_of_its_ranges(sp):
+    """Attention forward in its range, KDA in its range, a no_grad piece forward: the backward of
+    the ranges' nodes lands in attention_backward and kda, the rest by name."""
+    from torch.profiler import record_function
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 96, generator=gen, requires_grad=True)
+    w = torch.randn(96, 96, generator=gen, requires_grad=True)
+
+    def step():
+        h = x @ w                                                 # a GEMM outside every range
+        with record_function("test.attn"):
+            a = torch.softmax(h @ h.t(), -1) @ h
+        with record_function("test.kda"):
+            k = torch.sigmoid(a) * a
+        with torch.no_grad(), record_function("test.pieces"):
+            torch.tanh(h @ w)
+        k.sum().backward()
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    work, busy, unlinked = sp.profile_work(prof.events(), "cpu", "test.attn", "test.kda", "test.pieces")
+    assert unlinked == 0
+    kinds = {}
+    for name, s, scopes in work:
+        kinds.setdefault(sp.bucket(name, scopes), set()).add(name)
+    assert "aten::_softmax" in kinds["attention_forward"]
+    assert "aten::_softmax_backward_data" in kinds["attention_backward"]
+    assert "aten::sigmoid_backward" in kinds["kda"] and "aten::sigmoid" in kinds["kda"]
+    assert "aten::tanh" in kinds["pieces_extra_forward"]
+    assert "aten::mm" in kinds["gemm"]                            # x @ w and its backward
+    assert busy == pytest.approx(sum(w[1] for w in work))
+    out = sp.split_step(work, 10.0, busy)
+    assert all(out["seconds"][b] > 0 for b in ("attention_forward", "attention_backward", "kda", "gemm",
+                                               "pieces_extra_forward"))
+    table = sp.split_table({"kv_tree_within": out})
+    assert table.splitlines()[1].startswith("kv_tree_within") and "attn bwd" in table
+
+
+def test_gpu_kernels_take_their_launching_operators_scopes(sp):
+    """The CUDA path on stand-in events: each kernel finds its launching operator by its linked
+    correlation id (not a runtime call that shares the number), that operator's ranges and the
+    backward of the nodes the attention range created; busy time is the kernels' union; a kernel
+    with no operator counts as unlinked and goes by its name."""
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+
+    def op(name, id, parent=None, seq=-1, thread=1, fwd_thread=0, linked=0):
+        return E(name=name, id=id, cpu_parent=parent, sequence_nr=seq, thread=thread, fwd_thread=fwd_thread,
+                 linked_correlation_id=linked, device_type=cpu)
+
+    def kernel(name, linked, start, end):
+        return E(name=name, device_type=gpu, linked_correlation_id=linked, time_range=E(start=start, end=end),
+                 cpu_parent=None, sequence_nr=-1)
+
+    attn = op("harts.attention", 1)
+    mm = op("aten::bmm", 2, attn, seq=7)
+    launch = op("cudaLaunchKernel", 3, mm, linked=2)
+    bwd = op("autograd::engine::evaluate_function: BmmBackward0", 4, seq=7, thread=2, fwd_thread=1)
+    bwd_mm = op("aten::bmm", 5, bwd)
+    pieces = op("harts.pieces_extra_forward", 6)
+    lin = op("aten::addmm", 8, pieces)
+    other = op("aten::addmm", 9)
+    clash = op("cudaLaunchKernel", 5, other, linked=9)      # a runtime call numbered like an operator
+    events = [attn, mm, launch, bwd, bwd_mm, pieces, lin, other, clash,
+              kernel("sm90_xmma_gemm_bf16", 2, 0, 10),
+              kernel("sm90_xmma_gemm_bf16", 5, 20, 40),
+              kernel("sm90_xmma_gemm_bf16", 8, 35, 45),
+              kernel("sm90_xmma_gemm_bf16", 9, 50, 51),
+              kernel("flash_bwd_kernel", 0, 60, 70)]
+    work, busy, unlinked = sp.profile_work(events, "cuda", "harts.attention", "harts.kda",
+                                           "harts.pieces_extra_forward")
+    assert [sp.bucket(w[0], w[2]) for w in work] == ["attention_forward", "attention_backward",
+                                                     "pieces_extra_forward", "gemm", "attention_backward"]
+    assert unlinked == 1 and busy == pytest.approx(46e-6)       # [0,10) + [20,45) + [50,51) + [60,70)
+    out = sp.split_step(work, 1e-4, busy)
+    assert out["device_seconds"] == pytest.approx(51e-6) and out["seconds"]["host"] == pytest.approx(54e-6)
