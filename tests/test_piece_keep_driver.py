@@ -1,7 +1,7 @@
 """``--tree-piece-keep`` through the training driver (CPU, fp64, world of one, MoE aux loss on): with a
 16-row budget under trajectories of up to 41 tokens, read pieces that keep their graphs (``all``, and
 ``auto`` under a large ``--tree-piece-memory``) and read pieces recomputed (``none``) give the same
-losses, gradient norms, gradients and MoE load; the logged step reports the extra forward rows (0 when
+loss, gradient norm, gradients and MoE load in a step; the logged step reports the extra forward rows (0 when
 every read piece is kept).  Bad values are one error line naming the flag."""
 import pytest
 import torch
@@ -18,8 +18,8 @@ def test_piece_keep_through_the_driver():
 
     from megatron_harts.tree_data import build_forest
     forest = build_forest(rollouts(0))
-    kept, g_kept, _ = _driver_run(_budget16("--tree-piece-keep", "all"), forest)
-    recomputed, g_rec, _ = _driver_run(_budget16("--tree-piece-keep", "none"), forest)
+    kept, g_kept, _ = _driver_run(_budget16("--tree-piece-keep", "all"), forest, steps=1)
+    recomputed, g_rec, _ = _driver_run(_budget16("--tree-piece-keep", "none"), forest, steps=1)
     auto, g_auto, t = _driver_run(_budget16("--tree-piece-memory", "1000"), forest, steps=1)
     m = kept[0]
     assert m["read_pieces"] > 0 and m["kept_pieces"] == m["read_pieces"] and m["piece_extra_forward_rows"] == 0

@@ -177,7 +177,8 @@ def test_piece_forwards_counted_and_kept_graphs_exact(cpu_world):
     forest = full.select(long_trees(full, 12))
     plan = plan_with_pieces(forest, 12, 4, 1, None, empty_plan=empty_plan(forest, "tree"))
     items = piece_microbatches(plan, 0)
-    read = sorted(set(_plan_pieces(items, cfg).readers))
+    planned = _plan_pieces(items, cfg)
+    read = sorted(set(planned.readers))
     assert len(read) >= 3 and len(read) < len(items)
     rows = [int(mb.layout.num_rows) for mb in items]
     runs = {}
@@ -189,12 +190,12 @@ def test_piece_forwards_counted_and_kept_graphs_exact(cpu_world):
         assert stats["piece_extra_forward_rows"] == sum(rows[i] for i in twice), keep
         assert stats["kept_pieces"] == len(read) - len(twice)
     # auto: a budget between keeping none and keeping all keeps some read pieces, recomputes the others
-    lo = step_memory_plan(items, cfg, piece_keep="none").predicted_peak_bytes
-    hi = step_memory_plan(items, cfg, piece_keep="all").predicted_peak_bytes
+    lo = step_memory_plan(items, cfg, pieces=planned, piece_keep="none").predicted_peak_bytes
+    hi = step_memory_plan(items, cfg, pieces=planned, piece_keep="all").predicted_peak_bytes
     assert lo < hi
     mixed = None
     for b in np.linspace(lo, hi, 32).astype(np.int64):
-        m = step_memory_plan(items, cfg, piece_keep="auto", piece_budget_bytes=int(b))
+        m = step_memory_plan(items, cfg, pieces=planned, piece_keep="auto", piece_budget_bytes=int(b))
         assert m.predicted_peak_bytes <= max(int(b), lo)
         if m.kept_pieces and m.recomputed_pieces:
             mixed = int(b), m
@@ -205,7 +206,8 @@ def test_piece_forwards_counted_and_kept_graphs_exact(cpu_world):
     forwards = runs["auto"][3]
     assert [i for i in read if forwards[i] == 2] == list(m.recomputed_pieces)
     assert runs["auto"][2]["predicted_peak_bytes"] == m.predicted_peak_bytes
-    assert step_memory_plan(items, cfg, piece_keep="auto", piece_budget_bytes=hi).kept_pieces == tuple(read)
+    assert step_memory_plan(items, cfg, pieces=planned, piece_keep="auto", piece_budget_bytes=hi).kept_pieces == \
+        tuple(read)
     for keep in ("none", "auto"):
         assert_same(runs[keep], runs["all"], f"pieces keep={keep} vs all (aux loss on)")
         torch.testing.assert_close(runs[keep][4], runs["all"][4], rtol=0, atol=0)

@@ -261,7 +261,7 @@ def worker(rank, world, port, ref_path):
 @pytest.mark.slow
 def test_pipeline_size_2_pieces(reference):
     from megatron_cpu import free_port
-    run_ranks(worker, 2, (free_port(), reference), timeout=300)
+    run_ranks(worker, 2, (free_port(), reference), timeout=600)
 
 
 # ---------------------------------------------------------------------------------------------
