@@ -290,15 +290,15 @@ def driver_model_config(p, forest, microbatch_tokens):
 def step_activation_bytes(cfg, forest, plan, settings) -> int:
     """The live activation bytes of a planned step at its peak as the driver predicts them
     (``schedules.windows.step_memory_plan`` on replica 0's microbatches, pieces and windows included;
-    windows decided under the default memory budget, as the driver does); ``cfg``:
-    :func:`driver_model_config`."""
+    windows decided under the default memory budget, as the driver does; read pieces of long paths
+    recomputed, the least memory they take: ``--tree-piece-keep none``); ``cfg``: :func:`driver_model_config`."""
     from megatron_harts.planner.memory import ModelShape, default_budget_bytes
     from megatron_harts.schedules.windows import step_memory_plan
     from megatron_harts.training.step import replica_microbatches
     budget = default_budget_bytes(ModelShape.from_config(cfg), settings.microbatch_tokens) \
         if settings.sharing == "windows" else None
     mbs = replica_microbatches(forest, plan, 0, settings)
-    return step_memory_plan(mbs, cfg, budget_bytes=budget).predicted_peak_bytes
+    return step_memory_plan(mbs, cfg, budget_bytes=budget, piece_keep="none").predicted_peak_bytes
 
 
 def pieces_accounting(plan) -> dict:

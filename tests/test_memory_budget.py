@@ -39,6 +39,30 @@ def test_window_choice_within_the_budget():
         plan_window_memory([StepItem(3, producer=1), StepItem(3)], **kw)
 
 
+def test_piece_choice_within_the_budget():
+    """A chain of three pieces (0 and 1 read later, 2 reads both): phases run 0, run 1, run 2, backward of
+    1, backward of 0.  Recomputed, a read piece holds its exports until its backward and runs there again;
+    kept, it also holds its graph (rows x piece_graph_per_row) from its run to its backward."""
+    chain = [StepItem(10, export_bytes=5, read_later=True), StepItem(10, export_bytes=5, reads=(0,), read_later=True),
+             StepItem(10, reads=(0, 1))]
+    kw = dict(saved_per_row=10, graph_per_row=10, piece_graph_per_row=2)
+    none = plan_window_memory(chain, **kw)
+    assert none.recomputed_pieces == (0, 1) and none.kept_pieces == ()
+    assert none.predicted_peak_bytes == 110          # the last piece beside both exports; backward of 1 alike
+    every = plan_window_memory(chain, piece_keep="all", **kw)
+    assert every.kept_pieces == (0, 1) and every.predicted_peak_bytes == 150      # 100 + 2 x (5 + 20)
+    for budget, kept in ((10 ** 6, (0, 1)), (150, (0, 1)), (149, (0,)), (130, (0,)), (129, ())):
+        plan = plan_window_memory(chain, piece_keep="auto", piece_budget_bytes=budget, **kw)
+        assert plan.kept_pieces == kept, budget
+        assert plan_window_memory(chain, piece_keep=kept, **kw).predicted_peak_bytes == plan.predicted_peak_bytes
+    with pytest.raises(ValueError, match="needs piece_budget_bytes"):
+        plan_window_memory(chain, piece_keep="auto", **kw)
+    with pytest.raises(ValueError, match="no read piece"):
+        plan_window_memory(chain, piece_keep=[2], **kw)
+    with pytest.raises(ValueError, match="piece_keep must be"):
+        plan_window_memory(chain, piece_keep="some", **kw)
+
+
 def test_full_recomputation_budget_recomputes_producers():
     """Under full activation recomputation a row keeps far less than a producer's graph, so the default
     budget (what expanded mode keeps) leaves no room for a kept producer."""

@@ -113,9 +113,10 @@ def test_every_tree_long_and_refusals():
 
 @pytest.mark.parametrize("granularity", ["full", "selective"])
 def test_pieces_and_windows_with_activation_recomputation(cpu_world, granularity):
-    """``--recompute-granularity``: a windows-mode step with pieces (a read piece's forward again at its
-    chain's end recomputes as configured, its exports' gradients entering through the recording layers'
-    outputs) gives the same log-probs and gradients as without recomputation."""
+    """``--recompute-granularity``: a windows-mode step with pieces gives the same log-probs and gradients
+    as without recomputation, whether the read pieces keep their graphs (under full recomputation a kept
+    graph holds the layers' inputs: the exports' gradients enter through the recording layers' outputs
+    when the backward recomputes them) or run their forward again at their chain's end."""
     from megatron_harts.training.step import SharingSettings, plan_step, replica_microbatches
     kw = dict(recompute_granularity=granularity)
     if granularity == "full":
@@ -129,5 +130,95 @@ def test_pieces_and_windows_with_activation_recomputation(cpu_world, granularity
     plain = run_step(randomize_(build_hybrid_model(base, vocab_size=VOCAB), 3), items)
     cfg = tiny_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", **kw)
     model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 3)
-    assert_same(run_step(model, items), plain, f"recompute {granularity} vs none")
+    for keep in ("all", "none"):
+        got = counting_step(model, items, piece_keep=keep)
+        assert_same(got, plain, f"recompute {granularity}, pieces keep={keep} vs no recomputation")
+        assert got[2]["kept_pieces"] == (got[2]["read_pieces"] if keep == "all" else 0) and got[2]["read_pieces"]
     assert model.config.recompute_granularity == granularity
+
+
+def counting_step(model, items, **kw):
+    """``run_step`` of ``items`` with ``forward_backward_windows``'s keywords ``kw``, counting each item's
+    forwards (the model's forward calls on its layout) and summing the routers' tokens per expert over the
+    forwards that count the step's statistics (not a read piece's exports-only forward, as the driver's
+    ``make_forward_step``): (log-probs, gradients, stats, forwards per item, tokens per expert)."""
+    from megatron_harts.schedules.windows import forward_backward_windows
+    from megatron_harts.training.step import _count_experts
+    from test_windows_schedule import forward_step
+    at = {id(mb.layout): i for i, mb in enumerate(items)}
+    forwards = [0] * len(items)
+    counters = {"tokens_per_expert": None}
+
+    def counted(data_iterator, model):
+        mb, psp = next(data_iterator)
+        forwards[at[id(mb.layout)]] += 1
+        out = forward_step(iter([(mb, psp)]), model)
+        if not psp.preview:
+            _count_experts(model, counters)
+        return out
+    model.zero_grad(set_to_none=True)
+    stats = {}
+    store = forward_backward_windows(forward_step_func=counted, data_iterator=iter(items), model=model,
+                                     num_microbatches=len(items), window_stats=stats, **kw)
+    lp = {k: v for s in store for k, v in s["lp"].items()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp, grads, stats, forwards, counters["tokens_per_expert"]
+
+
+def test_piece_forwards_counted_and_kept_graphs_exact(cpu_world):
+    """A read piece that keeps its graph runs its forward once, one that does not runs it twice (its
+    exports-only forward, then again with its backward); the step stats report those extra rows.  Every
+    choice (all, none, the memory plan's mix) gives the same log-probs, gradients (MoE aux loss included)
+    and tokens per expert, and equals the uncut step's."""
+    from megatron_harts.schedules.windows import _plan_pieces, step_memory_plan
+    cfg = tiny_config()                                 # MoE aux loss on: its gradients ride the kept graphs too
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 5)
+    full = long_forest(3, compactions=True)
+    forest = full.select(long_trees(full, 12))
+    plan = plan_with_pieces(forest, 12, 4, 1, None, empty_plan=empty_plan(forest, "tree"))
+    items = piece_microbatches(plan, 0)
+    planned = _plan_pieces(items, cfg)
+    read = sorted(set(planned.readers))
+    assert len(read) >= 3 and len(read) < len(items)
+    rows = [int(mb.layout.num_rows) for mb in items]
+    runs = {}
+    for keep in ("all", "none"):
+        lp, grads, stats, forwards, tpe = runs[keep] = counting_step(model, items, piece_keep=keep)
+        twice = set(read) if keep == "none" else set()
+        assert forwards == [2 if i in twice else 1 for i in range(len(items))], keep
+        assert stats["piece_rows"] == sum(rows) and stats["read_pieces"] == len(read)
+        assert stats["piece_extra_forward_rows"] == sum(rows[i] for i in twice), keep
+        assert stats["kept_pieces"] == len(read) - len(twice)
+    # auto: a budget between keeping none and keeping all keeps some read pieces, recomputes the others
+    lo = step_memory_plan(items, cfg, pieces=planned, piece_keep="none").predicted_peak_bytes
+    hi = step_memory_plan(items, cfg, pieces=planned, piece_keep="all").predicted_peak_bytes
+    assert lo < hi
+    mixed = None
+    for b in np.linspace(lo, hi, 32).astype(np.int64):
+        m = step_memory_plan(items, cfg, pieces=planned, piece_keep="auto", piece_budget_bytes=int(b))
+        assert m.predicted_peak_bytes <= max(int(b), lo)
+        if m.kept_pieces and m.recomputed_pieces:
+            mixed = int(b), m
+            break
+    assert mixed is not None
+    budget, m = mixed
+    runs["auto"] = counting_step(model, items, piece_keep="auto", piece_budget=budget)
+    forwards = runs["auto"][3]
+    assert [i for i in read if forwards[i] == 2] == list(m.recomputed_pieces)
+    assert runs["auto"][2]["predicted_peak_bytes"] == m.predicted_peak_bytes
+    assert step_memory_plan(items, cfg, pieces=planned, piece_keep="auto", piece_budget_bytes=hi).kept_pieces == \
+        tuple(read)
+    for keep in ("none", "auto"):
+        assert_same(runs[keep], runs["all"], f"pieces keep={keep} vs all (aux loss on)")
+        torch.testing.assert_close(runs[keep][4], runs["all"][4], rtol=0, atol=0)
+    # the uncut step: the same log-probs and tokens per expert (its gradients differ by the aux loss, which
+    # megatron defines per microbatch; test_long_paths_cut_into_pieces_equal_uncut compares them without it)
+    uncut = counting_step(model, whole_step(plan.pieces.forest))
+    assert uncut[3] == [1]
+    assert set(uncut[0]) == set(runs["all"][0])
+    assert all(abs(runs["all"][0][k] - v) <= 1e-10 * max(1.0, abs(v)) for k, v in uncut[0].items())
+    torch.testing.assert_close(runs["all"][4], uncut[4], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="needs piece_budget"):
+        counting_step(model, items, piece_keep="auto")
+    with pytest.raises(ValueError, match="no read piece"):
+        counting_step(model, items, piece_keep=[len(items) - 1])

@@ -10,8 +10,10 @@
   tree, with and without compaction events crossing piece boundaries, and the steps ``plan_step``
   gives with ``--tree-sharing off``, ``within`` and ``windows`` (pieces after the planned
   microbatches) give the log-probs and every parameter gradient (1e-10 relative) of the same step
-  on pipeline size 1 and of expanded training; also with activation recomputation (full, uniform);
-  forward only, the log-probs of pipeline size 1.
+  on pipeline size 1 and of expanded training, read pieces keeping their graphs (one forward each)
+  and recomputed (their forward again at their backward, the extra rows reported); also with
+  activation recomputation (full, uniform) in both ways and the memory model's choice; forward only,
+  the log-probs of pipeline size 1.
 - the driver, pipeline size 2, a 16-row budget under trajectories of up to 43 tokens: every sharing
   mode's losses, objective terms and parameters equal uncut expanded training on pipeline size 1.
 """
@@ -211,8 +213,19 @@ def worker(rank, world, port, ref_path):
                     assert_stage_same(lp, grads, ref["results"][name]["pp1"], what + " vs PP=1", last)
                     assert_stage_same(lp, grads, ref["results"][name]["exp"], what + " vs expanded", last)
                     assert min(stats["peak_export_bytes"]) > 0, (what, stats)
+                    assert stats["read_pieces"] > 0 and stats["kept_pieces"] == stats["read_pieces"], (what, stats)
+                    assert stats["piece_extra_forward_rows"] == 0, (what, stats)
                     if name.startswith("planned"):
                         break           # no windows: the schedules order the same microbatches alike
+            # read pieces recomputed (their forward again at their backward): the same numbers, the extra rows
+            name = "window+pieces, compactions"
+            items = step_sets()[name][1]
+            stats = {}
+            lp = stage_step(model, items, "consumer-1f1b", stats, piece_keep="none")
+            assert_stage_same(lp, stage_grads(model, offset), ref["results"][name]["pp1"],
+                              f"PP={world} pieces recomputed ({name}) vs PP=1", last)
+            read_rows = sum(int(items[i].layout.num_rows) for i in {r for mb in items for r in mb.reads})
+            assert stats["kept_pieces"] == 0 and stats["piece_extra_forward_rows"] == read_rows > 0, stats
             # forward only (the logit probe's pass): every piece's log-probs once, those of PP=1
             from megatron_harts.schedules.pipeline import forward_backward_pipelining_windows
             from test_pipeline_schedules import pp_forward_step
@@ -229,12 +242,17 @@ def worker(rank, world, port, ref_path):
                 assert all(abs(v - ref_lp[k]) <= 1e-10 * max(1.0, abs(ref_lp[k])) for k, v in lp)
             else:
                 assert store == []
-            # activation recomputation (full, uniform): readers recompute, read pieces' forwards do not
+            # activation recomputation (full, uniform): kept read pieces (their graphs hold the layers' inputs,
+            # their exports' gradients enter as the backward recomputes each layer), recomputed ones, and the
+            # memory model's choice ("auto"; a budget of 1 byte keeps none)
             cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = "full", "uniform", 1
             name = "window+pieces, compactions"
-            lp = stage_step(model, step_sets()[name][1], "consumer-1f1b")
-            assert_stage_same(lp, stage_grads(model, offset), ref["results"][name]["exp"],
-                              f"PP={world} recompute ({name}) vs expanded", last)
+            for kw in ({"piece_keep": "all"}, {"piece_keep": "none"}, {"piece_keep": "auto", "piece_budget": 1}):
+                stats = {}
+                lp = stage_step(model, step_sets()[name][1], "consumer-1f1b", stats, **kw)
+                assert_stage_same(lp, stage_grads(model, offset), ref["results"][name]["exp"],
+                                  f"PP={world} recompute, {kw} ({name}) vs expanded", last)
+                assert stats["kept_pieces"] == (stats["read_pieces"] if kw["piece_keep"] == "all" else 0), stats
     finally:
         patches.undo()
         dist.destroy_process_group()
@@ -243,7 +261,7 @@ def worker(rank, world, port, ref_path):
 @pytest.mark.slow
 def test_pipeline_size_2_pieces(reference):
     from megatron_cpu import free_port
-    run_ranks(worker, 2, (free_port(), reference), timeout=300)
+    run_ranks(worker, 2, (free_port(), reference), timeout=600)
 
 
 # ---------------------------------------------------------------------------------------------

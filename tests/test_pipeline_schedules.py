@@ -245,13 +245,14 @@ def reference(cpu_world, tmp_path_factory):
     return path
 
 
-def stage_step(model, mbs, schedule, stats=None, costs=None):
+def stage_step(model, mbs, schedule, stats=None, costs=None, **kw):
+    """One step of ``mbs`` on this stage (``kw``: further keywords of the schedule): the log-probs."""
     from megatron_harts.schedules.pipeline import forward_backward_pipelining_windows
     model.zero_grad(set_to_none=True)
     store = forward_backward_pipelining_windows(forward_step_func=pp_forward_step, data_iterator=iter(mbs),
                                                 model=[model], num_microbatches=len(mbs), seq_length=0,
                                                 micro_batch_size=1, window_stats=stats, schedule=schedule,
-                                                microbatch_costs=costs)
+                                                microbatch_costs=costs, **kw)
     lp = {}
     for s in store:
         for k, v in s["lp"].items():

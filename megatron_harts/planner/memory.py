@@ -19,8 +19,12 @@ Pure Python and numpy (no torch), so a plan can be sized anywhere.  Two parts:
   producer order, whether its producer keeps its activation graph until its window closes (fast) or
   runs under ``no_grad`` and is recomputed at window close: a window is kept when, with it kept, the
   predicted live bytes stay within the budget at every point of its window; the predicted peak of the
-  chosen step comes with it.  The decision depends only on the step's items and the numbers above, so
-  every rank that runs the same items decides the same.
+  chosen step comes with it.  The same walk decides, per piece of a long path that later pieces read
+  (``planner.pieces``), whether it keeps its graph from its forward until its backward at its chain's
+  end (one forward) or runs under ``no_grad`` and again with its backward (``piece_keep``); the pieces'
+  budget is ``--tree-piece-memory`` (default :func:`device_activation_budget` on a GPU).  The decision
+  depends only on the step's items and the numbers above, so every rank that runs the same items
+  decides the same.
 
 An estimate: allocator rounding, transient buffers and kernel workspaces are not in it.
 """
@@ -33,7 +37,8 @@ import numpy as np
 
 __all__ = ["ModelShape", "activation_bytes_per_row", "saved_bytes_per_row", "graph_bytes_per_row", "export_bytes",
            "forward_end_bytes_per_row", "attention_bytes", "default_budget_bytes", "state_bytes_per_parameter",
-           "output_bytes", "step_peak_bytes", "StepItem", "WindowMemoryPlan", "plan_window_memory", "GIB"]
+           "output_bytes", "step_peak_bytes", "device_activation_budget", "StepItem", "WindowMemoryPlan",
+           "plan_window_memory", "PIECE_KEEP", "GIB"]
 
 GIB = 2 ** 30
 
@@ -219,6 +224,13 @@ def default_budget_bytes(s: ModelShape, row_budget: int) -> int:
     return int(row_budget) * saved_bytes_per_row(s)
 
 
+def device_activation_budget(device_bytes: int, state_bytes: float, fraction: float = 0.9) -> int:
+    """The activation bytes a step may keep on a device of ``device_bytes``: ``fraction`` of it (the rest
+    for allocator rounding, transient buffers and the output layer's log-probs) less the parameter state
+    (``state_bytes``, :func:`state_bytes_per_parameter` times this rank's parameters); at least 1."""
+    return max(1, int(float(fraction) * int(device_bytes) - float(state_bytes)))
+
+
 @dataclass(frozen=True)
 class StepItem:
     """One microbatch of a replica's step, in execution order, as the memory plan sees it: ``rows``
@@ -243,33 +255,50 @@ class WindowMemoryPlan:
     ``kept``: the others; ``predicted_peak_bytes``: the largest predicted live bytes over the step
     (running microbatch's saved activations, kept producers' graphs, exports and their gradients);
     ``budget_bytes``: the budget it was chosen for (None: no budget, every window as forced);
-    ``export_bytes``: per item its predicted exports (0 where it exports nothing)."""
+    ``export_bytes``: per item its predicted exports (0 where it exports nothing); ``kept_pieces``: read
+    pieces of long paths that keep their graph from their forward to their backward (one forward);
+    ``recomputed_pieces``: read pieces whose forward runs under ``no_grad`` and again with their backward."""
     recompute: Tuple[int, ...]
     kept: Tuple[int, ...]
     predicted_peak_bytes: int
     budget_bytes: Optional[int]
     export_bytes: Tuple[int, ...] = ()
+    kept_pieces: Tuple[int, ...] = ()
+    recomputed_pieces: Tuple[int, ...] = ()
+
+
+PIECE_KEEP = ("auto", "all", "none")
 
 
 def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_per_row: int,
                        budget_bytes: Optional[int] = None, force: Optional[bool] = None,
-                       recompute: Optional[Sequence[int]] = None) -> WindowMemoryPlan:
-    """Choose, per sharing window of a replica's step, whether its producer keeps its graph, and predict
-    the step's live activation bytes (module docstring).
+                       recompute: Optional[Sequence[int]] = None, piece_keep="none",
+                       piece_graph_per_row: Optional[int] = None,
+                       piece_budget_bytes: Optional[int] = None) -> WindowMemoryPlan:
+    """Choose, per sharing window of a replica's step, whether its producer keeps its graph, and per read
+    piece of a long path whether it keeps its graph; predict the step's live activation bytes (module
+    docstring).
 
-    Phases, in execution order: the run of every item, and after the last consumer of a window its
-    close.  Live bytes of a phase: the running item's ``rows x saved_per_row`` and its
-    ``attention_bytes``; per open window its
-    exports and their gradients (2 x export bytes); a kept producer's graph (``rows x graph_per_row``:
-    a kept producer runs without recomputation) from its forward to its close; a recomputed producer's
-    ``rows x saved_per_row`` at its close only (it runs again with the run's recomputation), beside its
-    export gradients; for pieces the exports of the read pieces of the chain so far, and at the chain's
-    end the largest read piece's saved bytes (each runs again, one at a time, recomputing as
-    configured).  ``force``: True recomputes
-    every producer, False keeps every one; None decides with ``budget_bytes``: windows in producer
-    order, each kept when every phase its keeping raises stays within the budget, with the windows
-    decided before it (``budget_bytes`` None: keep all).  ``recompute``: exactly these producers
-    recompute (``force`` and the budget are then not consulted), for the prediction of a given choice.
+    Phases, in execution order: the run of every item, after the last consumer of a window its close,
+    and after the last piece of a chain (pieces connected by ``reads``) the backward of each of its read
+    pieces, last first.  Live bytes of a phase: the running item's ``rows x saved_per_row`` and its
+    ``attention_bytes``; per open window its exports and their gradients (2 x export bytes); a kept
+    producer's graph (``rows x graph_per_row``: a kept producer runs without recomputation) from its
+    forward to its close; a recomputed producer's ``rows x saved_per_row`` at its close only (it runs
+    again with the run's recomputation), beside its export gradients; a read piece's exports from its
+    run to its backward; at a read piece's backward its ``rows x saved_per_row`` and attention bytes (a
+    recomputed piece runs its forward again there, a kept one runs the backward of its graph), and from
+    its run to its backward a kept piece's graph (``rows x piece_graph_per_row``, default
+    ``saved_per_row``: what a row keeps when its forward ends under the run's recomputation,
+    :func:`forward_end_bytes_per_row`) and attention bytes.
+
+    Windows: ``force`` True recomputes every producer, False keeps every one; None decides with
+    ``budget_bytes``: windows in producer order, each kept when every phase its keeping raises stays
+    within the budget, with the windows decided before it (``budget_bytes`` None: keep all).
+    ``recompute``: exactly these producers recompute (``force`` and the budget are then not consulted),
+    for the prediction of a given choice.  Pieces: ``piece_keep`` "none" recomputes every read piece,
+    "all" keeps every one, "auto" decides in step order within ``piece_budget_bytes`` by the windows'
+    rule (after the windows' choice); a collection of positions keeps exactly those read pieces.
     """
     n = len(items)
     consumers: Dict[int, List[int]] = {}
@@ -279,8 +308,33 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
             if not 0 <= p < i:
                 raise ValueError(f"plan_window_memory: item {i} reads producer {p}, which does not run before it")
             consumers.setdefault(p, []).append(i)
-    # phase index: run of item i, then the closes of the windows whose last consumer is i
-    run_phase, close_phase, k = [0] * n, {}, 0
+    # pieces: chains (connected by reads) and their read pieces
+    readers: Dict[int, List[int]] = {}
+    for j, it in enumerate(items):
+        for r in it.reads:
+            if not 0 <= int(r) < j:
+                raise ValueError(f"plan_window_memory: item {j} reads piece {int(r)}, which does not run before it")
+            readers.setdefault(int(r), []).append(j)
+    read = sorted(i for i, it in enumerate(items) if it.read_later)
+    root = list(range(n))
+
+    def find(a):
+        while root[a] != a:
+            a = root[a]
+        return a
+    for j, it in enumerate(items):
+        for r in it.reads:
+            root[find(j)] = find(int(r))
+    chain_end: Dict[int, int] = {}
+    for i in range(n):
+        if items[i].reads or items[i].read_later:
+            chain_end[find(i)] = i
+    backward_at: Dict[int, List[int]] = {}         # chain end -> its read pieces, in backward order (last first)
+    for i in reversed(read):
+        backward_at.setdefault(chain_end[find(i)], []).append(i)
+    # phase index: run of item i, then the closes of the windows whose last consumer is i, then (a chain's
+    # last piece) its read pieces' backwards
+    run_phase, close_phase, back_phase, k = [0] * n, {}, {}, 0
     last = {p: cs[-1] for p, cs in consumers.items()}
     closes_at: Dict[int, List[int]] = {}
     for p, c in last.items():
@@ -291,40 +345,20 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
         for p in sorted(closes_at.get(i, ())):
             close_phase[p] = k
             k += 1
+        for p in backward_at.get(i, ()):
+            back_phase[p] = k
+            k += 1
     base = np.zeros(k, dtype=np.float64)
     attn = [it.attention_bytes for it in items]
     # running microbatches (a producer's run is added with its window below)
     for i, it in enumerate(items):
         if i not in consumers:
             base[run_phase[i]] += it.rows * saved_per_row + attn[i]
-    # pieces: a read piece's exports are live from its run to its chain's end; at the end the read pieces
-    # run again, one at a time (their graphs)
-    readers: Dict[int, List[int]] = {}
-    for j, it in enumerate(items):
-        for r in it.reads:
-            readers.setdefault(int(r), []).append(j)
-    if readers:
-        root = list(range(n))
-
-        def find(a):
-            while root[a] != a:
-                a = root[a]
-            return a
-        for j, it in enumerate(items):
-            for r in it.reads:
-                root[find(j)] = find(int(r))
-        chain_end: Dict[int, int] = {}
-        for i in range(n):
-            if items[i].reads or i in readers:
-                chain_end[find(i)] = i
-        rerun: Dict[int, float] = {}
-        for i, it in enumerate(items):
-            if it.read_later:
-                end = chain_end[find(i)]
-                base[run_phase[i] + 1:run_phase[end] + 1] += it.export_bytes
-                rerun[end] = max(rerun.get(end, 0.0), it.rows * saved_per_row + attn[i])
-        for end, g in rerun.items():       # the reruns follow the last piece's run, one at a time
-            base[run_phase[end]] += max(0.0, g - items[end].rows * saved_per_row - attn[end])
+    # read pieces: exports live from the run to the backward, the backward's activations at it
+    for i in read:
+        r, b = run_phase[i], back_phase[i]
+        base[r + 1:b + 1] += items[i].export_bytes
+        base[b] += items[i].rows * saved_per_row + attn[i]
     delta: Dict[int, Tuple[int, int, float, float, float]] = {}
     for p in consumers:
         act, ex = items[p].rows * graph_per_row, float(items[p].export_bytes)
@@ -365,6 +399,39 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
                 base = trial
                 kept.append(p)
     recompute = tuple(p for p in sorted(consumers) if p not in set(kept))
+    # pieces: a kept read piece holds its graph from its run to its backward
+    held = saved_per_row if piece_graph_per_row is None else int(piece_graph_per_row)
+
+    def hold(live, i):
+        live[run_phase[i] + 1:back_phase[i]] += items[i].rows * held + attn[i]
+    kept_pieces: List[int] = []
+    if isinstance(piece_keep, str):
+        if piece_keep not in PIECE_KEEP:
+            raise ValueError(f"plan_window_memory: piece_keep must be one of {PIECE_KEEP} or positions, got "
+                             f"{piece_keep!r}")
+        if piece_keep == "auto" and piece_budget_bytes is None:
+            raise ValueError("plan_window_memory: piece_keep 'auto' needs piece_budget_bytes")
+        if piece_keep == "all":
+            kept_pieces = list(read)
+            for i in read:
+                hold(base, i)
+        elif piece_keep == "auto":
+            for i in read:
+                trial = base.copy()
+                hold(trial, i)
+                raised = trial > base
+                if not raised.any() or float(trial[raised].max()) <= piece_budget_bytes:
+                    base = trial
+                    kept_pieces.append(i)
+    else:
+        chosen = {int(i) for i in piece_keep}
+        if not chosen <= set(read):
+            raise ValueError(f"plan_window_memory: piece_keep names items that are no read piece: "
+                             f"{sorted(chosen - set(read))}")
+        kept_pieces = sorted(chosen)
+        for i in kept_pieces:
+            hold(base, i)
     return WindowMemoryPlan(recompute, tuple(kept), int(base.max()) if k else 0,
                             None if budget_bytes is None else int(budget_bytes),
-                            tuple(int(it.export_bytes) for it in items))
+                            tuple(int(it.export_bytes) for it in items), tuple(kept_pieces),
+                            tuple(i for i in read if i not in set(kept_pieces)))

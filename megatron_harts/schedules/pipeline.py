@@ -22,16 +22,20 @@ stage the operations are:
 *Pieces* of paths longer than the row budget (``WindowedMicrobatch.reads``, docs/training.md) run
 on every stage as on pipeline size 1 (``windows.forward_backward_windows``), each stage with its own
 layers' exports: a piece is a consumer of the pieces it reads (their leaves on this stage, gathered
-into one producer's view) and, when later pieces read it, a producer whose ``F`` runs under
+into one producer's view) and, when later pieces read it, a producer.  A read piece that keeps its
+graph (``piece_keep``; "auto" decides per stage with the memory model on the stage's layers) runs
+``F`` with it, its exports' leaves what its readers read, and its ``B`` is one backward from its
+output gradient received from the next stage (on the last stage its loss) and the export gradients
+its readers accumulated here (``windows.kept_piece_backward``).  A recomputed one runs ``F`` under
 ``no_grad`` keeping only this stage's exports (as leaves) and its input activation; its ``B`` runs
 its forward on this stage again from that input, the export gradients its readers accumulated here
 injected (``TreePackedSeqParams.inject_grads``), then its backward (its output gradient received
 from the next stage as for any microbatch; on the last stage its loss).  A piece read by none runs
-``F`` and ``B`` like a plain microbatch.  The recomputed forward starts from the kept input, so no
-extra activation travels between stages, and every stage sends and receives one activation and
-one gradient per piece.  The pieces run after the step's other microbatches (the windows' schedule
-first, drained): :func:`piece_orders` runs their forwards in step order and their backwards in the
-pipeline-size-1 order (a read piece after all its readers) on every stage, interleaved 1F1B-wise.
+``F`` and ``B`` like a plain microbatch.  Either way no extra activation travels between stages:
+every stage sends and receives one activation and one gradient per piece.  The pieces run after the
+step's other microbatches (the windows' schedule first, drained): :func:`piece_orders` runs their
+forwards in step order and their backwards in the pipeline-size-1 order (a read piece after all its
+readers) on every stage, interleaved 1F1B-wise.
 
 Every stage builds the same microbatch layouts and ``TreePackedSeqParams`` itself (planning is
 deterministic, so no tree metadata is broadcast); the activation [rows, 1, hidden] and its
@@ -74,7 +78,7 @@ The parameter gradients are those of ``forward_backward_windows`` on the same it
 expanded training): tests/test_pipeline_schedules.py pins all three schedules on pipeline
 sizes 2 and 4 against both, tests/test_pieces_pipeline.py steps with pieces on pipeline size 2.
 ``forward_step_func(data_iterator, model)`` is called once per microbatch per stage (twice for a
-piece read later: its exports-only forward with ``packed_seq_params.preview`` set, then again at
+recomputed read piece: its exports-only forward with ``packed_seq_params.preview`` set, then again at
 its backward) with an iterator yielding ``(microbatch, packed_seq_params)``; on stages
 other than the last it returns the model's output (hidden states) and its ``loss_func`` is not
 called.  The per-microbatch ``stats`` of ``loss_func`` are returned on the last stage (``[]``
@@ -82,9 +86,10 @@ elsewhere), as megatron's ``forward_data_store``.  ``window_stats`` (when a dict
 gets, per stage (lists indexed by pipeline rank, gathered over the pipeline group):
 ``peak_export_bytes`` (retained export bytes of windows and read pieces, maximum over the step)
 and ``peak_windows_alive``;
-and ``windows`` (number of windows of the step), ``schedule``.  Activation recomputation: as in
-``forward_backward_windows``: producers' forwards do not recompute (``producer_forward``); a read
-piece's forward again at its ``B`` recomputes as configured, its export gradients entering through
+and ``windows`` (number of windows of the step), ``schedule``, and this stage's ``piece_rows``,
+``piece_extra_forward_rows``, ``read_pieces``, ``kept_pieces``, ``piece_budget_bytes``.  Activation recomputation: as in
+``forward_backward_windows``: producers' forwards do not recompute (``producer_forward``); a kept
+read piece's forward and a recomputed one's forward again at its ``B`` recompute as configured, its export gradients entering through
 the recording layers' outputs (``TreePackedSeqParams.attach_injected``).
 Gradient reduction across data-parallel replicas stays the caller's (``finalize_model_grads``).
 
@@ -101,8 +106,8 @@ import torch.distributed as dist
 
 from .simulator import _check_producers, _check_stages, schedule_ops
 from .windows import (PIECES_RANGE, WindowedMicrobatch, _loss_of, _model_config, _piece_params, _plan_pieces,
-                      check_windows, microbatch_on, microbatch_params, model_device, producer_forward,
-                      producer_params)
+                      check_windows, kept_piece_backward, microbatch_on, microbatch_params, model_device,
+                      piece_choice, producer_forward, producer_params, step_memory_plan)
 
 __all__ = ["SCHEDULES", "stage_orders", "check_stage_orders", "piece_orders", "piece_backward_order",
            "piece_positions", "forward_backward_pipelining_windows",
@@ -426,7 +431,8 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
                                         force_all_reduce: Optional[bool] = False,
                                         window_stats: Optional[Dict[str, Any]] = None,
                                         schedule: str = "consumer-1f1b",
-                                        microbatch_costs: Optional[Sequence[Tuple[float, float]]] = None) -> List[Any]:
+                                        microbatch_costs: Optional[Sequence[Tuple[float, float]]] = None,
+                                        piece_keep="all", piece_budget: Optional[int] = None) -> List[Any]:
     """Run ``num_microbatches`` windowed microbatches on this pipeline stage (module docstring).
 
     ``seq_length``, ``micro_batch_size``, ``decoder_seq_length``, ``first_val_step``,
@@ -486,7 +492,13 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
     orders = stage_orders([mb.producer for mb in mbs], S, schedule, forward_only, costs=microbatch_costs,
                           reads=[mb.reads for mb in mbs])[s]
     pieces = _plan_pieces(mbs, cfg)
+    if piece_keep == "auto" and piece_budget is None:
+        raise ValueError("forward_backward_pipelining_windows: piece_keep 'auto' needs piece_budget (bytes)")
+    memory = step_memory_plan(mbs, cfg, pieces=pieces, piece_keep=piece_keep, piece_budget_bytes=piece_budget,
+                              layers=_stage_layers(model)) if piece_keep == "auto" and pieces.readers else None
+    keep = set(pieces.readers) if forward_only else piece_choice(mbs, pieces, piece_keep, memory)
     piece_leaves: Dict[int, Any] = {}           # pieces read later: this stage's exports' leaves
+    piece_rows = extra_rows = 0
 
     hidden = cfg.hidden_size
     state: Dict[int, dict] = {}
@@ -513,7 +525,18 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
             x = None if first else p2p.recv_forward(shape, is_first_stage=False)
             set_input_tensor(x)
             st = {"x": x, "shape": shape}
-            if i in pieces.readers:              # read later: exports only (its backward recomputes the forward)
+            piece_rows += int(mb.layout.num_rows)
+            if i in keep:                        # read later, graph kept: one forward, its backward after its readers'
+                output, loss_func = forward_step_func(iter([(mb, psp)]), model)
+                if last:
+                    loss, stats = _loss_of(loss_func, output)
+                    store.append(stats)
+                    st["loss"] = loss
+                st["out"], st["psp"] = output, psp
+                piece_leaves[i] = psp.recorded.detached()
+                live += piece_leaves[i].nbytes()
+                peak = max(peak, live)
+            elif i in pieces.readers:            # read later: exports only (its backward recomputes the forward)
                 psp.preview = not forward_only
                 with torch.no_grad(), producer_forward(cfg), torch.profiler.record_function(PIECES_RANGE):
                     output, loss_func = forward_step_func(iter([(mb, psp)]), model)
@@ -535,6 +558,17 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
                 state[i] = st
             output = psp = None
             continue
+        if kind == "B" and i in keep:             # a read piece that kept its graph: its backward
+            st = state.pop(i)
+            own = piece_leaves.pop(i)
+            root = st["loss"] if last else (st["out"] * p2p_back.recv_backward(st["shape"], is_last_stage=False)).sum()
+            kept_piece_backward(st["psp"], own, root)
+            live -= own.nbytes()
+            if not first:
+                gx = st["x"].grad
+                send(gx if gx is not None else torch.zeros_like(st["x"]), to_next=False)
+            own = root = st = None
+            continue
         if kind == "B" and i in pieces.readers:    # a read piece: its forward again, then its backward
             st = state.pop(i)
             mb = microbatch_on(mb, device)
@@ -546,6 +580,7 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
                 x = x.detach().requires_grad_(True)
             set_input_tensor(x)
             output, loss_func = forward_step_func(iter([(mb, psp)]), model)   # the gradients ride the graph
+            extra_rows += int(mb.layout.num_rows)
             if last:
                 root, stats = _loss_of(loss_func, output)
                 store.append(stats)
@@ -622,4 +657,20 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
         window_stats["peak_windows_alive"] = [int(v[1]) for v in gathered]
         window_stats["windows"] = len(consumers_of)
         window_stats["schedule"] = schedule
+        window_stats["piece_rows"] = piece_rows
+        window_stats["piece_extra_forward_rows"] = extra_rows
+        window_stats["read_pieces"] = len(pieces.readers)
+        window_stats["kept_pieces"] = len(keep & set(pieces.readers))
+        window_stats["piece_budget_bytes"] = piece_budget
     return store
+
+
+def _stage_layers(model) -> Optional[List[int]]:
+    """The global numbers (1-based) of this stage's transformer layers, for the memory model's shape."""
+    module = model
+    while hasattr(module, "module"):
+        module = module.module
+    decoder = getattr(module, "decoder", None)
+    if decoder is None:
+        return None
+    return [int(layer.layer_number) for layer in decoder.layers]

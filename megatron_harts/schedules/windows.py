@@ -40,7 +40,10 @@ its forward without it (:func:`producer_forward`: megatron's checkpointed forwar
 anyway); consumers, plain microbatches, and the forwards that run again with their exports'
 gradients (a recomputed producer at window close, a read piece at its chain's end) recompute as
 configured: those gradients enter through the recording layer's output
-(``TreePackedSeqParams.attach_injected``), which the recomputation runs again.  The pieces
+(``TreePackedSeqParams.attach_injected``), which the recomputation runs again.  A read piece that
+keeps its graph runs its forward once, recomputing as configured: its exports recorded inside a
+recomputed layer (no graph) get their gradients the same way when its backward recomputes the layer
+(:func:`kept_piece_backward`).  The pieces
 (:func:`check_windows`, :func:`producer_params`, :func:`microbatch_params`, :func:`producer_forward`)
 are shared with the pipeline schedules of ``schedules/pipeline.py``.
 
@@ -62,13 +65,14 @@ import torch
 from ..layout import CompactLayout, host_to_device
 from ..models.packed import ExportSpec, TreePackedSeqParams, WindowExports
 from ..ops.key_paths import gathered_key_count
-from ..planner.memory import (ModelShape, StepItem, WindowMemoryPlan, attention_bytes, export_bytes,
-                              graph_bytes_per_row, plan_window_memory, saved_bytes_per_row)
+from ..planner.memory import (PIECE_KEEP, ModelShape, StepItem, WindowMemoryPlan, attention_bytes, export_bytes,
+                              forward_end_bytes_per_row, graph_bytes_per_row, plan_window_memory,
+                              saved_bytes_per_row)
 from ..planner.microbatch import replica_windows
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
-           "microbatch_on", "microbatch_params", "model_device", "piece_microbatches", "producer_forward",
-           "producer_params", "step_memory_plan", "windowed_microbatches"]
+           "kept_piece_backward", "microbatch_on", "microbatch_params", "model_device", "piece_choice",
+           "piece_microbatches", "producer_forward", "producer_params", "step_memory_plan", "windowed_microbatches"]
 
 
 @dataclass
@@ -342,6 +346,51 @@ def _piece_params(j: int, mb: WindowedMicrobatch, cfg, pieces: _Pieces,
     return psp
 
 
+def kept_piece_backward(psp: TreePackedSeqParams, own: WindowExports, root: torch.Tensor) -> None:
+    """The backward of a read piece that kept its graph (``psp``: the params of its one forward, ``root``:
+    its loss, or on a pipeline stage before the last its output times the gradient received): one
+    backward from ``root`` and the gradients its readers accumulated in its exports' leaves ``own``.  An
+    export that is part of the graph receives its gradient directly (``WindowExports.close``); one
+    recorded inside a layer that recomputes its forward in the backward (``--recompute-granularity
+    full``: the checkpointed forward ran under ``no_grad``) receives it through that layer's output when
+    the backward recomputes it (``inject_grads``, ``TreePackedSeqParams.attach_injected``)."""
+    accumulated = own.gradients()
+    outs, grads = [root], [torch.ones_like(root)]
+    injected: Dict[int, Dict[str, torch.Tensor]] = {}
+    for n, d in psp.recorded.layers.items():
+        for k, t in d.items():
+            g = accumulated.get(n, {}).get(k)
+            if g is None:
+                continue
+            if t.requires_grad:
+                outs.append(t)
+                grads.append(g)
+            else:
+                injected.setdefault(n, {})[k] = g
+    # a dict even when empty: the recomputed layers then keep no new exports (record_export)
+    psp.inject_grads = injected
+    try:
+        torch.autograd.backward(outs, grads)
+    finally:
+        psp.inject_grads = None
+
+
+def piece_choice(mbs: List[WindowedMicrobatch], pieces: "_Pieces", piece_keep, memory=None) -> set:
+    """The read pieces of a step that keep their graph: every one (``piece_keep`` "all"), none ("none"),
+    the memory plan's (``memory.kept_pieces``, for "auto"), or the positions given."""
+    read = set(pieces.readers)
+    if isinstance(piece_keep, str):
+        if piece_keep not in PIECE_KEEP:
+            raise ValueError(f"piece_keep must be one of {PIECE_KEEP} or a collection of positions, got {piece_keep!r}")
+        if piece_keep == "auto":
+            return set(memory.kept_pieces)
+        return read if piece_keep == "all" else set()
+    chosen = {int(i) for i in piece_keep}
+    if not chosen <= read:
+        raise ValueError(f"piece_keep names microbatches that are no read piece: {sorted(chosen - read)}")
+    return chosen
+
+
 def check_windows(mbs: List[WindowedMicrobatch]) -> Dict[int, List[int]]:
     """Validate a step's microbatches (module docstring's limits); ``{producer: [its consumers]}``."""
     from ..layout import ExpandedBatch
@@ -461,16 +510,23 @@ def _spec_counts(spec: ExportSpec) -> Tuple[int, int, int, int]:
 
 def step_memory_plan(mbs: List[WindowedMicrobatch], cfg, *, budget_bytes: Optional[int] = None,
                      force: Optional[bool] = None, recompute=None, specs: Optional[Dict[int, ExportSpec]] = None,
-                     pieces: Optional["_Pieces"] = None) -> WindowMemoryPlan:
+                     pieces: Optional["_Pieces"] = None, piece_keep="none",
+                     piece_budget_bytes: Optional[int] = None,
+                     layers: Optional[List[int]] = None) -> WindowMemoryPlan:
     """The keep/recompute choice of a step's windows and its predicted live activation bytes
     (``planner.memory.plan_window_memory`` on the step's items with the model's bytes per row and each
     window's exports as ``ExportSpec`` counts them).  ``force``: True recomputes every producer, False
     keeps every one, None decides within ``budget_bytes`` (None: keep all); ``recompute``: exactly these
-    producer positions recompute (the prediction of a given choice).  ``specs`` / ``pieces``:
+    producer positions recompute (the prediction of a given choice).  ``piece_keep`` / ``piece_budget_bytes``:
+    which read pieces of long paths keep their graph ("none", "all", "auto" within the budget, or positions;
+    ``plan_window_memory``).  ``specs`` / ``pieces``:
     the producers' export specs and the pieces' plan where the caller has them (computed here
-    otherwise).  A function of the items and the config only: every rank running the same items
+    otherwise).  ``layers``: the global numbers (1-based) of the layers this rank holds (a pipeline stage's;
+    None: all).  A function of the items and the config only: every rank running the same items
     decides the same."""
     shape = ModelShape.from_config(cfg)
+    if layers is not None:
+        shape = dataclasses.replace(shape, layer_kinds=tuple(shape.layer_kinds[int(n) - 1] for n in layers))
     consumers_of = check_windows(mbs)
     if specs is None:
         specs = {p: ExportSpec.for_consumers(mbs[p].layout, [mbs[c].layout for c in cs], config=cfg,
@@ -485,7 +541,9 @@ def step_memory_plan(mbs: List[WindowedMicrobatch], cfg, *, budget_bytes: Option
                               export_bytes=ex, reads=tuple(int(r) for r in mb.reads), read_later=i in pieces.readers,
                               attention_bytes=_attention_bytes(shape, mb.layout)))
     return plan_window_memory(items, saved_per_row=saved_bytes_per_row(shape), graph_per_row=graph_bytes_per_row(shape),
-                              budget_bytes=budget_bytes, force=force, recompute=recompute)
+                              budget_bytes=budget_bytes, force=force, recompute=recompute, piece_keep=piece_keep,
+                              piece_graph_per_row=forward_end_bytes_per_row(shape),
+                              piece_budget_bytes=piece_budget_bytes)
 
 
 def _attention_bytes(shape: ModelShape, layout) -> int:
@@ -506,7 +564,8 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                              force_all_reduce: Optional[bool] = False,
                              window_stats: Optional[Dict[str, Any]] = None,
                              recompute_producers: bool = False,
-                             memory_budget: Optional[int] = None) -> List[Any]:
+                             memory_budget: Optional[int] = None, piece_keep="all",
+                             piece_budget: Optional[int] = None) -> List[Any]:
     """Run ``num_microbatches`` windowed microbatches (see the module docstring).
 
     ``recompute_producers``: a producer's first forward runs under ``no_grad`` with
@@ -525,6 +584,13 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     depend on the choice.  ``window_stats`` (a dict) receives ``peak_export_bytes``, ``windows``,
     ``recomputed_windows``, ``predicted_peak_bytes`` (the live activation bytes the memory model
     predicts for the executed choice), ``memory_budget_bytes`` and ``largest_microbatch_rows``.
+
+    ``piece_keep``: which pieces of long paths that later pieces read keep their graph until their
+    backward at their chain's end (one forward) instead of running their forward again with it:
+    "all", "none", "auto" (the memory model's choice within ``piece_budget`` bytes,
+    :func:`step_memory_plan`) or a collection of positions; the same gradients either way.
+    ``window_stats`` also receives ``piece_rows`` (rows of the pieces), ``piece_extra_forward_rows``
+    (rows of the forwards run again), ``read_pieces``, ``kept_pieces`` and ``piece_budget_bytes``.
 
     Returns the per-microbatch ``stats`` of ``loss_func``, in execution order (megatron's
     ``forward_data_store``; with ``recompute_producers`` a producer's come at its window close).
@@ -564,14 +630,21 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
             raise ValueError(f"forward_backward_windows: recompute_producers names microbatches that are no window's "
                              f"producer: {sorted(chosen - set(consumers_of))}")
         force = None
+    if piece_keep == "auto" and piece_budget is None:
+        raise ValueError("forward_backward_windows: piece_keep 'auto' needs piece_budget (bytes)")
+    auto_pieces = piece_keep == "auto" and bool(pieces.readers)
     memory = step_memory_plan(mbs, cfg, budget_bytes=memory_budget, force=force, recompute=chosen, specs=specs,
-                              pieces=pieces) if window_stats is not None or (force is None and chosen is None) else None
+                              pieces=pieces, piece_keep=piece_keep, piece_budget_bytes=piece_budget) \
+        if window_stats is not None or (force is None and chosen is None) or auto_pieces else None
     recompute = chosen if chosen is not None else set(consumers_of) if force is True else \
         set() if force is False else set(memory.recompute)
+    keep = piece_choice(mbs, pieces, piece_keep, memory)
     if forward_only:
         recompute = set()
+        keep = set(pieces.readers)               # no backward: every piece's forward once
     leaves: Dict[int, WindowExports] = {}       # pieces read later: their exports' leaves
-    waiting: Dict[int, WindowedMicrobatch] = {}  # pieces read later: their backward runs after the chain's end
+    waiting: Dict[int, tuple] = {}              # pieces read later: their backward runs after the chain's end
+    piece_rows = extra_rows = 0
 
     open_windows: Dict[int, dict] = {}
     live_bytes, peak_bytes = 0, 0
@@ -590,13 +663,21 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         mb = microbatch_on(mb, device)
         if i in pieces.last:                        # a piece of a long path
             exported_bytes = 0
-            if i in pieces.readers:                 # read later: exports only, forward and backward at the end
+            piece_rows += int(mb.layout.num_rows)
+            if i in keep:                           # read later, graph kept: one forward, backward at the end
+                psp = piece_params(i, mb)
+                loss = run(i, mb, psp)
+                leaves[i] = psp.recorded.detached()
+                waiting[i] = (mb, None if forward_only else psp, None if forward_only else loss)
+                exported_bytes = leaves[i].nbytes()
+                loss = psp = None
+            elif i in pieces.readers:               # read later: exports only, forward and backward at the end
                 psp = piece_params(i, mb)
                 psp.preview = True
                 with torch.no_grad(), producer_forward(cfg), torch.profiler.record_function(PIECES_RANGE):
                     forward_step_func(iter([(mb, psp)]), model)
                 leaves[i] = psp.recorded.detached()
-                waiting[i] = mb
+                waiting[i] = (mb, None, None)
                 exported_bytes = leaves[i].nbytes()
                 psp = None
             else:                                   # read by none: forward and backward at once
@@ -609,15 +690,19 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
             peak_bytes = max(peak_bytes, live_bytes)
             if pieces.last[i] == i:                 # the chain's end: backward through its read pieces, last first
                 for p in sorted((p for p in waiting if pieces.last[p] == i), reverse=True):
-                    pmb, own = waiting.pop(p), leaves[p]
-                    psp = piece_params(p, pmb)
-                    psp.inject_grads = own.gradients()
-                    loss = run(p, pmb, psp)         # with the run's recomputation: the gradients ride the graph
-                    if not forward_only:
+                    (pmb, psp, loss), own = waiting.pop(p), leaves[p]
+                    if p in keep:
+                        if not forward_only:        # its graph's backward, its exports' gradients with it
+                            kept_piece_backward(psp, own, loss)
+                    else:                           # its forward again, the exports' gradients injected
+                        psp = piece_params(p, pmb)
+                        psp.inject_grads = own.gradients()
+                        loss = run(p, pmb, psp)     # with the run's recomputation: the gradients ride the graph
+                        extra_rows += int(pmb.layout.num_rows)
                         loss.backward()
                     live_bytes -= own.nbytes()
                     del leaves[p]
-                    own = loss = psp = None
+                    own = loss = psp = pmb = None
             continue
         if i in consumers_of:                       # producer: forward, exports kept, backward deferred
             psp = producer_params(mb, [mbs[c] for c in consumers_of[i]], cfg, spec=specs.pop(i))
@@ -669,4 +754,9 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         window_stats["predicted_peak_bytes"] = None if memory is None else memory.predicted_peak_bytes
         window_stats["memory_budget_bytes"] = memory_budget
         window_stats["largest_microbatch_rows"] = max((int(mb.layout.num_rows) for mb in mbs), default=0)
+        window_stats["piece_rows"] = piece_rows
+        window_stats["piece_extra_forward_rows"] = extra_rows
+        window_stats["read_pieces"] = len(pieces.readers)
+        window_stats["kept_pieces"] = len(keep & set(pieces.readers))
+        window_stats["piece_budget_bytes"] = piece_budget
     return store

@@ -70,7 +70,8 @@ dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linea
 ``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``, ``tree_logit_probe_oracle``,
 ``tree_triton_max_configs``, ``tree_logprob_chunk_rows`` (None: ``ops.logprobs.default_chunk_rows``),
 ``tree_recompute_producers``, ``tree_memory_budget`` (GiB; None: the trainer's default,
-``planner.memory.default_budget_bytes``),
+``planner.memory.default_budget_bytes``), ``tree_piece_keep`` (all, none or auto), ``tree_piece_memory``
+(GiB; None: the trainer's default, ``planner.memory.device_activation_budget`` on a GPU),
 ``tree_dataset_shuffle``, ``rl_objective``, ``clip_ratio_low``, ``clip_ratio_high``,
 ``kl_coef``, ``entropy_coef``, ``loss_agg_mode``, ``rl_old_logprobs`` (``objective_kwargs`` gathers
 the last seven).
@@ -102,6 +103,7 @@ import torch
 from ..cli import CliError
 from ..ops.key_paths import FLASH_MAX_HEAD_DIM, fa4_available
 from ..planner.baselines import CALL_PLANS
+from ..planner.memory import PIECE_KEEP
 from ..rl.flag_group import flag_fields, group_kwargs
 from ..rl.objectives import LOSS_AGG_MODES, OLD_LOGPROBS_SOURCES, ObjectiveConfig
 from .rl_update import RLUpdateConfig
@@ -410,7 +412,7 @@ OWN_FLAGS = frozenset({
     "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
     "--loss-agg-mode", "--rl-old-logprobs", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
     "--tree-logit-probe-oracle", "--tree-triton-max-configs", "--tree-recompute-producers",
-    "--tree-logprob-chunk-rows", "--tree-memory-budget",
+    "--tree-logprob-chunk-rows", "--tree-memory-budget", "--tree-piece-keep", "--tree-piece-memory",
 }) | frozenset(f.name for cls in (ObjectiveConfig, RLUpdateConfig) for f in flag_fields(cls))
 
 # ---------------------------------------------------------------------------------------------
@@ -1015,6 +1017,21 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "producers are recomputed at window close; the same gradients either way). Default: "
                          "what expanded training keeps for its largest microbatch under the same row budget "
                          "(--tree-microbatch-tokens x the model's activation bytes per row)")
+    ts.add_argument("--tree-piece-keep", choices=PIECE_KEEP, default="auto",
+                    help="trajectories longer than --tree-microbatch-tokens train in pieces; a piece that later "
+                         "pieces read either keeps its activation graph until its backward at its chain's end "
+                         "(one forward; under --recompute-granularity full the graph holds the layers' inputs "
+                         "only) or keeps only its exports and runs its forward again with its backward (less "
+                         "memory, one more forward of its rows): all keeps every one, none recomputes every one, "
+                         "auto (default) keeps them in step order while the memory model's predicted live "
+                         "activations fit --tree-piece-memory. The same loss and gradients either way; the step "
+                         "logs piece_extra_forward_rows")
+    ts.add_argument("--tree-piece-memory", type=_NONNEG_FLOAT, default=None, metavar="GIB",
+                    help="with --tree-piece-keep auto: the activation memory in GiB that the pieces' kept graphs, "
+                         "exports and running piece may take. Default: on a GPU 90%% of its memory less the "
+                         "parameter state (weights, gradients, optimizer state) the memory model predicts; on "
+                         "the CPU what expanded training keeps for its largest microbatch "
+                         "(--tree-microbatch-tokens x the model's activation bytes per row)")
     ts.add_argument("--tree-plan-report", default=None, metavar="PATH",
                     help="append each step's plan metrics to this file (one JSON object per line)")
     ts.add_argument("--tree-logit-probe", default=None, metavar="DIR",
@@ -1389,6 +1406,12 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
         if args.pipeline_model_parallel_size > 1:
             _fail("--tree-recompute-producers: the pipeline schedules (--pipeline-model-parallel-size "
                   f"{args.pipeline_model_parallel_size}) keep producers' activations; use pipeline size 1")
+    if args.tree_piece_memory is not None:
+        if args.tree_piece_memory <= 0:
+            _fail(f"--tree-piece-memory {args.tree_piece_memory:g}: must be a positive number of GiB")
+        if args.tree_piece_keep != "auto":
+            _fail(f"--tree-piece-memory with --tree-piece-keep {args.tree_piece_keep}: the budget decides only "
+                  "under --tree-piece-keep auto")
     if args.tree_memory_budget is not None:
         if args.tree_memory_budget <= 0:
             _fail(f"--tree-memory-budget {args.tree_memory_budget:g}: must be a positive number of GiB")

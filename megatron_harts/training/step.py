@@ -47,6 +47,7 @@ from ..models.experts import expert_grad_hooks_off
 from ..planner.l1 import plan_l1
 from ..planner.l2 import plan_harts
 from ..planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ffd
+from ..planner.memory import PIECE_KEEP
 from ..planner.metrics import plan_metrics
 from ..planner.microbatch import replica_windows
 from ..rl.objectives import (BatchNormalizer, ObjectiveConfig, ObjectiveDataError, forest_normalizer, objective_loss,
@@ -67,6 +68,10 @@ PLANNERS = ("l1", "l1l2", "ffd", "ortools")
 FALLBACK_PLANNER = "harts_l1l2->l1"
 
 
+#: the schedules' ``window_stats`` about pieces of long paths that a step reduces over replicas (``StepResult``)
+PIECE_STATS = ("piece_rows", "piece_extra_forward_rows", "read_pieces", "kept_pieces")
+
+
 class NonFiniteLoss(RuntimeError):
     """The step's loss is NaN or infinite; the weights were not updated."""
 
@@ -84,6 +89,11 @@ class SharingSettings:
     # windows, pipeline size 1: the step's activation budget (bytes) within which producers keep their
     # graphs (the others are recomputed at window close); None: every producer keeps its graph
     memory_budget_bytes: Optional[int] = None
+    # pieces of paths longer than the row budget: which read pieces keep their graph until their backward
+    # (one forward) rather than run their forward again with it: all | none | auto (within
+    # piece_budget_bytes, the memory model's choice: planner.memory.plan_window_memory)
+    piece_keep: str = "all"
+    piece_budget_bytes: Optional[int] = None
 
     def __post_init__(self):
         if self.sharing not in SHARING_MODES:
@@ -96,6 +106,14 @@ class SharingSettings:
                                                      or not isinstance(self.memory_budget_bytes, int)
                                                      or self.memory_budget_bytes < 1):
             raise ValueError(f"--tree-memory-budget must be a positive number of bytes, got {self.memory_budget_bytes!r}")
+        if self.piece_keep not in PIECE_KEEP:
+            raise ValueError(f"--tree-piece-keep must be one of {PIECE_KEEP}, got {self.piece_keep!r}")
+        if self.piece_budget_bytes is not None and (isinstance(self.piece_budget_bytes, bool)
+                                                    or not isinstance(self.piece_budget_bytes, int)
+                                                    or self.piece_budget_bytes < 1):
+            raise ValueError(f"--tree-piece-memory must be a positive number of bytes, got {self.piece_budget_bytes!r}")
+        if self.piece_keep == "auto" and self.piece_budget_bytes is None:
+            raise ValueError("--tree-piece-keep auto needs the pieces' memory budget (--tree-piece-memory)")
 
 
 def plan_step(forest, settings: SharingSettings, dp: int):
@@ -236,6 +254,10 @@ class StepResult:
     tokens_per_expert: Optional[torch.Tensor] = None   # [moe layers, experts], q-weighted, whole step
     window_stats: Dict[str, Any] = field(default_factory=dict)
     plan_metrics: Dict[str, float] = field(default_factory=dict)
+    piece_rows: int = 0                  # rows of the pieces of long paths (each piece's forward once)
+    piece_extra_forward_rows: int = 0    # rows of the read pieces' forwards run again with their backward
+    read_pieces: int = 0                 # pieces later pieces read
+    kept_pieces: int = 0                 # of those, the ones that kept their graph (one forward)
 
 
 def visible_pairs(batch) -> int:
@@ -428,11 +450,14 @@ def run_schedule(model, items: List[WindowedMicrobatch], forward_step_func: Call
         return forward_backward_pipelining_windows(forward_step_func=forward_step_func, data_iterator=iter(items),
                                                    model=model, num_microbatches=len(items),
                                                    forward_only=forward_only, window_stats=window_stats,
-                                                   schedule=settings.pp_schedule, microbatch_costs=costs)
+                                                   schedule=settings.pp_schedule, microbatch_costs=costs,
+                                                   piece_keep=settings.piece_keep,
+                                                   piece_budget=settings.piece_budget_bytes)
     return forward_backward_windows(forward_step_func=forward_step_func, data_iterator=iter(items), model=model,
                                     num_microbatches=len(items), forward_only=forward_only,
                                     window_stats=window_stats, recompute_producers=settings.recompute_producers,
-                                    memory_budget=None if settings.recompute_producers else settings.memory_budget_bytes)
+                                    memory_budget=None if settings.recompute_producers else settings.memory_budget_bytes,
+                                    piece_keep=settings.piece_keep, piece_budget=settings.piece_budget_bytes)
 
 
 def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: SharingSettings,
@@ -481,8 +506,9 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
         raise RuntimeError(f"objective terms {unknown} are missing from objective_term_names")
     rows = sum(int(mb.layout.num_rows) for mb in items)
     pairs = sum(visible_pairs(mb.layout) for mb in items)
+    piece_counts = [float(window_stats.get(k, 0)) for k in PIECE_STATS]
     local = [float(counters["loss"]), float(counters["kda_calls"]), float(rows), float(counters["replay_tokens"]),
-             float(pairs)] + [float(counters["terms"].get(k, 0.0)) for k in term_names]
+             float(pairs)] + piece_counts + [float(counters["terms"].get(k, 0.0)) for k in term_names]
     if not last:
         local = [0.0] * len(local)
     reduced = _all_reduce_sum(local, device)
@@ -492,7 +518,8 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
         reduced = t.tolist()
     loss, kda_calls, computed_rows, replay_tokens = reduced[0], int(reduced[1]), int(reduced[2]), int(reduced[3])
     computed_pairs = int(reduced[4])
-    terms = dict(zip(term_names, reduced[5:]))
+    pieces = dict(zip(PIECE_STATS, (int(v) for v in reduced[5:5 + len(PIECE_STATS)])))
+    terms = dict(zip(term_names, reduced[5 + len(PIECE_STATS):]))
     if not np.isfinite(loss):
         raise NonFiniteLoss(f"iteration {iteration}: the loss is {loss} (not finite); the weights were not "
                             "updated from this step")
@@ -521,4 +548,4 @@ def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: Sha
         computed_tokens=computed_rows, visible_pairs=computed_pairs, compaction_events=int(forest.traj_evt.shape[0]),
         replay_tokens=replay_tokens, kda_calls=kda_calls,
         microbatches=total_mbs, plan_seconds=plan_seconds, step_seconds=time.perf_counter() - t0,
-        tokens_per_expert=None if tpe is None else tpe.cpu(), window_stats=window_stats, plan_metrics=pm)
+        tokens_per_expert=None if tpe is None else tpe.cpu(), window_stats=window_stats, plan_metrics=pm, **pieces)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from .fused_adam import use_fused_adam
 from ..rl.objectives import ObjectiveDataError
 from .rl_update import RLDataError
-from .step import NonFiniteLoss, SharingSettings, StepResult, plan_step
+from .step import PIECE_STATS, NonFiniteLoss, SharingSettings, StepResult, plan_step
 
 __all__ = ["Trainer", "TrainingError"]
 
@@ -190,7 +190,9 @@ class Trainer:
                                             cost_model=cost_model(args),
                                             pp_schedule=getattr(args, "tree_pp_schedule", "consumer-1f1b"),
                                             recompute_producers=getattr(args, "tree_recompute_producers", False),
-                                            memory_budget_bytes=self.memory_budget_bytes)
+                                            memory_budget_bytes=self.memory_budget_bytes,
+                                            piece_keep=getattr(args, "tree_piece_keep", "all"),
+                                            piece_budget_bytes=self.piece_budget_bytes)
             from megatron.core import parallel_state
             self.dp = parallel_state.get_data_parallel_world_size()
             self.data_state: Optional[dict] = None
@@ -211,8 +213,12 @@ class Trainer:
         step's activation budget: ``--tree-memory-budget`` GiB, by default what expanded training keeps
         for its largest microbatch (``--tree-microbatch-tokens`` rows x saved bytes per row).  The budget
         applies to ``--tree-sharing windows`` on pipeline size 1 (without ``--tree-recompute-producers``);
-        elsewhere it is None (no per-window choice: the pipeline schedules keep every producer)."""
-        from ..planner.memory import GIB, ModelShape, default_budget_bytes, state_bytes_per_parameter
+        elsewhere it is None (no per-window choice: the pipeline schedules keep every producer).  The
+        pieces' budget (``--tree-piece-keep auto``): ``--tree-piece-memory`` GiB, by default on a GPU
+        ``device_activation_budget`` of its memory and this rank's parameter state, on the CPU the default
+        step budget above."""
+        from ..planner.memory import (GIB, ModelShape, default_budget_bytes, device_activation_budget,
+                                      state_bytes_per_parameter)
         from .arguments import data_parallel_size
         self.memory_shape = ModelShape.from_config(self.config)
         params = sum(p.numel() for p in self.model[0].module.parameters())
@@ -226,6 +232,16 @@ class Trainer:
         else:
             self.memory_budget_bytes = max(1, int(budget * GIB)) if budget is not None \
                 else self.default_memory_budget_bytes
+        piece = getattr(args, "tree_piece_memory", None)
+        if getattr(args, "tree_piece_keep", "all") != "auto":
+            self.piece_budget_bytes = None
+        elif piece is not None:
+            self.piece_budget_bytes = max(1, int(piece * GIB))
+        elif self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            self.piece_budget_bytes = device_activation_budget(total, self._state_bytes)
+        else:
+            self.piece_budget_bytes = self.default_memory_budget_bytes
 
     def predicted_peak_bytes(self, window_stats: Dict[str, Any]) -> Optional[float]:
         """This rank's predicted peak of a step (``planner.memory.step_peak_bytes``): parameter state
@@ -489,7 +505,8 @@ class Trainer:
             terms={k: sum(r.terms[k] for r in up.steps) / n for k in last.terms},
             computed_tokens=sum(r.computed_tokens for r in up.steps),
             trajectory_tokens=sum(r.trajectory_tokens for r in up.steps),
-            step_seconds=sum(r.step_seconds for r in up.steps), microbatches=sum(r.microbatches for r in up.steps))
+            step_seconds=sum(r.step_seconds for r in up.steps), microbatches=sum(r.microbatches for r in up.steps),
+            **{k: sum(getattr(r, k) for r in up.steps) for k in PIECE_STATS})
 
     def step(self, trajectories) -> Dict[str, Any]:
         """One optimizer step on in-memory trajectories (the RL-loop entry).
@@ -574,6 +591,9 @@ class Trainer:
             "peak_export_bytes": r.window_stats.get("peak_export_bytes", 0),
             "windows": r.window_stats.get("windows", 0),
             "recomputed_windows": r.window_stats.get("recomputed_windows", 0),
+            "piece_rows": r.piece_rows, "piece_extra_forward_rows": r.piece_extra_forward_rows,
+            "read_pieces": r.read_pieces, "kept_pieces": r.kept_pieces,
+            "piece_memory_gib": None if self.piece_budget_bytes is None else self.piece_budget_bytes / 2 ** 30,
             "memory_budget_gib": None if self.memory_budget_bytes is None else self.memory_budget_bytes / 2 ** 30,
             "predicted_peak_gib": None if predicted is None else predicted / 2 ** 30,
             "measured_peak_gib": measured,
@@ -636,6 +656,9 @@ class Trainer:
             pred = "-" if m["predicted_peak_gib"] is None else f"{m['predicted_peak_gib']:.2f}"
             meas = "" if m["measured_peak_gib"] is None else f", measured {m['measured_peak_gib']:.2f}"
             windows = f" | windows {m['windows']} ({m['recomputed_windows']} recomputed)" if m["windows"] else ""
+            if m["read_pieces"]:
+                windows += (f" | read pieces {m['read_pieces']} ({m['read_pieces'] - m['kept_pieces']} recomputed,"
+                            f" {m['piece_extra_forward_rows']} extra forward rows)")
             print(f" iteration {self.iteration:8d}/{a.train_iters:8d} | loss {m['loss']:.6E}"
                   f"{' | ' + terms if terms else ''} | lr {m['lr']:.3E} | grad norm {gn}"
                   f" | trajectories {m['trajectories']} | traj tok/s {m['trajectory_tokens_per_s']:.1f}"
