@@ -383,7 +383,7 @@ def piece_choice(mbs: List[WindowedMicrobatch], pieces: "_Pieces", piece_keep, m
         if piece_keep not in PIECE_KEEP:
             raise ValueError(f"piece_keep must be one of {PIECE_KEEP} or a collection of positions, got {piece_keep!r}")
         if piece_keep == "auto":
-            return set(memory.kept_pieces)
+            return set(memory.kept_pieces) if read else set()  # no read piece: no memory plan needed
         return read if piece_keep == "all" else set()
     chosen = {int(i) for i in piece_keep}
     if not chosen <= read:
