@@ -281,7 +281,9 @@ yarn-correction-range-round-to-int yarn-original-max-position-embeddings
 
 MEGATRON_LM_FLAGS = frozenset("--" + name for name in _FLAG_NAMES.split())
 
-
+# ---------------------------------------------------------------------------------------------
+# why Megatron-LM flags are refused (where we know more than "not supported")
+# ---------------------------------------------------------------------------------------------
 _TE = "needs Transformer Engine, which megatron_harts does not use"
 _ONLINE_RL = ("Megatron-LM's online RL loop (generation + GRPO) is not part of megatron_harts, "
               "which trains on recorded rollouts from --data-path")

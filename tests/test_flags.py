@@ -237,3 +237,15 @@ def test_dataset_shuffle_flag_reaches_the_loader(tmp_path):
     with Trainer.from_args(argv(data, "within", "--no-tree-dataset-shuffle"), require_data=True) as t:
         assert t.args.tree.dataset_shuffle is False and t.open_loader().shuffle is False
         assert t.settings.microbatch_tokens == 48 and t.settings.planner == "l1"
+
+
+@pytest.mark.parametrize("module", ["megatron_harts.flags", "megatron_harts.megatron_lm"])
+def test_flag_modules_stand_alone(module):
+    """Every layer may import them: they import no torch and nothing else of megatron_harts."""
+    import subprocess
+    import sys
+    code = (f"import sys, importlib; importlib.import_module({module!r}); "
+            f"print(sorted(m for m in sys.modules if m.startswith('megatron_harts.') and m != {module!r})); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]" and out[1] == "False", out
