@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_harts import megatron_lm
 from megatron_harts.cli import CliError
 from megatron_harts.training import arguments as A
 from megatron_harts.training.arguments import ArgumentsError, parse_args
@@ -222,7 +223,7 @@ def test_flag_tables_are_consistent():
     assert supported - {"--help"} - A.OWN_FLAGS <= A.MEGATRON_LM_FLAGS
     assert not (A.OWN_FLAGS & A.MEGATRON_LM_FLAGS)
     assert A.OWN_FLAGS <= supported
-    assert set(A._UNSUPPORTED_REASONS) <= A.MEGATRON_LM_FLAGS - supported
+    assert set(megatron_lm.UNSUPPORTED_REASONS) <= A.MEGATRON_LM_FLAGS - supported
     for flag in ("--num-layers", "--moe-layer-freq", "--linear-attention-freq", "--fp8-format",
                  "--override-opt_param-scheduler", "--exit-signal-handler", "--tensorboard-dir"):
         assert flag in A.MEGATRON_LM_FLAGS

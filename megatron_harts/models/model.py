@@ -33,6 +33,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from ..megatron_lm import config_refusal
 from ..ops.logprobs import multi_target_logprobs
 from ..ops.moe import validate_tree_moe_config
 from .config import ATTENTION_BACKENDS, HybridConfig
@@ -45,36 +46,13 @@ def validate_config(config: HybridConfig) -> None:
         raise ValueError(f"build_hybrid_model needs a HybridConfig, got {type(config).__name__}")
     config.resolved_layer_types()
     mlps = config.resolved_mlp_types()
-    if config.normalization != "RMSNorm":
-        raise ValueError(f"--normalization {config.normalization!r}: the hybrid model uses RMSNorm")
     if config.tree_attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"tree_attention_backend {config.tree_attention_backend!r} has no tree path; "
                          f"expected one of {ATTENTION_BACKENDS}")
-    # attention options that the KDA/MLA modules (tree path and expanded path alike) do not implement
-    unsupported = (("window_size", lambda v: v is not None, "--window-size", "sliding-window attention"),
-                   ("softmax_type", lambda v: v != "vanilla", "--softmax-type", "attention sinks"),
-                   ("qk_layernorm", bool, "--qk-layernorm", "QK layer norm"),
-                   ("qk_clip", bool, "--qk-clip", "QK clipping"),
-                   ("attention_output_gate", bool, "--attention-output-gate", "the attention output gate"),
-                   ("experimental_attention_variant", lambda v: v is not None, "--experimental-attention-variant",
-                    "megatron's experimental attention variants"),
-                   ("linear_attention_freq", lambda v: v is not None, "--linear-attention-freq",
-                    "megatron's linear-attention pattern (use layer_types / kda_mla_ratio)"),
-                   ("add_qkv_bias", bool, "--add-qkv-bias", "QKV biases"),
-                   ("mtp_num_layers", lambda v: v, "--mtp-num-layers", "multi-token prediction"),
-                   ("fp8", lambda v: v is not None, "--fp8-format", "fp8 (needs Transformer Engine)"),
-                   ("fp4", lambda v: v is not None, "--fp4-format", "fp4 (needs Transformer Engine)"))
-    for attr, refused, flag, what in unsupported:
-        value = getattr(config, attr, None)
-        if refused(value):
-            raise ValueError(f"{flag} {value!r} ({attr}): {what} has no path in the hybrid KDA/MLA model")
-    if config.context_parallel_size > 1:
-        raise ValueError("--context-parallel-size > 1: the tree KDA/MLA modules have no context-parallel path")
-    if config.moe_grouped_gemm:
-        raise ValueError("--moe-grouped-gemm: the hybrid spec uses SequentialMLP experts (no TE/grouped GEMM)")
-    if "moe" in mlps:
-        if config.moe_router_fusion:
-            raise ValueError("--moe-router-fusion needs Transformer Engine; the hybrid router is unfused")
+    # options set by Megatron-LM flags that the hybrid model has no path for (one table: megatron_lm.py)
+    refusal = config_refusal(config)
+    if refusal:
+        raise ValueError(refusal)
     if config.tree_mode:
         validate_tree_moe_config(config)
         lb = config.moe_router_load_balancing_type
@@ -137,7 +115,7 @@ class HybridModel(GPTModel):
         rows = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])     # [b*s, h], batch-major
         return multi_target_logprobs(rows, weight, pair_row, pair_token, tp_group=tp_group if tp > 1 else None,
                                      reduce_hidden_grad=reduce_hidden, return_entropy=return_entropy,
-                                     chunk_rows=getattr(self.config, "logprob_chunk_rows", None))
+                                     chunk_rows=self.config.logprob_chunk_rows)
 
 
 def build_hybrid_model(config: HybridConfig, vocab_size: int, *, max_sequence_length: int = 1 << 20,

@@ -75,8 +75,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..flags import check_group, flag, flag_fields, group_kwargs
 from ..layout import CompactLayout
-from .flag_group import check_group, flag, flag_fields
 from ..tree_data.forest import Forest
 from ..tree_data.trajectory import Trajectory
 
@@ -100,32 +100,10 @@ RATIO_LEVELS = ("token", "sequence")
 #: what rollout correction does with a ratio above ``--rl-tis-cap``
 TIS_MODES = ("truncate", "mask")
 
-# ObjectiveConfig field -> the training driver's command-line flag
-_FLAGS = {
-    "kind": "--rl-objective",
-    "clip_ratio_low": "--clip-ratio-low",
-    "clip_ratio_high": "--clip-ratio-high",
-    "kl_coef": "--kl-coef",
-    "entropy_coef": "--entropy-coef",
-    "loss_agg_mode": "--loss-agg-mode",
-    "old_logprobs": "--rl-old-logprobs",
-}
-# ObjectiveConfig field -> argparse destination of its flag
-_ARG_DEST = {name: flag[2:].replace("-", "_") for name, flag in _FLAGS.items()}
-
 
 # ---------------------------------------------------------------------------
 # configuration
 # ---------------------------------------------------------------------------
-
-def _number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{_FLAGS[name]} must be a number, got {value!r} (ObjectiveConfig.{name})")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{_FLAGS[name]} must be finite, got {value} (ObjectiveConfig.{name})")
-    return value
-
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
@@ -136,17 +114,34 @@ class ObjectiveConfig:
     >= 0 weighs the KL penalty (``kl_estimator`` against ``kl_to``); ``entropy_coef`` >= 0 weighs
     the entropy bonus.  ``loss_agg_mode``: one of :data:`LOSS_AGG_MODES`.  ``old_logprobs``: one of
     :data:`OLD_LOGPROBS_SOURCES` ("current" needs ``kind`` "ppo" and no KL to the old log-probs).
-    The fields after ``old_logprobs`` are a typed flag group (``rl.flag_group``): each declares its
-    driver flag, help and constraints.  Errors name the driver's flag for the field (:meth:`flag`)
-    and the field.
+    Every field is a typed flag (``megatron_harts.flags``): it declares the training driver's flag,
+    its help and constraints, from which the driver's options are generated and its parsed values
+    copied back by field name.  Errors name the driver's flag for the field (:meth:`flag`) and the
+    field.
     """
-    kind: str = "ppo"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    loss_agg_mode: str = "token-mean"
-    old_logprobs: str = "data"
+    kind: str = flag(
+        "ppo", "--rl-objective", "ppo (default: clipped importance-ratio policy gradient with the trajectories' "
+        "advantages and old log-probs) or sft (log-likelihood of the trainable tokens)", choices=OBJECTIVE_KINDS)
+    clip_ratio_low: float = flag(
+        0.2, "--clip-ratio-low", "ppo: lower clip, ratio >= 1 - this (default 0.2)", minimum=0, exclusive_maximum=1,
+        metavar="X", cli_default=None)
+    clip_ratio_high: float = flag(
+        0.2, "--clip-ratio-high", "ppo: upper clip, ratio <= 1 + this (default 0.2)", minimum=0, metavar="X",
+        cli_default=None)
+    kl_coef: float = flag(
+        0.0, "--kl-coef", "weight of the KL penalty to the reference log-probs (default 0)", minimum=0, metavar="X")
+    entropy_coef: float = flag(
+        0.0, "--entropy-coef", "weight of the entropy bonus (default 0)", minimum=0, metavar="X")
+    loss_agg_mode: str = flag(
+        "token-mean", "--loss-agg-mode", "loss aggregation over the global batch (default token-mean)",
+        choices=LOSS_AGG_MODES)
+    old_logprobs: str = flag(
+        "data", "--rl-old-logprobs", "ppo: the old log-probs of the importance ratio. data (default): the "
+        "trajectories' old_logprobs (required); current: the policy's own log-probs from the same forward, detached "
+        "(on-policy data without old_logprobs, e.g. GRPO: ratio 1, the gradient is the policy gradient; no extra "
+        "forward, tree mode stays exact); recompute: one forward-only pass over the global batch with the weights "
+        "before the update, fixed for all its mini-batches and epochs. current excludes --kl-to old with --kl-coef "
+        "> 0 (that KL would be 0)", choices=OLD_LOGPROBS_SOURCES)
     kl_estimator: str = flag(
         "k3", "--kl-estimator", "estimator of the KL penalty per token, d = logp - target: k1 = d, k2 = d^2 / 2, "
         "k3 = exp(-d) + d - 1 (default k3)", choices=KL_ESTIMATORS)
@@ -172,24 +167,6 @@ class ObjectiveConfig:
         "is divided by (Dr.GRPO; the driver's default: --seq-length)", minimum=1)
 
     def __post_init__(self):
-        if self.kind not in OBJECTIVE_KINDS:
-            raise ValueError(f"--rl-objective must be one of {', '.join(OBJECTIVE_KINDS)}, got {self.kind!r} "
-                             f"(ObjectiveConfig.kind)")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"--loss-agg-mode must be one of {', '.join(LOSS_AGG_MODES)}, got "
-                             f"{self.loss_agg_mode!r} (ObjectiveConfig.loss_agg_mode)")
-        low = _number("clip_ratio_low", self.clip_ratio_low)
-        if not 0.0 <= low < 1.0:
-            raise ValueError(f"--clip-ratio-low must be in [0, 1), got {low} (ObjectiveConfig.clip_ratio_low)")
-        for name in ("clip_ratio_high", "kl_coef", "entropy_coef"):
-            v = _number(name, getattr(self, name))
-            if v < 0.0:
-                raise ValueError(f"{_FLAGS[name]} must be >= 0, got {v} (ObjectiveConfig.{name})")
-            object.__setattr__(self, name, v)
-        object.__setattr__(self, "clip_ratio_low", low)
-        if self.old_logprobs not in OLD_LOGPROBS_SOURCES:
-            raise ValueError(f"--rl-old-logprobs must be one of {', '.join(OLD_LOGPROBS_SOURCES)}, got "
-                             f"{self.old_logprobs!r} (ObjectiveConfig.old_logprobs)")
         check_group(self)
         if self.old_logprobs in ("current", "recompute") and self.kind != "ppo":
             raise ValueError(f"--rl-old-logprobs {self.old_logprobs} only applies to --rl-objective ppo, got "
@@ -214,8 +191,6 @@ class ObjectiveConfig:
     @staticmethod
     def flag(name: str) -> str:
         """The training driver's flag for field ``name`` (e.g. "kind" -> "--rl-objective")."""
-        if name in _FLAGS:
-            return _FLAGS[name]
         for spec in flag_fields(ObjectiveConfig):
             if spec.field == name:
                 return spec.name
@@ -224,10 +199,8 @@ class ObjectiveConfig:
     @classmethod
     def from_args(cls, args) -> "ObjectiveConfig":
         """From parsed driver arguments (``args.rl_objective``, ``args.clip_ratio_low``, ...);
-        missing attributes keep their defaults."""
-        kw = {name: getattr(args, dest) for name, dest in _ARG_DEST.items() if getattr(args, dest, None) is not None}
-        kw.update({s.field: getattr(args, s.dest) for s in flag_fields(cls) if hasattr(args, s.dest)})
-        return cls(**kw)
+        missing attributes (and None for a field that takes no None) keep their defaults."""
+        return cls(**group_kwargs(cls, args))
 
 
 class ObjectiveDataError(ValueError):

@@ -44,37 +44,37 @@ layer i (0-based) is MoE iff ``i % N == 0``; a list pattern, 1 = MoE, 0 = dense
 head dim for keys and values: ``--linear-num-key-heads``/``--linear-num-value-heads`` (and the
 head-dim pair) must agree; when one of a pair is given the other follows it.
 
-Tree sharing (our flags): ``--tree-sharing {off,within,windows}`` (default within).  ``off`` is
-expanded training: whole trajectories packed first-fit-decreasing (planner ``ffd``, the only one
-allowed).  ``within`` shares prefixes inside a microbatch: planner ``l1`` (default) or ``ortools``
-(the OR-Tools + FFD baseline over trees; needs the ``ortools`` package when planning).
-``windows`` adds cross-microbatch sharing windows: planner ``l1l2`` (default and only choice).
+Our flags, declared once as typed flag groups (``megatron_harts.flags``; ``FLAG_GROUPS``): each is a
+frozen dataclass whose fields carry the flag's name, type, default, help and constraints; the
+options of the "tree sharing" and "RL objective" groups are generated from them, and the parsed
+values are copied into them by field name.  ``parse_args`` leaves the checked instances on the
+namespace: ``args.tree`` (``training.tree_flags.TreeFlags``: the ``--tree-*`` flags, planner and
+microbatch budget resolved), ``args.objective`` (``rl.objectives.ObjectiveConfig``) and
+``args.rl_update`` (``training.rl_update.RLUpdateConfig``); their values also sit at the flags'
+argparse destinations (``tree_sharing``, ``tree_planner``, ``clip_ratio_low``, ...).  A group's own
+constraints live in its dataclass; those that involve other flags (pipeline and expert
+parallelism, ``--seq-length``, files, whether a flag was given) are checked here.
+
+Tree sharing: ``--tree-sharing {off,within,windows}`` (default within).  ``off`` is expanded
+training: whole trajectories packed first-fit-decreasing (planner ``ffd``, the only one allowed).
+``within`` shares prefixes inside a microbatch: planner ``l1`` (default) or ``ortools`` (the
+OR-Tools + FFD baseline over trees; needs the ``ortools`` package when planning).  ``windows``
+adds cross-microbatch sharing windows: planner ``l1l2`` (default and only choice).
 ``--tree-microbatch-tokens`` is the row budget of a microbatch (default ``--seq-length``,
 Megatron-LM's tokens per microbatch at micro-batch size 1); a longer trajectory is cut into pieces.
 ``--tree-kda-backend`` / ``--tree-attention-backend`` default to ``auto``: fla / flex on CUDA
 (not with ``--fp64``), reference / sdpa otherwise; ``fla`` and ``flex`` need CUDA, checked when
-the model config is built (``hybrid_config``), not at parse time.  ``--tree-kda-call-plan
-{harts,per-depth,node-wise}`` (default harts) is the KDA call ablation: ``per-depth`` (one call
-per fork level) and ``node-wise`` (one call per segment depth, the paper's "Node-wise LA") run
-the same tree step with replay-free baseline plans (``planner/baselines.py``) instead of the
-call planner's; same losses and gradients, more KDA calls (the step's ``kda_calls``).  They
-need ``--tree-sharing within`` (sharing windows run harts plans only).
+the model config is built (``hybrid_config``, ``resolved_backends``), not at parse time.
+``--tree-kda-call-plan {harts,per-depth,node-wise}`` (default harts) is the KDA call ablation:
+``per-depth`` (one call per fork level) and ``node-wise`` (one call per segment depth, the paper's
+"Node-wise LA") run the same tree step with replay-free baseline plans (``planner/baselines.py``)
+instead of the call planner's; same losses and gradients, more KDA calls (the step's
+``kda_calls``).  They need ``--tree-sharing within`` (sharing windows run harts plans only).
 
-Namespace attributes the driver reads besides Megatron-LM's names: ``params_dtype`` (torch
-dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``, ``linear_num_heads``,
-``linear_head_dim``, ``data_path`` (one string, or None), ``tree_sharing``, ``tree_mode``
-(sharing != off), ``tree_planner`` (resolved), ``tree_microbatch_tokens`` (resolved),
-``tree_chunk_size``, ``no_tree_replay`` / ``tree_replay`` (its negation), ``tree_kda_backend``,
-``tree_kda_call_plan``,
-``tree_attention_backend`` (maybe ``auto``: ``hybrid_config`` resolves them), ``tree_plan_report``,
-``tree_cost_calibration``, ``tree_logit_probe``, ``tree_logit_probe_tokens``, ``tree_logit_probe_oracle``,
-``tree_triton_max_configs``, ``tree_logprob_chunk_rows`` (None: ``ops.logprobs.default_chunk_rows``),
-``tree_recompute_producers``, ``tree_memory_budget`` (GiB; None: the trainer's default,
-``planner.memory.default_budget_bytes``), ``tree_piece_keep`` (all, none or auto), ``tree_piece_memory``
-(GiB; None: the trainer's default, ``planner.memory.device_activation_budget`` on a GPU),
-``tree_dataset_shuffle``, ``rl_objective``, ``clip_ratio_low``, ``clip_ratio_high``,
-``kl_coef``, ``entropy_coef``, ``loss_agg_mode``, ``rl_old_logprobs`` (``objective_kwargs`` gathers
-the last seven).
+Namespace attributes the driver reads besides Megatron-LM's names and the groups: ``params_dtype``
+(torch dtype), ``fp64``, ``padded_vocab_size``, ``layer_types``, ``mlp_types``,
+``linear_num_heads``, ``linear_head_dim``, ``data_path`` (one string, or None), ``tree_mode``
+(sharing != off), ``no_tree_replay`` (the negation of ``tree_replay``).
 Resolved like Megatron-LM does: ``ffn_hidden_size``, ``moe_ffn_hidden_size``,
 ``expert_tensor_parallel_size``, ``lr_decay_iters``, ``start_weight_decay``/``end_weight_decay``,
 ``max_position_embeddings``, ``num_experts`` (0 -> None), single-entry
@@ -83,14 +83,18 @@ Resolved like Megatron-LM does: ``ffn_hidden_size``, ``moe_ffn_hidden_size``,
 Builders: ``hybrid_config`` (HybridConfig, validated by ``models.model.validate_config``),
 ``optimizer_config``, ``ddp_config``, ``scheduler_kwargs`` (OptimizerParamScheduler's arguments;
 its steps count iterations: step it by 1 per iteration), ``data_parallel_size``,
-``cost_model``, ``objective_kwargs``.
+``cost_model``, ``objective_kwargs``, ``rl_update_kwargs``.
+
+Megatron-LM's flag names, the reasons for refusing them and the settings accepted with some values
+only are one table of data, ``megatron_harts.megatron_lm``, which the model's ``validate_config``
+reads too.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import difflib
-import math
 import os
 import re
 import signal
@@ -101,12 +105,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..cli import CliError
+from ..flags import (add_flag_group, finite_float, flag_fields, group_kwargs, int_at_least, set_namespace,
+                     shared_fields)
+from ..megatron_lm import MEGATRON_LM_FLAGS, NO_EVAL, SETTINGS, unsupported_reason
 from ..ops.key_paths import FLASH_MAX_HEAD_DIM, fa4_available
-from ..planner.baselines import CALL_PLANS
-from ..planner.memory import PIECE_KEEP
-from ..rl.flag_group import flag_fields, group_kwargs
-from ..rl.objectives import LOSS_AGG_MODES, OLD_LOGPROBS_SOURCES, ObjectiveConfig
+from ..rl.objectives import ObjectiveConfig
 from .rl_update import RLUpdateConfig
+from .tree_flags import PLANNERS, PLANNERS_BY_SHARING, PP_SCHEDULES, SHARING_MODES, TreeFlags
 
 __all__ = [
     "ArgumentsError", "ArgumentsWarning", "MEGATRON_LM_FLAGS", "OWN_FLAGS", "TREE_SHARING_MODES",
@@ -114,7 +119,7 @@ __all__ = [
     "hybrid_config", "optimizer_config", "ddp_config", "scheduler_kwargs", "data_parallel_size",
     "padded_vocab_size", "cost_model", "objective_kwargs", "rl_update_kwargs", "add_flag_group",
     "resolved_backends", "supported_flags",
-    "unsupported_reason", "GROUP_TITLES",
+    "unsupported_reason", "GROUP_TITLES", "FLAG_GROUPS",
 ]
 
 PROG = "harts-pretrain"
@@ -130,437 +135,20 @@ class ArgumentsWarning(UserWarning):
 
 
 # ---------------------------------------------------------------------------------------------
-# Megatron-LM's option names (interface facts, extracted at development time by building the
-# parser of megatron/training/arguments.py (add_megatron_arguments) at NVIDIA/Megatron-LM tags
-# core_v0.16.1 (the megatron-core release we run on) and main @ d98e8a64 (2026-08-22), union of
-# both, "--" stripped).
+# our own flags: the typed flag groups (their choices are declared with them)
 # ---------------------------------------------------------------------------------------------
-MEGATRON_LM_SOURCES = ("NVIDIA/Megatron-LM core_v0.16.1", "NVIDIA/Megatron-LM main@d98e8a64ddf3")
+TREE_SHARING_MODES = SHARING_MODES
+TREE_PLANNERS = PLANNERS
+TREE_PP_SCHEDULES = PP_SCHEDULES
 
-_MEGATRON_LM_FLAG_NAMES = """
-account-for-embedding-in-pipeline-split account-for-loss-in-pipeline-split
-accumulate-allreduce-grads-in-fp32 activation-func-clamp-value activation-offload-fraction
-adam-beta1 adam-beta2 adam-eps add-qkv-bias adlr-autoresume adlr-autoresume-interval
-allow-ambiguous-pad-tokens app-tag-run-name app-tag-run-version apply-layernorm-1p
-apply-query-key-layer-scaling apply-residual-connection-post-layernorm apply-wd-to-qk-layernorm
-async-ckpt-cpu-priority async-ckpt-io-priority async-ckpt-use-cpu-shm async-save async-strategy
-attention-backend attention-dropout attention-output-gate attention-softmax-in-fp32
-auto-detect-ckpt-format batch-invariant-backend batch-invariant-mode batch-size bert-embedder-type
-bert-load bert-no-binary-head bf16 biencoder-projection-dim biencoder-shared-query-context-model
-block-data-path cache-mla-latents calc-ft-timeouts calculate-per-token-loss chat-template
-check-for-large-grads check-for-spiky-loss check-weight-hash-across-dp-replicas-interval
-checkpoint-activations ckpt-assume-constant-structure ckpt-convert-format ckpt-convert-save
-ckpt-convert-update-legacy-dist-opt-format ckpt-drop-redundant-extra-state ckpt-format
-ckpt-fully-parallel-load ckpt-fully-parallel-load-exchange-algo
-ckpt-fully-parallel-load-per-rank-objects ckpt-fully-parallel-load-process-group
-ckpt-fully-parallel-save ckpt-fully-parallel-save-process-group ckpt-pg-tensors-cache-create
-ckpt-pg-tensors-cache-path ckpt-step classes-fraction clip-grad config-logger-dir
-context-parallel-size cp-comm-type cpu-offloading-num-layers
-cpu-offloading-retain-pinned-cpu-buffers create-all-gather-group cross-entropy-fusion-impl
-cross-entropy-loss-fusion cuda-graph-impl cuda-graph-modules cuda-graph-scope
-cuda-graph-warmup-steps data-args-path data-cache-path data-parallel-random-init
-data-parallel-sharding-strategy data-path data-per-class-fraction dataloader-defer-npy-index-mmap
-dataloader-fast-cache-load dataloader-inter-document-masking dataloader-type
-ddp-average-in-collective ddp-bucket-size ddp-num-buckets ddp-pad-buckets-for-high-nccl-busbw
-ddp-param-name-patterns-for-fp32-local-accumulation ddp-reduce-scatter-with-fp32-accumulation
-decode-only-cuda-graphs decoder-first-pipeline-num-layers decoder-last-pipeline-num-layers
-decoder-num-layers decoder-seq-length decoupled-lr decoupled-min-lr decrease-batch-size-if-needed
-defer-embedding-wgrad-compute delay-offload-until-cuda-graph delay-wgrad-compute
-delta-offload-bytes-across-pp-ranks deterministic-mode dino-bottleneck-size dino-freeze-last-layer
-dino-head-hidden-size dino-local-crops-number dino-local-img-size dino-norm-last-layer
-dino-teacher-temp dino-warmup-teacher-temp dino-warmup-teacher-temp-epochs disable-align-grad-reduce
-disable-async-tensor-model-parallel-allreduce disable-bf16-reduced-precision-matmul
-disable-bias-linear disable-chunked-prefill disable-ckpt-fully-parallel-save
-disable-ckpt-load-validate-sharding-integrity disable-clone-scatter-output-in-embedding
-disable-dsa-indexer-rotate-activation disable-dsa-indexer-scoring-relu
-disable-flight-recorder-dump-on-timeout disable-flight-recorder-extra-dump-on-exec
-disable-flight-recorder-include-only-active disable-fp8-wgrad disable-gloo-process-groups
-disable-jit-fuser disable-log-loss-scale-to-tensorboard disable-mamba-mem-eff-path
-disable-manual-gc-eval disable-msc disable-pad-vocab-size disable-save-tokenizer-assets
-disable-straggler-on-startup disable-strict-fsdp-dtensor-load disable-symmetric-registration
-disable-tokenizer-sentencepiece-ignore-extra-whitespaces disable-tp-comm-bulk-dgrad
-disable-tp-comm-bulk-wgrad disable-tp-comm-overlap-ag disable-tp-comm-overlap-rs
-disable-tp-comm-split-ag disable-tp-comm-split-rs disable-use-tokenizer-model-from-checkpoint-args
-dist-ckpt-format dist-ckpt-optim-fully-reshardable dist-ckpt-save-pre-mcore-014 dist-ckpt-strictness
-dist-ckpt-workers distrib-optim-fully-reshardable-mem-efficient distribute-saved-activations
-distributed-backend distributed-timeout-minutes distributed-timeout-seconds-after-init
-dsa-indexer-head-dim dsa-indexer-k-norm-epsilon dsa-indexer-k-norm-fp32 dsa-indexer-loss-coeff
-dsa-indexer-n-heads dsa-indexer-rope-interleaved dsa-indexer-skip-topk-offset dsa-indexer-topk
-dsa-indexer-topk-freq dsa-indexer-use-sparse-loss dsa-kernel-backend dump-param-to-param-group-map
-embedding-init-method-std embedding-path empty-unused-memory-level enable-chunked-prefill
-enable-cuda-graph enable-experimental enable-ft-package enable-full-sharding-in-hsdp
-enable-mhc-connections enable-msc encoder-num-layers encoder-seq-length end-weight-decay
-eod-mask-loss ep-overlap-early-attn-memory-release error-injection-rate error-injection-type
-eval-global-batch-size eval-interval eval-iters eval-micro-batch-size evidence-data-path
-exit-duration-in-mins exit-interval exit-on-missing-checkpoint exit-signal exit-signal-handler
-exit-signal-handler-for-dataloader exit-signal-handler-for-training exp-avg-dtype exp-avg-sq-dtype
-experimental-attention-variant expert-model-parallel-size expert-tensor-parallel-num-weight-shards
-expert-tensor-parallel-size external-cuda-graph fake-process-group
-fault-injector-delay-start-iteration fault-injector-fault-delay fault-injector-fault-probabilities
-fault-injector-fault-types fault-injector-mtti-seconds fault-injector-num-ranks
-fault-injector-offset-seconds fault-injector-ranks fault-injector-seed ffn-hidden-size fim-data
-fim-eod-token fim-fragment-rate fim-middle-token fim-no-prefix fim-pad-token fim-prefix-token
-fim-rate fim-split-sample fim-spm-rate fim-suffix-token fine-grained-activation-offloading
-fine-grained-offloading-max-inflight-offloads finetune first-last-layers-bf16
-flash-attention-version flash-decode flight-recorder-dump-path flight-recorder-include-stack-trace
-flight-recorder-trace-buffer-size fp16 fp16-lm-cross-entropy fp32-residual-connection fp4-format
-fp4-param-gather fp4-quantizer-factory fp4-recipe fp8-amax-compute-algo fp8-amax-history-len
-fp8-format fp8-interval fp8-margin fp8-output-proj fp8-param-gather fp8-quantizer-factory fp8-recipe
-freeze-all-layers fsdp-db-use-persist-buf-on-alloc-fail fsdp-double-buffer fsdp-manual-registration
-ft-num-warmup-iters full-validation fused-residual-rmsnorm gdp-cutedsl-kernel
-gdp-num-chunk-states-to-recompute gdp-num-householder global-batch-size glu-linear-offset
-gpu-sniff-test-interval grad-reduce-in-bf16 group-query-attention grpo-clamp-eps-lower
-grpo-clamp-eps-upper grpo-entropy-term-weight grpo-filter-groups-with-same-reward grpo-group-size
-grpo-iterations grpo-kl-beta grpo-prompts-per-step gtp-expert-remat-nccl-ub gtp-remat-nccl-ub
-gtp-remat-opt-in-modules gtp-remat-reduce-scatter-with-fp32-accumulation head-lr-mult
-heterogeneous-layers-config-encoded-json heterogeneous-layers-config-path hidden-dropout hidden-size
-hierarchical-context-parallel-sizes high-priority-a2a-comm-stream high-priority-stream-groups
-hybrid-attention-ratio hybrid-context-parallel hybrid-layer-pattern hybrid-mlp-ratio
-hybrid-override-pattern hysteresis ict-head-size ict-load img-h img-w indexer-batch-size
-indexer-log-interval inference-batch-times-seqlen-threshold inference-coordinator-port
-inference-cuda-graph-all-prefills inference-cuda-graph-max-tokens inference-cuda-graph-scope
-inference-disable-ep-consensus inference-disable-triton-nvls-kernels inference-dynamic-batching
-inference-dynamic-batching-async-sched-mode inference-dynamic-batching-block-size
-inference-dynamic-batching-buffer-size-gb inference-dynamic-batching-cuda-graph-max-tokens
-inference-dynamic-batching-cuda-graph-mixed-prefill-count
-inference-dynamic-batching-cuda-graph-sizing-distribution inference-dynamic-batching-logprobs-mode
-inference-dynamic-batching-mamba-memory-ratio inference-dynamic-batching-max-requests
-inference-dynamic-batching-max-tokens inference-dynamic-batching-num-cuda-graphs
-inference-dynamic-batching-paused-buffer-size-gb inference-dynamic-batching-prefix-caching
-inference-dynamic-batching-prefix-caching-coordinator-policy
-inference-dynamic-batching-prefix-caching-eviction-policy
-inference-dynamic-batching-prefix-caching-mamba-gb
-inference-dynamic-batching-prefix-caching-routing-alpha inference-dynamic-batching-sampling-backend
-inference-dynamic-batching-track-generated-token-events
-inference-dynamic-batching-track-paused-request-events
-inference-dynamic-batching-unified-memory-level inference-fuse-tp-communication
-inference-grouped-gemm-backend inference-logging-step-interval inference-max-batch-size
-inference-max-requests inference-max-seq-length inference-moe-disable-fused-quant-kernels
-inference-moe-token-dispatcher-type inference-rng-tracker inference-shards
-inference-text-gen-server-logging inference-use-synchronous-zmq-collectives inference-wandb-logging
-init-method-std init-method-xavier-uniform init-model-with-meta-device initial-loss-scale
-inprocess-active-world-size inprocess-barrier-timeout inprocess-completion-timeout
-inprocess-empty-cuda-cache inprocess-granularity inprocess-hard-timeout inprocess-heartbeat-interval
-inprocess-heartbeat-timeout inprocess-last-call-wait inprocess-max-iterations
-inprocess-monitor-process-interval inprocess-monitor-thread-interval
-inprocess-progress-watchdog-interval inprocess-restart inprocess-soft-timeout
-inprocess-termination-grace-time is-hybrid-model iter-per-epoch iterations-to-skip
-keep-fp8-transpose-cache kitchen-attention-backend kv-channels kv-lora-rank langrl-env-config
-langrl-external-server langrl-inference-server-conversation-template langrl-inference-server-type
-lazy-mpu-init legacy-tokenizer linear-attention-freq linear-conv-kernel-dim linear-key-head-dim
-linear-num-key-heads linear-num-value-heads linear-value-head-dim lion-beta1 lion-beta2 load
-load-main-params-from-ckpt local-rank log-device-memory-used log-energy log-interval
-log-max-attention-logit log-memory-interval log-memory-to-tensorboard log-num-zeros-in-grad
-log-params-norm log-progress log-straggler log-throughput log-timers-to-tensorboard
-log-validation-ppl-to-tensorboard log-world-size-to-tensorboard logging-level
-logits-load-decode-threads logits-load-dir logits-load-ignore-errors logits-load-kd-loss-alpha
-logits-load-msc-prefetch-depth logits-load-prefetch-factor logits-save-dir logits-save-dtype
-logits-save-top-k logits-save-top-p logits-save-top-p-min-k loss-scale loss-scale-window lr
-lr-decay-iters lr-decay-samples lr-decay-style lr-warmup-fraction lr-warmup-init lr-warmup-iters
-lr-warmup-samples lr-wsd-decay-iters lr-wsd-decay-samples lr-wsd-decay-style main-grads-dtype
-main-params-dtype make-vocab-size-divisible-by mamba-head-dim mamba-inference-conv-states-dtype
-mamba-inference-ssm-states-dtype mamba-num-groups mamba-num-heads mamba-state-dim
-mamba-training-ssm-states-dtype manual-gc manual-gc-interval mask-factor mask-prob mask-type
-max-position-embeddings max-seqlen-per-dp-cp-rank max-tokens-to-oom
-megatron-fsdp-enable-fine-grained-param-gather megatron-fsdp-grad-comm-dtype
-megatron-fsdp-main-grads-dtype megatron-fsdp-main-params-dtype megatron-fsdp-max-pool-double-buffer
-megatron-fsdp-version memory-snapshot-path merge-file mhc-init-gating-factor
-mhc-num-residual-streams mhc-recompute-layer-num mhc-sinkhorn-iterations micro-batch-size
-microbatch-group-size-per-virtual-pipeline-stage mid-level-dataset-surplus min-loss-scale min-lr
-min-offloaded-tensor-size mla-down-proj-fusion mlp-chunks-for-prefill mlp-chunks-for-training
-mock-data model-parallel-size moe-apply-probs-on-input moe-aux-loss-coeff moe-combine-bwd-dtype
-moe-deepep-num-sms moe-dispatch-fwd-dtype moe-enable-deepep moe-enable-routing-replay
-moe-expert-capacity-factor moe-expert-rank-capacity-factor moe-extended-tp moe-ffn-hidden-size
-moe-flex-dispatcher-backend moe-flex-dispatcher-num-sms moe-grouped-gemm
-moe-hybridep-num-blocks-permute moe-hybridep-num-blocks-unpermute moe-hybridep-num-sms
-moe-hybridep-num-sms-preprocessing moe-hybridep-pad-uneven-dispatch-inputs moe-input-jitter-eps
-moe-latent-size moe-layer-freq moe-layer-recompute moe-mlp-glu-interleave-size moe-ncclep-zero-copy
-moe-pad-expert-input-to-capacity moe-pad-experts-for-cuda-graph-inference moe-paged-stash
-moe-paged-stash-buffer-size-factor-cpu moe-paged-stash-buffer-size-factor-cuda
-moe-paged-stash-page-size moe-per-layer-logging moe-permute-fusion moe-permute-fusion-into-hybridep
-moe-router-bias-update-rate moe-router-dtype moe-router-enable-expert-bias moe-router-force-biased
-moe-router-force-load-balancing moe-router-fusion moe-router-group-topk
-moe-router-load-balancing-type moe-router-num-groups moe-router-padding-for-fp8
-moe-router-padding-for-quantization moe-router-pre-softmax moe-router-quantile-balancing-ema
-moe-router-score-function moe-router-topk moe-router-topk-scaling-factor
-moe-routing-trace-capture-hidden-states moe-routing-trace-capture-logits
-moe-routing-trace-dump-weights moe-routing-trace-max-training-iters moe-routing-trace-path
-moe-shared-expert-gate moe-shared-expert-glu-interleave-size moe-shared-expert-intermediate-size
-moe-shared-expert-overlap moe-single-grouped-bias moe-single-grouped-weight
-moe-token-dispatcher-type moe-token-drop-policy moe-upcycling-granularity moe-use-grouped-tensor
-moe-use-legacy-grouped-gemm moe-use-upcycling moe-z-loss-coeff mrope-section mscale mscale-all-dim
-mtp-detach-heads mtp-hsm mtp-hybrid-override-pattern mtp-loss-scaling-factor mtp-num-layers
-mtp-standalone mtp-use-repeated-layer multi-latent-attention multiple-validation-sets
-muon-coefficient-type muon-extra-scale-factor muon-fp32-matmul-prec muon-momentum muon-nesterov
-muon-no-split-qkv muon-num-ns-steps muon-scalar-optimizer muon-scale-mode muon-tp-mode
-muon-use-nesterov muon-use-syrk mup-attn-scale-power mup-base-head-dim mup-base-hidden-size
-mup-embedding-mult mup-output-mult mup-width-mult nccl-all-reduce-for-prefill
-nccl-communicator-config-path no-align-grad-reduce no-align-param-gather
-no-async-tensor-model-parallel-allreduce no-barrier-with-level-1-timing no-bias-dropout-fusion
-no-bias-gelu-fusion no-bias-swiglu-fusion no-check-for-nan-in-loss-and-grad
-no-ckpt-fully-parallel-save no-ckpt-load-validate-sharding-integrity
-no-clone-scatter-output-in-embedding no-create-attention-mask-in-dataloader no-data-sharding
-no-dsa-indexer-rotate-activation no-dsa-indexer-scoring-relu no-flight-recorder-dump-on-timeout
-no-flight-recorder-extra-dump-on-exec no-flight-recorder-include-only-active no-fp8-wgrad
-no-gradient-accumulation-fusion no-gradient-reduce-div-fusion no-inference-disable-ep-consensus
-no-inference-dynamic-batching-prefix-caching no-inference-text-gen-server-logging
-no-inference-use-synchronous-zmq-collectives no-inference-wandb-logging no-initialization
-no-langrl-external-server no-load-optim no-load-rng no-log-loss-scale-to-tensorboard
-no-manual-gc-eval no-masked-softmax-fusion no-mmap-bin-files no-one-logger
-no-overlap-p2p-communication no-pad-vocab-size no-persist-layer-norm no-pin-cpu-grads
-no-pin-cpu-params no-position-embedding no-rl-inference-logprobs-is-correction
-no-rl-offload-inference-model-weights-when-idle no-rl-offload-kv-cache-during-training
-no-rl-partial-rollouts no-rl-persist-cuda-graphs no-rl-remove-kv-cache-during-training
-no-rl-reset-cuda-graphs no-rl-skip-bos-token no-rl-training-cuda-graphs no-rl-use-sequence-packing
-no-rl-verify-model-weights-swap no-rope-freq no-rope-fusion no-save-optim no-save-rng
-no-save-tokenizer-assets no-scatter-gather-tensors-in-pipeline no-strict-fsdp-dtensor-load
-no-tokenizer-sentencepiece-ignore-extra-whitespaces no-tp-comm-bulk-dgrad no-tp-comm-bulk-wgrad
-no-tp-comm-overlap-ag no-tp-comm-overlap-rs no-tp-comm-split-ag no-tp-comm-split-rs
-no-use-layer-wise-param-layout no-use-tokenizer-model-from-checkpoint-args no-weight-decay-cond-type
-no-yarn-correction-range-round-to-int non-persistent-ckpt-type non-persistent-global-ckpt-dir
-non-persistent-local-ckpt-algo non-persistent-local-ckpt-dir non-persistent-save-interval
-norm-epsilon normalization null-tokenizer-eod-id null-tokenizer-pad-id num-attention-heads
-num-channels num-classes num-dataset-builder-threads num-distributed-optimizer-instances num-experts
-num-layers num-layers-at-end-in-bf16 num-layers-at-start-in-bf16
-num-layers-per-virtual-pipeline-stage num-query-groups num-speculative-tokens
-num-virtual-stages-per-pipeline-rank num-workers nvtx-ranges object-storage-cache-path
-offload-modules one-logger-async one-logger-project one-logger-run-name onnx-safe openai-gelu
-optimizer optimizer-cpu-offload optimizer-cuda-graph optimizer-offload-fraction otel-enabled
-otel-service-name otel-span-groups outer-dp-sharding-strategy output-bert-embeddings
-output-logit-dtype overlap-cpu-optimizer-d2h-h2d overlap-dispatch-backward-with-experts-wgrad
-overlap-grad-reduce overlap-moe-expert-parallel-comm overlap-p2p-communication-warmup-flush
-overlap-param-gather overlap-param-gather-with-optimizer-step override-ckpt-iteration
-override-opt-param-scheduler override-opt_param-scheduler padded-vocab-size patch-dim
-per-dataset-sequences-path per-split-data-args-path perform-rl-step persistent-save-interval
-phase-transition-iterations pipeline-model-parallel-comm-backend pipeline-model-parallel-layout
-pipeline-model-parallel-size position-embedding-type pretrained-checkpoint profile profile-ranks
-profile-step-end profile-step-start pytorch-profiler-collect-callstack
-pytorch-profiler-collect-chakra pytorch-profiler-collect-shapes q-lora-rank qk-clip qk-clip-alpha
-qk-clip-threshold qk-head-dim qk-l2-norm qk-layernorm qk-pos-emb-head-dim query-in-block-prob
-quick-geglu rampup-batch-size recompute-activations recompute-granularity recompute-method
-recompute-modules recompute-num-layers record-memory-history record-shapes refit-method
-relative-attention-max-distance relative-attention-num-buckets replication replication-factor
-replication-jump rerun-mode reset-attention-mask reset-position-ids result-rejected-tracker-filename
-retriever-report-topk-accuracies retriever-score-scaling reuse-grad-buf-for-mxfp8-param-ag
-rl-consumption-granularity rl-default-temperature rl-default-top-k rl-default-top-p
-rl-durable-rollout-bank rl-generation-lag rl-importance-sampling-truncation-coef
-rl-inference-expert-model-parallel-size rl-inference-expert-tensor-model-parallel-size
-rl-inference-logprobs-is-correction rl-inference-model-unified-memory-level rl-inference-parsers
-rl-inference-pipeline-model-parallel-size rl-inference-tensor-model-parallel-size
-rl-kv-cache-management-mode rl-max-inflight-requests rl-offload-inference-model-weights-when-idle
-rl-offload-kv-cache-during-training rl-offload-optimizer-during-inference
-rl-parallel-generation-tasks rl-partial-rollouts rl-persist-cuda-graphs rl-profile rl-profile-dir
-rl-prompts-per-eval rl-remove-kv-cache-during-training rl-reset-cuda-graphs rl-rollout-bank-dir
-rl-rollout-bank-max-bytes rl-sequence-packing-algo rl-sequence-packing-max-sequences-per-bin
-rl-skip-bos-token rl-submission-granularity rl-training-cuda-graphs rl-use-sequence-packing
-rl-verify-model-weights-swap rope-scaling-factor rope-type rotary-base rotary-interleaved
-rotary-percent rotary-scaling-factor rotary-seq-len-interpolation-factor
-run-workload-inspector-server sample-rate save save-activations-interval save-dgrads-interval
-save-interval save-params-interval save-retain-interval save-tokens-per-expert-interval
-save-wgrads-interval seed seq-length sequence-parallel sft sft-tokenizer-prompt-format sgd-momentum
-sharp-enabled-group short-seq-prob skip-train softmax-type spec split squared-relu
-start-eval-at-iter start-weight-decay step-batch-size-schedule straggler-ctrlr-port
-straggler-minmax-count suggested-communication-unit-size swiglu swin-backbone-type symmetric-ar-type
-te-precision-config-file te-rng-tracker tensor-model-parallel-size tensor-parallel-num-weight-shards
-tensorboard-dir tensorboard-log-interval tensorboard-queue-size test-data-path test-mode
-tiktoken-num-special-tokens tiktoken-pattern tiktoken-special-tokens timing-log-level
-timing-log-option titles-data-path tokenizer-hf-include-special-tokens
-tokenizer-hf-no-include-special-tokens tokenizer-hf-no-use-fast tokenizer-hf-use-fast
-tokenizer-metadata tokenizer-model tokenizer-sentencepiece-legacy tokenizer-special-tokens
-tokenizer-type torch-fsdp2-no-reshard-after-forward tp-comm-bootstrap-backend tp-comm-overlap
-tp-comm-overlap-cfg tp-comm-overlap-rs-dgrad train-data-path train-iters train-samples
-train-sync-interval transformer-impl trust-remote-code untie-embeddings-and-output-weights
-use-checkpoint-args use-checkpoint-opt-param-scheduler use-checkpoint-opt_param-scheduler
-use-cpu-initialization use-dist-ckpt use-distributed-optimizer use-flash-attn
-use-fused-weighted-squared-relu use-gigatoken use-grouped-gemm-for-dense-mlp
-use-grouped-gemm-for-shared-expert use-kitchen-attention use-legacy-models use-legacy-static-engine
-use-mcore-models use-megatron-fsdp use-mp-args-from-checkpoint-args use-mup use-nccl-ub
-use-one-sent-docs use-persistent-ckpt-worker use-precision-aware-optimizer use-pytorch-profiler
-use-ring-exchange-p2p use-rope-scaling use-rotary-position-embeddings
-use-same-sampling-seed-across-dp-ranks use-sharp use-te-activation-func use-torch-fsdp2
-use-torch-optimizer-for-cpu-offload use-tp-pp-dp-mapping use-transformer-engine-op-fuser v-head-dim
-valid-data-path validation-set-names verify-integrity vision-backbone-type vision-pretraining
-vision-pretraining-type vocab-extra-ids vocab-file vocab-size wandb-entity wandb-exp-name
-wandb-project wandb-save-dir warmup weight-decay weight-decay-incr-style wgrad-deferral-limit
-window-attn-skip-freq window-size yaml-cfg yarn-beta-fast yarn-beta-slow
-yarn-correction-range-round-to-int yarn-original-max-position-embeddings
-"""
-
-MEGATRON_LM_FLAGS = frozenset("--" + name for name in _MEGATRON_LM_FLAG_NAMES.split())
-
-# ---------------------------------------------------------------------------------------------
-# choices of our own flags
-# ---------------------------------------------------------------------------------------------
-TREE_SHARING_MODES = ("off", "within", "windows")
-TREE_PLANNERS = ("l1", "l1l2", "ffd", "ortools")
-#: planners allowed per sharing mode; the first is the default
-PLANNERS_BY_SHARING = {"off": ("ffd",), "within": ("l1", "ortools"), "windows": ("l1l2",)}
-KDA_BACKEND_CHOICES = ("auto", "reference", "fla")
-#: KDA call plans (harts, then the ablations; HybridConfig.tree_kda_call_plan); the first is the default
-KDA_CALL_PLAN_CHOICES = CALL_PLANS
-ATTENTION_BACKEND_CHOICES = ("auto", "reference", "sdpa", "flex", "varlen")
-RL_OBJECTIVES = ("sft", "ppo")
-#: pipeline schedules of sharing windows (schedules/pipeline.py SCHEDULES); the first is the default
-TREE_PP_SCHEDULES = ("consumer-1f1b", "overlap", "non-overlap")
+#: the typed flag groups (``megatron_harts.flags``): argparse group title, dataclass, namespace attribute
+#: holding the parsed instance
+FLAG_GROUPS = (("tree sharing", TreeFlags, "tree"), ("RL objective", ObjectiveConfig, "objective"),
+               ("RL objective", RLUpdateConfig, "rl_update"))
 
 #: the flags megatron_harts adds (none of them is a Megatron-LM flag)
-OWN_FLAGS = frozenset({
-    "--fp64", "--tree-sharing", "--tree-microbatch-tokens", "--tree-planner", "--tree-chunk-size",
-    "--no-tree-replay", "--tree-kda-backend", "--tree-kda-call-plan", "--tree-attention-backend",
-    "--tree-plan-report",
-    "--tree-cost-calibration", "--tree-dataset-shuffle", "--no-tree-dataset-shuffle",
-    "--rl-objective", "--clip-ratio-low", "--clip-ratio-high", "--kl-coef", "--entropy-coef",
-    "--loss-agg-mode", "--rl-old-logprobs", "--tree-pp-schedule", "--tree-logit-probe", "--tree-logit-probe-tokens",
-    "--tree-logit-probe-oracle", "--tree-triton-max-configs", "--tree-recompute-producers",
-    "--tree-logprob-chunk-rows", "--tree-memory-budget", "--tree-piece-keep", "--tree-piece-memory",
-}) | frozenset(f.name for cls in (ObjectiveConfig, RLUpdateConfig) for f in flag_fields(cls))
-
-# ---------------------------------------------------------------------------------------------
-# why Megatron-LM flags are refused (where we know more than "not supported")
-# ---------------------------------------------------------------------------------------------
-_TE = "needs Transformer Engine, which megatron_harts does not use"
-_ONLINE_RL = ("Megatron-LM's online RL loop (generation + GRPO) is not part of megatron_harts, "
-              "which trains on recorded rollouts from --data-path")
-_NO_EVAL = "megatron_harts has no evaluation loop"
-_SAMPLES = ("sample-based schedules are not supported: use --train-iters and the --lr-*-iters "
-            "flags (--global-batch-size counts trajectories)")
-_ROPE = ("MLA applies plain RoPE to the --qk-pos-emb-head-dim dims (--position-embedding-type "
-         "rope) or none: no scaled, partial or interleaved variants")
-_TREE_EXACT = ("it draws random numbers per token, so the copies of a shared row would route "
-               "differently and tree sharing could not equal expanded training")
-_DATA = "give one dataset prefix or trajectory file with --data-path"
-_NO_TOKENIZER = "trajectories arrive as token ids: no tokenizer is loaded (give --vocab-size)"
-_LAYER_SPLIT = "pipeline stages get equal numbers of layers"
-
-_UNSUPPORTED_REASONS: Dict[str, str] = {
-    "--fp16": "fp16 training (loss scaling) is not supported: use --bf16",
-    "--fp8-format": "fp8 " + _TE,
-    "--fp4-format": "fp4 " + _TE,
-    "--num-layers-per-virtual-pipeline-stage": "interleaved (virtual) pipeline schedules are not supported",
-    "--num-virtual-stages-per-pipeline-rank": "interleaved (virtual) pipeline schedules are not supported",
-    "--decoder-first-pipeline-num-layers": _LAYER_SPLIT,
-    "--decoder-last-pipeline-num-layers": _LAYER_SPLIT,
-    "--pipeline-model-parallel-layout": _LAYER_SPLIT,
-    "--account-for-embedding-in-pipeline-split": _LAYER_SPLIT,
-    "--account-for-loss-in-pipeline-split": _LAYER_SPLIT,
-    "--moe-grouped-gemm": "the hybrid spec runs experts as SequentialMLP (grouped GEMM " + _TE + ")",
-    "--moe-use-legacy-grouped-gemm": "the hybrid spec runs experts as SequentialMLP (no grouped GEMM)",
-    "--moe-router-fusion": "the fused router " + _TE,
-    "--moe-permute-fusion": "fused token permutation " + _TE,
-    "--moe-enable-deepep": "the flex dispatcher (DeepEP) is not installed; use --moe-token-dispatcher-type "
-                           "allgather or alltoall",
-    "--moe-flex-dispatcher-backend": "the flex dispatcher is not supported; use --moe-token-dispatcher-type "
-                                     "allgather or alltoall",
-    "--moe-input-jitter-eps": "input jitter: " + _TREE_EXACT,
-    "--moe-router-force-load-balancing": "forced load balancing: " + _TREE_EXACT,
-    "--experimental-attention-variant": "the linear-attention layers are always KDA; place them with "
-                                        "--linear-attention-freq",
-    "--hybrid-override-pattern": "Mamba hybrids are not supported; the hybrid pattern is KDA/MLA "
-                                 "(--linear-attention-freq)",
-    "--hybrid-attention-ratio": "Mamba hybrids are not supported; use --linear-attention-freq",
-    "--hybrid-mlp-ratio": "Mamba hybrids are not supported; use --moe-layer-freq",
-    "--group-query-attention": "full-attention layers are MLA (latent keys/values): no query groups",
-    "--num-query-groups": "full-attention layers are MLA (latent keys/values): no query groups",
-    "--use-rotary-position-embeddings": "use --position-embedding-type rope",
-    "--rotary-scaling-factor": _ROPE,
-    "--rotary-percent": _ROPE,
-    "--rotary-interleaved": _ROPE,
-    "--rotary-seq-len-interpolation-factor": _ROPE,
-    "--mscale": _ROPE,
-    "--mscale-all-dim": _ROPE,
-    "--window-size": "sliding-window attention has no path in the KDA/MLA model",
-    "--softmax-type": "attention sinks have no path in the KDA/MLA model",
-    "--qk-layernorm": "QK layer norm has no path in the KDA/MLA model",
-    "--qk-clip": "QK clipping has no path in the KDA/MLA model",
-    "--attention-output-gate": "the attention output gate has no path in the KDA/MLA model",
-    "--add-qkv-bias": "QKV biases have no path in the KDA/MLA model",
-    "--mtp-num-layers": "multi-token prediction is not supported",
-    "--use-flash-attn": "full attention runs through --tree-attention-backend (FlexAttention on GPU)",
-    "--train-samples": _SAMPLES,
-    "--lr-decay-samples": _SAMPLES,
-    "--lr-warmup-samples": _SAMPLES,
-    "--lr-wsd-decay-samples": _SAMPLES,
-    "--rampup-batch-size": "batch-size ramp-up is not supported",
-    "--eval-interval": _NO_EVAL,
-    "--skip-train": _NO_EVAL,
-    "--mock-data": "there is no mock dataset: synthesize rollouts with tools/synthesize_rollouts.py",
-    "--train-data-path": _DATA,
-    "--valid-data-path": _DATA + " (" + _NO_EVAL + ")",
-    "--test-data-path": _DATA + " (" + _NO_EVAL + ")",
-    "--data-args-path": _DATA,
-    "--per-split-data-args-path": _DATA,
-    "--tokenizer-model": _NO_TOKENIZER,
-    "--vocab-file": _NO_TOKENIZER,
-    "--merge-file": _NO_TOKENIZER,
-    "--use-legacy-models": "megatron_harts builds megatron-core models only",
-    "--use-torch-fsdp2": "FSDP is not supported: use --use-distributed-optimizer",
-    "--use-megatron-fsdp": "FSDP is not supported: use --use-distributed-optimizer",
-    "--tp-comm-overlap": "TP communication overlap " + _TE,
-    "--cross-entropy-loss-fusion": "log-probabilities come from megatron_harts' multi-target output layer",
-    "--cross-entropy-fusion-impl": "log-probabilities come from megatron_harts' multi-target output layer",
-    "--calculate-per-token-loss": "the loss normalization is --loss-agg-mode (always over the global batch)",
-    "--perform-rl-step": _ONLINE_RL + "; choose the loss with --rl-objective",
-    "--grpo-clamp-eps-lower": _ONLINE_RL + "; use --clip-ratio-low",
-    "--grpo-clamp-eps-upper": _ONLINE_RL + "; use --clip-ratio-high",
-    "--grpo-kl-beta": _ONLINE_RL + "; use --kl-coef",
-    "--grpo-entropy-term-weight": _ONLINE_RL + "; use --entropy-coef",
-    "--grad-reduce-in-bf16": "gradients are reduced in fp32 with --bf16 (as Megatron-LM's default)",
-}
-
-_UNSUPPORTED_PREFIX_REASONS: Tuple[Tuple[str, str], ...] = (
-    ("--fp8-", "fp8 " + _TE),
-    ("--fp4-", "fp4 " + _TE),
-    ("--tp-comm-", "TP communication overlap " + _TE),
-    ("--no-tp-comm-", "TP communication overlap " + _TE),
-    ("--disable-tp-comm-", "TP communication overlap " + _TE),
-    ("--grpo-", _ONLINE_RL),
-    ("--rl-", _ONLINE_RL),
-    ("--no-rl-", _ONLINE_RL),
-    ("--langrl-", _ONLINE_RL),
-    ("--no-langrl-", _ONLINE_RL),
-    ("--inference-", "megatron_harts has no inference engine"),
-    ("--mamba-", "Mamba layers are not supported; the hybrid is KDA/MLA"),
-    ("--wandb-", "metrics go to TensorBoard (--tensorboard-dir) only"),
-    ("--cuda-graph", "CUDA graphs are not supported (microbatch shapes change every step)"),
-    ("--enable-cuda-graph", "CUDA graphs are not supported (microbatch shapes change every step)"),
-    ("--external-cuda-graph", "CUDA graphs are not supported (microbatch shapes change every step)"),
-)
-
-
-def unsupported_reason(flag: str) -> Optional[str]:
-    """Why a Megatron-LM flag is refused, or None when we have nothing more specific to say."""
-    if flag in _UNSUPPORTED_REASONS:
-        return _UNSUPPORTED_REASONS[flag]
-    for prefix, reason in _UNSUPPORTED_PREFIX_REASONS:
-        if flag.startswith(prefix):
-            return reason
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Megatron-LM flags accepted with some values only: (dest, flag, accepted values, reason)
-# ---------------------------------------------------------------------------------------------
-_ACCEPTED_VALUES: Tuple[Tuple[str, str, tuple, str], ...] = (
-    ("context_parallel_size", "--context-parallel-size", (1,),
-     "the tree KDA/MLA modules have no context-parallel path"),
-    ("micro_batch_size", "--micro-batch-size", (1,),
-     "microbatches are token-budgeted by --tree-microbatch-tokens, not counted in sequences"),
-    ("tokenizer_type", "--tokenizer-type", (None, "NullTokenizer"), _NO_TOKENIZER),
-    ("ckpt_format", "--ckpt-format", ("torch_dist",), "checkpoints are megatron-core distributed checkpoints"),
-    ("normalization", "--normalization", ("RMSNorm",), "the hybrid model uses RMSNorm"),
-    ("position_embedding_type", "--position-embedding-type", ("none", "rope"),
-     "MLA is NoPE (none, Kimi-Linear) or applies RoPE to its --qk-pos-emb-head-dim dims (rope); "
-     "KDA layers use no position embedding"),
-    ("rope_type", "--rope-type", (None, "rope"), _ROPE),
-    ("optimizer", "--optimizer", ("adam", "sgd"), "megatron_harts builds Adam(W) or SGD"),
-    ("moe_token_dispatcher_type", "--moe-token-dispatcher-type", ("allgather", "alltoall"),
-     "the flex dispatcher needs DeepEP/HybridEP, which are not installed"),
-    ("transformer_impl", "--transformer-impl", ("local",),
-     "the hybrid layers are megatron-core local modules and megatron_harts' own (no Transformer Engine)"),
-    ("attention_backend", "--attention-backend", ("auto",),
-     "full attention runs through --tree-attention-backend"),
-    ("eval_iters", "--eval-iters", (0,), _NO_EVAL),
-)
+OWN_FLAGS = frozenset({"--fp64"}) | frozenset(o for _, cls, _ in FLAG_GROUPS for spec in flag_fields(cls)
+                                              for o in spec.option_strings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,34 +221,6 @@ def _layer_pattern(text: str):
     return value
 
 
-def _int_at_least(lo: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}")
-        return v
-    parse.__name__ = f"int>={lo}"
-    return parse
-
-
-def _finite_float(lo: Optional[float] = None):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-        if not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        if lo is not None and v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo:g}, got {text!r}")
-        return v
-    parse.__name__ = "float"
-    return parse
-
-
 def _signal_name(text: str) -> signal.Signals:
     name = str(text).strip().upper()
     if not name.startswith("SIG"):
@@ -671,10 +231,10 @@ def _signal_name(text: str) -> signal.Signals:
         raise argparse.ArgumentTypeError(f"unknown signal {text!r} (e.g. SIGTERM, SIGUSR1)") from None
 
 
-_POSINT = _int_at_least(1)
-_NONNEG_INT = _int_at_least(0)
-_FLOAT = _finite_float()
-_NONNEG_FLOAT = _finite_float(0.0)
+_POSINT = int_at_least(1)
+_NONNEG_INT = int_at_least(0)
+_FLOAT = finite_float()
+_NONNEG_FLOAT = finite_float(0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -691,37 +251,6 @@ class _Parser(argparse.ArgumentParser):
 GROUP_TITLES = ("model shape", "MLA / KDA hybrid layers", "MoE", "parallelism", "training",
                 "optimizer and learning-rate schedule", "checkpointing", "logging", "data",
                 "tree sharing", "RL objective", "Megatron-LM compatibility")
-
-
-def add_flag_group(group, cls) -> None:
-    """Add the flags a typed flag-group dataclass declares (``rl.flag_group``) to an argparse group:
-    type, default, choices and bounds from the field, help from its declaration."""
-    for spec in flag_fields(cls):
-        if spec.type is bool:
-            group.add_argument(spec.name, action="store_true", default=spec.default, help=spec.help)
-            continue
-        if spec.type is str:
-            conv = str
-        elif spec.type is int:
-            conv = _int_at_least(int(spec.minimum)) if spec.minimum is not None else int
-        else:
-            conv = _finite_float(spec.minimum)
-            if spec.exclusive_minimum is not None:
-                conv = _float_above(spec.exclusive_minimum)
-        metavar = None if spec.choices else spec.type.__name__.upper() if spec.type is not str else "DIR"
-        default = "" if spec.default is None else f" (default {spec.default})"
-        group.add_argument(spec.name, dest=spec.dest, type=conv, default=spec.default, choices=spec.choices,
-                           metavar=metavar, help=spec.help if "default" in spec.help else spec.help + default)
-
-
-def _float_above(lo: float):
-    def parse(text: str) -> float:
-        v = _finite_float()(text)
-        if v <= lo:
-            raise argparse.ArgumentTypeError(f"must be > {lo:g}, got {text!r}")
-        return v
-    parse.__name__ = "float"
-    return parse
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -960,117 +489,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="NullTokenizer only (token ids in, no tokenizer)")
     d.add_argument("--split", default=None, help="train-only splits only (e.g. 100,0,0): there is no evaluation")
     d.add_argument("--eval-iters", type=_NONNEG_INT, default=0, help="0 only: there is no evaluation loop")
-    d.add_argument("--tree-dataset-shuffle", action=argparse.BooleanOptionalAction, default=True,
-                   help="draw each iteration's trees in a --seed shuffled order (default on)")
 
-    ts = g["tree sharing"]
-    ts.add_argument("--tree-sharing", choices=TREE_SHARING_MODES, default="within",
-                    help="off: expanded training (trajectories packed FFD); within (default): shared prefixes "
-                         "computed once per microbatch; windows: also across microbatches (producer/consumer "
-                         "windows; with --pipeline-model-parallel-size > 1 the --tree-pp-schedule)")
-    ts.add_argument("--tree-microbatch-tokens", type=_POSINT, default=None,
-                    help="row budget of one microbatch (default --seq-length)")
-    ts.add_argument("--tree-planner", choices=TREE_PLANNERS, default=None,
-                    help="microbatch planner: off -> ffd; within -> l1 (default) or ortools (OR-Tools + FFD "
-                         "baseline); windows -> l1l2")
-    ts.add_argument("--tree-chunk-size", type=_POSINT, default=64,
-                    help="KDA chunk size B (default 64, fla's; chunks start at multiples of B on every path)")
-    ts.add_argument("--no-tree-replay", action="store_true",
-                    help="ablation: start KDA sequences at fork points without replaying to a chunk boundary "
-                         "(tree == expanded to rounding only)")
-    ts.add_argument("--tree-kda-backend", choices=KDA_BACKEND_CHOICES, default="auto",
-                    help="KDA kernels: auto (default: fla on CUDA, reference otherwise or with --fp64), "
-                         "reference (plain torch) or fla (needs CUDA)")
-    ts.add_argument("--tree-kda-call-plan", choices=KDA_CALL_PLAN_CHOICES, default=KDA_CALL_PLAN_CHOICES[0],
-                    help="ablation of the KDA call plan: harts (default: the call planner's fewest calls, with "
-                         "replay), per-depth (one call per fork level) or node-wise (one call per segment depth, "
-                         "Node-wise LA); the ablations run without replay and need --tree-sharing within")
-    ts.add_argument("--tree-attention-backend", choices=ATTENTION_BACKEND_CHOICES, default="auto",
-                    help="MLA tree attention: auto (default on CUDA: varlen where flash-attn-4 runs, else flex "
-                         "up to q/k head dim 128 and varlen above; sdpa otherwise or with --fp64), "
-                         "sdpa, reference, flex (needs CUDA) or varlen (flash-attention varlen kernels over "
-                         "gathered key paths on CUDA, their plain-torch reference elsewhere)")
-    ts.add_argument("--tree-triton-max-configs", type=_NONNEG_INT, default=0, metavar="N",
-                    help="with the fla KDA backend: every Triton autotuner tries at most N configurations "
-                         "(default 0: all, ~150 per fla kernel; numerics do not depend on it, the first step's "
-                         "compile time and the kernels' speed do)")
-    ts.add_argument("--tree-logprob-chunk-rows", type=_POSINT, default=None, metavar="N",
-                    help="rows per logits chunk of the output layer's log-probs (tree and expanded mode alike; "
-                         "the [rows, vocab] logits never exist whole, a chunk's fp32 logits take N x vocab x 4 "
-                         "bytes, twice in the backward). Default: 256 MiB of fp32 logits per chunk (409 rows at "
-                         "a 163,840-token vocabulary); the values do not depend on it, the speed and the peak "
-                         "memory do (benchmarks/bench_logprobs.py times the choices)")
-    ts.add_argument("--tree-pp-schedule", choices=TREE_PP_SCHEDULES, default=TREE_PP_SCHEDULES[0],
-                    help="pipeline schedule (--pipeline-model-parallel-size > 1): consumer-1f1b (default: "
-                         "consumers in 1F1B order, overlapping windows, each producer backward right after its "
-                         "last consumer's), overlap (overlapping windows, backward-first) or non-overlap (each "
-                         "window drained before the next)")
-    ts.add_argument("--tree-recompute-producers", action="store_true",
-                    help="with --tree-sharing windows: a producer's first forward keeps only the exports its "
-                         "consumers read; its forward runs again, with its backward, when its window closes "
-                         "(the same gradients; no producer activations alive while its consumers run, for one "
-                         "more producer forward)")
-    ts.add_argument("--tree-memory-budget", type=_NONNEG_FLOAT, default=None, metavar="GIB",
-                    help="with --tree-sharing windows: the step's activation memory budget in GiB (a window's "
-                         "producer keeps its activations until its window closes while the predicted live "
-                         "activations, exports and the running microbatch's activations fit it; the other "
-                         "producers are recomputed at window close; the same gradients either way). Default: "
-                         "what expanded training keeps for its largest microbatch under the same row budget "
-                         "(--tree-microbatch-tokens x the model's activation bytes per row)")
-    ts.add_argument("--tree-piece-keep", choices=PIECE_KEEP, default="auto",
-                    help="trajectories longer than --tree-microbatch-tokens train in pieces; a piece that later "
-                         "pieces read either keeps its activation graph until its backward at its chain's end "
-                         "(one forward; under --recompute-granularity full the graph holds the layers' inputs "
-                         "only) or keeps only its exports and runs its forward again with its backward (less "
-                         "memory, one more forward of its rows): all keeps every one, none recomputes every one, "
-                         "auto (default) keeps them in step order while the memory model's predicted live "
-                         "activations fit --tree-piece-memory. The same loss and gradients either way; the step "
-                         "logs piece_extra_forward_rows")
-    ts.add_argument("--tree-piece-memory", type=_NONNEG_FLOAT, default=None, metavar="GIB",
-                    help="with --tree-piece-keep auto: the activation memory in GiB that the pieces' kept graphs, "
-                         "exports and running piece may take. Default: on a GPU 90%% of its memory less the "
-                         "parameter state (weights, gradients, optimizer state) the memory model predicts; on "
-                         "the CPU what expanded training keeps for its largest microbatch "
-                         "(--tree-microbatch-tokens x the model's activation bytes per row)")
-    ts.add_argument("--tree-plan-report", default=None, metavar="PATH",
-                    help="append each step's plan metrics to this file (one JSON object per line)")
-    ts.add_argument("--tree-logit-probe", default=None, metavar="DIR",
-                    help="write the logits of a fixed sample of the first global batch's target tokens before "
-                         "the first step and after the last (DIR/iter_N/rank_R.pt), for comparing runs with "
-                         "tools/compare_runs.py (fidelity across modes and parallel layouts)")
-    ts.add_argument("--tree-logit-probe-tokens", type=_POSINT, default=1024,
-                    help="about how many target tokens the logit probe samples (default 1024)")
-    ts.add_argument("--tree-logit-probe-oracle", action="store_true",
-                    help="with --tree-logit-probe: the first probe also runs an upcast copy of the weights (fp32 "
-                         "for bf16/fp16 models, fp64 for fp32; plain-torch kernels, no TF32) into DIR/oracle/, the "
-                         "reference that bf16 rounding is measured against")
-    ts.add_argument("--tree-cost-calibration", default=None, metavar="PATH",
-                    help="microbatch cost-model calibration (JSON, tools' save_calibration) the planner uses; "
-                         "its chunk_size must equal --tree-chunk-size")
-
-    rl = g["RL objective"]
-    rl.add_argument("--rl-objective", choices=RL_OBJECTIVES, default="ppo",
-                    help="ppo (default: clipped importance-ratio policy gradient with the trajectories' "
-                         "advantages and old log-probs) or sft (log-likelihood of the trainable tokens)")
-    rl.add_argument("--clip-ratio-low", type=_NONNEG_FLOAT, default=None,
-                    help="ppo: lower clip, ratio >= 1 - this (default 0.2)")
-    rl.add_argument("--clip-ratio-high", type=_NONNEG_FLOAT, default=None,
-                    help="ppo: upper clip, ratio <= 1 + this (default 0.2)")
-    rl.add_argument("--kl-coef", type=_NONNEG_FLOAT, default=0.0,
-                    help="weight of the KL penalty to the reference log-probs (default 0)")
-    rl.add_argument("--entropy-coef", type=_FLOAT, default=0.0, help="weight of the entropy bonus (default 0)")
-    rl.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean",
-                    help="loss aggregation over the global batch (default token-mean)")
-    rl.add_argument("--rl-old-logprobs", choices=OLD_LOGPROBS_SOURCES, default="data",
-                    help="ppo: the old log-probs of the importance ratio. data (default): the trajectories' "
-                         "old_logprobs (required); current: the policy's own log-probs from the same forward, "
-                         "detached (on-policy data without old_logprobs, e.g. GRPO: ratio 1, the gradient is "
-                         "the policy gradient; no extra forward, tree mode stays exact); recompute: one "
-                         "forward-only pass over the global batch with the weights before the update, fixed for "
-                         "all its mini-batches and epochs. current excludes --kl-to old with --kl-coef > 0 (that "
-                         "KL would be 0)")
-    add_flag_group(rl, ObjectiveConfig)
-    add_flag_group(rl, RLUpdateConfig)
+    for title, cls, _ in FLAG_GROUPS:
+        add_flag_group(g[title], cls)
 
     cm = g["Megatron-LM compatibility"]
     cm.add_argument("--use-mcore-models", dest="deprecated_use_mcore_models", action="store_true",
@@ -1098,8 +519,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return p
 
 
-_PATH_DESTS = {"save", "load", "tensorboard_dir", "data_path", "tree_plan_report", "tree_cost_calibration",
-               "tree_logit_probe"}
+_PATH_DESTS = {"save", "load", "tensorboard_dir", "data_path"}
 
 
 def _set_metavars(parser: argparse.ArgumentParser) -> None:
@@ -1181,12 +601,12 @@ def _fail(message: str):
 
 
 def _check_accepted_values(args: argparse.Namespace) -> None:
-    for dest, flag, accepted, reason in _ACCEPTED_VALUES:
-        value = getattr(args, dest)
-        if value not in accepted:
-            shown = " or ".join("(unset)" if a is None else str(a) for a in accepted)
-            _fail(f"{flag} {value} is a Megatron-LM setting that megatron_harts does not support: {reason} "
-                  f"(accepted: {shown})")
+    """The Megatron-LM settings checked on the parsed flags (those with a configuration field are
+    checked by the model's ``validate_config``, reached through ``_build_config``)."""
+    for setting in SETTINGS:
+        msg = None if setting.config_field else setting.refusal(getattr(args, setting.dest))
+        if msg:
+            _fail(msg)
     if args.split is not None:
         try:
             weights = [float(x) for x in re.split(r"[,/]", args.split) if x.strip()]
@@ -1194,7 +614,7 @@ def _check_accepted_values(args: argparse.Namespace) -> None:
             weights = []
         if not weights or weights[0] <= 0 or any(w != 0 for w in weights[1:]):
             _fail(f"--split {args.split} is a Megatron-LM setting that megatron_harts does not support: "
-                  f"{_NO_EVAL}, all data trains (accepted: a train-only split such as 100,0,0)")
+                  f"{NO_EVAL}, all data trains (accepted: a train-only split such as 100,0,0)")
 
 
 def _check_data_path(args: argparse.Namespace, require_data: bool) -> None:
@@ -1379,121 +799,85 @@ def _resolve(args: argparse.Namespace, require_data: bool) -> None:
     if args.ckpt_step is not None and args.load is None:
         _fail("--ckpt-step needs --load (the directory holding that iteration's checkpoint)")
 
-    # tree sharing
-    args.tree_mode = args.tree_sharing != "off"
-    args.tree_replay = not args.no_tree_replay
-    allowed = PLANNERS_BY_SHARING[args.tree_sharing]
-    if args.tree_planner is None:
-        args.tree_planner = allowed[0]
-    elif args.tree_planner not in allowed:
-        why = {"ffd": "ffd packs whole trajectories without sharing: use --tree-sharing off",
-               "l1l2": "L2 plans cross-microbatch sharing windows: use --tree-sharing windows",
-               "l1": "L1 plans sharing within microbatches: use --tree-sharing within",
-               "ortools": "the OR-Tools baseline plans sharing within microbatches: use --tree-sharing within"}
-        _fail(f"--tree-planner {args.tree_planner} does not go with --tree-sharing {args.tree_sharing} "
-              f"({why[args.tree_planner]}; allowed: {', '.join(allowed)})")
-    if not args.tree_mode and args.no_tree_replay:
-        _fail("--no-tree-replay needs tree sharing: with --tree-sharing off there is no replay")
-    if args.tree_kda_call_plan != KDA_CALL_PLAN_CHOICES[0] and args.tree_sharing != "within":
-        why = ("expanded training runs no tree KDA calls" if args.tree_sharing == "off" else
-               "sharing-window producers and consumers run harts plans only")
-        _fail(f"--tree-kda-call-plan {args.tree_kda_call_plan} needs --tree-sharing within (with --tree-sharing "
-              f"{args.tree_sharing} {why})")
-    if args.tree_recompute_producers:
-        if args.tree_sharing != "windows":
-            _fail(f"--tree-recompute-producers needs --tree-sharing windows (with --tree-sharing "
-                  f"{args.tree_sharing} there are no producers)")
-        if args.pipeline_model_parallel_size > 1:
-            _fail("--tree-recompute-producers: the pipeline schedules (--pipeline-model-parallel-size "
-                  f"{args.pipeline_model_parallel_size}) keep producers' activations; use pipeline size 1")
-    if args.tree_piece_memory is not None:
-        if args.tree_piece_memory <= 0:
-            _fail(f"--tree-piece-memory {args.tree_piece_memory:g}: must be a positive number of GiB")
-        if args.tree_piece_keep != "auto":
-            _fail(f"--tree-piece-memory with --tree-piece-keep {args.tree_piece_keep}: the budget decides only "
-                  "under --tree-piece-keep auto")
-    if args.tree_memory_budget is not None:
-        if args.tree_memory_budget <= 0:
-            _fail(f"--tree-memory-budget {args.tree_memory_budget:g}: must be a positive number of GiB")
-        if args.tree_sharing != "windows":
-            _fail(f"--tree-memory-budget needs --tree-sharing windows (with --tree-sharing {args.tree_sharing} "
-                  "there are no producers to keep or recompute)")
-        if args.tree_recompute_producers:
-            _fail("--tree-memory-budget with --tree-recompute-producers: the flag recomputes every producer "
-                  "whatever the budget; give one of them")
-        if args.pipeline_model_parallel_size > 1:
-            _fail("--tree-memory-budget: the pipeline schedules (--pipeline-model-parallel-size "
-                  f"{args.pipeline_model_parallel_size}) keep every producer's activations until its window "
-                  "closes; a per-window choice runs with pipeline size 1")
-    if args.expert_model_parallel_size > 1 and args.num_experts:
+    # tree sharing: the group's own constraints in TreeFlags, those involving other flags here
+    tree = _group(TreeFlags, args)
+    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    if tree.recompute_producers and pp > 1:
+        _fail(f"--tree-recompute-producers: the pipeline schedules (--pipeline-model-parallel-size {pp}) keep "
+              "producers' activations; use pipeline size 1")
+    if tree.memory_budget_gib is not None and pp > 1:
+        _fail(f"--tree-memory-budget: the pipeline schedules (--pipeline-model-parallel-size {pp}) keep every "
+              "producer's activations until its window closes; a per-window choice runs with pipeline size 1")
+    if ep > 1 and args.num_experts:
         # the replicas of an expert-parallel group exchange tokens in every MoE layer of every microbatch:
         # microbatches of different sizes need the all-to-all dispatcher, and every replica runs the same
         # number of microbatches (idle slots run a placeholder) in lockstep, which sharing windows break
         if args.moe_token_dispatcher_type != "alltoall":
-            _fail(f"--expert-model-parallel-size {args.expert_model_parallel_size} needs "
-                  f"--moe-token-dispatcher-type alltoall (microbatches differ in size across the replicas "
-                  f"that exchange tokens; {args.moe_token_dispatcher_type} needs equal sizes)")
-        if args.tree_sharing == "windows":
-            _fail(f"--tree-sharing windows with --expert-model-parallel-size {args.expert_model_parallel_size}: "
-                  "window closes are not aligned across the replicas of an expert-parallel group yet; use "
-                  "--tree-sharing within")
-    if args.tree_microbatch_tokens is None:
+            _fail(f"--expert-model-parallel-size {ep} needs --moe-token-dispatcher-type alltoall (microbatches "
+                  f"differ in size across the replicas that exchange tokens; {args.moe_token_dispatcher_type} needs "
+                  "equal sizes)")
+        if tree.sharing == "windows":
+            _fail(f"--tree-sharing windows with --expert-model-parallel-size {ep}: window closes are not aligned "
+                  "across the replicas of an expert-parallel group yet; use --tree-sharing within")
+    if tree.microbatch_tokens is None:
         if args.seq_length is None:
             _fail("--tree-microbatch-tokens (or --seq-length, its default) is required")
-        args.tree_microbatch_tokens = args.seq_length
-    elif args.seq_length is not None and args.tree_microbatch_tokens < args.seq_length and \
-            args.expert_model_parallel_size > 1:
+        tree = dataclasses.replace(tree, microbatch_tokens=args.seq_length)
+    elif args.seq_length is not None and tree.microbatch_tokens < args.seq_length and ep > 1:
         # a longer trajectory is cut into pieces (docs/training.md), which the replicas of an expert-parallel
         # group cannot run in lockstep
-        _fail(f"--tree-microbatch-tokens {args.tree_microbatch_tokens} < --seq-length {args.seq_length} with "
-              f"--expert-model-parallel-size {args.expert_model_parallel_size}: a trajectory must fit one microbatch "
-              "there (longer ones are cut into pieces only without expert parallelism)")
-    if args.tree_plan_report is not None:
-        parent = os.path.dirname(os.path.abspath(args.tree_plan_report))
+        _fail(f"--tree-microbatch-tokens {tree.microbatch_tokens} < --seq-length {args.seq_length} with "
+              f"--expert-model-parallel-size {ep}: a trajectory must fit one microbatch there (longer ones are cut "
+              "into pieces only without expert parallelism)")
+    if tree.plan_report is not None:
+        parent = os.path.dirname(os.path.abspath(tree.plan_report))
         if not os.path.isdir(parent):
-            _fail(f"--tree-plan-report {args.tree_plan_report}: directory {parent} does not exist")
-    if args.tree_logit_probe_oracle and args.tree_logit_probe is None:
-        _fail("--tree-logit-probe-oracle needs --tree-logit-probe DIR")
-    if args.tree_logit_probe is not None:
-        parent = os.path.dirname(os.path.abspath(args.tree_logit_probe))
+            _fail(f"--tree-plan-report {tree.plan_report}: directory {parent} does not exist")
+    if tree.logit_probe is not None:
+        parent = os.path.dirname(os.path.abspath(tree.logit_probe))
         if not os.path.isdir(parent):
-            _fail(f"--tree-logit-probe {args.tree_logit_probe}: directory {parent} does not exist")
-        if os.path.exists(args.tree_logit_probe) and not os.path.isdir(args.tree_logit_probe):
-            _fail(f"--tree-logit-probe {args.tree_logit_probe}: exists and is not a directory")
-    if args.tree_cost_calibration is not None:
+            _fail(f"--tree-logit-probe {tree.logit_probe}: directory {parent} does not exist")
+        if os.path.exists(tree.logit_probe) and not os.path.isdir(tree.logit_probe):
+            _fail(f"--tree-logit-probe {tree.logit_probe}: exists and is not a directory")
+    _set_group(args, "tree", tree)
+    args.tree_mode = tree.tree_mode
+    args.no_tree_replay = not tree.replay
+    if tree.cost_calibration is not None:
         cost_model(args)    # read and check now, before any process group starts
 
-    # RL objective
-    if args.rl_objective == "ppo":
-        for name in ("clip_ratio_low", "clip_ratio_high"):
-            if getattr(args, name) is None:
-                setattr(args, name, 0.2)
-        if args.clip_ratio_low >= 1:
-            _fail(f"--clip-ratio-low {args.clip_ratio_low} must be < 1 (the ratio is clipped at 1 - it)")
-    else:
+    # RL objective: the groups' constraints in ObjectiveConfig and RLUpdateConfig, those involving other
+    # flags (or whether a flag was given at all) here
+    if args.rl_objective != "ppo":
         given = [f for f, v in (("--clip-ratio-low", args.clip_ratio_low), ("--clip-ratio-high", args.clip_ratio_high))
                  if v is not None]
         if given:
             _fail(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to --rl-objective ppo")
-        args.clip_ratio_low = args.clip_ratio_high = 0.2     # unused by sft; keeps the objective config complete
-    if args.rl_old_logprobs in ("current", "recompute") and args.rl_objective != "ppo":
-        _fail(f"--rl-old-logprobs {args.rl_old_logprobs} only applies to --rl-objective ppo (sft reads no old "
-              "log-probs)")
-    if args.rl_old_logprobs == "current" and args.kl_coef > 0 and args.kl_to == "old":
-        _fail(f"--kl-coef {args.kl_coef} --kl-to old with --rl-old-logprobs current: the KL to the old log-probs "
-              "would be 0 (old = the current log-probs, detached); use --kl-to ref, or --rl-old-logprobs data "
-              "with old_logprobs in the data")
     if args.loss_agg_mode == "seq-mean-token-sum-norm" and args.rl_loss_norm_length is None:
         args.rl_loss_norm_length = args.seq_length
-    if args.ref_load is not None and not os.path.isdir(args.ref_load):
-        _fail(f"--ref-load {args.ref_load}: no such directory")
-    if args.ref_load is not None and not (args.kl_coef > 0 and args.kl_to == "ref"):
-        _fail(f"--ref-load {args.ref_load} is read only for the KL penalty: give --kl-coef > 0 (with --kl-to ref)")
+    objective = _group(ObjectiveConfig, args)
+    update = _group(RLUpdateConfig, args)
+    if update.ref_load is not None and not os.path.isdir(update.ref_load):
+        _fail(f"--ref-load {update.ref_load}: no such directory")
+    kl_ref = objective.kl_coef > 0 and objective.kl_to == "ref"
+    if update.ref_load is not None and not kl_ref:
+        _fail(f"--ref-load {update.ref_load} is read only for the KL penalty: give --kl-coef > 0 (with --kl-to ref)")
+    _set_group(args, "objective", objective)
+    _set_group(args, "rl_update", update)
+
+
+def _group(cls, args: argparse.Namespace):
+    """Flag group ``cls`` from the parsed flags (by field name); its refusals as ``ArgumentsError``
+    (without the dataclass field the message ends with)."""
     try:
-        ObjectiveConfig(**objective_kwargs(args))
-        RLUpdateConfig(**rl_update_kwargs(args))
+        return cls(**group_kwargs(cls, args))
     except ValueError as e:
-        _fail(str(e).rsplit(" (", 1)[0] if str(e).endswith(")") else str(e))
+        _fail(re.sub(rf" \({cls.__name__}\.[a-z_]+\)$", "", str(e)))
+
+
+def _set_group(args: argparse.Namespace, attr: str, instance) -> None:
+    """Keep the group instance as ``args.<attr>`` and its values at their flags' destinations."""
+    setattr(args, attr, instance)
+    set_namespace(args, instance)
 
 
 def _warmup_steps(args: argparse.Namespace) -> float:
@@ -1577,15 +961,16 @@ def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) 
     from ..ops.tree_kda import KDA_BACKENDS
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    kda, attn = args.tree_kda_backend, args.tree_attention_backend
+    tree = args.tree
+    kda, attn = tree.kda_backend, tree.tree_attention_backend
     fast = cuda and not args.fp64
     # fla registers itself in KDA_BACKENDS when fla-core is installed (found, not imported: no Triton on CPUs)
     fla_installed = "fla" in KDA_BACKENDS or importlib.util.find_spec("fla") is not None
     if kda == "auto":
         kda = "fla" if fast and fla_installed else "reference"
     if attn == "auto":
-        qk_dim = (getattr(args, "qk_head_dim", 0) or 0) + (getattr(args, "qk_pos_emb_head_dim", 0) or 0)
-        v_dim = getattr(args, "v_head_dim", 0) or 0
+        qk_dim = args.qk_head_dim + args.qk_pos_emb_head_dim
+        v_dim = args.v_head_dim
         varlen = FLEX_MAX_QK_HEAD_DIM < qk_dim and max(qk_dim, v_dim) <= FLASH_MAX_HEAD_DIM
         varlen = varlen or (fast and fa4_available("cuda", (qk_dim, v_dim or qk_dim)))
         attn = ("varlen" if varlen else "flex") if fast else "sdpa"
@@ -1594,8 +979,8 @@ def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) 
             _fail("--tree-kda-backend fla needs CUDA (use reference on the CPU)")
         if not fla_installed:
             _fail("--tree-kda-backend fla: fla-core is not installed here (pip install fla-core==0.6.0)")
-        if args.tree_chunk_size != 64:
-            _fail(f"--tree-kda-backend fla runs chunks of 64: --tree-chunk-size {args.tree_chunk_size} needs the "
+        if tree.kda_chunk_size != 64:
+            _fail(f"--tree-kda-backend fla runs chunks of 64: --tree-chunk-size {tree.kda_chunk_size} needs the "
                   "reference backend")
     if attn == "flex" and not cuda:
         _fail("--tree-attention-backend flex needs CUDA (use sdpa or reference on the CPU)")
@@ -1611,8 +996,8 @@ def _config_error(err: BaseException, parser: argparse.ArgumentParser) -> Argume
     aliases = {"num_moe_experts": "--num-experts", "qk_nope_head_dim": "--qk-head-dim",
                "qk_rope_head_dim": "--qk-pos-emb-head-dim", "layernorm_epsilon": "--norm-epsilon",
                "gated_linear_unit": "--swiglu", "linear_num_heads": "--linear-num-key-heads",
-               "linear_head_dim": "--linear-key-head-dim", "kda_chunk_size": "--tree-chunk-size",
-               "logprob_chunk_rows": "--tree-logprob-chunk-rows"}
+               "linear_head_dim": "--linear-key-head-dim"}
+    aliases.update({spec.field: spec.name for spec in flag_fields(TreeFlags)})
     named = []
     for field in sorted(set(re.findall(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+", msg))):
         flag = aliases.get(field) or flags.get(field)
@@ -1663,15 +1048,17 @@ def _build_config(args: argparse.Namespace, *, kda_backend: Optional[str], atten
         qk_rope_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
         mla_rope=args.position_embedding_type == "rope", mla_rotary_base=float(args.rotary_base),
         linear_num_heads=args.linear_num_heads, linear_head_dim=args.linear_head_dim,
-        linear_conv_kernel_dim=args.linear_conv_kernel_dim, kda_chunk_size=args.tree_chunk_size,
-        kda_backend=kda_backend or "reference", tree_attention_backend=attention_backend or "sdpa",
-        tree_kda_call_plan=args.tree_kda_call_plan, logprob_chunk_rows=args.tree_logprob_chunk_rows,
-        layer_types=list(args.layer_types), mlp_types=list(args.mlp_types), tree_mode=args.tree_mode,
+        linear_conv_kernel_dim=args.linear_conv_kernel_dim,
+        layer_types=list(args.layer_types), mlp_types=list(args.mlp_types), tree_mode=args.tree.tree_mode,
         calculate_per_token_loss=True, use_cpu_initialization=use_cpu_initialization,
         gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
     )
     if args.recompute_modules is not None:
         kw["recompute_modules"] = list(args.recompute_modules)
+    # the tree flags that configure the model, by field name (kda_chunk_size, the backends, ...)
+    tree = dataclasses.replace(args.tree, kda_backend=kda_backend or "reference",
+                               tree_attention_backend=attention_backend or "sdpa")
+    kw.update(shared_fields(tree, HybridConfig))
     try:
         config = HybridConfig(**kw)
         validate_config(config)
@@ -1754,23 +1141,22 @@ def cost_model(args: argparse.Namespace):
     """The planner's ``CostModel``: ``--tree-cost-calibration`` (when given) at ``--tree-chunk-size``."""
     from ..planner.cost_model import CalibrationError, CostModel, load_calibration
 
-    if args.tree_cost_calibration is None:
-        return CostModel(chunk_size=args.tree_chunk_size)
+    tree = args.tree
+    if tree.cost_calibration is None:
+        return CostModel(chunk_size=tree.kda_chunk_size)
     try:
-        model = load_calibration(args.tree_cost_calibration)
+        model = load_calibration(tree.cost_calibration)
     except CalibrationError as e:
         _fail(f"--tree-cost-calibration {e}")
-    if model.chunk_size != args.tree_chunk_size:
-        _fail(f"--tree-cost-calibration {args.tree_cost_calibration} was fitted at chunk size {model.chunk_size}, "
-              f"but --tree-chunk-size is {args.tree_chunk_size}: calibrate at the training chunk size")
+    if model.chunk_size != tree.kda_chunk_size:
+        _fail(f"--tree-cost-calibration {tree.cost_calibration} was fitted at chunk size {model.chunk_size}, "
+              f"but --tree-chunk-size is {tree.kda_chunk_size}: calibrate at the training chunk size")
     return model
 
 
 def objective_kwargs(args: argparse.Namespace) -> dict:
-    """Keyword arguments of ``rl.objectives.ObjectiveConfig``."""
-    return dict(kind=args.rl_objective, clip_ratio_low=args.clip_ratio_low, clip_ratio_high=args.clip_ratio_high,
-                kl_coef=args.kl_coef, entropy_coef=args.entropy_coef, loss_agg_mode=args.loss_agg_mode,
-                old_logprobs=args.rl_old_logprobs, **group_kwargs(ObjectiveConfig, args))
+    """Keyword arguments of ``rl.objectives.ObjectiveConfig`` (copied by field name)."""
+    return group_kwargs(ObjectiveConfig, args)
 
 
 def rl_update_kwargs(args: argparse.Namespace) -> dict:

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..rl.flag_group import check_group, flag
+from ..flags import check_group, flag
 from ..rl.objectives import ObjectiveConfig, tis_weights
 
 __all__ = ["RLUpdateConfig", "REF_PLACEMENTS", "RLDataError", "TargetTables", "data_logprobs", "forward_logprobs",
@@ -67,7 +67,7 @@ def data_logprobs(forest, name: str) -> PerTrajectory:
 
 @dataclass(frozen=True)
 class RLUpdateConfig:
-    """How one global batch becomes optimizer steps (a typed flag group: ``rl.flag_group``)."""
+    """How one global batch becomes optimizer steps (a typed flag group: ``megatron_harts.flags``)."""
     mini_batches: int = flag(1, "--rl-mini-batches", "split the global batch into this many mini-batches of whole "
                              "groups, one optimizer step each (default 1)", minimum=1)
     epochs: int = flag(1, "--rl-epochs", "passes over the mini-batches per global batch; the old log-probs stay "
@@ -75,7 +75,7 @@ class RLUpdateConfig:
     ref_load: Optional[str] = flag(None, "--ref-load", "frozen reference model for --kl-to ref: a driver checkpoint "
                                    "directory (also a release converted by tools/convert_hf_checkpoint.py --format "
                                    "dist) or a transformers Kimi-Linear directory (TP = PP = EP = 1); with it the "
-                                   "data's ref_logprobs are not read")
+                                   "data's ref_logprobs are not read", metavar="DIR")
     ref_placement: str = flag("device", "--ref-placement", "where the reference weights live: device (default: on "
                               "the GPU, their parameter bytes, no gradients or optimizer state) or offload (in host "
                               "memory, copied to the GPU for each reference pass and back)", choices=REF_PLACEMENTS)

@@ -57,13 +57,12 @@ from ..schedules.simulator import step_from_plan
 from ..planner.microbatch import MicrobatchPlan
 from ..schedules.windows import (WindowedMicrobatch, expanded_microbatches, forward_backward_windows,
                                  piece_microbatches, windowed_microbatches)
+from .tree_flags import PLANNERS, SHARING_MODES
 
 __all__ = ["SharingSettings", "NonFiniteLoss", "plan_step", "step_forest", "executed_rows", "replica_microbatches",
            "aux_loss_scale", "megatron_aux_loss_scale_after", "microbatch_costs", "run_schedule", "train_step",
            "StepResult"]
 
-SHARING_MODES = ("off", "within", "windows")
-PLANNERS = ("l1", "l1l2", "ffd", "ortools")
 #: the ``planner`` of the plan ``plan_step`` returns when it keeps L1's plan over L2's (``executed_rows``)
 FALLBACK_PLANNER = "harts_l1l2->l1"
 

@@ -45,6 +45,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..flags import shared_fields
 from .fused_adam import use_fused_adam
 from ..rl.objectives import ObjectiveDataError
 from .rl_update import RLDataError
@@ -123,7 +124,6 @@ class Trainer:
     def __init__(self, args):
         from .. import patches
         from ..models.model import build_hybrid_model
-        from ..rl.objectives import ObjectiveConfig
         from .arguments import (cost_model, data_parallel_size, ddp_config, hybrid_config, optimizer_config,
                                 padded_vocab_size, scheduler_kwargs)
 
@@ -156,9 +156,10 @@ class Trainer:
             self._stack.callback(patches.undo)
 
             self.config = hybrid_config(args, world_size=self.world, device=self.device.type)
-            if args.tree_triton_max_configs and self.config.kda_backend == "fla":
+            tree = args.tree        # the typed --tree-* flags (training.tree_flags.TreeFlags)
+            if tree.triton_max_configs and self.config.kda_backend == "fla":
                 from ..ops.triton_tuning import limit_autotuning
-                self._stack.callback(limit_autotuning(args.tree_triton_max_configs))
+                self._stack.callback(limit_autotuning(tree.triton_max_configs))
             self.vocab_size = padded_vocab_size(args)
             if args.pipeline_model_parallel_size > 1:     # this stage's layers (schedules/pipeline.py)
                 from ..schedules.pipeline import build_stage_model
@@ -177,21 +178,14 @@ class Trainer:
             self.optimizer = get_megatron_optimizer(optimizer_config(args), self.model)
             use_fused_adam(self.optimizer)             # CUDA: one pass per step (training/fused_adam.py)
             self.scheduler = OptimizerParamScheduler(self.optimizer, **scheduler_kwargs(args))
-            self.objective = ObjectiveConfig.from_args(args)
-            from ..rl.flag_group import group_kwargs
-            from .rl_update import RLUpdateConfig
-            self.update = RLUpdateConfig(**group_kwargs(RLUpdateConfig, args))
+            self.objective = args.objective         # rl.objectives.ObjectiveConfig, from the RL flags
+            self.update = args.rl_update            # rl_update.RLUpdateConfig
             self.last_update = None
             self.ref_model = None
             self._said_ref_rule = False
             self._memory_setup(args)
-            self.settings = SharingSettings(sharing=args.tree_sharing, microbatch_tokens=args.tree_microbatch_tokens,
-                                            planner=args.tree_planner, replay=not args.no_tree_replay,
-                                            cost_model=cost_model(args),
-                                            pp_schedule=getattr(args, "tree_pp_schedule", "consumer-1f1b"),
-                                            recompute_producers=getattr(args, "tree_recompute_producers", False),
+            self.settings = SharingSettings(**shared_fields(tree, SharingSettings), cost_model=cost_model(args),
                                             memory_budget_bytes=self.memory_budget_bytes,
-                                            piece_keep=getattr(args, "tree_piece_keep", "all"),
                                             piece_budget_bytes=self.piece_budget_bytes)
             from megatron.core import parallel_state
             self.dp = parallel_state.get_data_parallel_world_size()
@@ -224,16 +218,16 @@ class Trainer:
         params = sum(p.numel() for p in self.model[0].module.parameters())
         shards = data_parallel_size(args, self.world) if args.use_distributed_optimizer else 1
         self._state_bytes = params * state_bytes_per_parameter(self.memory_shape.element_bytes, shards)
-        self.default_memory_budget_bytes = default_budget_bytes(self.memory_shape, args.tree_microbatch_tokens)
-        budget = getattr(args, "tree_memory_budget", None)
-        if args.tree_sharing != "windows" or args.pipeline_model_parallel_size > 1 or \
-                getattr(args, "tree_recompute_producers", False):
+        tree = args.tree
+        self.default_memory_budget_bytes = default_budget_bytes(self.memory_shape, tree.microbatch_tokens)
+        budget = tree.memory_budget_gib
+        if tree.sharing != "windows" or args.pipeline_model_parallel_size > 1 or tree.recompute_producers:
             self.memory_budget_bytes = None
         else:
             self.memory_budget_bytes = max(1, int(budget * GIB)) if budget is not None \
                 else self.default_memory_budget_bytes
-        piece = getattr(args, "tree_piece_memory", None)
-        if getattr(args, "tree_piece_keep", "all") != "auto":
+        piece = tree.piece_memory_gib
+        if tree.piece_keep != "auto":
             self.piece_budget_bytes = None
         elif piece is not None:
             self.piece_budget_bytes = max(1, int(piece * GIB))
@@ -279,7 +273,7 @@ class Trainer:
     def _load(self) -> None:
         from .checkpointing import checkpoint_dir_name, complete_iterations, load_checkpoint
         a = self.args
-        step = getattr(a, "ckpt_step", None)
+        step = a.ckpt_step
         got = load_checkpoint(a.load, self.model, self.optimizer, self.scheduler, load_optim=not a.no_load_optim,
                               load_rng=not a.no_load_rng, finetune=a.finetune, step=step)
         if got is None:
@@ -375,7 +369,8 @@ class Trainer:
         if not a.data_path:
             raise TrainingError("--data-path is required to train from a dataset")
         loader = TreeBatchLoader(a.data_path, global_batch_size=a.global_batch_size, seed=a.seed,
-                                 plan_fn=self._plan, prefetch=1, start=self.data_state, vocab_size=a.vocab_size)
+                                 shuffle=a.tree.dataset_shuffle, plan_fn=self._plan, prefetch=1, start=self.data_state,
+                                 vocab_size=a.vocab_size)
         self._stack.callback(loader.close)
         self._check_data_fields(loader.source_forest, loader.source_name)
         self.loader = loader
@@ -402,7 +397,7 @@ class Trainer:
         """One iteration from the loader: next planned global batch, one optimizer step; its metrics."""
         loader = self.loader or self.open_loader()
         batch = next(loader)
-        if self.args.tree_logit_probe and self._probe_batch is None:
+        if self.args.tree.logit_probe and self._probe_batch is None:
             self._probe_batch = batch
             self.probe()
         try:
@@ -444,16 +439,16 @@ class Trainer:
         upcast oracle's under ``--tree-logit-probe-oracle``."""
         from .probe import ORACLE_DIR, oracle_logits, probe_logits, write_probe
         b = self._probe_batch
-        a = self.args
-        captured = probe_logits(self.model, b.forest, b.plan, self.settings, max_tokens=a.tree_logit_probe_tokens)
-        write_probe(a.tree_logit_probe, self.iteration, captured)
-        if a.tree_logit_probe_oracle and self._probed_at is None:
+        tree = self.args.tree
+        captured = probe_logits(self.model, b.forest, b.plan, self.settings, max_tokens=tree.logit_probe_tokens)
+        write_probe(tree.logit_probe, self.iteration, captured)
+        if tree.logit_probe_oracle and self._probed_at is None:
             oracle = oracle_logits(self.model[0].module, self.config, b.forest, b.plan, self.settings,
-                                   max_tokens=a.tree_logit_probe_tokens)
-            write_probe(os.path.join(a.tree_logit_probe, ORACLE_DIR), self.iteration, oracle)
+                                   max_tokens=tree.logit_probe_tokens)
+            write_probe(os.path.join(tree.logit_probe, ORACLE_DIR), self.iteration, oracle)
         dist.barrier()
         self._probed_at = self.iteration
-        self._log(f"logit probe of iteration {self.iteration}: {self.args.tree_logit_probe}")
+        self._log(f"logit probe of iteration {self.iteration}: {self.args.tree.logit_probe}")
 
     def _final_probe(self) -> None:
         if self._probe_batch is not None and self._probed_at != self.iteration:
@@ -632,7 +627,7 @@ class Trainer:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise TrainingError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)") from None
-        self._tb = SummaryWriter(log_dir=a.tensorboard_dir, max_queue=getattr(a, 'tensorboard_queue_size', 10) or 10)
+        self._tb = SummaryWriter(log_dir=a.tensorboard_dir, max_queue=10)
         self._stack.callback(self._tb.close)
 
     def _report(self, m: Dict[str, Any]) -> None:
@@ -640,8 +635,8 @@ class Trainer:
         if self.rank != 0:
             return
         self._open_tensorboard()
-        if a.tree_plan_report:
-            with open(a.tree_plan_report, "a") as f:
+        if a.tree.plan_report:
+            with open(a.tree.plan_report, "a") as f:
                 f.write(json.dumps({k: v for k, v in m.items()}, sort_keys=True) + "\n")
         if self._tb is not None and self.iteration % (a.tensorboard_log_interval or 1) == 0:
             for k, v in m.items():
