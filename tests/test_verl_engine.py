@@ -387,3 +387,135 @@ def test_checkpoint_round_trip(verl_world, tmp_path):
         np.testing.assert_allclose(again, first, rtol=0, atol=1e-12)
     finally:
         _close(w)
+
+
+DP_AGGS = ("token-mean", "seq-mean-token-sum-norm")
+DP_METRICS = ("grad_norm", "actor/pg_loss", "actor/entropy_loss", "kl_loss", "actor/ppo_kl",
+              "actor/pg_clipfrac")
+
+
+def _dp_run(agg, rank=0, world=1):
+    """One rank of a data-parallel group of ``world``: its share of the batch as verl's dispatch cuts it
+    (``chunk_tensordict``: contiguous, here whole ``uid`` groups), infer_batch on it, then train_mini_batch
+    (the whole batch is one mini-batch, 2 epochs: 2 optimizer steps, micro-batches of 2 samples)."""
+    from verl.utils import tensordict_utils as tu
+    samples = _samples()
+    share = len(samples) // world
+    uids = [u for u, *_ in samples]
+    mine = uids[rank * share:(rank + 1) * share]
+    assert not set(mine) & set(uids[:rank * share] + uids[(rank + 1) * share:]), "a uid group split over ranks"
+    w, actor = _worker("within", agg)
+    try:
+        b = tu.chunk_tensordict(_batch(samples), world)[rank]
+        assert harts_verl._uids(b) == mine
+        tu.assign_non_tensor(b, calculate_entropy=True, compute_loss=False)
+        inf = w.infer_batch(b)
+        lps = [x.clone() for x in inf["log_probs"].unbind()]
+        ents = [x.clone() for x in inf["entropy"].unbind()]
+        b = tu.chunk_tensordict(_batch(samples), world)[rank]
+        tu.assign_non_tensor(b, global_batch_size=len(samples), mini_batch_size=len(samples), epochs=2, seed=3,
+                             calculate_entropy=True, dataloader_kwargs={"shuffle": False})
+        m = w.train_mini_batch(b)["metrics"]
+        tokens = w.engine.last_batch_tokens
+        return {"log_probs": lps, "entropy": ents, "grads": _grads(w), "params": _params(w), "tokens": tokens,
+                "metrics": {k: np.asarray(m[k], dtype=np.float64).tolist() for k in DP_METRICS + ("loss",)},
+                "coef": (actor.entropy_coeff, actor.kl_loss_coef)}
+    finally:
+        _close(w)
+
+
+def _dp_rank_main(rank, world, out):
+    """A child process's rank (launched by the test with its launcher variables in its environment)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    try:
+        torch.save({agg: _dp_run(agg, rank, world) for agg in DP_AGGS}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch_dp_ranks(world, tmp_path, timeout=900):
+    """``world`` ranks, each a fresh interpreter running _dp_rank_main over a gloo rendezvous on a free port;
+    the variables verl's Worker reads are given in each child's environment (this process's is not written)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from megatron_harts.testing.cpu_runtime import free_port
+    here = os.path.dirname(os.path.abspath(__file__))
+    port = str(free_port())
+    path = os.pathsep.join([here] + [p for p in sys.path if p])
+    procs, logs = [], []
+    try:
+        for r in range(world):
+            env = dict(os.environ, PYTHONPATH=path, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
+                       REDIS_STORE_SERVER_HOST="127.0.0.1")
+            log = open(tmp_path / f"rank{r}.log", "w")
+            logs.append(log)
+            code = f"import test_verl_engine as t; t._dp_rank_main({r}, {world}, {str(tmp_path / f'rank{r}.pt')!r})"
+            procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, cwd=str(tmp_path)))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:      # a failed rank ends the run (its peer would wait in gloo)
+            codes = [p.poll() for p in procs]
+            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.5)
+        codes = [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    if any(c != 0 for c in codes):
+        tails = "\n".join(f"rank {r} (exit {c}):\n" + (tmp_path / f"rank{r}.log").read_text()[-3000:]
+                          for r, c in enumerate(codes))
+        pytest.fail(f"data-parallel ranks failed:\n{tails}")
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def test_data_parallel_two_ranks_equal_one_process(verl_world, tmp_path):
+    """Data parallelism 2 (two gloo processes, each rank given its half of the batch: two whole uid groups,
+    contiguous as verl's dispatch chunks it) equals one process on the whole batch, in tree mode: infer_batch's
+    log-probs and entropies for each rank's rows; train_mini_batch's metrics as verl aggregates them over ranks
+    and micro-batches (micro-batches of 2 samples: the same micro-batches at both sizes, so even
+    seq-mean-token-sum-norm's per-micro-batch horizon agrees), the gradient norms, the last reduced gradients
+    and the weights after 2 optimizer steps, to 1e-10 in fp64.  verl normalises by the loss tokens over all
+    ranks (``batch_num_tokens``) and scales each rank's loss by ``dp_size`` for an averaging reduce; the engine
+    divides that back out for the trainer's summing reduce.  The one exception is verl's own: TrainingWorker
+    sums the micro-batch losses into a float32 tensor (``torch.tensor`` of Python floats) before averaging over
+    ranks, so the ``loss`` it reports agrees to the float32 rounding of a sum of six (rtol 2e-6), and is
+    checked against its fp64 terms (pg_loss - entropy_coeff * entropy_loss + kl_loss_coef * kl_loss)."""
+    ranks = _launch_dp_ranks(2, tmp_path)
+    share = len(_samples()) // 2
+    for agg in DP_AGGS:
+        one = _dp_run(agg)
+        assert one["metrics"]["kl_loss"][0] > 0 and len(one["metrics"]["loss"]) == 2
+        assert any(float(g.abs().max()) > 0 for g in one["grads"].values())
+        for r, res in enumerate(ranks):
+            two = res[agg]
+            assert two["tokens"]["computed"] < two["tokens"]["trajectory"], two["tokens"]   # prefixes shared
+            for i in range(share):
+                row = r * share + i
+                torch.testing.assert_close(two["log_probs"][i], one["log_probs"][row], rtol=0, atol=1e-10,
+                                           msg=lambda s: f"{agg} rank {r} log-probs of row {row}: {s}")
+                torch.testing.assert_close(two["entropy"][i], one["entropy"][row], rtol=0, atol=1e-10,
+                                           msg=lambda s: f"{agg} rank {r} entropy of row {row}: {s}")
+            for key in DP_METRICS:
+                np.testing.assert_allclose(two["metrics"][key], one["metrics"][key], rtol=0, atol=1e-10,
+                                           err_msg=f"{agg} rank {r} {key}")
+            for n in one["params"]:
+                torch.testing.assert_close(two["grads"][n], one["grads"][n], rtol=0, atol=1e-10,
+                                           msg=lambda s: f"{agg} rank {r} grad {n}: {s}")
+                torch.testing.assert_close(two["params"][n], one["params"][n], rtol=0, atol=1e-10,
+                                           msg=lambda s: f"{agg} rank {r} param {n}: {s}")
+            for res_ in (one, two):      # the float32 loss verl reports: its fp64 terms to float32 rounding
+                (ce, ck), mm = res_["coef"], res_["metrics"]
+                terms = np.asarray(mm["actor/pg_loss"]) - ce * np.asarray(mm["actor/entropy_loss"]) + \
+                    ck * np.asarray(mm["kl_loss"])
+                np.testing.assert_allclose(mm["loss"], terms, rtol=2e-6, atol=0, err_msg=f"{agg} loss terms")
+            np.testing.assert_allclose(two["metrics"]["loss"], one["metrics"]["loss"], rtol=2e-6, atol=0,
+                                       err_msg=f"{agg} rank {r} loss")

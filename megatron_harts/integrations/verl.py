@@ -25,8 +25,11 @@ optional ``uid``):
 
 The trainer's own RL objective is not used (verl's is the loss); the MoE auxiliary load-balancing
 loss is added as in a trainer step when ``--moe-aux-loss-coeff`` is set.  Data parallelism: every
-rank plans its own samples (a one-replica plan) and megatron-core's DDP averages the gradients, as
-verl's ``dp_size`` scaling expects.  Tensor, pipeline, expert and context parallelism, parameter or
+rank plans its own samples (a one-replica plan).  verl's losses are scaled by ``dp_size`` for a
+data-parallel reduce that averages; the trainer's DDP sums over ranks (per-token loss scaling), so
+the engine backpropagates verl's loss divided by ``dp_size``: the reduced gradients are verl's, and
+equal those of one process on the whole batch.  The MoE auxiliary loss is weighed by the tokens
+routed on all ranks, as in a trainer step.  Tensor, pipeline, expert and context parallelism, parameter or
 optimizer offload, LoRA and everything else verl could ask that this engine cannot honour is refused
 by ``initialize`` with one line naming it (:class:`VerlEngineError`).
 """
@@ -381,7 +384,9 @@ class MegatronHartsEngine(BaseEngine):
             coef_ent += [_grad(x) for x in ent_leaves] if entropy else []
             outputs.append({"loss": float(loss.detach()), "metrics": _detach(metrics)})
         if not forward_only:
-            step.backward(coef_lp, coef_ent if entropy else None)
+            # verl scales its loss by dp_size for an averaging reduce; the trainer's DDP sums over ranks
+            step.backward(coef_lp, coef_ent if entropy else None, scale=1.0 / self.get_data_parallel_size(),
+                          group=group)
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
 
@@ -512,26 +517,31 @@ class _TreeStep:
         lps = self._per_sample(acc[0])
         return lps, (self._per_sample(acc[2]) if entropy else None)
 
-    def backward(self, coef_lp: List[np.ndarray], coef_ent: Optional[List[np.ndarray]]) -> None:
-        """Gradients of ``sum(coef_lp * log_probs) + sum(coef_ent * entropy)`` into the model's grad buffers."""
+    def backward(self, coef_lp: List[np.ndarray], coef_ent: Optional[List[np.ndarray]], scale: float = 1.0,
+                 group=None) -> None:
+        """Gradients of ``scale * (sum(coef_lp * log_probs) + sum(coef_ent * entropy))`` into the model's grad
+        buffers (the MoE aux loss weighed by the tokens routed over ``group``, the data-parallel ranks)."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        from ..training.step import aux_loss_scale, megatron_aux_loss_scale_after, run_schedule
+        from ..training.step import megatron_aux_loss_scale_after, run_schedule
         from ..layout import host_to_device
         from ..models.experts import expert_grad_hooks_off
-        clp = self._flat(coef_lp)
-        cent = self._flat(coef_ent) if coef_ent is not None else None
+        clp = self._flat(coef_lp) * scale
+        cent = self._flat(coef_ent) * scale if coef_ent is not None else None
         if cent is not None and not cent.any():       # the loss does not read the entropies
             cent = None
         need_entropy = cent is not None
-        scale = aux_loss_scale(self.plan)
         device = self.trainer.device
+        routed = torch.tensor(int(self.plan.expanded_tokens), dtype=torch.int64, device=device)
+        if group is not None and dist.get_world_size(group) > 1:      # every rank's routed tokens
+            dist.all_reduce(routed, op=dist.ReduceOp.SUM, group=group)
+        aux_scale = 1.0 / max(int(routed), 1)
 
         def forward_step(data_iterator, model):
             mb, psp = next(data_iterator)
             batch = mb.layout
             dev = batch.tokens.device
-            MoEAuxLossAutoScaler.set_loss_scale(host_to_device(torch.tensor(scale, dtype=torch.float32), dev))
+            MoEAuxLossAutoScaler.set_loss_scale(host_to_device(torch.tensor(aux_scale, dtype=torch.float32), dev))
             host, flat, keep = self._targets(mb)
             out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp,
                         pair_row=host.pair_row, pair_token=host.pair_token, return_entropy=need_entropy)
