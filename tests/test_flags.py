@@ -102,13 +102,14 @@ def test_parsed_values_land_in_the_configs_by_field_name(monkeypatch):
     assert set(shared_fields(tree, HybridConfig)) == {"kda_chunk_size", "kda_backend", "tree_kda_call_plan",
                                                      "tree_attention_backend", "logprob_chunk_rows"}
     assert set(shared_fields(tree, SharingSettings)) == {"sharing", "microbatch_tokens", "planner", "replay",
-                                                        "pp_schedule", "recompute_producers"}
+                                                        "pp_schedule", "recompute_producers", "piece_keep"}
     args = parse("--tree-chunk-size 16 --tree-logprob-chunk-rows 9 --tree-kda-call-plan per-depth "
                  "--tree-attention-backend reference")
     cfg = A.hybrid_config(args, device="cpu")
     assert (cfg.kda_chunk_size, cfg.logprob_chunk_rows, cfg.tree_kda_call_plan, cfg.tree_attention_backend,
             cfg.kda_backend, cfg.tree_mode) == (16, 9, "per-depth", "reference", "reference", True)
-    settings = SharingSettings(**shared_fields(args.tree, SharingSettings))
+    settings = SharingSettings(**shared_fields(args.tree, SharingSettings), piece_budget_bytes=1 << 30)
+    assert settings.piece_keep == "auto"
     assert (settings.sharing, settings.planner, settings.microbatch_tokens, settings.replay) == \
         ("within", "l1", 128, True)
     assert ObjectiveConfig(**A.objective_kwargs(args)) == args.objective
