@@ -231,6 +231,8 @@ def measure(argv, forest, n: int, a, title: str) -> dict:
             "largest_microbatch_rows": max(max((int(mb.features.rows) for mb in plan.microbatches), default=0),
                                            pieces["largest"]),
             "piece_microbatches": pieces["microbatches"], "piece_rows": pieces["rows"],
+            "piece_extra_forward_rows": m.get("piece_extra_forward_rows"), "read_pieces": m.get("read_pieces"),
+            "kept_pieces": m.get("kept_pieces"),
             "loss_first_step": losses[0][0], "loss_after_one_step": losses[1][0] if len(losses) > 1 else None,
             "loss_per_step": [loss for loss, _ in losses], "grad_norm_per_step": [g for _, g in losses],
             "microbatches": m["microbatches"], "kda_calls": m["kda_calls"], "planner": plan.planner, **backends}

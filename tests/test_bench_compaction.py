@@ -195,6 +195,8 @@ def test_long_mixed_set_end_to_end(bc, tmp_path, capsys):
     for key, m in row["modes"].items():
         assert set(FIELDS) <= set(m), key
         assert m["largest_microbatch_rows"] <= 82 and m["piece_microbatches"] > 0, key
+        # on the CPU the pieces' default memory keeps no read piece's graph: they run their forward again
+        assert m["read_pieces"] > m["kept_pieces"] >= 0 and m["piece_extra_forward_rows"] > 0, key
         s = m["split"]
         assert set(s["seconds"]) == {"attention_forward", "attention_backward", "kda", "gemm",
                                      "pieces_extra_forward", "other", "host"}
