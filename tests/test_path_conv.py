@@ -255,6 +255,23 @@ def test_row_order_conv_kernels_and_their_errors():
         row_order_conv(x, w, "cuda")
 
 
+
+def test_without_fla_the_cuda_conv_says_so_once(monkeypatch):
+    """fla's conv kernel missing: the lookup (made for CUDA rows only) warns once per process, then is quiet."""
+    import sys
+    import warnings
+
+    monkeypatch.setitem(sys.modules, "fla.modules.causal_conv1d.ops", None)  # cannot be imported
+    _fla_causal_conv1d.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="fla-core is not installed"):
+            assert _fla_causal_conv1d() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _fla_causal_conv1d() is None
+    finally:
+        _fla_causal_conv1d.cache_clear()
+
 FLA_CONV = torch.cuda.is_available() and _fla_causal_conv1d() is not None
 
 

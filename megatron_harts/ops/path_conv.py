@@ -28,6 +28,7 @@ segment that does not continue the row above, rows reading context rows).
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -185,10 +186,13 @@ def build_conv_taps(layout_or_prev, kernel_size: int = 4, *, prev_external: Opti
 
 @functools.lru_cache(maxsize=None)
 def _fla_causal_conv1d():
-    """fla-core's Triton causal depthwise conv (row-major ``[B, T, C]``, its own backward), or None."""
+    """fla-core's Triton causal depthwise conv (row-major ``[B, T, C]``, its own backward), or None (with one
+    warning: it is looked up for CUDA tensors only, once per process)."""
     try:
         from fla.modules.causal_conv1d.ops import causal_conv1d
-    except ImportError:
+    except ImportError:  # said once here (cached): CUDA rows then take torch's conv1d
+        warnings.warn("fla-core is not installed: the short convolution on CUDA runs torch's conv1d (rows "
+                      "transposed and back) instead of fla's Triton kernel", RuntimeWarning, stacklevel=3)
         return None
     return causal_conv1d
 
