@@ -59,6 +59,7 @@ import numpy as np
 from .compiled import compiled
 from .cost_model import CostModel, ForestIndex
 from .l1 import split_piece
+from .l2_units import most_shared_top
 from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, slot_step
 
 __all__ = ["plan_l2_search", "l2_units", "L2Instance", "search", "groups_of",
@@ -155,17 +156,7 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
             cores.setdefault(tree_of[s], set()).add(s)
     for t, core in list(cores.items()):
         if sum(length[s] for s in core) > M:  # the most shared top of U that fits
-            root = int(ix.tree_offsets[t])
-            top, rows, heap = set(), 0, [(-count[root], root)]
-            while heap:
-                heap.sort()
-                _, s = heap.pop(0)
-                if rows + length[s] > M:
-                    continue
-                top.add(s)
-                rows += length[s]
-                heap.extend((-count[c], c) for c in children[s] if count[c] >= 2)
-            core = cores[t] = top
+            core = cores[t] = set(most_shared_top(int(ix.tree_offsets[t]), count, length, children, M))
         if sum(length[s] for s in core) < min_producer_rows:
             del cores[t]
     kind, win, up, replay, own, rec, path, cell0 = [], [], [], [], [], [], [], []

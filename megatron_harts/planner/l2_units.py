@@ -18,11 +18,27 @@ from .cost_model import CostModel, ForestIndex
 from .l1 import split_piece
 from .microbatch import MicrobatchPlan
 
-__all__ = ["window_units", "split_windows", "unit_arrays"]
+__all__ = ["window_units", "split_windows", "unit_arrays", "most_shared_top"]
 
 #: unit kinds as the compiled packers read them
 _KIND = {"core": 0, "item": 1, "free": 2}
 
+
+
+def most_shared_top(root: int, count, length, children, M: int) -> List[int]:
+    """The most shared top of a tree's shared set that fits ``M`` rows, sorted: from ``root``, the
+    segment computed in the most microbatches (``count``) first, its children computed in two or more
+    joining the candidates; a segment that does not fit is passed over."""
+    top, rows, heap = [], 0, [(-count[root], root)]
+    while heap:
+        heap.sort()
+        _, s = heap.pop(0)
+        if rows + length[s] > M:
+            continue
+        top.append(s)
+        rows += length[s]
+        heap.extend((-count[c], c) for c in children[s] if count[c] >= 2)
+    return sorted(top)
 
 def _segment_costs(ix: ForestIndex, model: CostModel) -> Tuple[List[float], List[float]]:
     """Per segment: (cost owned: rows, attention pairs and logits rows; cost recomputed: rows
@@ -112,18 +128,7 @@ def window_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel,
         core = shared.get(t, [])
         if core:
             if sum([length[s] for s in core]) > M:  # the most shared top of U that fits
-                core, rows, inset = [], 0, set()
-                heap = [(-count[a], a)]
-                while heap:
-                    heap.sort()
-                    _, s = heap.pop(0)
-                    if rows + length[s] > M:
-                        continue
-                    core.append(s)
-                    inset.add(s)
-                    rows += length[s]
-                    heap.extend((-count[c], c) for c in children[s] if count[c] >= 2)
-                core.sort()
+                core = most_shared_top(a, count, length, children, M)
             inset = set(core)
             core_rows = sum([length[s] for s in core])
             items: List[_Unit] = []
