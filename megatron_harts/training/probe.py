@@ -102,21 +102,14 @@ def probe_logits(model: list, forest, plan, settings, *,
     from megatron.core import parallel_state
 
     from ..rl.objectives import forest_normalizer
-    from .step import replica_microbatches, run_schedule
+    from .step import replica_microbatches, run_forward_only
 
     replica = parallel_state.get_data_parallel_rank()
     items = replica_microbatches(forest, plan, replica, settings,
                                  aligned=parallel_state.get_expert_model_parallel_world_size() > 1)
     stride = sample_stride(forest_normalizer(forest).num_tokens, max_tokens)
     captured: Dict[Tuple[Any, int], torch.Tensor] = {}
-    chunk = model[0]
-    was_training = chunk.training
-    chunk.eval()
-    try:
-        with torch.no_grad():
-            run_schedule(chunk, items, _probe_step(stride, captured), settings, forward_only=True)
-    finally:
-        chunk.train(was_training)
+    run_forward_only(model[0], items, _probe_step(stride, captured), settings)
     return captured
 
 

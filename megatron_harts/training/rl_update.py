@@ -177,7 +177,7 @@ def forward_logprobs(model, forest, plan, settings, *, entropy: bool = False
     positions that are no target): ``lp[offset[t] + j] = log p(token j | tokens before j)``."""
     from megatron.core import parallel_state
 
-    from .step import replica_microbatches, run_schedule, step_forest
+    from .step import replica_microbatches, run_forward_only, step_forest
     replica = parallel_state.get_data_parallel_rank()
     items = replica_microbatches(forest, plan, replica, settings,
                                  aligned=parallel_state.get_expert_model_parallel_world_size() > 1)
@@ -185,13 +185,7 @@ def forward_logprobs(model, forest, plan, settings, *, entropy: bool = False
     off = _offsets(sf)
     captured: list = []
     chunk = model[0] if isinstance(model, (list, tuple)) else model
-    was_training = chunk.training
-    chunk.eval()
-    try:
-        with torch.no_grad():
-            run_schedule(chunk, items, _logprob_step(captured, entropy), settings, forward_only=True)
-    finally:
-        chunk.train(was_training)
+    run_forward_only(chunk, items, _logprob_step(captured, entropy), settings)
     total = int(off[-1])
     k = 3 if entropy else 2
     acc = torch.zeros(k, total, dtype=torch.float64)

@@ -459,6 +459,19 @@ def run_schedule(model, items: List[WindowedMicrobatch], forward_step_func: Call
                                     piece_keep=settings.piece_keep, piece_budget=settings.piece_budget_bytes)
 
 
+
+def run_forward_only(chunk, items: List[WindowedMicrobatch], forward_step_func: Callable,
+                     settings: SharingSettings) -> List[Any]:
+    """:func:`run_schedule` forward only, with ``chunk`` in eval mode under ``no_grad`` (no autograd graph,
+    dropout off), its training mode restored after."""
+    was_training = chunk.training
+    chunk.eval()
+    try:
+        with torch.no_grad():
+            return run_schedule(chunk, items, forward_step_func, settings, forward_only=True)
+    finally:
+        chunk.train(was_training)
+
 def train_step(model: list, optimizer, scheduler, forest, plan, *, settings: SharingSettings,
                objective: ObjectiveConfig, iteration: int, device, plan_seconds: float = 0.0,
                tables: Optional[Dict[str, Dict[Any, np.ndarray]]] = None) -> StepResult:
