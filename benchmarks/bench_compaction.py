@@ -48,6 +48,14 @@ expanded and within).  Its row records the groups' strategies, the forks and tho
 ``--split`` (on for this set): one more profiled step per mode split into attention forward, attention
 backward, KDA, GEMMs, the pieces' extra forward, other device work and host (``step_profile.py``),
 into the mode's ``split`` and a table.  ``--scale S`` multiplies every token count (a CPU-sized set).
+
+``--piece-study``: instead of the four modes, what training in pieces costs.  The traces in tree mode
+(``within``) run three times: at the row budget with ``--tree-piece-keep auto`` (a read piece keeps its
+graph, one forward, while the memory model says the kept graphs fit) and ``none`` (read pieces run a
+forward without graph, then recompute in the backward), and at ``--piece-study-above`` rows, above the longest trace (default: it rounded up to a
+multiple of 4096), where no trace is cut.  A ``--tree-piece-memory`` in ``--driver-flags`` applies to
+the ``auto`` and uncut runs.  The set's row ``piece_study`` holds the three runs and the
+step of each budget-limited run over the uncut one (``auto_over_uncut``, ``none_over_uncut``).
 """
 import argparse
 import contextlib
@@ -365,6 +373,12 @@ def parse(argv):
                     help="one more profiled step per mode split into attention forward and backward, KDA, GEMMs, "
                          "the pieces' extra forward, other device work and host (benchmarks/step_profile.py) "
                          "into the results and a table (default: on with --set long-mixed)")
+    ap.add_argument("--piece-study", action="store_true",
+                    help="instead of the modes: the traces in tree mode at the row budget with --tree-piece-keep "
+                         "auto and none, and at --piece-study-above rows (no trace cut); their step times and ratios")
+    ap.add_argument("--piece-study-above", type=int, default=None, metavar="ROWS",
+                    help="--piece-study: the row budget of the uncut run (default: the longest trace rounded up to "
+                         "a multiple of 4096)")
     ap.add_argument("--json", action="store_true",
                     help="print the results JSON on stdout (the tables then go to stderr)")
     a = ap.parse_args(argv)
@@ -400,6 +414,10 @@ def parse(argv):
             raise CliError(f"--budgets: each budget must be >= 2, got {b}")
     if a.microbatch_tokens is not None and a.microbatch_tokens < 1:
         raise CliError(f"--microbatch-tokens must be >= 1, got {a.microbatch_tokens}")
+    if a.piece_study_above is not None and not a.piece_study:
+        raise CliError("--piece-study-above applies with --piece-study")
+    if a.piece_study and "--tree-piece-keep" in a.driver_flags.split():
+        raise CliError("--driver-flags: --piece-study sets --tree-piece-keep itself (all, then none)")
     check_device(a.device)
     a.schemes, a.strategies = list(dict.fromkeys(a.schemes)), list(dict.fromkeys(a.strategies))
     a.budgets, a.tree_sharing = list(dict.fromkeys(a.budgets)), list(dict.fromkeys(a.tree_sharing))
@@ -472,6 +490,45 @@ def mode_table(row: dict) -> str:
     return out
 
 
+def _with_budget(argv: list, rows: int) -> list:
+    """``argv`` with its ``--tree-microbatch-tokens`` set to ``rows``."""
+    i = argv.index("--tree-microbatch-tokens")
+    return argv[:i + 1] + [str(rows)] + argv[i + 2:]
+
+
+def piece_study(a, s: dict, common: list, row: dict, say, save) -> None:
+    """``--piece-study`` on one set (module docstring) into ``row["piece_study"]``: the traces in tree
+    mode with the pieces keeping their graphs, recomputing, and uncut at a budget above the longest
+    trace; ``save()`` after each run."""
+    above = a.piece_study_above
+    sharing = a.tree_sharing[0]
+    none = list(common)
+    if "--tree-piece-memory" in none:         # a budget for auto's choice: the driver refuses it with none
+        i = none.index("--tree-piece-memory")
+        del none[i:i + 2]
+    runs = (("auto", common + ["--tree-piece-keep", "auto"]), ("none", none + ["--tree-piece-keep", "none"]),
+            ("uncut", _with_budget(common, above)))
+    study = row["piece_study"] = {"sharing": sharing, "row_budget": a.microbatch_tokens, "uncut_row_budget": above}
+    for tag, argv in runs:
+        release_memory(a.device)
+        _progress(f"{s['name']} piece study, {tag}: training ({a.warmup} warm-up + {a.iters} timed steps)")
+        with contextlib.redirect_stdout(sys.stderr):
+            m = measure(argv + ["--tree-sharing", sharing], s["forests"]["kv"], s["N"], a,
+                        f"{s['name']} piece study {tag}")
+        study[tag] = m
+        save()
+        _progress(f"{s['name']} piece study, {tag}: {m['step_seconds']:.3f} s/step, {m['rows_computed']} rows, "
+                  f"{m['piece_microbatches']} piece microbatches, extra forward rows "
+                  f"{m['piece_extra_forward_rows']}, peak {m['peak_memory_gib']}")
+    for tag in ("auto", "none"):
+        study[f"{tag}_over_uncut"] = study[tag]["step_seconds"] / study["uncut"]["step_seconds"]
+    say(f"{s['name']}: pieces at {a.microbatch_tokens} rows, keeping graphs where memory allows "
+        f"{study['auto']['step_seconds']:.3f} s ({study['auto']['kept_pieces']}/{study['auto']['read_pieces']} "
+        f"read pieces kept, {study['auto_over_uncut']:.3f}x uncut), recomputing {study['none']['step_seconds']:.3f} s "
+        f"({study['none_over_uncut']:.3f}x); uncut at {above} rows {study['uncut']['step_seconds']:.3f} s")
+    save()
+
+
 def main(argv=None):
     a = parse(argv)
     from megatron_harts.planner.microbatch import PlanningError
@@ -486,6 +543,14 @@ def main(argv=None):
                   for f in (s["forests"]["kv"] for s in sets))
     if a.microbatch_tokens is None:
         a.microbatch_tokens = 1024 * math.ceil(largest / 1024)
+    if a.piece_study:
+        if longest <= a.microbatch_tokens:
+            raise CliError(f"--piece-study: the longest trace ({longest} tokens) fits the row budget "
+                           f"--microbatch-tokens {a.microbatch_tokens}: no trace trains in pieces")
+        if a.piece_study_above is None:
+            a.piece_study_above = 4096 * math.ceil((longest + 1) / 4096)
+        elif a.piece_study_above < longest:
+            raise CliError(f"--piece-study-above {a.piece_study_above} is below the longest trace ({longest} tokens)")
     for s in sets:
         kv, rp = s["forests"]["kv"], s["forests"]["reprefill"]
         _progress(f"{s['name']}: {kv.num_trajectories} traces of {int(kv.traj_length.min())}-"
@@ -501,6 +566,10 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     if a.profile:
         open(a.profile, "w").close()      # the modes' tables are appended as they run
+    def save():
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=2, default=float)
+
     modes = [(f, s) for f, s in MODES if f in a.forms and (f == "reprefill" or s == "off" or s in a.tree_sharing)]
     failed = []
     for n_set, s in enumerate(sets):
@@ -516,6 +585,9 @@ def main(argv=None):
                                  for st in dict.fromkeys(s["group_strategies"].values())}
             say(set_line(row))
         results["sets"][s["name"]] = row
+        if a.piece_study:
+            piece_study(a, s, common, row, say, save)
+            continue
         for form, sharing in modes:
             key = mode_key(form, sharing)
             release_memory(a.device)

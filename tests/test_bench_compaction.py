@@ -168,7 +168,7 @@ def documented_long_commands():
 
 #: the long mixed set scaled down to CPU size as docs/benchmarks.md runs it: 2 groups (sliding-window,
 #: summary) of 2 traces forking at random turns, the KV-streams modes, the tiny model
-(LONG,) = [c for c in documented_long_commands() if "--scale" in c]
+(LONG,) = [c for c in documented_long_commands() if "cpu" in c]
 LONG = LONG[:LONG.index("--out")] + LONG[LONG.index("--out") + 2:]
 
 
@@ -213,13 +213,22 @@ def test_long_mixed_set_end_to_end(bc, tmp_path, capsys):
 def test_documented_gpu_commands_parse(bc, tmp_path):
     """The GPU commands of docs/benchmarks.md parse (on this machine's device) into the long set at the
     budget each names, the four modes, the split on, the 32k row budget."""
-    gpu = [c for c in documented_long_commands() if "--scale" not in c]
+    gpu = [c for c in documented_long_commands() if "cpu" not in c and "--piece-study" not in c]
     assert sorted(c[c.index("--budgets") + 1] for c in gpu) == ["4096", "8192"]
     for argv in gpu:
         argv[argv.index("--out") + 1] = str(tmp_path / "c.json")
         a = bc.parse(argv + ["--device", "cpu"])
         assert a.set == "long-mixed" and a.split and a.microbatch_tokens == 32768 and a.tree_sharing == ["within"]
         assert a.forms == ["reprefill", "kv"] and (a.num_tasks, a.samples_per_task, a.max_tokens) == (6, 4, 74000)
+
+
+def test_documented_piece_study_command_parses(bc, tmp_path):
+    """docs/benchmarks.md's GPU piece study: the long set at half size, budget 8192 (4096 scaled), row budget
+    16,384 scaled from 32,768, the study on, no split."""
+    (argv,) = [c for c in documented_long_commands() if "--piece-study" in c]
+    argv[argv.index("--out") + 1] = str(tmp_path / "c.json")
+    a = bc.parse(argv + ["--device", "cpu"])
+    assert a.piece_study and not a.split and a.scale == 0.5 and a.budgets == [4096] and a.microbatch_tokens == 16384
 
 
 def test_full_size_long_set_holds_what_docs_say(bc, tmp_path):
@@ -247,3 +256,35 @@ def test_long_mixed_refuses_grid_flags(bc, capsys, tmp_path):
         code, out, err = run_tool(bc, capsys, *LONG, "--device", DEVICE, *argv, "--out", str(tmp_path / "c.json"))
         assert_one_error(code, err, needle)
         assert out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_piece_study(bc, tmp_path, capsys):
+    """--piece-study on the CPU-sized long set: the traces in tree mode at the row budget keeping the
+    read pieces' graphs where the memory allows (here all: no extra forward), recomputing them (an
+    extra forward), and uncut above the longest trace (no pieces); the same first loss in all three;
+    the ratios over the uncut step."""
+    out = tmp_path / "c.json"
+    code, stdout, err = run_tool(bc, capsys, *LONG, "--device", DEVICE, "--piece-study", "--no-split",
+                                 "--warmup", "0", "--driver-flags", "--tree-piece-memory 64", "--out", out)
+    assert code in (0, None), err
+    (row,) = json.loads(out.read_text())["sets"].values()
+    assert row["modes"] == {}
+    st = row["piece_study"]
+    longest = row["longest_trace_tokens"]
+    assert st["row_budget"] == 82 < longest and st["uncut_row_budget"] == 4096 * math.ceil((longest + 1) / 4096)
+    assert st["auto"]["read_pieces"] == st["auto"]["kept_pieces"] > 0 and st["auto"]["piece_extra_forward_rows"] == 0
+    assert st["none"]["read_pieces"] > st["none"]["kept_pieces"] == 0 and st["none"]["piece_extra_forward_rows"] > 0
+    assert st["uncut"]["piece_microbatches"] == 0 and st["uncut"]["largest_microbatch_rows"] >= longest
+    first = [st[k]["loss_first_step"] for k in ("auto", "none", "uncut")]
+    assert max(first) - min(first) < 1e-4
+    for k in ("auto", "none"):
+        assert st[f"{k}_over_uncut"] == pytest.approx(st[k]["step_seconds"] / st["uncut"]["step_seconds"])
+    assert "keeping graphs" in stdout and "uncut at" in stdout
+    for argv, needle in ((["--piece-study-above", "100"], "--piece-study-above"),
+                         (["--piece-study", "--piece-study-above", "100"], "below the longest trace"),
+                         (["--piece-study", "--microbatch-tokens", "100000"], "fits the row budget"),
+                         (["--piece-study", "--driver-flags", "--tree-piece-keep none"], "--tree-piece-keep")):
+        bad = tmp_path / "bad.json"
+        code, o, e = run_tool(bc, capsys, *LONG, "--device", DEVICE, *argv, "--out", bad)
+        assert_one_error(code, e, needle)
+        assert o == "" and not bad.exists()
