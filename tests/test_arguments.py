@@ -1,6 +1,7 @@
 """megatron_harts.training.arguments: Megatron-LM flag compatibility, refusals, builders (CPU, fast)."""
 import json
 import math
+import re
 import shlex
 import warnings
 
@@ -436,6 +437,14 @@ def test_backends_are_resolved_and_checked_at_build_time(no_cuda):
     with pytest.raises(ArgumentsError, match="--tree-attention-backend flex needs CUDA"):
         A.hybrid_config(parse("--tree-attention-backend flex"), device="cpu")
     assert A.hybrid_config(parse("--tree-attention-backend reference")).tree_attention_backend == "reference"
+    # interval: Triton kernels on CUDA; refused where they cannot run, and with --fp64
+    from megatron_harts.ops.interval_attention import interval_available
+    with pytest.raises(ArgumentsError, match=re.escape("--tree-attention-backend interval: " + interval_available("cpu"))):
+        A.hybrid_config(parse("--tree-attention-backend interval"), device="cpu")
+    if interval_available("cuda") is None:
+        assert A.resolved_backends(parse("--tree-attention-backend interval"), cuda=True)[1] == "interval"
+        with pytest.raises(ArgumentsError, match="interval runs fp16, bf16 or fp32"):
+            A.resolved_backends(parse("--fp64 --tree-attention-backend interval"), cuda=True)
     # on CUDA, auto picks varlen above q/k head dim 128 (here 128 + 64 rope), flex up to it (and fla
     # where fla-core is registered), except with --fp64
     import importlib.util

@@ -213,7 +213,7 @@ def test_long_mixed_set_end_to_end(bc, tmp_path, capsys):
 def test_documented_gpu_commands_parse(bc, tmp_path):
     """The GPU commands of docs/benchmarks.md parse (on this machine's device) into the long set at the
     budget each names, the four modes, the split on, the 32k row budget."""
-    gpu = [c for c in documented_long_commands() if "cpu" not in c and "--piece-study" not in c]
+    gpu = [c for c in documented_long_commands() if "--scale" not in c]
     assert sorted(c[c.index("--budgets") + 1] for c in gpu) == ["4096", "8192"]
     for argv in gpu:
         argv[argv.index("--out") + 1] = str(tmp_path / "c.json")
@@ -222,13 +222,18 @@ def test_documented_gpu_commands_parse(bc, tmp_path):
         assert a.forms == ["reprefill", "kv"] and (a.num_tasks, a.samples_per_task, a.max_tokens) == (6, 4, 74000)
 
 
-def test_documented_piece_study_command_parses(bc, tmp_path):
-    """docs/benchmarks.md's GPU piece study: the long set at half size, budget 8192 (4096 scaled), row budget
-    16,384 scaled from 32,768, the study on, no split."""
+def test_documented_half_size_commands_parse(bc, tmp_path):
+    """docs/benchmarks.md's half-size GPU commands (the piece study, the interval kernels): the long set
+    at budget 8192 (4096 scaled), row budget 16,384 scaled from 32,768, no split."""
     (argv,) = [c for c in documented_long_commands() if "--piece-study" in c]
     argv[argv.index("--out") + 1] = str(tmp_path / "c.json")
     a = bc.parse(argv + ["--device", "cpu"])
     assert a.piece_study and not a.split and a.scale == 0.5 and a.budgets == [4096] and a.microbatch_tokens == 16384
+    (argv,) = [c for c in documented_long_commands() if "interval" in c]
+    argv[argv.index("--out") + 1] = str(tmp_path / "c.json")
+    a = bc.parse(argv + ["--device", "cpu"])
+    assert a.attention_backend == "interval" and a.forms == ["reprefill", "kv"] and a.budgets == [4096]
+    assert a.microbatch_tokens == 16384 and not a.split
 
 
 def test_full_size_long_set_holds_what_docs_say(bc, tmp_path):

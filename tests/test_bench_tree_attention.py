@@ -52,3 +52,31 @@ def test_bad_sizes_are_one_error(flag, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert flag[0] in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_tune_interval_workloads_and_refusals(capsys, tmp_path):
+    """tune_interval.py: its workloads are bench_tree_attention's (a plain Tree-Step batch, compaction
+    traces with events); bad options and a machine without CUDA/Triton are one error line each;
+    docs/tree_ops.md's command parses."""
+    import re
+    import shlex
+
+    import tune_interval
+    from tool_runner import assert_one_error, run_tool
+    from megatron_harts.ops.interval_attention import interval_available
+    plain = tune_interval.workload("tree-step", 2048)
+    evicting = tune_interval.workload("tree-step:sliding-window:256", 2048)
+    assert plain.num_events == 0 and evicting.num_events > 0 and plain.num_rows <= 2048
+    for argv, needle in ((["--tiles", "64"], "--tiles"), (["--fwd", "4xx"], "--fwd"), (["--bwd", "0x1"], "--bwd"),
+                         (["--out", str(tmp_path / "no_dir" / "t.json")], "--out")):
+        code, out, err = run_tool(tune_interval, capsys, *argv)
+        assert_one_error(code, err, needle)
+    text = open(os.path.join(ROOT, "docs", "tree_ops.md")).read()
+    (cmd,) = [c for c in re.findall(r"```bash\n(.*?)```", text, re.S) if "tune_interval" in c]
+    argv = shlex.split(cmd)[2:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "t.json")
+    assert argv[:2] == ["--sets", "tree-step"]
+    if interval_available("cuda") is None and __import__("torch").cuda.is_available():
+        return          # a GPU: the sweep would run (minutes)
+    code, out, err = run_tool(tune_interval, capsys, *argv)
+    assert_one_error(code, err, "needs CUDA and Triton")

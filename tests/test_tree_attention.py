@@ -505,3 +505,29 @@ def test_sum_back_widens_a_chunk_at_a_time_to_the_same_sums(monkeypatch):
     dk, dv = kp._sum_back(k_all, v_all, paths, dkg, dvg)
     assert dk.dtype == dv.dtype == torch.bfloat16
     assert torch.equal(dk, whole_k) and torch.equal(dv, whole_v)
+
+
+def test_interval_backend_params_carry_the_tiles():
+    """With backend interval the tree params carry the microbatch's interval tiles (built once on the
+    host, shared by every MLA layer), the same tiles build_interval_blocks gives; expanded params with
+    compaction events build theirs for the packed sequences' visibility on first use."""
+    import numpy as np
+
+    from megatron_harts.models.packed import TreePackedSeqParams
+    from megatron_harts.ops.interval_attention import build_interval_blocks
+    f = build_forest([make_trajectory({"id": f"t{i}", "tokens": [1] * 150 + [2 + i] * (90 + 40 * i)})
+                      for i in range(3)])
+    lay = build_layout(f)
+    psp = TreePackedSeqParams.for_tree(lay, attention_backend="interval")
+    want = build_interval_blocks(lay.visibility)
+    assert psp.attention_backend == "interval" and psp.key_paths is None and psp.block_mask is None
+    got = psp.interval_blocks
+    assert (got.num_full, got.num_partial) == (want.num_full, want.num_partial) and got.num_full + got.num_partial > 0
+    for name in ("q_offsets", "q_num_full", "q_blocks", "k_offsets", "k_num_full", "k_blocks", "starts", "ends"):
+        assert np.array_equal(getattr(got, name).cpu().numpy(), getattr(want, name).cpu().numpy()), name
+    vis = Visibility(offsets=torch.arange(6), start=torch.tensor([0, 1, 2, 3, 4]), end=torch.tensor([3, 3, 3, 5, 5]),
+                     num_queries=5, causal=True)
+    seq = TreePackedSeqParams.for_sequences([3, 2], visibility=vis)
+    kw = seq.sequence_attention("interval", "cpu")
+    assert kw["backend"] == "interval" and kw["interval_blocks"].num_queries == 5
+    assert seq.sequence_attention("interval", "cpu") is kw

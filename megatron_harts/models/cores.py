@@ -221,7 +221,8 @@ class MLACoreAttention(MegatronModule):
         with torch.profiler.record_function(ATTENTION_RANGE):
             o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale,
                                backend=psp.attention_backend or self.config.tree_attention_backend,
-                               block_mask=psp.block_mask, key_paths=psp.key_paths, context_kv=context_kv)
+                               block_mask=psp.block_mask, key_paths=psp.key_paths,
+                               interval_blocks=psp.interval_blocks, context_kv=context_kv)
         return psp.attach_injected(self.layer_number, _zero_pad(o, mode.pad_rows))
 
     def _sequences(self, q, k, v, psp, shape):

@@ -259,6 +259,7 @@ class TreePackedSeqParams(PackedSeqParams):
     block_mask: Any = None                   # FlexAttention BlockMask (tree mode, flex backend)
     key_paths: Any = None                    # ops.key_paths.KeyPaths (tree mode, varlen backend; expanded
                                              # mode: the sequences, built by sequence_key_paths on first use)
+    interval_blocks: Any = None              # ops.interval_attention.IntervalBlocks (tree mode, interval backend)
     attention_backend: Optional[str] = None  # tree mode: this microbatch's tree-attention backend (the
                                              # config's, or the block-mask one where varlen does not pay)
     token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode); expanded: None (megatron's
@@ -320,6 +321,9 @@ class TreePackedSeqParams(PackedSeqParams):
             elif backend == "flex":
                 from ..ops.tree_attention import build_tree_block_mask
                 kw["block_mask"] = build_tree_block_mask(self.visibility, device=device)
+            elif backend == "interval":
+                from ..ops.interval_attention import build_interval_blocks
+                kw["interval_blocks"] = build_interval_blocks(self.visibility, device=device)
             self._seq_attention[backend] = kw
         return self._seq_attention[backend]
 
@@ -509,12 +513,17 @@ class TreePackedSeqParams(PackedSeqParams):
             block_mask = build_tree_block_mask(
                 host, context_visibility=host.context_visibility if host.num_context_rows else None,
                 device=device)
+        interval_blocks = None
+        if attention_backend == "interval":
+            from ..ops.interval_attention import build_interval_blocks
+            interval_blocks = build_interval_blocks(
+                host.visibility, host.context_visibility if host.num_context_rows else None, device=device)
         taps = taps.to(device)
         R = layout.num_rows
         cu = host_to_device(torch.tensor([0, R], dtype=torch.int32), device)
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=R, max_seqlen_kv=R,
                    mode="tree", layout=layout, kda_schedule=schedule, conv_taps=taps, block_mask=block_mask,
-                   key_paths=key_paths, attention_backend=attention_backend,
+                   key_paths=key_paths, interval_blocks=interval_blocks, attention_backend=attention_backend,
                    token_weight=layout.occurrence.to(torch.float64),
                    token_weight_total=float(host.occurrence.to(torch.float64).sum()), position_ids=layout.position_ids,
                    export_spec=None if export is None else export.to(device), exports=exports,

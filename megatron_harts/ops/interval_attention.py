@@ -476,7 +476,10 @@ _LOG2E = 1.4426950408889634
 
 def _launch_args(q, k, v, blocks: IntervalBlocks):
     """Sizes, compile-time constants, and the forward's and backward's launch options (warps,
-    pipeline stages: the backward's tiles hold dk and dv or dq in registers, hence more warps)."""
+    pipeline stages).  Measured on an H100 at MLA dims 192 / 128 (``benchmarks/tune_interval.py``):
+    64 x 64 tiles run the backward fastest with 4 warps and no software pipelining (2.2x a causal
+    pair against 3.3x with 8 warps and 2 stages: its tiles hold dk, dv and the recomputed
+    probabilities, and deeper pipelines spill); larger tiles need 8 warps and 2 stages."""
     R, H, DQK = q.shape
     K, Hk, DV = v.shape
     da, db = _split_dim(DQK)
@@ -485,7 +488,7 @@ def _launch_args(q, k, v, blocks: IntervalBlocks):
     sizes = (R, K, blocks.max_intervals, DQK, DV, H // Hk)
     tile = max(blocks.block_m, blocks.block_n)
     fwd = dict(num_warps=4 if tile <= 64 else 8, num_stages=3 if DQK + DV <= 256 else 2)
-    bwd = dict(num_warps=4 if tile <= 32 or DQK + DV <= 128 else 8, num_stages=2)
+    bwd = dict(num_warps=4, num_stages=1) if tile <= 64 else dict(num_warps=8, num_stages=2)
     return sizes, meta, fwd, bwd
 
 

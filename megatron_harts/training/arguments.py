@@ -984,6 +984,13 @@ def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) 
                   "reference backend")
     if attn == "flex" and not cuda:
         _fail("--tree-attention-backend flex needs CUDA (use sdpa or reference on the CPU)")
+    if attn == "interval":
+        from ..ops.interval_attention import interval_available
+        reason = interval_available("cuda" if cuda else "cpu")
+        if reason is not None:
+            _fail(f"--tree-attention-backend interval: {reason} (use sdpa or reference on the CPU)")
+        if args.fp64:
+            _fail("--tree-attention-backend interval runs fp16, bf16 or fp32: with --fp64 use sdpa or reference")
     return kda, attn
 
 
