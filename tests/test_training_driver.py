@@ -246,6 +246,35 @@ def test_pretrain_cli_one_error_line(tmp_path, capsys):
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
 
 
+def test_pretrain_out_of_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """A GPU out-of-memory error in training ends the driver in one error line naming the iteration,
+    torch's message and the flags that lower a step's memory (the error raised here stands in for the
+    allocator's, which a CPU run cannot produce)."""
+    import sys
+    from megatron_harts.training.pretrain import console_main
+    from megatron_harts.training.trainer import Trainer
+    data = tmp_path / "rollouts"
+    write_rollouts(data)
+    real = Trainer.train_iteration
+    calls = []
+
+    def failing(self, *a, **k):
+        calls.append(self.iteration)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 146.00 MiB. GPU 0 has a total "
+                                         "capacity of 79.18 GiB\nmore detail")
+        return real(self, *a, **k)
+    monkeypatch.setattr(Trainer, "train_iteration", failing)
+    monkeypatch.setattr(sys, "argv", ["pretrain_tree_gpt.py", *argv(data, "within", "--train-iters", "3")])
+    with pytest.raises(SystemExit) as e:
+        console_main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: out of GPU memory in iteration 2: CUDA out of memory. Tried to allocate")
+    assert "--tree-microbatch-tokens (now" in err[0] and "--tree-piece-keep none" in err[0]
+    assert "more detail" not in err[0]
+
+
 def test_library_step_tensorboard_and_hf_export(tmp_path):
     """The RL-loop entry: step() on in-memory trajectories, TensorBoard scalars, transformers export."""
     pytest.importorskip("transformers")

@@ -16,6 +16,7 @@ import warnings
 from typing import Optional, Sequence
 
 import numpy as np
+import torch
 
 from ..cli import CliError, run
 
@@ -38,9 +39,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # the driver owns its process: Python's and numpy's RNGs are seeded too (Trainer seeds torch's)
     random.seed(args.seed)
     np.random.seed(args.seed % 2**32)
+    trainer = None
     try:
         with Trainer(args) as trainer:
             trainer.train()
+    except torch.OutOfMemoryError as e:
+        raise CliError(out_of_memory_message(e, args, None if trainer is None else trainer.iteration)) from None
     except CheckpointError as e:
         if int(os.environ.get("RANK", "0")) != 0:
             return 2
@@ -48,6 +52,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (TrainingError, LoaderError, ObjectiveDataError, PlanningError) as e:
         raise CliError(str(e)) from None
     return 0
+
+
+def out_of_memory_message(e: BaseException, args, iteration: Optional[int]) -> str:
+    """One line for a GPU out-of-memory error: where (the iteration being trained, when known), torch's
+    own first line, and the flags that lower the memory a step needs."""
+    tree = args.tree
+    where = "while building the model" if iteration is None else f"in iteration {iteration + 1}"
+    first = (str(e).strip().splitlines() or ["CUDA out of memory"])[0]
+    knobs = [f"--tree-microbatch-tokens (now {tree.microbatch_tokens})"]
+    if tree.piece_keep != "none":
+        knobs.append(f"--tree-piece-keep none or a smaller --tree-piece-memory (now --tree-piece-keep {tree.piece_keep})")
+    if args.recompute_granularity is None:
+        knobs.append("--recompute-granularity full")
+    return f"out of GPU memory {where}: {first} Lower the memory a step needs: " + "; ".join(knobs)
 
 
 def console_main() -> None:
