@@ -109,6 +109,12 @@ class Search {
             }
             for (i64 k = path_off_[u]; k < path_off_[u + 1]; ++k) path_rows_[u] += length_[path_[k]];
         }
+        unit_rows_.assign(U_, 0);  // a unit's rows alone, its path recomputed: what it adds to a bin at most
+        for (i64 u = 0; u < U_; ++u) {
+            unit_rows_[u] = path_rows_[u];
+            for (i64 k = own_off_[u]; k < own_off_[u + 1]; ++k) unit_rows_[u] += length_[own_[k]];
+            for (i64 k = rec_off_[u]; k < rec_off_[u + 1]; ++k) unit_rows_[u] += length_[rec_[k]];
+        }
         blocks_.assign(U_, {});
         for (i64 u = 0; u < U_; ++u) {
             if (kind_[u] != 0) continue;
@@ -482,6 +488,104 @@ class Search {
         return order_bin_[b][k];
     }
 
+    // Slot k emptied (all) or lightened (one random unit per replica): per replica, the units taken from
+    // its k-th bin (as run), largest first, each into the replica's other non-empty bin with room for it
+    // and the least estimated cost after it (rows estimated as the unit's rows, less its path where it
+    // may read it there: its producer is another bin of the replica and the bin reads that producer or
+    // none yet; cost as the bin's cost plus the row cost of those rows); false (nothing moved) where a
+    // unit has room nowhere.
+    bool dissolve(i64 k, bool all) {
+        plan_.clear();
+        for (i64 r = 0; r < R_; ++r) {
+            const i64 b = order_bin_[r][k];
+            if (cell_units_[b].empty()) continue;
+            est_.clear();
+            for (i64 j = 0; j < S_; ++j) {
+                const i64 t = order_bin_[r][j];
+                if (t == b || cell_units_[t].empty()) continue;
+                est_.push_back({t, value_[t].rows, value_[t].cost, ncore_[t] > 0 ? -2 : reader(t)});
+            }
+            if (est_.empty()) return false;
+            ux_ = cell_units_[b];
+            if (!all) ux_ = {ux_[below(static_cast<i64>(ux_.size()))]};
+            std::sort(ux_.begin(), ux_.end(), [this](i64 x, i64 y) {
+                return unit_rows_[x] != unit_rows_[y] ? unit_rows_[x] > unit_rows_[y] : x < y;
+            });
+            for (i64 u : ux_) {
+                i64 at = -1, add = 0;
+                double after = 0.0;
+                const i64 p = kind_[u] == 1 ? cell_of_[win_[u]] : -3;  // the producer it may read
+                for (i64 e = 0; e < static_cast<i64>(est_.size()); ++e) {
+                    const Room& x = est_[e];
+                    const bool read = p >= 0 && p / S_ == r && p != x.cell && (x.source == p || x.source == -1);
+                    const i64 rows = unit_rows_[u] - (read ? path_rows_[u] : 0);
+                    const double c = x.cost + c_row_ * static_cast<double>(rows);
+                    if (x.rows + rows <= M_ && (at < 0 || c < after)) {
+                        at = e;
+                        add = rows;
+                        after = c;
+                    }
+                }
+                if (at < 0) return false;
+                Room& x = est_[at];
+                x.rows += add;
+                x.cost = after;
+                if (kind_[u] == 0) x.source = -2;
+                else if (add < unit_rows_[u] && x.source == -1) x.source = p;
+                plan_.emplace_back(u, x.cell);
+            }
+        }
+        if (plan_.empty()) return false;
+        for (const auto& ut : plan_) relocate(ut.first, ut.second);
+        return true;
+    }
+
+    // Replica r re-packed: the units of its bins holding no block, largest first, each into the open bin
+    // it reads the same producer in (or one reading none yet) with the least room left that fits it,
+    // else into a new bin (bins as numbered); false (nothing moved) where the bins run out.
+    bool repack(i64 r) {
+        plan_.clear();
+        est_.clear();
+        ux_.clear();
+        free_.clear();
+        for (i64 j = 0; j < S_; ++j) {
+            const i64 t = r * S_ + j;
+            if (ncore_[t] > 0) continue;
+            free_.push_back(t);
+            ux_.insert(ux_.end(), cell_units_[t].begin(), cell_units_[t].end());
+        }
+        if (ux_.size() < 2) return false;
+        std::sort(ux_.begin(), ux_.end(), [this](i64 x, i64 y) {
+            return unit_rows_[x] != unit_rows_[y] ? unit_rows_[x] > unit_rows_[y] : x < y;
+        });
+        for (i64 u : ux_) {
+            const i64 p = kind_[u] == 1 && cell_of_[win_[u]] / S_ == r ? cell_of_[win_[u]] : -3;
+            i64 at = -1, add = 0;
+            for (i64 e = 0; e < static_cast<i64>(est_.size()); ++e) {
+                const Room& x = est_[e];
+                const bool read = p >= 0 && (x.source == p || x.source == -1);
+                const i64 rows = unit_rows_[u] - (read ? path_rows_[u] : 0);
+                if (x.rows + rows <= M_ && (at < 0 || x.rows + rows > est_[at].rows + add)) {
+                    at = e;
+                    add = rows;
+                }
+            }
+            if (at < 0) {
+                if (est_.size() == free_.size()) return false;
+                est_.push_back({free_[est_.size()], 0, 0.0, -1});
+                at = static_cast<i64>(est_.size()) - 1;
+                add = unit_rows_[u] - (p >= 0 ? path_rows_[u] : 0);
+            }
+            Room& x = est_[at];
+            x.rows += add;
+            if (p >= 0 && add < unit_rows_[u] && x.source == -1) x.source = p;
+            if (x.cell != cell_of_[u]) plan_.emplace_back(u, x.cell);
+        }
+        if (plan_.empty()) return false;
+        for (const auto& ut : plan_) relocate(ut.first, ut.second);
+        return true;
+    }
+
     // One random move of the move set, applied (false: none possible this time).
     bool propose() {
         moved_.clear();
@@ -491,8 +595,12 @@ class Search {
         if (cell_units_[a].empty()) return false;
         const i64 u = cell_units_[a][below(static_cast<i64>(cell_units_[a].size()))];
         const std::vector<i64> prod0(prod_);
-        const i64 kind = below(cuts_.empty() ? 8 : 9);
-        if (kind == 8) {  // cut a window: a block and the blocks below it to another bin; or joined to the block above
+        const i64 kind = below(cuts_.empty() ? 11 : 12);
+        if (kind == 10) {  // a replica re-packed into few bins
+            if (!repack(below(R_))) return false;
+        } else if (kind == 8 || kind == 9) {  // a slot emptied (8), or lightened on every replica (9)
+            if (!dissolve(below(S_), kind == 8)) return false;
+        } else if (kind == 11) {  // cut a window: a block and the blocks below it to another bin; or joined to the block above
             const i64 k = cuts_[below(static_cast<i64>(cuts_.size()))];
             const i64 from = cell_of_[k];
             const i64 how = below(3);
@@ -536,7 +644,9 @@ class Search {
             if (b == a) return false;
             shift(u, b);
         } else if (kind <= 4) {  // swap u with a unit of another cell
-            const i64 b = kind == 3 ? cell_of_[below(U_)] : lightest(below(S_));
+            i64 b = kind == 3 ? cell_of_[below(U_)] : lightest(below(S_));
+            if (kind == 3 && kind_[u] == 1 && cell_of_[win_[u]] / S_ != a / S_ && (next() & 1))
+                b = (cell_of_[win_[u]] / S_) * S_ + below(S_);  // a unit of its producer's replica
             if (b == a || cell_units_[b].empty()) return false;
             const i64 v = cell_units_[b][below(static_cast<i64>(cell_units_[b].size()))];
             if (kind_[v] == 0 && up_[v] >= 0) return false;
@@ -602,6 +712,14 @@ class Search {
     std::vector<i64> replayed_, root_;
     std::vector<i64> top_, deep_, cuts_, ncore_, prod_;
     std::vector<char> reading_;
+    std::vector<i64> unit_rows_, ux_, free_;
+    struct Room {  // a bin's estimated rows and cost while units are re-packed into it, the producer it reads
+        i64 cell, rows;
+        double cost;
+        i64 source;  // -1: none yet, -2: none (a producer itself)
+    };
+    std::vector<Room> est_;
+    std::vector<std::pair<i64, i64>> plan_;
     std::vector<std::tuple<i64, i64, i64>> trees_;
     std::vector<std::pair<i64, CellValue>> old_;
 };
