@@ -25,10 +25,12 @@
 // reading items' replay):
 //   overhead + row * rows + pair * pairs + logit * logits rows + replay * replay tokens.
 // Moves: a unit to another bin (any, the lightest of a slot, one of its producer's replica; a top
-// block with the blocks below it in its bin); every unit of a bin into another; two units swapped;
-// two bins exchanged (any two, two of different replicas); a window cut (a block alone to any bin; a
-// block with the blocks below it in its bin to a bin of another replica, the items of the moved
-// blocks on other replicas to bins of that one; or back into the bin of the block above).
+// block with the blocks below it in its bin); every unit of a bin into another; two units swapped (the
+// other from any bin, the lightest of a slot, or a bin of an item's producer's replica); two bins
+// exchanged (any two, two of different replicas); a window cut (a block alone to any bin; a block with
+// the blocks below it in its bin to a bin of another replica, the items of the moved blocks on other
+// replicas to bins of that one; or back into the bin of the block above); a slot emptied or lightened
+// on every replica at once (dissolve); a replica re-packed into few bins (repack).
 // Objective, compared lexicographically: (rows over the budget summed over bins,
 // step + penalty * max(0, tokens - base_tokens) + load_weight * (sum of bin costs) / dp, sum of squared
 // bin costs), step = sum over slots of the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its

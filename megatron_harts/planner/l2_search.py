@@ -31,10 +31,19 @@ sum of the bin costs over ``dp``), then the sum of squared bin costs.
 
 **Moves**: a unit to another bin (any, the lightest of a slot, or one of its producer's replica; a
 core's top block with the blocks below it in its bin); every unit of a bin into another (a
-microbatch fewer); two units swapped; two bins exchanged (any two, or two of different replicas: a
-microbatch changes replica); a window cut (a block alone to any bin; a block with the blocks below
-it in its bin to a bin of another replica, its items on other replicas to bins of that one; or
-back into the bin of the block above it).  A unit moved away from its producer's replica
+microbatch fewer); two units swapped (the other from any bin, the lightest of a slot, or, for an
+item off its producer's replica, a bin of that replica); two bins exchanged (any two, or two of
+different replicas: a microbatch changes replica); a window cut (a block alone to any bin; a block
+with the blocks below it in its bin to a bin of another replica, its items on other replicas to
+bins of that one; or back into the bin of the block above it).  Three moves change every replica
+at once or a whole replica, so that a step that only shortens once each replica has changed is
+one move away: a **slot emptied** (each replica's ``k``-th bin, its units largest first, each
+into the replica's other non-empty bin with room for it and the least estimated cost after it;
+a unit's estimate: its rows, less its path where it may read it there, at the row cost), a
+**slot lightened** (the same, one random unit of each replica's ``k``-th bin), and a **replica
+re-packed** (the units of its bins holding no block, largest first, each into the open bin
+reading the same producer or none that it fills most, else a new bin: the replica in few, nearly
+full bins).  A unit moved away from its producer's replica
 recomputes its path.  The search (compiled: ``_C.l2_search``) starts from L1's plan and anneals: a move is
 taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what it adds to
 the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0; the
