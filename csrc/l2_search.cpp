@@ -29,8 +29,8 @@
 // other from any bin, the lightest of a slot, or a bin of an item's producer's replica); two bins
 // exchanged (any two, two of different replicas); a window cut (a block alone to any bin; a block with
 // the blocks below it in its bin to a bin of another replica, the items of the moved blocks on other
-// replicas to bins of that one; or back into the bin of the block above); a slot emptied or lightened
-// on every replica at once (dissolve); a replica re-packed into few bins (repack).
+// replicas to bins of that one; or back into the bin of the block above); with several replicas, a
+// slot emptied or lightened on every replica at once (dissolve).
 // Objective, compared lexicographically: (rows over the budget summed over bins,
 // step + penalty * max(0, tokens - base_tokens) + load_weight * (sum of bin costs) / dp, sum of squared
 // bin costs), step = sum over slots of the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
@@ -61,6 +61,7 @@ struct CellValue {
     i64 rows = 0;
     i64 tokens = 0;
     bool producer = false;
+    i64 source = -1;  // the producer cell it reads (-1: none; -2: none, it holds a block)
 };
 
 struct Objective {
@@ -318,7 +319,8 @@ class Search {
         CellValue v;
         const auto& us = cell_units_[c];
         if (us.empty()) return v;
-        reader(c);
+        const i64 source = reader(c);
+        v.source = ncore_[c] > 0 ? -2 : source;
         ++cur_;
         i64 rows = 0, pairs = 0, logits = 0, replay = 0;
         auto add = [&](i64 x) {
@@ -505,7 +507,7 @@ class Search {
             for (i64 j = 0; j < S_; ++j) {
                 const i64 t = order_bin_[r][j];
                 if (t == b || cell_units_[t].empty()) continue;
-                est_.push_back({t, value_[t].rows, value_[t].cost, ncore_[t] > 0 ? -2 : reader(t)});
+                est_.push_back({t, value_[t].rows, value_[t].cost, value_[t].source});
             }
             if (est_.empty()) return false;
             ux_ = cell_units_[b];
@@ -542,52 +544,6 @@ class Search {
         return true;
     }
 
-    // Replica r re-packed: the units of its bins holding no block, largest first, each into the open bin
-    // it reads the same producer in (or one reading none yet) with the least room left that fits it,
-    // else into a new bin (bins as numbered); false (nothing moved) where the bins run out.
-    bool repack(i64 r) {
-        plan_.clear();
-        est_.clear();
-        ux_.clear();
-        free_.clear();
-        for (i64 j = 0; j < S_; ++j) {
-            const i64 t = r * S_ + j;
-            if (ncore_[t] > 0) continue;
-            free_.push_back(t);
-            ux_.insert(ux_.end(), cell_units_[t].begin(), cell_units_[t].end());
-        }
-        if (ux_.size() < 2) return false;
-        std::sort(ux_.begin(), ux_.end(), [this](i64 x, i64 y) {
-            return unit_rows_[x] != unit_rows_[y] ? unit_rows_[x] > unit_rows_[y] : x < y;
-        });
-        for (i64 u : ux_) {
-            const i64 p = kind_[u] == 1 && cell_of_[win_[u]] / S_ == r ? cell_of_[win_[u]] : -3;
-            i64 at = -1, add = 0;
-            for (i64 e = 0; e < static_cast<i64>(est_.size()); ++e) {
-                const Room& x = est_[e];
-                const bool read = p >= 0 && (x.source == p || x.source == -1);
-                const i64 rows = unit_rows_[u] - (read ? path_rows_[u] : 0);
-                if (x.rows + rows <= M_ && (at < 0 || x.rows + rows > est_[at].rows + add)) {
-                    at = e;
-                    add = rows;
-                }
-            }
-            if (at < 0) {
-                if (est_.size() == free_.size()) return false;
-                est_.push_back({free_[est_.size()], 0, 0.0, -1});
-                at = static_cast<i64>(est_.size()) - 1;
-                add = unit_rows_[u] - (p >= 0 ? path_rows_[u] : 0);
-            }
-            Room& x = est_[at];
-            x.rows += add;
-            if (p >= 0 && add < unit_rows_[u] && x.source == -1) x.source = p;
-            if (x.cell != cell_of_[u]) plan_.emplace_back(u, x.cell);
-        }
-        if (plan_.empty()) return false;
-        for (const auto& ut : plan_) relocate(ut.first, ut.second);
-        return true;
-    }
-
     // One random move of the move set, applied (false: none possible this time).
     bool propose() {
         moved_.clear();
@@ -597,12 +553,12 @@ class Search {
         if (cell_units_[a].empty()) return false;
         const i64 u = cell_units_[a][below(static_cast<i64>(cell_units_[a].size()))];
         const std::vector<i64> prod0(prod_);
-        const i64 kind = below(cuts_.empty() ? 11 : 12);
-        if (kind == 10) {  // a replica re-packed into few bins
-            if (!repack(below(R_))) return false;
-        } else if (kind == 8 || kind == 9) {  // a slot emptied (8), or lightened on every replica (9)
-            if (!dissolve(below(S_), kind == 8)) return false;
-        } else if (kind == 11) {  // cut a window: a block and the blocks below it to another bin; or joined to the block above
+        const i64 singles = cuts_.empty() ? 8 : 9;  // the moves of one unit, bin or window (8: a window cut)
+        i64 kind = below(R_ > 1 ? singles + 2 : singles);
+        if (kind >= singles) kind = 9 + kind - singles;  // several replicas: 9 a slot emptied, 10 lightened
+        if (kind == 9 || kind == 10) {  // on every replica at once
+            if (!dissolve(below(S_), kind == 9)) return false;
+        } else if (kind == 8) {  // cut a window: a block and the blocks below it to another bin; or joined to the block above
             const i64 k = cuts_[below(static_cast<i64>(cuts_.size()))];
             const i64 from = cell_of_[k];
             const i64 how = below(3);
@@ -714,7 +670,7 @@ class Search {
     std::vector<i64> replayed_, root_;
     std::vector<i64> top_, deep_, cuts_, ncore_, prod_;
     std::vector<char> reading_;
-    std::vector<i64> unit_rows_, ux_, free_;
+    std::vector<i64> unit_rows_, ux_;
     struct Room {  // a bin's estimated rows and cost while units are re-packed into it, the producer it reads
         i64 cell, rows;
         double cost;

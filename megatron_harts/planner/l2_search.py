@@ -35,15 +35,13 @@ microbatch fewer); two units swapped (the other from any bin, the lightest of a 
 item off its producer's replica, a bin of that replica); two bins exchanged (any two, or two of
 different replicas: a microbatch changes replica); a window cut (a block alone to any bin; a block
 with the blocks below it in its bin to a bin of another replica, its items on other replicas to
-bins of that one; or back into the bin of the block above it).  Three moves change every replica
-at once or a whole replica, so that a step that only shortens once each replica has changed is
-one move away: a **slot emptied** (each replica's ``k``-th bin, its units largest first, each
-into the replica's other non-empty bin with room for it and the least estimated cost after it;
-a unit's estimate: its rows, less its path where it may read it there, at the row cost), a
-**slot lightened** (the same, one random unit of each replica's ``k``-th bin), and a **replica
-re-packed** (the units of its bins holding no block, largest first, each into the open bin
-reading the same producer or none that it fills most, else a new bin: the replica in few, nearly
-full bins).  A unit moved away from its producer's replica
+bins of that one; or back into the bin of the block above it).  With several replicas two more
+moves change every replica at once, so that a slot that only pays once each replica has emptied
+its bin there is one move away: a **slot emptied** (each replica's ``k``-th bin, its units largest
+first, each into the replica's other non-empty bin with room for it and the least estimated cost
+after it; a unit's estimate: its rows, less its path where it may read it there, at the row cost;
+nothing moves where a unit has room nowhere) and a **slot lightened** (the same, one random unit
+of each replica's ``k``-th bin).  A unit moved away from its producer's replica
 recomputes its path.  The search (compiled: ``_C.l2_search``) starts from L1's plan and anneals: a move is
 taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what it adds to
 the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0; the
