@@ -493,11 +493,10 @@ class Search {
     }
 
     // Slot k emptied (all) or lightened (one random unit per replica): per replica, the units taken from
-    // its k-th bin (as run), largest first, each into the replica's other non-empty bin with room for it
-    // and the least estimated cost after it (rows estimated as the unit's rows, less its path where it
+    // its k-th bin (as run), largest first, each into the replica's other non-empty bin that it fills
+    // most within the budget (best fit; its rows estimated as the unit's rows, less its path where it
     // may read it there: its producer is another bin of the replica and the bin reads that producer or
-    // none yet; cost as the bin's cost plus the row cost of those rows); false (nothing moved) where a
-    // unit has room nowhere.
+    // none yet); false (nothing moved) where a unit has room nowhere.
     bool dissolve(i64 k, bool all) {
         plan_.clear();
         for (i64 r = 0; r < R_; ++r) {
@@ -507,7 +506,7 @@ class Search {
             for (i64 j = 0; j < S_; ++j) {
                 const i64 t = order_bin_[r][j];
                 if (t == b || cell_units_[t].empty()) continue;
-                est_.push_back({t, value_[t].rows, value_[t].cost, value_[t].source});
+                est_.push_back({t, value_[t].rows, value_[t].source});
             }
             if (est_.empty()) return false;
             ux_ = cell_units_[b];
@@ -517,23 +516,19 @@ class Search {
             });
             for (i64 u : ux_) {
                 i64 at = -1, add = 0;
-                double after = 0.0;
                 const i64 p = kind_[u] == 1 ? cell_of_[win_[u]] : -3;  // the producer it may read
                 for (i64 e = 0; e < static_cast<i64>(est_.size()); ++e) {
                     const Room& x = est_[e];
                     const bool read = p >= 0 && p / S_ == r && p != x.cell && (x.source == p || x.source == -1);
                     const i64 rows = unit_rows_[u] - (read ? path_rows_[u] : 0);
-                    const double c = x.cost + c_row_ * static_cast<double>(rows);
-                    if (x.rows + rows <= M_ && (at < 0 || c < after)) {
+                    if (x.rows + rows <= M_ && (at < 0 || x.rows + rows > est_[at].rows + add)) {
                         at = e;
                         add = rows;
-                        after = c;
                     }
                 }
                 if (at < 0) return false;
                 Room& x = est_[at];
                 x.rows += add;
-                x.cost = after;
                 if (kind_[u] == 0) x.source = -2;
                 else if (add < unit_rows_[u] && x.source == -1) x.source = p;
                 plan_.emplace_back(u, x.cell);
@@ -671,9 +666,8 @@ class Search {
     std::vector<i64> top_, deep_, cuts_, ncore_, prod_;
     std::vector<char> reading_;
     std::vector<i64> unit_rows_, ux_;
-    struct Room {  // a bin's estimated rows and cost while units are re-packed into it, the producer it reads
+    struct Room {  // a bin's estimated rows while units are re-packed into it, and the producer it reads
         i64 cell, rows;
-        double cost;
         i64 source;  // -1: none yet, -2: none (a producer itself)
     };
     std::vector<Room> est_;

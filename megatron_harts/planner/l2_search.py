@@ -38,9 +38,9 @@ with the blocks below it in its bin to a bin of another replica, its items on ot
 bins of that one; or back into the bin of the block above it).  With several replicas two more
 moves change every replica at once, so that a slot that only pays once each replica has emptied
 its bin there is one move away: a **slot emptied** (each replica's ``k``-th bin, its units largest
-first, each into the replica's other non-empty bin with room for it and the least estimated cost
-after it; a unit's estimate: its rows, less its path where it may read it there, at the row cost;
-nothing moves where a unit has room nowhere) and a **slot lightened** (the same, one random unit
+first, each into the replica's other non-empty bin that it fills most within the budget, its rows
+estimated as the unit's rows less its path where it may read it there; nothing moves where a unit
+has room nowhere) and a **slot lightened** (the same, one random unit
 of each replica's ``k``-th bin).  A unit moved away from its producer's replica
 recomputes its path.  The search (compiled: ``_C.l2_search``) starts from L1's plan and anneals: a move is
 taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what it adds to
