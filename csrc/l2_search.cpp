@@ -25,10 +25,12 @@
 // reading items' replay):
 //   overhead + row * rows + pair * pairs + logit * logits rows + replay * replay tokens.
 // Moves: a unit to another bin (any, the lightest of a slot, one of its producer's replica; a top
-// block with the blocks below it in its bin); every unit of a bin into another; two units swapped;
-// two bins exchanged (any two, two of different replicas); a window cut (a block alone to any bin; a
-// block with the blocks below it in its bin to a bin of another replica, the items of the moved
-// blocks on other replicas to bins of that one; or back into the bin of the block above).
+// block with the blocks below it in its bin); every unit of a bin into another; two units swapped (the
+// other from any bin, the lightest of a slot, or a bin of an item's producer's replica); two bins
+// exchanged (any two, two of different replicas); a window cut (a block alone to any bin; a block with
+// the blocks below it in its bin to a bin of another replica, the items of the moved blocks on other
+// replicas to bins of that one; or back into the bin of the block above); with several replicas, a
+// slot emptied or lightened on every replica at once (dissolve).
 // Objective, compared lexicographically: (rows over the budget summed over bins,
 // step + penalty * max(0, tokens - base_tokens) + load_weight * (sum of bin costs) / dp, sum of squared
 // bin costs), step = sum over slots of the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
@@ -59,6 +61,7 @@ struct CellValue {
     i64 rows = 0;
     i64 tokens = 0;
     bool producer = false;
+    i64 source = -1;  // the producer cell it reads (-1: none; -2: none, it holds a block)
 };
 
 struct Objective {
@@ -108,6 +111,12 @@ class Search {
                 if (up_[win_[u]] >= 0) deep_.push_back(u);
             }
             for (i64 k = path_off_[u]; k < path_off_[u + 1]; ++k) path_rows_[u] += length_[path_[k]];
+        }
+        unit_rows_.assign(U_, 0);  // a unit's rows alone, its path recomputed: what it adds to a bin at most
+        for (i64 u = 0; u < U_; ++u) {
+            unit_rows_[u] = path_rows_[u];
+            for (i64 k = own_off_[u]; k < own_off_[u + 1]; ++k) unit_rows_[u] += length_[own_[k]];
+            for (i64 k = rec_off_[u]; k < rec_off_[u + 1]; ++k) unit_rows_[u] += length_[rec_[k]];
         }
         blocks_.assign(U_, {});
         for (i64 u = 0; u < U_; ++u) {
@@ -310,7 +319,8 @@ class Search {
         CellValue v;
         const auto& us = cell_units_[c];
         if (us.empty()) return v;
-        reader(c);
+        const i64 source = reader(c);
+        v.source = ncore_[c] > 0 ? -2 : source;
         ++cur_;
         i64 rows = 0, pairs = 0, logits = 0, replay = 0;
         auto add = [&](i64 x) {
@@ -482,6 +492,53 @@ class Search {
         return order_bin_[b][k];
     }
 
+    // Slot k emptied (all) or lightened (one random unit per replica): per replica, the units taken from
+    // its k-th bin (as run), largest first, each into the replica's other non-empty bin that it fills
+    // most within the budget (best fit; its rows estimated as the unit's rows, less its path where it
+    // may read it there: its producer is another bin of the replica and the bin reads that producer or
+    // none yet); false (nothing moved) where a unit has room nowhere.
+    bool dissolve(i64 k, bool all) {
+        plan_.clear();
+        for (i64 r = 0; r < R_; ++r) {
+            const i64 b = order_bin_[r][k];
+            if (cell_units_[b].empty()) continue;
+            est_.clear();
+            for (i64 j = 0; j < S_; ++j) {
+                const i64 t = order_bin_[r][j];
+                if (t == b || cell_units_[t].empty()) continue;
+                est_.push_back({t, value_[t].rows, value_[t].source});
+            }
+            if (est_.empty()) return false;
+            ux_ = cell_units_[b];
+            if (!all) ux_ = {ux_[below(static_cast<i64>(ux_.size()))]};
+            std::sort(ux_.begin(), ux_.end(), [this](i64 x, i64 y) {
+                return unit_rows_[x] != unit_rows_[y] ? unit_rows_[x] > unit_rows_[y] : x < y;
+            });
+            for (i64 u : ux_) {
+                i64 at = -1, add = 0;
+                const i64 p = kind_[u] == 1 ? cell_of_[win_[u]] : -3;  // the producer it may read
+                for (i64 e = 0; e < static_cast<i64>(est_.size()); ++e) {
+                    const Room& x = est_[e];
+                    const bool read = p >= 0 && p / S_ == r && p != x.cell && (x.source == p || x.source == -1);
+                    const i64 rows = unit_rows_[u] - (read ? path_rows_[u] : 0);
+                    if (x.rows + rows <= M_ && (at < 0 || x.rows + rows > est_[at].rows + add)) {
+                        at = e;
+                        add = rows;
+                    }
+                }
+                if (at < 0) return false;
+                Room& x = est_[at];
+                x.rows += add;
+                if (kind_[u] == 0) x.source = -2;
+                else if (add < unit_rows_[u] && x.source == -1) x.source = p;
+                plan_.emplace_back(u, x.cell);
+            }
+        }
+        if (plan_.empty()) return false;
+        for (const auto& ut : plan_) relocate(ut.first, ut.second);
+        return true;
+    }
+
     // One random move of the move set, applied (false: none possible this time).
     bool propose() {
         moved_.clear();
@@ -491,8 +548,12 @@ class Search {
         if (cell_units_[a].empty()) return false;
         const i64 u = cell_units_[a][below(static_cast<i64>(cell_units_[a].size()))];
         const std::vector<i64> prod0(prod_);
-        const i64 kind = below(cuts_.empty() ? 8 : 9);
-        if (kind == 8) {  // cut a window: a block and the blocks below it to another bin; or joined to the block above
+        const i64 singles = cuts_.empty() ? 8 : 9;  // the moves of one unit, bin or window (8: a window cut)
+        i64 kind = below(R_ > 1 ? singles + 2 : singles);
+        if (kind >= singles) kind = 9 + kind - singles;  // several replicas: 9 a slot emptied, 10 lightened
+        if (kind == 9 || kind == 10) {  // on every replica at once
+            if (!dissolve(below(S_), kind == 9)) return false;
+        } else if (kind == 8) {  // cut a window: a block and the blocks below it to another bin; or joined to the block above
             const i64 k = cuts_[below(static_cast<i64>(cuts_.size()))];
             const i64 from = cell_of_[k];
             const i64 how = below(3);
@@ -536,7 +597,9 @@ class Search {
             if (b == a) return false;
             shift(u, b);
         } else if (kind <= 4) {  // swap u with a unit of another cell
-            const i64 b = kind == 3 ? cell_of_[below(U_)] : lightest(below(S_));
+            i64 b = kind == 3 ? cell_of_[below(U_)] : lightest(below(S_));
+            if (kind == 3 && kind_[u] == 1 && cell_of_[win_[u]] / S_ != a / S_ && (next() & 1))
+                b = (cell_of_[win_[u]] / S_) * S_ + below(S_);  // a unit of its producer's replica
             if (b == a || cell_units_[b].empty()) return false;
             const i64 v = cell_units_[b][below(static_cast<i64>(cell_units_[b].size()))];
             if (kind_[v] == 0 && up_[v] >= 0) return false;
@@ -602,6 +665,13 @@ class Search {
     std::vector<i64> replayed_, root_;
     std::vector<i64> top_, deep_, cuts_, ncore_, prod_;
     std::vector<char> reading_;
+    std::vector<i64> unit_rows_, ux_;
+    struct Room {  // a bin's estimated rows while units are re-packed into it, and the producer it reads
+        i64 cell, rows;
+        i64 source;  // -1: none yet, -2: none (a producer itself)
+    };
+    std::vector<Room> est_;
+    std::vector<std::pair<i64, i64>> plan_;
     std::vector<std::tuple<i64, i64, i64>> trees_;
     std::vector<std::pair<i64, CellValue>> old_;
 };

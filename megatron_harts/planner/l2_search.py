@@ -31,10 +31,17 @@ sum of the bin costs over ``dp``), then the sum of squared bin costs.
 
 **Moves**: a unit to another bin (any, the lightest of a slot, or one of its producer's replica; a
 core's top block with the blocks below it in its bin); every unit of a bin into another (a
-microbatch fewer); two units swapped; two bins exchanged (any two, or two of different replicas: a
-microbatch changes replica); a window cut (a block alone to any bin; a block with the blocks below
-it in its bin to a bin of another replica, its items on other replicas to bins of that one; or
-back into the bin of the block above it).  A unit moved away from its producer's replica
+microbatch fewer); two units swapped (the other from any bin, the lightest of a slot, or, for an
+item off its producer's replica, a bin of that replica); two bins exchanged (any two, or two of
+different replicas: a microbatch changes replica); a window cut (a block alone to any bin; a block
+with the blocks below it in its bin to a bin of another replica, its items on other replicas to
+bins of that one; or back into the bin of the block above it).  With several replicas two more
+moves change every replica at once, so that a slot that only pays once each replica has emptied
+its bin there is one move away: a **slot emptied** (each replica's ``k``-th bin, its units largest
+first, each into the replica's other non-empty bin that it fills most within the budget, its rows
+estimated as the unit's rows less its path where it may read it there; nothing moves where a unit
+has room nowhere) and a **slot lightened** (the same, one random unit
+of each replica's ``k``-th bin).  A unit moved away from its producer's replica
 recomputes its path.  The search (compiled: ``_C.l2_search``) starts from L1's plan and anneals: a move is
 taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what it adds to
 the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0; the
