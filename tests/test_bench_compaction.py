@@ -227,8 +227,9 @@ def test_documented_half_size_commands_parse(bc, tmp_path):
     at budget 8192 (4096 scaled), row budget 16,384 scaled from 32,768, no split."""
     (argv,) = [c for c in documented_long_commands() if "--piece-study" in c]
     argv[argv.index("--out") + 1] = str(tmp_path / "c.json")
+    argv[argv.index("--profile") + 1] = str(tmp_path / "profile.txt")
     a = bc.parse(argv + ["--device", "cpu"])
-    assert a.piece_study and not a.split and a.scale == 0.5 and a.budgets == [4096] and a.microbatch_tokens == 16384
+    assert a.profile and a.piece_study and not a.split and a.scale == 0.5 and a.budgets == [4096] and a.microbatch_tokens == 16384
     (argv,) = [c for c in documented_long_commands() if "interval" in c]
     argv[argv.index("--out") + 1] = str(tmp_path / "c.json")
     a = bc.parse(argv + ["--device", "cpu"])
