@@ -270,6 +270,21 @@ class WindowMemoryPlan:
 PIECE_KEEP = ("auto", "all", "none")
 
 
+def _keep_within(base: np.ndarray, candidates, keep, budget: float) -> Tuple[np.ndarray, List[int]]:
+    """Greedy keeping in the given order: ``keep(live, c)`` adds what keeping ``c`` holds to the live-bytes
+    profile ``live``; ``c`` is kept where no phase it raises goes above ``budget``.  Returns the profile with
+    the kept candidates' bytes and the kept candidates."""
+    kept: List[int] = []
+    for c in candidates:
+        trial = base.copy()
+        keep(trial, c)
+        raised = trial > base
+        if not raised.any() or float(trial[raised].max()) <= budget:
+            base = trial
+            kept.append(c)
+    return base, kept
+
+
 def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_per_row: int,
                        budget_bytes: Optional[int] = None, force: Optional[bool] = None,
                        recompute: Optional[Sequence[int]] = None, piece_keep="none",
@@ -391,13 +406,7 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
         for p in kept:
             add(base, p)
     elif force is None:
-        for p in sorted(consumers):
-            trial = base.copy()
-            add(trial, p)
-            raised = trial > base
-            if not raised.any() or float(trial[raised].max()) <= budget_bytes:
-                base = trial
-                kept.append(p)
+        base, kept = _keep_within(base, sorted(consumers), add, budget_bytes)
     recompute = tuple(p for p in sorted(consumers) if p not in set(kept))
     # pieces: a kept read piece holds its graph from its run to its backward
     held = saved_per_row if piece_graph_per_row is None else int(piece_graph_per_row)
@@ -416,13 +425,7 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
             for i in read:
                 hold(base, i)
         elif piece_keep == "auto":
-            for i in read:
-                trial = base.copy()
-                hold(trial, i)
-                raised = trial > base
-                if not raised.any() or float(trial[raised].max()) <= piece_budget_bytes:
-                    base = trial
-                    kept_pieces.append(i)
+            base, kept_pieces = _keep_within(base, read, hold, piece_budget_bytes)
     else:
         chosen = {int(i) for i in piece_keep}
         if not chosen <= set(read):

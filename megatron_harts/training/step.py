@@ -75,6 +75,12 @@ class NonFiniteLoss(RuntimeError):
     """The step's loss is NaN or infinite; the weights were not updated."""
 
 
+def _check_bytes(value, flag: str) -> None:
+    """A byte budget of the settings: None or a positive int (ValueError naming ``flag``)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{flag} must be a positive number of bytes, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SharingSettings:
     """How a step is cut into microbatches (the ``--tree-*`` flags)."""
@@ -101,16 +107,10 @@ class SharingSettings:
             raise ValueError(f"--tree-planner must be one of {PLANNERS}, got {self.planner!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"--tree-pp-schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
-        if self.memory_budget_bytes is not None and (isinstance(self.memory_budget_bytes, bool)
-                                                     or not isinstance(self.memory_budget_bytes, int)
-                                                     or self.memory_budget_bytes < 1):
-            raise ValueError(f"--tree-memory-budget must be a positive number of bytes, got {self.memory_budget_bytes!r}")
+        _check_bytes(self.memory_budget_bytes, "--tree-memory-budget")
         if self.piece_keep not in PIECE_KEEP:
             raise ValueError(f"--tree-piece-keep must be one of {PIECE_KEEP}, got {self.piece_keep!r}")
-        if self.piece_budget_bytes is not None and (isinstance(self.piece_budget_bytes, bool)
-                                                    or not isinstance(self.piece_budget_bytes, int)
-                                                    or self.piece_budget_bytes < 1):
-            raise ValueError(f"--tree-piece-memory must be a positive number of bytes, got {self.piece_budget_bytes!r}")
+        _check_bytes(self.piece_budget_bytes, "--tree-piece-memory")
         if self.piece_keep == "auto" and self.piece_budget_bytes is None:
             raise ValueError("--tree-piece-keep auto needs the pieces' memory budget (--tree-piece-memory)")
 
