@@ -65,6 +65,7 @@ def main(argv=None):
     reason = ia.interval_available("cuda")
     if not torch.cuda.is_available() or reason is not None:
         raise CliError(f"tune_interval needs CUDA and Triton: {reason or 'no CUDA device'}")
+    from triton.runtime.errors import OutOfResources
     dev = torch.device("cuda")
     H, dqk, dv = a.heads, 192, 128
     results = []
@@ -95,6 +96,7 @@ def main(argv=None):
         for tile in a.tiles:
             bm, bn = map(int, tile.split("x"))
             blocks = ia.build_interval_blocks(layout.visibility, block_m=bm, block_n=bn, device=dev)
+
             def run_with(fo, bo):
                 fw, fs = map(int, fo.split("x"))
                 bw, bs = map(int, bo.split("x"))
@@ -113,7 +115,7 @@ def main(argv=None):
                             t.grad = None
                         ia.interval_attention(q, k, v, blocks).backward(g)
                     return timed(f, dev, 2, a.repeats), timed(fb, dev, 2, a.repeats)
-                except Exception as e:      # out of resources for this config
+                except OutOfResources as e:      # the option's tiles do not fit the GPU's shared memory
                     print(f"  {tile} fwd {fo} bwd {bo}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
                     return None
                 finally:
@@ -145,7 +147,8 @@ def main(argv=None):
                 if got:
                     record(best_f[0], bo, got)
     if a.out:
-        json.dump(results, open(a.out, "w"), indent=1)
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
     for name in a.sets:
         rs = [r for r in results if r["set"] == name]
         if rs:
