@@ -24,10 +24,17 @@ import torch
 from megatron.core import tensor_parallel
 
 from ..layout import host_to_device
+from ..ops.kda_elementwise import fusable
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
+
+
+def use_fused_kernels(config, t: torch.Tensor) -> bool:
+    """Whether a layer runs its elementwise chains as the fused kernels (``ops.kda_elementwise``): the
+    config asks for them (``kda_fusion``) and they take the layer's tensors (CUDA, 16/32-bit floats)."""
+    return bool(getattr(config, "kda_fusion", False)) and fusable(t)
 
 
 def tp_size(group) -> int:

@@ -46,12 +46,13 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.module import MegatronModule
 
+from ..ops.kda_elementwise import L2NORM_EPS, silu_l2norm
 from ..ops.key_paths import default_kernel, path_attention
 from ..ops.path_conv import path_conv, sequence_conv_taps
 from ..ops.tree_attention import tree_attention
 from ..ops.tree_kda import KdaExternal, get_kda_backend, tree_kda
 from .common import (from_sequence_order, sequence_lengths, sequences_unview, sequences_view,
-                     to_sequence_order)
+                     to_sequence_order, use_fused_kernels)
 
 ROW_MODES = ("tree", "packed", "batched")
 #: ``torch.profiler.record_function`` names around the cores' forward (a profile finds their
@@ -99,7 +100,18 @@ def _zero_pad(o: torch.Tensor, pad: int) -> torch.Tensor:
     return torch.cat([o, o.new_zeros((pad,) + tuple(o.shape[1:]))]) if pad else o
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def conv_activate_qkv(config, conv, qkv, heads: int, dim: int):
+    """The KDA inputs from the projections ``qkv``: ``conv(i, t, activation)`` (the mode's short conv of
+    the i-th of q, k, v) of each, SiLU, and q and k L2-normalized per head, as [rows, heads, dim].
+    Where :func:`~megatron_harts.models.common.use_fused_kernels` says so, q's and k's SiLU and norm
+    run as one kernel (``ops.kda_elementwise.silu_l2norm``) after a conv without activation."""
+    fused = use_fused_kernels(config, qkv[0])
+    qk_act, norm = (None, silu_l2norm) if fused else ("silu", l2norm)
+    q, k = (norm(conv(i, qkv[i], qk_act).view(-1, heads, dim)) for i in (0, 1))
+    return q, k, conv(2, qkv[2], "silu").view(-1, heads, dim)
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """fla's / Kimi-Linear's L2 norm over the last dim: ``x / sqrt(sum(x^2) + eps)``."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -135,12 +147,15 @@ class KDACore(MegatronModule):
         pre = {"conv_q": q, "conv_k": k, "conv_v": v}
         if mode.consumer:   # the conv taps read the producer's exported inputs of the context rows
             ex = psp.layer_exports(self.layer_number)
-            q, k, v = (path_conv(t, w, None, None, activation="silu", taps=psp.conv_taps, context=ex[n])
-                       for t, w, n in zip((q, k, v), conv_weights, ("conv_q", "conv_k", "conv_v")))
+            context = [ex[n] for n in ("conv_q", "conv_k", "conv_v")]
+
+            def conv(i, t, act):
+                return path_conv(t, conv_weights[i], None, None, activation=act, taps=psp.conv_taps,
+                                 context=context[i])
         else:
-            q, k, v = (path_conv(t, w, None, psp.layout.prev, activation="silu", taps=psp.conv_taps)
-                       for t, w in zip((q, k, v), conv_weights))
-        q, k, v = l2norm(q.view(-1, H, D)), l2norm(k.view(-1, H, D)), v.view(-1, H, D)
+            def conv(i, t, act):
+                return path_conv(t, conv_weights[i], None, psp.layout.prev, activation=act, taps=psp.conv_taps)
+        q, k, v = conv_activate_qkv(self.config, conv, (q, k, v), H, D)
         external = None
         if mode.consumer:   # subtree roots start from the producer's states and replay its rows
             ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
@@ -168,10 +183,10 @@ class KDACore(MegatronModule):
             taps = psp.sequence_conv_taps(self.kernel, q.device)
         else:                                                 # batched, or megatron's own params
             taps = sequence_conv_taps(lens, self.kernel).to(q.device)
-        q, k, v = (from_sequence_order(path_conv(to_sequence_order(t, s, b), w, None, None, activation="silu",
-                                                 taps=taps), s, b)
-                   for t, w in zip((q, k, v), conv_weights))
-        q, k, v = l2norm(q.view(-1, H, D)), l2norm(k.view(-1, H, D)), v.view(-1, H, D)
+        def conv(i, t, act):
+            return from_sequence_order(path_conv(to_sequence_order(t, s, b), conv_weights[i], None, None,
+                                                 activation=act, taps=taps), s, b)
+        q, k, v = conv_activate_qkv(self.config, conv, (q, k, v), H, D)
         run = get_kda_backend(self.config.kda_backend)
         o, _ = run(*(to_sequence_order(t, s, b) for t in (q, k, v, g, beta)), lens,
                    chunk_size=self.config.kda_chunk_size)

@@ -40,6 +40,7 @@ This module's forward is the same in every mode.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -55,8 +56,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
                                              sharded_state_dict_default)
 
+from ..ops.kda_elementwise import gated_rms_norm, kda_gate, kda_gate_reference, triton_available
 from ..ops.tree_kda import get_kda_backend
-from .common import check_divisible, local_column_linear, rows_linear, tp_input, tp_replicated, tp_size
+from .common import (check_divisible, local_column_linear, rows_linear, tp_input, tp_replicated, tp_size,
+                     use_fused_kernels)
 from .cores import KDACore
 from .norm import rms_normalize
 
@@ -96,6 +99,9 @@ class KimiDeltaAttention(MegatronModule):
         except ValueError as e:
             raise ValueError(f"kda_backend {config.kda_backend!r}: {e}") from None
         dev = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        if config.kda_fusion and torch.cuda.is_available() and not triton_available():
+            warnings.warn("Triton is not installed: the KDA layers' elementwise chains run as eager torch ops, "
+                          "not fused (--no-tree-kda-fusion says so and silences this)", stacklevel=2)
 
         self.linear_q = local_column_linear(hid, H * D, config, self.tp_group)
         self.linear_k = local_column_linear(hid, H * D, config, self.tp_group)
@@ -168,16 +174,21 @@ class KimiDeltaAttention(MegatronModule):
         q = rows_linear(self.linear_q, rows)
         k = rows_linear(self.linear_k, rows)
         v = rows_linear(self.linear_v, rows)
+        fused = use_fused_kernels(self.config, rows)
         fa = F.linear(rows, tp_replicated(self.linear_f_a.weight, g_tp))
-        f = rows_linear(self.linear_f_b, fa) + self.dt_bias
-        g = -self.A_log.view(1, H, 1).exp() * F.softplus(f.view(-1, H, D), threshold=20.0)
+        gate_of = kda_gate if fused else kda_gate_reference
+        g = gate_of(rows_linear(self.linear_f_b, fa), self.dt_bias, self.A_log, H)
         beta = torch.sigmoid(rows_linear(self.linear_beta, rows))
         o = self.core(q, k, v, g, beta, (self.conv_q_weight, self.conv_k_weight, self.conv_v_weight),
                       packed_seq_params, shape=(s, b))
         ga = F.linear(rows, tp_replicated(self.linear_g_a.weight, g_tp))
         gate = rows_linear(self.linear_g_b, ga).view(-1, H, D)
         w_norm = tp_replicated(self.out_norm_weight, g_tp)
-        o = rms_normalize(o, self.config.layernorm_epsilon) * w_norm * torch.sigmoid(gate)
+        eps = self.config.layernorm_epsilon
+        if fused:
+            o = gated_rms_norm(o, w_norm, gate, eps)
+        else:
+            o = rms_normalize(o, eps) * w_norm * torch.sigmoid(gate)
         o = o.reshape(s, b, H * D)
         out, bias = self.linear_proj(o)
         return out, bias
