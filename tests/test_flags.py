@@ -99,7 +99,7 @@ def test_parsed_values_land_in_the_configs_by_field_name(monkeypatch):
     # exactly these tree fields configure the model and the step (a new field of the same name as a config
     # field would be copied too: it must be meant)
     tree = TreeFlags()
-    assert set(shared_fields(tree, HybridConfig)) == {"kda_chunk_size", "kda_backend", "kda_fusion",
+    assert set(shared_fields(tree, HybridConfig)) == {"kda_chunk_size", "kda_backend", "fused_kernels",
                                                      "tree_kda_call_plan", "tree_attention_backend",
                                                      "logprob_chunk_rows"}
     assert set(shared_fields(tree, SharingSettings)) == {"sharing", "microbatch_tokens", "planner", "replay",

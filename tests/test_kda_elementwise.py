@@ -110,11 +110,11 @@ def test_references_are_the_eager_layer():
 
 def test_where_the_model_fuses():
     """The config asks and the tensors allow: CUDA 16/32-bit floats only, never fp64 or the CPU; the
-    driver's --no-tree-kda-fusion reaches the model's config."""
+    driver's --no-tree-fused-kernels reaches the model's config."""
     from megatron_harts.models.common import use_fused_kernels
     from megatron_harts.training.arguments import hybrid_config, parse_args
     from types import SimpleNamespace
-    on, off = SimpleNamespace(kda_fusion=True), SimpleNamespace(kda_fusion=False)
+    on, off = SimpleNamespace(fused_kernels=True), SimpleNamespace(fused_kernels=False)
     cpu = torch.zeros(2, dtype=torch.float32)
     assert not use_fused_kernels(on, cpu) and not use_fused_kernels(off, cpu)
     if torch.cuda.is_available() and ke.triton_available():
@@ -123,9 +123,9 @@ def test_where_the_model_fuses():
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64",
             "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "1",
             "--train-iters", "1", "--lr", "1e-4", "--vocab-size", "64"]
-    assert hybrid_config(parse_args(base, require_data=False), device="cpu").kda_fusion is True
-    assert hybrid_config(parse_args(base + ["--no-tree-kda-fusion"], require_data=False),
-                         device="cpu").kda_fusion is False
+    assert hybrid_config(parse_args(base, require_data=False), device="cpu").fused_kernels is True
+    assert hybrid_config(parse_args(base + ["--no-tree-fused-kernels"], require_data=False),
+                         device="cpu").fused_kernels is False
 
 
 @pytest.mark.skipif(not (ke.triton_available() and _INTERPRET), reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
@@ -140,7 +140,7 @@ def test_model_fused_equals_eager_and_tree_equals_expanded(cpu_world, monkeypatc
     forest = tiny_forest(0)
 
     def run(fusion, tree):
-        cfg = tiny_config(torch.float32, kda_fusion=fusion)
+        cfg = tiny_config(torch.float32, fused_kernels=fusion)
         model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 0)
         lay, psp = tree_inputs(forest, cfg)
         if tree:

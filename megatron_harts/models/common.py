@@ -32,9 +32,10 @@ from megatron.core.tensor_parallel.mappings import (
 
 
 def use_fused_kernels(config, t: torch.Tensor) -> bool:
-    """Whether a layer runs its elementwise chains as the fused kernels (``ops.kda_elementwise``): the
-    config asks for them (``kda_fusion``) and they take the layer's tensors (CUDA, 16/32-bit floats)."""
-    return bool(getattr(config, "kda_fusion", False)) and fusable(t)
+    """Whether a module runs its fused kernels (``ops.kda_elementwise``, ``ops.router_topk``) on ``t``: the
+    config asks for them (``fused_kernels``) and they take the tensor (CUDA, 16/32-bit floats).  The one
+    place this is decided."""
+    return bool(getattr(config, "fused_kernels", False)) and fusable(t)
 
 
 def tp_size(group) -> int:

@@ -43,9 +43,9 @@ class HybridConfig(TransformerConfig):
     linear_conv_kernel_dim: int = 4
     kda_chunk_size: int = 64
     kda_backend: str = "reference"
-    # the KDA layers' elementwise chains as fused Triton kernels where they run (CUDA, 16/32-bit floats;
-    # ``ops.kda_elementwise``); the eager torch chains otherwise
-    kda_fusion: bool = True
+    # the KDA layers' elementwise chains and the sigmoid router's top-k as fused Triton kernels where they
+    # run (CUDA, 16/32-bit floats; ``ops.kda_elementwise``, ``ops.router_topk``); eager torch otherwise
+    fused_kernels: bool = True
     tree_kda_call_plan: str = "harts"   # one of CALL_PLANS (module docstring)
     # MLA (full attention) layers
     q_lora_rank: Optional[int] = None

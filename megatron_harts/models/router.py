@@ -13,7 +13,9 @@ Routing (transformers ``KimiLinearTopkRouter``, DeepSeek-V3 style), with
 
 (megatron's own group-limited top-k scores a group by its top ``k / group_topk``
 experts, which differs from Kimi-Linear unless that equals 2.)  The softmax
-score function keeps megatron's routing unchanged.
+score function keeps megatron's routing unchanged.  The sigmoid routing is
+``ops.router_topk``: one fused Triton kernel each way where the model's fused
+kernels run (``models.common.use_fused_kernels``), its plain torch reference elsewhere.
 
 Tree mode: a compact row stands for ``q(r)`` expanded tokens (its occurrence
 count).  Routing is a deterministic per-row function, so each copy routes the
@@ -41,33 +43,10 @@ from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_
 from megatron.core.transformer.moe.router import TopKRouter
 
 from ..ops.moe import q_aux_loss, q_tokens_per_expert, q_z_loss
+from ..ops.router_topk import sigmoid_topk, sigmoid_topk_reference
+from .common import use_fused_kernels
 
 TREE_LOAD_BALANCING_TYPES = ("aux_loss", "none")
-
-
-def kimi_topk_routing(logits: torch.Tensor, topk: int, *, num_groups: Optional[int], group_topk: Optional[int],
-                      group_score_topk: int, scaling_factor: Optional[float],
-                      expert_bias: Optional[torch.Tensor], normalize: bool = True):
-    """Sigmoid top-k routing of Kimi-Linear: returns (routing probs [N, E], routing map [N, E] bool)."""
-    N, E = logits.shape
-    scores = torch.sigmoid(logits)
-    choice = scores + expert_bias.to(scores.dtype) if expert_bias is not None else scores
-    if group_topk and num_groups and num_groups > 1:
-        per = E // num_groups
-        group_scores = choice.view(N, num_groups, per).topk(min(group_score_topk, per), dim=-1)[0].sum(-1)
-        group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        keep = group_mask.unsqueeze(-1).expand(N, num_groups, per).reshape(N, E).bool()
-        choice = choice.masked_fill(~keep, float("-inf"))
-    top_idx = torch.topk(choice, k=topk, dim=-1)[1]
-    w = scores.gather(1, top_idx)
-    if normalize:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    if scaling_factor:
-        w = w * scaling_factor
-    probs = torch.zeros_like(logits).scatter(1, top_idx, w)
-    rmap = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_idx, True)
-    return probs, rmap
 
 
 class HybridRouter(TopKRouter):
@@ -105,12 +84,11 @@ class HybridRouter(TopKRouter):
                 num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
                 scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
                 expert_bias=self.expert_bias, fused=False)
-        return kimi_topk_routing(logits, self.topk, num_groups=cfg.moe_router_num_groups,
-                                 group_topk=cfg.moe_router_group_topk,
-                                 group_score_topk=getattr(cfg, "moe_router_group_score_topk", 2),
-                                 scaling_factor=cfg.moe_router_topk_scaling_factor,
-                                 expert_bias=self.expert_bias,
-                                 normalize=getattr(cfg, "moe_router_norm_topk_prob", self.topk > 1))
+        route = sigmoid_topk if use_fused_kernels(cfg, logits) else sigmoid_topk_reference
+        return route(logits, self.topk, num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
+                     group_score_topk=getattr(cfg, "moe_router_group_score_topk", 2),
+                     scaling_factor=cfg.moe_router_topk_scaling_factor, expert_bias=self.expert_bias,
+                     normalize=getattr(cfg, "moe_router_norm_topk_prob", self.topk > 1))
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         w = self._token_weight

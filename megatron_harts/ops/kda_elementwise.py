@@ -17,8 +17,8 @@ rounding of that dtype (tests/test_kda_elementwise.py, on the GPU and under Trit
 Row by row they compute the same function in either mode, so tree and expanded rows of one token
 agree as before.
 
-Who uses which is decided once, by the model's config (``HybridConfig.kda_fusion``, on by default
-on the GPU: ``--no-tree-kda-fusion`` turns it off) and the tensors (:func:`fusable`: CUDA, 16- or
+Who uses which is decided once, by the model's config (``HybridConfig.fused_kernels``, on by default
+on the GPU: ``--no-tree-fused-kernels`` turns it off) and the tensors (:func:`fusable`: CUDA, 16- or
 32-bit floats); fp64 and CPU tensors run the references.  Importing this module never fails
 without Triton; calling a fused form without it raises.
 """

@@ -10,7 +10,7 @@ driver's (``training.arguments``).
 Field names are those of the configs the fields feed, so they are copied by name
 (``flags.shared_fields``): ``sharing``, ``microbatch_tokens``, ``planner``, ``replay``,
 ``pp_schedule``, ``recompute_producers``, ``piece_keep`` into ``training.step.SharingSettings``;
-``kda_chunk_size``, ``kda_backend``, ``kda_fusion``, ``tree_kda_call_plan``, ``tree_attention_backend``,
+``kda_chunk_size``, ``kda_backend``, ``fused_kernels``, ``tree_kda_call_plan``, ``tree_attention_backend``,
 ``logprob_chunk_rows`` into ``models.config.HybridConfig`` (after ``auto`` backends are
 resolved).  The others are read by the trainer.
 """
@@ -63,10 +63,10 @@ class TreeFlags:
     replay: bool = flag(
         True, "--no-tree-replay", "ablation: start KDA sequences at fork points without replaying to a chunk "
         "boundary (tree == expanded to rounding only)")
-    kda_fusion: bool = flag(
-        True, "--no-tree-kda-fusion", "the KDA layers' elementwise chains (forget gate, q/k SiLU + L2 norm, gated "
-        "output norm) as eager torch ops instead of one fused Triton kernel each (fused by default on the GPU; "
-        "never on the CPU or in fp64)")
+    fused_kernels: bool = flag(
+        True, "--no-tree-fused-kernels", "eager torch ops instead of one fused Triton kernel each for the KDA "
+        "layers' elementwise chains (forget gate, q/k SiLU + L2 norm, gated output norm) and the sigmoid router's "
+        "top-k (fused by default on the GPU; never on the CPU or in fp64)")
     kda_backend: str = flag(
         "auto", "--tree-kda-backend", "KDA kernels: auto (default: fla on CUDA, reference otherwise or with --fp64), "
         "reference (plain torch) or fla (needs CUDA)", choices=KDA_BACKEND_CHOICES)
