@@ -4,8 +4,7 @@
 For each workload (``--sets``: a scheme, optionally ``:strategy:budget`` for compaction traces, as
 ``bench_tree_attention.py`` builds them) and tile (``--tiles``, ``MxN``), times the forward alone for
 each (warps x stages) option of the forward (``--fwd``), then forward + backward for each option of
-the backward (``--bwd``) with the fastest forward option and each backward form (``--backwards``: one pass with atomic dq, or a dq
-kernel of its own), against causal SDPA (torch's flash kernel)
+the backward (``--bwd``) with the fastest forward option, against causal SDPA (torch's flash kernel)
 over the same rows.  Prints per option the time per visible pair over causal SDPA's (forward,
 forward + backward, backward alone) and the best per workload; ``--out`` writes every measurement
 as JSON.  Options that do not fit the GPU's shared memory are reported and skipped.  Needs CUDA and
@@ -55,8 +54,6 @@ def main(argv=None):
     p.add_argument("--tiles", nargs="+", default=["64x64", "128x64", "64x128", "128x128"])
     p.add_argument("--fwd", nargs="+", default=["4x2", "4x3", "8x2", "8x3"])
     p.add_argument("--bwd", nargs="+", default=["4x1", "4x2", "8x1", "8x2"])
-    p.add_argument("--backwards", nargs="+", default=list(ia.BACKWARDS), choices=ia.BACKWARDS,
-                   help="backward forms to time (default: all)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -100,7 +97,7 @@ def main(argv=None):
             bm, bn = map(int, tile.split("x"))
             blocks = ia.build_interval_blocks(layout.visibility, block_m=bm, block_n=bn, device=dev)
 
-            def run_with(fo, bo, kind):
+            def run_with(fo, bo):
                 fw, fs = map(int, fo.split("x"))
                 bw, bs = map(int, bo.split("x"))
 
@@ -116,40 +113,39 @@ def main(argv=None):
                     def fb():
                         for t in (q, k, v):
                             t.grad = None
-                        ia.interval_attention(q, k, v, blocks, backward=kind).backward(g)
+                        ia.interval_attention(q, k, v, blocks).backward(g)
                     return timed(f, dev, 2, a.repeats), timed(fb, dev, 2, a.repeats)
                 except OutOfResources as e:      # the option's tiles do not fit the GPU's shared memory
-                    print(f"  {tile} fwd {fo} bwd {kind} {bo}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+                    print(f"  {tile} fwd {fo} bwd {bo}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
                     return None
                 finally:
                     ia._launch_args = orig
 
-            def record(fo, bo, kind, got):
+            def record(fo, bo, got):
                 tf, tfb = got
                 rf = (tf / pairs) / (cf / causal)
                 rfb = (tfb / pairs) / (cfb / causal)
                 rb = ((tfb - tf) / pairs) / ((cfb - cf) / causal)
-                results.append(dict(set=name, tile=tile, fwd=fo, bwd=bo, backward=kind, fwd_ms=tf, fwd_bwd_ms=tfb, rel_fwd=rf,
+                results.append(dict(set=name, tile=tile, fwd=fo, bwd=bo, fwd_ms=tf, fwd_bwd_ms=tfb, rel_fwd=rf,
                                     rel_fwd_bwd=rfb, rel_bwd=rb, rows=R, pairs=pairs, causal_fwd_ms=cf,
                                     causal_fwd_bwd_ms=cfb))
-                print(f"  {tile} fwd {fo} bwd {kind} {bo}: fwd {tf:.2f} ms ({rf:.2f}x), fwd+bwd {tfb:.2f} ms "
+                print(f"  {tile} fwd {fo} bwd {bo}: fwd {tf:.2f} ms ({rf:.2f}x), fwd+bwd {tfb:.2f} ms "
                       f"({rfb:.2f}x), bwd alone {rb:.2f}x", flush=True)
                 return rf, rb
 
             best_f = None
             for fo in a.fwd:            # the forward's options with the first backward option
-                got = run_with(fo, a.bwd[0], a.backwards[0])
+                got = run_with(fo, a.bwd[0])
                 if got:
-                    rf, _ = record(fo, a.bwd[0], a.backwards[0], got)
+                    rf, _ = record(fo, a.bwd[0], got)
                     if best_f is None or rf < best_f[1]:
                         best_f = (fo, rf)
             if best_f is None:
                 continue
-            for kind in a.backwards:    # the backward's forms and options with the best forward option
-                for bo in a.bwd[1:] if kind == a.backwards[0] else a.bwd:
-                    got = run_with(best_f[0], bo, kind)
-                    if got:
-                        record(best_f[0], bo, kind, got)
+            for bo in a.bwd[1:]:        # the backward's options with the best forward option
+                got = run_with(best_f[0], bo)
+                if got:
+                    record(best_f[0], bo, got)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
@@ -157,8 +153,7 @@ def main(argv=None):
         rs = [r for r in results if r["set"] == name]
         if rs:
             best = min(rs, key=lambda r: r["rel_fwd_bwd"])
-            print(f"best {name}: {best['tile']} fwd {best['fwd']} bwd {best['backward']} {best['bwd']}: "
-                  f"{best['rel_fwd_bwd']:.2f}x "
+            print(f"best {name}: {best['tile']} fwd {best['fwd']} bwd {best['bwd']}: {best['rel_fwd_bwd']:.2f}x "
                   f"(fwd {best['rel_fwd']:.2f}x)")
 
 

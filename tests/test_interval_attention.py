@@ -166,10 +166,8 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def run_case(vis, ctx, device, H, Hk, dqk, dv, block, seed=0, dtype=torch.float32, tol=1e-5, backward=None):
-    """Kernel vs fp64 oracle: output and gradients of q, k, v (and context k, v); returns errors.
-    ``backward``: call the kernels directly with that backward (default: causal visibilities through
-    tree_attention's interval backend, with the default backward)."""
+def run_case(vis, ctx, device, H, Hk, dqk, dv, block, seed=0, dtype=torch.float32, tol=1e-5):
+    """Kernel vs fp64 oracle: output and gradients of q, k, v (and context k, v); returns errors."""
     R = vis.num_queries
     Rc = ctx.num_keys if ctx is not None else 0
     gen = torch.Generator().manual_seed(seed)
@@ -189,12 +187,11 @@ def run_case(vis, ctx, device, H, Hk, dqk, dv, block, seed=0, dtype=torch.float3
     ref_grads = torch.autograd.grad(ref, ref_in, g, allow_unused=True)
     ins = [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v, ck, cv)]
     blocks = build_interval_blocks(vis, ctx, block_m=block, block_n=block, device=device)
-    if vis.causal and backward is None:
+    if vis.causal:
         out = tree_attention(ins[0], ins[1], ins[2], vis, scale, backend="interval", interval_blocks=blocks,
                              context_kv=(ins[3], ins[4]) if Rc else None, context_visibility=ctx)
     else:
-        out = interval_attention(ins[0], torch.cat([ins[3], ins[1]]), torch.cat([ins[4], ins[2]]), blocks, scale,
-                                 backward=backward or "one-pass")
+        out = interval_attention(ins[0], torch.cat([ins[3], ins[1]]), torch.cat([ins[4], ins[2]]), blocks, scale)
     grads = torch.autograd.grad(out, ins, g.to(device=device, dtype=dtype), allow_unused=True)
     errs = {"out": rel(out.detach().cpu(), ref.detach())}
     for name, a, b in zip(("dq", "dk", "dv", "dck", "dcv"), grads, ref_grads):
@@ -247,9 +244,6 @@ def kernel_cases(device, block=16, big_dims=True):
     assert sub.num_context_rows and sub_c.num_context_rows and lay_c.num_events and fixed.num_events
     for name, (vis, ctx, H, Hk, dqk, dv) in cases.items():
         errs[name] = run_case(vis, ctx, device, H, Hk, dqk, dv, block)
-    for name in ("tree_context", "compaction", "empty_rows") + (("mla_96_64",) if big_dims else ()):
-        vis, ctx, H, Hk, dqk, dv = cases[name]
-        errs[name + "/two-pass"] = run_case(vis, ctx, device, H, Hk, dqk, dv, block, backward="two-pass")
     return errs
 
 

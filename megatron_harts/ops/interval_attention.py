@@ -401,12 +401,10 @@ if triton is not None:
                      mask=row_ok[:, None] & (d_b[None, :] < DQK))
 
     @triton.jit
-    def _dkdv_tiles(dk_a, dk_b, dv, k_a, k_b, v, q_head, do_head, lse_head, delta_head, dq_head, tiles, lo, hi,
-                    starts, ends, offs_n, R, M, DQK, DV, qk_scale, scale, stride_qm, stride_om, d_a, d_b, d_v,
-                    BM: tl.constexpr, DB: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
-                    DQ_ATOMIC: tl.constexpr):
-        """Transposed tiles: keys on rows, query rows on columns.  ``DQ_ATOMIC``: also each tile's dq
-        (``scale * dS K``) added atomically into the fp32 ``dq_head`` (q's strides)."""
+    def _dkdv_tiles(dk_a, dk_b, dv, k_a, k_b, v, q_head, do_head, lse_head, delta_head, tiles, lo, hi, starts, ends,
+                    offs_n, R, M, DQK, DV, qk_scale, stride_qm, stride_om, d_a, d_b, d_v,
+                    BM: tl.constexpr, DB: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+        """Transposed tiles: keys on rows, query rows on columns."""
         for i in range(lo, hi):
             offs_m = tl.load(tiles + i) * BM + tl.arange(0, BM)
             row_ok = offs_m < R
@@ -427,25 +425,16 @@ if triton is not None:
             dk_a += tl.dot(dst, tl.trans(qt_a), input_precision=PREC)
             if DB > 0:
                 dk_b += tl.dot(dst, tl.trans(qt_b), input_precision=PREC)
-            if DQ_ATOMIC:
-                ds = tl.trans(dst)
-                dq_rows = dq_head + offs_m[:, None] * stride_qm
-                tl.atomic_add(dq_rows + d_a[None, :], tl.dot(ds, k_a, input_precision=PREC) * scale,
-                              mask=row_ok[:, None] & (d_a[None, :] < DQK))
-                if DB > 0:
-                    tl.atomic_add(dq_rows + d_b[None, :], tl.dot(ds, k_b, input_precision=PREC) * scale,
-                                  mask=row_ok[:, None] & (d_b[None, :] < DQK))
         return dk_a, dk_b, dv
 
     @triton.jit
-    def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, k_offsets, k_num_full,
+    def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, k_offsets, k_num_full,
                      k_blocks, starts, ends, R, K, M, DQK, DV, GROUP, qk_scale, scale,
                      stride_qm, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_om, stride_oh,
                      BM: tl.constexpr, BN: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DBP: tl.constexpr,
-                     BDV: tl.constexpr, PREC: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                     BDV: tl.constexpr, PREC: tl.constexpr):
         """One program per (key block, key head): its dk/dv over every query head of its group and
-        every query block that visits it, in registers (dk/dv have k's/v's strides); with
-        ``DQ_ATOMIC`` also dq, added atomically into the fp32 ``dq_ptr`` (q's strides)."""
+        every query block that visits it, in registers (no atomics; dk/dv have k's/v's strides)."""
         kb = tl.program_id(0)
         hk = tl.program_id(1)
         offs_n = kb * BN + tl.arange(0, BN)
@@ -466,15 +455,12 @@ if triton is not None:
             h = hk * GROUP + g
             q_head = q_ptr + h * stride_qh
             do_head = do_ptr + h * stride_oh
-            dq_head = dq_ptr + h * stride_qh
             dk_a, dk_b, dv = _dkdv_tiles(dk_a, dk_b, dv, k_a, k_b, v, q_head, do_head, lse_ptr + h * R,
-                                         delta_ptr + h * R, dq_head, k_blocks, lo, mid, starts, ends, offs_n, R, M,
-                                         DQK, DV, qk_scale, scale, stride_qm, stride_om, d_a, d_b, d_v, BM, DB, PREC,
-                                         False, DQ_ATOMIC)
+                                         delta_ptr + h * R, k_blocks, lo, mid, starts, ends, offs_n, R, M, DQK, DV,
+                                         qk_scale, stride_qm, stride_om, d_a, d_b, d_v, BM, DB, PREC, False)
             dk_a, dk_b, dv = _dkdv_tiles(dk_a, dk_b, dv, k_a, k_b, v, q_head, do_head, lse_ptr + h * R,
-                                         delta_ptr + h * R, dq_head, k_blocks, mid, hi, starts, ends, offs_n, R, M,
-                                         DQK, DV, qk_scale, scale, stride_qm, stride_om, d_a, d_b, d_v, BM, DB, PREC,
-                                         True, DQ_ATOMIC)
+                                         delta_ptr + h * R, k_blocks, mid, hi, starts, ends, offs_n, R, M, DQK, DV,
+                                         qk_scale, stride_qm, stride_om, d_a, d_b, d_v, BM, DB, PREC, True)
         dk_base = dk_ptr + offs_n[:, None] * stride_kn + hk * stride_kh
         tl.store(dk_base + d_a[None, :], (dk_a * scale).to(dk_ptr.dtype.element_ty),
                  mask=key_ok[:, None] & (d_a[None, :] < DQK))
@@ -506,15 +492,9 @@ def _launch_args(q, k, v, blocks: IntervalBlocks):
     return sizes, meta, fwd, bwd
 
 
-#: how the backward computes dq: "one-pass" (the dk/dv kernel adds each tile's dq atomically into
-#: an fp32 buffer: 5 GEMMs a tile, the probabilities recomputed once) or "two-pass" (a dq kernel of
-#: its own, per query block in registers: 7 GEMMs a tile, no atomics, the same result every run)
-BACKWARDS = ("one-pass", "two-pass")
-
-
 class _IntervalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, blocks: IntervalBlocks, scale: float, backward: str):
+    def forward(ctx, q, k, v, blocks: IntervalBlocks, scale: float):
         R, H, _ = q.shape
         DV = v.shape[2]
         sizes, meta, launch, _ = _launch_args(q, k, v, blocks)
@@ -527,7 +507,7 @@ class _IntervalAttention(torch.autograd.Function):
                           o.stride(0), o.stride(1), **meta, **launch)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.blocks = blocks
-        ctx.scale, ctx.backward = scale, backward
+        ctx.scale = scale
         return o
 
     @staticmethod
@@ -539,30 +519,23 @@ class _IntervalAttention(torch.autograd.Function):
         Hk = k.shape[1]
         delta = (do.float() * o.float()).sum(-1).transpose(0, 1).contiguous()      # [H, R]
         sizes, meta, _, launch = _launch_args(q, k, v, blocks)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                    do.stride(0), do.stride(1))
-        one_pass = ctx.backward == "one-pass"
-        if one_pass:
-            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)     # q's strides (contiguous)
-        else:
-            dq = torch.empty_like(q)
-            _dq_kernel[(blocks.num_query_blocks, H)](
-                q, k, v, do, lse, delta, dq, blocks.q_offsets, blocks.q_num_full, blocks.q_blocks,
-                blocks.starts, blocks.ends, *sizes, scale * _LOG2E, scale, *strides, **meta, **launch)
+        _dq_kernel[(blocks.num_query_blocks, H)](
+            q, k, v, do, lse, delta, dq, blocks.q_offsets, blocks.q_num_full, blocks.q_blocks,
+            blocks.starts, blocks.ends, *sizes, scale * _LOG2E, scale, *strides, **meta, **launch)
         _dkdv_kernel[(blocks.num_key_blocks, Hk)](
-            q, k, v, do, lse, delta, dk, dv, dq, blocks.k_offsets, blocks.k_num_full, blocks.k_blocks,
-            blocks.starts, blocks.ends, *sizes, scale * _LOG2E, scale, *strides, **meta, DQ_ATOMIC=one_pass,
-            **launch)
-        return (dq.to(q.dtype) if one_pass else dq), dk, dv, None, None, None
+            q, k, v, do, lse, delta, dk, dv, blocks.k_offsets, blocks.k_num_full, blocks.k_blocks,
+            blocks.starts, blocks.ends, *sizes, scale * _LOG2E, scale, *strides, **meta, **launch)
+        return dq, dk, dv, None, None
 
 
 def interval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: IntervalBlocks,
-                       scale: Optional[float] = None, backward: str = "one-pass") -> torch.Tensor:
+                       scale: Optional[float] = None) -> torch.Tensor:
     """Attention of q ``[R, H, Dqk]`` over k ``[K, Hk, Dqk]``, v ``[K, Hk, Dv]`` (the whole key axis,
     context keys first) on the tiles of ``blocks``; differentiable in q, k and v.  Raises ValueError
-    where the kernels cannot run (no Triton, no CUDA and no interpreter) or the shapes do not match.
-    ``backward``: one of :data:`BACKWARDS` (the same gradients to fp32 accumulation order)."""
+    where the kernels cannot run (no Triton, no CUDA and no interpreter) or the shapes do not match."""
     reason = interval_available(q.device)
     if reason is not None:
         raise ValueError(f"tree attention backend 'interval': {reason}; use backend 'varlen', 'flex' or 'sdpa'")
@@ -576,11 +549,9 @@ def interval_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"backend 'interval' takes q, k, v of one dtype among fp16, bf16, fp32; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
-    if backward not in BACKWARDS:
-        raise ValueError(f"interval_attention: backward must be one of {BACKWARDS}, got {backward!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if q.shape[0] == 0 or k.shape[0] == 0:       # no tile: zeros (a row that sees nothing gets 0)
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[2]) + 0 * (q.sum() + k.sum() + v.sum())
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _IntervalAttention.apply(q, k, v, blocks, float(scale), backward)
+    return _IntervalAttention.apply(q, k, v, blocks, float(scale))
