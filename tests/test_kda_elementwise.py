@@ -128,7 +128,8 @@ def test_where_the_model_fuses():
                          device="cpu").fused_kernels is False
 
 
-@pytest.mark.skipif(not (ke.triton_available() and _INTERPRET), reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.skipif(not (ke.triton_available() and _INTERPRET),
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
 def test_model_fused_equals_eager_and_tree_equals_expanded(cpu_world, monkeypatch):
     """A tiny fp32 model on the CPU with the kernels interpreted: fused and eager chains give the same
     log-probs and gradients (to fp32 rounding), and tree mode equals expanded mode with them fused."""

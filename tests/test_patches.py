@@ -146,3 +146,61 @@ def test_foreach_multi_tensor_scale_equals_upstream_scale():
     assert clip_grads.multi_tensor_scale_impl is fms.foreach_multi_tensor_scale
     patches.undo()
     assert clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale
+
+
+def test_wgrad_accumulation_is_the_unfused_gradient_in_fp32():
+    """megatron's gradient-accumulation fusion through torch: refused by megatron without the patch,
+    and with it each linear's weight gradient lands in ``main_grad`` (no ``.grad`` for DDP to add)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, layers
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_cpu import megatron_cpu
+    from megatron_harts.patches import wgrad_accumulation as wa
+    patches.undo()
+    if not wa.needed():
+        pytest.skip("Apex's fused_weight_gradient_mlp_cuda is installed: nothing to patch")
+    assert not layers._grad_accum_fusion_available and not hasattr(layers, "fused_weight_gradient_mlp_cuda")
+    g = torch.Generator().manual_seed(0)
+    # the accumulation itself: main_grad += grad_output^T @ input in main_grad's dtype
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x, dy = torch.randn(9, 5, generator=g).to(dtype), torch.randn(9, 3, generator=g).to(dtype)
+        main = torch.randn(3, 5, generator=g, dtype=torch.float64).float()
+        want = main.double() + dy.double().t() @ x.double()
+        wa.accumulate(main, dy, x)
+        torch.testing.assert_close(main.double(), want, rtol=1e-6, atol=1e-6)
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
+                            gradient_accumulation_fusion=True)
+    with megatron_cpu():
+        with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+            ColumnParallelLinear(5, 3, config=cfg, init_method=torch.nn.init.zeros_, bias=False)
+        assert wa.NAME in patches.apply()
+        assert layers.fused_weight_gradient_mlp_cuda is wa.TorchWgradAccumulation
+        lin = ColumnParallelLinear(5, 3, config=cfg, init_method=torch.nn.init.normal_, bias=False,
+                                   gather_output=True)
+        w = lin.weight
+        w.main_grad = torch.ones(3, 5)
+        w.grad_added_to_main_grad = False
+        x = torch.randn(4, 2, 5, generator=g, requires_grad=True)
+        dy = torch.randn(4, 2, 3, generator=g)
+        y, _ = lin(x)
+        y.backward(dy)
+        torch.testing.assert_close(y, x @ w.t())
+        torch.testing.assert_close(w.main_grad, 1 + dy.reshape(-1, 3).t() @ x.reshape(-1, 5))
+        torch.testing.assert_close(x.grad, dy @ w.detach())
+        assert w.grad_added_to_main_grad
+    patches.undo()
+    assert not layers._grad_accum_fusion_available and not hasattr(layers, "fused_weight_gradient_mlp_cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the bf16 x bf16 -> fp32 addmm)")
+def test_wgrad_accumulation_cuda_bf16_into_fp32():
+    from megatron_harts.patches import wgrad_accumulation as wa
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 64, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(300, 48, device="cuda", generator=g).bfloat16()
+    main = torch.randn(48, 64, device="cuda", generator=g)
+    want = main.double() + dy.double().t() @ x.double()
+    ptr = main.data_ptr()
+    wa.accumulate(main, dy, x)
+    assert main.dtype == torch.float32 and main.data_ptr() == ptr
+    torch.testing.assert_close(main.double(), want, rtol=1e-5, atol=1e-4)

@@ -21,7 +21,9 @@ call and marks them added, so DDP's post-hooks (still fired through each
 weight's grad accumulator) skip their per-expert adds: the same values, bitwise,
 as the per-expert linears' gradients without ``gradient_accumulation_fusion``
 (bf16 wgrad promoted to ``main_grad``'s dtype, then added), with one launch per
-linear instead of one per expert.  Without DDP the gradients come back through
+linear instead of one per expert; with the fusion on (the dense linears then
+accumulate fp32 products, ``patches.wgrad_accumulation``) the experts keep that
+unfused rounding (``_grouped_mm`` writes its output in its inputs' dtype).  Without DDP the gradients come back through
 ordinary autograd into ``.grad``.  The backward
 re-stacks the weights instead of saving the stacked copy, so activation memory
 does not grow by a copy of every expert's weights per MoE layer.
@@ -46,9 +48,7 @@ The reference is ``SequentialMLP.forward`` itself (:meth:`reference_forward`);
 It falls back (the reason is a plain string; ``None`` means grouped) for:
 torch without ``_grouped_mm``; ``use_grouped_mm = False``; fewer than 2 local
 experts (one GEMM pair already); fp8/fp4 (quantization padding);
-``moe_apply_probs_on_input``; ``gradient_accumulation_fusion`` (the linears'
-fused wgrad accumulates into ``main_grad`` in fp32, which plain autograd would
-not reproduce); TE activations or CPU offloading; expert modules other than
+``moe_apply_probs_on_input``; TE activations or CPU offloading; expert modules other than
 exactly MLP / ColumnParallelLinear / RowParallelLinear, or with biases
 (``add_bias_linear``); fused bias-activation cases MLP itself would refuse;
 autocast; input dtypes other than bf16/fp16/fp32 (fp64 keeps the reference,
@@ -235,8 +235,6 @@ class GroupedSequentialMLP(SequentialMLP):
             return "fp8/fp4 quantization"
         if cfg.moe_apply_probs_on_input:
             return "moe_apply_probs_on_input"
-        if cfg.gradient_accumulation_fusion:
-            return "gradient_accumulation_fusion (fused fp32 wgrad into main_grad)"
         if cfg.use_te_activation_func or getattr(cfg, "cpu_offloading", False):
             return "TE activation or CPU offloading"
         for e in self.local_experts:

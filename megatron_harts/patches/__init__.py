@@ -22,12 +22,13 @@ import inspect
 from typing import List
 
 from . import (checkpoint_without_output, distrib_optimizer_fresh_state_dict, distrib_optimizer_step_restore,
-               foreach_multi_tensor_scale, foreach_param_copy, grad_norm_on_device, router_gating)
+               foreach_multi_tensor_scale, foreach_param_copy, grad_norm_on_device, router_gating,
+               wgrad_accumulation)
 
 SUPPORTED_MEGATRON = "0.16."
 PATCHES = [router_gating, checkpoint_without_output, distrib_optimizer_fresh_state_dict,
            distrib_optimizer_step_restore, grad_norm_on_device, foreach_param_copy,
-           foreach_multi_tensor_scale]
+           foreach_multi_tensor_scale, wgrad_accumulation]
 
 
 def megatron_version() -> str:

@@ -496,6 +496,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     cm = g["Megatron-LM compatibility"]
     cm.add_argument("--use-mcore-models", dest="deprecated_use_mcore_models", action="store_true",
                     help="accepted, no effect (models are always megatron-core)")
+    cm.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                    action="store_false",
+                    help="linears without the weight gradient accumulated into the fp32 main gradient by their "
+                         "GEMM (megatron's gradient-accumulation fusion, through torch: megatron_harts.patches."
+                         "wgrad_accumulation); fused by default on the GPU, never on the CPU")
     cm.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                     help="SwiGLU MLPs and experts without megatron's fused (torch.compile'd) SwiGLU; fused by "
                          "default on the GPU, never on the CPU")
@@ -503,7 +508,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                        ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
                        ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
                        ("--no-rope-fusion", "apply_rope_fusion"),
-                       ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
                        ("--no-persist-layer-norm", "no_persist_layer_norm"),
                        ("--no-create-attention-mask-in-dataloader", "create_attention_mask_in_dataloader")):
         if dest == "no_persist_layer_norm":
@@ -1020,6 +1024,7 @@ def _build_config(args: argparse.Namespace, *, kda_backend: Optional[str], atten
 
     from ..models.config import HybridConfig
     from ..models.model import validate_config
+    from ..patches import wgrad_accumulation
 
     kw = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
@@ -1058,7 +1063,9 @@ def _build_config(args: argparse.Namespace, *, kda_backend: Optional[str], atten
         linear_conv_kernel_dim=args.linear_conv_kernel_dim,
         layer_types=list(args.layer_types), mlp_types=list(args.mlp_types), tree_mode=args.tree.tree_mode,
         calculate_per_token_loss=True, use_cpu_initialization=use_cpu_initialization,
-        gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
+        gradient_accumulation_fusion=bool(cuda and args.gradient_accumulation_fusion
+                                          and wgrad_accumulation.available()),
+        deallocate_pipeline_outputs=True,
     )
     if args.recompute_modules is not None:
         kw["recompute_modules"] = list(args.recompute_modules)
