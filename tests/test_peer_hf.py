@@ -36,7 +36,7 @@ def test_peer_first_loss_is_the_token_mean_of_transformers_own_loss(bench):
         logits = model(input_ids=tokens[None], use_cache=False).logits[0]     # every row, fp64
         logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, tokens[1:, None])[:, 0]
         j = torch.as_tensor(mask[1:])
-        parts.append((float(-logp[j].mean()), int(j.sum())))
+        parts.append((float(-logp[j].mean().detach()), int(j.sum())))
         n_all += int(j.sum())
     total = sum(loss * n for loss, n in parts) / n_all
     assert res["loss_per_step"][0] == pytest.approx(total, rel=1e-10)
