@@ -100,8 +100,9 @@ class KimiDeltaAttention(MegatronModule):
             raise ValueError(f"kda_backend {config.kda_backend!r}: {e}") from None
         dev = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         if config.fused_kernels and torch.cuda.is_available() and not triton_available():
-            warnings.warn("Triton is not installed: the KDA layers' elementwise chains run as eager torch ops, "
-                          "not fused (--no-tree-fused-kernels says so and silences this)", stacklevel=2)
+            warnings.warn("Triton is not installed: the KDA layers' elementwise chains and the router's top-k run "
+                          "as eager torch ops, not as fused kernels (--no-tree-fused-kernels asks for that and "
+                          "silences this warning)", stacklevel=2)
 
         self.linear_q = local_column_linear(hid, H * D, config, self.tp_group)
         self.linear_k = local_column_linear(hid, H * D, config, self.tp_group)
