@@ -131,6 +131,7 @@ class Search {
         value_.assign(R_ * S_, CellValue());
         order_.assign(R_, std::vector<double>(S_, 0.0));
         order_bin_.assign(R_, std::vector<i64>(S_, 0));
+        dirty_stamp_.assign(R_ * S_, 0);
     }
 
     void place(const i64* cell0) {
@@ -388,7 +389,7 @@ class Search {
         auto& ob = order_bin_[r];
         bins_.clear();
         for (i64 c : ob)
-            if (std::find(dirty_.begin(), dirty_.end(), c) == dirty_.end()) bins_.push_back(c);
+            if (dirty_stamp_[c] != dirty_epoch_) bins_.push_back(c);
         for (i64 c : dirty_) {
             if (c / S_ != r) continue;
             const auto kc = key(c);
@@ -433,7 +434,10 @@ class Search {
             if (cell_of_[w] == from) relocate(w, c);
     }
     void mark(i64 c) {
-        if (std::find(dirty_.begin(), dirty_.end(), c) == dirty_.end()) dirty_.push_back(c);
+        if (dirty_stamp_[c] != dirty_epoch_) {
+            dirty_stamp_[c] = dirty_epoch_;
+            dirty_.push_back(c);
+        }
     }
 
     // Evaluates the dirty cells again and updates the totals (old values kept for undo).
@@ -448,14 +452,17 @@ class Search {
             const i64 r = c / S_;
             if (std::find(reps_.begin(), reps_.end(), r) == reps_.end()) reps_.push_back(r);
         }
-        old_order_.clear();
+        n_old_order_ = 0;
         old_step_ = step_;
         if (R_ == 1) {  // one replica: the step is every bin's cost, in any order (decoded for the output)
             for (const auto& cv : old_) step_ += value_[cv.first].cost - cv.second.cost;
             return;
         }
         for (i64 r : reps_) {
-            old_order_.emplace_back(order_[r], order_bin_[r]);
+            if (n_old_order_ == old_order_.size()) old_order_.emplace_back();
+            old_order_[n_old_order_].first.assign(order_[r].begin(), order_[r].end());  // buffers reused: no allocation
+            old_order_[n_old_order_].second.assign(order_bin_[r].begin(), order_bin_[r].end());
+            ++n_old_order_;
             redecode(r);
         }
         step_ = full_step();
@@ -471,9 +478,9 @@ class Search {
             value_[cv.first] = cv.second;
             account(cv.second, 1);
         }
-        for (std::size_t k = 0; k < old_order_.size(); ++k) {
-            order_[reps_[k]] = old_order_[k].first;
-            order_bin_[reps_[k]] = old_order_[k].second;
+        for (std::size_t k = 0; k < n_old_order_; ++k) {
+            order_[reps_[k]].swap(old_order_[k].first);
+            order_bin_[reps_[k]].swap(old_order_[k].second);
         }
         step_ = old_step_;
     }
@@ -543,11 +550,13 @@ class Search {
     bool propose() {
         moved_.clear();
         dirty_.clear();
+        ++dirty_epoch_;  // no cell is dirty
         const i64 C = R_ * S_;
         i64 a = next() & 1 ? heaviest(below(S_)) : cell_of_[below(U_)];
         if (cell_units_[a].empty()) return false;
         const i64 u = cell_units_[a][below(static_cast<i64>(cell_units_[a].size()))];
-        const std::vector<i64> prod0(prod_);
+        prod0_.assign(prod_.begin(), prod_.end());
+        const std::vector<i64>& prod0 = prod0_;
         const i64 singles = cuts_.empty() ? 8 : 9;  // the moves of one unit, bin or window (8: a window cut)
         i64 kind = below(R_ > 1 ? singles + 2 : singles);
         if (kind >= singles) kind = 9 + kind - singles;  // several replicas: 9 a slot emptied, 10 lightened
@@ -654,13 +663,17 @@ class Search {
     std::vector<std::vector<double>> order_;
     std::vector<std::vector<i64>> order_bin_;
     std::vector<std::tuple<int, double, i64>> keyed_;
-    std::vector<std::pair<std::vector<double>, std::vector<i64>>> old_order_;
+    std::vector<std::pair<std::vector<double>, std::vector<i64>>> old_order_;  // the first n_old_order_ in use
+    std::size_t n_old_order_ = 0;
+    std::vector<i64> prod0_;
     double old_step_ = 0.0;
     i64 total_tokens_ = 0, overflow_ = 0;
     double smooth_ = 0.0, step_ = 0.0, total_cost_ = 0.0;
     std::uint64_t rng_ = 1;
     std::vector<std::pair<i64, i64>> cand_, moved_;
     std::vector<i64> dirty_, reps_, bins_;
+    std::vector<i64> dirty_stamp_;  // dirty_stamp_[c] == dirty_epoch_: cell c is in dirty_
+    i64 dirty_epoch_ = 1;
     std::vector<std::vector<i64>> blocks_;  // per block: it and the blocks below it
     std::vector<i64> replayed_, root_;
     std::vector<i64> top_, deep_, cuts_, ncore_, prod_;
