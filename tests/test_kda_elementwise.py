@@ -128,6 +128,26 @@ def test_where_the_model_fuses():
                          device="cpu").fused_kernels is False
 
 
+def test_fused_kernels_without_triton_say_so_once(monkeypatch):
+    """Asked for on a CUDA tensor where Triton is missing: eager chains, and one warning per process."""
+    import warnings
+    from types import SimpleNamespace
+
+    import megatron_harts.models.common as common
+    monkeypatch.setattr(common, "fusable", lambda t: False)
+    monkeypatch.setattr(common, "triton_available", lambda: False)
+    monkeypatch.setattr(common, "_SAID_NO_TRITON", [])
+    cuda_like = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert not common.use_fused_kernels(SimpleNamespace(fused_kernels=True), cuda_like)
+        assert not common.use_fused_kernels(SimpleNamespace(fused_kernels=True), cuda_like)
+        assert not common.use_fused_kernels(SimpleNamespace(fused_kernels=False), cuda_like)
+        assert not common.use_fused_kernels(SimpleNamespace(fused_kernels=True), torch.zeros(1))
+    said = [w for w in seen if "Triton is not installed" in str(w.message)]
+    assert len(said) == 1 and "--no-tree-fused-kernels" in str(said[0].message)
+
+
 @pytest.mark.skipif(not (ke.triton_available() and _INTERPRET),
                     reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
 def test_model_fused_equals_eager_and_tree_equals_expanded(cpu_world, monkeypatch):

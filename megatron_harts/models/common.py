@@ -17,6 +17,7 @@ a slice of the heads):
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -24,18 +25,31 @@ import torch
 from megatron.core import tensor_parallel
 
 from ..layout import host_to_device
-from ..ops.kda_elementwise import fusable
+from ..ops.kda_elementwise import fusable, triton_available
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
 
 
+_SAID_NO_TRITON = []
+
+
 def use_fused_kernels(config, t: torch.Tensor) -> bool:
     """Whether a module runs its fused kernels (``ops.kda_elementwise``, ``ops.router_topk``) on ``t``: the
     config asks for them (``fused_kernels``) and they take the tensor (CUDA, 16/32-bit floats).  The one
-    place this is decided."""
-    return bool(getattr(config, "fused_kernels", False)) and fusable(t)
+    place this is decided; asked for on a CUDA tensor without Triton, it says so once per process and
+    the eager chains run."""
+    if not getattr(config, "fused_kernels", False):
+        return False
+    if fusable(t):
+        return True
+    if t.is_cuda and not triton_available() and not _SAID_NO_TRITON:
+        _SAID_NO_TRITON.append(True)
+        warnings.warn("Triton is not installed: the KDA layers' elementwise chains and the router's top-k run "
+                      "as eager torch ops, not as fused kernels (--no-tree-fused-kernels asks for that and "
+                      "silences this warning)", RuntimeWarning, stacklevel=2)
+    return False
 
 
 def tp_size(group) -> int:

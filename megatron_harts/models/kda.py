@@ -40,7 +40,6 @@ This module's forward is the same in every mode.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -56,7 +55,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint,
                                              sharded_state_dict_default)
 
-from ..ops.kda_elementwise import gated_rms_norm, kda_gate, kda_gate_reference, triton_available
+from ..ops.kda_elementwise import gated_rms_norm, kda_gate, kda_gate_reference
 from ..ops.tree_kda import get_kda_backend
 from .common import (check_divisible, local_column_linear, rows_linear, tp_input, tp_replicated, tp_size,
                      use_fused_kernels)
@@ -99,10 +98,6 @@ class KimiDeltaAttention(MegatronModule):
         except ValueError as e:
             raise ValueError(f"kda_backend {config.kda_backend!r}: {e}") from None
         dev = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        if config.fused_kernels and torch.cuda.is_available() and not triton_available():
-            warnings.warn("Triton is not installed: the KDA layers' elementwise chains and the router's top-k run "
-                          "as eager torch ops, not as fused kernels (--no-tree-fused-kernels asks for that and "
-                          "silences this warning)", stacklevel=2)
 
         self.linear_q = local_column_linear(hid, H * D, config, self.tp_group)
         self.linear_k = local_column_linear(hid, H * D, config, self.tp_group)
