@@ -30,7 +30,10 @@
 // exchanged (any two, two of different replicas); a window cut (a block alone to any bin; a block with
 // the blocks below it in its bin to a bin of another replica, the items of the moved blocks on other
 // replicas to bins of that one; or back into the bin of the block above); with several replicas, a
-// slot emptied or lightened on every replica at once (dissolve).
+// slot emptied or lightened on every replica at once (dissolve); a produced tree re-packed around its top
+// block's bin (regroup); a unit joined to a unit recomputing one of its segments (moved into its bin, or
+// swapped with a unit there).  The kind of move is drawn by weights that follow each kind's recent share of
+// the improving moves (adapt).
 // Objective, compared lexicographically: (rows over the budget summed over bins,
 // step + penalty * max(0, tokens - base_tokens) + load_weight * (sum of bin costs) / dp, sum of squared
 // bin costs), step = sum over slots of the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
@@ -132,6 +135,19 @@ class Search {
         order_.assign(R_, std::vector<double>(S_, 0.0));
         order_bin_.assign(R_, std::vector<i64>(S_, 0));
         dirty_stamp_.assign(R_ * S_, 0);
+        free_.assign(R_ * S_, 0);
+        bool produced = false;
+        for (i64 u = 0; u < U_; ++u) produced = produced || kind_[u] == 0;
+        if (cuts_.empty()) weight_[8] = 0.0;  // kinds that cannot apply here are never drawn
+        if (R_ == 1) weight_[9] = weight_[10] = 0.0;
+        if (!produced) weight_[11] = 0.0;
+        weight_sum_ = 0.0;
+        for (i64 k = 0; k < KINDS; ++k) weight_sum_ += weight_[k];
+        seg_units_.assign(S_seg, {});
+        for (i64 u = 0; u < U_; ++u)
+            if (kind_[u] != 0)
+                for (i64 k = rec_off_[u]; k < rec_off_[u + 1]; ++k) seg_units_[rec_[k]].push_back(u);
+        gone_.assign(R_ * S_, 0);
     }
 
     void place(const i64* cell0) {
@@ -168,9 +184,11 @@ class Search {
         Objective best = objective();
         Objective cur = best;
         for (i64 it = 0; it < moves; ++it) {
+            if (it > 0 && it % ADAPT == 0) adapt();
             if (!propose()) continue;
             const Objective now = objective();
             bool take = better(now, cur);
+            if (take) ++wins_[last_kind_];
             if (!take && t0 > 0.0) {
                 const double t = t0 * static_cast<double>(moves - it) / static_cast<double>(moves);
                 const double d = energy(now) - energy(cur);
@@ -546,6 +564,87 @@ class Search {
         return true;
     }
 
+    // Produced tree t (its top block) re-packed: its blocks joined in the top block's bin q, then its items,
+    // largest first, each into the bin of q's replica that it fills most within the budget (best fit; the bins'
+    // rows estimated without the tree's items, an item's rows less its path where the bin reads q or nothing
+    // yet); false (nothing moved) where an item has room nowhere.
+    bool reads_now(i64 i) const { return value_[cell_of_[i]].source >= 0 && value_[cell_of_[i]].source == cell_of_[win_[i]]; }
+    bool regroup(i64 t) {
+        plan_.clear();
+        const i64 q = cell_of_[t];
+        for (i64 w : blocks_[t])
+            if (cell_of_[w] != q) plan_.emplace_back(w, q);
+        const i64 r = q / S_;
+        ux_.clear();
+        for (i64 i : items_of_[t]) ux_.push_back(i);
+        for (i64 i : ux_) {  // the bins' rows without the tree's items (estimated), kept in free_
+            free_[cell_of_[i]] += unit_rows_[i] - (reads_now(i) ? path_rows_[i] : 0);
+            ++gone_[cell_of_[i]];
+        }
+        est_.clear();
+        for (i64 c = r * S_; c < (r + 1) * S_; ++c) {
+            if (c == q || ncore_[c] > 0) continue;
+            const bool emptied = gone_[c] == static_cast<i64>(cell_units_[c].size());
+            est_.push_back({c, emptied ? 0 : std::max<i64>(0, value_[c].rows - free_[c]),
+                            emptied ? -1 : value_[c].source});
+        }
+        for (i64 i : ux_) {
+            free_[cell_of_[i]] = 0;
+            gone_[cell_of_[i]] = 0;
+        }
+        std::sort(ux_.begin(), ux_.end(), [this](i64 x, i64 y) {
+            return unit_rows_[x] != unit_rows_[y] ? unit_rows_[x] > unit_rows_[y] : x < y;
+        });
+        for (i64 i : ux_) {
+            i64 at = -1, add = 0;
+            for (i64 e = 0; e < static_cast<i64>(est_.size()); ++e) {
+                const Room& x = est_[e];
+                const bool read = x.source == q || x.source == -1;
+                const i64 rows = unit_rows_[i] - (read ? path_rows_[i] : 0);
+                if (x.rows + rows <= M_ && (at < 0 || x.rows + rows > est_[at].rows + add)) {
+                    at = e;
+                    add = rows;
+                }
+            }
+            if (at < 0) return false;
+            Room& x = est_[at];
+            x.rows += add;
+            if (x.source == -1) x.source = q;
+            if (est_[at].cell != cell_of_[i]) plan_.emplace_back(i, x.cell);
+        }
+        if (plan_.empty()) return false;
+        for (const auto& ut : plan_) relocate(ut.first, ut.second);
+        return true;
+    }
+
+    // The move kinds (propose) and how many tries pass between two weight updates: often enough to follow the
+    // search from repair to balance, seldom enough that a kind's rate over the window is not noise.
+    static constexpr i64 KINDS = 13, ADAPT = 2000;
+    i64 pick_kind() {
+        double x = static_cast<double>(next() >> 11) * 0x1.0p-53 * weight_sum_;
+        i64 k = 0;
+        while (k + 1 < KINDS && x >= weight_[k]) x -= weight_[k++];
+        ++tries_[k];
+        last_kind_ = k;
+        return k;
+    }
+    // Every ADAPT tries each kind's weight moves halfway to its share of the improving moves (each kind keeps
+    // a floor of 0.02 in its rate, so none dies out; a kind that cannot apply has weight 0 from the start).
+    void adapt() {
+        double rate[KINDS], sum = 0.0;
+        for (i64 k = 0; k < KINDS; ++k) {
+            rate[k] = weight_[k] == 0.0 ? 0.0
+                      : 0.02 + (tries_[k] ? static_cast<double>(wins_[k]) / static_cast<double>(tries_[k]) : 0.0);
+            sum += rate[k];
+            tries_[k] = wins_[k] = 0;
+        }
+        const double old = weight_sum_;
+        weight_sum_ = 0.0;
+        for (i64 k = 0; k < KINDS; ++k) {
+            weight_[k] = 0.5 * weight_[k] / old + 0.5 * rate[k] / sum;
+            weight_sum_ += weight_[k];
+        }
+    }
     // One random move of the move set, applied (false: none possible this time).
     bool propose() {
         moved_.clear();
@@ -557,10 +656,28 @@ class Search {
         const i64 u = cell_units_[a][below(static_cast<i64>(cell_units_[a].size()))];
         prod0_.assign(prod_.begin(), prod_.end());
         const std::vector<i64>& prod0 = prod0_;
-        const i64 singles = cuts_.empty() ? 8 : 9;  // the moves of one unit, bin or window (8: a window cut)
-        i64 kind = below(R_ > 1 ? singles + 2 : singles);
-        if (kind >= singles) kind = 9 + kind - singles;  // several replicas: 9 a slot emptied, 10 lightened
-        if (kind == 9 || kind == 10) {  // on every replica at once
+        const i64 kind = pick_kind();
+        if (kind == 11) {  // a produced tree re-packed: its core in one bin, its items around it
+            if (kind_[u] == 0 && up_[u] >= 0) return false;
+            if (kind_[u] == 2) return false;
+            const i64 t = kind_[u] == 1 ? top_[u] : u;
+            if (!regroup(t)) return false;
+        } else if (kind == 12) {  // u joins a unit recomputing one of its segments (or swaps with a unit of that bin)
+            const i64 n = rec_off_[u + 1] - rec_off_[u];
+            if (n == 0) return false;
+            const auto& with = seg_units_[rec_[rec_off_[u] + below(n)]];
+            const i64 v = with[below(static_cast<i64>(with.size()))];
+            const i64 b = cell_of_[v];
+            if (b == a) return false;
+            if (next() & 1) {
+                relocate(u, b);
+            } else {
+                const i64 w = cell_units_[b][below(static_cast<i64>(cell_units_[b].size()))];
+                if (w == v || (kind_[w] == 0 && up_[w] >= 0)) return false;
+                relocate(u, b);
+                shift(w, a);
+            }
+        } else if (kind == 9 || kind == 10) {        } else if (kind == 9 || kind == 10) {  // on every replica at once
             if (!dissolve(below(S_), kind == 9)) return false;
         } else if (kind == 8) {  // cut a window: a block and the blocks below it to another bin; or joined to the block above
             const i64 k = cuts_[below(static_cast<i64>(cuts_.size()))];
@@ -671,10 +788,12 @@ class Search {
     double smooth_ = 0.0, step_ = 0.0, total_cost_ = 0.0;
     std::uint64_t rng_ = 1;
     std::vector<std::pair<i64, i64>> cand_, moved_;
-    std::vector<i64> dirty_, reps_, bins_;
+    std::vector<i64> dirty_, reps_, bins_, cand1_, free_, gone_;
     std::vector<i64> dirty_stamp_;  // dirty_stamp_[c] == dirty_epoch_: cell c is in dirty_
     i64 dirty_epoch_ = 1;
-    std::vector<std::vector<i64>> blocks_;  // per block: it and the blocks below it
+    std::vector<std::vector<i64>> blocks_, seg_units_;
+    double weight_[13] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, weight_sum_ = 13.0;
+    i64 tries_[13] = {0}, wins_[13] = {0}, last_kind_ = 0;  // per block: it and the blocks below it
     std::vector<i64> replayed_, root_;
     std::vector<i64> top_, deep_, cuts_, ncore_, prod_;
     std::vector<char> reading_;

@@ -42,7 +42,10 @@ first, each into the replica's other non-empty bin that it fills most within the
 estimated as the unit's rows less its path where it may read it there; nothing moves where a unit
 has room nowhere) and a **slot lightened** (the same, one random unit
 of each replica's ``k``-th bin).  A unit moved away from its producer's replica
-recomputes its path.  The search (compiled: ``_C.l2_search``) starts from L1's plan and anneals: a move is
+recomputes its path.  Two more moves put together what belongs together: a produced tree re-packed (its
+blocks into its top block's bin, its items best fit into that replica's bins) and a unit joined to a unit
+recomputing one of its segments (into its bin, or swapped with a unit there).  The kind of move is drawn by
+weights that follow each kind's recent share of the improving moves.  The search (compiled: ``_C.l2_search``) starts from L1's plan and anneals: a move is
 taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what it adds to
 the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0; the
 best state of ``moves`` tries (default ``MOVES_PER_UNIT`` per unit) is the result.
