@@ -15,6 +15,9 @@ One run, same device, same dtype, fwd+bwd each:
   (``megatron_harts.ops.key_paths``; their build time is reported separately too).
 - ``tree_varlen_fa4``: the same key paths through flash-attn-4's Hopper kernels, where
   flash-attn-4 is installed (``key_paths.fa4_available``).
+- ``tree_fa4_blocks``: ``backend="fa4"``: flash-attn-4's block-sparse kernels over the tiles that
+  hold visible pairs, keys/values read in place (``megatron_harts.ops.fa4_blocks``; the lists' build
+  time is reported separately), where flash-attn-4 runs.
 - ``tree_interval``: ``backend="interval"``: Triton kernels reading keys/values in place over the
   tiles that hold visible pairs (``megatron_harts.ops.interval_attention``; the tile lists' build
   time is reported separately), where Triton and CUDA are available
@@ -300,6 +303,16 @@ def main(argv=None):
                                                  varlen_kernel="fa4")
     tree_interval = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="interval",
                                                       interval_blocks=iblocks)
+    fa4_stats = None
+    if with_fa4:
+        from megatron_harts.ops.fa4_blocks import build_fa4_blocks
+        fblocks = build_fa4_blocks(layout.visibility, dims=(dqk, dv), device=device)
+        fa4_build_ms = timed(lambda: build_fa4_blocks(layout.visibility, dims=(dqk, dv), device=device), device, 1,
+                             max(1, args.repeats // 2))
+        fa4_stats = {"fwd_block": fblocks.fwd_block, "bwd_block": fblocks.bwd_block, "full_tiles": fblocks.num_full,
+                     "partial_tiles": fblocks.num_partial, "max_intervals": fblocks.width,
+                     "visible_pairs_per_computed_pair": fblocks.visible_fraction(), "build_ms": fa4_build_ms}
+    tree_fa4_blocks = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="fa4", fa4_blocks=fblocks)
     exp_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, exp_vis, scale, backend="flex", block_mask=exp_bm,
                                                  kernel_options=kernel_options)
 
@@ -347,6 +360,13 @@ def main(argv=None):
             for name, a, b in zip("qkv", gf, gt):
                 check[f"fa4_grad_{name}_cosine_vs_flex"] = cosine(a, b)
             del out_f
+            out_b = tree_fa4_blocks(q, k, v)
+            check["fa4_blocks_out_cosine"] = cosine(out_b.detach()[rows], out_e.detach())
+            check["fa4_blocks_out_max_abs_err"] = float((out_b.detach()[rows] - out_e.detach()).abs().max())
+            gb = torch.autograd.grad(out_b, (q, k, v), g_rows)
+            for name, a, b in zip("qkv", gb, gt):
+                check[f"fa4_blocks_grad_{name}_cosine_vs_flex"] = cosine(a, b)
+            del out_b
         if with_interval:
             out_i = tree_interval(q, k, v)
             check["interval_out_cosine"] = cosine(out_i.detach()[rows], out_e.detach())
@@ -360,7 +380,8 @@ def main(argv=None):
 
     methods = [("tree_flex", tree_flex, (q, k, v), g, tree_pairs, True),
                ("tree_varlen", tree_varlen, (q, k, v), g, tree_pairs, False),
-               *([("tree_varlen_fa4", tree_fa4, (q, k, v), g, tree_pairs, False)] if with_fa4 else []),
+               *([("tree_varlen_fa4", tree_fa4, (q, k, v), g, tree_pairs, False),
+                  ("tree_fa4_blocks", tree_fa4_blocks, (q, k, v), g, tree_pairs, False)] if with_fa4 else []),
                *([("tree_interval", tree_interval, (q, k, v), g, tree_pairs, False)] if with_interval else []),
                ("causal_sdpa", causal, (q, k, v), g, causal_pairs, False),
                ("expanded_flex", exp_flex, (qe, ke, ve), ge, expanded_pairs, True)]
@@ -394,6 +415,9 @@ def main(argv=None):
         "tree_varlen_fa4_per_pair_vs_causal_fwd_bwd": results.get("tree_varlen_fa4", {}).get(
             "fwd_bwd_per_pair_vs_causal"),
         "tree_varlen_fa4_per_pair_vs_causal_fwd": results.get("tree_varlen_fa4", {}).get("fwd_per_pair_vs_causal"),
+        "tree_fa4_blocks_per_pair_vs_causal_fwd_bwd": results.get("tree_fa4_blocks", {}).get(
+            "fwd_bwd_per_pair_vs_causal"),
+        "tree_fa4_blocks_per_pair_vs_causal_fwd": results.get("tree_fa4_blocks", {}).get("fwd_per_pair_vs_causal"),
         "tree_interval_per_pair_vs_causal_fwd_bwd": results.get("tree_interval", {}).get(
             "fwd_bwd_per_pair_vs_causal"),
         "tree_interval_per_pair_vs_causal_fwd": results.get("tree_interval", {}).get("fwd_per_pair_vs_causal"),
@@ -411,7 +435,7 @@ def main(argv=None):
         "expanded_tokens": E, "compression": E / R,
         "pairs": {"tree": tree_pairs, "causal": causal_pairs, "expanded": expanded_pairs},
         "block_mask_build_ms": block_mask_ms, "tree_block_mask": block_stats,
-        "key_paths_build_ms": key_paths_ms, "interval_blocks": interval_stats,
+        "key_paths_build_ms": key_paths_ms, "interval_blocks": interval_stats, "fa4_blocks": fa4_stats,
         "interval_unavailable": interval_available(device),
         "key_paths": {"runs": paths.num_runs, "gathered_keys": paths.gathered_keys, "max_q": paths.max_q,
                       "max_k": paths.max_k},

@@ -445,6 +445,9 @@ def test_backends_are_resolved_and_checked_at_build_time(no_cuda):
         assert A.resolved_backends(parse("--tree-attention-backend interval"), cuda=True)[1] == "interval"
         with pytest.raises(ArgumentsError, match="interval runs fp16, bf16 or fp32"):
             A.resolved_backends(parse("--fp64 --tree-attention-backend interval"), cuda=True)
+    # fa4: flash-attn-4's block-sparse kernels, refused where flash-attn-4 does not run
+    with pytest.raises(ArgumentsError, match="--tree-attention-backend fa4 needs a Hopper GPU with flash-attn-4"):
+        A.hybrid_config(parse("--tree-attention-backend fa4"), device="cpu")
     # on CUDA, auto picks varlen above q/k head dim 128 (here 128 + 64 rope), flex up to it (and fla
     # where fla-core is registered), except with --fp64
     import importlib.util

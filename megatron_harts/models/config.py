@@ -30,7 +30,7 @@ from ..planner.baselines import CALL_PLANS
 
 LAYER_TYPES = ("kda", "mla")
 MLP_TYPES = ("dense", "moe")
-ATTENTION_BACKENDS = ("reference", "sdpa", "flex", "varlen", "interval")
+ATTENTION_BACKENDS = ("reference", "sdpa", "flex", "varlen", "interval", "fa4")
 
 
 @dataclass

@@ -233,11 +233,12 @@ class MLACoreAttention(MegatronModule):
             psp.record_export(self.layer_number, {"kv_latent": kv_latent.index_select(0, rows),
                                                   "k_rope": k_rope.index_select(0, rows)})
         R = psp.layout.num_rows  # rows after R are padding: zero attention output
+        backend = psp.attention_backend or self.config.tree_attention_backend
+        fa4_blocks = psp.fa4_blocks_for((q.shape[-1], v.shape[-1]), q.device) if backend == "fa4" else None
         with torch.profiler.record_function(ATTENTION_RANGE):
-            o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale,
-                               backend=psp.attention_backend or self.config.tree_attention_backend,
+            o = tree_attention(q[:R], k[:R], v[:R], psp.layout, self.scale, backend=backend,
                                block_mask=psp.block_mask, key_paths=psp.key_paths,
-                               interval_blocks=psp.interval_blocks, context_kv=context_kv)
+                               interval_blocks=psp.interval_blocks, fa4_blocks=fa4_blocks, context_kv=context_kv)
         return psp.attach_injected(self.layer_number, _zero_pad(o, mode.pad_rows))
 
     def _sequences(self, q, k, v, psp, shape):
@@ -250,7 +251,10 @@ class MLACoreAttention(MegatronModule):
         if getattr(psp, "visibility", None) is not None:
             # packed rows whose compaction events evict keys: each sequence's own mask, through the
             # model's tree-attention backend (the tree mode's)
-            kw = psp.sequence_attention(self.config.tree_attention_backend, q.device)
+            backend = self.config.tree_attention_backend
+            kw = psp.sequence_attention(backend, q.device)
+            if backend == "fa4":
+                kw = dict(kw, fa4_blocks=psp.fa4_blocks_for((q.shape[-1], v.shape[-1]), q.device))
             return tree_attention(q, k, v, scale=self.scale, **kw)
         (qp, kp, vp), flat = sequences_view((q, k, v), s, b, psp)
         op = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),

@@ -260,6 +260,8 @@ class TreePackedSeqParams(PackedSeqParams):
     key_paths: Any = None                    # ops.key_paths.KeyPaths (tree mode, varlen backend; expanded
                                              # mode: the sequences, built by sequence_key_paths on first use)
     interval_blocks: Any = None              # ops.interval_attention.IntervalBlocks (tree mode, interval backend)
+    fa4_visibility: Any = None               # (visibility, context visibility or None) on the host (tree mode, fa4
+                                             # backend): what fa4_blocks_for cuts into tiles
     attention_backend: Optional[str] = None  # tree mode: this microbatch's tree-attention backend (the
                                              # config's, or the block-mask one where varlen does not pay)
     token_weight: Optional[torch.Tensor] = None  # [R] occurrence counts (tree mode); expanded: None (megatron's
@@ -285,6 +287,20 @@ class TreePackedSeqParams(PackedSeqParams):
     _pending: Dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     _seq_taps: Dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     _seq_attention: Dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _fa4_blocks: Dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def fa4_blocks_for(self, dims, device):
+        """The fa4 backend's tiles (``ops.fa4_blocks.Fa4Blocks``) of this microbatch for attention head
+        dims ``dims = (q/k, v)``: the tree's visibility (context keys first) or, in expanded mode, the
+        packed rows'; built on the host once per microbatch and head dims, shared by every MLA layer."""
+        key = tuple(dims)
+        if key not in self._fa4_blocks:
+            from ..ops.fa4_blocks import build_fa4_blocks
+            vis, ctx = self.fa4_visibility if self.is_tree else (self.visibility, None)
+            if vis is None:
+                raise ValueError("fa4_blocks_for: these params carry no visibility for the fa4 backend")
+            self._fa4_blocks[key] = build_fa4_blocks(vis, ctx, dims=key, device=device)
+        return self._fa4_blocks[key]
 
     def sequence_conv_taps(self, kernel_size: int, device):
         """Expanded mode: the conv taps of the packed sequences (``ops.path_conv.sequence_conv_taps``),
@@ -518,12 +534,16 @@ class TreePackedSeqParams(PackedSeqParams):
             from ..ops.interval_attention import build_interval_blocks
             interval_blocks = build_interval_blocks(
                 host.visibility, host.context_visibility if host.num_context_rows else None, device=device)
+        fa4_visibility = None
+        if attention_backend == "fa4":     # tiles cut on first use, at the attention's head dims
+            fa4_visibility = (host.visibility, host.context_visibility if host.num_context_rows else None)
         taps = taps.to(device)
         R = layout.num_rows
         cu = host_to_device(torch.tensor([0, R], dtype=torch.int32), device)
         return cls(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=R, max_seqlen_kv=R,
                    mode="tree", layout=layout, kda_schedule=schedule, conv_taps=taps, block_mask=block_mask,
-                   key_paths=key_paths, interval_blocks=interval_blocks, attention_backend=attention_backend,
+                   key_paths=key_paths, interval_blocks=interval_blocks, fa4_visibility=fa4_visibility,
+                   attention_backend=attention_backend,
                    token_weight=layout.occurrence.to(torch.float64),
                    token_weight_total=float(host.occurrence.to(torch.float64).sum()), position_ids=layout.position_ids,
                    export_spec=None if export is None else export.to(device), exports=exports,

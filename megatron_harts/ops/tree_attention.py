@@ -28,6 +28,10 @@ Backends, one interface:
   (:mod:`.interval_attention`), with :class:`~megatron_harts.ops.interval_attention.IntervalBlocks`
   built once per microbatch; any visibility.  CUDA (or the CPU under ``TRITON_INTERPRET=1``) with
   Triton installed; elsewhere it raises.
+- ``fa4``: flash-attn-4's block-sparse kernels over the same tiles, keys/values read in place, a
+  mask on partial tiles from the interval table (:mod:`.fa4_blocks`), with
+  :class:`~megatron_harts.ops.fa4_blocks.Fa4Blocks` built once per microbatch; any visibility.  A
+  Hopper GPU with the pinned flash-attn-4, bf16/fp16; elsewhere it raises.
 
 Context keys come first on the key axis: keys ``[0, Rc)`` are context rows, ``[Rc, Rc+R)``
 the layout's rows.
@@ -47,7 +51,7 @@ from .key_paths import KeyPaths, build_key_paths, default_kernel, path_attention
 
 __all__ = ["tree_attention", "build_tree_block_mask", "set_flex_compile_mode", "BACKENDS"]
 
-BACKENDS = ("reference", "sdpa", "flex", "varlen", "interval")
+BACKENDS = ("reference", "sdpa", "flex", "varlen", "interval", "fa4")
 
 VisibilityLike = Union[CompactLayout, Visibility]
 
@@ -267,7 +271,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
                    context_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                    context_visibility: Optional[Visibility] = None, block_mask=None,
                    key_paths: Optional[KeyPaths] = None, varlen_kernel: Optional[str] = None,
-                   interval_blocks: Optional[IntervalBlocks] = None,
+                   interval_blocks: Optional[IntervalBlocks] = None, fa4_blocks=None,
                    query_block: int = 1024, kernel_options: Optional[dict] = None) -> torch.Tensor:
     """Attention of every row's query over the keys visible to it.
 
@@ -283,6 +287,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
     where flash-attn-4 runs, else torch's flash kernels on CUDA, else the plain-torch reference).
     ``interval_blocks``: for ``backend="interval"``, the tiles from
     :func:`~megatron_harts.ops.interval_attention.build_interval_blocks` (built here when omitted).
+    ``fa4_blocks``: for ``backend="fa4"``, the tiles from
+    :func:`~megatron_harts.ops.fa4_blocks.build_fa4_blocks` (built here when omitted).
     A layout with context rows requires ``context_kv``.  Causal visibility (every layout) lets
     every row see itself; with a custom visibility a row that sees no key gets NaN from
     ``reference``/``sdpa`` and 0 from ``flex`` and ``interval``.
@@ -329,6 +335,11 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
         if interval_blocks is None:
             interval_blocks = build_interval_blocks(vis, ctx_vis, device=q.device)
         return interval_attention(q, k_all, v_all, interval_blocks, scale)
+    if backend == "fa4":
+        from .fa4_blocks import build_fa4_blocks, fa4_block_attention
+        if fa4_blocks is None:
+            fa4_blocks = build_fa4_blocks(vis, ctx_vis, dims=(D, v.shape[-1]), device=q.device)
+        return fa4_block_attention(q, k_all, v_all, fa4_blocks, scale)
     if block_mask is None:
         block_mask = build_tree_block_mask(vis, context_visibility=ctx_vis, device=q.device)
     if tuple(block_mask.seq_lengths) != (R, R + n_ctx):

@@ -108,7 +108,7 @@ from ..cli import CliError
 from ..flags import (add_flag_group, finite_float, flag_fields, group_kwargs, int_at_least, set_namespace,
                      shared_fields)
 from ..megatron_lm import MEGATRON_LM_FLAGS, NO_EVAL, SETTINGS, unsupported_reason
-from ..ops.key_paths import FLASH_MAX_HEAD_DIM, fa4_available
+from ..ops.key_paths import FA4_VERSION, FLASH_MAX_HEAD_DIM, fa4_available
 from ..rl.objectives import ObjectiveConfig
 from .rl_update import RLUpdateConfig
 from .tree_flags import PLANNERS, PLANNERS_BY_SHARING, PP_SCHEDULES, SHARING_MODES, TreeFlags
@@ -995,6 +995,14 @@ def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) 
             _fail(f"--tree-attention-backend interval: {reason} (use sdpa or reference on the CPU)")
         if args.fp64:
             _fail("--tree-attention-backend interval runs fp16, bf16 or fp32: with --fp64 use sdpa or reference")
+    if attn == "fa4":
+        qk_dim = args.qk_head_dim + args.qk_pos_emb_head_dim
+        dims = (qk_dim, args.v_head_dim or qk_dim)
+        if not (cuda and fa4_available("cuda", dims)):
+            _fail(f"--tree-attention-backend fa4 needs a Hopper GPU with flash-attn-4 {FA4_VERSION} installed and "
+                  f"q/k, v head dims {dims} in its range (use varlen, flex or sdpa)")
+        if args.fp64:
+            _fail("--tree-attention-backend fa4 runs fp16 or bf16: with --fp64 use sdpa or reference")
     return kda, attn
 
 

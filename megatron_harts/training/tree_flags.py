@@ -32,7 +32,7 @@ PLANNERS = ("l1", "l1l2", "ffd", "ortools")
 PLANNERS_BY_SHARING = {"off": ("ffd",), "within": ("l1", "ortools"), "windows": ("l1l2",)}
 KDA_BACKEND_CHOICES = ("auto", "reference", "fla")
 #: ``auto`` and ``models.config.ATTENTION_BACKENDS`` (tests hold the two equal)
-ATTENTION_BACKEND_CHOICES = ("auto", "reference", "sdpa", "flex", "varlen", "interval")
+ATTENTION_BACKEND_CHOICES = ("auto", "reference", "sdpa", "flex", "varlen", "interval", "fa4")
 #: pipeline schedules of sharing windows (``schedules.pipeline.SCHEDULES``, which tests hold equal); the first
 #: is the default
 PP_SCHEDULES = ("consumer-1f1b", "overlap", "non-overlap")
@@ -78,8 +78,9 @@ class TreeFlags:
         "auto", "--tree-attention-backend", "MLA tree attention: auto (default on CUDA: varlen where flash-attn-4 "
         "runs, else flex up to q/k head dim 128 and varlen above; sdpa otherwise or with --fp64), sdpa, reference, "
         "flex (needs CUDA), varlen (flash-attention varlen kernels over gathered key paths on CUDA, their "
-        "plain-torch reference elsewhere) or interval (Triton kernels reading keys in place over the tiles "
-        "holding visible pairs; needs CUDA and Triton, fp16/bf16/fp32)", choices=ATTENTION_BACKEND_CHOICES)
+        "plain-torch reference elsewhere), interval (Triton kernels reading keys in place over the tiles "
+        "holding visible pairs; needs CUDA and Triton, fp16/bf16/fp32) or fa4 (flash-attn-4's block-sparse kernels "
+        "over those tiles; needs a Hopper GPU with flash-attn-4, fp16/bf16)", choices=ATTENTION_BACKEND_CHOICES)
     triton_max_configs: int = flag(
         0, "--tree-triton-max-configs", "with the fla KDA backend: every Triton autotuner tries at most N "
         "configurations (default 0: all, ~150 per fla kernel; numerics do not depend on it, the first step's "
