@@ -475,9 +475,9 @@ def test_swiglu_fusion_on_the_gpu_unless_turned_off():
     assert A.hybrid_config(parse(kw), device="cuda").bias_activation_fusion is False
 
 
-def test_auto_attention_takes_varlen_where_fa4_runs(monkeypatch):
-    """Where flash-attn-4 runs (stubbed here: CPU), auto takes varlen at every head dim fa4 takes,
-    flex beyond them, sdpa with --fp64."""
+def test_auto_attention_takes_fa4_where_fa4_runs(monkeypatch):
+    """Where flash-attn-4 runs (stubbed here: CPU), auto takes its block-sparse backend (fa4) at every
+    head dim fa4 takes, flex beyond them, sdpa with --fp64."""
     from megatron_harts.ops import key_paths
     calls = []
 
@@ -486,7 +486,7 @@ def test_auto_attention_takes_varlen_where_fa4_runs(monkeypatch):
         return all(8 <= d <= key_paths.FA4_MAX_HEAD_DIM and d % 8 == 0 for d in dims) and dims[-1] <= dims[0]
 
     monkeypatch.setattr(A, "fa4_available", fa4_runs)
-    assert A.resolved_backends(parse("--qk-head-dim 64"), cuda=True)[1] == "varlen"    # flex without fa4
+    assert A.resolved_backends(parse("--qk-head-dim 64"), cuda=True)[1] == "fa4"    # flex without fa4
     assert calls[-1] == ("cuda", (64 + 64, 128))
     assert A.resolved_backends(parse("--qk-head-dim 256"), cuda=True)[1] == "flex"    # 320: past fa4 too
     assert A.resolved_backends(parse("--fp64"), cuda=True)[1] == "sdpa"

@@ -75,7 +75,7 @@ class TreeFlags:
         "fewest calls, with replay), per-depth (one call per fork level) or node-wise (one call per segment depth, "
         "Node-wise LA); the ablations run without replay and need --tree-sharing within", choices=CALL_PLANS)
     tree_attention_backend: str = flag(
-        "auto", "--tree-attention-backend", "MLA tree attention: auto (default on CUDA: varlen where flash-attn-4 "
+        "auto", "--tree-attention-backend", "MLA tree attention: auto (default on CUDA: fa4 where flash-attn-4 "
         "runs, else flex up to q/k head dim 128 and varlen above; sdpa otherwise or with --fp64), sdpa, reference, "
         "flex (needs CUDA), varlen (flash-attention varlen kernels over gathered key paths on CUDA, their "
         "plain-torch reference elsewhere), interval (Triton kernels reading keys in place over the tiles "
