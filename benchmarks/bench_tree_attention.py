@@ -352,21 +352,16 @@ def main(argv=None):
             gv = torch.autograd.grad(out_v, (q, k, v), g_rows)
             for name, a, b in zip("qkv", gv, gt):
                 check[f"varlen_grad_{name}_cosine_vs_flex"] = cosine(a, b)
+        def check_against(prefix, fn):   # output vs expanded, input gradients vs tree flex's
+            out_x = fn(q, k, v)
+            check[f"{prefix}_out_cosine"] = cosine(out_x.detach()[rows], out_e.detach())
+            check[f"{prefix}_out_max_abs_err"] = float((out_x.detach()[rows] - out_e.detach()).abs().max())
+            gx = torch.autograd.grad(out_x, (q, k, v), g_rows)
+            for name, a, b in zip("qkv", gx, gt):
+                check[f"{prefix}_grad_{name}_cosine_vs_flex"] = cosine(a, b)
         if with_fa4:
-            out_f = tree_fa4(q, k, v)
-            check["fa4_out_cosine"] = cosine(out_f.detach()[rows], out_e.detach())
-            check["fa4_out_max_abs_err"] = float((out_f.detach()[rows] - out_e.detach()).abs().max())
-            gf = torch.autograd.grad(out_f, (q, k, v), g_rows)
-            for name, a, b in zip("qkv", gf, gt):
-                check[f"fa4_grad_{name}_cosine_vs_flex"] = cosine(a, b)
-            del out_f
-            out_b = tree_fa4_blocks(q, k, v)
-            check["fa4_blocks_out_cosine"] = cosine(out_b.detach()[rows], out_e.detach())
-            check["fa4_blocks_out_max_abs_err"] = float((out_b.detach()[rows] - out_e.detach()).abs().max())
-            gb = torch.autograd.grad(out_b, (q, k, v), g_rows)
-            for name, a, b in zip("qkv", gb, gt):
-                check[f"fa4_blocks_grad_{name}_cosine_vs_flex"] = cosine(a, b)
-            del out_b
+            check_against("fa4", tree_fa4)
+            check_against("fa4_blocks", tree_fa4_blocks)
         if with_interval:
             out_i = tree_interval(q, k, v)
             check["interval_out_cosine"] = cosine(out_i.detach()[rows], out_e.detach())

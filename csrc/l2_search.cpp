@@ -517,6 +517,22 @@ class Search {
         return order_bin_[b][k];
     }
 
+    // The room of est_ that unit u fills most within the budget (best fit) and its rows there: the unit's
+    // rows, less its path where `reads(room)`; (-1, 0) where it fits nowhere.
+    template <class Reads>
+    std::pair<i64, i64> best_fit(i64 u, Reads reads) const {
+        i64 at = -1, add = 0;
+        for (i64 e = 0; e < static_cast<i64>(est_.size()); ++e) {
+            const Room& x = est_[e];
+            const i64 rows = unit_rows_[u] - (reads(x) ? path_rows_[u] : 0);
+            if (x.rows + rows <= M_ && (at < 0 || x.rows + rows > est_[at].rows + add)) {
+                at = e;
+                add = rows;
+            }
+        }
+        return {at, add};
+    }
+
     // Slot k emptied (all) or lightened (one random unit per replica): per replica, the units taken from
     // its k-th bin (as run), largest first, each into the replica's other non-empty bin that it fills
     // most within the budget (best fit; its rows estimated as the unit's rows, less its path where it
@@ -540,17 +556,10 @@ class Search {
                 return unit_rows_[x] != unit_rows_[y] ? unit_rows_[x] > unit_rows_[y] : x < y;
             });
             for (i64 u : ux_) {
-                i64 at = -1, add = 0;
                 const i64 p = kind_[u] == 1 ? cell_of_[win_[u]] : -3;  // the producer it may read
-                for (i64 e = 0; e < static_cast<i64>(est_.size()); ++e) {
-                    const Room& x = est_[e];
-                    const bool read = p >= 0 && p / S_ == r && p != x.cell && (x.source == p || x.source == -1);
-                    const i64 rows = unit_rows_[u] - (read ? path_rows_[u] : 0);
-                    if (x.rows + rows <= M_ && (at < 0 || x.rows + rows > est_[at].rows + add)) {
-                        at = e;
-                        add = rows;
-                    }
-                }
+                const auto [at, add] = best_fit(u, [&](const Room& x) {
+                    return p >= 0 && p / S_ == r && p != x.cell && (x.source == p || x.source == -1);
+                });
                 if (at < 0) return false;
                 Room& x = est_[at];
                 x.rows += add;
@@ -596,16 +605,7 @@ class Search {
             return unit_rows_[x] != unit_rows_[y] ? unit_rows_[x] > unit_rows_[y] : x < y;
         });
         for (i64 i : ux_) {
-            i64 at = -1, add = 0;
-            for (i64 e = 0; e < static_cast<i64>(est_.size()); ++e) {
-                const Room& x = est_[e];
-                const bool read = x.source == q || x.source == -1;
-                const i64 rows = unit_rows_[i] - (read ? path_rows_[i] : 0);
-                if (x.rows + rows <= M_ && (at < 0 || x.rows + rows > est_[at].rows + add)) {
-                    at = e;
-                    add = rows;
-                }
-            }
+            const auto [at, add] = best_fit(i, [q](const Room& x) { return x.source == q || x.source == -1; });
             if (at < 0) return false;
             Room& x = est_[at];
             x.rows += add;

@@ -70,15 +70,23 @@ def check_blocks(vis, ctx=None, bm=16, bn=16):
         got_t[j, blocks[k_full[j]:]] = 1
     np.testing.assert_array_equal(got_t, want.T)
     assert (b.num_full, b.num_partial) == (int((want == 2).sum()), int((want == 1).sum()))
-    # the interval table reproduces the mask; padded keys see nothing
-    s, e = b.starts.long(), b.ends.long()
-    assert s.shape[0] == nk * bn
+    assert b.starts.shape[0] == nk * bn
+    check_table(b.starts, b.ends, mask)
+    assert b.pairs == int(mask.sum())
+    return b
+
+
+def check_table(starts, ends, mask):
+    """The padded interval table ``[K_pad, M]`` (or ``[K_pad]``) reproduces the dense ``[R, K]`` mask;
+    padded keys see nothing."""
+    s, e = starts.long(), ends.long()
+    if s.dim() == 1:
+        s, e = s[:, None], e[:, None]
+    R, K = mask.shape
     qi = torch.arange(R)[:, None, None]
     table = ((s[None] <= qi) & (qi < e[None])).any(-1)
     torch.testing.assert_close(table[:, :K], mask)
     assert not table[:, K:].any()
-    assert b.pairs == int(mask.sum())
-    return b
 
 
 @pytest.mark.parametrize("seed", range(6))

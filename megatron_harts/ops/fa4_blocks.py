@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..layout import Visibility, host_to_device_many
-from .interval_attention import _host, _interval_table, _tile_kinds
+from .interval_attention import _tile_kinds, blocks_reference, key_axis, key_axis_table
 from .key_paths import fa4_available
 
 __all__ = ["Fa4Blocks", "build_fa4_blocks", "fa4_block_attention", "fa4_tiles", "block_lists",
@@ -76,15 +76,7 @@ def block_lists_reference(mask: torch.Tensor, block_q: int, block_k: int, by_key
     """:func:`block_lists` of the tiles of a dense boolean ``[queries, keys]`` mask, by brute force:
     per query block (or, ``by_keys``, per key block) the partial and the full blocks of the other axis,
     as Python lists."""
-    R, K = mask.shape
-    m = mask.cpu().numpy()
-    nq, nk = -(-R // block_q), -(-K // block_k)
-    kinds = np.zeros((nq, nk), dtype=np.int8)
-    for i in range(nq):
-        for j in range(nk):
-            tile = m[i * block_q:(i + 1) * block_q, j * block_k:(j + 1) * block_k]
-            if tile.any():
-                kinds[i, j] = 2 if tile.all() and (j + 1) * block_k <= K else 1
+    kinds = blocks_reference(mask, block_q, block_k)
     if by_keys:
         kinds = kinds.T
     return ([[int(j) for j in np.nonzero(r == 1)[0]] for r in kinds],
@@ -133,23 +125,12 @@ def build_fa4_blocks(vis: Visibility, context_visibility: Optional[Visibility] =
     """The tiles of ``vis`` (context keys of ``context_visibility`` first on the key axis) for
     attention of head dims ``dims = (q/k, v)``.  ``blocks``: the (forward, backward) sparse block
     shapes; default :func:`fa4_tiles` (which imports flash-attn-4).  Host work O(intervals + tiles)."""
-    if not isinstance(vis, Visibility):
-        raise ValueError(f"visibility must be a Visibility, got {type(vis).__name__}")
-    parts = [vis] if context_visibility is None else [context_visibility, vis]
-    if context_visibility is not None and context_visibility.num_queries != vis.num_queries:
-        raise ValueError(f"context_visibility covers {context_visibility.num_queries} query rows, "
-                         f"visibility {vis.num_queries}")
+    R, K = key_axis(vis, context_visibility)
     fwd_block, bwd_block = blocks if blocks is not None else fa4_tiles(*dims)
     device = torch.device(device) if device is not None else vis.offsets.device
-    R = vis.num_queries
-    K = sum(p.num_keys for p in parts)
-    width = max([int(np.diff(_host(p.offsets)).max(initial=0)) for p in parts] + [1])
-    tables = [_interval_table(p, width, p.num_keys) for p in parts]
     # the mask is read up to the edge of the last tile of either pass: pad with empty intervals
-    k_pad = max(-(-K // b[1]) * b[1] for b in (fwd_block, bwd_block))
-    pad = np.zeros((k_pad - K, width), dtype=np.int64)
-    starts = np.concatenate([t[0] for t in tables] + [pad])
-    ends = np.concatenate([t[1] for t in tables] + [pad])
+    starts, ends = key_axis_table(vis, context_visibility, max(-(-K // b[1]) * b[1] for b in (fwd_block, bwd_block)))
+    width = starts.shape[1]
     kinds_f = _tile_kinds(starts, ends, K, R, *fwd_block)
     kinds_b = _tile_kinds(starts, ends, K, R, *bwd_block).T
     i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))

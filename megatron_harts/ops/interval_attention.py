@@ -130,6 +130,30 @@ def _interval_table(vis: Visibility, width: int, rows: int) -> Tuple[np.ndarray,
     return starts, ends
 
 
+def key_axis(vis: Visibility, context_visibility: Optional[Visibility]) -> Tuple[int, int]:
+    """(query rows, keys of the whole key axis: context keys first) of a visibility and its context's,
+    checked."""
+    if not isinstance(vis, Visibility):
+        raise ValueError(f"visibility must be a Visibility, got {type(vis).__name__}")
+    if context_visibility is None:
+        return vis.num_queries, vis.num_keys
+    if context_visibility.num_queries != vis.num_queries:
+        raise ValueError(f"context_visibility covers {context_visibility.num_queries} query rows, "
+                         f"visibility {vis.num_queries}")
+    return vis.num_queries, vis.num_keys + context_visibility.num_keys
+
+
+def key_axis_table(vis: Visibility, context_visibility: Optional[Visibility], rows: int
+                   ) -> Tuple[np.ndarray, np.ndarray]:
+    """The interval table of the whole key axis (context keys first) on the host, padded to ``rows``
+    keys with empty intervals: int64 ``[rows, M]``, ``M`` the most intervals of a key (at least 1)."""
+    parts = [vis] if context_visibility is None else [context_visibility, vis]
+    width = max([int(np.diff(_host(p.offsets)).max(initial=0)) for p in parts] + [1])
+    tables = [_interval_table(p, width, p.num_keys) for p in parts]
+    pad = np.zeros((rows - sum(p.num_keys for p in parts), width), dtype=np.int64)
+    return np.concatenate([t[0] for t in tables] + [pad]), np.concatenate([t[1] for t in tables] + [pad])
+
+
 def _tile_kinds(starts: np.ndarray, ends: np.ndarray, K: int, R: int, bm: int, bn: int) -> np.ndarray:
     """int8 [nq, nk]: 2 full, 1 partial, 0 skipped; from the interval table by difference arrays."""
     nq, nk = -(-R // bm), -(-K // bn)
@@ -179,21 +203,10 @@ def build_interval_blocks(vis: Visibility, context_visibility: Optional[Visibili
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if not isinstance(b, int) or b < 16 or b & (b - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {b!r}")
-    if not isinstance(vis, Visibility):
-        raise ValueError(f"visibility must be a Visibility, got {type(vis).__name__}")
-    parts = [vis] if context_visibility is None else [context_visibility, vis]
-    if context_visibility is not None and context_visibility.num_queries != vis.num_queries:
-        raise ValueError(f"context_visibility covers {context_visibility.num_queries} query rows, "
-                         f"visibility {vis.num_queries}")
+    R, K = key_axis(vis, context_visibility)
     device = torch.device(device) if device is not None else vis.offsets.device
-    R = vis.num_queries
-    K = sum(p.num_keys for p in parts)
-    nq, nk = -(-R // block_m), -(-K // block_n)
-    width = max([int(np.diff(_host(p.offsets)).max(initial=0)) for p in parts] + [1])
-    tables = [_interval_table(p, width, p.num_keys) for p in parts]
-    pad = np.zeros((nk * block_n - K, width), dtype=np.int64)
-    starts = np.concatenate([t[0] for t in tables] + [pad])
-    ends = np.concatenate([t[1] for t in tables] + [pad])
+    nk = -(-K // block_n)
+    starts, ends = key_axis_table(vis, context_visibility, nk * block_n)
     kinds = _tile_kinds(starts, ends, K, R, block_m, block_n)
     q_off, q_full, q_blocks = _lists(kinds)
     k_off, k_full, k_blocks = _lists(kinds.T)
