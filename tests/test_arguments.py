@@ -476,8 +476,9 @@ def test_swiglu_fusion_on_the_gpu_unless_turned_off():
 
 
 def test_auto_attention_takes_fa4_where_fa4_runs(monkeypatch):
-    """Where flash-attn-4 runs (stubbed here: CPU), auto takes its block-sparse backend (fa4) at every
-    head dim fa4 takes, flex beyond them, sdpa with --fp64."""
+    """Where flash-attn-4 runs (stubbed here: CPU) and the model is bf16, auto takes its block-sparse
+    backend (fa4) at every head dim fa4 takes, flex beyond them, sdpa with --fp64; in fp32 the
+    backends without flash-attn-4 (its kernels run bf16), and --tree-attention-backend fa4 is refused."""
     from megatron_harts.ops import key_paths
     calls = []
 
@@ -486,11 +487,17 @@ def test_auto_attention_takes_fa4_where_fa4_runs(monkeypatch):
         return all(8 <= d <= key_paths.FA4_MAX_HEAD_DIM and d % 8 == 0 for d in dims) and dims[-1] <= dims[0]
 
     monkeypatch.setattr(A, "fa4_available", fa4_runs)
-    assert A.resolved_backends(parse("--qk-head-dim 64"), cuda=True)[1] == "fa4"    # flex without fa4
+    assert A.resolved_backends(parse("--bf16 --qk-head-dim 64"), cuda=True)[1] == "fa4"    # flex without fa4
     assert calls[-1] == ("cuda", (64 + 64, 128))
-    assert A.resolved_backends(parse("--qk-head-dim 256"), cuda=True)[1] == "flex"    # 320: past fa4 too
+    assert A.resolved_backends(parse("--bf16"), cuda=True)[1] == "fa4"
+    assert A.resolved_backends(parse("--bf16 --qk-head-dim 256"), cuda=True)[1] == "flex"    # 320: past fa4 too
     assert A.resolved_backends(parse("--fp64"), cuda=True)[1] == "sdpa"
-    assert A.resolved_backends(parse("--qk-head-dim 64"), cuda=False)[1] == "sdpa"
+    assert A.resolved_backends(parse("--bf16 --qk-head-dim 64"), cuda=False)[1] == "sdpa"
+    assert A.resolved_backends(parse("--qk-head-dim 64"), cuda=True)[1] == "flex"     # fp32
+    assert A.resolved_backends(parse(), cuda=True)[1] == "varlen"                     # fp32, q/k 192
+    with pytest.raises(ArgumentsError, match="--tree-attention-backend fa4 runs bf16: add --bf16"):
+        A.resolved_backends(parse("--tree-attention-backend fa4"), cuda=True)
+    assert A.resolved_backends(parse("--bf16 --tree-attention-backend fa4"), cuda=True)[1] == "fa4"
 
 
 def test_data_parallel_size():

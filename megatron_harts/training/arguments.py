@@ -947,10 +947,11 @@ def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
 
 
 #: the largest MLA q/k head dim (nope + rope) at which ``auto`` takes FlexAttention on CUDA without
-#: flash-attn-4; above it ``varlen``.  Where flash-attn-4 runs (``ops.key_paths.fa4_available``)
-#: ``auto`` takes ``fa4`` (its block-sparse kernels) at every head dim: on one H100 (bf16, MLA 192/128,
-#: 20k-32k rows) fwd+bwd per visible pair over causal SDPA's 1.19-1.70x against 1.29-2.07x for
-#: flash-attn-4 over gathered key paths, on trees and compaction layouts alike.  Measured on an H200 (torch 2.11, bf16, 16 heads,
+#: flash-attn-4; above it ``varlen``.  Where flash-attn-4 runs (``ops.key_paths.fa4_available``) and the
+#: model is bf16, ``auto`` takes ``fa4`` (its block-sparse kernels) at every head dim: on one H100 (bf16,
+#: MLA 192/128, 20k-32k rows) fwd+bwd per visible pair over causal SDPA's 1.19-1.70x against 1.29-2.07x
+#: for flash-attn-4 over gathered key paths, on trees and compaction layouts alike.  Without it, measured
+#: on an H200 (torch 2.11, bf16, 16 heads,
 #: ~30k-row SWE trees, fwd+bwd, time per visible pair over causal SDPA's): q/k 128: flex 1.85-1.95x,
 #: varlen with torch's flash kernels 2.07-2.20x, with flash-attn-4 1.24-1.35x; q/k 192 / v 128: flex
 #: 3.77-3.88x (its Triton kernel pads 192 to 256), varlen 2.53-2.76x, with flash-attn-4 1.26-1.37x.
@@ -960,7 +961,7 @@ FLEX_MAX_QK_HEAD_DIM = 128
 
 def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) -> Tuple[str, str]:
     """(KDA backend, tree-attention backend) for this machine; ``auto`` picks fla and fa4 where
-    flash-attn-4 runs, else flex (q/k head dims up to ``FLEX_MAX_QK_HEAD_DIM``) or varlen (above) on
+    flash-attn-4 runs and the model is bf16, else flex (q/k head dims up to ``FLEX_MAX_QK_HEAD_DIM``) or varlen (above) on
     CUDA, reference / sdpa with --fp64 or without CUDA.  Refuses fla / flex / varlen's flash kernel where they cannot run."""
     import importlib.util
 
@@ -978,7 +979,7 @@ def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) 
         qk_dim = args.qk_head_dim + args.qk_pos_emb_head_dim
         v_dim = args.v_head_dim
         varlen = FLEX_MAX_QK_HEAD_DIM < qk_dim and max(qk_dim, v_dim) <= FLASH_MAX_HEAD_DIM
-        if fast and fa4_available("cuda", (qk_dim, v_dim or qk_dim)):
+        if fast and args.bf16 and fa4_available("cuda", (qk_dim, v_dim or qk_dim)):
             attn = "fa4"
         else:
             attn = ("varlen" if varlen else "flex") if fast else "sdpa"
@@ -1005,8 +1006,9 @@ def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) 
         if not (cuda and fa4_available("cuda", dims)):
             _fail(f"--tree-attention-backend fa4 needs a Hopper GPU with flash-attn-4 {FA4_VERSION} installed and "
                   f"q/k, v head dims {dims} in its range (use varlen, flex or sdpa)")
-        if args.fp64:
-            _fail("--tree-attention-backend fa4 runs fp16 or bf16: with --fp64 use sdpa or reference")
+        if not args.bf16:
+            _fail("--tree-attention-backend fa4 runs bf16: add --bf16, or use varlen, flex or sdpa in "
+                  + ("fp64" if args.fp64 else "fp32"))
     return kda, attn
 
 

@@ -76,11 +76,11 @@ class TreeFlags:
         "Node-wise LA); the ablations run without replay and need --tree-sharing within", choices=CALL_PLANS)
     tree_attention_backend: str = flag(
         "auto", "--tree-attention-backend", "MLA tree attention: auto (default on CUDA: fa4 where flash-attn-4 "
-        "runs, else flex up to q/k head dim 128 and varlen above; sdpa otherwise or with --fp64), sdpa, reference, "
+        "runs and the model is --bf16, else flex up to q/k head dim 128 and varlen above; sdpa otherwise or with --fp64), sdpa, reference, "
         "flex (needs CUDA), varlen (flash-attention varlen kernels over gathered key paths on CUDA, their "
         "plain-torch reference elsewhere), interval (Triton kernels reading keys in place over the tiles "
         "holding visible pairs; needs CUDA and Triton, fp16/bf16/fp32) or fa4 (flash-attn-4's block-sparse kernels "
-        "over those tiles; needs a Hopper GPU with flash-attn-4, fp16/bf16)", choices=ATTENTION_BACKEND_CHOICES)
+        "over those tiles; needs a Hopper GPU with flash-attn-4 and --bf16)", choices=ATTENTION_BACKEND_CHOICES)
     triton_max_configs: int = flag(
         0, "--tree-triton-max-configs", "with the fla KDA backend: every Triton autotuner tries at most N "
         "configurations (default 0: all, ~150 per fla kernel; numerics do not depend on it, the first step's "
