@@ -573,11 +573,12 @@ class Search {
         return true;
     }
 
+    // Whether item i reads its producer now (its bin reads the bin of its block).
+    bool reads_now(i64 i) const { return value_[cell_of_[i]].source >= 0 && value_[cell_of_[i]].source == cell_of_[win_[i]]; }
     // Produced tree t (its top block) re-packed: its blocks joined in the top block's bin q, then its items,
     // largest first, each into the bin of q's replica that it fills most within the budget (best fit; the bins'
     // rows estimated without the tree's items, an item's rows less its path where the bin reads q or nothing
     // yet); false (nothing moved) where an item has room nowhere.
-    bool reads_now(i64 i) const { return value_[cell_of_[i]].source >= 0 && value_[cell_of_[i]].source == cell_of_[win_[i]]; }
     bool regroup(i64 t) {
         plan_.clear();
         const i64 q = cell_of_[t];
@@ -681,7 +682,7 @@ class Search {
                 relocate(u, b);
                 shift(w, a);
             }
-        } else if (kind == 9 || kind == 10) {        } else if (kind == 9 || kind == 10) {  // on every replica at once
+        } else if (kind == 9 || kind == 10) {  // on every replica at once
             if (!dissolve(below(S_), kind == 9)) return false;
         } else if (kind == 8) {  // cut a window: a block and the blocks below it to another bin; or joined to the block above
             const i64 k = cuts_[below(static_cast<i64>(cuts_.size()))];
@@ -792,12 +793,13 @@ class Search {
     double smooth_ = 0.0, step_ = 0.0, total_cost_ = 0.0;
     std::uint64_t rng_ = 1;
     std::vector<std::pair<i64, i64>> cand_, moved_;
-    std::vector<i64> dirty_, reps_, bins_, cand1_, free_, gone_;
+    std::vector<i64> dirty_, reps_, bins_, free_, gone_;  // free_, gone_: regroup's scratch per cell
     std::vector<i64> dirty_stamp_;  // dirty_stamp_[c] == dirty_epoch_: cell c is in dirty_
     i64 dirty_epoch_ = 1;
-    std::vector<std::vector<i64>> blocks_, seg_units_;
-    double weight_[13] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, weight_sum_ = 13.0;
-    i64 tries_[13] = {0}, wins_[13] = {0}, last_kind_ = 0;  // per block: it and the blocks below it
+    std::vector<std::vector<i64>> blocks_;     // per block: it and the blocks below it
+    std::vector<std::vector<i64>> seg_units_;  // per segment: the items and free units recomputing it
+    double weight_[KINDS] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, weight_sum_ = KINDS;
+    i64 tries_[KINDS] = {0}, wins_[KINDS] = {0}, last_kind_ = 0;
     std::vector<i64> replayed_, root_;
     std::vector<i64> top_, deep_, cuts_, ncore_, prod_;
     std::vector<char> reading_;
