@@ -251,10 +251,8 @@ class MLACoreAttention(MegatronModule):
         if getattr(psp, "visibility", None) is not None:
             # packed rows whose compaction events evict keys: each sequence's own mask, through the
             # model's tree-attention backend (the tree mode's)
-            backend = self.config.tree_attention_backend
-            kw = psp.sequence_attention(backend, q.device)
-            if backend == "fa4":
-                kw = dict(kw, fa4_blocks=psp.fa4_blocks_for((q.shape[-1], v.shape[-1]), q.device))
+            kw = psp.sequence_attention(self.config.tree_attention_backend, q.device,
+                                        dims=(q.shape[-1], v.shape[-1]))
             return tree_attention(q, k, v, scale=self.scale, **kw)
         (qp, kp, vp), flat = sequences_view((q, k, v), s, b, psp)
         op = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),

@@ -324,10 +324,11 @@ class TreePackedSeqParams(PackedSeqParams):
                 self.key_paths = build_key_paths(self.visibility, prev=prev, device=device)
         return self.key_paths
 
-    def sequence_attention(self, backend: str, device) -> dict:
+    def sequence_attention(self, backend: str, device, dims=None) -> dict:
         """Expanded mode with a ``visibility``: the keyword arguments of ``ops.tree_attention`` for
-        ``backend`` (the visibility on ``device``, and the backend's block mask or key paths), built
-        on the host once per microbatch and backend, shared by every MLA layer."""
+        ``backend`` (the visibility on ``device``, and the backend's block mask, key paths or tiles; the
+        fa4 tiles for the attention head dims ``dims``), built on the host once per microbatch and
+        backend, shared by every MLA layer."""
         if self.visibility is None:
             raise ValueError("sequence_attention: these expanded params have no visibility (causal sequences)")
         if backend not in self._seq_attention:
@@ -341,6 +342,8 @@ class TreePackedSeqParams(PackedSeqParams):
                 from ..ops.interval_attention import build_interval_blocks
                 kw["interval_blocks"] = build_interval_blocks(self.visibility, device=device)
             self._seq_attention[backend] = kw
+        if backend == "fa4":
+            return dict(self._seq_attention[backend], fa4_blocks=self.fa4_blocks_for(dims, device))
         return self._seq_attention[backend]
 
     def host_seq_lengths(self) -> torch.Tensor:

@@ -120,8 +120,8 @@ class Fa4Blocks:
 
 
 def build_fa4_blocks(vis: Visibility, context_visibility: Optional[Visibility] = None, *,
-                     dims: Tuple[int, int], device=None, blocks: Optional[Tuple[Tuple[int, int], Tuple[int, int]]] = None
-                     ) -> Fa4Blocks:
+                     dims: Tuple[int, int], device=None,
+                     blocks: Optional[Tuple[Tuple[int, int], Tuple[int, int]]] = None) -> Fa4Blocks:
     """The tiles of ``vis`` (context keys of ``context_visibility`` first on the key axis) for
     attention of head dims ``dims = (q/k, v)``.  ``blocks``: the (forward, backward) sparse block
     shapes; default :func:`fa4_tiles` (which imports flash-attn-4).  Host work O(intervals + tiles)."""
