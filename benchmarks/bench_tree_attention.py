@@ -18,6 +18,12 @@ One run, same device, same dtype, fwd+bwd each:
 - ``tree_fa4_blocks``: ``backend="fa4"``: flash-attn-4's block-sparse kernels over the tiles that
   hold visible pairs, keys/values read in place (``megatron_harts.ops.fa4_blocks``; the lists' build
   time is reported separately), where flash-attn-4 runs.
+- ``causal_fa4``, ``band_fa4``, ``tree_fa4_blocks_nomask`` (where flash-attn-4 runs): yardsticks for
+  the fa4 tiles, not tree attention.  flash-attn-4's own causal kernel over the same R rows; its
+  sliding-window kernel over the same R rows with each query seeing its w most recent keys, w the
+  tree's visible pairs per row (the same rows and about the same pairs, in the layout a native
+  kernel runs best: what a layout this sparse costs per pair without any mask); and the fa4 tiles
+  with every partial tile run as a full one (wrong values, timing only: what the mask costs).
 - ``tree_interval``: ``backend="interval"``: Triton kernels reading keys/values in place over the
   tiles that hold visible pairs (``megatron_harts.ops.interval_attention``; the tile lists' build
   time is reported separately), where Triton and CUDA are available
@@ -117,6 +123,53 @@ def parse_args(argv=None):
     if args.tree_sdpa is None:
         args.tree_sdpa = torch.device(args.device).type == "cpu"
     return args
+
+
+def _per_pair_over(results, name, base):
+    """Forward+backward time per pair of method ``name`` over method ``base``'s (None when either is absent)."""
+    a, b = results.get(name), results.get(base)
+    if not a or not b or not a["fwd_bwd_ms"] or not b["fwd_bwd_ms"]:
+        return None
+    return (a["fwd_bwd_ms"] / a["pairs"]) / (b["fwd_bwd_ms"] / b["pairs"])
+
+
+def fa4_yardsticks(layout, fblocks, scale, tree_pairs):
+    """(name, attention, visible pairs) of the fa4 yardsticks (module docstring): flash-attn-4 causal over
+    the layout's R rows; its sliding window of w = tree pairs / R keys per query over them; and the fa4
+    tiles with the partial tiles run as full ones (timing only)."""
+    import dataclasses
+
+    import numpy as np
+    from flash_attn.cute.interface import flash_attn_func
+
+    from megatron_harts.ops.fa4_blocks import block_lists, fa4_block_attention
+    from megatron_harts.ops.interval_attention import _tile_kinds, key_axis, key_axis_table
+
+    R = layout.num_rows
+    w = max(1, min(R, round(tree_pairs / R)))
+    band_pairs = w * (w + 1) // 2 + (R - w) * w
+
+    def native(causal, window):
+        def attend(q_, k_, v_):
+            out = flash_attn_func(q_[None], k_[None], v_[None], softmax_scale=scale, causal=causal,
+                                  window_size=window)
+            return (out[0] if isinstance(out, tuple) else out)[0]
+        return attend
+
+    vis = layout.visibility
+    _, K = key_axis(vis, None)
+    starts, ends = key_axis_table(vis, None, max(-(-K // b[1]) * b[1] for b in (fblocks.fwd_block, fblocks.bwd_block)))
+    dev = fblocks.starts.device
+    lists = []
+    for block, by_keys in ((fblocks.fwd_block, False), (fblocks.bwd_block, True)):
+        kinds = _tile_kinds(starts, ends, K, R, *block)
+        kinds = np.where(kinds > 0, 2, 0)
+        lists.append(tuple(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(dev)
+                           for a in block_lists(kinds.T if by_keys else kinds)))
+    full = dataclasses.replace(fblocks, fwd_lists=lists[0], bwd_lists=lists[1])
+    return [("causal_fa4", native(True, (None, None)), R * (R + 1) // 2),
+            ("band_fa4", native(True, (w - 1, 0)), band_pairs),
+            ("tree_fa4_blocks_nomask", lambda q_, k_, v_: fa4_block_attention(q_, k_, v_, full, scale), tree_pairs)]
 
 
 # ---------------------------------------------------------------------------
@@ -313,6 +366,7 @@ def main(argv=None):
                      "partial_tiles": fblocks.num_partial, "max_intervals": fblocks.width,
                      "visible_pairs_per_computed_pair": fblocks.visible_fraction(), "build_ms": fa4_build_ms}
     tree_fa4_blocks = lambda q_, k_, v_: tree_attention(q_, k_, v_, layout, scale, backend="fa4", fa4_blocks=fblocks)
+    yardsticks = fa4_yardsticks(layout, fblocks, scale, tree_pairs) if with_fa4 else []
     exp_flex = lambda q_, k_, v_: tree_attention(q_, k_, v_, exp_vis, scale, backend="flex", block_mask=exp_bm,
                                                  kernel_options=kernel_options)
 
@@ -379,6 +433,7 @@ def main(argv=None):
                   ("tree_fa4_blocks", tree_fa4_blocks, (q, k, v), g, tree_pairs, False)] if with_fa4 else []),
                *([("tree_interval", tree_interval, (q, k, v), g, tree_pairs, False)] if with_interval else []),
                ("causal_sdpa", causal, (q, k, v), g, causal_pairs, False),
+               *[(name, fn, (q, k, v), g, pairs, False) for name, fn, pairs in yardsticks],
                ("expanded_flex", exp_flex, (qe, ke, ve), ge, expanded_pairs, True)]
     if args.expanded_loop:
         methods.append(("expanded_sdpa_loop", expanded_loop, (qe, ke, ve), ge, expanded_pairs, False))
@@ -416,6 +471,8 @@ def main(argv=None):
         "tree_interval_per_pair_vs_causal_fwd_bwd": results.get("tree_interval", {}).get(
             "fwd_bwd_per_pair_vs_causal"),
         "tree_interval_per_pair_vs_causal_fwd": results.get("tree_interval", {}).get("fwd_per_pair_vs_causal"),
+        "tree_fa4_blocks_per_pair_vs_band_fa4_fwd_bwd": _per_pair_over(results, "tree_fa4_blocks", "band_fa4"),
+        "tree_fa4_blocks_per_pair_vs_causal_fa4_fwd_bwd": _per_pair_over(results, "tree_fa4_blocks", "causal_fa4"),
         "target_per_pair_vs_causal": 1.5,
         "speedup_tree_vs_expanded_fwd_bwd": (ef[key] / tf[key]) if tf[key] and ef[key] else None,
         "speedup_tree_vs_expanded_fwd": ef["fwd_ms"] / tf["fwd_ms"],
@@ -467,6 +524,10 @@ def main(argv=None):
     if with_fa4:
         print(f"tree_varlen_fa4 time/pair vs causal SDPA: {s['tree_varlen_fa4_per_pair_vs_causal_fwd_bwd']:.2f}x "
               f"(target <= 1.5)")
+    if with_fa4:
+        print(f"tree_fa4_blocks time/pair vs flash-attn-4's sliding window at the same pairs per row: "
+              f"{s['tree_fa4_blocks_per_pair_vs_band_fa4_fwd_bwd']:.2f}x, vs its causal: "
+              f"{s['tree_fa4_blocks_per_pair_vs_causal_fa4_fwd_bwd']:.2f}x")
     if with_interval:
         ri = results["tree_interval"]
         rel_i = ri["fwd_bwd_per_pair_vs_causal"] or ri["fwd_per_pair_vs_causal"]

@@ -80,3 +80,53 @@ def test_tune_interval_workloads_and_refusals(capsys, tmp_path):
         return          # a GPU: the sweep would run (minutes)
     code, out, err = run_tool(tune_interval, capsys, *argv)
     assert_one_error(code, err, "needs CUDA and Triton")
+
+
+def test_fa4_yardsticks_band_and_unmasked_tiles(monkeypatch):
+    """The fa4 yardsticks without a GPU: flash-attn-4's entry point replaced by a recorder. The band's
+    pair count is a dense band mask's, its window is w - 1 keys back, and the unmasked tiles are the
+    fa4 tiles' full and partial ones together, all full."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from megatron_harts.layout import build_layout
+    from megatron_harts.ops import fa4_blocks as fb
+
+    calls = []
+    iface = types.ModuleType("flash_attn.cute.interface")
+    iface.flash_attn_func = lambda q, k, v, **kw: calls.append(kw) or q
+    for name, mod in (("flash_attn", types.ModuleType("flash_attn")),
+                      ("flash_attn.cute", types.ModuleType("flash_attn.cute")), ("flash_attn.cute.interface", iface)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    args = bench_tree_attention.parse_args(_args("--rows", "2048", "--compaction", "markovian",
+                                                 "--context-budget", "512"))
+    layout = build_layout(bench_tree_attention.compaction_forest(args))
+    blocks = fb.build_fa4_blocks(layout.visibility, dims=(192, 128), blocks=((128, 128), (128, 96)))
+    pairs = bench_tree_attention.visible_pairs(layout.visibility)
+    got = {name: (fn, p) for name, fn, p in bench_tree_attention.fa4_yardsticks(layout, blocks, 0.1, pairs)}
+    R = layout.num_rows
+    assert got["causal_fa4"][1] == R * (R + 1) // 2
+    w = round(pairs / R)
+    i = torch.arange(R)
+    band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < w)
+    assert got["band_fa4"][1] == int(band.sum())
+    x = torch.zeros(R, 1, 8)
+    got["band_fa4"][0](x, x, x)
+    assert calls[-1]["window_size"] == (w - 1, 0) and calls[-1]["causal"]
+    assert got["tree_fa4_blocks_nomask"][1] == pairs
+
+    def rows(lists):
+        part_cnt, part_idx, full_cnt, full_idx = (t.numpy() for t in lists)
+        return [(set(part_idx[r, :part_cnt[r]]), set(full_idx[r, :full_cnt[r]])) for r in range(len(part_cnt))]
+
+    monkeypatch.setattr(fb, "fa4_block_attention", lambda q, k, v, blk, scale: calls.append(blk) or q)
+    got = {name: fn for name, fn, _ in bench_tree_attention.fa4_yardsticks(layout, blocks, 0.1, pairs)}
+    got["tree_fa4_blocks_nomask"](x, x, x)
+    unmasked = calls[-1]
+    for which in ("fwd_lists", "bwd_lists"):
+        real, full = rows(getattr(blocks, which)), rows(getattr(unmasked, which))
+        assert any(p for p, _ in real)       # the layout has partial tiles, and they all become full
+        assert all(not p and f == rp | rf for (p, f), (rp, rf) in zip(full, real))
+    assert np.array_equal(unmasked.starts.numpy(), blocks.starts.numpy())
