@@ -275,17 +275,23 @@ def search(inst: L2Instance, moves: int):
 def groups_of(inst: L2Instance, cells: np.ndarray, reads: np.ndarray):
     """(groups, placement) of a state: per non-empty cell its owned and recomputed segments (an item's path
     recomputed unless it reads it) and its (replica, slot)."""
-    owned: Dict[int, List[np.ndarray]] = {}
-    recd: Dict[int, List[np.ndarray]] = {}
-    for u, c in enumerate(cells.tolist()):
-        owned.setdefault(c, []).append(inst.segments("own", u))
-        recd.setdefault(c, []).append(inst.segments("rec", u))
-        if not reads[u]:  # a block's path, an item's path unless it reads it
-            recd[c].append(inst.segments("path", u))
+    cells = np.asarray(cells, dtype=np.int64)
+    S = int(inst.length.shape[0])
+
+    def keys(which: str, take: np.ndarray) -> np.ndarray:  # cell * S + segment of the units in take
+        off, ids = getattr(inst, which + "_off"), getattr(inst, which)
+        n = np.diff(off)
+        sel = np.repeat(take, n)
+        return np.repeat(cells, n)[sel] * S + ids[sel]
+
+    every = np.ones(len(cells), dtype=bool)
+    own = np.unique(keys("own", every))
+    rec = np.setdiff1d(np.concatenate([keys("rec", every), keys("path", np.asarray(reads) == 0)]), own)
     groups, placement = [], []
-    for c in sorted(owned):
-        o = np.unique(np.concatenate(owned[c]))
-        r = np.setdiff1d(np.concatenate(recd[c]), o)
+    for c in np.unique(cells).tolist():
+        lo, hi = c * S, (c + 1) * S
+        o = own[np.searchsorted(own, lo):np.searchsorted(own, hi)] - lo
+        r = rec[np.searchsorted(rec, lo):np.searchsorted(rec, hi)] - lo
         groups.append((o, r))
         placement.append((c // inst.slots, c % inst.slots))
     return groups, placement
