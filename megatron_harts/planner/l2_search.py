@@ -261,7 +261,8 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
                       np.array(up, dtype=np.int64), np.array(replay, dtype=np.int64),
                       *_csr(own), *_csr(rec), *_csr(path), np.array(cell0, dtype=np.int64), dp, slots, M,
                       float(c.microbatch + c.kda_call), float(c.row), float(c.attention_pair), float(c.logits_row),
-                      float(c.kda_replay_token), int(base_tokens), float(TOKEN_PENALTY * c.row))
+                      float(c.kda_replay_token), int(base_tokens), float(TOKEN_PENALTY * c.row),
+                      load_weight=float(LOAD_WEIGHT))
 
 
 def search(inst: L2Instance, moves: int):
