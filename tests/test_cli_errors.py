@@ -103,7 +103,7 @@ def run_case(base: str, name: str, kind: str) -> dict:
     flag, missing = CASES[name]
     argv = flag if kind == "unknown-flag" else missing
     # the examples write under OUT (default: inside the repository); here under the run's folder
-    env = dict(os.environ, PYTHON=PY, OUT=os.path.join(folder, "out"), CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, PYTHON=PY, OUT=os.path.join(folder, "out"), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     p = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
     return {"code": p.returncode, "err": p.stderr, "files": listing(folder)}
 

@@ -104,7 +104,7 @@ def run_blocks(path: str, extra_env=None) -> int:
     blocks = [b for b in readme_blocks(open(path).read())
               if b.language in COMMAND_LANGUAGES and b.skip_reason is None]
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               MPLBACKEND="Agg", **(extra_env or {}))
+               MPLBACKEND="Agg", OMP_NUM_THREADS="1", **(extra_env or {}))
     before = git_status()
     ran = 0
     for b in blocks:

@@ -558,58 +558,79 @@ class _Timing:
         glued: List[Optional[Op]] = [None] * S
         limits = [S - s + min(depth, S - 1 - s) for s in range(S)]
         backward_first = rule == "backward-first"
-        times = [0.0]
+        known: Dict[Tuple[int, str, int], float] = {}     # ready times of ops whose prerequisites have all ended (final)
+        prerequisites, lat = self.prerequisites, self.lat
+
+        def ready(s: int, kind: str, m: int) -> Optional[float]:
+            key = (s, kind, m)
+            r = known.get(key)
+            if r is None:
+                r = 0.0
+                for d in prerequisites(s, kind, m):
+                    e = end.get(d)
+                    if e is None:
+                        return None
+                    if d[0] != s:
+                        e += lat
+                    if e > r:
+                        r = e
+                known[key] = r
+            return r
+
+        # visits (time, sweep, stage): a stage is looked at when it frees up or an op ends that one of
+        # its ops may wait for (on it or a neighbouring stage, a stage apart after the latency); at one
+        # time the stages are swept in order, and a visit the sweep has passed goes into the next one
+        visits = [(0.0, 0, s) for s in range(S)]
         left = 2 * len(producers) * S
         while left:
-            if not times:
+            if not visits:
                 return None
-            t = heapq.heappop(times)
-            while times and times[0] <= t:
-                heapq.heappop(times)
-            for s in range(S):
-                if free[s] > t:
-                    continue
-                while True:     # the stage may run a glued pair's second op right away
-                    if glued[s] is not None:
-                        kind, m = glued[s]
-                        r = self.ready_time(s, kind, m, end)
-                        if r is None or r > t:
-                            break
-                        choice = glued[s]
-                        glued[s] = None
-                    else:
-                        cand = []
-                        if bi[s] < len(bgroups):
-                            cand.append((False, bgroups[bi[s]]))
-                        if fi[s] < len(fgroups) and flight[s] < limits[s]:
-                            cand.append((True, fgroups[fi[s]]))
-                        if not backward_first:
-                            cand.reverse()
-                        choice = None
-                        for is_fwd, group in cand:
-                            r = self.ready_time(s, group[0][0], group[0][1], end)
-                            if r is not None and r <= t:
-                                choice = group[0]
-                                if is_fwd:
-                                    fi[s] += 1
-                                    flight[s] += 1
-                                else:
-                                    bi[s] += 1
-                                    flight[s] -= 1
-                                glued[s] = group[1] if len(group) > 1 else None
-                                break
-                        if choice is None:
-                            break
-                    kind, m = choice
-                    t1 = t + self.duration(kind, m)
-                    end[(s, kind, m)] = free[s] = t1
-                    ops[s].append(choice)
-                    left -= 1
-                    heapq.heappush(times, t1)
-                    if self.lat:
-                        heapq.heappush(times, t1 + self.lat)
-                    if t1 > t:
+            t, sweep, s = heapq.heappop(visits)
+            while visits and visits[0] == (t, sweep, s):
+                heapq.heappop(visits)
+            if free[s] > t:
+                continue
+            while True:     # the stage may run a glued pair's second op right away
+                if glued[s] is not None:
+                    kind, m = glued[s]
+                    r = ready(s, kind, m)
+                    if r is None or r > t:
                         break
+                    choice = glued[s]
+                    glued[s] = None
+                else:
+                    cand = []
+                    if bi[s] < len(bgroups):
+                        cand.append((False, bgroups[bi[s]]))
+                    if fi[s] < len(fgroups) and flight[s] < limits[s]:
+                        cand.append((True, fgroups[fi[s]]))
+                    if not backward_first:
+                        cand.reverse()
+                    choice = None
+                    for is_fwd, group in cand:
+                        r = ready(s, group[0][0], group[0][1])
+                        if r is not None and r <= t:
+                            choice = group[0]
+                            if is_fwd:
+                                fi[s] += 1
+                                flight[s] += 1
+                            else:
+                                bi[s] += 1
+                                flight[s] -= 1
+                            glued[s] = group[1] if len(group) > 1 else None
+                            break
+                    if choice is None:
+                        break
+                kind, m = choice
+                t1 = t + self.duration(kind, m)
+                end[(s, kind, m)] = free[s] = t1
+                ops[s].append(choice)
+                left -= 1
+                for s2, t2 in ((s, t1), (s - 1, t1 + lat), (s + 1, t1 + lat)):
+                    if 0 <= s2 < S:
+                        heapq.heappush(visits, (t2, sweep + (t2 == t and s2 <= s) if t2 == t else 0, s2))
+                if t1 > t:
+                    break
         return ops, self.measure(ops, end)
 
 
