@@ -708,12 +708,14 @@ def _consumer_1f1b(producers: Sequence[Optional[int]], windows: Mapping[int, Lis
             if j != len(u) - 1:
                 tails[k] = u[:j] + u[j + 1:] + [u[j]]
 
+    timed: Dict[Tuple[Tuple[int, ...], int, str], Optional[tuple]] = {}     # the search revisits orders
+
     def run(order, depth, rule, tail=False):
-        got = timing.greedy([i for k in order for i in (tails[k] if tail and k == order[-1] else units[k])],
-                            depth, rule)
-        if got is None or not within(got[1]):
-            return None
-        return got
+        key = (tuple(i for k in order for i in (tails[k] if tail and k == order[-1] else units[k])), depth, rule)
+        if key not in timed:
+            got = timing.greedy(list(key[0]), depth, rule)
+            timed[key] = None if got is None or not within(got[1]) else got
+        return timed[key]
 
     for depth in c1f1b_depths(S):
         for rule in C1F1B_RULES:
