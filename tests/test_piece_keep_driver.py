@@ -2,7 +2,7 @@
 16-row budget under trajectories of up to 41 tokens, read pieces that keep their graphs (``all``, and
 ``auto`` under a large ``--tree-piece-memory``) and read pieces recomputed (``none``) give the same
 loss, gradient norm, gradients and MoE load in a step; the logged step reports the extra forward rows (0 when
-every read piece is kept).  Bad values are one error line naming the flag."""
+every read piece is kept), and the exports-only forwards leave the output layer and the log-probs out.  Bad values are one error line naming the flag."""
 import pytest
 import torch
 
@@ -13,13 +13,25 @@ def _budget16(*extra):
     return ["--tree-microbatch-tokens", "16", *extra]
 
 
-def test_piece_keep_through_the_driver():
+def test_piece_keep_through_the_driver(monkeypatch):
     from test_training_driver import rollouts
 
+    import megatron_harts.models.model as model_module
     from megatron_harts.tree_data import build_forest
     forest = build_forest(rollouts(0))
+    calls = []
+    real_logprobs = model_module.multi_target_logprobs
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real_logprobs(*args, **kwargs)
+    monkeypatch.setattr(model_module, "multi_target_logprobs", counted)
     kept, g_kept, _ = _driver_run(_budget16("--tree-piece-keep", "all"), forest, steps=1)
+    kept_calls = len(calls)
     recomputed, g_rec, _ = _driver_run(_budget16("--tree-piece-keep", "none"), forest, steps=1)
+    # a read piece's exports-only forward stops before the output layer: the log-prob op runs once per
+    # microbatch either way
+    assert len(calls) - kept_calls == kept_calls > 0
     auto, g_auto, t = _driver_run(_budget16("--tree-piece-memory", "1000"), forest, steps=1)
     m = kept[0]
     assert m["read_pieces"] > 0 and m["kept_pieces"] == m["read_pieces"] and m["piece_extra_forward_rows"] == 0

@@ -489,18 +489,20 @@ class _TreeStep:
         def forward_step(data_iterator, model):
             mb, psp = next(data_iterator)
             batch = mb.layout
+            if getattr(psp, "preview", False):   # an exports-only forward, computed again later: no log-probs
+                return model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp,
+                             return_hidden=True), None
             host, flat, keep = self._targets(mb)
             out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp,
                         pair_row=host.pair_row, pair_token=host.pair_token, return_entropy=entropy)
             lp_pairs, ent_rows = out if entropy else (out, None)
             lp = lp_pairs.index_select(0, batch.target_pair)
-            if not getattr(psp, "preview", False):
-                rows[0] += int(batch.num_rows)
-                np.add.at(acc[0], flat[keep], lp.detach().double().cpu().numpy()[keep])
-                np.add.at(acc[1], flat[keep], 1.0)
-                if entropy:
-                    e = ent_rows.index_select(0, batch.target_row).detach().double().cpu().numpy()
-                    np.add.at(acc[2], flat[keep], e[keep])
+            rows[0] += int(batch.num_rows)
+            np.add.at(acc[0], flat[keep], lp.detach().double().cpu().numpy()[keep])
+            np.add.at(acc[1], flat[keep], 1.0)
+            if entropy:
+                e = ent_rows.index_select(0, batch.target_row).detach().double().cpu().numpy()
+                np.add.at(acc[2], flat[keep], e[keep])
             return lp, lambda output: (output.sum() * 0.0, {})
 
         if not _unwrap(chunk).post_process:

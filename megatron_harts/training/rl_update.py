@@ -139,18 +139,19 @@ def _logprob_step(captured: list, need_entropy: bool):
         batch = mb.layout
         if not _unwrap(model).post_process:
             return model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp), None
+        if getattr(psp, "preview", False):      # an exports-only forward, computed again later: no log-probs
+            return model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp, return_hidden=True), None
         host = batch.host_copy if batch.host_copy is not None else batch
         out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp,
                     pair_row=host.pair_row, pair_token=host.pair_token, return_entropy=need_entropy)
         lp_pairs, ent_rows = out if need_entropy else (out, None)
         lp = lp_pairs.index_select(0, batch.target_pair)
-        if not getattr(psp, "preview", False):       # an exports-only forward: computed again later
-            keep = np.ones(batch.num_targets, dtype=bool) if mb.owned is None else mb.owned.cpu().numpy().astype(bool)
-            traj = np.asarray(host.traj_forest, dtype=np.int64)[host.target_traj.cpu().numpy()][keep]
-            pos = host.target_position.cpu().numpy().astype(np.int64)[keep]
-            ent = ent_rows.index_select(0, batch.target_row).detach().double().cpu().numpy()[keep] \
-                if need_entropy else None
-            captured.append((traj, pos, lp.detach().double().cpu().numpy()[keep], ent))
+        keep = np.ones(batch.num_targets, dtype=bool) if mb.owned is None else mb.owned.cpu().numpy().astype(bool)
+        traj = np.asarray(host.traj_forest, dtype=np.int64)[host.target_traj.cpu().numpy()][keep]
+        pos = host.target_position.cpu().numpy().astype(np.int64)[keep]
+        ent = ent_rows.index_select(0, batch.target_row).detach().double().cpu().numpy()[keep] \
+            if need_entropy else None
+        captured.append((traj, pos, lp.detach().double().cpu().numpy()[keep], ent))
 
         def loss_func(output):
             return output.sum() * 0.0, {}

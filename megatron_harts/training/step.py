@@ -331,6 +331,11 @@ def make_forward_step(objective: ObjectiveConfig, normalizer: BatchNormalizer, *
             if counts:
                 _count_experts(model, counters)
             return out, None
+        if not counts:
+            # an exports-only forward: the exports come from the layers, and the schedule reads none of
+            # its outputs (the microbatch runs again with its loss), so the output layer and the
+            # log-probs are left out
+            return model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp, return_hidden=True), None
         host = batch.host_copy if batch.host_copy is not None else batch
         # the (row, token) pairs from the host copy: the log-prob op groups them there
         out = model(batch.tokens[None], batch.position_ids[None], packed_seq_params=psp,
