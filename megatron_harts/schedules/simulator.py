@@ -559,22 +559,15 @@ class _Timing:
         limits = [S - s + min(depth, S - 1 - s) for s in range(S)]
         backward_first = rule == "backward-first"
         known: Dict[Tuple[int, str, int], float] = {}     # ready times of ops whose prerequisites have all ended (final)
-        prerequisites, lat = self.prerequisites, self.lat
+        lat = self.lat
 
         def ready(s: int, kind: str, m: int) -> Optional[float]:
             key = (s, kind, m)
             r = known.get(key)
             if r is None:
-                r = 0.0
-                for d in prerequisites(s, kind, m):
-                    e = end.get(d)
-                    if e is None:
-                        return None
-                    if d[0] != s:
-                        e += lat
-                    if e > r:
-                        r = e
-                known[key] = r
+                r = self.ready_time(s, kind, m, end)
+                if r is not None:
+                    known[key] = r
             return r
 
         # visits (time, sweep, stage): a stage is looked at when it frees up or an op ends that one of
@@ -628,7 +621,7 @@ class _Timing:
                 left -= 1
                 for s2, t2 in ((s, t1), (s - 1, t1 + lat), (s + 1, t1 + lat)):
                     if 0 <= s2 < S:
-                        heapq.heappush(visits, (t2, sweep + (t2 == t and s2 <= s) if t2 == t else 0, s2))
+                        heapq.heappush(visits, (t2, sweep + (s2 <= s) if t2 == t else 0, s2))
                 if t1 > t:
                     break
         return ops, self.measure(ops, end)
