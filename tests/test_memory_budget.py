@@ -55,6 +55,19 @@ def test_piece_choice_within_the_budget():
         plan = plan_window_memory(chain, piece_keep="auto", piece_budget_bytes=budget, **kw)
         assert plan.kept_pieces == kept, budget
         assert plan_window_memory(chain, piece_keep=kept, **kw).predicted_peak_bytes == plan.predicted_peak_bytes
+    # part of a graph (per layer 1 byte a row, the layers' inputs free): a piece that does not fit whole is
+    # kept with the fewest first layers recomputed that fit
+    part = dict(kw, piece_layer_bytes=[1, 1], layer_input_bytes=0)
+    for budget, kept, layers, peak in ((150, (0, 1), {}, 150), (149, (0, 1), {1: 1}, 140),
+                                       (129, (0,), {0: 1}, 120), (119, (), {}, 110)):
+        plan = plan_window_memory(chain, piece_keep="auto", piece_budget_bytes=budget, **part)
+        assert (plan.kept_pieces, plan.piece_layers, plan.predicted_peak_bytes) == (kept, layers, peak), budget
+        given = {i: layers.get(i, 0) for i in kept}
+        assert plan_window_memory(chain, piece_keep=given, **part).predicted_peak_bytes == peak
+    with pytest.raises(ValueError, match="without --recompute-granularity"):
+        plan_window_memory(chain, piece_keep={0: 1}, **kw)
+    with pytest.raises(ValueError, match=r"must lie in \[0, layers\)"):
+        plan_window_memory(chain, piece_keep={0: 2}, **part)
     with pytest.raises(ValueError, match="needs piece_budget_bytes"):
         plan_window_memory(chain, piece_keep="auto", **kw)
     with pytest.raises(ValueError, match="no read piece"):

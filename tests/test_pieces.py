@@ -222,3 +222,70 @@ def test_piece_forwards_counted_and_kept_graphs_exact(cpu_world):
         counting_step(model, items, piece_keep="auto")
     with pytest.raises(ValueError, match="no read piece"):
         counting_step(model, items, piece_keep=[len(items) - 1])
+
+
+def test_pieces_keeping_part_of_their_graph(cpu_world):
+    """A read piece may keep part of its graph: its first layers checkpointed (megatron's block
+    recomputation), their forward run again in its backward, the exports recorded there getting their
+    gradients when it does.  Same log-probs, gradients (aux loss on) and tokens per expert as keeping
+    every graph whole; the layers' forwards counted; the run's own recomputation settings untouched; the
+    memory plan keeps a piece that does not fit whole with the fewest recomputed layers that fit."""
+    from megatron_harts.schedules.windows import _plan_pieces, step_memory_plan
+    cfg = tiny_config()
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 5)
+    full = long_forest(3, compactions=True)
+    forest = full.select(long_trees(full, 12))
+    plan = plan_with_pieces(forest, 12, 4, 1, None, empty_plan=empty_plan(forest, "tree"))
+    items = piece_microbatches(plan, 0)
+    planned = _plan_pieces(items, cfg)
+    read = sorted(set(planned.readers))
+    rows = [int(mb.layout.num_rows) for mb in items]
+    L = cfg.num_layers
+    calls = [0] * L
+    hooks = [layer.register_forward_hook(lambda *_, n=n: calls.__setitem__(n, calls[n] + 1))
+             for n, layer in enumerate(model.decoder.layers)]
+    try:
+        whole = counting_step(model, items, piece_keep="all")
+        assert calls == [len(items)] * L
+        calls[:] = [0] * L
+        part = {read[0]: 1, read[1]: L - 1}
+        got = counting_step(model, items, piece_keep=part)
+        again = len(read) - len(part)       # the other read pieces run their whole forward again
+        assert calls == [len(items) + again + sum(n < k for k in part.values()) for n in range(L)], calls
+    finally:
+        for h in hooks:
+            h.remove()
+    assert model.config.recompute_granularity is None and model.config.recompute_method is None
+    assert_same(got, whole, "pieces keeping part of their graph vs whole")
+    torch.testing.assert_close(got[4], whole[4], rtol=0, atol=0)
+    assert [got[3][i] for i in part] == [1, 1]         # one model forward each: the layers recompute inside
+    s = got[2]
+    assert s["kept_pieces"] == 2 and s["partly_kept_pieces"] == 2
+    assert s["piece_extra_forward_rows"] == rows[read[0]] * 1 // L + rows[read[1]] * (L - 1) // L + \
+        sum(rows[i] for i in read[2:])
+    # the memory plan: below what keeping every graph whole needs, a piece is kept in part
+    hi = step_memory_plan(items, cfg, pieces=planned, piece_keep="all").predicted_peak_bytes
+    lo = step_memory_plan(items, cfg, pieces=planned, piece_keep="none").predicted_peak_bytes
+    found = None
+    for b in np.linspace(hi, lo, 64).astype(np.int64):
+        m = step_memory_plan(items, cfg, pieces=planned, piece_keep="auto", piece_budget_bytes=int(b))
+        assert m.predicted_peak_bytes <= max(int(b), lo)
+        assert set(m.piece_layers) <= set(m.kept_pieces) and all(0 < n < L for n in m.piece_layers.values())
+        for i, n in m.piece_layers.items():   # the fewest recomputed layers: one fewer does not fit
+            fewer = {**{j: m.piece_layers.get(j, 0) for j in m.kept_pieces}, i: n - 1}
+            assert step_memory_plan(items, cfg, pieces=planned, piece_keep=fewer).predicted_peak_bytes > b
+        if m.piece_layers and found is None:
+            found = int(b), m
+    assert found is not None
+    budget, m = found
+    auto = counting_step(model, items, piece_keep="auto", piece_budget=budget)
+    assert auto[2]["partly_kept_pieces"] == len(m.piece_layers) and auto[2]["predicted_peak_bytes"] == \
+        m.predicted_peak_bytes
+    assert_same(auto, whole, "pieces auto (some kept in part) vs whole")
+    # a run that recomputes on its own keeps whole graphs (its kept graph is the layers' inputs already)
+    rec = randomize_(build_hybrid_model(tiny_config(recompute_granularity="full", recompute_method="uniform",
+                                                    recompute_num_layers=1), vocab_size=VOCAB), 5)
+    assert step_memory_plan(items, rec.config, pieces=planned, piece_keep="auto",
+                            piece_budget_bytes=budget).piece_layers == {}
+    with pytest.raises(ValueError, match="without --recompute-granularity"):
+        counting_step(rec, items, piece_keep={read[0]: 1})

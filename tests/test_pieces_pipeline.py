@@ -226,6 +226,16 @@ def worker(rank, world, port, ref_path):
                               f"PP={world} pieces recomputed ({name}) vs PP=1", last)
             read_rows = sum(int(items[i].layout.num_rows) for i in {r for mb in items for r in mb.reads})
             assert stats["kept_pieces"] == 0 and stats["piece_extra_forward_rows"] == read_rows > 0, stats
+            # read pieces keeping part of their graph: each stage's first layer checkpointed in their forward
+            read = sorted({r for mb in items for r in mb.reads})
+            stats = {}
+            lp = stage_step(model, items, "consumer-1f1b", stats, piece_keep=dict.fromkeys(read, 1))
+            assert_stage_same(lp, stage_grads(model, offset), ref["results"][name]["pp1"],
+                              f"PP={world} pieces kept in part ({name}) vs PP=1", last)
+            per_stage = len(model.decoder.layers)
+            assert stats["kept_pieces"] == stats["partly_kept_pieces"] == len(read), stats
+            assert stats["piece_extra_forward_rows"] == sum(int(items[i].layout.num_rows) // per_stage for i in read)
+            assert cfg.recompute_granularity is None
             # forward only (the logit probe's pass): every piece's log-probs once, those of PP=1
             from megatron_harts.schedules.pipeline import forward_backward_pipelining_windows
             from test_pipeline_schedules import pp_forward_step

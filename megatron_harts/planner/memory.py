@@ -31,11 +31,12 @@ An estimate: allocator rounding, transient buffers and kernel workspaces are not
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 __all__ = ["ModelShape", "activation_bytes_per_row", "saved_bytes_per_row", "graph_bytes_per_row", "export_bytes",
+           "layer_graph_bytes_per_row", "layer_input_bytes_per_row",
            "forward_end_bytes_per_row", "attention_bytes", "default_budget_bytes", "state_bytes_per_parameter",
            "output_bytes", "step_peak_bytes", "device_activation_budget", "StepItem", "WindowMemoryPlan",
            "plan_window_memory", "PIECE_KEEP", "GIB"]
@@ -120,8 +121,19 @@ def activation_bytes_per_row(s: ModelShape) -> Dict[str, int]:
 def graph_bytes_per_row(s: ModelShape) -> int:
     """Bytes a row keeps over all layers when its forward runs without recomputation (a window producer's
     graph, whatever the run's recomputation)."""
+    return sum(layer_graph_bytes_per_row(s))
+
+
+def layer_graph_bytes_per_row(s: ModelShape) -> List[int]:
+    """Per layer, in order, the bytes a row keeps for that layer's backward without recomputation."""
     act = activation_bytes_per_row(s)
-    return sum(act[a] + act[m] for a, m in s.layer_kinds)
+    return [act[a] + act[m] for a, m in s.layer_kinds]
+
+
+def layer_input_bytes_per_row(s: ModelShape) -> int:
+    """Bytes a row keeps for a layer whose forward runs again in the backward: its input (hidden x e,
+    1/tp of it)."""
+    return -(-s.hidden * s.element_bytes // s.tp)
 
 
 def saved_bytes_per_row(s: ModelShape) -> int:
@@ -182,7 +194,7 @@ def forward_end_bytes_per_row(s: ModelShape) -> int:
     if s.recompute != "full":
         return graph_bytes_per_row(s)
     units = -(-len(s.layer_kinds) // max(1, int(s.recompute_layers)))
-    return units * -(-s.hidden * s.element_bytes // s.tp)
+    return units * layer_input_bytes_per_row(s)
 
 
 def attention_bytes(s: ModelShape, *, rows: int, context_rows: int, gathered: int) -> int:
@@ -257,7 +269,9 @@ class WindowMemoryPlan:
     ``budget_bytes``: the budget it was chosen for (None: no budget, every window as forced);
     ``export_bytes``: per item its predicted exports (0 where it exports nothing); ``kept_pieces``: read
     pieces of long paths that keep their graph from their forward to their backward (one forward);
-    ``recomputed_pieces``: read pieces whose forward runs under ``no_grad`` and again with their backward."""
+    ``recomputed_pieces``: read pieces whose forward runs under ``no_grad`` and again with their backward;
+    ``piece_layers``: per kept piece the number of its first layers whose forward runs again in its
+    backward (0: the whole graph kept)."""
     recompute: Tuple[int, ...]
     kept: Tuple[int, ...]
     predicted_peak_bytes: int
@@ -265,6 +279,7 @@ class WindowMemoryPlan:
     export_bytes: Tuple[int, ...] = ()
     kept_pieces: Tuple[int, ...] = ()
     recomputed_pieces: Tuple[int, ...] = ()
+    piece_layers: Dict[int, int] = field(default_factory=dict)
 
 
 PIECE_KEEP = ("auto", "all", "none")
@@ -278,18 +293,25 @@ def _keep_within(base: np.ndarray, candidates, keep, budget: float) -> Tuple[np.
     for c in candidates:
         trial = base.copy()
         keep(trial, c)
-        raised = trial > base
-        if not raised.any() or float(trial[raised].max()) <= budget:
+        if _fits(base, trial, budget):
             base = trial
             kept.append(c)
     return base, kept
+
+
+def _fits(base: np.ndarray, trial: np.ndarray, budget: float) -> bool:
+    """No phase that ``trial`` raises above ``base`` goes above ``budget``."""
+    raised = trial > base
+    return not raised.any() or float(trial[raised].max()) <= budget
 
 
 def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_per_row: int,
                        budget_bytes: Optional[int] = None, force: Optional[bool] = None,
                        recompute: Optional[Sequence[int]] = None, piece_keep="none",
                        piece_graph_per_row: Optional[int] = None,
-                       piece_budget_bytes: Optional[int] = None) -> WindowMemoryPlan:
+                       piece_budget_bytes: Optional[int] = None,
+                       piece_layer_bytes: Optional[Sequence[int]] = None,
+                       layer_input_bytes: int = 0) -> WindowMemoryPlan:
     """Choose, per sharing window of a replica's step, whether its producer keeps its graph, and per read
     piece of a long path whether it keeps its graph; predict the step's live activation bytes (module
     docstring).
@@ -313,7 +335,15 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
     ``recompute``: exactly these producers recompute (``force`` and the budget are then not consulted),
     for the prediction of a given choice.  Pieces: ``piece_keep`` "none" recomputes every read piece,
     "all" keeps every one, "auto" decides in step order within ``piece_budget_bytes`` by the windows'
-    rule (after the windows' choice); a collection of positions keeps exactly those read pieces.
+    rule (after the windows' choice); a collection of positions keeps exactly those read pieces, a
+    mapping ``{position: N}`` keeps those pieces with their first N layers recomputed (below).
+
+    Part of a graph: with ``piece_layer_bytes`` (per layer, in order, the graph bytes a row keeps; the run
+    recomputes nothing) "auto" keeps a read piece that does not fit whole with its first N layers
+    recomputed in its backward (megatron's block recomputation), the fewest N with which it fits: it
+    holds ``rows x (sum of piece_layer_bytes[N:] + N x layer_input_bytes)`` and its attention bytes, and
+    its backward runs the forward of N layers again (``piece_layers``).  Without it a piece is kept whole
+    or recomputed.
     """
     n = len(items)
     consumers: Dict[int, List[int]] = {}
@@ -408,12 +438,17 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
     elif force is None:
         base, kept = _keep_within(base, sorted(consumers), add, budget_bytes)
     recompute = tuple(p for p in sorted(consumers) if p not in set(kept))
-    # pieces: a kept read piece holds its graph from its run to its backward
+    # pieces: a kept read piece holds its graph (or, its first n layers recomputed, part of it) from its run
+    # to its backward
     held = saved_per_row if piece_graph_per_row is None else int(piece_graph_per_row)
+    per_layer = None if piece_layer_bytes is None else [int(b) for b in piece_layer_bytes]
 
-    def hold(live, i):
-        live[run_phase[i] + 1:back_phase[i]] += items[i].rows * held + attn[i]
-    kept_pieces: List[int] = []
+    def held_per_row(n: int) -> int:
+        return held if not n else sum(per_layer[n:]) + n * int(layer_input_bytes)
+
+    def hold(live, i, n=0):
+        live[run_phase[i] + 1:back_phase[i]] += items[i].rows * held_per_row(n) + attn[i]
+    layers: Dict[int, int] = {}                     # kept pieces -> first layers recomputed (0: all kept)
     if isinstance(piece_keep, str):
         if piece_keep not in PIECE_KEEP:
             raise ValueError(f"plan_window_memory: piece_keep must be one of {PIECE_KEEP} or positions, got "
@@ -421,20 +456,33 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
         if piece_keep == "auto" and piece_budget_bytes is None:
             raise ValueError("plan_window_memory: piece_keep 'auto' needs piece_budget_bytes")
         if piece_keep == "all":
-            kept_pieces = list(read)
-            for i in read:
-                hold(base, i)
+            layers = {i: 0 for i in read}
         elif piece_keep == "auto":
-            base, kept_pieces = _keep_within(base, read, hold, piece_budget_bytes)
+            options = range(1 if per_layer is None else len(per_layer))
+            for i in read:
+                for n in options:
+                    trial = base.copy()
+                    hold(trial, i, n)
+                    if _fits(base, trial, piece_budget_bytes):
+                        layers[i], base = n, trial
+                        break
     else:
-        chosen = {int(i) for i in piece_keep}
-        if not chosen <= set(read):
+        chosen = dict(piece_keep) if isinstance(piece_keep, Mapping) else {int(i): 0 for i in piece_keep}
+        chosen = {int(i): int(n) for i, n in chosen.items()}
+        if not set(chosen) <= set(read):
             raise ValueError(f"plan_window_memory: piece_keep names items that are no read piece: "
-                             f"{sorted(chosen - set(read))}")
-        kept_pieces = sorted(chosen)
-        for i in kept_pieces:
-            hold(base, i)
+                             f"{sorted(set(chosen) - set(read))}")
+        if any(n for n in chosen.values()) and per_layer is None:
+            raise ValueError("plan_window_memory: a piece keeping part of its graph needs a run without "
+                             "--recompute-granularity (piece_layer_bytes)")
+        if any(not 0 <= n < (1 if per_layer is None else len(per_layer)) for n in chosen.values()):
+            raise ValueError(f"plan_window_memory: piece_keep's recomputed layers must lie in [0, layers), got {chosen}")
+        layers = dict(sorted(chosen.items()))
+    if piece_keep != "auto":
+        for i, n in layers.items():
+            hold(base, i, n)
+    kept_pieces = sorted(layers)
     return WindowMemoryPlan(recompute, tuple(kept), int(base.max()) if k else 0,
                             None if budget_bytes is None else int(budget_bytes),
                             tuple(int(it.export_bytes) for it in items), tuple(kept_pieces),
-                            tuple(i for i in read if i not in set(kept_pieces)))
+                            tuple(i for i in read if i not in layers), {i: n for i, n in layers.items() if n})

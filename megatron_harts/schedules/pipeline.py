@@ -106,8 +106,9 @@ import torch.distributed as dist
 
 from .simulator import _check_producers, _check_stages, schedule_ops
 from .windows import (PIECES_RANGE, WindowedMicrobatch, _loss_of, _model_config, _piece_params, _plan_pieces,
-                      check_windows, kept_piece_backward, microbatch_on, microbatch_params, model_device,
-                      piece_choice, producer_forward, producer_params, step_memory_plan)
+                      check_windows, kept_piece_backward, leading_layers_recomputed, microbatch_on,
+                      microbatch_params, model_device, piece_choice, producer_forward, producer_params,
+                      step_memory_plan)
 
 __all__ = ["SCHEDULES", "stage_orders", "check_stage_orders", "piece_orders", "piece_backward_order",
            "piece_positions", "forward_backward_pipelining_windows",
@@ -496,7 +497,8 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
         raise ValueError("forward_backward_pipelining_windows: piece_keep 'auto' needs piece_budget (bytes)")
     memory = step_memory_plan(mbs, cfg, pieces=pieces, piece_keep=piece_keep, piece_budget_bytes=piece_budget,
                               layers=_stage_layers(model)) if piece_keep == "auto" and pieces.readers else None
-    keep = set(pieces.readers) if forward_only else piece_choice(mbs, pieces, piece_keep, memory)
+    keep = dict.fromkeys(pieces.readers, 0) if forward_only else piece_choice(mbs, pieces, piece_keep, memory)
+    layer_count = max(1, len(_stage_layers(model) or ()) or int(cfg.num_layers))
     piece_leaves: Dict[int, Any] = {}           # pieces read later: this stage's exports' leaves
     piece_rows = extra_rows = 0
 
@@ -527,7 +529,9 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
             st = {"x": x, "shape": shape}
             piece_rows += int(mb.layout.num_rows)
             if i in keep:                        # read later, graph kept: one forward, its backward after its readers'
-                output, loss_func = forward_step_func(iter([(mb, psp)]), model)
+                with leading_layers_recomputed(cfg, keep[i]):
+                    output, loss_func = forward_step_func(iter([(mb, psp)]), model)
+                extra_rows += int(mb.layout.num_rows) * keep[i] // layer_count
                 if last:
                     loss, stats = _loss_of(loss_func, output)
                     store.append(stats)
@@ -660,7 +664,8 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
         window_stats["piece_rows"] = piece_rows
         window_stats["piece_extra_forward_rows"] = extra_rows
         window_stats["read_pieces"] = len(pieces.readers)
-        window_stats["kept_pieces"] = len(keep & set(pieces.readers))
+        window_stats["kept_pieces"] = len(keep.keys() & set(pieces.readers))
+        window_stats["partly_kept_pieces"] = sum(1 for n in keep.values() if n)
         window_stats["piece_budget_bytes"] = piece_budget
     return store
 

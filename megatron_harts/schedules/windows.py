@@ -66,12 +66,13 @@ from ..layout import CompactLayout, host_to_device
 from ..models.packed import ExportSpec, TreePackedSeqParams, WindowExports
 from ..ops.key_paths import gathered_key_count
 from ..planner.memory import (PIECE_KEEP, ModelShape, StepItem, WindowMemoryPlan, attention_bytes, export_bytes,
-                              forward_end_bytes_per_row, graph_bytes_per_row, plan_window_memory,
+                              forward_end_bytes_per_row, graph_bytes_per_row, layer_graph_bytes_per_row,
+                              layer_input_bytes_per_row, plan_window_memory,
                               saved_bytes_per_row)
 from ..planner.microbatch import replica_windows
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
-           "kept_piece_backward", "microbatch_on", "microbatch_params", "model_device", "piece_choice",
+           "kept_piece_backward", "leading_layers_recomputed", "microbatch_on", "microbatch_params", "model_device", "piece_choice",
            "piece_microbatches", "producer_forward", "producer_params", "step_memory_plan", "windowed_microbatches"]
 
 
@@ -375,20 +376,48 @@ def kept_piece_backward(psp: TreePackedSeqParams, own: WindowExports, root: torc
         psp.inject_grads = None
 
 
-def piece_choice(mbs: List[WindowedMicrobatch], pieces: "_Pieces", piece_keep, memory=None) -> set:
-    """The read pieces of a step that keep their graph: every one (``piece_keep`` "all"), none ("none"),
-    the memory plan's (``memory.kept_pieces``, for "auto"), or the positions given."""
+def piece_choice(mbs: List[WindowedMicrobatch], pieces: "_Pieces", piece_keep, memory=None) -> Dict[int, int]:
+    """The read pieces of a step that keep their graph, each with the number of its first layers whose
+    forward runs again in its backward (0: its whole graph kept): every one whole (``piece_keep`` "all"),
+    none ("none"), the memory plan's (``memory.kept_pieces`` and ``memory.piece_layers``, for "auto"), the
+    positions given (whole), or a mapping ``{position: layers}``."""
     read = set(pieces.readers)
     if isinstance(piece_keep, str):
         if piece_keep not in PIECE_KEEP:
             raise ValueError(f"piece_keep must be one of {PIECE_KEEP} or a collection of positions, got {piece_keep!r}")
-        if piece_keep == "auto":
-            return set(memory.kept_pieces) if read else set()  # no read piece: no memory plan needed
-        return read if piece_keep == "all" else set()
-    chosen = {int(i) for i in piece_keep}
-    if not chosen <= read:
-        raise ValueError(f"piece_keep names microbatches that are no read piece: {sorted(chosen - read)}")
+        if piece_keep == "auto":                 # no read piece: no memory plan needed
+            return {i: memory.piece_layers.get(i, 0) for i in memory.kept_pieces} if read else {}
+        return dict.fromkeys(sorted(read), 0) if piece_keep == "all" else {}
+    chosen = {int(i): int(n) for i, n in piece_keep.items()} if isinstance(piece_keep, dict) \
+        else dict.fromkeys((int(i) for i in piece_keep), 0)
+    if not set(chosen) <= read:
+        raise ValueError(f"piece_keep names microbatches that are no read piece: {sorted(set(chosen) - read)}")
+    if any(n < 0 for n in chosen.values()):
+        raise ValueError(f"piece_keep: a piece's recomputed layers cannot be negative, got {chosen}")
     return chosen
+
+
+@contextlib.contextmanager
+def leading_layers_recomputed(cfg, layers: int):
+    """A kept piece's forward with its first ``layers`` layers (of this rank's) checkpointed: megatron's
+    block recomputation (``recompute_granularity`` "full", method "block") for the duration of the forward;
+    their backward runs their forward again.  0: the forward as configured.  Needs a run without
+    recomputation of its own."""
+    if not layers:
+        yield
+        return
+    names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    saved = tuple(getattr(cfg, n, None) for n in names)
+    if saved[0] is not None:
+        raise ValueError(f"a piece keeping part of its graph needs a run without --recompute-granularity "
+                         f"(it is {saved[0]!r})")
+    for n, v in zip(names, ("full", "block", int(layers))):
+        setattr(cfg, n, v)
+    try:
+        yield
+    finally:
+        for n, v in zip(names, saved):
+            setattr(cfg, n, v)
 
 
 def check_windows(mbs: List[WindowedMicrobatch]) -> Dict[int, List[int]]:
@@ -540,10 +569,13 @@ def step_memory_plan(mbs: List[WindowedMicrobatch], cfg, *, budget_bytes: Option
         items.append(StepItem(rows=int(mb.layout.num_rows), producer=None if mb.producer is None else int(mb.producer),
                               export_bytes=ex, reads=tuple(int(r) for r in mb.reads), read_later=i in pieces.readers,
                               attention_bytes=_attention_bytes(shape, mb.layout)))
+    partial = getattr(cfg, "recompute_granularity", None) is None    # a kept piece may recompute its first layers
     return plan_window_memory(items, saved_per_row=saved_bytes_per_row(shape), graph_per_row=graph_bytes_per_row(shape),
                               budget_bytes=budget_bytes, force=force, recompute=recompute, piece_keep=piece_keep,
                               piece_graph_per_row=forward_end_bytes_per_row(shape),
-                              piece_budget_bytes=piece_budget_bytes)
+                              piece_budget_bytes=piece_budget_bytes,
+                              piece_layer_bytes=layer_graph_bytes_per_row(shape) if partial else None,
+                              layer_input_bytes=layer_input_bytes_per_row(shape))
 
 
 def _attention_bytes(shape: ModelShape, layout) -> int:
@@ -588,9 +620,12 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     ``piece_keep``: which pieces of long paths that later pieces read keep their graph until their
     backward at their chain's end (one forward) instead of running their forward again with it:
     "all", "none", "auto" (the memory model's choice within ``piece_budget`` bytes,
-    :func:`step_memory_plan`) or a collection of positions; the same gradients either way.
+    :func:`step_memory_plan`, which may keep a piece in part), a collection of positions, or a mapping
+    ``{position: N}`` keeping those pieces with their first N layers recomputed in their backward
+    (:func:`leading_layers_recomputed`); the same gradients either way.
     ``window_stats`` also receives ``piece_rows`` (rows of the pieces), ``piece_extra_forward_rows``
-    (rows of the forwards run again), ``read_pieces``, ``kept_pieces`` and ``piece_budget_bytes``.
+    (rows of the forwards run again; a piece kept in part: its rows times its recomputed share of the
+    layers), ``read_pieces``, ``kept_pieces``, ``partly_kept_pieces`` and ``piece_budget_bytes``.
 
     Returns the per-microbatch ``stats`` of ``loss_func``, in execution order (megatron's
     ``forward_data_store``; with ``recompute_producers`` a producer's come at its window close).
@@ -641,10 +676,11 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     keep = piece_choice(mbs, pieces, piece_keep, memory)
     if forward_only:
         recompute = set()
-        keep = set(pieces.readers)               # no backward: every piece's forward once
+        keep = dict.fromkeys(pieces.readers, 0)  # no backward: every piece's forward once
     leaves: Dict[int, WindowExports] = {}       # pieces read later: their exports' leaves
     waiting: Dict[int, tuple] = {}              # pieces read later: their backward runs after the chain's end
     piece_rows = extra_rows = 0
+    layer_count = max(1, int(cfg.num_layers))  # a partly kept piece's extra forward: its rows x layers share
 
     open_windows: Dict[int, dict] = {}
     live_bytes, peak_bytes = 0, 0
@@ -666,7 +702,9 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
             piece_rows += int(mb.layout.num_rows)
             if i in keep:                           # read later, graph kept: one forward, backward at the end
                 psp = piece_params(i, mb)
-                loss = run(i, mb, psp)
+                with leading_layers_recomputed(cfg, keep[i]):
+                    loss = run(i, mb, psp)
+                extra_rows += int(mb.layout.num_rows) * keep[i] // layer_count
                 leaves[i] = psp.recorded.detached()
                 waiting[i] = (mb, None if forward_only else psp, None if forward_only else loss)
                 exported_bytes = leaves[i].nbytes()
@@ -757,6 +795,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         window_stats["piece_rows"] = piece_rows
         window_stats["piece_extra_forward_rows"] = extra_rows
         window_stats["read_pieces"] = len(pieces.readers)
-        window_stats["kept_pieces"] = len(keep & set(pieces.readers))
+        window_stats["kept_pieces"] = len(keep.keys() & set(pieces.readers))
+        window_stats["partly_kept_pieces"] = sum(1 for n in keep.values() if n)
         window_stats["piece_budget_bytes"] = piece_budget
     return store

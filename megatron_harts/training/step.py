@@ -68,7 +68,7 @@ FALLBACK_PLANNER = "harts_l1l2->l1"
 
 
 #: the schedules' ``window_stats`` about pieces of long paths that a step reduces over replicas (``StepResult``)
-PIECE_STATS = ("piece_rows", "piece_extra_forward_rows", "read_pieces", "kept_pieces")
+PIECE_STATS = ("piece_rows", "piece_extra_forward_rows", "read_pieces", "kept_pieces", "partly_kept_pieces")
 
 
 class NonFiniteLoss(RuntimeError):
@@ -254,9 +254,11 @@ class StepResult:
     window_stats: Dict[str, Any] = field(default_factory=dict)
     plan_metrics: Dict[str, float] = field(default_factory=dict)
     piece_rows: int = 0                  # rows of the pieces of long paths (each piece's forward once)
-    piece_extra_forward_rows: int = 0    # rows of the read pieces' forwards run again with their backward
+    piece_extra_forward_rows: int = 0    # rows of the read pieces' forwards run again with their backward (a
+    #                                      partly kept piece: its rows x its recomputed share of the layers)
     read_pieces: int = 0                 # pieces later pieces read
     kept_pieces: int = 0                 # of those, the ones that kept their graph (one forward)
+    partly_kept_pieces: int = 0          # of those, the ones whose first layers run their forward again
 
 
 def visible_pairs(batch) -> int:

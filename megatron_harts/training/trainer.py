@@ -587,7 +587,7 @@ class Trainer:
             "windows": r.window_stats.get("windows", 0),
             "recomputed_windows": r.window_stats.get("recomputed_windows", 0),
             "piece_rows": r.piece_rows, "piece_extra_forward_rows": r.piece_extra_forward_rows,
-            "read_pieces": r.read_pieces, "kept_pieces": r.kept_pieces,
+            "read_pieces": r.read_pieces, "kept_pieces": r.kept_pieces, "partly_kept_pieces": r.partly_kept_pieces,
             "piece_memory_gib": None if self.piece_budget_bytes is None else self.piece_budget_bytes / 2 ** 30,
             "memory_budget_gib": None if self.memory_budget_bytes is None else self.memory_budget_bytes / 2 ** 30,
             "predicted_peak_gib": None if predicted is None else predicted / 2 ** 30,
@@ -653,7 +653,7 @@ class Trainer:
             windows = f" | windows {m['windows']} ({m['recomputed_windows']} recomputed)" if m["windows"] else ""
             if m["read_pieces"]:
                 windows += (f" | read pieces {m['read_pieces']} ({m['read_pieces'] - m['kept_pieces']} recomputed,"
-                            f" {m['piece_extra_forward_rows']} extra forward rows)")
+                            f" {m['partly_kept_pieces']} in part, {m['piece_extra_forward_rows']} extra forward rows)")
             print(f" iteration {self.iteration:8d}/{a.train_iters:8d} | loss {m['loss']:.6E}"
                   f"{' | ' + terms if terms else ''} | lr {m['lr']:.3E} | grad norm {gn}"
                   f" | trajectories {m['trajectories']} | traj tok/s {m['trajectory_tokens_per_s']:.1f}"

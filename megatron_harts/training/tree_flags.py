@@ -113,8 +113,9 @@ class TreeFlags:
         "under --recompute-granularity full the graph holds the layers' inputs only) or keeps only its exports and "
         "runs its forward again with its backward (less memory, one more forward of its rows): all keeps every one, "
         "none recomputes every one, auto (default) keeps them in step order while the memory model's predicted live "
-        "activations fit --tree-piece-memory. The same loss and gradients either way; the step logs "
-        "piece_extra_forward_rows", choices=PIECE_KEEP)
+        "activations fit --tree-piece-memory, a piece that does not fit whole with its first layers recomputed in "
+        "its backward (the fewest that fit; runs without --recompute-granularity). The same loss and gradients "
+        "either way; the step logs piece_extra_forward_rows", choices=PIECE_KEEP)
     piece_memory_gib: Optional[float] = flag(
         None, "--tree-piece-memory", "with --tree-piece-keep auto: the activation memory in GiB that the pieces' "
         "kept graphs, exports and running piece may take. Default: on a GPU 90%% of its memory less the parameter "
