@@ -256,3 +256,42 @@ def test_a_consumer_layout_counts_its_context_and_gathered_keys():
         assert _attention_bytes(full, lay) == attention_bytes(full, rows=lay.num_rows, context_rows=ctx,
                                                               gathered=gathered) > 0
     assert _attention_bytes(replace(full, layer_kinds=(("kda", "dense"),)), consumer) == 0
+
+
+def test_mlp_bytes_per_row_are_what_a_bf16_forward_saves(cpu_world):
+    """The memory model's dense-MLP and MoE bytes per row against the tensors a bf16 forward saves for its
+    backward (every saved tensor's storage counted once, parameters left out, attributed to the layer part
+    that saved it first), with the fused weighted SwiGLU the GPU runs.  On the CPU the norm keeps an fp32
+    copy of its input where the GPU's fused kernel keeps the bf16 input: (4 - 2) x hidden bytes more."""
+    from hybrid_tiny import randomize_, tiny_config
+
+    from megatron_harts.models.model import build_hybrid_model
+    from megatron_harts.models.packed import TreePackedSeqParams
+    cfg = tiny_config(dtype=torch.bfloat16, hidden_size=64, ffn_hidden_size=96, moe_ffn_hidden_size=32,
+                      moe_shared_expert_intermediate_size=32, moe_router_num_groups=None,
+                      moe_router_group_topk=None)
+    cfg.bias_activation_fusion = True
+    model = randomize_(build_hybrid_model(cfg, vocab_size=64), 0).to(torch.bfloat16)
+    part = ["other"]
+    for n, layer in enumerate(model.decoder.layers):
+        layer.pre_mlp_layernorm.register_forward_pre_hook(lambda *_, n=n: part.__setitem__(0, n))
+        layer.mlp.register_forward_hook(lambda *_: part.__setitem__(0, "other"))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in saved:
+            saved[ptr] = (part[0], t.untyped_storage().nbytes())
+        return t
+    rows = 512
+    psp = TreePackedSeqParams.for_sequences([rows])
+    ids = torch.randint(0, 64, (1, rows), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, psp.position_ids[None], packed_seq_params=psp)
+    shape = ModelShape.from_config(cfg)
+    model_bytes = activation_bytes_per_row(shape)
+    for n, (_, mlp) in enumerate(shape.layer_kinds):
+        got = sum(b for p, b in saved.values() if p == n) / rows
+        want = model_bytes[mlp] + (4 - 2) * shape.hidden
+        assert abs(got - want) <= 0.01 * want, (n, mlp, got, want)
