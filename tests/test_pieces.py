@@ -289,3 +289,41 @@ def test_pieces_keeping_part_of_their_graph(cpu_world):
                             piece_budget_bytes=budget).piece_layers == {}
     with pytest.raises(ValueError, match="without --recompute-granularity"):
         counting_step(rec, items, piece_keep={read[0]: 1})
+
+
+def test_read_pieces_run_their_backward_once_their_readers_are_done():
+    """``piece_backward_points``: a read piece's backward right after the forward of its last reader (a read
+    reader: that reader's point), pieces of one point last first; the pipeline's backward order and the
+    memory model follow it, so a tree's branch releases its pieces' graphs when the branch ends."""
+    import random
+
+    from megatron_harts.planner.memory import StepItem, plan_window_memory
+    from megatron_harts.planner.pieces import piece_backward_points
+    from megatron_harts.schedules.pipeline import piece_backward_order
+    tree = [[], [0], [0, 1], [0], [0, 3]]          # prefix 0; branch 1 -> 2, branch 3 -> 4
+    assert piece_backward_points(tree) == {2: [1], 4: [3, 0]}
+    assert piece_backward_order(tree) == [2, 1, 4, 3, 0]
+    assert piece_backward_points([[], [0], [0, 1], [0, 1, 2]]) == {3: [2, 1, 0]}
+    assert piece_backward_points([[], [0], [], [1]]) == {3: [1, 0]}
+    with pytest.raises(ValueError, match="does not run before it"):
+        piece_backward_points([[1], []])
+    rng = random.Random(0)
+    for _ in range(200):                            # every order valid, every backward at its earliest point
+        n = rng.randint(1, 9)
+        reads = [sorted(rng.sample(range(j), rng.randint(0, min(j, 3)))) for j in range(n)]
+        order = piece_backward_order(reads)
+        at = {p: i for i, p in enumerate(order)}
+        readers = {}
+        for j, rs in enumerate(reads):
+            for r in rs:
+                readers.setdefault(r, []).append(j)
+        assert sorted(order) == sorted({i for i, rs in enumerate(reads) if rs} | set(readers))
+        points = {p: j for j, ps in piece_backward_points(reads).items() for p in ps}
+        for p, rs in readers.items():
+            assert all(at[r] < at[p] for r in rs)
+            assert points[p] == max(points.get(r, r) for r in rs)
+    # the memory model: branch 1's kept graph is gone when branch 3 runs (at the chain's end it would not be)
+    items = [StepItem(10, export_bytes=5 if i in (0, 1, 3) else 0, reads=tuple(r), read_later=i in (0, 1, 3))
+             for i, r in enumerate(tree)]
+    plan = plan_window_memory(items, saved_per_row=10, graph_per_row=10, piece_graph_per_row=2, piece_keep="all")
+    assert plan.predicted_peak_bytes == 150         # 100 running + 2 x 5 exports + 2 x 20 graphs, never three

@@ -20,8 +20,9 @@ Pure Python and numpy (no torch), so a plan can be sized anywhere.  Two parts:
   runs under ``no_grad`` and is recomputed at window close: a window is kept when, with it kept, the
   predicted live bytes stay within the budget at every point of its window; the predicted peak of the
   chosen step comes with it.  The same walk decides, per piece of a long path that later pieces read
-  (``planner.pieces``), whether it keeps its graph from its forward until its backward at its chain's
-  end (one forward) or runs under ``no_grad`` and again with its backward (``piece_keep``); the pieces'
+  (``planner.pieces``), whether it keeps its graph (whole or in part) from its forward until its
+  backward once its readers are done (one forward) or runs under ``no_grad`` and again with its
+  backward (``piece_keep``); the pieces'
   budget is ``--tree-piece-memory`` (default :func:`device_activation_budget` on a GPU).  The decision
   depends only on the step's items and the numbers above, so every rank that runs the same items
   decides the same.
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
+
+from .pieces import piece_backward_points
 
 __all__ = ["ModelShape", "activation_bytes_per_row", "saved_bytes_per_row", "graph_bytes_per_row", "export_bytes",
            "layer_graph_bytes_per_row", "layer_input_bytes_per_row",
@@ -323,8 +326,8 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
     docstring).
 
     Phases, in execution order: the run of every item, after the last consumer of a window its close,
-    and after the last piece of a chain (pieces connected by ``reads``) the backward of each of its read
-    pieces, last first.  Live bytes of a phase: the running item's ``rows x saved_per_row`` and its
+    and after an item the backwards of the read pieces whose readers it completes
+    (``planner.pieces.piece_backward_points``), last first.  Live bytes of a phase: the running item's ``rows x saved_per_row`` and its
     ``attention_bytes``; per open window its exports and their gradients (2 x export bytes); a kept
     producer's graph (``rows x graph_per_row``: a kept producer runs without recomputation) from its
     forward to its close; a recomputed producer's ``rows x saved_per_row`` at its close only (it runs
@@ -359,32 +362,17 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
             if not 0 <= p < i:
                 raise ValueError(f"plan_window_memory: item {i} reads producer {p}, which does not run before it")
             consumers.setdefault(p, []).append(i)
-    # pieces: chains (connected by reads) and their read pieces
-    readers: Dict[int, List[int]] = {}
+    # pieces: the read pieces and where their backwards run
     for j, it in enumerate(items):
         for r in it.reads:
             if not 0 <= int(r) < j:
                 raise ValueError(f"plan_window_memory: item {j} reads piece {int(r)}, which does not run before it")
-            readers.setdefault(int(r), []).append(j)
     read = sorted(i for i, it in enumerate(items) if it.read_later)
-    root = list(range(n))
-
-    def find(a):
-        while root[a] != a:
-            a = root[a]
-        return a
-    for j, it in enumerate(items):
-        for r in it.reads:
-            root[find(j)] = find(int(r))
-    chain_end: Dict[int, int] = {}
-    for i in range(n):
-        if items[i].reads or items[i].read_later:
-            chain_end[find(i)] = i
-    backward_at: Dict[int, List[int]] = {}         # chain end -> its read pieces, in backward order (last first)
-    for i in reversed(read):
-        backward_at.setdefault(chain_end[find(i)], []).append(i)
-    # phase index: run of item i, then the closes of the windows whose last consumer is i, then (a chain's
-    # last piece) its read pieces' backwards
+    backward_at = piece_backward_points([it.reads for it in items])   # item -> read pieces' backwards after it
+    if sorted(p for ps in backward_at.values() for p in ps) != read:
+        raise ValueError("plan_window_memory: the items read later (read_later) are not the items read (reads)")
+    # phase index: run of item i, then the closes of the windows whose last consumer is i, then the read
+    # pieces' backwards whose readers are done
     run_phase, close_phase, back_phase, k = [0] * n, {}, {}, 0
     last = {p: cs[-1] for p, cs in consumers.items()}
     closes_at: Dict[int, List[int]] = {}

@@ -26,14 +26,15 @@ Invariants of :func:`plan_with_pieces` (``tests/test_pieces.py``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..tree_data.forest import Forest, build_forest
 from .microbatch import PlanningError
 
-__all__ = ["Piece", "PieceSet", "long_trees", "piece_width", "tree_pieces", "plan_with_pieces"]
+__all__ = ["Piece", "PieceSet", "long_trees", "piece_width", "tree_pieces", "plan_with_pieces",
+           "piece_backward_points"]
 
 
 @dataclass(frozen=True)
@@ -231,3 +232,28 @@ def plan_with_pieces(forest: Forest, row_budget: int, chunk_size: int, dp: int,
     base.pieces = ps
     base.expanded_tokens = int(base.expanded_tokens) + ps.expanded_tokens
     return base
+
+
+def piece_backward_points(reads: Sequence[Sequence[int]]) -> Dict[int, List[int]]:
+    """When the backward of each piece read by later pieces runs, given each step position's ``reads``:
+    ``{position: [read pieces]}``, the read pieces whose backwards run right after that position's
+    forward (after its own backward where no piece reads it), in that order.  A read piece's backward
+    needs its readers' backwards (its exports' gradients accumulate there): a reader read by none runs
+    its backward with its forward, a read reader at its own point.  So a read piece's point is the
+    latest point of its readers (a reader read by none: its own position), and pieces of one point run
+    last first.  The schedules of pipeline size 1 and of pipeline stages, and the memory model, run the
+    backwards at these points, so a branch's pieces release their graphs when the branch ends rather
+    than when its tree does."""
+    readers: Dict[int, List[int]] = {}
+    for j, rs in enumerate(reads):
+        for i in rs:
+            if not 0 <= int(i) < j:
+                raise ValueError(f"position {j} reads piece {int(i)}, which does not run before it")
+            readers.setdefault(int(i), []).append(j)
+    point: Dict[int, int] = {}
+    for i in sorted(readers, reverse=True):          # a reader comes later: its point is known
+        point[i] = max(point.get(j, j) for j in readers[i])
+    out: Dict[int, List[int]] = {}
+    for i in sorted(point, reverse=True):
+        out.setdefault(point[i], []).append(i)
+    return out

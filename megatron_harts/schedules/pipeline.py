@@ -104,6 +104,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..planner.pieces import piece_backward_points
 from .simulator import _check_producers, _check_stages, schedule_ops
 from .windows import (PIECES_RANGE, WindowedMicrobatch, _loss_of, _model_config, _piece_params, _plan_pieces,
                       check_windows, kept_piece_backward, leading_layers_recomputed, microbatch_on,
@@ -189,30 +190,17 @@ def piece_positions(reads: Sequence[Sequence[int]]) -> List[int]:
 
 def piece_backward_order(reads: Sequence[Sequence[int]]) -> List[int]:
     """The pieces' backwards in the order of the pipeline-size-1 schedule (``windows.forward_backward_windows``):
-    a piece read by none right after its forward, and at its chain's last forward (a chain: pieces connected by
-    reads) the chain's read pieces, last first.  So a piece's backward follows every backward of its readers,
-    through which the gradients of its exports accumulate."""
-    root: Dict[int, int] = {}
-
-    def find(i: int) -> int:
-        while root.get(i, i) != i:
-            i = root[i]
-        return i
-    read = set()
-    for j, rs in enumerate(reads):
-        for i in rs:
-            read.add(int(i))
-            root[find(j)] = find(int(i))
-    members = piece_positions(reads)
-    last: Dict[int, int] = {}
-    for i in members:
-        last[find(i)] = i
+    a piece read by none right after its forward, a read piece at its point
+    (``planner.pieces.piece_backward_points``: after the forward of its last reader, or of the last reader
+    of a read reader).  So a piece's backward follows every backward of its readers, through which the
+    gradients of its exports accumulate."""
+    read = {int(r) for rs in reads for r in rs}
+    points = piece_backward_points(reads)
     order: List[int] = []
-    for i in members:
+    for i in piece_positions(reads):
         if i not in read:
             order.append(i)
-        if last[find(i)] == i:
-            order += sorted((p for p in members if p in read and find(p) == find(i)), reverse=True)
+        order += points.get(i, [])
     return order
 
 
@@ -520,7 +508,7 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
     device = model_device(model)
     for kind, i in orders:
         mb = mbs[i]
-        if kind == "F" and i in pieces.last:       # a piece of a long path
+        if kind == "F" and i in pieces.members:    # a piece of a long path
             mb = microbatch_on(mb, device)
             psp = _piece_params(i, mb, cfg, pieces, piece_leaves)
             shape = (_rows(mb, psp, cfg, tp), 1, hidden)

@@ -38,7 +38,7 @@ Activation recomputation (``recompute_granularity="full"``): a producer that kee
 its forward without it (:func:`producer_forward`: megatron's checkpointed forward runs under
 ``no_grad``, which would cut the exports' autograd link; its graph is kept until window close
 anyway); consumers, plain microbatches, and the forwards that run again with their exports'
-gradients (a recomputed producer at window close, a read piece at its chain's end) recompute as
+gradients (a recomputed producer at window close, a read piece once its readers are done) recompute as
 configured: those gradients enter through the recording layer's output
 (``TreePackedSeqParams.attach_injected``), which the recomputation runs again.  A read piece that
 keeps its graph runs its forward once, recomputing as configured: its exports recorded inside a
@@ -70,6 +70,7 @@ from ..planner.memory import (PIECE_KEEP, ModelShape, StepItem, WindowMemoryPlan
                               layer_input_bytes_per_row, plan_window_memory,
                               saved_bytes_per_row)
 from ..planner.microbatch import replica_windows
+from ..planner.pieces import piece_backward_points
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
            "kept_piece_backward", "leading_layers_recomputed", "microbatch_on", "microbatch_params", "model_device", "piece_choice",
@@ -242,31 +243,21 @@ class _Pieces:
     i exports: every row some reader reads from it), ``reading[j] = (spec, gathers)`` (reader j's view of
     its earlier pieces as one producer: ``spec`` in its context layout's rows, ``gathers[kind]`` the index
     of each of the spec's rows in the concatenation of its read pieces' exports, in ``reads`` order),
-    ``last[i]``: the last position of piece i's chain (connected pieces)."""
+    ``members``: the positions of the pieces, ``backward_after[j]``: the read pieces whose backwards run
+    right after position j's forward (``planner.pieces.piece_backward_points``)."""
     readers: Dict[int, List[int]]
     specs: Dict[int, ExportSpec]
     reading: Dict[int, tuple]
-    last: Dict[int, int]
+    members: frozenset
+    backward_after: Dict[int, List[int]]
 
 
 def _plan_pieces(mbs: List[WindowedMicrobatch], cfg) -> _Pieces:
     readers: Dict[int, List[int]] = {}
-    root = {}
-
-    def find(i):
-        while root.get(i, i) != i:
-            i = root[i]
-        return i
     for j, mb in enumerate(mbs):
         for i in mb.reads:
             readers.setdefault(i, []).append(j)
-            root[find(j)] = find(i)
     members = [i for i in range(len(mbs)) if mbs[i].reads or i in readers]
-    last: Dict[int, int] = {}
-    for i in members:
-        r = find(i)
-        last[r] = max(last.get(r, i), i)
-    last = {i: last[find(i)] for i in members}
     combined = {j: ExportSpec.for_consumers(mbs[j].context, [mbs[j].layout], config=cfg, replay=mbs[j].replay)
                 for j, mb in enumerate(mbs) if mb.reads}
     forest_rows = {i: _host_layout(mbs[i].layout).forest_rows.cpu().numpy() for i in members}
@@ -314,7 +305,8 @@ def _plan_pieces(mbs: List[WindowedMicrobatch], cfg) -> _Pieces:
                 offset += table.size
             gathers[kind] = torch.as_tensor(idx)
         reading[j] = (cs, gathers)
-    return _Pieces(readers=readers, specs=specs, reading=reading, last=last)
+    return _Pieces(readers=readers, specs=specs, reading=reading, members=frozenset(members),
+                   backward_after=piece_backward_points([mb.reads for mb in mbs]))
 
 
 def _read_pieces(j: int, mb: WindowedMicrobatch, pieces: _Pieces, leaves: Dict[int, WindowExports]) -> WindowExports:
@@ -618,7 +610,8 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     predicts for the executed choice), ``memory_budget_bytes`` and ``largest_microbatch_rows``.
 
     ``piece_keep``: which pieces of long paths that later pieces read keep their graph until their
-    backward at their chain's end (one forward) instead of running their forward again with it:
+    backward, once their readers' backwards have run (``planner.pieces.piece_backward_points``; one
+    forward), instead of running their forward again with it:
     "all", "none", "auto" (the memory model's choice within ``piece_budget`` bytes,
     :func:`step_memory_plan`, which may keep a piece in part), a collection of positions, or a mapping
     ``{position: N}`` keeping those pieces with their first N layers recomputed in their backward
@@ -678,7 +671,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         recompute = set()
         keep = dict.fromkeys(pieces.readers, 0)  # no backward: every piece's forward once
     leaves: Dict[int, WindowExports] = {}       # pieces read later: their exports' leaves
-    waiting: Dict[int, tuple] = {}              # pieces read later: their backward runs after the chain's end
+    waiting: Dict[int, tuple] = {}              # pieces read later: their backward runs after their readers'
     piece_rows = extra_rows = 0
     layer_count = max(1, int(cfg.num_layers))  # a partly kept piece's extra forward: its rows x layers share
 
@@ -697,7 +690,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
 
     for i, mb in enumerate(mbs):
         mb = microbatch_on(mb, device)
-        if i in pieces.last:                        # a piece of a long path
+        if i in pieces.members:                     # a piece of a long path
             exported_bytes = 0
             piece_rows += int(mb.layout.num_rows)
             if i in keep:                           # read later, graph kept: one forward, backward at the end
@@ -726,21 +719,20 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                 loss = psp = None
             live_bytes += exported_bytes
             peak_bytes = max(peak_bytes, live_bytes)
-            if pieces.last[i] == i:                 # the chain's end: backward through its read pieces, last first
-                for p in sorted((p for p in waiting if pieces.last[p] == i), reverse=True):
-                    (pmb, psp, loss), own = waiting.pop(p), leaves[p]
-                    if p in keep:
-                        if not forward_only:        # its graph's backward, its exports' gradients with it
-                            kept_piece_backward(psp, own, loss)
-                    else:                           # its forward again, the exports' gradients injected
-                        psp = piece_params(p, pmb)
-                        psp.inject_grads = own.gradients()
-                        loss = run(p, pmb, psp)     # with the run's recomputation: the gradients ride the graph
-                        extra_rows += int(pmb.layout.num_rows)
-                        loss.backward()
-                    live_bytes -= own.nbytes()
-                    del leaves[p]
-                    own = loss = psp = pmb = None
+            for p in pieces.backward_after.get(i, ()):   # read pieces whose readers are all done: backwards
+                (pmb, psp, loss), own = waiting.pop(p), leaves[p]
+                if p in keep:
+                    if not forward_only:        # its graph's backward, its exports' gradients with it
+                        kept_piece_backward(psp, own, loss)
+                else:                           # its forward again, the exports' gradients injected
+                    psp = piece_params(p, pmb)
+                    psp.inject_grads = own.gradients()
+                    loss = run(p, pmb, psp)     # with the run's recomputation: the gradients ride the graph
+                    extra_rows += int(pmb.layout.num_rows)
+                    loss.backward()
+                live_bytes -= own.nbytes()
+                del leaves[p]
+                own = loss = psp = pmb = None
             continue
         if i in consumers_of:                       # producer: forward, exports kept, backward deferred
             psp = producer_params(mb, [mbs[c] for c in consumers_of[i]], cfg, spec=specs.pop(i))
