@@ -165,20 +165,28 @@ def counting_step(model, items, **kw):
     return lp, grads, stats, forwards, counters["tokens_per_expert"]
 
 
-def test_piece_forwards_counted_and_kept_graphs_exact(cpu_world):
-    """A read piece that keeps its graph runs its forward once, one that does not runs it twice (its
-    exports-only forward, then again with its backward); the step stats report those extra rows.  Every
-    choice (all, none, the memory plan's mix) gives the same log-probs, gradients (MoE aux loss included)
-    and tokens per expert, and equals the uncut step's."""
-    from megatron_harts.schedules.windows import _plan_pieces, step_memory_plan
-    cfg = tiny_config()                                 # MoE aux loss on: its gradients ride the kept graphs too
+def long_tree_pieces():
+    """The long trees of ``long_forest(3)`` (with compactions) in pieces of 12 rows on the tiny model (MoE aux
+    loss on: its gradients ride the kept graphs too): (config, model, the plan, its step items, their
+    pieces' plan, the read pieces)."""
+    from megatron_harts.schedules.windows import _plan_pieces
+    cfg = tiny_config()
     model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 5)
     full = long_forest(3, compactions=True)
     forest = full.select(long_trees(full, 12))
     plan = plan_with_pieces(forest, 12, 4, 1, None, empty_plan=empty_plan(forest, "tree"))
     items = piece_microbatches(plan, 0)
     planned = _plan_pieces(items, cfg)
-    read = sorted(set(planned.readers))
+    return cfg, model, plan, items, planned, sorted(set(planned.readers))
+
+
+def test_piece_forwards_counted_and_kept_graphs_exact(cpu_world):
+    """A read piece that keeps its graph runs its forward once, one that does not runs it twice (its
+    exports-only forward, then again with its backward); the step stats report those extra rows.  Every
+    choice (all, none, the memory plan's mix) gives the same log-probs, gradients (MoE aux loss included)
+    and tokens per expert, and equals the uncut step's."""
+    from megatron_harts.schedules.windows import step_memory_plan
+    cfg, model, plan, items, planned, read = long_tree_pieces()
     assert len(read) >= 3 and len(read) < len(items)
     rows = [int(mb.layout.num_rows) for mb in items]
     runs = {}
@@ -230,15 +238,8 @@ def test_pieces_keeping_part_of_their_graph(cpu_world):
     gradients when it does.  Same log-probs, gradients (aux loss on) and tokens per expert as keeping
     every graph whole; the layers' forwards counted; the run's own recomputation settings untouched; the
     memory plan keeps a piece that does not fit whole with the fewest recomputed layers that fit."""
-    from megatron_harts.schedules.windows import _plan_pieces, step_memory_plan
-    cfg = tiny_config()
-    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 5)
-    full = long_forest(3, compactions=True)
-    forest = full.select(long_trees(full, 12))
-    plan = plan_with_pieces(forest, 12, 4, 1, None, empty_plan=empty_plan(forest, "tree"))
-    items = piece_microbatches(plan, 0)
-    planned = _plan_pieces(items, cfg)
-    read = sorted(set(planned.readers))
+    from megatron_harts.schedules.windows import step_memory_plan
+    cfg, model, plan, items, planned, read = long_tree_pieces()
     rows = [int(mb.layout.num_rows) for mb in items]
     L = cfg.num_layers
     calls = [0] * L
