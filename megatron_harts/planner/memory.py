@@ -108,14 +108,14 @@ def activation_bytes_per_row(s: ModelShape) -> Dict[str, int]:
     kernels keep fp32.  KDA: norm, q/k/v before and after the conv, the two low-rank gates and their
     outputs, beta, the core's output, its norm and gate, and the fp32 decay cumsum and chunk matrices
     (2 x 64 per head); MLA: norm, queries, latent and rope key, its norm, keys/values, output,
-    projection, fp32 log-sum-exp; MoE: the norm's input, normalized rows and output (3 x hidden), per
-    top-k copy the permuted input, the fc1 output (2 x width) the weighted SwiGLU keeps and its output
-    (fc2's input) beside an fp32 prob, the shared expert's fc1 output and activation, the router's
-    fp32 scores, sum and top-k probs (top-k and aux-loss paths: 2 x (experts + 1 + top-k)) and the
-    int64 routing indices (per row 4 x top-k and one per expert: the dispatcher's sort); dense MLP: the norm's three, fc1 output and activation.  The MLP
-    parts are held to the bytes a bf16 forward saves (``tests/test_memory_budget.py``: on the CPU the
-    norm keeps an fp32 copy of its input instead of the input, which the test adds).  Divided by
-    ``tp`` (rounded up)."""
+    projection, fp32 log-sum-exp; MoE: the norm's input, normalized rows and output (3 x hidden), per top-k
+    copy the permuted input, the fc1 output (2 x width) the weighted SwiGLU keeps and its output (fc2's
+    input) beside an fp32 prob, the shared expert's fc1 output and activation, the router's fp32 scores, sum
+    and top-k probs (top-k and aux-loss paths: 2 x (experts + 1 + top-k)) and the int64 routing indices (per
+    row 4 x top-k and one per expert: the dispatcher's sort); dense MLP: the norm's three, fc1 output and
+    activation.  The MLP parts are held to the bytes a bf16 forward saves (``tests/test_memory_budget.py``:
+    on the CPU the norm keeps an fp32 copy of its input instead of the input, which the test adds).  Divided
+    by ``tp`` (rounded up)."""
     e, f = s.element_bytes, max(4, s.element_bytes)
     h, H, d, Hk = s.hidden, s.heads, s.lin_head, s.lin_heads
     hd = Hk * d
@@ -325,16 +325,16 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
     piece of a long path whether it keeps its graph; predict the step's live activation bytes (module
     docstring).
 
-    Phases, in execution order: the run of every item, after the last consumer of a window its close,
-    and after an item the backwards of the read pieces whose readers it completes
-    (``planner.pieces.piece_backward_points``), last first.  Live bytes of a phase: the running item's ``rows x saved_per_row`` and its
-    ``attention_bytes``; per open window its exports and their gradients (2 x export bytes); a kept
-    producer's graph (``rows x graph_per_row``: a kept producer runs without recomputation) from its
-    forward to its close; a recomputed producer's ``rows x saved_per_row`` at its close only (it runs
-    again with the run's recomputation), beside its export gradients; a read piece's exports from its
-    run to its backward; at a read piece's backward its ``rows x saved_per_row`` and attention bytes (a
-    recomputed piece runs its forward again there, a kept one runs the backward of its graph), and from
-    its run to its backward a kept piece's graph (``rows x piece_graph_per_row``, default
+    Phases, in execution order: the run of every item, after the last consumer of a window its close, and
+    after an item the backwards of the read pieces whose readers it completes
+    (``planner.pieces.piece_backward_points``), last first.  Live bytes of a phase: the running item's
+    ``rows x saved_per_row`` and its ``attention_bytes``; per open window its exports and their gradients (2
+    x export bytes); a kept producer's graph (``rows x graph_per_row``: a kept producer runs without
+    recomputation) from its forward to its close; a recomputed producer's ``rows x saved_per_row`` at its
+    close only (it runs again with the run's recomputation), beside its export gradients; a read piece's
+    exports from its run to its backward; at a read piece's backward its ``rows x saved_per_row`` and
+    attention bytes (a recomputed piece runs its forward again there, a kept one runs the backward of its
+    graph), and from its run to its backward a kept piece's graph (``rows x piece_graph_per_row``, default
     ``saved_per_row``: what a row keeps when its forward ends under the run's recomputation,
     :func:`forward_end_bytes_per_row`) and attention bytes.
 
