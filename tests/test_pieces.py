@@ -290,6 +290,8 @@ def test_pieces_keeping_part_of_their_graph(cpu_world):
                             piece_budget_bytes=budget).piece_layers == {}
     with pytest.raises(ValueError, match="without --recompute-granularity"):
         counting_step(rec, items, piece_keep={read[0]: 1})
+    with pytest.raises(ValueError, match=r"recomputed layers must lie in \[0, "):
+        counting_step(model, items, piece_keep={read[0]: L})
 
 
 def test_read_pieces_run_their_backward_once_their_readers_are_done():

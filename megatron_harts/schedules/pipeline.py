@@ -485,8 +485,9 @@ def forward_backward_pipelining_windows(*, forward_step_func, data_iterator, mod
         raise ValueError("forward_backward_pipelining_windows: piece_keep 'auto' needs piece_budget (bytes)")
     memory = step_memory_plan(mbs, cfg, pieces=pieces, piece_keep=piece_keep, piece_budget_bytes=piece_budget,
                               layers=_stage_layers(model)) if piece_keep == "auto" and pieces.readers else None
-    keep = dict.fromkeys(pieces.readers, 0) if forward_only else piece_choice(mbs, pieces, piece_keep, memory)
-    layer_count = max(1, len(_stage_layers(model) or ()) or int(cfg.num_layers))
+    layer_count = max(1, len(_stage_layers(model) or ()) or int(cfg.num_layers))   # this stage's
+    keep = dict.fromkeys(pieces.readers, 0) if forward_only else \
+        piece_choice(mbs, pieces, piece_keep, memory, layers=layer_count)
     piece_leaves: Dict[int, Any] = {}           # pieces read later: this stage's exports' leaves
     piece_rows = extra_rows = 0
 

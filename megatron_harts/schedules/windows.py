@@ -73,8 +73,8 @@ from ..planner.microbatch import replica_windows
 from ..planner.pieces import piece_backward_points
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
-           "kept_piece_backward", "leading_layers_recomputed", "microbatch_on", "microbatch_params", "model_device", "piece_choice",
-           "piece_microbatches", "producer_forward", "producer_params", "step_memory_plan", "windowed_microbatches"]
+           "kept_piece_backward", "leading_layers_recomputed", "microbatch_on", "microbatch_params", "model_device",
+           "piece_choice", "piece_microbatches", "producer_forward", "producer_params", "step_memory_plan", "windowed_microbatches"]
 
 
 @dataclass
@@ -368,11 +368,12 @@ def kept_piece_backward(psp: TreePackedSeqParams, own: WindowExports, root: torc
         psp.inject_grads = None
 
 
-def piece_choice(mbs: List[WindowedMicrobatch], pieces: "_Pieces", piece_keep, memory=None) -> Dict[int, int]:
+def piece_choice(mbs: List[WindowedMicrobatch], pieces: "_Pieces", piece_keep, memory=None,
+                 layers: Optional[int] = None) -> Dict[int, int]:
     """The read pieces of a step that keep their graph, each with the number of its first layers whose
     forward runs again in its backward (0: its whole graph kept): every one whole (``piece_keep`` "all"),
     none ("none"), the memory plan's (``memory.kept_pieces`` and ``memory.piece_layers``, for "auto"), the
-    positions given (whole), or a mapping ``{position: layers}``."""
+    positions given (whole), or a mapping ``{position: layers}`` (fewer than ``layers``, this rank's)."""
     read = set(pieces.readers)
     if isinstance(piece_keep, str):
         if piece_keep not in PIECE_KEEP:
@@ -384,8 +385,9 @@ def piece_choice(mbs: List[WindowedMicrobatch], pieces: "_Pieces", piece_keep, m
         else dict.fromkeys((int(i) for i in piece_keep), 0)
     if not set(chosen) <= read:
         raise ValueError(f"piece_keep names microbatches that are no read piece: {sorted(set(chosen) - read)}")
-    if any(n < 0 for n in chosen.values()):
-        raise ValueError(f"piece_keep: a piece's recomputed layers cannot be negative, got {chosen}")
+    if any(n < 0 or (layers is not None and n >= layers) for n in chosen.values()):
+        raise ValueError(f"piece_keep: a piece's recomputed layers must lie in [0, {layers}) (this rank's layers), "
+                         f"got {chosen}")
     return chosen
 
 
@@ -666,14 +668,14 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         if window_stats is not None or (force is None and chosen is None) or auto_pieces else None
     recompute = chosen if chosen is not None else set(consumers_of) if force is True else \
         set() if force is False else set(memory.recompute)
-    keep = piece_choice(mbs, pieces, piece_keep, memory)
+    layer_count = max(1, int(cfg.num_layers))  # a partly kept piece's extra forward: its rows x layers share
+    keep = piece_choice(mbs, pieces, piece_keep, memory, layers=layer_count)
     if forward_only:
         recompute = set()
         keep = dict.fromkeys(pieces.readers, 0)  # no backward: every piece's forward once
     leaves: Dict[int, WindowExports] = {}       # pieces read later: their exports' leaves
     waiting: Dict[int, tuple] = {}              # pieces read later: their backward runs after their readers'
     piece_rows = extra_rows = 0
-    layer_count = max(1, int(cfg.num_layers))  # a partly kept piece's extra forward: its rows x layers share
 
     open_windows: Dict[int, dict] = {}
     live_bytes, peak_bytes = 0, 0
