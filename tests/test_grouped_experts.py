@@ -381,7 +381,7 @@ def test_grouped_linear_on_gpu(dtype):
     x = torch.randn(int(counts.sum()), 64, generator=gen).to("cuda", dtype).requires_grad_()
     ws = [torch.randn(96, 64, generator=gen).to("cuda", dtype).requires_grad_() for _ in counts]
     offs = torch.cumsum(counts, 0, dtype=torch.int32).cuda()
-    y = _GroupedLinear.apply(x, offs, (counts == 0).cuda(), None, *ws)
+    y = _GroupedLinear.apply(x, offs, (counts == 0).cuda(), None, None, *ws)
     gy = torch.randn(y.shape, generator=gen).to("cuda", dtype)
     grads = torch.autograd.grad(y, [x, *ws], gy)
     xr = x.detach().double().requires_grad_()
@@ -392,3 +392,39 @@ def test_grouped_linear_on_gpu(dtype):
     assert _rel(y, yr) <= tol
     for a, b in zip(grads, grads_r):
         assert _rel(a, b) <= tol if b.abs().max() > 0 else not a.any()
+
+
+@torch._dynamo.config.patch(disable=True)
+def test_fc1_keeps_the_dispatch_source_not_the_permuted_tokens(cpu_world, grouped_calls, monkeypatch):
+    """With the all-gather dispatcher the MoE layer hands the experts the dispatch's source and index:
+    fc1 keeps those for its backward and gathers its input again there, instead of keeping the
+    ``top-k`` permuted copies.  Outputs and every gradient are bitwise those of keeping the copies, and
+    the forward saves ``top-k x hidden`` elements a token less per MoE layer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    cfg = tiny_config(dtype=torch.float32)
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 2)
+    moe = [layer.mlp for layer in model.decoder.layers if layer.is_moe_layer]
+
+    def saved_bytes():
+        seen, alive = {}, []          # every saved storage kept alive: no address is reused in the run
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            alive.append(t)
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+        grouped_calls.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = _model_run(model, cfg, False)
+        forward = grouped_calls[:2 * len(moe)]       # per MoE layer fc1, fc2 (the backward's calls follow)
+        return got, sum(seen.values()), sum(shape[0] * shape[1] for shape in forward[::2])
+    (out, g, tpe), kept, fc1_inputs = saved_bytes()
+    with monkeypatch.context() as m:
+        m.setattr(type(moe[0]), "routed_experts_compute", MoELayer.routed_experts_compute)
+        (out_ref, g_ref, tpe_ref), kept_ref, fc1_ref = saved_bytes()
+    assert fc1_inputs == fc1_ref > 0 and all(e.experts.gathered_input is None for e in moe)
+    assert torch.equal(out, out_ref) and torch.equal(tpe, tpe_ref) and g.keys() == g_ref.keys()
+    assert all(torch.equal(g[k], g_ref[k]) for k in g)
+    assert kept_ref - kept == fc1_inputs * 4          # fp32: every fc1 input (top-k copies of the tokens)

@@ -26,6 +26,13 @@ the combined outputs and every gradient are the parent's sums in a fixed order (
 rounding order, and the same from run to run).  Other configurations run the parent's method.
 After the combine the dispatcher keeps nothing of the microbatch
 (:meth:`SyncFreeAllGatherDispatcher.combine_postprocess`).
+
+The permuted tokens are ``top-k`` copies of the tokens: kept for the experts' backward (fc1's weight
+gradient reads its input), they would hold ``top-k x hidden`` elements a token.
+``SyncFreeAllGatherDispatcher.permuted_from`` (the permuted tokens, their source and the gather's
+index, for the microbatch in flight) lets the grouped experts keep the source and index instead and
+gather again in their backward (``models.experts``): the same values, bitwise; the source is the MoE
+input, which the router keeps anyway.
 """
 from __future__ import annotations
 
@@ -89,6 +96,7 @@ class SyncFreeAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         # each token's topk permuted rows, ascending: sorted_tokens holds every token exactly topk times
         self.token_rows = sorted_tokens.argsort(stable=True)
         permuted = _GatherRows.apply(hidden_states, sorted_tokens, self.token_rows, 1, self.router_topk)
+        self.permuted_from = (permuted, hidden_states.detach(), sorted_tokens)
         self.reversed_local_input_permutation_mapping = sorted_tokens
         self.local_probs = probs.T.contiguous().view(-1).index_select(0, position)
         self.routing_map = None
@@ -111,5 +119,6 @@ class SyncFreeAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         """
         out = super().combine_postprocess(hidden_states)
         self.local_probs = self.local_map = self.reversed_local_input_permutation_mapping = self.token_rows = None
+        self.permuted_from = None
         return out
 

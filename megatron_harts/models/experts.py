@@ -99,7 +99,8 @@ class _GroupedLinear(torch.autograd.Function):
 
     Inputs: ``x`` [M, K] (rows grouped by expert), ``offs`` [G] int32 (cumulative row
     counts, ``offs[-1] == M``), ``empty`` [G] bool (experts with no rows), ``main_grad_only``,
-    then the G weights [N, K] as autograd inputs.  Gradients: ``dx = grouped_mm(dy, W)``,
+    ``gathered`` (None, or ``(source, rows)`` with ``x == source.index_select(0, rows)``: the backward
+    then gathers ``x`` again instead of keeping it), then the G weights [N, K] as autograd inputs.  Gradients: ``dx = grouped_mm(dy, W)``,
     ``dW = grouped_mm(dy^T, x)`` (2d x 2d over the row groups), empty experts' ``dW`` exactly zero.
 
     ``main_grad_only``: None, or the G weights as a tuple, *not* autograd inputs (no weight after
@@ -109,22 +110,29 @@ class _GroupedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, offs, empty, main_grad_only, *weights):
+    def forward(ctx, x, offs, empty, main_grad_only, gathered, *weights):
         if main_grad_only is not None:
             weights = main_grad_only
         w = torch.stack(weights)                                   # [G, N, K]
-        ctx.save_for_backward(x, offs, empty, *weights)
+        kept = (x,) if gathered is None else tuple(t.detach() for t in gathered)
+        ctx.save_for_backward(offs, empty, *kept, *weights)
+        ctx.gathered = gathered is not None
         ctx.main_grad_only = main_grad_only is not None
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # [M, N]
 
     @staticmethod
     def backward(ctx, dy):
-        x, offs, empty, *weights = ctx.saved_tensors
+        offs, empty, *rest = ctx.saved_tensors
+        if ctx.gathered:
+            source, rows, *weights = rest
+            x = source.index_select(0, rows)
+        else:
+            x, *weights = rest
         dy = _dense(dy)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch._grouped_mm(dy, torch.stack(weights), offs=offs)      # [M, K]
-        weight_needs = [True] * len(weights) if ctx.main_grad_only else ctx.needs_input_grad[4:]
+        weight_needs = [True] * len(weights) if ctx.main_grad_only else ctx.needs_input_grad[5:]
         dws = [None] * (0 if ctx.main_grad_only else len(weights))
         if any(weight_needs):
             dw = torch._grouped_mm(dy.t(), x, offs=offs)                      # [G, N, K]
@@ -136,7 +144,7 @@ class _GroupedLinear(torch.autograd.Function):
                 dws = _placeholder_grads(weights, dw)
             else:
                 dws = [g if need else None for g, need in zip(dw.unbind(0), weight_needs)]
-        return (dx, None, None, None, *dws)
+        return (dx, None, None, None, None, *dws)
 
 
 def _accumulates_into_main_grad(weights, needs_grad) -> bool:
@@ -209,6 +217,9 @@ class GroupedSequentialMLP(SequentialMLP):
     use_grouped_mm: bool = True
     #: weights added into DDP's ``main_grad`` still get placeholder gradients (``expert_grad_hooks_off``)
     weight_grad_hooks: bool = True
+    #: set by the MoE layer for one forward: ``(permuted, source, rows)`` of its dispatch
+    #: (``models.dispatcher``): fc1 then keeps ``source`` and ``rows`` for its backward, not ``permuted``
+    gathered_input = None
 
     # ------------------------------------------------------------------ dispatch
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -293,14 +304,15 @@ class GroupedSequentialMLP(SequentialMLP):
         a = a * probs.unsqueeze(-1)
         return a.to(original_dtype)
 
-    def _linear(self, x, offs, empty, weights: List[torch.Tensor]) -> torch.Tensor:
+    def _linear(self, x, offs, empty, weights: List[torch.Tensor], gathered=None) -> torch.Tensor:
         """One grouped linear; its weights out of autograd (``main_grad_only``) where
         :func:`expert_grad_hooks_off` asks for it, every weight accumulates into ``main_grad`` and the
-        input takes part in autograd (the output's backward, which adds the weight gradients, runs)."""
+        input takes part in autograd (the output's backward, which adds the weight gradients, runs).
+        ``gathered``: ``(source, rows)`` of ``x``, kept for the backward instead of ``x``."""
         if not self.weight_grad_hooks and torch.is_grad_enabled() and x.requires_grad and \
                 _accumulates_into_main_grad(weights, [w.requires_grad for w in weights]):
-            return _GroupedLinear.apply(x, offs, empty, tuple(weights))
-        return _GroupedLinear.apply(x, offs, empty, None, *weights)
+            return _GroupedLinear.apply(x, offs, empty, tuple(weights), gathered)
+        return _GroupedLinear.apply(x, offs, empty, None, gathered, *weights)
 
     def grouped_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         """All local experts in two grouped GEMMs (call only when ``fallback_reason`` is None)."""
@@ -311,7 +323,9 @@ class GroupedSequentialMLP(SequentialMLP):
         empty = (tokens_per_expert == 0).to(x.device, non_blocking=True)
         fc1: List[torch.Tensor] = [e.linear_fc1.weight for e in self.local_experts]
         fc2: List[torch.Tensor] = [e.linear_fc2.weight for e in self.local_experts]
-        h = self._linear(x, offs, empty, fc1)
+        given = self.gathered_input
+        gathered = given[1:] if given is not None and given[0] is x else None   # x is the dispatch's gather
+        h = self._linear(x, offs, empty, fc1, gathered)
         a = _dense(self._activation(h, permuted_probs))
         y = self._linear(a, offs, empty, fc2)
         return y, None
