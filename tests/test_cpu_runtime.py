@@ -33,3 +33,19 @@ def test_streams_optimizer_tensors_and_host_copies_inside_and_restored_outside()
     assert (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream, optimizer.torch,
             optimizer.clip_grad_by_total_norm_fp32, token_dispatcher.maybe_move_tensor_to_cpu) == originals
     assert clip_grads.torch is torch
+
+
+def test_free_port_lies_below_the_ephemeral_range():
+    """A rendezvous port comes from below the OS's ephemeral range (where connections' local ends and
+    binds to port 0 go, so nothing else is handed it before the rendezvous binds it), and is bindable."""
+    import socket
+
+    from megatron_harts.testing.cpu_runtime import _ephemeral_low, free_port
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1
+    for port in ports:
+        if low is not None:
+            assert 10000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

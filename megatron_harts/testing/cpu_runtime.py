@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import sys
 from typing import Optional
@@ -43,10 +44,38 @@ __all__ = ["megatron_cpu_runtime", "megatron_cuda_runtime", "single_process_mega
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a local gloo/nccl rendezvous)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a local gloo/nccl rendezvous).
+
+    Drawn at random below the system's ephemeral range, where the OS puts the local ends of
+    connections (gloo's between ranks among them) and the ports of binds to port 0: a port taken from
+    that range can be handed to another socket between this call and the rendezvous binding it.  The
+    OS's choice where that range is not known."""
+    low = _ephemeral_low()
+    if low is not None and low > 2 * _LOWEST:
+        draw = random.Random()          # seeded by the OS: spawned test ranks do not share a sequence
+        for _ in range(64):
+            port = draw.randrange(_LOWEST, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_LOWEST = 10000     # above the well-known and most registered service ports
+
+
+def _ephemeral_low() -> Optional[int]:
+    """The lowest port of the system's ephemeral range (Linux), or None."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class CpuRngTracker:
