@@ -363,11 +363,7 @@ def plan_window_memory(items: Sequence[StepItem], *, saved_per_row: int, graph_p
             if not 0 <= p < i:
                 raise ValueError(f"plan_window_memory: item {i} reads producer {p}, which does not run before it")
             consumers.setdefault(p, []).append(i)
-    # pieces: the read pieces and where their backwards run
-    for j, it in enumerate(items):
-        for r in it.reads:
-            if not 0 <= int(r) < j:
-                raise ValueError(f"plan_window_memory: item {j} reads piece {int(r)}, which does not run before it")
+    # pieces: the read pieces and where their backwards run (an item reading a later one refused there)
     read = sorted(i for i, it in enumerate(items) if it.read_later)
     backward_at = piece_backward_points([it.reads for it in items])   # item -> read pieces' backwards after it
     if sorted(p for ps in backward_at.values() for p in ps) != read:
