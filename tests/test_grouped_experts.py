@@ -396,11 +396,10 @@ def test_grouped_linear_on_gpu(dtype):
 
 @torch._dynamo.config.patch(disable=True)
 def test_fc1_keeps_the_dispatch_source_not_the_permuted_tokens(cpu_world, grouped_calls, monkeypatch):
-    """With the all-gather dispatcher the MoE layer hands the experts the dispatch's source and index:
-    fc1 keeps those for its backward and gathers its input again there, instead of keeping the
+    """With the all-gather dispatcher the experts read the dispatch's source and index from it: fc1
+    keeps those for its backward and gathers its input again there, instead of keeping the
     ``top-k`` permuted copies.  Outputs and every gradient are bitwise those of keeping the copies, and
     the forward saves ``top-k x hidden`` elements a token less per MoE layer."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
     cfg = tiny_config(dtype=torch.float32)
     model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 2)
     moe = [layer.mlp for layer in model.decoder.layers if layer.is_moe_layer]
@@ -421,10 +420,12 @@ def test_fc1_keeps_the_dispatch_source_not_the_permuted_tokens(cpu_world, groupe
         forward = grouped_calls[:2 * len(moe)]       # per MoE layer fc1, fc2 (the backward's calls follow)
         return got, sum(seen.values()), sum(shape[0] * shape[1] for shape in forward[::2])
     (out, g, tpe), kept, fc1_inputs = saved_bytes()
+    assert all(e.experts.dispatcher is e.token_dispatcher for e in moe)
     with monkeypatch.context() as m:
-        m.setattr(type(moe[0]), "routed_experts_compute", MoELayer.routed_experts_compute)
+        for e in moe:
+            m.setattr(e.experts, "dispatcher", None)
         (out_ref, g_ref, tpe_ref), kept_ref, fc1_ref = saved_bytes()
-    assert fc1_inputs == fc1_ref > 0 and all(e.experts.gathered_input is None for e in moe)
+    assert fc1_inputs == fc1_ref > 0 and all(e.token_dispatcher.permuted_from is None for e in moe)
     assert torch.equal(out, out_ref) and torch.equal(tpe, tpe_ref) and g.keys() == g_ref.keys()
     assert all(torch.equal(g[k], g_ref[k]) for k in g)
     assert kept_ref - kept == fc1_inputs * 4          # fp32: every fc1 input (top-k copies of the tokens)

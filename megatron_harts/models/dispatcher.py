@@ -30,8 +30,8 @@ After the combine the dispatcher keeps nothing of the microbatch
 The permuted tokens are ``top-k`` copies of the tokens: kept for the experts' backward (fc1's weight
 gradient reads its input), they would hold ``top-k x hidden`` elements a token.
 ``SyncFreeAllGatherDispatcher.permuted_from`` (the permuted tokens, their source and the gather's
-index, for the microbatch in flight) lets the grouped experts keep the source and index instead and
-gather again in their backward (``models.experts``): the same values, bitwise; the source is the MoE
+index, for the microbatch in flight) lets the grouped experts (which the MoE layer hands this dispatcher) keep the source and index instead
+and gather again in their backward (``models.experts``): the same values, bitwise; the source is the MoE
 input, which the router keeps anyway.
 """
 from __future__ import annotations

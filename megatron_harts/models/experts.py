@@ -217,9 +217,10 @@ class GroupedSequentialMLP(SequentialMLP):
     use_grouped_mm: bool = True
     #: weights added into DDP's ``main_grad`` still get placeholder gradients (``expert_grad_hooks_off``)
     weight_grad_hooks: bool = True
-    #: set by the MoE layer for one forward: ``(permuted, source, rows)`` of its dispatch
-    #: (``models.dispatcher``): fc1 then keeps ``source`` and ``rows`` for its backward, not ``permuted``
-    gathered_input = None
+    #: the MoE layer's all-gather dispatcher (``models.dispatcher``), set by the layer: where its
+    #: ``permuted_from`` holds ``(permuted, source, rows)`` of the microbatch in flight and fc1's input is
+    #: ``permuted``, fc1 keeps ``source`` and ``rows`` for its backward instead
+    dispatcher = None
 
     # ------------------------------------------------------------------ dispatch
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -323,7 +324,7 @@ class GroupedSequentialMLP(SequentialMLP):
         empty = (tokens_per_expert == 0).to(x.device, non_blocking=True)
         fc1: List[torch.Tensor] = [e.linear_fc1.weight for e in self.local_experts]
         fc2: List[torch.Tensor] = [e.linear_fc2.weight for e in self.local_experts]
-        given = self.gathered_input
+        given = getattr(self.dispatcher, "permuted_from", None)
         gathered = given[1:] if given is not None and given[0] is x else None   # x is the dispatch's gather
         h = self._linear(x, offs, empty, fc1, gathered)
         a = _dense(self._activation(h, permuted_probs))

@@ -46,22 +46,8 @@ class HybridMoELayer(MoELayer):
         if config.moe_token_dispatcher_type == "allgather":
             self.token_dispatcher = SyncFreeAllGatherDispatcher(self.num_local_experts, self.local_expert_indices,
                                                                 config=self.config, pg_collection=pg_collection)
-
-    def routed_experts_compute(self, hidden_states, probs):
-        """The parent's, the dispatch's source and index handed to the experts for the microbatch
-        (``SyncFreeAllGatherDispatcher.permuted_from``: the grouped experts then keep those for fc1's
-        backward instead of the permuted tokens)."""
-        if not isinstance(self.token_dispatcher, SyncFreeAllGatherDispatcher):
-            return super().routed_experts_compute(hidden_states, probs)
-        dispatched, tokens_per_expert, permuted_probs = self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
-        self.experts.gathered_input = getattr(self.token_dispatcher, "permuted_from", None)
-        try:
-            expert_output, mlp_bias = self.experts(dispatched, tokens_per_expert, permuted_probs)
-        finally:
-            self.experts.gathered_input = None
-        if mlp_bias is not None:
-            raise ValueError("MoE experts with a bias are not supported by the all-gather dispatcher")
-        return self.token_dispatcher.combine_preprocess(expert_output), mlp_bias
+            if isinstance(self.experts, GroupedSequentialMLP):   # fc1 keeps the dispatch's source, not its copies
+                self.experts.dispatcher = self.token_dispatcher
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         weights = self.router.token_weight_state()
