@@ -8,7 +8,9 @@ work is put in one bucket (``bucket``), first match wins:
 
 1. ``pieces_extra_forward``: launched inside the range ``schedules.windows.PIECES_RANGE``, the
    exports-only forward a piece read by a later piece runs under ``no_grad`` (its forward runs
-   again, with its graph, before its backward);
+   again, with its graph, before its backward); or the forward a piece kept in part runs again in its
+   backward: inside the backward of a checkpoint node (megatron's ``CheckpointFunction``) that the
+   range ``schedules.windows.PIECES_KEPT_RANGE`` created, outside the backward nodes nested in it;
 2. ``attention_forward``: inside ``models.cores.ATTENTION_RANGE`` (MLA's core attention);
 3. ``attention_backward``: inside the backward of an autograd node that the attention range's
    forward created (the profiler links a backward node to its forward by sequence number);
@@ -96,13 +98,17 @@ def _union_seconds(intervals: List[Tuple[float, float]]) -> float:
     return total / 1e6
 
 
-def profile_work(events, device: str, attention_range: str, kda_range: str, pieces_range: str):
+def profile_work(events, device: str, attention_range: str, kda_range: str, pieces_range: str,
+                 kept_range: str = ""):
     """The device work of a profile's events (``prof.events()``) as ``(name, seconds, scopes)``, the
     seconds the device was busy (module docstring), and how many kernels the profile does not link
-    to the host operator that launched them (bucketed by name alone)."""
+    to the host operator that launched them (bucketed by name alone).  ``kept_range``: the range of
+    the pieces kept in part, whose checkpoint nodes' backward runs the pieces' forward again."""
     from torch.autograd import DeviceType
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     ranges = {attention_range: "attention_forward", kda_range: "kda", pieces_range: "pieces_extra_forward"}
+    if kept_range:
+        ranges[kept_range] = "pieces_kept"
     memo: Dict[int, frozenset] = {}
 
     def own(e) -> frozenset:         # the ranges ``e`` is or lies in, its ancestors first
@@ -112,7 +118,8 @@ def profile_work(events, device: str, attention_range: str, kda_range: str, piec
             memo[key] = parent | {ranges[e.name]} if e.name in ranges else parent
         return memo[key]
 
-    created = {"attention_forward": set(), "kda": set()}     # (thread, sequence number) of forward nodes
+    # (thread, sequence number) of forward nodes
+    created = {"attention_forward": set(), "kda": set(), "pieces_kept": set()}
     for e in cpu:
         if e.sequence_nr >= 0 and not e.name.startswith("autograd::engine"):
             for scope in own(e) & created.keys():
@@ -125,8 +132,13 @@ def profile_work(events, device: str, attention_range: str, kda_range: str, piec
         if key not in full:
             up = scopes(e.cpu_parent) if e.cpu_parent is not None else frozenset()
             mine = {ranges[e.name]} if e.name in ranges else set()
-            if e.name.startswith("autograd::engine::evaluate_function") and e.sequence_nr >= 0:
-                mine |= {backward_of[s] for s, nodes in created.items() if (e.fwd_thread, e.sequence_nr) in nodes}
+            if e.name.startswith("autograd::engine::evaluate_function"):
+                up = up - {"pieces_extra_forward"}         # a backward inside a checkpoint's forward again
+                node = (e.fwd_thread, e.sequence_nr)
+                if e.sequence_nr >= 0:
+                    mine |= {backward_of[s] for s in backward_of if node in created[s]}
+                    if "CheckpointFunction" in e.name and node in created["pieces_kept"]:
+                        mine.add("pieces_extra_forward")
             full[key] = up | mine
         return full[key]
 
@@ -156,7 +168,7 @@ def profiled_split(step, device: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_harts.models.cores import ATTENTION_RANGE, KDA_RANGE
-    from megatron_harts.schedules.windows import PIECES_RANGE
+    from megatron_harts.schedules.windows import PIECES_KEPT_RANGE, PIECES_RANGE
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     if device == "cuda":
         torch.cuda.synchronize()
@@ -166,7 +178,8 @@ def profiled_split(step, device: str) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    work, busy, unlinked = profile_work(prof.events(), device, ATTENTION_RANGE, KDA_RANGE, PIECES_RANGE)
+    work, busy, unlinked = profile_work(prof.events(), device, ATTENTION_RANGE, KDA_RANGE, PIECES_RANGE,
+                                         PIECES_KEPT_RANGE)
     if unlinked and not _SAID:
         _SAID.append(True)
         print(f"step_profile: {unlinked} of {len(work)} kernels have no launching operator in the profile; "

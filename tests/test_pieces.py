@@ -330,3 +330,34 @@ def test_read_pieces_run_their_backward_once_their_readers_are_done():
              for i, r in enumerate(tree)]
     plan = plan_window_memory(items, saved_per_row=10, graph_per_row=10, piece_graph_per_row=2, piece_keep="all")
     assert plan.predicted_peak_bytes == 150         # 100 running + 2 x 5 exports + 2 x 20 graphs, never three
+
+
+def test_profile_finds_the_forward_a_piece_kept_in_part_runs_again(cpu_world):
+    """benchmarks/step_profile.py on a profiled CPU step: the layers a piece kept in part checkpoints run
+    their forward again inside their checkpoint node's backward, and that work (not the backward nested in
+    it) is the pieces' extra forward; a step keeping every graph whole has none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_harts.models.cores import ATTENTION_RANGE, KDA_RANGE
+    from megatron_harts.schedules.windows import PIECES_KEPT_RANGE, PIECES_RANGE
+    from tool_runner import load_tool
+    sp = load_tool("step_profile", "benchmarks")
+    cfg, model, plan, items, planned, read = long_tree_pieces()
+    L = cfg.num_layers
+
+    def extra(piece_keep):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            counting_step(model, items, piece_keep=piece_keep)
+        work, _, _ = sp.profile_work(prof.events(), "cpu", ATTENTION_RANGE, KDA_RANGE, PIECES_RANGE,
+                                     PIECES_KEPT_RANGE)
+        names: dict = {}
+        for name, s, scopes in work:
+            names.setdefault(sp.bucket(name, scopes), []).append(name)
+        return names
+
+    assert "pieces_extra_forward" not in extra("all")
+    got = extra({r: L - 1 for r in read})            # every read piece kept, its first L-1 layers checkpointed
+    fwd = got["pieces_extra_forward"]
+    assert "aten::mm" in fwd or "aten::addmm" in fwd or "aten::linear" in fwd
+    assert not any(n.endswith("_backward") or "backward" in n for n in fwd), sorted(set(fwd))
+    assert any("backward" in n for b in ("attention_backward", "kda", "gemm", "other") for n in got.get(b, ()))

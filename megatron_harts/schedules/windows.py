@@ -227,6 +227,10 @@ def _root_paths(forest, segments: np.ndarray) -> np.ndarray:
 _KINDS = ("rows", "conv_rows", "replay_rows", "state_rows")
 #: ``torch.profiler.record_function`` name of a read piece's exports-only forward (its extra forward)
 PIECES_RANGE = "harts.pieces_extra_forward"
+#: ``torch.profiler.record_function`` name of a piece's forward kept with its leading layers checkpointed
+#: (``leading_layers_recomputed``): the checkpoint nodes created inside it run those layers' forward again in
+#: the backward, the rest of the piece's extra forward
+PIECES_KEPT_RANGE = "harts.pieces_kept_in_part"
 
 
 def _host_layout(layout):
@@ -408,7 +412,8 @@ def leading_layers_recomputed(cfg, layers: int):
     for n, v in zip(names, ("full", "block", int(layers))):
         setattr(cfg, n, v)
     try:
-        yield
+        with torch.profiler.record_function(PIECES_KEPT_RANGE):
+            yield
     finally:
         for n, v in zip(names, saved):
             setattr(cfg, n, v)
