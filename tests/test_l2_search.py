@@ -1,6 +1,7 @@
 """L2's local search (planner.l2_search, compiled _C.l2_search): held to the brute-force optimum of its
 objective (planner.l2_bruteforce) on small instances, and its plans valid, no worse than L1's, run as
 planned by the window schedule."""
+import dataclasses
 import warnings
 
 import numpy as np
@@ -11,6 +12,7 @@ from megatron_harts.planner import l2_bruteforce, l2_search
 from megatron_harts.planner.cost_model import CostModel, ForestIndex
 from megatron_harts.planner.l1 import plan_l1
 from megatron_harts.planner.metrics import plan_metrics
+from megatron_harts.planner.microbatch import packing_key
 from megatron_harts.tree_data import build_forest
 from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
 
@@ -168,3 +170,54 @@ def test_an_extension_without_a_routine_is_refused_at_lookup():
 
     with pytest.raises(ImportError, match="rebuild it"):
         compiled("no_such_routine")
+
+
+@needs_core
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_the_window_packing_start(dp):
+    """window_start: every unit in the grid it names; a produced tree's blocks in one producer bin; an item
+    on its core's replica outside a producer bin reads that producer (on one replica every item is there);
+    no bin over the row budget (the search's objective on that state, no move made, has no overflow)."""
+    forest = _forest(dp + 10, "tree-step")
+    ix = ForestIndex(forest)
+    model = CostModel()
+    M = int(ix.tree_max_path.max()) * 2
+    l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
+    inst = l2_search.l2_units(ix, l1, model, model.chunk_size, l1.tokens_computed)
+    assert (inst.kind == 0).any() and (inst.kind == 1).any()
+    cells, slots = l2_search.window_start(inst)
+    assert slots >= inst.slots and cells.min() >= 0 and cells.max() < dp * slots
+    at = dataclasses.replace(inst, cell0=cells, slots=slots)
+    got, reads, (overflow, _, _), _, _ = l2_search.search(at, 0)
+    assert overflow == 0
+    top = {}
+    for u in np.flatnonzero(inst.kind == 0).tolist():
+        t = u
+        while inst.up[t] >= 0:
+            t = int(inst.up[t])
+        top.setdefault(t, set()).add(int(cells[u]))
+    assert all(len(c) == 1 for c in top.values())                    # one producer bin per tree
+    items = np.flatnonzero(inst.kind == 1).tolist()
+    producers = set(cells[inst.kind == 0].tolist())
+    with_core = [i for i in items if cells[i] // slots == cells[inst.win[i]] // slots and cells[i] not in producers]
+    assert with_core and all(np.asarray(reads)[with_core] == 1)      # beside their core's producer: read it
+    if dp == 1:
+        assert all(cells[i] in producers or i in with_core for i in items)
+
+
+@needs_core
+def test_both_starts_searched_and_the_better_kept():
+    """With a produced tree the plan is no worse than the search from L1's placement alone would give
+    (the probe judges both starts exactly and goes on from the better)."""
+    forest = _forest(5, "tree-step")
+    ix = ForestIndex(forest)
+    model = CostModel()
+    l1 = plan_l1(forest, 2, int(ix.tree_max_path.max()) * 2, cost_model=model, index=ix)
+    both = l2_search.plan_l2_search(forest, l1, cost_model=model, index=ix)
+    inst = l2_search.l2_units(ix, l1, model, model.chunk_size, l1.tokens_computed)
+    cells, reads, *_ = l2_search.search(inst, int(l2_search.PROBE_SHARE * l2_search.MOVES_PER_UNIT * inst.num_units))
+    groups, placement = l2_search.groups_of(inst, cells, reads)
+    probe = packing_key(ix, groups, placement, dp=2, row_budget=l1.row_budget, cost_model=model)
+    bound = min(probe[0], plan_metrics(l1)["step_cost"]) if probe[1] <= l1.tokens_computed else \
+        plan_metrics(l1)["step_cost"]
+    assert plan_metrics(both)["step_cost"] <= bound + 1e-12

@@ -45,10 +45,19 @@ of each replica's ``k``-th bin).  A unit moved away from its producer's replica
 recomputes its path.  Two more moves put together what belongs together: a produced tree re-packed (its
 blocks into its top block's bin, its items best fit into that replica's bins) and a unit joined to a unit
 recomputing one of its segments (into its bin, or swapped with a unit there).  The kind of move is drawn by
-weights that follow each kind's recent share of the improving moves.  The search (compiled: ``_C.l2_search``) starts from L1's plan and anneals: a move is
-taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what it adds to
-the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0; the
-best state of ``moves`` tries (default ``MOVES_PER_UNIT`` per unit) is the result.
+weights that follow each kind's recent share of the improving moves.  The search (compiled: ``_C.l2_search``)
+anneals: a move is taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what
+it adds to the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0;
+the best state of ``moves`` tries (default ``MOVES_PER_UNIT`` per unit) is the result.
+
+**Starts.**  Two: L1's placement, and where a tree is produced a **window packing** of the same units
+(``window_start``): trees largest first, each core onto the replica with the least rows so far, its items
+following it while that replica stays within its share of the rows (the others, with their paths, onto the
+least loaded replica); per replica the cores best fit into producer bins, each producer's items best fit
+into bins reading it (or a producer bin with room), then the rest best fit anywhere.  Local moves from L1's
+placement seldom reach a packing of few, full windows that this start has from the outset, while L1's
+placement wins where the windows matter little.  Each start is searched for ``PROBE_SHARE`` of the budget,
+both judged exactly, and the better one is searched on for the rest.
 
 **Judge.**  The best state is assembled (``microbatch.packing_key``: the exact cost model, KDA
 call planner included) and kept when it computes no more tokens than L1 and its modelled step is
@@ -73,7 +82,8 @@ from .l2_units import most_shared_top
 from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, slot_step
 
 __all__ = ["plan_l2_search", "l2_units", "L2Instance", "search", "groups_of",
-           "TOKEN_PENALTY", "LOAD_WEIGHT", "MOVES_PER_UNIT", "TEMPERATURE", "EXTRA_SLOTS"]
+           "window_start", "TOKEN_PENALTY", "LOAD_WEIGHT", "MOVES_PER_UNIT", "TEMPERATURE", "EXTRA_SLOTS",
+           "PROBE_SHARE"]
 
 #: cost of a token computed above L1's tokens, in row costs (``CostCoefficients.row``): steep, as a
 #: plan computing more than L1 is never kept, but finite, so that the search may pass through such
@@ -93,6 +103,9 @@ TEMPERATURE = 0.005
 LOAD_WEIGHT = 0.5
 #: empty slots the grid has after L1's: room for producers ahead of their consumers and for new microbatches
 EXTRA_SLOTS = 2
+#: share of the move budget each start is searched for before the better one (judged exactly) goes on: 0.1 and
+#: 0.25 measured on benchmarks/compare_l2.py's full set (145 and 148 of 160 no worse than the staged planner)
+PROBE_SHARE = 0.25
 #: the search's random seed (the plan depends on nothing else)
 _SEED = 1
 
@@ -265,6 +278,102 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
                       load_weight=float(LOAD_WEIGHT))
 
 
+def _rows(inst: L2Instance, which: str) -> np.ndarray:
+    """Per unit the rows of its ``which`` segments."""
+    off, ids = getattr(inst, which + "_off"), getattr(inst, which)
+    unit = np.repeat(np.arange(inst.num_units), np.diff(off))
+    return np.bincount(unit, weights=inst.length[ids], minlength=inst.num_units).astype(np.int64)
+
+
+def _best_fit(bins: list, rows: int, budget: int, fits) -> Optional[list]:
+    """The bin of ``bins`` (``[rows, kind, producer, units]``) accepted by ``fits`` that ``rows`` fill most
+    within ``budget``; None where none has room."""
+    best = None
+    for b in bins:
+        if fits(b) and b[0] + rows <= budget and (best is None or b[0] > best[0]):
+            best = b
+    return best
+
+
+def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
+    """The window packing of ``inst``'s units (module docstring, *Starts*): (cell per unit, slots of the
+    grid it needs)."""
+    U, R, M = inst.num_units, inst.dp, inst.row_budget
+    kind, win, up = inst.kind.tolist(), inst.win.tolist(), inst.up.tolist()
+    bare = (_rows(inst, "own") + _rows(inst, "rec")).tolist()           # without the path
+    full = (np.asarray(bare) + _rows(inst, "path")).tolist()             # with the path recomputed
+    top = list(range(U))
+    for u in range(U):                                                  # blocks in order: an upper one first
+        if kind[u] == 0 and up[u] >= 0:
+            top[u] = top[up[u]]
+    members: Dict[int, List[int]] = {}
+    for u in range(U):
+        if kind[u] == 1:
+            top[u] = top[win[u]]
+        if kind[u] != 2:
+            members.setdefault(top[u], []).append(u)
+    core = {t: full[t] + sum(bare[u] for u in us if kind[u] == 0 and u != t) for t, us in members.items()}
+    size = {t: core[t] + sum(bare[u] + int(inst.replay[u]) for u in us if kind[u] == 1) for t, us in members.items()}
+    share = (sum(size.values()) + sum(full[u] for u in range(U) if kind[u] == 2)) / R
+    load = [0] * R
+    trees: List[List[int]] = [[] for _ in range(R)]
+    loose: List[List[int]] = [[] for _ in range(R)]                     # items away from their core, free units
+    items: Dict[int, List[int]] = {}
+    for t in sorted(members, key=lambda t: (-size[t], t)):
+        r = min(range(R), key=lambda q: (load[q], q))
+        trees[r].append(t)
+        load[r] += core[t]
+        for u in sorted((u for u in members[t] if kind[u] == 1), key=lambda u: (-bare[u], u)):
+            if R == 1 or load[r] + bare[u] <= share:
+                items.setdefault(t, []).append(u)
+                load[r] += bare[u] + int(inst.replay[u])
+            else:
+                q = min(range(R), key=lambda q: (load[q], q))
+                loose[q].append(u)
+                load[q] += full[u]
+    for u in sorted((u for u in range(U) if kind[u] == 2), key=lambda u: (-full[u], u)):
+        q = min(range(R), key=lambda q: (load[q], q))
+        loose[q].append(u)
+        load[q] += full[u]
+    packed = []
+    for r in range(R):
+        bins: list = []                                                  # [rows, producer?, its bin, units]
+        producer = {}
+        for t in sorted(trees[r], key=lambda t: (-core[t], t)):
+            b = _best_fit(bins, core[t], M, lambda b: b[1]) or bins.append([0, True, len(bins), []]) or bins[-1]
+            b[0] += core[t]
+            b[3] += [u for u in members[t] if kind[u] == 0]
+            producer[t] = b[2]
+        mine = sorted((u for t in trees[r] for u in items.get(t, ())), key=lambda u: (-bare[u], u))
+        for u in mine:
+            p = producer[top[u]]
+            b = _best_fit(bins, bare[u], M, lambda b: not b[1] and b[2] == p)
+            if b is None and _best_fit(bins, full[u], M, lambda b: b[1]) is not None:
+                b = _best_fit(bins, full[u], M, lambda b: b[1])
+                b[0] += full[u]
+                b[3].append(u)
+                continue
+            if b is None:
+                bins.append([0, False, p, []])
+                b = bins[-1]
+            b[0] += bare[u]
+            b[3].append(u)
+        for u in sorted(loose[r], key=lambda u: (-full[u], u)):
+            b = _best_fit(bins, full[u], M, lambda b: True)
+            if b is None:
+                bins.append([0, False, -1, []])
+                b = bins[-1]
+            b[0] += full[u]
+            b[3].append(u)
+        packed.append(bins)
+    slots = max(inst.slots, max(len(b) for b in packed) + EXTRA_SLOTS)
+    cells = np.zeros(U, dtype=np.int64)
+    for r, bins in enumerate(packed):
+        for i, b in enumerate(bins):
+            cells[b[3]] = r * slots + i
+    return cells, slots
+
+
 def search(inst: L2Instance, moves: int):
     """``_C.l2_search`` on ``inst``: (cell per unit (``replica * slots + slot``, slots as run), reads per unit,
     objective (rows over the budget, step + penalty, sum of squared costs), estimated tokens, estimated step)."""
@@ -338,13 +447,32 @@ def plan_l2_search(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel
         keep_key = (step_cost(keep), keep.tokens_computed)
         inst = l2_units(ix, l1, model, mpr, keep_key[1])
         budget = MOVES_PER_UNIT * inst.num_units if moves is None else int(moves)
-        cells, reads, _, _, _ = search(inst, budget)
-        groups, placement = groups_of(inst, cells, reads)
-        judged: dict = {}
-        key = packing_key(ix, groups, placement, dp=dp, row_budget=M, cost_model=model, keep=judged)
-        if key is not None and key[1] <= keep_key[1] and key < keep_key:
-            plan = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=dp, row_budget=M,
-                                 cost_model=model, keep=judged)
+        best = (keep_key, None, None)                  # (judged key, groups and placement, judged parts)
+
+        def judge(at: L2Instance, moves: int) -> np.ndarray:
+            nonlocal best
+            cells, reads, _, _, _ = search(at, moves)
+            groups, placement = groups_of(at, cells, reads)
+            judged: dict = {}
+            key = packing_key(ix, groups, placement, dp=dp, row_budget=M, cost_model=model, keep=judged)
+            if key is not None and key[1] <= keep_key[1] and key < best[0]:
+                best = (key, (groups, placement), judged)
+            return np.asarray(cells, dtype=np.int64), key
+
+        starts = [inst]
+        if (inst.kind == 0).any():                     # a produced tree: the window packing too
+            cells, slots = window_start(inst)
+            starts.append(dataclasses.replace(inst, cell0=cells, slots=slots))
+        if len(starts) == 1:
+            judge(inst, budget)
+        else:
+            probe = int(PROBE_SHARE * budget)
+            ends = [(judge(at, probe), at) for at in starts]
+            ((cells, key), at) = min(ends, key=lambda e: (e[0][1] is None, e[0][1] or (0, 0)))
+            judge(dataclasses.replace(at, cell0=cells), budget - probe)
+        if best[1] is not None:
+            plan = assemble_plan(ix, *best[1], planner="harts_l1l2", dp=dp, row_budget=M,
+                                 cost_model=model, keep=best[2])
     plan.plan_seconds = time.perf_counter() - t0
     return plan
 
