@@ -281,8 +281,8 @@ def test_mlp_bytes_per_row_are_what_a_bf16_forward_saves(cpu_world):
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in saved:
-            saved[ptr] = (part[0], t.untyped_storage().nbytes())
+        if ptr not in params and ptr not in saved:     # the tensor held: no later storage reuses its address
+            saved[ptr] = (part[0], t.untyped_storage().nbytes(), t)
         return t
     rows = 512
     psp = TreePackedSeqParams.for_sequences([rows])
@@ -292,6 +292,6 @@ def test_mlp_bytes_per_row_are_what_a_bf16_forward_saves(cpu_world):
     shape = ModelShape.from_config(cfg)
     model_bytes = activation_bytes_per_row(shape)
     for n, (_, mlp) in enumerate(shape.layer_kinds):
-        got = sum(b for p, b in saved.values() if p == n) / rows
+        got = sum(b for p, b, _ in saved.values() if p == n) / rows
         want = model_bytes[mlp] + (4 - 2) * shape.hidden
         assert abs(got - want) <= 0.01 * want, (n, mlp, got, want)
