@@ -286,13 +286,23 @@ def _rows(inst: L2Instance, which: str) -> np.ndarray:
 
 
 def _best_fit(bins: list, rows: int, budget: int, fits) -> Optional[list]:
-    """The bin of ``bins`` (``[rows, kind, producer, units]``) accepted by ``fits`` that ``rows`` fill most
-    within ``budget``; None where none has room."""
+    """The bin of ``bins`` (``[rows, is a producer, the producer it reads or its own number, units]``)
+    accepted by ``fits`` that ``rows`` fill most within ``budget``; None where none has room."""
     best = None
     for b in bins:
         if fits(b) and b[0] + rows <= budget and (best is None or b[0] > best[0]):
             best = b
     return best
+
+
+def _put(bins: list, b: Optional[list], u: int, rows: int, producer: bool = False, reads: int = -1) -> list:
+    """Unit ``u`` of ``rows`` into bin ``b``, or into a new bin (a producer, or one reading ``reads``)."""
+    if b is None:
+        bins.append([0, producer, len(bins) if producer else reads, []])
+        b = bins[-1]
+    b[0] += rows
+    b[3].append(u)
+    return b
 
 
 def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
@@ -337,34 +347,22 @@ def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
         load[q] += full[u]
     packed = []
     for r in range(R):
-        bins: list = []                                                  # [rows, producer?, its bin, units]
+        bins: list = []
         producer = {}
-        for t in sorted(trees[r], key=lambda t: (-core[t], t)):
-            b = _best_fit(bins, core[t], M, lambda b: b[1]) or bins.append([0, True, len(bins), []]) or bins[-1]
-            b[0] += core[t]
-            b[3] += [u for u in members[t] if kind[u] == 0]
+        for t in sorted(trees[r], key=lambda t: (-core[t], t)):                # cores: producer bins
+            blocks = [u for u in members[t] if kind[u] == 0]
+            b = _put(bins, _best_fit(bins, core[t], M, lambda b: b[1]), blocks[0], core[t], producer=True)
+            b[3] += blocks[1:]
             producer[t] = b[2]
-        mine = sorted((u for t in trees[r] for u in items.get(t, ())), key=lambda u: (-bare[u], u))
-        for u in mine:
+        for u in sorted((u for t in trees[r] for u in items.get(t, ())), key=lambda u: (-bare[u], u)):
             p = producer[top[u]]
-            b = _best_fit(bins, bare[u], M, lambda b: not b[1] and b[2] == p)
-            if b is None and _best_fit(bins, full[u], M, lambda b: b[1]) is not None:
-                b = _best_fit(bins, full[u], M, lambda b: b[1])
-                b[0] += full[u]
-                b[3].append(u)
-                continue
-            if b is None:
-                bins.append([0, False, p, []])
-                b = bins[-1]
-            b[0] += bare[u]
-            b[3].append(u)
-        for u in sorted(loose[r], key=lambda u: (-full[u], u)):
-            b = _best_fit(bins, full[u], M, lambda b: True)
-            if b is None:
-                bins.append([0, False, -1, []])
-                b = bins[-1]
-            b[0] += full[u]
-            b[3].append(u)
+            b = _best_fit(bins, bare[u], M, lambda b: not b[1] and b[2] == p)      # a bin reading its producer
+            if b is None and _best_fit(bins, full[u], M, lambda b: b[1]) is not None:  # else a producer with room
+                _put(bins, _best_fit(bins, full[u], M, lambda b: b[1]), u, full[u])
+            else:
+                _put(bins, b, u, bare[u], reads=p)
+        for u in sorted(loose[r], key=lambda u: (-full[u], u)):                # the rest, paths recomputed
+            _put(bins, _best_fit(bins, full[u], M, lambda b: True), u, full[u])
         packed.append(bins)
     slots = max(inst.slots, max(len(b) for b in packed) + EXTRA_SLOTS)
     cells = np.zeros(U, dtype=np.int64)
