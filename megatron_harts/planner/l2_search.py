@@ -329,8 +329,17 @@ def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
     trees: List[List[int]] = [[] for _ in range(R)]
     loose: List[List[int]] = [[] for _ in range(R)]                     # items away from their core, free units
     items: Dict[int, List[int]] = {}
+
+    def lightest() -> int:
+        return min(range(R), key=lambda q: (load[q], q))
+
+    def away(u: int) -> None:                                           # onto the least loaded replica, path and all
+        q = lightest()
+        loose[q].append(u)
+        load[q] += full[u]
+
     for t in sorted(members, key=lambda t: (-size[t], t)):
-        r = min(range(R), key=lambda q: (load[q], q))
+        r = lightest()
         trees[r].append(t)
         load[r] += core[t]
         for u in sorted((u for u in members[t] if kind[u] == 1), key=lambda u: (-bare[u], u)):
@@ -338,13 +347,9 @@ def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
                 items.setdefault(t, []).append(u)
                 load[r] += bare[u] + int(inst.replay[u])
             else:
-                q = min(range(R), key=lambda q: (load[q], q))
-                loose[q].append(u)
-                load[q] += full[u]
+                away(u)
     for u in sorted((u for u in range(U) if kind[u] == 2), key=lambda u: (-full[u], u)):
-        q = min(range(R), key=lambda q: (load[q], q))
-        loose[q].append(u)
-        load[q] += full[u]
+        away(u)
     packed = []
     for r in range(R):
         bins: list = []
@@ -357,8 +362,9 @@ def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
         for u in sorted((u for t in trees[r] for u in items.get(t, ())), key=lambda u: (-bare[u], u)):
             p = producer[top[u]]
             b = _best_fit(bins, bare[u], M, lambda b: not b[1] and b[2] == p)      # a bin reading its producer
-            if b is None and _best_fit(bins, full[u], M, lambda b: b[1]) is not None:  # else a producer with room
-                _put(bins, _best_fit(bins, full[u], M, lambda b: b[1]), u, full[u])
+            room = None if b is not None else _best_fit(bins, full[u], M, lambda b: b[1])  # else a producer
+            if room is not None:
+                _put(bins, room, u, full[u])
             else:
                 _put(bins, b, u, bare[u], reads=p)
         for u in sorted(loose[r], key=lambda u: (-full[u], u)):                # the rest, paths recomputed
