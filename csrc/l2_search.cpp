@@ -101,6 +101,7 @@ class Search {
         path_rows_.assign(U_, 0);
         top_.assign(U_, -1);
         root_.assign(U_, -1);
+        std::vector<i64> deep_at(U_, -1);
         for (i64 u = 0; u < U_; ++u) {
             for (i64 k = own_off_[u]; k < own_off_[u + 1]; ++k)  // an item's root: its least segment
                 if (root_[u] < 0 || own_[k] < root_[u]) root_[u] = own_[k];
@@ -111,7 +112,13 @@ class Search {
                 i64 t = win_[u];
                 while (up_[t] >= 0) t = up_[t];
                 top_[u] = t;
-                if (up_[win_[u]] >= 0) deep_.push_back(u);
+                if (up_[win_[u]] >= 0) {  // the items below a block with a block above: deep_, by tree
+                    if (deep_at[t] < 0) {
+                        deep_at[t] = static_cast<i64>(deep_.size());
+                        deep_.emplace_back(t, std::vector<i64>());
+                    }
+                    deep_[deep_at[t]].second.push_back(u);
+                }
             }
             for (i64 k = path_off_[u]; k < path_off_[u + 1]; ++k) path_rows_[u] += length_[path_[k]];
         }
@@ -756,7 +763,13 @@ class Search {
             if (moved_.empty()) return false;
         }
         if (prod_ != prod0)  // producer counts changed: the items comparing them (a block above on another replica)
-            for (i64 i : deep_) {
+            for (const auto& [t, deep] : deep_) {
+                // a tree whose blocks share one replica compares no counts (where a block of it moved, relocate
+                // marked its items)
+                bool split = false;
+                for (i64 w : blocks_[t]) split = split || cell_of_[w] / S_ != cell_of_[t] / S_;
+                if (!split) continue;
+                for (i64 i : deep) {
                 const i64 r = cell_of_[i] / S_;
                 for (i64 a = up_[win_[i]]; a >= 0; a = up_[a]) {
                     const i64 ra = cell_of_[a] / S_;
@@ -764,6 +777,7 @@ class Search {
                         mark(cell_of_[i]);
                         break;
                     }
+                }
                 }
             }
         commit();
@@ -801,7 +815,8 @@ class Search {
     double weight_[KINDS] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, weight_sum_ = KINDS;
     i64 tries_[KINDS] = {0}, wins_[KINDS] = {0}, last_kind_ = 0;
     std::vector<i64> replayed_, root_;
-    std::vector<i64> top_, deep_, cuts_, ncore_, prod_;
+    std::vector<i64> top_, cuts_, ncore_, prod_;
+    std::vector<std::pair<i64, std::vector<i64>>> deep_;  // per produced tree (its top block) its items below a cut
     std::vector<char> reading_;
     std::vector<i64> unit_rows_, ux_;
     struct Room {  // a bin's estimated rows while units are re-packed into it, and the producer it reads

@@ -10,6 +10,7 @@ from test_l2_executed import check_executes_as_planned, huge_forest, split_produ
 from test_microbatch_planner import _packing_key
 
 from megatron_harts.planner import l2 as l2_module
+from megatron_harts.planner import threads as planner_threads
 from megatron_harts.planner.cost_model import CostModel, ForestIndex
 from megatron_harts.planner.l2 import pack_spread, pack_windows, plan_harts, split_windows, window_plan, window_units
 from megatron_harts.planner.metrics import plan_metrics
@@ -186,9 +187,9 @@ def test_passes_side_by_side_plan_as_one_after_another(monkeypatch):
     monkeypatch.setattr(l2_module, "concurrently", recorded)
     plans = []
     for threads in (1, 2):
-        monkeypatch.setattr(l2_module, "PLAN_THREADS", threads)
+        monkeypatch.setattr(planner_threads, "PLAN_THREADS", threads)
         plans.append(plan_harts(f, 8, 3000, cost_model=model)[1])
-    assert max(sizes) > 1 and l2_module.plan_threads(max(sizes)) == 2
+    assert max(sizes) > 1 and planner_threads.plan_threads(max(sizes)) == 2
     assert gc.isenabled() and not any(gc_on)      # planning runs with the cyclic collector paused (gc_paused)
     one, two = plans
 

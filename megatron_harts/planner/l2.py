@@ -85,16 +85,14 @@ else (tiny trees where replay outweighs the rows saved; batches so small that a 
 replica idles the others) the L1 microbatches are returned with L1's placement.
 
 Independent passes over packings (each base's balance passes, the spending passes, the rival's
-last pass) run side by side on up to ``PLAN_THREADS`` threads (``concurrently``; the compiled
+last pass) run side by side on up to ``threads.PLAN_THREADS`` threads (``concurrently``; the compiled
 searches release the GIL); their results are taken in the order one after another would give them,
 so the plan does not depend on the thread count.
 """
 from __future__ import annotations
 
 import math
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from typing import Optional, Tuple
@@ -111,6 +109,7 @@ from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
 from .l2_windows import pack_windows
 from .metrics import slot_balance
+from .threads import concurrently, plan_threads
 from .microbatch import (MicrobatchPlan, PlanningError, assemble_plan, gc_paused, packing_key,
                          slot_step)
 
@@ -154,8 +153,6 @@ BALANCE_SPEND = ((0.1, False), (0.2, True))
 #: items theirs): step 10.451 -> 10.329, balance 97.45/96.17 -> 98.19/97.41%, compression 2.033 -> 2.042; weights
 #: 1 and 2 gave a packing judged 10.447 / 10.442 (10.402 at 4), spending 0.2 one of 10.614
 BALANCE_SPLIT = ((0.1, False, 4.0),)
-#: threads of the passes ``plan_l2`` runs side by side (``concurrently``; None: the machine's cores)
-PLAN_THREADS: Optional[int] = None
 #: the balance pass of each base's best packing tries swaps in packings of up to this many microbatches
 #: (the others: ``BALANCE_SWAP_BINS``); more cost time (a swap is tried per pair of entries) and, on
 #: Tree-Step 2048 DP 8 (376 microbatches), gave a packing whose estimate beat better ones
@@ -168,35 +165,6 @@ BALANCE_SPEND_BELOW = 0.98
 #: the chosen plan of at most this many slots (more than one) has its units searched again, every slot at once
 #: (``l2_oneslot.search_slots``)
 SEARCH_SLOTS = 2
-
-
-def plan_threads(tasks: int) -> int:
-    """Threads for ``tasks`` independent passes: ``PLAN_THREADS``, else the machine's cores, at most ``tasks``."""
-    return max(1, min(tasks, PLAN_THREADS or os.cpu_count() or 1))
-
-
-def concurrently(fn, items) -> list:
-    """``[fn(x) for x in items]``, on up to ``plan_threads`` threads: the compiled passes (balance, even
-    slots) release the GIL while they search, so independent passes over one packing run side by
-    side on a machine's cores.  Each result depends on its item only: the same list either way."""
-    items = list(items)
-    workers = plan_threads(len(items))
-    if workers < 2:
-        return [fn(x) for x in items]
-    return list(_thread_pool(workers).map(fn, items))
-
-
-#: the pools of ``concurrently``, by (process, threads): kept between plans (starting a pool's threads
-#: cost Tree-Step 256 DP 8 about 2 ms a pass, 10 of its 60 ms), never shared with a forked child
-_POOLS: dict = {}
-
-
-def _thread_pool(workers: int) -> ThreadPoolExecutor:
-    key = (os.getpid(), workers)
-    pool = _POOLS.get(key)
-    if pool is None:
-        pool = _POOLS[key] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="plan_l2")
-    return pool
 
 
 @gc_paused

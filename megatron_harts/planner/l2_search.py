@@ -56,8 +56,8 @@ following it while that replica stays within its share of the rows (the others, 
 least loaded replica); per replica the cores best fit into producer bins, each producer's items best fit
 into bins reading it (or a producer bin with room), then the rest best fit anywhere.  Local moves from L1's
 placement seldom reach a packing of few, full windows that this start has from the outset, while L1's
-placement wins where the windows matter little.  Each start is searched for ``PROBE_SHARE`` of the budget,
-both judged exactly, and the better one is searched on for the rest.
+placement wins where the windows matter little.  Each start is searched with the whole budget, side by side
+on two threads (``threads.concurrently``: the compiled search releases the GIL), and both results are judged.
 
 **Judge.**  The best state is assembled (``microbatch.packing_key``: the exact cost model, KDA
 call planner included) and kept when it computes no more tokens than L1 and its modelled step is
@@ -80,10 +80,10 @@ from .cost_model import CostModel, ForestIndex
 from .l1 import split_piece
 from .l2_units import most_shared_top
 from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, slot_step
+from .threads import concurrently
 
 __all__ = ["plan_l2_search", "l2_units", "L2Instance", "search", "groups_of",
-           "window_start", "TOKEN_PENALTY", "LOAD_WEIGHT", "MOVES_PER_UNIT", "TEMPERATURE", "EXTRA_SLOTS",
-           "PROBE_SHARE"]
+           "window_start", "TOKEN_PENALTY", "LOAD_WEIGHT", "MOVES_PER_UNIT", "TEMPERATURE", "EXTRA_SLOTS"]
 
 #: cost of a token computed above L1's tokens, in row costs (``CostCoefficients.row``): steep, as a
 #: plan computing more than L1 is never kept, but finite, so that the search may pass through such
@@ -103,9 +103,6 @@ TEMPERATURE = 0.005
 LOAD_WEIGHT = 0.5
 #: empty slots the grid has after L1's: room for producers ahead of their consumers and for new microbatches
 EXTRA_SLOTS = 2
-#: share of the move budget each start is searched for before the better one (judged exactly) goes on: 0.1 and
-#: 0.25 measured on benchmarks/compare_l2.py's full set (145 and 148 of 160 no worse than the staged planner)
-PROBE_SHARE = 0.25
 #: the search's random seed (the plan depends on nothing else)
 _SEED = 1
 
@@ -453,27 +450,16 @@ def plan_l2_search(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel
         budget = MOVES_PER_UNIT * inst.num_units if moves is None else int(moves)
         best = (keep_key, None, None)                  # (judged key, groups and placement, judged parts)
 
-        def judge(at: L2Instance, moves: int) -> np.ndarray:
-            nonlocal best
-            cells, reads, _, _, _ = search(at, moves)
+        starts = [inst]
+        if (inst.kind == 0).any():                     # a produced tree: the window packing too
+            cells, slots = window_start(inst)
+            starts.append(dataclasses.replace(inst, cell0=cells, slots=slots))
+        for at, (cells, reads, _, _, _) in zip(starts, concurrently(lambda at: search(at, budget), starts)):
             groups, placement = groups_of(at, cells, reads)
             judged: dict = {}
             key = packing_key(ix, groups, placement, dp=dp, row_budget=M, cost_model=model, keep=judged)
             if key is not None and key[1] <= keep_key[1] and key < best[0]:
                 best = (key, (groups, placement), judged)
-            return np.asarray(cells, dtype=np.int64), key
-
-        starts = [inst]
-        if (inst.kind == 0).any():                     # a produced tree: the window packing too
-            cells, slots = window_start(inst)
-            starts.append(dataclasses.replace(inst, cell0=cells, slots=slots))
-        if len(starts) == 1:
-            judge(inst, budget)
-        else:
-            probe = int(PROBE_SHARE * budget)
-            ends = [(judge(at, probe), at) for at in starts]
-            ((cells, key), at) = min(ends, key=lambda e: (e[0][1] is None, e[0][1] or (0, 0)))
-            judge(dataclasses.replace(at, cell0=cells), budget - probe)
         if best[1] is not None:
             plan = assemble_plan(ix, *best[1], planner="harts_l1l2", dp=dp, row_budget=M,
                                  cost_model=model, keep=best[2])
