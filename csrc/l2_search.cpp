@@ -35,7 +35,7 @@
 // swapped with a unit there).  The kind of move is drawn by weights that follow each kind's recent share of
 // the improving moves (adapt).
 // Objective, compared lexicographically: (rows over the budget summed over bins,
-// step + penalty * max(0, tokens - base_tokens) + load_weight * (sum of bin costs) / dp, sum of squared
+// step + penalty * max(0, tokens - base_tokens) + (sum of bin costs) / dp, sum of squared
 // bin costs), step = sum over slots of the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
 // energy (the objective's second term + penalty * rows over the budget) above the current one, t
 // falling linearly from `temperature` times the mean bin cost of the start to 0.
@@ -88,12 +88,11 @@ class Search {
     Search(i64 S_seg, const i64* length, const i64* pairs, const i64* logits, i64 U, const i64* kind,
            const i64* win, const i64* up, const i64* replay, const i64* own_off, const i64* own, const i64* rec_off,
            const i64* rec, const i64* path_off, const i64* path, i64 dp, i64 slots, i64 M, double overhead,
-           double c_row, double c_pair, double c_logit, double c_replay, i64 base_tokens, double penalty,
-           double load_weight)
+           double c_row, double c_pair, double c_logit, double c_replay, i64 base_tokens, double penalty)
         : length_(length), pairs_(pairs), logits_(logits), U_(U), kind_(kind), win_(win), up_(up), replay_(replay),
           own_off_(own_off), own_(own), rec_off_(rec_off), rec_(rec), path_off_(path_off), path_(path), R_(dp),
           S_(slots), M_(M), overhead_(overhead), c_row_(c_row), c_pair_(c_pair), c_logit_(c_logit),
-          c_replay_(c_replay), base_(base_tokens), penalty_(penalty), load_weight_(load_weight), stamp_(S_seg, 0), replayed_(S_seg, 0) {
+          c_replay_(c_replay), base_(base_tokens), penalty_(penalty), stamp_(S_seg, 0), replayed_(S_seg, 0) {
         cell_units_.assign(R_ * S_, {});
         cell_of_.assign(U_, -1);
         pos_.assign(U_, 0);
@@ -175,7 +174,7 @@ class Search {
         Objective o;
         o.overflow = overflow_;
         o.primary = step_ + penalty_ * static_cast<double>(std::max<i64>(0, total_tokens_ - base_)) +
-                    load_weight_ * total_cost_ / static_cast<double>(R_);
+                    total_cost_ / static_cast<double>(R_);
         o.smooth = smooth_;
         return o;
     }
@@ -790,7 +789,7 @@ class Search {
     i64 R_, S_, M_;
     double overhead_, c_row_, c_pair_, c_logit_, c_replay_;
     i64 base_;
-    double penalty_, load_weight_;
+    double penalty_;
     std::vector<i64> stamp_;
     i64 cur_ = 0;
     std::vector<std::vector<i64>> cell_units_, items_of_;
@@ -846,7 +845,7 @@ py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array k
                     I64Array replay,
                     I64Array own_off, I64Array own, I64Array rec_off, I64Array rec, I64Array path_off, I64Array path,
                     I64Array cell0, i64 dp, i64 slots, i64 M, double overhead, double c_row, double c_pair,
-                    double c_logit, double c_replay, i64 base_tokens, double penalty, double load_weight, i64 moves,
+                    double c_logit, double c_replay, i64 base_tokens, double penalty, i64 moves,
                     double temperature,
                     std::uint64_t seed) {
     const i64 S_seg = length.shape(0);
@@ -872,7 +871,7 @@ py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array k
     }
     Search search(S_seg, length.data(), pairs.data(), logits.data(), U, kd, wn, upp, replay.data(), own_off.data(),
                   own.data(), rec_off.data(), rec.data(), path_off.data(), path.data(), dp, slots, M, overhead, c_row,
-                  c_pair, c_logit, c_replay, base_tokens, penalty, load_weight);
+                  c_pair, c_logit, c_replay, base_tokens, penalty);
     {
         py::gil_scoped_release release;
         search.place(c0);
@@ -892,7 +891,7 @@ void register_l2_search(py::module_& m) {
           py::arg("win"), py::arg("up"), py::arg("replay"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"),
           py::arg("path_off"), py::arg("path"), py::arg("cell0"), py::arg("dp"), py::arg("slots"), py::arg("M"),
           py::arg("overhead"), py::arg("c_row"), py::arg("c_pair"), py::arg("c_logit"), py::arg("c_replay"),
-          py::arg("base_tokens"), py::arg("penalty"), py::arg("load_weight"), py::arg("moves"), py::arg("temperature"), py::arg("seed"),
+          py::arg("base_tokens"), py::arg("penalty"), py::arg("moves"), py::arg("temperature"), py::arg("seed"),
           "L2's local search (megatron_harts.planner.l2): (cell per unit, reads per unit, objective "
           "(overflow, step + penalty, sum of squared costs), estimated tokens, estimated step).");
 }

@@ -100,7 +100,7 @@ def objective(inst: L2Instance, bins: Sequence[int]) -> Tuple[int, float, List[f
     load = 0.0
     for b in sorted(cost):
         load += cost[b]
-    return overflow, step + inst.penalty * max(0, tokens - inst.base_tokens) + inst.load_weight * load / R, tops
+    return overflow, step + inst.penalty * max(0, tokens - inst.base_tokens) + load / R, tops
 
 
 def optimum(inst: L2Instance) -> Tuple[Tuple[int, float], Tuple[int, ...]]:

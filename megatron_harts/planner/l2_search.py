@@ -26,8 +26,11 @@ window runs.  A core whose blocks sit in several bins is a cut window: a produce
 **Objective**, compared in order: rows over the budget (summed over bins), then the modelled step
 (sum over slots of the costliest bin, each bin costed by the cost model's terms, KDA calls
 estimated as one per microbatch and replay as the reading items' replay) plus ``TOKEN_PENALTY`` row
-costs per token computed above L1's tokens plus ``LOAD_WEIGHT`` times the mean replica's load (the
-sum of the bin costs over ``dp``), then the sum of squared bin costs.
+costs per token computed above L1's tokens plus the mean replica's load (the sum of the bin costs over
+``dp``), then the sum of squared bin costs.  With several replicas most moves leave every slot's costliest
+bin as it is, so the step alone cannot tell a state that spreads work into extra microbatches or
+recomputes a path under another replica's costliest bin from one that does not; the load can, and the
+search then keeps its microbatches full and its windows read (the judge keeps a plan by its step).
 
 **Moves**: a unit to another bin (any, the lightest of a slot, or one of its producer's replica; a
 core's top block with the blocks below it in its bin); every unit of a bin into another (a
@@ -83,7 +86,7 @@ from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, s
 from .threads import concurrently
 
 __all__ = ["plan_l2_search", "l2_units", "L2Instance", "search", "groups_of",
-           "window_start", "TOKEN_PENALTY", "LOAD_WEIGHT", "MOVES_PER_UNIT", "TEMPERATURE", "EXTRA_SLOTS"]
+           "window_start", "TOKEN_PENALTY", "MOVES_PER_UNIT", "TEMPERATURE", "EXTRA_SLOTS"]
 
 #: cost of a token computed above L1's tokens, in row costs (``CostCoefficients.row``): steep, as a
 #: plan computing more than L1 is never kept, but finite, so that the search may pass through such
@@ -94,13 +97,6 @@ MOVES_PER_UNIT = 400
 #: the annealing's start temperature, in mean microbatch costs of the start state: a move lengthening the
 #: step by that much is taken with probability 1/e at the start, never at the end
 TEMPERATURE = 0.005
-#: weight of the mean replica's load in the objective: with several replicas most moves leave every slot's
-#: costliest bin as it is, so the step alone cannot tell a state that spreads work into extra microbatches
-#: or recomputes a path under another replica's costliest bin from one that does not; this term can, and
-#: the search then keeps its microbatches full and its windows read.  0.5 measured best of 0, 0.25, 0.5,
-#: 0.75, 1, 2 and 4 on benchmarks/compare_l2.py's full set over three seeds (the step is still what the
-#: judge keeps a plan by)
-LOAD_WEIGHT = 0.5
 #: empty slots the grid has after L1's: room for producers ahead of their consumers and for new microbatches
 EXTRA_SLOTS = 2
 #: the search's random seed (the plan depends on nothing else)
@@ -115,7 +111,7 @@ class L2Instance:
     ``units`` unit arrays (kind 0 block of a core / 1 item / 2 free; ``win`` the
     item's block unit, else -1; ``up`` a block's upper block, else -1; ``replay`` the item's replay tokens when it reads its path; owned,
     recomputed and path segments as CSR), the start cell of each unit (``replica * slots + slot``),
-    the grid, the budget, the cost model's coefficients, L1's tokens, the penalty per token and the load's weight."""
+    the grid, the budget, the cost model's coefficients, L1's tokens and the penalty per token."""
     length: np.ndarray
     pairs: np.ndarray
     logits: np.ndarray
@@ -140,7 +136,6 @@ class L2Instance:
     c_replay: float
     base_tokens: int
     penalty: float
-    load_weight: float = LOAD_WEIGHT
 
     @property
     def num_units(self) -> int:
@@ -271,8 +266,7 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
                       np.array(up, dtype=np.int64), np.array(replay, dtype=np.int64),
                       *_csr(own), *_csr(rec), *_csr(path), np.array(cell0, dtype=np.int64), dp, slots, M,
                       float(c.microbatch + c.kda_call), float(c.row), float(c.attention_pair), float(c.logits_row),
-                      float(c.kda_replay_token), int(base_tokens), float(TOKEN_PENALTY * c.row),
-                      load_weight=float(LOAD_WEIGHT))
+                      float(c.kda_replay_token), int(base_tokens), float(TOKEN_PENALTY * c.row))
 
 
 def _rows(inst: L2Instance, which: str) -> np.ndarray:
@@ -381,7 +375,7 @@ def search(inst: L2Instance, moves: int):
     return _SEARCH(inst.length, inst.pairs, inst.logits, inst.kind, inst.win, inst.up, inst.replay, inst.own_off,
                    inst.own, inst.rec_off, inst.rec, inst.path_off, inst.path, inst.cell0, inst.dp, inst.slots,
                    inst.row_budget, inst.overhead, inst.c_row, inst.c_pair, inst.c_logit, inst.c_replay,
-                   inst.base_tokens, inst.penalty, inst.load_weight, int(moves), TEMPERATURE, _SEED)
+                   inst.base_tokens, inst.penalty, int(moves), TEMPERATURE, _SEED)
 
 
 def groups_of(inst: L2Instance, cells: np.ndarray, reads: np.ndarray):
