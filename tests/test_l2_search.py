@@ -215,7 +215,7 @@ def test_both_starts_searched_and_the_better_kept():
     l1 = plan_l1(forest, 2, int(ix.tree_max_path.max()) * 2, cost_model=model, index=ix)
     both = l2_search.plan_l2_search(forest, l1, cost_model=model, index=ix)
     inst = l2_search.l2_units(ix, l1, model, model.chunk_size, l1.tokens_computed)
-    cells, reads, *_ = l2_search.search(inst, l2_search.MOVES_PER_UNIT * inst.num_units)
+    cells, reads, *_ = l2_search.search(inst, l2_search.default_moves(inst.num_units))
     groups, placement = l2_search.groups_of(inst, cells, reads)
     alone = packing_key(ix, groups, placement, dp=2, row_budget=l1.row_budget, cost_model=model)
     bound = min(alone[0], plan_metrics(l1)["step_cost"]) if alone[1] <= l1.tokens_computed else \
