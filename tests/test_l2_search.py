@@ -221,3 +221,20 @@ def test_both_starts_searched_and_the_better_kept():
     bound = min(alone[0], plan_metrics(l1)["step_cost"]) if alone[1] <= l1.tokens_computed else \
         plan_metrics(l1)["step_cost"]
     assert plan_metrics(both)["step_cost"] <= bound + 1e-12
+
+
+@needs_core
+def test_starts_side_by_side_plan_as_one_after_another(monkeypatch):
+    """The two starts are searched on threads: the plan is the one one thread gives."""
+    from megatron_harts.planner import threads
+    forest = _forest(5, "tree-step")
+    ix = ForestIndex(forest)
+    model = CostModel()
+    l1 = plan_l1(forest, 2, int(ix.tree_max_path.max()) * 2, cost_model=model, index=ix)
+    plans = []
+    for n in (1, 2):
+        monkeypatch.setattr(threads, "PLAN_THREADS", n)
+        plans.append(l2_search.plan_l2_search(forest, l1, cost_model=model, index=ix))
+    one, two = ([(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist()) for m in p.microbatches]
+                for p in plans)
+    assert one == two and plan_metrics(plans[0])["windows"] > 0
