@@ -765,22 +765,29 @@ class Search {
             for (const auto& [t, deep] : deep_) {
                 // a tree whose blocks share one replica compares no counts (where a block of it moved, relocate
                 // marked its items)
-                bool split = false;
-                for (i64 w : blocks_[t]) split = split || cell_of_[w] / S_ != cell_of_[t] / S_;
-                if (!split) continue;
-                for (i64 i : deep) {
-                const i64 r = cell_of_[i] / S_;
-                for (i64 a = up_[win_[i]]; a >= 0; a = up_[a]) {
-                    const i64 ra = cell_of_[a] / S_;
-                    if (ra != r && (prod_[ra] != prod0[ra] || prod_[r] != prod0[r])) {
-                        mark(cell_of_[i]);
-                        break;
-                    }
-                }
-                }
+                if (!spans_replicas(t)) continue;
+                for (i64 i : deep)
+                    if (compares_changed(i, prod0)) mark(cell_of_[i]);
             }
         commit();
         return true;
+    }
+
+    // Whether the blocks of the produced tree of top block t sit on two or more replicas.
+    bool spans_replicas(i64 t) const {
+        for (i64 w : blocks_[t])
+            if (cell_of_[w] / S_ != cell_of_[t] / S_) return true;
+        return false;
+    }
+    // Whether item i compares a producer count that differs from prod0: a block above its block sits on
+    // another replica, and that replica's count or the item's replica's changed.
+    bool compares_changed(i64 i, const std::vector<i64>& prod0) const {
+        const i64 r = cell_of_[i] / S_;
+        for (i64 a = up_[win_[i]]; a >= 0; a = up_[a]) {
+            const i64 ra = cell_of_[a] / S_;
+            if (ra != r && (prod_[ra] != prod0[ra] || prod_[r] != prod0[r])) return true;
+        }
+        return false;
     }
 
     const i64 *length_, *pairs_, *logits_;

@@ -109,9 +109,9 @@ from .l2_spread import pack_spread
 from .l2_units import split_windows, unit_arrays, window_units
 from .l2_windows import pack_windows
 from .metrics import slot_balance
-from .threads import concurrently, plan_threads
 from .microbatch import (MicrobatchPlan, PlanningError, assemble_plan, gc_paused, packing_key,
                          slot_step)
+from .threads import concurrently, plan_threads
 
 __all__ = ["plan_l2", "plan_harts", "window_units", "split_windows", "pack_windows", "pack_spread", "window_plan",
            "step_cost", "window_key", "estimate_step", "rebalance", "numbered_units", "unit_arrays",
