@@ -175,9 +175,11 @@ def test_an_extension_without_a_routine_is_refused_at_lookup():
 @needs_core
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_the_window_packing_start(dp):
-    """window_start: every unit in the grid it names; a produced tree's blocks in one producer bin; an item
-    on its core's replica outside a producer bin reads that producer (on one replica every item is there);
-    no bin over the row budget (the search's objective on that state, no move made, has no overflow)."""
+    """window_start: every unit in the grid it names; a produced tree's blocks in one producer bin, unless there
+    are several replicas and the tree has more rows than one replica's share (then it is cut at its blocks: each
+    block's bin holds no block of another window, and the tree's blocks sit on two or more replicas); an item on
+    its block's replica outside a producer bin reads that producer (on one replica every item is there); no bin
+    over the row budget (the search's objective on that state, no move made, has no overflow)."""
     forest = _forest(dp + 10, "tree-step")
     ix = ForestIndex(forest)
     model = CostModel()
@@ -190,17 +192,30 @@ def test_the_window_packing_start(dp):
     at = dataclasses.replace(inst, cell0=cells, slots=slots)
     got, reads, (overflow, _, _), _, _ = l2_search.search(at, 0)
     assert overflow == 0
-    top = {}
-    for u in np.flatnonzero(inst.kind == 0).tolist():
-        t = u
-        while inst.up[t] >= 0:
+    bare = l2_search._rows(inst, "own") + l2_search._rows(inst, "rec")
+    full = bare + l2_search._rows(inst, "path")
+    tree = {}
+    for u in range(inst.num_units):
+        t = u if inst.kind[u] == 0 else int(inst.win[u]) if inst.kind[u] == 1 else -1
+        while t >= 0 and inst.up[t] >= 0:
             t = int(inst.up[t])
-        top.setdefault(t, set()).add(int(cells[u]))
-    assert all(len(c) == 1 for c in top.values())                    # one producer bin per tree
+        tree[u] = t
+    size = {t: 0 for t in set(tree.values()) - {-1}}
+    for u, t in tree.items():
+        if t >= 0:
+            size[t] += int(full[u] if u == t else bare[u] + inst.replay[u] * (inst.kind[u] == 1))
+    share = (sum(size.values()) + sum(int(full[u]) for u in range(inst.num_units) if inst.kind[u] == 2)) / dp
+    cut = 0
+    for t in size:
+        bins = {int(cells[u]) for u in range(inst.num_units) if tree[u] == t and inst.kind[u] == 0}
+        if len(bins) > 1:                                            # a tree cut at its blocks
+            cut += 1
+            assert dp > 1 and size[t] > share and len({b // slots for b in bins}) > 1
+    assert cut > 0 or dp == 1 or max(size.values()) <= share
     items = np.flatnonzero(inst.kind == 1).tolist()
     producers = set(cells[inst.kind == 0].tolist())
     with_core = [i for i in items if cells[i] // slots == cells[inst.win[i]] // slots and cells[i] not in producers]
-    assert with_core and all(np.asarray(reads)[with_core] == 1)      # beside their core's producer: read it
+    assert with_core and all(np.asarray(reads)[with_core] == 1)      # beside their block's producer: read it
     if dp == 1:
         assert all(cells[i] in producers or i in with_core for i in items)
 

@@ -57,7 +57,9 @@ is the result.
 **Starts.**  Two: L1's placement, and where a tree is produced a **window packing** of the same units
 (``window_start``): trees largest first, each core onto the replica with the least rows so far, its items
 following it while that replica stays within its share of the rows (the others, with their paths, onto the
-least loaded replica); per replica the cores best fit into producer bins, each producer's items best fit
+least loaded replica); with several replicas a tree larger than one replica's share is cut at its blocks
+first, each block a window of its own with the items below it (its bin computes the core above it), so that
+its items read on several replicas instead of recomputing their paths; per replica the cores best fit into producer bins, each producer's items best fit
 into bins reading it (or a producer bin with room), then the rest best fit anywhere.  Local moves from L1's
 placement seldom reach a packing of few, full windows that this start has from the outset, while L1's
 placement wins where the windows matter little.  Each start is searched with the whole budget, side by side
@@ -312,15 +314,26 @@ def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
     for u in range(U):                                                  # blocks in order: an upper one first
         if kind[u] == 0 and up[u] >= 0:
             top[u] = top[up[u]]
-    members: Dict[int, List[int]] = {}
+    members: Dict[int, List[int]] = {}                                  # per window (its first block) its units
     for u in range(U):
         if kind[u] == 1:
             top[u] = top[win[u]]
         if kind[u] != 2:
             members.setdefault(top[u], []).append(u)
-    core = {t: full[t] + sum(bare[u] for u in us if kind[u] == 0 and u != t) for t, us in members.items()}
-    size = {t: core[t] + sum(bare[u] + int(inst.replay[u]) for u in us if kind[u] == 1) for t, us in members.items()}
+
+    def sizes():                                                        # (rows of its blocks, of it all) per window
+        core = {t: full[t] + sum(bare[u] for u in us if kind[u] == 0 and u != t) for t, us in members.items()}
+        return core, {t: core[t] + sum(bare[u] + int(inst.replay[u]) for u in us if kind[u] == 1)
+                      for t, us in members.items()}
+
+    core, size = sizes()
     share = (sum(size.values()) + sum(full[u] for u in range(U) if kind[u] == 2)) / R
+    if R > 1:                                                           # a tree above a replica's share: cut at its blocks
+        for t in [t for t, us in members.items() if size[t] > share and sum(kind[u] == 0 for u in us) > 1]:
+            for u in members.pop(t):                                    # a window per block, its own items with it
+                top[u] = u if kind[u] == 0 else win[u]
+                members.setdefault(top[u], []).append(u)
+        core, size = sizes()
     load = [0] * R
     trees: List[List[int]] = [[] for _ in range(R)]
     loose: List[List[int]] = [[] for _ in range(R)]                     # items away from their core, free units
