@@ -38,7 +38,8 @@
 // step + penalty * max(0, tokens - base_tokens) + (sum of bin costs) / dp, sum of squared
 // bin costs), step = sum over slots of the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
 // energy (the objective's second term + penalty * rows over the budget) above the current one, t
-// falling linearly from `temperature` times the mean bin cost of the start to 0.
+// falling linearly from `temperature` times the mean bin cost of the start to 0 over `moves` tries; the search
+// stops early once `patience` tries in a row found no new best.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -183,13 +184,16 @@ class Search {
     double energy(const Objective& o) const { return o.primary + penalty_ * static_cast<double>(o.overflow); }
 
     // The search: `moves` tried moves, simulated annealing from temperature `t0` down to 0 (a move that
-    // adds d to the energy is taken with probability exp(-d / t)); the best state seen is the result.
-    void run(i64 moves, double t0, std::uint64_t seed) {
+    // adds d to the energy is taken with probability exp(-d / t)), stopped early once `patience` tries in a
+    // row found no new best; the best state seen is the result.
+    i64 run(i64 moves, i64 patience, double t0, std::uint64_t seed) {
         rng_ = seed * 0x9E3779B97F4A7C15ULL + 1;
         std::vector<i64> best_cells(cell_of_);
         Objective best = objective();
         Objective cur = best;
-        for (i64 it = 0; it < moves; ++it) {
+        i64 found = 0;  // the try that found the best
+        i64 it = 0;
+        for (; it < moves && it - found <= patience; ++it) {
             if (it > 0 && it % ADAPT == 0) adapt();
             if (!propose()) continue;
             const Objective now = objective();
@@ -205,6 +209,7 @@ class Search {
                 if (better(cur, best)) {
                     best = cur;
                     best_cells = cell_of_;
+                    found = it;
                 }
             } else {
                 undo();
@@ -214,6 +219,7 @@ class Search {
             for (i64 c = 0; c < R_ * S_; ++c) cell_units_[c].clear();
             place(best_cells.data());
         }
+        return it;
     }
 
     // Mean cost of the non-empty cells.
@@ -847,12 +853,12 @@ void check_csr(const I64Array& off, const I64Array& ids, i64 U, i64 S_seg, const
 }
 
 // The search (module comment); returns (cell per unit, reads per unit (0/1), objective (overflow,
-// primary, smooth), estimated tokens, estimated step).
+// primary, smooth), estimated tokens, estimated step, tries made).
 py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array kind, I64Array win, I64Array up,
                     I64Array replay,
                     I64Array own_off, I64Array own, I64Array rec_off, I64Array rec, I64Array path_off, I64Array path,
                     I64Array cell0, i64 dp, i64 slots, i64 M, double overhead, double c_row, double c_pair,
-                    double c_logit, double c_replay, i64 base_tokens, double penalty, i64 moves,
+                    double c_logit, double c_replay, i64 base_tokens, double penalty, i64 moves, i64 patience,
                     double temperature,
                     std::uint64_t seed) {
     const i64 S_seg = length.shape(0);
@@ -876,19 +882,20 @@ py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array k
             throw py::value_error("up: a block's upper block is not an earlier core unit");
         if (c0[u] < 0 || c0[u] >= dp * slots) throw py::value_error("cell0: a cell out of the grid");
     }
+    i64 tries = 0;
     Search search(S_seg, length.data(), pairs.data(), logits.data(), U, kd, wn, upp, replay.data(), own_off.data(),
                   own.data(), rec_off.data(), rec.data(), path_off.data(), path.data(), dp, slots, M, overhead, c_row,
                   c_pair, c_logit, c_replay, base_tokens, penalty);
     {
         py::gil_scoped_release release;
         search.place(c0);
-        search.run(moves, temperature * search.mean_cost(), seed);
+        tries = search.run(moves, patience, temperature * search.mean_cost(), seed);
     }
     std::vector<i64> reads(U);
     for (i64 u = 0; u < U; ++u) reads[u] = search.reads(u) ? 1 : 0;
     const Objective o = search.objective();
     return py::make_tuple(int64_array(search.cells()), int64_array(reads),
-                          py::make_tuple(o.overflow, o.primary, o.smooth), search.tokens(), search.step());
+                          py::make_tuple(o.overflow, o.primary, o.smooth), search.tokens(), search.step(), tries);
 }
 
 }  // namespace
@@ -898,7 +905,7 @@ void register_l2_search(py::module_& m) {
           py::arg("win"), py::arg("up"), py::arg("replay"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"),
           py::arg("path_off"), py::arg("path"), py::arg("cell0"), py::arg("dp"), py::arg("slots"), py::arg("M"),
           py::arg("overhead"), py::arg("c_row"), py::arg("c_pair"), py::arg("c_logit"), py::arg("c_replay"),
-          py::arg("base_tokens"), py::arg("penalty"), py::arg("moves"), py::arg("temperature"), py::arg("seed"),
+          py::arg("base_tokens"), py::arg("penalty"), py::arg("moves"), py::arg("patience"), py::arg("temperature"), py::arg("seed"),
           "L2's local search (megatron_harts.planner.l2): (cell per unit, reads per unit, objective "
-          "(overflow, step + penalty, sum of squared costs), estimated tokens, estimated step).");
+          "(overflow, step + penalty, sum of squared costs), estimated tokens, estimated step, tries made).");
 }

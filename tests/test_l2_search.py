@@ -80,7 +80,7 @@ def test_search_reaches_the_brute_force_optimum(seed, units, dp, bins):
         units -= 1
     inst = random_instance(seed, units, dp, bins)
     best, _ = l2_bruteforce.optimum(inst)
-    cells, reads, (overflow, primary, _), _, step = l2_search.search(inst, 20000)
+    cells, reads, (overflow, primary, _), _, step, _ = l2_search.search(inst, 20000)
     assert (overflow, primary) <= (best[0], best[1] + 1e-9 * (1 + abs(best[1])))
     # the compiled objective is the Python one, on the state it returns (slots as run)
     o = l2_bruteforce.objective(inst, cells.tolist())
@@ -95,6 +95,19 @@ def test_search_reaches_the_brute_force_optimum(seed, units, dp, bins):
             assert cells[a] % bins < cells[u] % bins
             a = inst.up[a]
         assert not any(inst.kind[v] == 0 and cells[v] == cells[u] for v in range(units))
+
+
+@needs_core
+def test_a_chain_stops_once_its_patience_runs_out(monkeypatch):
+    """A chain stops after PATIENCE x moves tries in a row found no new best: on a small instance a large budget is
+    cut short; with a patience of the whole budget every try is made."""
+    inst = random_instance(3, 6, 2, 3)
+    moves = 200000
+    *_, tries = l2_search.search(inst, moves)
+    assert 0 < tries < moves
+    monkeypatch.setattr(l2_search, "PATIENCE", 1.0)
+    *_, every = l2_search.search(inst, moves)
+    assert every == moves
 
 
 def test_bruteforce_refuses_large_instances():
@@ -190,7 +203,7 @@ def test_the_window_packing_start(dp):
     cells, slots = l2_search.window_start(inst)
     assert slots >= inst.slots and cells.min() >= 0 and cells.max() < dp * slots
     at = dataclasses.replace(inst, cell0=cells, slots=slots)
-    got, reads, (overflow, _, _), _, _ = l2_search.search(at, 0)
+    got, reads, (overflow, _, _), _, _, _ = l2_search.search(at, 0)
     assert overflow == 0
     bare = l2_search._rows(inst, "own") + l2_search._rows(inst, "rec")
     full = bare + l2_search._rows(inst, "path")

@@ -50,9 +50,9 @@ blocks into its top block's bin, its items best fit into that replica's bins) an
 recomputing one of its segments (into its bin, or swapped with a unit there).  The kind of move is drawn by
 weights that follow each kind's recent share of the improving moves.  The search (compiled: ``_C.l2_search``)
 anneals: a move is taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what
-it adds to the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0;
-the best state of ``moves`` tries (default ``default_moves``: ``MOVES`` times the fourth root of the units)
-is the result.
+it adds to the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0
+over ``moves`` tries (default ``default_moves``: ``MOVES`` times the fourth root of the units); a chain stops
+early once ``PATIENCE`` of its budget has passed without a new best; the best state seen is the result.
 
 **Starts.**  Two: L1's placement, and where a tree is produced a **window packing** of the same units
 (``window_start``): trees largest first, each core onto the replica with the least rows so far, its items
@@ -63,7 +63,8 @@ its items read on several replicas instead of recomputing their paths; per repli
 into bins reading it (or a producer bin with room), then the rest best fit anywhere.  Local moves from L1's
 placement seldom reach a packing of few, full windows that this start has from the outset, while L1's
 placement wins where the windows matter little.  Each start is searched with the whole budget, side by side
-on two threads (``threads.concurrently``: the compiled search releases the GIL), and both results are judged.
+on two threads (``threads.concurrently``: the compiled search releases the GIL), and both results are judged;
+with one start the two threads run two chains from it, of half the budget each and different seeds.
 
 **Judge.**  The best state is assembled (``microbatch.packing_key``: the exact cost model, KDA
 call planner included) and kept when it computes no more tokens than L1 and its modelled step is
@@ -89,18 +90,22 @@ from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, s
 from .threads import concurrently
 
 __all__ = ["plan_l2_search", "l2_units", "L2Instance", "search", "groups_of",
-           "window_start", "default_moves", "TOKEN_PENALTY", "MOVES", "TEMPERATURE", "EXTRA_SLOTS"]
+           "window_start", "default_moves", "TOKEN_PENALTY", "MOVES", "PATIENCE", "TEMPERATURE", "EXTRA_SLOTS"]
 
 #: cost of a token computed above L1's tokens, in row costs (``CostCoefficients.row``): steep, as a
 #: plan computing more than L1 is never kept, but finite, so that the search may pass through such
 #: states (an item moved before its producer is)
 TOKEN_PENALTY = 100.0
 #: the default budget, the one effort knob: ``MOVES`` times the fourth root of the units (``default_moves``).
-#: A small instance needs many tries per unit to leave the local optima of its few bins, a large one few:
-#: on benchmarks/compare_l2.py's full set over three seeds 20000 x units^(1/4) is no worse than the staged
-#: planner on 446 of 480 (92.9%) in 4.9 s a pass, where 400 moves a unit gave 444 in 7.4 s and 6000 x its
-#: square root 444 in 5.6 s
-MOVES = 20000
+#: A small instance needs many tries per unit to leave the local optima of its few bins, a large one few
+#: (on benchmarks/compare_l2.py's full set 400 moves a unit, or a budget growing with the square root of the
+#: units, gave fewer plans no worse than the staged planner in more time)
+MOVES = 30000
+#: a chain stops once this share of its budget has passed without a new best: where the start is nearly
+#: optimal (no produced tree, one replica) the budget is not spent on tries that find nothing, and the time
+#: saved pays for the larger ``MOVES`` (over compare_l2's set, seeds 1-3: 456 of 480 no worse than the staged
+#: planner at 1.05x its time, where the full budget of 20000 x units^(1/4) gave 450 at 1.10x)
+PATIENCE = 0.2
 #: the annealing's start temperature, in mean microbatch costs of the start state: a move lengthening the
 #: step by that much is taken with probability 1/e at the start, never at the end
 TEMPERATURE = 0.005
@@ -387,13 +392,14 @@ def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
     return cells, slots
 
 
-def search(inst: L2Instance, moves: int):
-    """``_C.l2_search`` on ``inst``: (cell per unit (``replica * slots + slot``, slots as run), reads per unit,
-    objective (rows over the budget, step + penalty, sum of squared costs), estimated tokens, estimated step)."""
+def search(inst: L2Instance, moves: int, seed: int = 0):
+    """``_C.l2_search`` on ``inst`` (``seed`` added to the planner's seed): (cell per unit (``replica * slots + slot``, slots as run), reads per unit,
+    objective (rows over the budget, step + penalty, sum of squared costs), estimated tokens, estimated step, tries
+    made (fewer than ``moves`` where the chain ran out of patience))."""
     return _SEARCH(inst.length, inst.pairs, inst.logits, inst.kind, inst.win, inst.up, inst.replay, inst.own_off,
                    inst.own, inst.rec_off, inst.rec, inst.path_off, inst.path, inst.cell0, inst.dp, inst.slots,
                    inst.row_budget, inst.overhead, inst.c_row, inst.c_pair, inst.c_logit, inst.c_replay,
-                   inst.base_tokens, inst.penalty, int(moves), TEMPERATURE, _SEED)
+                   inst.base_tokens, inst.penalty, int(moves), int(PATIENCE * moves), TEMPERATURE, _SEED + seed)
 
 
 def groups_of(inst: L2Instance, cells: np.ndarray, reads: np.ndarray):
@@ -467,11 +473,13 @@ def plan_l2_search(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel
         budget = default_moves(inst.num_units) if moves is None else int(moves)
         best = (keep_key, None, None)                  # (judged key, groups and placement, judged parts)
 
-        starts = [inst]
+        jobs = [(inst, budget, 0)]
         if (inst.kind == 0).any():                     # a produced tree: the window packing too
             cells, slots = window_start(inst)
-            starts.append(dataclasses.replace(inst, cell0=cells, slots=slots))
-        for at, (cells, reads, _, _, _) in zip(starts, concurrently(lambda at: search(at, budget), starts)):
+            jobs.append((dataclasses.replace(inst, cell0=cells, slots=slots), budget, 0))
+        else:                                          # one start: two chains of half the budget, side by side
+            jobs = [(inst, budget // 2, 0), (inst, budget // 2, 1)]
+        for (at, _, _), (cells, reads, *_) in zip(jobs, concurrently(lambda job: search(*job), jobs)):
             groups, placement = groups_of(at, cells, reads)
             judged: dict = {}
             key = packing_key(ix, groups, placement, dp=dp, row_budget=M, cost_model=model, keep=judged)
