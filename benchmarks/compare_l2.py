@@ -1,13 +1,14 @@
-"""Plan quality of L2 (the staged planner, or ``--search``: the local search) on the planner benchmark's batches and on random forests, as JSON.
+"""Plan quality of L2 on the planner benchmark's batches and on random forests, as JSON.
 
 For every instance (scheme, size or seed, DP, windows on/off) it records L1's and L2's modelled step,
 compression, mean slot balance and L2's planning time (the faster of two runs), so that two versions
 of the planner can be compared (``--compare OLD.json NEW.json`` prints the table).  "Windows off"
 plans with ``min_producer_rows`` above the row budget: no tree gets a producer.
+``benchmarks/results/l2-staged-reference.json`` holds the rows of the staged planner L2 used to be (nine
+passes, measured side by side with the search on one 2-core machine), the reference the search is held to:
 
-    python benchmarks/compare_l2.py --json out/l2-before.json
-    python benchmarks/compare_l2.py --search --json out/l2-after.json --other-json out/l2-staged.json
-    python benchmarks/compare_l2.py --compare out/l2-before.json out/l2-after.json
+    python benchmarks/compare_l2.py --json out/l2.json
+    python benchmarks/compare_l2.py --compare benchmarks/results/l2-staged-reference.json out/l2.json
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_harts.planner.cost_model import CostModel, ForestIndex  # noqa: E402
 from megatron_harts.planner.l1 import plan_l1  # noqa: E402
 from megatron_harts.planner.l2 import plan_l2  # noqa: E402
-from megatron_harts.planner.l2_search import plan_l2_search  # noqa: E402
 from megatron_harts.planner.metrics import plan_metrics  # noqa: E402
 from megatron_harts.tree_data import build_forest  # noqa: E402
 from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe  # noqa: E402
@@ -44,38 +44,31 @@ def instances(quick: bool):
         yield f"random/{scheme}/seed{seed}", forest, (8192, 12288, 16384)[seed % 3]
 
 
-def measure(quick: bool, search: bool, both_json: str = "") -> list:
-    """Rows of the staged planner (or the search); with ``both_json`` also the other planner's rows, planned
-    right after each (the same stretch of the machine's load), written there."""
+def measure(quick: bool) -> list:
+    """A row per instance."""
     model = CostModel()
-    rows, other = [], []
+    rows = []
     for name, forest, M in instances(quick):
         ix = ForestIndex(forest)
         for dp in (1, 2, 4, 8):
             l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
             for windows in (True, False):
                 mpr = None if windows else M + 1
-                for use_search, out in ((search, rows), (not search, other)) if both_json else ((search, rows),):
-                    best = None
-                    for _ in range(2):
-                        got = (plan_l2_search if use_search else plan_l2)(forest, l1, cost_model=model, index=ix,
-                                                                          min_producer_rows=mpr)
-                        if best is None or got.plan_seconds < best.plan_seconds:
-                            best = got
-                    best.validate(forest)
-                    a, b = plan_metrics(l1), plan_metrics(best)
-                    row = {"instance": name, "dp": dp, "windows": windows, "row_budget": M,
-                           "planner": "search" if use_search else "staged",
-                           "l1_step": a["step_cost"], "l1_compression": a["compression"],
-                           "step": b["step_cost"], "compression": b["compression"], "balance": b["balance_mean"],
-                           "tokens": best.tokens_computed, "l1_tokens": l1.tokens_computed,
-                           "microbatches": b["microbatches"], "windows_made": b["windows"],
-                           "plan_seconds": best.plan_seconds}
-                    out.append(row)
-                    print(json.dumps(row), flush=True)
-    if both_json:
-        with open(both_json, "w") as f:
-            json.dump(other, f, indent=1)
+                best = None
+                for _ in range(2):
+                    got = plan_l2(forest, l1, cost_model=model, index=ix, min_producer_rows=mpr)
+                    if best is None or got.plan_seconds < best.plan_seconds:
+                        best = got
+                best.validate(forest)
+                a, b = plan_metrics(l1), plan_metrics(best)
+                row = {"instance": name, "dp": dp, "windows": windows, "row_budget": M, "planner": "search",
+                       "l1_step": a["step_cost"], "l1_compression": a["compression"],
+                       "step": b["step_cost"], "compression": b["compression"], "balance": b["balance_mean"],
+                       "tokens": best.tokens_computed, "l1_tokens": l1.tokens_computed,
+                       "microbatches": b["microbatches"], "windows_made": b["windows"],
+                       "plan_seconds": best.plan_seconds}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
@@ -108,15 +101,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write every row to this file")
     p.add_argument("--quick", action="store_true", help="fewer, smaller instances")
-    p.add_argument("--search", action="store_true", help="plan L2 by the local search (planner.l2_search)")
-    p.add_argument("--other-json", default="", help="also plan with the other planner, right after each, and "
-                   "write its rows to this file")
     p.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), help="compare two files this tool wrote")
     a = p.parse_args()
     if a.compare:
         compare(*a.compare)
         return
-    rows = measure(a.quick, a.search, a.other_json)
+    rows = measure(a.quick)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -128,11 +128,7 @@ void register_l2(pybind11::module_& m) {
           py::arg("rec"), py::arg("chunk_size"),
           "assemble_plan's per-microbatch work (megatron_harts.planner.microbatch._assemble_core_python): "
           "owned / recomputed ids, cost features, recomputed rows and external context as CSR arrays.");
-    register_rebalance(m);
-    register_spread(m);
-    register_windows(m);
-    register_even(m);
-    register_one_slot(m);
-    register_packing(m);
+    register_forest_index(m);
+    register_l1(m);
     register_l2_search(m);
 }

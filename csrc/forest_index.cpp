@@ -215,6 +215,26 @@ py::tuple forest_index(I64In parent_a, I64In start_a, I64In length_a, I64In row_
                           longest_a, tree_rows_a, tree_a, children);
 }
 
+// megatron_harts.planner.cost_model._exception_targets_python, the same arrays: per loss-mask exception
+// (t, p, v) at p >= 1, the segment of t's path holding p (t's path read once per trajectory, searched by
+// start unless p lies in the segment of the exception before), the change to t's target count and, where v
+// sets a target the row mask does not, the row predicting it, counted once per segment unless the row masks
+// count it already (`last`: a segment's last row counted).
+py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I64In seg_row_a, I64In leaf_a,
+                               U8In row_mask_a, I64In last_a, I64In exc_traj_a, I64In exc_pos_a, U8In exc_value_a) {
+    const i64 S = parent_a.shape(0), N = leaf_a.shape(0), U = row_mask_a.shape(0), E = exc_traj_a.shape(0);
+    if (start_a.shape(0) != S || length_a.shape(0) != S || seg_row_a.shape(0) != S || last_a.shape(0) != S)
+        throw py::value_error("segment arrays must have one entry per segment");
+    if (exc_pos_a.shape(0) != E || exc_value_a.shape(0) != E)
+        throw py::value_error("exception arrays must have one entry per exception");
+    py::array_t<i64> added_a(S), delta_a(N);
+    l2_exception_core(S, N, U, E, parent_a.data(), start_a.data(), length_a.data(),
+                      seg_row_a.data(), leaf_a.data(), row_mask_a.data(), last_a.data(),
+                      exc_traj_a.data(), exc_pos_a.data(), exc_value_a.data(),
+                      added_a.mutable_data(), delta_a.mutable_data());
+    return py::make_tuple(added_a, delta_a);
+}
+
 }  // namespace
 
 void register_forest_index(py::module_& m) {
@@ -227,4 +247,9 @@ void register_forest_index(py::module_& m) {
           "seg_logits, sub_rows, sub_size, traj_targets, tree_max_path, tree_longest_traj, "
           "tree_rows, seg_tree, "
           "children lists).");
+    m.def("l2_exception_targets", &l2_exception_targets, py::arg("parent"), py::arg("start"), py::arg("length"),
+          py::arg("seg_row"), py::arg("traj_leaf"), py::arg("row_loss_mask"), py::arg("last"), py::arg("exc_traj"),
+          py::arg("exc_pos"), py::arg("exc_value"),
+          "(per segment its rows predicting targets only loss-mask exceptions set, per trajectory the change to "
+          "its target count): megatron_harts.planner.cost_model._exception_targets_python.");
 }

@@ -35,7 +35,7 @@
 // swapped with a unit there).  The kind of move is drawn by weights that follow each kind's recent share of
 // the improving moves (adapt).
 // Objective, compared lexicographically: (rows over the budget summed over bins,
-// step + penalty * max(0, tokens - base_tokens) + (sum of bin costs) / dp, sum of squared
+// step + penalty * max(0, tokens - base_tokens) + (sum of bin costs) / dp, tokens, sum of squared
 // bin costs), step = sum over slots of the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
 // energy (the objective's second term + penalty * rows over the budget) above the current one, t
 // falling linearly from `temperature` times the mean bin cost of the start to 0 over `moves` tries; the search
@@ -71,6 +71,7 @@ struct CellValue {
 struct Objective {
     i64 overflow = 0;
     double primary = 0.0;
+    i64 tokens = 0;
     double smooth = 0.0;
 };
 
@@ -79,6 +80,7 @@ bool better(const Objective& a, const Objective& b) {
     const double tol = 1e-12 * (1.0 + std::fabs(b.primary));
     if (a.primary < b.primary - tol) return true;
     if (a.primary > b.primary + tol) return false;
+    if (a.tokens != b.tokens) return a.tokens < b.tokens;
     return a.smooth < b.smooth * (1.0 - 1e-12) - 1e-300;
 }
 
@@ -176,6 +178,7 @@ class Search {
         o.overflow = overflow_;
         o.primary = step_ + penalty_ * static_cast<double>(std::max<i64>(0, total_tokens_ - base_)) +
                     total_cost_ / static_cast<double>(R_);
+        o.tokens = total_tokens_;
         o.smooth = smooth_;
         return o;
     }

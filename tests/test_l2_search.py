@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from test_l2_executed import check_executes_as_planned
 
-from megatron_harts.planner import l2_bruteforce, l2_search
+from megatron_harts.planner import l2 as l2_search
+from megatron_harts.planner import l2_bruteforce
 from megatron_harts.planner.cost_model import CostModel, ForestIndex
 from megatron_harts.planner.l1 import plan_l1
 from megatron_harts.planner.metrics import plan_metrics
@@ -129,7 +130,7 @@ def test_search_plans_are_valid_no_worse_than_l1_and_run_as_planned(dp, scheme):
     model = CostModel()
     M = int(ix.tree_max_path.max()) * 2
     l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
-    plan = l2_search.plan_l2_search(forest, l1, cost_model=model, index=ix)
+    plan = l2_search.plan_l2(forest, l1, cost_model=model, index=ix)
     plan.validate(forest)
     assert plan.planner == "harts_l1l2"
     assert plan.tokens_computed <= l1.tokens_computed
@@ -142,10 +143,10 @@ def test_search_budget_is_the_effort_knob():
     forest = _forest(7, "tree-step")
     ix = ForestIndex(forest)
     l1 = plan_l1(forest, 2, int(ix.tree_max_path.max()) * 2, index=ix)
-    none = l2_search.plan_l2_search(forest, l1, index=ix, moves=0)
+    none = l2_search.plan_l2(forest, l1, index=ix, moves=0)
     assert plan_metrics(none)["step_cost"] <= plan_metrics(l1)["step_cost"]
-    a = l2_search.plan_l2_search(forest, l1, index=ix, moves=5000)
-    b = l2_search.plan_l2_search(forest, l1, index=ix, moves=5000)
+    a = l2_search.plan_l2(forest, l1, index=ix, moves=5000)
+    b = l2_search.plan_l2(forest, l1, index=ix, moves=5000)
     assert [m.owned.tolist() for m in a.microbatches] == [m.owned.tolist() for m in b.microbatches]
 
 
@@ -173,7 +174,7 @@ def test_without_the_compiled_core_l1_plans_and_the_planner_says_so_once(monkeyp
         ref = plan_calls([-1, 0], [0, 5], [5, 7], 4, backend="python")
         assert (got.num_calls, got.replay_tokens) == (ref.num_calls, ref.replay_tokens)
         monkeypatch.setattr(l2_search, "_SEARCH", routine)
-        plan = l2_search.plan_l2_search(forest, l1, index=ix)
+        plan = l2_search.plan_l2(forest, l1, index=ix)
     assert [m.owned.tolist() for m in plan.microbatches] == [m.owned.tolist() for m in l1.microbatches]
 
 
@@ -241,7 +242,7 @@ def test_both_starts_searched_and_the_better_kept():
     ix = ForestIndex(forest)
     model = CostModel()
     l1 = plan_l1(forest, 2, int(ix.tree_max_path.max()) * 2, cost_model=model, index=ix)
-    both = l2_search.plan_l2_search(forest, l1, cost_model=model, index=ix)
+    both = l2_search.plan_l2(forest, l1, cost_model=model, index=ix)
     inst = l2_search.l2_units(ix, l1, model, model.chunk_size, l1.tokens_computed)
     cells, reads, *_ = l2_search.search(inst, l2_search.default_moves(inst.num_units))
     groups, placement = l2_search.groups_of(inst, cells, reads)
@@ -262,7 +263,7 @@ def test_starts_side_by_side_plan_as_one_after_another(monkeypatch):
     plans = []
     for n in (1, 2):
         monkeypatch.setattr(threads, "PLAN_THREADS", n)
-        plans.append(l2_search.plan_l2_search(forest, l1, cost_model=model, index=ix))
+        plans.append(l2_search.plan_l2(forest, l1, cost_model=model, index=ix))
     one, two = ([(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist()) for m in p.microbatches]
                 for p in plans)
     assert one == two and plan_metrics(plans[0])["windows"] > 0

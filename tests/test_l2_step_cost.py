@@ -49,12 +49,12 @@ def test_packing_key_is_the_assembled_plans_step_and_tokens():
     # microbatch.packing_key (how L2 judges its candidates) equals (step_cost, tokens_computed) of
     # the plan assemble_plan builds from the same packing, floats exact, and is None exactly where
     # assemble_plan refuses a microbatch over the budget
-    import math
+    import dataclasses
 
     from megatron_harts.planner import microbatch as mb
     from megatron_harts.planner.cost_model import CostModel
     from megatron_harts.planner.l1 import plan_l1
-    from megatron_harts.planner.l2 import pack_spread, pack_windows, window_units
+    from megatron_harts.planner.l2 import groups_of, l2_units, search, window_start
     from megatron_harts.planner.microbatch import PlanningError, assemble_plan, packing_key
 
     model = CostModel()
@@ -67,10 +67,12 @@ def test_packing_key_is_the_assembled_plans_step_and_tokens():
         M = int(ix.tree_max_path.max()) + 3000
         for dp in (1, 2, 4):
             l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
-            units = window_units(ix, l1, model, model.chunk_size)
-            S = max(1, math.ceil(math.ceil(sum(u.rows for u in units) / M) / dp))
-            for packer in (pack_windows, pack_spread) if dp > 1 else (pack_windows,):
-                for packed in packer(ix, units, dp, M, S, 0.01)[0]:
+            inst = l2_units(ix, l1, model, model.chunk_size, l1.tokens_computed)
+            cells, slots = window_start(inst)
+            starts = [inst, dataclasses.replace(inst, cell0=cells, slots=slots)]
+            for at, moves in ((at, moves) for at in starts for moves in (0, 3000)):  # the starts, searched
+                cells, reads, *_ = search(at, moves)
+                for packed in (groups_of(at, cells, reads),):
                     for budget in (M, M // 2):  # half the budget: some microbatches over it
                         key = packing_key(ix, packed[0], packed[1], dp=dp, row_budget=budget,
                                           cost_model=model)
@@ -105,43 +107,3 @@ def test_packing_key_is_the_assembled_plans_step_and_tokens():
     finally:
         mb._ASSEMBLE = saved
     assert key == packing_key(ix, packed[0], packed[1], dp=dp, row_budget=M, cost_model=model)
-
-
-def test_compiled_packing_plan_order_matches_python():
-    # _C.L2Packing.plan_order gives microbatch.plan_order of the packing's groups and placement (the
-    # microbatches assemble_plan numbers, their replicas, compacted slots and segments),
-    # arrays exact
-    import math
-
-    from megatron_harts.planner.cost_model import CostModel
-    from megatron_harts.planner.l1 import plan_l1
-    from megatron_harts.planner.l2 import (pack_spread, pack_windows, rebalance, unit_arrays,
-                                           window_units)
-    from megatron_harts.planner.microbatch import plan_order
-
-    if pack_windows.fast is None:
-        import pytest
-        pytest.skip("the compiled extension is not built")
-    model = CostModel()
-    checked = 0
-    for scheme, samples in (("tree-step", 4), ("step-wise", 8)):
-        forest = build_forest(synthesize_swe(SweConfig(scheme=scheme, num_tasks=3,
-                                                       samples_per_task=samples,
-                                                       seed=4)))
-        ix = ForestIndex(forest)
-        M = int(ix.tree_max_path.max()) + 2000
-        for dp in (2, 3, 8):
-            units = window_units(ix, plan_l1(forest, dp, M, cost_model=model, index=ix), model,
-                                 model.chunk_size)
-            arrays = unit_arrays(units)
-            S = max(1, math.ceil(math.ceil(sum(u.rows for u in units) / M) / dp))
-            for packer in (pack_windows, pack_spread):
-                for packed in packer(ix, units, dp, M, S + 1, 0.05, arrays)[0]:
-                    even = rebalance(ix, packed, dp, M, 0.026, arrays=arrays)
-                    for p in (packed, even) if even is not None else (packed,):
-                        fast, ref = p.plan_order(), plan_order(p[0], p[1])
-                        assert fast[:3] == ref[:3]
-                        for a, b in zip(fast[3:], ref[3:]):
-                            assert a.dtype == b.dtype and np.array_equal(a, b)
-                        checked += 1
-    assert checked >= 12

@@ -11,10 +11,7 @@ from megatron_harts.planner.cost_model import (CalibrationError, CostCoefficient
                                                ForestIndex, fit_calibration, load_calibration, save_calibration)
 from megatron_harts.planner.calls import plan_calls
 from megatron_harts.planner.l1 import plan_l1, split_tree
-from megatron_harts.planner import l2 as l2mod
-from megatron_harts.planner import l2_balance, l2_spread, l2_windows
 from megatron_harts.planner.l2 import plan_harts, plan_l2
-from megatron_harts.planner.l2_packing import _estimate_step_python
 from megatron_harts.planner.metrics import plan_metrics, slot_balance
 from megatron_harts.planner.microbatch import PlanningError, assemble_plan
 from megatron_harts.planner.packing_baselines import (ortools_available, plan_ffd, plan_ortools_ffd,
@@ -510,8 +507,8 @@ def _l2_forests():
 
 
 def test_plan_l2_compiled_equals_python_reference(monkeypatch):
-    # the whole L2 plan is the same with the compiled cores (forest index, features, assembly,
-    # balance pass, spreading packer, window packer) and without them
+    # the whole L2 plan is the same with the compiled cores of the forest index, the cost features and the
+    # plan assembly and without them (the search itself is compiled only)
     from megatron_harts.planner import cost_model as cm
     from megatron_harts.planner import microbatch as mbmod
     for f, M, model in _l2_forests()[:4]:
@@ -523,228 +520,8 @@ def test_plan_l2_compiled_equals_python_reference(monkeypatch):
                 mp.setattr(cm, "_MB_FEATURES", None)
                 mp.setattr(cm, "_MB_KDA", None)
                 mp.setattr(mbmod, "_ASSEMBLE", None)
-                mp.setattr(l2_balance, "_REBALANCE", None)
-                mp.setattr(l2_balance, "_REBALANCE_PACKING", None)
-                mp.setattr(l2_spread.pack_spread, "fast", None)
-                mp.setattr(l2_windows.pack_windows, "fast", None)
                 ref = plan_l2(f, l1, cost_model=model, index=ForestIndex(f, compiled_core=False))
             assert _plan_key(fast) == _plan_key(ref)
-
-
-arrays_seen = {}  # a packing _rebalance_inputs saw (its id) -> the unit arrays passed with it
-
-
-def _rebalance_inputs():
-    """(index, packing, dp, M, overhead, cost model) of every packing L2's balance pass refines on
-    the seeded L2 forests on DP 2, 4 and 8 (``arrays_seen``: the unit arrays passed with each)."""
-    seen = []
-    orig = l2mod.rebalance
-    for f, M, model in _l2_forests():
-        ix = ForestIndex(f)
-
-        def spy(ix, packed, dp, M, overhead, spend=0, swap_bins=None, ordered=False, arrays=None,
-                model=model, **options):
-            if not spend and not ordered:  # the other passes refine packings seen here already
-                seen.append((ix, packed, dp, M, overhead, model))
-                arrays_seen[id(packed)] = arrays
-            return orig(ix, packed, dp, M, overhead, spend, swap_bins, ordered, arrays, **options)
-
-        l2mod.rebalance = spy
-        try:
-            for dp in (2, 4, 8):
-                plan_l2(f, plan_l1(f, dp, M, cost_model=model, index=ix), cost_model=model, index=ix)
-        finally:
-            l2mod.rebalance = orig
-    return seen
-
-
-def test_compiled_rebalance_matches_python():
-    # _C.l2_rebalance equals its Python reference move for move (bins, entries, costs: floats
-    # exact) on every packing the balance pass sees, with the defaults and with other limits
-    if l2_balance._REBALANCE is None:
-        pytest.skip("the compiled extension is not built")
-    cases = _rebalance_inputs()
-    assert len(cases) > 20
-    moved = widened = spent = ordered = 0
-    for ix, packed, dp, M, overhead, _ in cases:
-        units, ent = l2mod.numbered_units(packed[3])
-        rep = [p[0] for p in packed[1]]
-        out = {}
-        for limits in ((l2mod.BALANCE_MOVES, l2mod.BALANCE_SLOTS, l2mod.BALANCE_WEIGHT, l2mod.BALANCE_SWAP_BINS,
-                        l2mod.BALANCE_WIDE, 0), (3, 1, 0.5, 0, 0, 0), (200, 8, 2.0, 1000, 0, 0),
-                       (200, 1, 1.0, 64, 0, 0), (200, 1, 1.0, 64, 3, 0), (200, 1, 1.0, 64, 3, 20000),
-                       (200, 1, 1.0, 64, 3, 20000, True), (200, 1, 4.0, 64, 3, 20000, False, True),
-                       (l2mod.BALANCE_MOVES, l2mod.BALANCE_SLOTS, 2.0, l2mod.BALANCE_SWAP_BINS, l2mod.BALANCE_WIDE, 0,
-                        True, True)):
-            args = (dp, M, overhead) + limits
-            ref = l2_balance._rebalance_python(units, list(rep), [list(e) for e in ent], ix.length_list, *args)
-            fast = l2_balance._rebalance_compiled(ix, units, list(rep), [list(e) for e in ent], *args)
-            assert fast == ref
-            moved += ref[0]
-            out[limits] = ref
-        widened += out[(200, 1, 1.0, 64, 0, 0)] != out[(200, 1, 1.0, 64, 3, 0)]  # the wide steps changed something
-        spent += out[(200, 1, 1.0, 64, 3, 0)] != out[(200, 1, 1.0, 64, 3, 20000)]  # a budget to spend changed something
-        ordered += out[(200, 1, 1.0, 64, 3, 20000, True)] != out[(200, 1, 1.0, 64, 3, 20000)]
-    assert moved > 10
-    assert widened > 0
-    assert spent > 0
-    assert ordered > 0  # the objective in run order changed something
-
-
-def _packing_key(packed):
-    if packed is None:
-        return None
-    g, p, l, e = packed[:4]
-    return ([(tuple(o), tuple(r)) for o, r in g], [tuple(x) for x in p], [list(x) for x in l],
-            [[(id(u), tuple(ex), c) for u, ex, c in es] for es in e])
-
-
-def test_compiled_rebalance_packing_matches_python():
-    # _C.l2_rebalance_packing (rebalance of a compiled packing: numbering, search and output
-    # order in C++) gives the packing of rebalance's reference path (numbered_units, the search,
-    # the Python output), floats exact, on every packing the balance pass sees, with the
-    # defaults, a token budget, run-order scoring and other swap limits; the reference path with
-    # the Python search too
-    if l2_balance._REBALANCE_PACKING is None:
-        pytest.skip("the compiled extension is not built")
-    cases = _rebalance_inputs()
-    assert len(cases) > 20
-    changed = 0
-    for ix, packed, dp, M, overhead, _ in cases:
-        arrays = arrays_seen[id(packed)]
-        assert arrays is not None and not isinstance(packed, tuple)
-        for spend, swaps, ordered, weight, split in ((0, None, False, None, False), (20000, None, False, None, False),
-                                                     (20000, 8, True, None, False), (0, 200, True, None, False),
-                                                     (20000, None, False, 4.0, True), (0, None, True, 2.0, True)):
-            fast = l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps, ordered,
-                                   arrays=arrays, weight=weight, split=split)
-            ref = l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps, ordered, weight=weight, split=split)
-            assert _packing_key(fast) == _packing_key(ref)
-            changed += fast is not None
-            if spend == 0 and not ordered and not split:
-                saved = l2_balance._REBALANCE
-                try:
-                    l2_balance._REBALANCE = None
-                    assert _packing_key(l2mod.rebalance(ix, packed, dp, M, overhead, spend, swaps,
-                                                        ordered)) == _packing_key(ref)
-                finally:
-                    l2_balance._REBALANCE = saved
-    assert changed > 20
-
-
-def test_rebalance_move_bound():
-    # _Bins.move_bound (the balance pass's check before trying a one-unit move): the rows the
-    # destination gains exactly, and a lower bound of the tokens the move adds, against the
-    # move done on the seeded L2 forests' packings
-    checked = 0
-    for ix, packed, dp, M, overhead, _ in _rebalance_inputs()[:12]:
-        units, ent = l2mod.numbered_units(packed[3])
-        st = l2_balance._Bins(units, [p[0] for p in packed[1]], ent, ix.length_list, dp)
-        for x in range(st.n):
-            for j in range(len(st.ent[x])):
-                k = st.ent[x][j][0]
-                if units[k].kind == "core":
-                    continue
-                for y in range(st.n):
-                    m = st.mode(k, y) if y != x else None
-                    bd = None if m is None else st.move_bound(x, j, y, m[0])
-                    if bd is None:
-                        continue
-                    before = st.rows[x] + st.replay[x] + st.rows[y] + st.replay[y]
-                    ry = st.rows[y]
-                    e = st.take(x, j)
-                    assert st.give(y, k)
-                    assert st.rows[y] - ry == bd[0]
-                    assert st.rows[x] + st.replay[x] + st.rows[y] + st.replay[y] - before >= bd[1]
-                    st.take(y, len(st.ent[y]) - 1)
-                    st.add(x, j, *e)
-                    checked += 1
-    assert checked > 100
-
-
-def test_rebalance_swap_bound():
-    # _Bins.swap_bound (checked before a swap is tried): a lower bound of the tokens the swap
-    # adds, against the swap done, on the seeded L2 forests' packings
-    checked = 0
-    for ix, packed, dp, M, overhead, _ in _rebalance_inputs()[:8]:
-        units, ent = l2mod.numbered_units(packed[3])
-        st = l2_balance._Bins(units, [p[0] for p in packed[1]], ent, ix.length_list, dp)
-        movable = [(x, i) for x in range(st.n) for i in range(len(st.ent[x]))
-                   if units[st.ent[x][i][0]].kind != "core" and units[st.ent[x][i][0]].upper < 0]
-        for x, i in movable[:40]:
-            for y, j in movable[:40]:
-                if y <= x:
-                    continue
-                lb = st.swap_bound(x, i, y, j)
-                if lb is None:
-                    continue
-                before = st.rows[x] + st.replay[x] + st.rows[y] + st.replay[y]
-                eu, ev = st.take(x, i), st.take(y, j)
-                okv = st.give(x, ev[0])
-                oku = okv and st.give(y, eu[0])
-                if oku:
-                    assert st.rows[x] + st.replay[x] + st.rows[y] + st.replay[y] - before >= lb
-                    checked += 1
-                    st.take(y, len(st.ent[y]) - 1)
-                if okv:
-                    st.take(x, len(st.ent[x]) - 1)
-                st.add(y, j, *ev)
-                st.add(x, i, *eu)
-    assert checked > 100
-
-
-def test_compiled_pack_spread_matches_python():
-    # _C.l2_pack_spread equals its Python reference (bins, segments, loads, estimates: floats exact)
-    # on the seeded L2 forests' units, whole and split, on DP 2, 4 and 8, three slot counts, two targets
-    if l2_spread.pack_spread.fast is None:
-        pytest.skip("the compiled extension is not built")
-
-    def key(out):
-        packings, bound = out
-        return bound, [(g, p, l, [[(id(u), tuple(ex), c) for u, ex, c in es] for es in e])
-                       for g, p, l, e in packings]
-
-    n = 0
-    for f, M, model in _l2_forests():
-        ix = ForestIndex(f)
-        for dp in (2, 4, 8):
-            l1 = plan_l1(f, dp, M, cost_model=model, index=ix)
-            units = l2mod.window_units(ix, l1, model, model.chunk_size)
-            sets = [units] + [x for x in (l2mod.split_windows(ix, units, model, dp, sh) for sh in (0.5, 0.35))
-                              if x is not None]
-            for us in sets:
-                S0 = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
-                for S in (S0, S0 + 1, S0 + 2):
-                    for eps in (0.01, 0.05):
-                        fast = l2mod.pack_spread(ix, us, dp, M, S, eps)
-                        ref = l2_spread._pack_spread_python(ix, us, dp, M, S, eps)
-                        assert key(fast) == key(ref)
-                        for packed, packed_ref in zip(fast[0], ref[0]):  # the compiled packing's estimate
-                            assert packed.estimate_step(2.5) == _estimate_step_python(packed_ref, dp, 2.5)
-                        n += 1
-    assert n > 100
-
-
-def test_rebalance_plans_valid_and_run_as_planned():
-    # every packing the balance pass refines assembles under the budget into a valid plan that
-    # runs as planned (every consumer reads its context from one earlier producer of its
-    # replica); on these forests it also computes no more tokens than the packing it refines
-    # (the pass counts KDA replay by estimate; plan_l2 judges a refined packing only when it
-    # holds exactly)
-    from test_l2_executed import check_executes_as_planned
-    checked = 0
-    for ix, packed, dp, M, overhead, model in _rebalance_inputs():
-        even = l2mod.rebalance(ix, packed, dp, M, overhead)
-        if even is None:
-            continue
-        a = l2mod.window_plan(ix, packed, dp=dp, M=M, model=model)
-        b = l2mod.window_plan(ix, even, dp=dp, M=M, model=model)
-        assert b is not None  # under the budget
-        b.validate(ix.forest)
-        check_executes_as_planned(ix.forest, b)
-        assert b.tokens_computed <= a.tokens_computed
-        checked += 1
-    assert checked
 
 
 def test_l1_pieces_partition_trees(tree_step):

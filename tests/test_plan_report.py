@@ -61,20 +61,6 @@ def test_json_every_planner(rollouts, capsys):
     assert data["harts_l1l2"]["compression"] <= forest.stats()["compression"]
 
 
-def test_l2_search_flag(rollouts, capsys):
-    path, forest = rollouts
-    M = int(forest.traj_length.max()) + 200
-    args = ["--input", path, "--dp", "2", "--microbatch-tokens", str(M), "--json", "--ortools-time-limit", "1"]
-    code, out = run_main(capsys, *args, "--l2", "search")
-    assert code == 0
-    data = json.loads(out)
-    assert data["harts_l1l2"]["compression"] >= data["harts_l1"]["compression"]
-    assert data["harts_l1l2"]["step_cost"] <= data["harts_l1"]["step_cost"]
-    with pytest.raises(SystemExit) as e:
-        load_tool().main([*args, "--l2", "fastest"])
-    assert e.value.code == 2
-
-
 def test_table_and_plot(rollouts, capsys, tmp_path):
     pytest.importorskip("matplotlib", reason='--plot needs matplotlib, the optional extra "plot"')
     from matplotlib.image import imread

@@ -27,7 +27,6 @@ from megatron_harts.cli import (ArgumentParser, CliError, cost_model_from_flags,
 from megatron_harts.planner.cost_model import ForestIndex  # noqa: E402
 from megatron_harts.planner.l1 import plan_l1  # noqa: E402
 from megatron_harts.planner.l2 import plan_l2  # noqa: E402
-from megatron_harts.planner.l2_search import plan_l2_search  # noqa: E402
 from megatron_harts.planner.metrics import plan_metrics  # noqa: E402
 from megatron_harts.planner.microbatch import PlanningError  # noqa: E402
 from megatron_harts.planner.packing_baselines import plan_ffd, plan_ortools_ffd, plan_tree_ffd  # noqa: E402
@@ -143,9 +142,6 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", metavar="FILE", help="cost-model calibration file (JSON)")
     ap.add_argument("--ortools-time-limit", type=float, default=10.0, metavar="S",
                     help="CP-SAT search limit of the ortools_ffd baseline (default 10 s)")
-    ap.add_argument("--l2", choices=("staged", "search"), default="staged",
-                    help="how L2 plans harts_l1l2: the staged planner (plan_l2, default) or the local search "
-                         "(plan_l2_search, docs/microbatch_planner.md)")
     ap.add_argument("--json", action="store_true", help="print the metrics as JSON, one object per planner")
     ap.add_argument("--plot", metavar="FILE.png",
                     help="draw the L1+L2 plan's replicas x slots grid, producers and sharing windows marked "
@@ -176,7 +172,7 @@ def main(argv=None) -> int:
     results, plans = {}, {}
     try:
         l1 = plan_l1(forest, args.dp, args.microbatch_tokens, **common)
-        l2 = (plan_l2_search if args.l2 == "search" else plan_l2)(forest, l1, **common)
+        l2 = plan_l2(forest, l1, **common)
         l2.plan_seconds += l1.plan_seconds
         plans["harts_l1"], plans["harts_l1l2"] = l1, l2
         plans["ffd"] = plan_ffd(forest, args.dp, args.microbatch_tokens, **common)

@@ -2,7 +2,7 @@
 
 Every routine but L2's local search (``_C.l2_search``) has a pure-Python reference beside its caller,
 and tests hold the two equal.  Without the extension the references run (slower; said once, with
-one warning, the first time a routine is looked up) and ``l2_search.plan_l2_search`` returns L1's
+one warning, the first time a routine is looked up) and ``l2.plan_l2`` returns L1's
 plan (said once too).  An extension that is built but lacks a routine is out of date: looking the
 routine up raises ``ImportError`` naming the rebuild command.  A compiled routine's errors are not
 caught.

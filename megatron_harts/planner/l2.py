@@ -1,385 +1,540 @@
-"""L2: cross-microbatch sharing in windows the schedule runs, placed on DP replicas in slots.
+"""L2 as one local search over L1's plan, with sharing windows the schedule runs as planned.
 
-Input: an L1 plan.  Its recomputed segments are the shared prefixes (computed in two or more
-L1 microbatches).  The window schedule (``microbatch.replica_windows``) reads a consumer's
-context only from one earlier microbatch of the same replica that is not itself a consumer,
-and recomputes any other, so L2 plans only such windows (every window runs as planned):
+**Units** (``l2_units``).  A segment computed in two or more of L1's microbatches is shared; per
+tree the shared set ``U`` (closed under ancestors) gives a **core**: ``U`` when it fits the row
+budget, else its most shared top that fits.  A tree whose core has at least ``min_producer_rows``
+rows is *produced*: its core is cut at its branch points into **blocks** (a core segment whose
+parent has two or more children in the core starts one), one unit each, whose path (the core above the block)
+is computed wherever the block is; each L1 microbatch's share of the tree, less the core, is cut
+into **items**, one per branch hanging below the core: its owned segments, the segments below the
+core its root paths need (recomputed), and its **path** (the core segments above it), read from
+the producer of its block (the block holding its parent) or recomputed.  An item of more rows than
+L1's mean microbatch is cut as L1 cuts a piece (``l1.split_piece``): its pieces recompute the
+item's segments above them.  Every other tree keeps its L1 pieces as **free** units.
 
-1. *Units* (``window_units``): per tree, the shared set ``U`` (closed under ancestors) gives
-   a **core**: ``U`` when it fits the row budget, else its most shared top that fits.  The
-   subtrees hanging below the core are **items** (cut by L1's split when larger than the
-   budget, the core's rows counting as external).  A tree is produced when its core has at
-   least ``min_producer_rows`` rows and core plus items compute fewer tokens (KDA replay
-   included) than its L1 pieces; else its L1 pieces are **free** units (no external context).
-2. *Windows* (``pack_windows``): each produced tree is one window on one replica, the trees
-   assigned largest first (core, items and replay) to the least-loaded replica.  The core
-   goes alone into a fresh microbatch (its producer; one core per producer, so a producer's
-   exports are one tree's prefix), its items best-fit into the window's microbatches (the
-   producer itself: local rows; or its consumers, later microbatches of the replica that
-   read nothing else) under the microbatch target, a new consumer opened when none can take
-   one.  An item that would push its replica past its share of the step goes to the
-   least-loaded replica with its root path recomputed (no window) when that replica ends
-   lower.  Free pieces last, best fit under the target.  On several replicas with few
-   windows (at most ``WINDOW_SPLIT_PER_REPLICA`` per replica), the units are also packed with
-   the windows costlier than a part (``WINDOW_SPLIT_SHARES``) of a replica's work split
-   (``split_windows``; packed by the spreading packer): a cut at a branch point of the core
-   makes a second window, whose producer recomputes the path above the cut (it reads
-   nothing) and owns the core below it, and whose consumers (the items below the cut) read
-   that producer's rows; a replica then computes the shared top once per window instead of
-   once per microbatch.  The plan names the path's owner (the tree's first window, on another
-   replica, run in an earlier slot: those producers lead their replicas) as a producer of
-   those consumers too; the schedule reads all of their context from their own producer,
-   which computes it.  One replica: everything by rows (fullest first), and a free piece
-   that fits nowhere puts its top into the spare rows of a microbatch that reads nothing,
-   the rest reading it from the next microbatch.
-3. *Variants* (several replicas): the packing as it is; its windows leveled (a window's
-   items spread over its microbatches, largest first to the least loaded); its light
-   microbatches (under half the target, producing for nobody) dissolved into others under
-   the target (items of a window into the window, else with their root path recomputed);
-   both.
-4. *Order*: on one replica each producer is followed by its consumers, so a producer's
-   exports live only while its own window runs (one core's rows exported at a time).  On
-   several, a replica's microbatches run costliest first (the slots line up across replicas),
-   each producer moved just before its first consumer.
-5. *Candidates*: slot counts from the row bound to ``WINDOW_EXTRA_SLOTS`` above it and the
-   target tolerances ``WINDOW_TOLERANCES`` (a larger one skipped where the smaller turned
-   nothing away) give a few packings; on several replicas the spreading packer
-   (``pack_spread``: cores lead their replicas, several to a producer, items wherever the
-   load is lowest) adds its own.  Each is estimated from its microbatch loads (per-microbatch
-   terms included); on several replicas the best few are also refined by the balance pass
-   (``rebalance``: a local search moving and swapping units and whole windows toward even
-   slots, never computing more tokens).  On several replicas with few slots of work
-   (``ITEM_CUT_SLOTS``), the units are also made with their items larger than parts
-   ``ITEM_CUTS`` of the row budget cut (L1's split below the item's root, a cut no shorter
-   than its longest path): an item as large as a microbatch otherwise sets its slot's
-   maximum alone (the balance pass refines only their best packing).  Per base unit set (the units, and each cut of them, with their split
-   windows), only the best ``ASSEMBLED`` by that estimate that compute no more tokens than
-   L1 (and a refined one no more than the packing it refines) are judged exactly, none
-   estimated over ``ASSEMBLE_MARGIN`` longer than the best plan so far.
-6. *Spending*: where the best plan has few slots (``BALANCE_SPEND_SLOTS``) and enough
-   microbatches (``BALANCE_SPEND_BINS``), its packing (before its balance pass) is refined again
-   by the balance pass allowed to compute parts ``BALANCE_SPEND`` of the tokens the plan saves
-   against L1 more: a slot evened out by a unit whose root path is recomputed, or one no longer
-   read from a producer, can shorten the step; such a plan is judged like the others (no more
-   tokens than L1, the shortest step wins).  Where that packing has split windows, it is also refined
-   by the pass that moves their items too (``rebalance(split=True)``, ``BALANCE_SPLIT``: they stay
-   in their window, in a microbatch that reads their producer; the other passes leave them where the
-   packer put them), its slots' imbalance weighed more; where its plan wins, the plan it beat is
-   evened out by the last pass too, and the split pass's plan is kept only where it still wins.
-   One of these passes, and on packings of at least
-   ``BALANCE_MORE_BINS`` microbatches a second pass over the best packing of step 5, score the
-   slots in the order the plan runs (``rebalance(ordered=True)``: producers before their first
-   consumer, where costliest first alone would misalign a slot that starts a window).
-7. *One slot, few slots* (``l2_oneslot``): where a base's units fit in one slot (several replicas),
-   ``pack_one_slot`` searches their assignment to the ``dp`` microbatches directly (every item away
-   from its core recomputes its root path there; the packers then try 2 and 3 slots only) and its
-   packing is judged with the others (a base it leads is not refined by the balance pass); the
-   chosen plan of 2..``SEARCH_SLOTS`` slots is searched again unit by unit from its own assignment
-   (``search_slots``: cores stay, items read their producers where the schedule would), kept where
-   its exact (step, tokens) is lower.
+**State.**  Every unit sits in a bin ``(replica, bin)``, ``dp`` replicas of L1's slot count plus
+``EXTRA_SLOTS`` bins; a non-empty bin is a microbatch.  A replica runs its producers (bins holding
+a block) first, then its other bins, each group costliest first; slot ``k`` is the ``k``-th bin of
+every replica.  An item may read its path from its block's bin when that bin is on its replica,
+its own bin holds no block, and every block above its block sits on its replica or on one with no
+more producers (their owners then run in earlier slots); the items of one tree in a bin read
+together or not at all; a bin reads one producer (the one saving it the most path rows), the
+items of other windows recompute their paths; the pieces of one item in one bin replay its path
+once.  That is what the window schedule (``microbatch.replica_windows``) runs, so every planned
+window runs.  A core whose blocks sit in several bins is a cut window: a producer per bin.
 
-L2 never computes more tokens than its L1 input, and its plan never has a longer modelled
-step (sum over slots of the costliest microbatch) than L1's: the candidate with the shortest
-modelled step (then the fewest tokens) among those computing no more tokens than L1 wins,
-else (tiny trees where replay outweighs the rows saved; batches so small that a window on one
-replica idles the others) the L1 microbatches are returned with L1's placement.
+**Objective**, compared in order: rows over the budget (summed over bins), then the modelled step
+(sum over slots of the costliest bin, each bin costed by the cost model's terms, KDA calls
+estimated as one per microbatch and replay as the reading items' replay) plus ``TOKEN_PENALTY`` row
+costs per token computed above L1's tokens plus the mean replica's load (the sum of the bin costs over
+``dp``), then the tokens (as the judge breaks ties), then the sum of squared bin costs.  With several replicas most moves leave every slot's costliest
+bin as it is, so the step alone cannot tell a state that spreads work into extra microbatches or
+recomputes a path under another replica's costliest bin from one that does not; the load can, and the
+search then keeps its microbatches full and its windows read (the judge keeps a plan by its step).
 
-Independent passes over packings (each base's balance passes, the spending passes, the rival's
-last pass) run side by side on up to ``threads.PLAN_THREADS`` threads (``concurrently``; the compiled
-searches release the GIL); their results are taken in the order one after another would give them,
-so the plan does not depend on the thread count.
+**Moves**: a unit to another bin (any, the lightest of a slot, or one of its producer's replica; a
+core's top block with the blocks below it in its bin); every unit of a bin into another (a
+microbatch fewer); two units swapped (the other from any bin, the lightest of a slot, or, for an
+item off its producer's replica, a bin of that replica); two bins exchanged (any two, or two of
+different replicas: a microbatch changes replica); a window cut (a block alone to any bin; a block
+with the blocks below it in its bin to a bin of another replica, its items on other replicas to
+bins of that one; or back into the bin of the block above it).  With several replicas two more
+moves change every replica at once, so that a slot that only pays once each replica has emptied
+its bin there is one move away: a **slot emptied** (each replica's ``k``-th bin, its units largest
+first, each into the replica's other non-empty bin that it fills most within the budget, its rows
+estimated as the unit's rows less its path where it may read it there; nothing moves where a unit
+has room nowhere) and a **slot lightened** (the same, one random unit
+of each replica's ``k``-th bin).  A unit moved away from its producer's replica
+recomputes its path.  Two more moves put together what belongs together: a produced tree re-packed (its
+blocks into its top block's bin, its items best fit into that replica's bins) and a unit joined to a unit
+recomputing one of its segments (into its bin, or swapped with a unit there).  The kind of move is drawn by
+weights that follow each kind's recent share of the improving moves.  The search (compiled: ``_C.l2_search``)
+anneals: a move is taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what
+it adds to the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0
+over ``moves`` tries (default ``default_moves``: ``MOVES`` times the fourth root of the units); a chain stops
+early once ``PATIENCE`` of its budget has passed without a new best; the best state seen is the result.
+
+**Starts.**  Two: L1's placement, and where a tree is produced a **window packing** of the same units
+(``window_start``): trees largest first, each core onto the replica with the least rows so far, its items
+following it while that replica stays within its share of the rows (the others, with their paths, onto the
+least loaded replica); with several replicas a tree larger than one replica's share is cut at its blocks
+first, each block a window of its own with the items below it (its bin computes the core above it), so that
+its items read on several replicas instead of recomputing their paths; per replica the cores best fit into producer bins, each producer's items best fit
+into bins reading it (or a producer bin with room), then the rest best fit anywhere.  Local moves from L1's
+placement seldom reach a packing of few, full windows that this start has from the outset, while L1's
+placement wins where the windows matter little.  Each start is searched with the whole budget, side by side
+on two threads (``threads.concurrently``: the compiled search releases the GIL), and both results are judged;
+with one start the two threads run two chains from it, of half the budget each and different seeds.
+
+**Judge.**  The best state is assembled (``microbatch.packing_key``: the exact cost model, KDA
+call planner included) and kept when it computes no more tokens than L1 and its modelled step is
+shorter (then: fewer tokens); otherwise L1's microbatches are returned with L1's placement.
+
+``l2_bruteforce`` holds the same objective in Python and its optimum over every assignment of a
+small instance: the tests hold the search to it.
 """
 from __future__ import annotations
 
-import math
+import dataclasses
+import heapq
 import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-from typing import Optional, Tuple
 
+from .compiled import compiled
 from .cost_model import CostModel, ForestIndex
-from .l1 import plan_l1
-from .l2_balance import (BALANCE_MORE_BINS, BALANCE_MOVES, BALANCE_PACKINGS, BALANCE_SLOTS, BALANCE_SWAP_BINS,
-                         BALANCE_WEIGHT, BALANCE_WIDE, numbered_units, rebalance)
-from .l2_even import EVEN_BINS, EVEN_SPEND, even_slots
-from .l2_oneslot import pack_one_slot, search_slots
-from .l2_packing import estimate_step, packed_rows
-from .l2_search import l1_as_l1l2
-from .l2_spread import pack_spread
-from .l2_units import split_windows, unit_arrays, window_units
-from .l2_windows import pack_windows
-from .metrics import slot_balance
-from .microbatch import (MicrobatchPlan, PlanningError, assemble_plan, gc_paused, packing_key,
-                         slot_step)
-from .threads import concurrently, plan_threads
+from .l1 import plan_l1, split_piece
+from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, slot_step
+from .threads import concurrently
 
-__all__ = ["plan_l2", "plan_harts", "window_units", "split_windows", "pack_windows", "pack_spread", "window_plan",
-           "step_cost", "window_key", "estimate_step", "rebalance", "numbered_units", "unit_arrays",
-           "BALANCE_MOVES", "BALANCE_SLOTS", "BALANCE_WEIGHT", "BALANCE_PACKINGS",
-           "BALANCE_MORE_BINS", "BALANCE_SWAP_BINS",
-           "BALANCE_WIDE", "ASSEMBLE_MARGIN", "ITEM_CUTS", "ITEM_CUT_SLOTS"]
+__all__ = ["plan_l2", "plan_harts", "step_cost", "l2_units", "most_shared_top", "L2Instance", "search", "groups_of",
+           "window_start", "windows_in_turn", "default_moves", "TOKEN_PENALTY", "MOVES", "PATIENCE", "TEMPERATURE", "EXTRA_SLOTS"]
 
-#: the window packer's slot counts above its row bound, and its microbatch target tolerances
-WINDOW_EXTRA_SLOTS = 2
-WINDOW_TOLERANCES = (0.01, 0.05)
-#: ``split_windows``' shares: a window costlier than this part of a replica's work is split
-WINDOW_SPLIT_SHARES = (0.5, 0.35)
-#: windows are split only when there are at most this many per replica (more balance as they are)
-WINDOW_SPLIT_PER_REPLICA = 2.5
-#: packings judged exactly (the best by their estimated step that compute no more tokens than
-#: L1; at most twice as many are assembled)
-ASSEMBLED = 2
-#: a packing estimated longer than the best plan so far (L1's, then the judged ones) by more than
-#: this part is not assembled (estimates err by at most 1.1% on the benchmark batches)
-ASSEMBLE_MARGIN = 0.015
-#: on several replicas the units are also made with every item of more rows than these parts of
-#: the row budget cut (its subtree split as L1 splits pieces, a cut no shorter than its longest
-#: path), when the units' row bound is at most ``ITEM_CUT_SLOTS`` slots (with more microbatches
-#: per replica the whole items balance as well)
-ITEM_CUTS = (0.7,)
-ITEM_CUT_SLOTS = 16
-#: the best plan's packing (before its balance pass) is evened out again by the balance pass allowed
-#: to compute these parts of the tokens the plan saves against L1 more (a slot evened out by a path
-#: recomputed or a unit read from no producer), where the plan has at most ``BALANCE_SPEND_SLOTS``
-#: slots and at least ``BALANCE_SPEND_BINS`` microbatches (smaller: planning time counts more, the passes
-#: cost 2-3 ms on Step-wise 512, where OR-Tools+FFD takes 20-36 ms); each
-#: entry (part, ordered): ``ordered`` scores the slots in the order the plan runs (``rebalance``).  A third
-#: entry (0.2, False) changed no benchmark plan's step, compression or balance (DP 8 at 256-2048 trajectories,
-#: DP 2/4 at 256 and 1024, both schemes) and cost Tree-Step 256 DP 8 a 7 ms pass
-BALANCE_SPEND = ((0.1, False), (0.2, True))
-#: ... and, where that packing has split windows, by the balance pass that moves their items too
-#: (``rebalance(split=True)``; the passes above leave them where the packer put them): entries (part, ordered,
-#: weight), ``weight`` the objective's weight of the slots' imbalance.  Tree-Step 256 DP 8 (split windows, most
-#: items theirs): step 10.451 -> 10.329, balance 97.45/96.17 -> 98.19/97.41%, compression 2.033 -> 2.042; weights
-#: 1 and 2 gave a packing judged 10.447 / 10.442 (10.402 at 4), spending 0.2 one of 10.614
-BALANCE_SPLIT = ((0.1, False, 4.0),)
-#: the balance pass of each base's best packing tries swaps in packings of up to this many microbatches
-#: (the others: ``BALANCE_SWAP_BINS``); more cost time (a swap is tried per pair of entries) and, on
-#: Tree-Step 2048 DP 8 (376 microbatches), gave a packing whose estimate beat better ones
-BALANCE_SWAP_BINS_FIRST = 128
-BALANCE_SPEND_SLOTS = 16
-BALANCE_SPEND_BINS = 24
-#: ... and, below ``BALANCE_MORE_BINS`` microbatches, only when the plan's mean slot balance is below this
-#: (Tree-Step 256 DP 4, 98.6%: its passes found nothing and took 15 of its 37 ms)
-BALANCE_SPEND_BELOW = 0.98
-#: the chosen plan of at most this many slots (more than one) has its units searched again, every slot at once
-#: (``l2_oneslot.search_slots``)
-SEARCH_SLOTS = 2
+#: cost of a token computed above L1's tokens, in row costs (``CostCoefficients.row``): steep, as a
+#: plan computing more than L1 is never kept, but finite, so that the search may pass through such
+#: states (an item moved before its producer is)
+TOKEN_PENALTY = 100.0
+#: the default budget, the one effort knob: ``MOVES`` times the fourth root of the units (``default_moves``).
+#: A small instance needs many tries per unit to leave the local optima of its few bins, a large one few
+#: (on benchmarks/compare_l2.py's full set 400 moves a unit, or a budget growing with the square root of the
+#: units, gave fewer plans no worse than the staged planner in more time)
+MOVES = 30000
+#: a chain stops once this share of its budget has passed without a new best: where the start is nearly
+#: optimal (no produced tree, one replica) the budget is not spent on tries that find nothing, and the time
+#: saved pays for the larger ``MOVES`` (over compare_l2's set, seeds 1-3: 456 of 480 no worse than the staged
+#: planner at 1.05x its time, where the full budget of 20000 x units^(1/4) gave 450 at 1.10x)
+PATIENCE = 0.2
+#: the annealing's start temperature, in mean microbatch costs of the start state: a move lengthening the
+#: step by that much is taken with probability 1/e at the start, never at the end
+TEMPERATURE = 0.005
+#: empty slots the grid has after L1's: room for producers ahead of their consumers and for new microbatches
+EXTRA_SLOTS = 2
+#: the search's random seed (the plan depends on nothing else)
+_SEED = 1
+
+_SEARCH = compiled("l2_search")
+
+
+@dataclass
+class L2Instance:
+    """What the search reads: per segment its ``length``, attention ``pairs`` and ``logits`` rows;
+    ``units`` unit arrays (kind 0 block of a core / 1 item / 2 free; ``win`` the
+    item's block unit, else -1; ``up`` a block's upper block, else -1; ``replay`` the item's replay tokens when it reads its path; owned,
+    recomputed and path segments as CSR), the start cell of each unit (``replica * slots + slot``),
+    the grid, the budget, the cost model's coefficients, L1's tokens and the penalty per token."""
+    length: np.ndarray
+    pairs: np.ndarray
+    logits: np.ndarray
+    kind: np.ndarray
+    win: np.ndarray
+    up: np.ndarray
+    replay: np.ndarray
+    own_off: np.ndarray
+    own: np.ndarray
+    rec_off: np.ndarray
+    rec: np.ndarray
+    path_off: np.ndarray
+    path: np.ndarray
+    cell0: np.ndarray
+    dp: int
+    slots: int
+    row_budget: int
+    overhead: float
+    c_row: float
+    c_pair: float
+    c_logit: float
+    c_replay: float
+    base_tokens: int
+    penalty: float
+
+    @property
+    def num_units(self) -> int:
+        return int(self.kind.shape[0])
+
+    def segments(self, which: str, u: int) -> np.ndarray:
+        off, ids = getattr(self, which + "_off"), getattr(self, which)
+        return ids[off[u]:off[u + 1]]
+
+
+def most_shared_top(root: int, count, length, children, M: int) -> List[int]:
+    """The most shared top of a tree's shared set that fits ``M`` rows, sorted: from ``root``, the segment
+    computed in the most microbatches (``count``) first (ties: the lower segment), its children computed in
+    two or more joining the candidates; a segment that does not fit is passed over."""
+    top, rows, heap = [], 0, [(-count[root], root)]
+    while heap:
+        _, s = heapq.heappop(heap)
+        if rows + length[s] > M:
+            continue
+        top.append(s)
+        rows += length[s]
+        for c in children[s]:
+            if count[c] >= 2:
+                heapq.heappush(heap, (-count[c], c))
+    return sorted(top)
+
+
+def _csr(lists) -> Tuple[np.ndarray, np.ndarray]:
+    off = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in lists], out=off[1:])
+    ids = np.fromiter((x for xs in lists for x in xs), dtype=np.int64, count=int(off[-1]))
+    return off, ids
+
+
+def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer_rows: int,
+             base_tokens: int) -> L2Instance:
+    """The units of ``l1`` (module docstring) in L1's cells."""
+    M, dp = l1.row_budget, l1.num_replicas
+    slots = l1.num_slots + EXTRA_SLOTS
+    S = ix.num_segments
+    mbs = l1.microbatches
+    ids_all = [m.owned for m in mbs] + [m.recomputed for m in mbs]
+    count = np.bincount(np.concatenate(ids_all), minlength=S).tolist() if ids_all else [0] * S
+    length, start, par, children = ix.length_list, ix.start_list, ix.parent, ix.children
+    tree_of = ix.seg_tree.tolist()
+    B = model.chunk_size
+    cut = max(1, sum(int(m.rows) for m in mbs) // max(1, len(mbs)))  # an item's pieces: at most an L1 microbatch's mean rows
+    cores: Dict[int, set] = {}
+    for s in range(S):
+        if count[s] >= 2:
+            cores.setdefault(tree_of[s], set()).add(s)
+    for t, core in list(cores.items()):
+        if sum(length[s] for s in core) > M:  # the most shared top of U that fits
+            core = cores[t] = set(most_shared_top(int(ix.tree_offsets[t]), count, length, children, M))
+        if sum(length[s] for s in core) < min_producer_rows:
+            del cores[t]
+    kind, win, up, replay, own, rec, path, cell0 = [], [], [], [], [], [], [], []
+    block_unit: Dict[int, int] = {}  # a core segment -> the unit of its block
+    core_cell: Dict[int, int] = {}
+    for t in sorted(cores):  # blocks first: an item names its block's unit
+        core = cores[t]
+        for s in sorted(core):  # preorder: a block's top before its segments, a block before those below it
+            p = par[s]
+            if p in core and sum(1 for c in children[p] if c in core) < 2:
+                block_unit[s] = block_unit[p]
+                own[block_unit[s]].append(s)
+                continue
+            block_unit[s] = len(kind)
+            kind.append(0)
+            win.append(-1)
+            up.append(block_unit[p] if p in core else -1)
+            replay.append(0)
+            own.append([s])
+            rec.append([])
+            above, a = [], p
+            while a >= 0:
+                above.append(a)
+                a = par[a]
+            path.append(sorted(above))
+            cell0.append(t)  # the tree, until its core's cell is known
+    for m in mbs:
+        cell = m.replica * slots + m.slot
+        per: Dict[int, Tuple[List[int], List[int]]] = {}
+        for x in m.owned.tolist():
+            per.setdefault(tree_of[x], ([], []))[0].append(x)
+        for x in m.recomputed.tolist():
+            per.setdefault(tree_of[x], ([], []))[1].append(x)
+        for t, (o, r) in per.items():
+            if not o:
+                continue
+            if t not in cores:
+                kind.append(2)
+                win.append(-1)
+                up.append(-1)
+                replay.append(0)
+                own.append(o)
+                rec.append(r)
+                path.append([])
+                cell0.append(cell)
+                continue
+            core = cores[t]
+            if core & set(o) and (t not in core_cell or min(core) in o):
+                core_cell[t] = cell
+            mine = [x for x in o if x not in core]
+            mine_set = set(mine)
+            branches: Dict[int, List[int]] = {}  # the item's segments by the top of their branch below the core
+            top_of: Dict[int, int] = {}
+            for x in mine:  # ids in preorder: a parent's top is known before its children's
+                p = par[x]
+                top_of[x] = top_of[p] if p in mine_set else x
+                branches.setdefault(top_of[x], []).append(x)
+            for part in branches.values():
+                part_set = set(part)
+                need, seen = [], set()
+                for x in part:
+                    a = par[x]
+                    while a >= 0 and a not in part_set and a not in seen:
+                        seen.add(a)
+                        need.append(a)
+                        a = par[a]
+                below = sorted(a for a in need if a not in core)
+                above = sorted(a for a in need if a in core)
+                comp = part_set.union(below)
+                rp = sum(start[x] % B for x in comp if par[x] >= 0 and par[x] not in comp)
+                pieces = [(sorted(part), below)]
+                if sum(length[x] for x in comp) > cut:  # cut the item as L1 cuts a piece
+                    root = min(comp)
+                    deepest = max(start[x] + length[x] for x in comp)
+                    pieces = [(sorted(o), sorted(r)) for o, r, _ in
+                              split_piece(ix, sorted(part), below, max(start[root] + cut, deepest))]
+                for o, r in pieces:
+                    kind.append(1)
+                    win.append(block_unit[max(above)])
+                    up.append(-1)
+                    replay.append(rp)
+                    own.append(o)
+                    rec.append(r)
+                    path.append(above)
+                    cell0.append(cell)
+    for u in range(len(kind)):
+        if kind[u] == 0:
+            cell0[u] = core_cell[cell0[u]]
+    c = model.coefficients
+    return L2Instance(ix.length, ix.seg_pairs, ix.seg_logits, np.array(kind, dtype=np.int64), np.array(win, dtype=np.int64),
+                      np.array(up, dtype=np.int64), np.array(replay, dtype=np.int64),
+                      *_csr(own), *_csr(rec), *_csr(path), np.array(cell0, dtype=np.int64), dp, slots, M,
+                      float(c.microbatch + c.kda_call), float(c.row), float(c.attention_pair), float(c.logits_row),
+                      float(c.kda_replay_token), int(base_tokens), float(TOKEN_PENALTY * c.row))
+
+
+def _rows(inst: L2Instance, which: str) -> np.ndarray:
+    """Per unit the rows of its ``which`` segments."""
+    off, ids = getattr(inst, which + "_off"), getattr(inst, which)
+    unit = np.repeat(np.arange(inst.num_units), np.diff(off))
+    return np.bincount(unit, weights=inst.length[ids], minlength=inst.num_units).astype(np.int64)
+
+
+def _best_fit(bins: list, rows: int, budget: int, fits) -> Optional[list]:
+    """The bin of ``bins`` (``[rows, is a producer, the producer it reads or its own number, units]``)
+    accepted by ``fits`` that ``rows`` fill most within ``budget``; None where none has room."""
+    best = None
+    for b in bins:
+        if fits(b) and b[0] + rows <= budget and (best is None or b[0] > best[0]):
+            best = b
+    return best
+
+
+def _put(bins: list, b: Optional[list], u: int, rows: int, producer: bool = False, reads: int = -1) -> list:
+    """Unit ``u`` of ``rows`` into bin ``b``, or into a new bin (a producer, or one reading ``reads``)."""
+    if b is None:
+        bins.append([0, producer, len(bins) if producer else reads, []])
+        b = bins[-1]
+    b[0] += rows
+    b[3].append(u)
+    return b
+
+
+def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
+    """The window packing of ``inst``'s units (module docstring, *Starts*): (cell per unit, slots of the
+    grid it needs)."""
+    U, R, M = inst.num_units, inst.dp, inst.row_budget
+    kind, win, up = inst.kind.tolist(), inst.win.tolist(), inst.up.tolist()
+    bare = (_rows(inst, "own") + _rows(inst, "rec")).tolist()           # without the path
+    full = (np.asarray(bare) + _rows(inst, "path")).tolist()             # with the path recomputed
+    top = list(range(U))
+    for u in range(U):                                                  # blocks in order: an upper one first
+        if kind[u] == 0 and up[u] >= 0:
+            top[u] = top[up[u]]
+    members: Dict[int, List[int]] = {}                                  # per window (its first block) its units
+    for u in range(U):
+        if kind[u] == 1:
+            top[u] = top[win[u]]
+        if kind[u] != 2:
+            members.setdefault(top[u], []).append(u)
+
+    def sizes():                                                        # (rows of its blocks, of it all) per window
+        core = {t: full[t] + sum(bare[u] for u in us if kind[u] == 0 and u != t) for t, us in members.items()}
+        return core, {t: core[t] + sum(bare[u] + int(inst.replay[u]) for u in us if kind[u] == 1)
+                      for t, us in members.items()}
+
+    core, size = sizes()
+    share = (sum(size.values()) + sum(full[u] for u in range(U) if kind[u] == 2)) / R
+    if R > 1:                                                           # a tree above a replica's share: cut at its blocks
+        for t in [t for t, us in members.items() if size[t] > share and sum(kind[u] == 0 for u in us) > 1]:
+            for u in members.pop(t):                                    # a window per block, its own items with it
+                top[u] = u if kind[u] == 0 else win[u]
+                members.setdefault(top[u], []).append(u)
+        core, size = sizes()
+    load = [0] * R
+    trees: List[List[int]] = [[] for _ in range(R)]
+    loose: List[List[int]] = [[] for _ in range(R)]                     # items away from their core, free units
+    items: Dict[int, List[int]] = {}
+
+    def lightest() -> int:
+        return min(range(R), key=lambda q: (load[q], q))
+
+    def away(u: int) -> None:                                           # onto the least loaded replica, path and all
+        q = lightest()
+        loose[q].append(u)
+        load[q] += full[u]
+
+    for t in sorted(members, key=lambda t: (-size[t], t)):
+        r = lightest()
+        trees[r].append(t)
+        load[r] += core[t]
+        for u in sorted((u for u in members[t] if kind[u] == 1), key=lambda u: (-bare[u], u)):
+            if R == 1 or load[r] + bare[u] <= share:
+                items.setdefault(t, []).append(u)
+                load[r] += bare[u] + int(inst.replay[u])
+            else:
+                away(u)
+    for u in sorted((u for u in range(U) if kind[u] == 2), key=lambda u: (-full[u], u)):
+        away(u)
+    packed = []
+    for r in range(R):
+        bins: list = []
+        producer = {}
+        for t in sorted(trees[r], key=lambda t: (-core[t], t)):                # cores: producer bins
+            blocks = [u for u in members[t] if kind[u] == 0]
+            b = _put(bins, _best_fit(bins, core[t], M, lambda b: b[1]), blocks[0], core[t], producer=True)
+            b[3] += blocks[1:]
+            producer[t] = b[2]
+        for u in sorted((u for t in trees[r] for u in items.get(t, ())), key=lambda u: (-bare[u], u)):
+            p = producer[top[u]]
+            b = _best_fit(bins, bare[u], M, lambda b: not b[1] and b[2] == p)      # a bin reading its producer
+            room = None if b is not None else _best_fit(bins, full[u], M, lambda b: b[1])  # else a producer
+            if room is not None:
+                _put(bins, room, u, full[u])
+            else:
+                _put(bins, b, u, bare[u], reads=p)
+        for u in sorted(loose[r], key=lambda u: (-full[u], u)):                # the rest, paths recomputed
+            _put(bins, _best_fit(bins, full[u], M, lambda b: True), u, full[u])
+        packed.append(bins)
+    slots = max(inst.slots, max(len(b) for b in packed) + EXTRA_SLOTS)
+    cells = np.zeros(U, dtype=np.int64)
+    for r, bins in enumerate(packed):
+        for i, b in enumerate(bins):
+            cells[b[3]] = r * slots + i
+    return cells, slots
+
+
+def search(inst: L2Instance, moves: int, seed: int = 0):
+    """``_C.l2_search`` on ``inst`` (``seed`` added to the planner's seed): (cell per unit (``replica * slots + slot``, slots as run), reads per unit,
+    objective (rows over the budget, step + penalty, sum of squared costs), estimated tokens, estimated step, tries
+    made (fewer than ``moves`` where the chain ran out of patience))."""
+    return _SEARCH(inst.length, inst.pairs, inst.logits, inst.kind, inst.win, inst.up, inst.replay, inst.own_off,
+                   inst.own, inst.rec_off, inst.rec, inst.path_off, inst.path, inst.cell0, inst.dp, inst.slots,
+                   inst.row_budget, inst.overhead, inst.c_row, inst.c_pair, inst.c_logit, inst.c_replay,
+                   inst.base_tokens, inst.penalty, int(moves), int(PATIENCE * moves), TEMPERATURE, _SEED + seed)
+
+
+def groups_of(inst: L2Instance, cells: np.ndarray, reads: np.ndarray):
+    """(groups, placement) of a state: per non-empty cell its owned and recomputed segments (an item's path
+    recomputed unless it reads it) and its (replica, slot)."""
+    cells = np.asarray(cells, dtype=np.int64)
+    S = int(inst.length.shape[0])
+
+    def keys(which: str, take: np.ndarray) -> np.ndarray:  # cell * S + segment of the units in take
+        off, ids = getattr(inst, which + "_off"), getattr(inst, which)
+        n = np.diff(off)
+        sel = np.repeat(take, n)
+        return np.repeat(cells, n)[sel] * S + ids[sel]
+
+    every = np.ones(len(cells), dtype=bool)
+    own = np.unique(keys("own", every))
+    rec = np.setdiff1d(np.concatenate([keys("rec", every), keys("path", np.asarray(reads) == 0)]), own)
+    groups, placement = [], []
+    for c in np.unique(cells).tolist():
+        lo, hi = c * S, (c + 1) * S
+        o = own[np.searchsorted(own, lo):np.searchsorted(own, hi)] - lo
+        r = rec[np.searchsorted(rec, lo):np.searchsorted(rec, hi)] - lo
+        groups.append((o, r))
+        placement.append((c // inst.slots, c % inst.slots))
+    return groups, placement
+
+
+def windows_in_turn(inst: L2Instance, cells: np.ndarray, reads: np.ndarray) -> np.ndarray:
+    """One replica's cells in a new order: each producer followed by the bins reading it, then the bins reading
+    nothing (each group in the order given).  On one replica the step is the sum of the bins' costs in any
+    order, so the plan is as long, and one window's rows are held at a time instead of every producer's."""
+    cells = np.asarray(cells, dtype=np.int64)
+    source = {}                                         # a reading bin -> the producer bin it reads
+    for u in np.flatnonzero(np.asarray(reads)).tolist():
+        source[int(cells[u])] = int(cells[inst.win[u]])
+    producers = {int(c) for c in cells[inst.kind == 0].tolist()}
+    used = sorted(set(cells.tolist()))
+    order = []
+    for c in used:
+        if c in producers:
+            order.append(c)
+            order += [d for d in used if source.get(d) == c]
+    order += [d for d in used if d not in producers and d not in source]
+    slot = {c: k for k, c in enumerate(order)}
+    return np.array([slot[int(c)] for c in cells.tolist()], dtype=np.int64)
+
+
+def default_moves(num_units: int) -> int:
+    """The search's default budget for ``num_units`` units: ``MOVES`` times their fourth root."""
+    return int(MOVES * max(1, num_units) ** 0.25)
+
+
+def l1_as_l1l2(forest, l1: MicrobatchPlan, cost_model: Optional[CostModel], index: Optional[ForestIndex]):
+    """(cost model, forest index, L1's plan as an L1+L2 plan judged by that model): where every L2
+    starts, and what it returns when it finds nothing better."""
+    if l1.mode != "tree":
+        raise ValueError("L2 refines a tree-mode (L1) plan")
+    model = cost_model or l1.cost_model
+    ix = index if index is not None else ForestIndex(forest)
+    if model != l1.cost_model:  # judge L1's microbatches with this cost model
+        groups = [(m.owned, m.recomputed) for m in l1.microbatches]
+        placement = [(m.replica, m.slot) for m in l1.microbatches]
+        keep = assemble_plan(ix, groups, placement, planner="harts_l1l2", dp=l1.num_replicas,
+                             row_budget=l1.row_budget, cost_model=model)
+    else:
+        keep = dataclasses.replace(l1, planner="harts_l1l2", windows=list(l1.windows),
+                                   microbatches=list(l1.microbatches), slots=l1.slots.copy())
+    return model, ix, keep
 
 
 @gc_paused
 def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = None,
-            index: Optional[ForestIndex] = None, min_producer_rows: Optional[int] = None) -> MicrobatchPlan:
-    """Refine an L1 plan (module docstring).  ``plan_seconds`` counts L2 alone.
+            index: Optional[ForestIndex] = None, min_producer_rows: Optional[int] = None,
+            moves: Optional[int] = None) -> MicrobatchPlan:
+    """Refine an L1 plan by the local search (module docstring).  ``plan_seconds`` counts L2 alone.
 
     ``min_producer_rows``: a tree's shared prefix shorter than this stays recomputed (default:
-    the KDA chunk size).
+    the KDA chunk size).  ``moves``: the search's budget (default ``default_moves``).
+    Without the compiled core (``megatron_harts._C``) L1's plan is returned, with one warning.
     """
     t0 = time.perf_counter()
     model, ix, keep = l1_as_l1l2(forest, l1, cost_model, index)
     dp, M = l1.num_replicas, l1.row_budget
     mpr = model.chunk_size if min_producer_rows is None else int(min_producer_rows)
-    keep_tokens = keep.tokens_computed
-    plan, plan_key = keep, (step_cost(keep), keep_tokens)
-    plan_packed = None  # the packing the best plan so far is assembled from, before the balance pass (None: L1's)
-    rival = None  # where the split windows' spending pass gave the plan: the plan it beat (evened out too)
-    units = window_units(ix, l1, model, mpr)
-    if dp == 1 or any(u.kind == "core" for u in units):  # one replica: free pieces may fill spare rows
-        bases = [units]  # the units, and on several replicas those with their largest items cut
-        if 1 < dp and math.ceil(math.ceil(sum(u.rows for u in units) / M) / dp) <= ITEM_CUT_SLOTS:
-            largest = max((u.rows for u in units if u.kind == "item"), default=0)
-            for part in ITEM_CUTS:
-                if largest > part * M:
-                    bases.append(window_units(ix, l1, model, mpr, item_rows=int(part * M)))
-        unit_sets = []  # (units, the base they come from)
-        for b, us in enumerate(bases):
-            unit_sets.append((us, b))
-            n_windows = sum(u.kind == "core" for u in us)
-            if 1 < dp and n_windows <= WINDOW_SPLIT_PER_REPLICA * dp:  # few windows: split the costliest
-                for share in WINDOW_SPLIT_SHARES:
-                    split = split_windows(ix, us, model, dp, share)
-                    if split is not None:
-                        unit_sets.append((split, b))
-        overhead = model.coefficients.microbatch + model.coefficients.kda_call
-        packs = []
-        estimates = set()  # the estimates in packs
-        family = {}  # a packing (its id) -> the base of its units
-        arrays_of = {}  # a packer's packing (its id) -> unit_arrays of its units (None: DP 1)
-        searched = set()  # the one-slot packings (their ids): a local search's optimum, not refined again
-        units_of = {}  # a packing (its id) -> the units it packs
-        arrays_by = {}  # a unit list (its id) -> its unit_arrays (DP > 1)
-        for us, base in unit_sets:
-            S_w = max(1, math.ceil(math.ceil(sum(u.rows for u in us) / M) / dp))
-            # one replica: no target (every slot count packs the same); several: the spreading
-            # packer too, and a larger tolerance only where the smaller one turned a placement away
-            # (split windows: the spreading packer alone; the window packer's plans of them lost
-            # to it on every benchmark batch)
-            arrays = unit_arrays(us) if dp > 1 else None
-            arrays_by[id(us)] = arrays
-            one_slot = None  # one slot: the assignment searched directly (the packers then try 2 and 3 slots)
-            if 1 < dp and S_w == 1 and us is bases[base]:
-                one_slot = pack_one_slot(ix, us, dp, M, model, keep_tokens, arrays)
-                if one_slot is not None:  # judged even where a packer's has its estimate (it may compute less)
-                    packs.append((estimate_step(one_slot, dp, overhead), len(packs), one_slot))
-                    family[id(one_slot)] = base
-                    arrays_of[id(one_slot)] = None
-                    units_of[id(one_slot)] = us
-                    searched.add(id(one_slot))
-            for packer in (pack_windows,) if dp == 1 else (pack_spread,) if us is not bases[base] else \
-                    (pack_windows, pack_spread):
-                slots = range(S_w, S_w + WINDOW_EXTRA_SLOTS + 1 if dp > 1 else S_w + 1)
-                if one_slot is not None:
-                    slots = range(2, 2 + WINDOW_EXTRA_SLOTS)
-                # per slot count the tolerances in order, a larger one only where the smaller
-                # turned a placement away (else it packs the same)
-                for packed in packer.many(ix, us, dp, M, slots, WINDOW_TOLERANCES, arrays):
-                    est = estimate_step(packed, dp, overhead)
-                    if est not in estimates:  # the same packing again (tolerance unused)
-                        estimates.add(est)
-                        packs.append((est, len(packs), packed))
-                        family[id(packed)] = base
-                        arrays_of[id(packed)] = arrays
-                        units_of[id(packed)] = us
-        packs.sort(key=lambda p: p[:2])
+    plan = keep
+    if _SEARCH is None:  # no compiled core (said once by planner.compiled): L1's plan
+        pass
+    elif l1.microbatches:
+        keep_key = (step_cost(keep), keep.tokens_computed)
+        inst = l2_units(ix, l1, model, mpr, keep_key[1])
+        budget = default_moves(inst.num_units) if moves is None else int(moves)
+        best = (keep_key, None, None)                  # (judged key, groups and placement, judged parts)
 
-        def of(base):  # the packings of one base's units, best estimate first
-            return [p for p in packs if family[id(p[2])] == base]
-
-        refined = {}  # a refined packing -> the packing it refines
-        if dp > 1 and BALANCE_MOVES and packs:  # each base's best packings evened out per slot (side by side)
-            jobs = []  # (base, packing, swap_bins, ordered)
-            for base in range(len(bases)):
-                mine = of(base)
-                if not mine or id(mine[0][2]) in searched:
-                    continue  # the one-slot search's packing leads: a finer search than the pass already ran
-                mine = [p for p in mine if id(p[2]) not in searched]
-                many = base == 0 and len(mine[0][2][0]) >= BALANCE_MORE_BINS
-                k = BALANCE_PACKINGS[many]
-                for j, (_, _, packed) in enumerate(mine[:k]):
-                    # the best one: swaps in more microbatches, and with many microbatches also refined
-                    # with the objective in run order (producers first)
-                    for ordered in (False, True) if j == 0 and many else (False,):
-                        jobs.append((base, packed, BALANCE_SWAP_BINS_FIRST if j == 0 else None, ordered))
-
-            def balanced(job):
-                _, packed, swap_bins, ordered = job
-                return rebalance(ix, packed, dp, M, overhead, swap_bins=swap_bins, ordered=ordered,
-                                 arrays=arrays_of[id(packed)])
-
-            for (base, packed, _, _), even in zip(jobs, concurrently(balanced, jobs)):
-                if even is not None:
-                    refined[id(even)] = packed
-                    family[id(even)] = base
-                    units_of[id(even)] = units_of[id(packed)]
-                    packs.append((estimate_step(even, dp, overhead), len(packs), even))
-            packs.sort(key=lambda p: p[:2])
-        keys = {}  # a packing (its id) -> its plan's (step, tokens) or None (over the budget)
-        kept = {}  # a packing (its id) -> what judging it left for its assembly
-
-        def judge(packed):
-            if id(packed) not in keys:
-                kept[id(packed)] = keep = {}
-                keys[id(packed)] = window_key(ix, packed, dp=dp, M=M, model=model, keep=keep)
-            return keys[id(packed)]
-
-        best = None  # the packing the best plan so far is assembled from (None: L1's plan)
-        for base in range(len(bases)):  # each base's best packings by estimate judged exactly
-            judged = 0
-            for est, _, packed in of(base)[:2 * ASSEMBLED]:
-                if judged == ASSEMBLED or est > plan_key[0] * (1.0 + ASSEMBLE_MARGIN):
-                    break  # the rest estimated longer than the best plan by more than estimates err
-                if packed_rows(ix, packed) > keep_tokens:
-                    continue  # more rows than L1's tokens: never a candidate (not judged)
-                key = judge(packed)
-                if key is None or key[1] > keep_tokens:
-                    continue  # not a candidate: the next packing by estimate is judged instead
-                if id(packed) in refined and key[1] > packed_rows(ix, refined[id(packed)]):
-                    # the balance pass never computes more tokens (exactly; its source's rows bound its tokens)
-                    src = judge(refined[id(packed)])
-                    if src is not None and key[1] > src[1]:
-                        continue
-                judged += 1
-                if key < plan_key:
-                    best, plan_key, plan_packed = packed, key, refined.get(id(packed), packed)
-        plan_units = None  # the units the best plan packs (None: L1's plan)
-        if best is not None:
-            plan = window_plan(ix, best, dp=dp, M=M, model=model, keep=kept[id(best)])
-            plan_units = units_of[id(best)]
-        n_mb = len(plan.microbatches)
-        if plan_packed is not None and plan.num_slots <= BALANCE_SPEND_SLOTS and n_mb >= BALANCE_SPEND_BINS and \
-                (n_mb >= BALANCE_MORE_BINS or float(slot_balance(plan).mean()) < BALANCE_SPEND_BELOW):
-            # the best plan's packing evened out again, spending parts of what it saves against L1
-            src, saved = plan_packed, keep_tokens - plan_key[1]
-            tries = [(part, ordered, None, False) for part, ordered in BALANCE_SPEND]
-            if any(u.upper >= 0 for u in units_of[id(src)]):
-                tries += [(part, ordered, weight, True) for part, ordered, weight in BALANCE_SPLIT]
-            found = {False: (None, plan_key), True: (None, plan_key)}  # per split: the best packing and its key
-
-            def spent(t):
-                part, ordered, weight, split = t
-                spend = int(part * saved)
-                return rebalance(ix, src, dp, M, overhead, spend, ordered=ordered, arrays=arrays_of.get(id(src)),
-                                 weight=weight, split=split) if spend > 0 else None
-
-            for (part, ordered, weight, split), even in zip(tries, concurrently(spent, tries)):
-                key = None if even is None else window_key(ix, even, dp=dp, M=M, model=model)
-                if key is not None and key[1] <= keep_tokens and key < found[split][1]:
-                    found[split] = (even, key)
-            if found[False][0] is not None:
-                plan, plan_key = window_plan(ix, found[False][0], dp=dp, M=M, model=model), found[False][1]
-            if found[True][0] is not None and found[True][1] < plan_key:
-                # the split windows' items moved: the plan without that pass stays a rival through the last pass
-                rival = plan
-                plan, plan_key = window_plan(ix, found[True][0], dp=dp, M=M, model=model), found[True][1]
-        if plan_units is not None and dp > 1 and 1 < plan.num_slots <= SEARCH_SLOTS:
-            # few slots: the plan's units searched again, every slot at once (the one-slot packer's descent)
-            packed = search_slots(ix, plan_units, plan, model, keep_tokens, arrays_by.get(id(plan_units)))
-            judged = {}
-            key = None if packed is None else window_key(ix, packed, dp=dp, M=M, model=model, keep=judged)
-            if key is not None and key[1] <= keep_tokens and key < plan_key:
-                got = window_plan(ix, packed, dp=dp, M=M, model=model, keep=judged)
-                if got is not None:
-                    plan, plan_key, rival = got, key, None
-    if dp > 1 and max(len(p.microbatches) for p in (plan, rival or plan)) >= EVEN_BINS:
-        # the chosen plan's slots evened out per segment
-
-        def evened(p):
-            if len(p.microbatches) < EVEN_BINS:
-                return p
-            even = even_slots(ix, p, model, int(EVEN_SPEND * (keep_tokens - p.tokens_computed)))
-            if even is not None and even.tokens_computed <= keep_tokens and step_cost(even) <= step_cost(keep):
-                return even
-            return p
-
-        if rival is None:
-            plan = evened(plan)
-        else:  # the split windows' pass gave the plan: kept where it beats the plan it beat once both are evened out
-            # (the plan as it is evened out only where it beats the evened rival already; with threads to
-            # spare both are evened out side by side)
-            plan_even = None
-            if plan_threads(2) > 1:
-                rival, plan_even = concurrently(evened, [rival, plan])
-            else:
-                rival = evened(rival)
-            beats = (step_cost(plan), plan.tokens_computed) < (step_cost(rival), rival.tokens_computed)
-            plan = (plan_even if plan_even is not None else evened(plan)) if beats else rival
-            if (step_cost(rival), rival.tokens_computed) < (step_cost(plan), plan.tokens_computed):
-                plan = rival
+        jobs = [(inst, budget, 0)]
+        if (inst.kind == 0).any():                     # a produced tree: the window packing too
+            cells, slots = window_start(inst)
+            jobs.append((dataclasses.replace(inst, cell0=cells, slots=slots), budget, 0))
+        else:                                          # one start: two chains of half the budget, side by side
+            jobs = [(inst, budget // 2, 0), (inst, budget // 2, 1)]
+        for (at, _, _), (cells, reads, *_) in zip(jobs, concurrently(lambda job: search(*job), jobs)):
+            if dp == 1:
+                cells = windows_in_turn(at, cells, reads)
+            groups, placement = groups_of(at, cells, reads)
+            judged: dict = {}
+            key = packing_key(ix, groups, placement, dp=dp, row_budget=M, cost_model=model, keep=judged)
+            if key is not None and key[1] <= keep_key[1] and key < best[0]:
+                best = (key, (groups, placement), judged)
+        if best[1] is not None:
+            plan = assemble_plan(ix, *best[1], planner="harts_l1l2", dp=dp, row_budget=M,
+                                 cost_model=model, keep=best[2])
     plan.plan_seconds = time.perf_counter() - t0
     return plan
 
 
-def step_cost(plan: MicrobatchPlan) -> float:
-    """Modelled step time: sum over slots of the costliest microbatch of the slot (an idle replica
-    counting 0.0: the maximum of ``plan.cost_matrix()`` per slot, summed as numpy sums it)."""
-    R, S = plan.slots.shape
-    mbs = plan.microbatches
-    return slot_step(R, S, [m.slot for m in mbs], [m.cost for m in mbs])
-
-
 def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostModel] = None,
                index: Optional[ForestIndex] = None, **l2_options) -> Tuple[MicrobatchPlan, MicrobatchPlan]:
-    """(L1 plan, L1+L2 plan).  The L1+L2 plan's ``plan_seconds`` includes L1's time."""
+    """(L1 plan, L1+L2 plan).  The L1+L2 plan's ``plan_seconds`` includes L1's time; ``l2_options`` go to
+    ``plan_l2``."""
     ix = index if index is not None else ForestIndex(forest)
     l1 = plan_l1(forest, dp, row_budget, cost_model=cost_model, index=ix)
     l2 = plan_l2(forest, l1, cost_model=cost_model, index=ix, **l2_options)
@@ -387,30 +542,8 @@ def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostMod
     return l1, l2
 
 
-def _order(packed):
-    """``plan_order`` of a packing: a compiled packing's own (``_C.L2Packing.plan_order``), else
-    None (``assemble_plan`` and ``packing_key`` then compute it from the groups and placement)."""
-    return None if isinstance(packed, tuple) else packed.plan_order()
-
-
-def window_plan(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel,
-                keep: Optional[dict] = None) -> Optional[MicrobatchPlan]:
-    """``pack_windows``' result assembled (None when a microbatch exceeds the budget).  ``keep``:
-    what ``window_key(..., keep=keep)`` of the same packing left (reused)."""
-    order = _order(packed) if keep is None else keep["order"]
-    try:
-        return assemble_plan(ix, None if order else packed[0], None if order else packed[1],
-                             planner="harts_l1l2", dp=dp, row_budget=M, cost_model=model,
-                             order=order, keep=keep)
-    except PlanningError:
-        return None
-
-
-def window_key(ix: ForestIndex, packed, *, dp: int, M: int, model: CostModel,
-               keep: Optional[dict] = None) -> Optional[Tuple[float, int]]:
-    """``(step_cost, tokens_computed)`` of ``window_plan``'s plan of a packing without assembling it
-    (``microbatch.packing_key``; None where ``window_plan`` returns None).  ``keep``: a dict it
-    leaves the plan order and core output in, for ``window_plan`` of the same packing."""
-    order = _order(packed)
-    return packing_key(ix, None if order else packed[0], None if order else packed[1], dp=dp,
-                       row_budget=M, cost_model=model, order=order, keep=keep)
+def step_cost(plan: MicrobatchPlan) -> float:
+    """Modelled step time: sum over slots of the costliest microbatch (``l2.step_cost``)."""
+    R, S = plan.slots.shape
+    mbs = plan.microbatches
+    return slot_step(R, S, [m.slot for m in mbs], [m.cost for m in mbs])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from typing import Dict, List, Sequence, Tuple
 
-from .l2_search import L2Instance
+from .l2 import L2Instance
 
 __all__ = ["objective", "optimum", "MAX_UNITS"]
 

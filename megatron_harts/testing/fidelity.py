@@ -284,8 +284,9 @@ def upcast_model(model, config, dtype: torch.dtype = torch.float32, *, build=Non
     import dataclasses
 
     from ..models.model import build_hybrid_model
+    # the copy has no DDP main_grad buffers for megatron's fused weight-gradient accumulation to write into
     cfg = dataclasses.replace(config, params_dtype=dtype, pipeline_dtype=dtype, bf16=False, fp16=False,
-                              perform_initialization=False, **overrides)
+                              perform_initialization=False, gradient_accumulation_fusion=False, **overrides)
     device = next(model.parameters()).device
     if build is not None:       # e.g. a pipeline stage's chunk: the builder of the original
         up = build(cfg)
