@@ -95,7 +95,11 @@ class Search {
         : length_(length), pairs_(pairs), logits_(logits), U_(U), kind_(kind), win_(win), up_(up), replay_(replay),
           own_off_(own_off), own_(own), rec_off_(rec_off), rec_(rec), path_off_(path_off), path_(path), R_(dp),
           S_(slots), M_(M), overhead_(overhead), c_row_(c_row), c_pair_(c_pair), c_logit_(c_logit),
-          c_replay_(c_replay), base_(base_tokens), penalty_(penalty), stamp_(S_seg, 0), replayed_(S_seg, 0) {
+          c_replay_(c_replay), base_(base_tokens), penalty_(penalty), seg_(S_seg), replayed_(S_seg, 0) {
+        for (i64 x = 0; x < S_seg; ++x) {
+            seg_[x].length = length[x];
+            seg_[x].pairs = pairs[x];
+        }
         cell_units_.assign(R_ * S_, {});
         cell_of_.assign(U_, -1);
         pos_.assign(U_, 0);
@@ -358,10 +362,11 @@ class Search {
         ++cur_;
         i64 rows = 0, pairs = 0, logits = 0, replay = 0;
         auto add = [&](i64 x) {
-            if (stamp_[x] != cur_) {
-                stamp_[x] = cur_;
-                rows += length_[x];
-                pairs += pairs_[x];
+            Seg& g = seg_[x];
+            if (g.stamp != cur_) {
+                g.stamp = cur_;
+                rows += g.length;
+                pairs += g.pairs;
             }
         };
         for (i64 u : us) {
@@ -806,7 +811,10 @@ class Search {
     double overhead_, c_row_, c_pair_, c_logit_, c_replay_;
     i64 base_;
     double penalty_;
-    std::vector<i64> stamp_;
+    struct Seg {  // what evaluate reads of a segment, side by side: the evaluation that last counted it, rows, pairs
+        i64 stamp = 0, length = 0, pairs = 0;
+    };
+    std::vector<Seg> seg_;
     i64 cur_ = 0;
     std::vector<std::vector<i64>> cell_units_, items_of_;
     std::vector<i64> cell_of_, pos_, path_rows_;

@@ -103,8 +103,8 @@ TOKEN_PENALTY = 100.0
 MOVES = 30000
 #: a chain stops once this share of its budget has passed without a new best: where the start is nearly
 #: optimal (no produced tree, one replica) the budget is not spent on tries that find nothing, and the time
-#: saved pays for the larger ``MOVES`` (over compare_l2's set, seeds 1-3: 456 of 480 no worse than the staged
-#: planner at 1.05x its time, where the full budget of 20000 x units^(1/4) gave 450 at 1.10x)
+#: saved pays for the larger ``MOVES`` (over compare_l2's set, seeds 1-3: 456 of 480 no worse than its
+#: reference in 4.4 s a pass; 0.15 gave 452 in 4.0 s, the whole budget of 20000 x units^(1/4) 450 in 4.9 s)
 PATIENCE = 0.2
 #: the annealing's start temperature, in mean microbatch costs of the start state: a move lengthening the
 #: step by that much is taken with probability 1/e at the start, never at the end
