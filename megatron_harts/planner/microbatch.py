@@ -449,8 +449,7 @@ def _assemble_core_csr(ix: ForestIndex, model: CostModel, own_off, own, rec_off,
 def plan_order(groups: Sequence, placement: Sequence[Tuple[int, int]]):
     """``assemble_plan``'s microbatches in plan order: (replica of each, compacted slot of each,
     slot count, owned segments as CSR offsets and ids, recomputed segments likewise).  The groups
-    with owned segments are numbered by (slot, replica), the slots used renumbered 0.. in order.  A
-    compiled packing gives the same tuple itself (``_C.L2Packing.plan_order``)."""
+    with owned segments are numbered by (slot, replica), the slots used renumbered 0.. in order."""
     keep = [i for i in range(len(groups)) if len(groups[i][0])]
     used_slots = sorted({placement[i][1] for i in keep})
     slot_map = {s: k for k, s in enumerate(used_slots)}
@@ -497,18 +496,15 @@ def slot_step(num_replicas: int, num_slots: int, slots: Sequence[int],
 
 def packing_key(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]],
                 placement: Sequence[Tuple[int, int]], *, dp: int, row_budget: int,
-                cost_model: CostModel, order=None,
-                keep: Optional[dict] = None) -> Optional[Tuple[float, int]]:
+                cost_model: CostModel, keep: Optional[dict] = None) -> Optional[Tuple[float, int]]:
     """(modelled step, tokens computed) of ``assemble_plan``'s plan of these arguments without
     building it: ``(slot_step`` of its microbatches, ``tokens_computed)``, the same floats and
     ints; None where ``assemble_plan`` raises ``PlanningError`` (a microbatch over the budget).
     Its other checks (two microbatches in one place, a consumer not after its producer) are left
-    to ``assemble_plan``: plans are judged by this key and the chosen one assembled.  ``order``:
-    ``plan_order(groups, placement)`` when the caller has it (groups and placement then unread).
+    to ``assemble_plan``: plans are judged by this key and the chosen one assembled.
     ``keep``: a dict this function leaves the plan order and the compiled core's output in, for
     ``assemble_plan(..., keep=keep)`` of the same arguments to reuse."""
-    if order is None:
-        order = plan_order(groups, placement)
+    order = plan_order(groups, placement)
     if keep is not None:
         keep["order"] = order
     _, ks, S, own_off, own, rec_off, rec = order
@@ -529,21 +525,18 @@ def packing_key(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]]
 def assemble_plan(ix: ForestIndex, groups: Sequence[Tuple[np.ndarray, np.ndarray]],
                   placement: Sequence[Tuple[int, int]], *, planner: str, dp: int,
                   row_budget: int, cost_model: CostModel, plan_seconds: float = 0.0,
-                  order=None, keep: Optional[dict] = None) -> MicrobatchPlan:
+                  keep: Optional[dict] = None) -> MicrobatchPlan:
     """Turn ``groups`` (owned, recomputed segment arrays, one per microbatch) placed at
     ``placement`` ((replica, slot) each) into a plan: microbatches numbered by (slot, replica),
     slots compacted (idle slots at the end dropped), external context read from the owners of
-    the missing ancestors, sharing windows, exact cost features.  ``order``: ``plan_order(groups,
-    placement)`` when the caller has it (groups and placement then unread); ``keep``: what
-    ``packing_key(..., keep=keep)`` of the same arguments left (its plan order and core output).
+    the missing ancestors, sharing windows, exact cost features.  ``keep``: what
+    ``packing_key(..., keep=keep)`` of the same arguments left (its plan order and core output;
+    groups and placement then unread).
 
     Raises ``PlanningError`` if a microbatch exceeds the row budget (never a silent
     over-budget plan) and ``AssertionError`` if a placement puts a consumer before its producer.
     """
-    if keep is not None:
-        order = keep["order"]
-    if order is None:
-        order = plan_order(groups, placement)
+    order = keep["order"] if keep is not None else plan_order(groups, placement)
     rs, ks, S, own_off, own, rec_off, rec = order
     grid = [[-1] * S for _ in range(dp)]  # the slots as lists (one array built at the end)
     for new, (r, s) in enumerate(zip(rs, ks)):
