@@ -1,4 +1,4 @@
-// L2's local search (megatron_harts.planner.l2_search): units placed on a grid of (replica, slot) cells,
+// L2's local search (megatron_harts.planner.l2): units placed on a grid of (replica, slot) cells,
 // one objective, one move set.  megatron_harts.planner.l2_bruteforce.objective is the objective
 // written in Python; the tests hold this search to that objective's brute-force optimum on small
 // instances and hold the two objectives equal.

@@ -1,4 +1,4 @@
-"""L2's local search (planner.l2_search, compiled _C.l2_search): held to the brute-force optimum of its
+"""L2's local search (planner.l2, compiled _C.l2_search): held to the brute-force optimum of its
 objective (planner.l2_bruteforce) on small instances, and its plans valid, no worse than L1's, run as
 planned by the window schedule."""
 import dataclasses

@@ -1,6 +1,6 @@
 """The L2 search's objective in Python, and its optimum over every state of a small instance.
 
-``objective(inst, bins)`` is ``_C.l2_search``'s objective (``planner.l2_search`` module docstring)
+``objective(inst, bins)`` is ``_C.l2_search``'s objective (``planner.l2`` module docstring)
 of units placed in bins (``replica * slots + bin``), written plainly: per replica its producers
 (bins holding a block); per bin its segments, the producer it reads (per tree: the bin of its items'
 block, when every block above it is on the bin's replica or on one with no more producers), its
