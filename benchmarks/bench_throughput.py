@@ -970,10 +970,15 @@ def main(argv=None):
                 + ("" if call_plan == "harts" else f"_{call_plan}") \
                 + ("" if not extra else "_recompute_producers" if extra[0] == "--tree-recompute-producers"
                    else "_keep_producers")
-            times, metrics, losses, peak, plan, prof, mem, backends = run_mode(
-                argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile), memory=a.memory_profile,
-                stacks=a.profile_stacks, op_names=tuple(a.profile_op_stacks),
-                warm=warm)
+            try:
+                times, metrics, losses, peak, plan, prof, mem, backends = run_mode(
+                    argv_mode, forest, a.iters, a.warmup, a.device, profile=bool(a.profile),
+                    memory=a.memory_profile, stacks=a.profile_stacks, op_names=tuple(a.profile_op_stacks),
+                    warm=warm)
+            except torch.OutOfMemoryError as e:   # a preset larger than this GPU: one line, not a traceback
+                raise CliError(f"--preset {a.preset}: {scheme} {key} ran out of memory on "
+                               f"{results['machine']['device']} ({str(e).splitlines()[0]}); what was measured "
+                               f"before is in {out}") from None
             t = statistics.median(times)
             m = metrics[-1]
             # model FLOPs over the rows and visible pairs the step executed (evictions applied)

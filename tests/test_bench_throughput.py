@@ -12,8 +12,9 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
-from tool_runner import load_tool
+from tool_runner import assert_one_error, load_tool, run_tool
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +196,17 @@ def test_op_stacks_group_an_operators_calls_by_python_stack(bt):
 def test_profile_op_stacks_needs_profile(bt):
     with pytest.raises(SystemExit):
         bt.main(["--device", "cpu", "--preset", "tiny", "--profile-op-stacks", "aten::gather"])
+
+
+def test_out_of_gpu_memory_is_one_error_line(bt, tmp_path, capsys, monkeypatch):
+    """A preset larger than the GPU (kimi48b-layers on an 80 GB card): the mode that runs out of memory is
+    named in one error line, exit status 2, the modes measured before it kept in the output file."""
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 18.00 MiB.\nmore detail")
+    monkeypatch.setattr(bt, "run_mode", out_of_memory)
+    out = tmp_path / "t.json"
+    code, _, err = run_tool(bt, capsys, "--device", "cpu", "--preset", "tiny", "--schemes", "step-wise",
+                            "--num-tasks", "1", "--max-tokens", "256", "--microbatch-tokens", "1024", "--iters", "1",
+                            "--tree-sharing", "within", "--no-cosine", "--out", out)
+    assert_one_error(code, err, "--preset tiny: step-wise tree_within ran out of memory")
+    assert "Tried to allocate 18.00 MiB" in err and str(out) in err
