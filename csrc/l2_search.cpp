@@ -92,7 +92,7 @@ class Search {
            const i64* win, const i64* up, const i64* replay, const i64* own_off, const i64* own, const i64* rec_off,
            const i64* rec, const i64* path_off, const i64* path, i64 dp, i64 slots, i64 M, double overhead,
            double c_row, double c_pair, double c_logit, double c_replay, i64 base_tokens, double penalty)
-        : length_(length), pairs_(pairs), logits_(logits), U_(U), kind_(kind), win_(win), up_(up), replay_(replay),
+        : length_(length), logits_(logits), U_(U), kind_(kind), win_(win), up_(up), replay_(replay),
           own_off_(own_off), own_(own), rec_off_(rec_off), rec_(rec), path_off_(path_off), path_(path), R_(dp),
           S_(slots), M_(M), overhead_(overhead), c_row_(c_row), c_pair_(c_pair), c_logit_(c_logit),
           c_replay_(c_replay), base_(base_tokens), penalty_(penalty), seg_(S_seg), replayed_(S_seg, 0) {
@@ -804,7 +804,7 @@ class Search {
         return false;
     }
 
-    const i64 *length_, *pairs_, *logits_;
+    const i64 *length_, *logits_;
     i64 U_;
     const i64 *kind_, *win_, *up_, *replay_, *own_off_, *own_, *rec_off_, *rec_, *path_off_, *path_;
     i64 R_, S_, M_;

@@ -8,9 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 // The data of a 1-D array argument of ``size`` entries (size < 0: any length); a ValueError naming
@@ -37,9 +35,9 @@ void register_l2_search(pybind11::module_& m);
 // L1's planning core (csrc/l1_plan.cpp), registered by register_l2.
 void register_l1(pybind11::module_& m);
 // The forest index and the loss-mask exceptions' targets (csrc/forest_index.cpp), registered by register_l2.
+void register_forest_index(pybind11::module_& m);
 // Nonzero bytes of m[0..n) (defined in forest_index.cpp).
 std::int64_t l2_count_nonzero(const std::uint8_t* m, std::int64_t n);
-void register_forest_index(pybind11::module_& m);
 // The loss-mask exceptions' targets (megatron_harts.planner.cost_model._exception_targets_python)
 // of a forest of S segments, N trajectories, U rows and E exceptions (et, ep, ev): added[S] and
 // delta[N] written; raises ValueError on an exception out of range (defined in forest_index.cpp).

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from test_l2_executed import check_executes_as_planned
 
-from megatron_harts.planner import l2 as l2_search
-from megatron_harts.planner import l2_bruteforce
+from megatron_harts.planner import l2, l2_bruteforce
 from megatron_harts.planner.cost_model import CostModel, ForestIndex
 from megatron_harts.planner.l1 import plan_l1
 from megatron_harts.planner.metrics import plan_metrics
@@ -17,7 +16,7 @@ from megatron_harts.planner.microbatch import packing_key
 from megatron_harts.tree_data import build_forest
 from megatron_harts.tree_data.synthetic import SweConfig, synthesize_swe
 
-needs_core = pytest.mark.skipif(l2_search._SEARCH is None, reason="megatron_harts._C is not built")
+needs_core = pytest.mark.skipif(l2._SEARCH is None, reason="megatron_harts._C is not built")
 
 
 def _csr(lists):
@@ -26,7 +25,7 @@ def _csr(lists):
     return off, np.array([x for xs in lists for x in xs], dtype=np.int64)
 
 
-def random_instance(seed: int, units: int, dp: int, bins: int) -> l2_search.L2Instance:
+def random_instance(seed: int, units: int, dp: int, bins: int) -> l2.L2Instance:
     """A core of segments 0..2 (a chain; in every other instance two blocks, 0 and 1..2 below it), items
     below it (their path: the core's top 1..3 segments, some with a segment of their own recomputed, some
     cut in two pieces), free
@@ -68,7 +67,7 @@ def random_instance(seed: int, units: int, dp: int, bins: int) -> l2_search.L2In
         nxt += 2
     total = int(length.sum())
     cell0 = rng.integers(0, dp * bins, units).astype(np.int64)
-    return l2_search.L2Instance(length, pairs, logits, np.array(kind, dtype=np.int64), np.array(win, dtype=np.int64),
+    return l2.L2Instance(length, pairs, logits, np.array(kind, dtype=np.int64), np.array(win, dtype=np.int64),
                                 np.array(up, dtype=np.int64), np.array(replay, dtype=np.int64), *_csr(own), *_csr(rec), *_csr(path), cell0, dp,
                                 bins, int(rng.integers(total // 3, total)), 0.02, 4.5e-5, 1.4e-9, 5.7e-6, 9e-6,
                                 int(rng.integers(total // 2, total)), 100 * 4.5e-5)
@@ -81,7 +80,7 @@ def test_search_reaches_the_brute_force_optimum(seed, units, dp, bins):
         units -= 1
     inst = random_instance(seed, units, dp, bins)
     best, _ = l2_bruteforce.optimum(inst)
-    cells, reads, (overflow, primary, _), _, step, _ = l2_search.search(inst, 20000)
+    cells, reads, (overflow, primary, _), _, step, _ = l2.search(inst, 20000)
     assert (overflow, primary) <= (best[0], best[1] + 1e-9 * (1 + abs(best[1])))
     # the compiled objective is the Python one, on the state it returns (slots as run)
     o = l2_bruteforce.objective(inst, cells.tolist())
@@ -104,10 +103,10 @@ def test_a_chain_stops_once_its_patience_runs_out(monkeypatch):
     cut short; with a patience of the whole budget every try is made."""
     inst = random_instance(3, 6, 2, 3)
     moves = 200000
-    *_, tries = l2_search.search(inst, moves)
+    *_, tries = l2.search(inst, moves)
     assert 0 < tries < moves
-    monkeypatch.setattr(l2_search, "PATIENCE", 1.0)
-    *_, every = l2_search.search(inst, moves)
+    monkeypatch.setattr(l2, "PATIENCE", 1.0)
+    *_, every = l2.search(inst, moves)
     assert every == moves
 
 
@@ -130,7 +129,7 @@ def test_search_plans_are_valid_no_worse_than_l1_and_run_as_planned(dp, scheme):
     model = CostModel()
     M = int(ix.tree_max_path.max()) * 2
     l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
-    plan = l2_search.plan_l2(forest, l1, cost_model=model, index=ix)
+    plan = l2.plan_l2(forest, l1, cost_model=model, index=ix)
     plan.validate(forest)
     assert plan.planner == "harts_l1l2"
     assert plan.tokens_computed <= l1.tokens_computed
@@ -143,10 +142,10 @@ def test_search_budget_is_the_effort_knob():
     forest = _forest(7, "tree-step")
     ix = ForestIndex(forest)
     l1 = plan_l1(forest, 2, int(ix.tree_max_path.max()) * 2, index=ix)
-    none = l2_search.plan_l2(forest, l1, index=ix, moves=0)
+    none = l2.plan_l2(forest, l1, index=ix, moves=0)
     assert plan_metrics(none)["step_cost"] <= plan_metrics(l1)["step_cost"]
-    a = l2_search.plan_l2(forest, l1, index=ix, moves=5000)
-    b = l2_search.plan_l2(forest, l1, index=ix, moves=5000)
+    a = l2.plan_l2(forest, l1, index=ix, moves=5000)
+    b = l2.plan_l2(forest, l1, index=ix, moves=5000)
     assert [m.owned.tolist() for m in a.microbatches] == [m.owned.tolist() for m in b.microbatches]
 
 
@@ -173,8 +172,8 @@ def test_without_the_compiled_core_l1_plans_and_the_planner_says_so_once(monkeyp
         got = plan_calls([-1, 0], [0, 5], [5, 7], 4)  # the reference, silently after the one warning
         ref = plan_calls([-1, 0], [0, 5], [5, 7], 4, backend="python")
         assert (got.num_calls, got.replay_tokens) == (ref.num_calls, ref.replay_tokens)
-        monkeypatch.setattr(l2_search, "_SEARCH", routine)
-        plan = l2_search.plan_l2(forest, l1, index=ix)
+        monkeypatch.setattr(l2, "_SEARCH", routine)
+        plan = l2.plan_l2(forest, l1, index=ix)
     assert [m.owned.tolist() for m in plan.microbatches] == [m.owned.tolist() for m in l1.microbatches]
 
 
@@ -190,8 +189,8 @@ def test_an_extension_without_a_routine_is_refused_at_lookup():
 @pytest.mark.parametrize("dp", [1, 2, 4])
 def test_the_window_packing_start(dp):
     """window_start: every unit in the grid it names; a produced tree's blocks in one producer bin, unless there
-    are several replicas and the tree has more rows than one replica's share (then it is cut at its blocks: each
-    block's bin holds no block of another window, and the tree's blocks sit on two or more replicas); an item on
+    are several replicas and the tree has more rows than one replica's share (then it is cut at its blocks: the
+    tree's blocks sit on two or more replicas); an item on
     its block's replica outside a producer bin reads that producer (on one replica every item is there); no bin
     over the row budget (the search's objective on that state, no move made, has no overflow)."""
     forest = _forest(dp + 10, "tree-step")
@@ -199,15 +198,15 @@ def test_the_window_packing_start(dp):
     model = CostModel()
     M = int(ix.tree_max_path.max()) * 2
     l1 = plan_l1(forest, dp, M, cost_model=model, index=ix)
-    inst = l2_search.l2_units(ix, l1, model, model.chunk_size, l1.tokens_computed)
+    inst = l2.l2_units(ix, l1, model, model.chunk_size, l1.tokens_computed)
     assert (inst.kind == 0).any() and (inst.kind == 1).any()
-    cells, slots = l2_search.window_start(inst)
+    cells, slots = l2.window_start(inst)
     assert slots >= inst.slots and cells.min() >= 0 and cells.max() < dp * slots
     at = dataclasses.replace(inst, cell0=cells, slots=slots)
-    got, reads, (overflow, _, _), _, _, _ = l2_search.search(at, 0)
+    got, reads, (overflow, _, _), _, _, _ = l2.search(at, 0)
     assert overflow == 0
-    bare = l2_search._rows(inst, "own") + l2_search._rows(inst, "rec")
-    full = bare + l2_search._rows(inst, "path")
+    bare = l2._rows(inst, "own") + l2._rows(inst, "rec")
+    full = bare + l2._rows(inst, "path")
     tree = {}
     for u in range(inst.num_units):
         t = u if inst.kind[u] == 0 else int(inst.win[u]) if inst.kind[u] == 1 else -1
@@ -242,10 +241,10 @@ def test_both_starts_searched_and_the_better_kept():
     ix = ForestIndex(forest)
     model = CostModel()
     l1 = plan_l1(forest, 2, int(ix.tree_max_path.max()) * 2, cost_model=model, index=ix)
-    both = l2_search.plan_l2(forest, l1, cost_model=model, index=ix)
-    inst = l2_search.l2_units(ix, l1, model, model.chunk_size, l1.tokens_computed)
-    cells, reads, *_ = l2_search.search(inst, l2_search.default_moves(inst.num_units))
-    groups, placement = l2_search.groups_of(inst, cells, reads)
+    both = l2.plan_l2(forest, l1, cost_model=model, index=ix)
+    inst = l2.l2_units(ix, l1, model, model.chunk_size, l1.tokens_computed)
+    cells, reads, *_ = l2.search(inst, l2.default_moves(inst.num_units))
+    groups, placement = l2.groups_of(inst, cells, reads)
     alone = packing_key(ix, groups, placement, dp=2, row_budget=l1.row_budget, cost_model=model)
     bound = min(alone[0], plan_metrics(l1)["step_cost"]) if alone[1] <= l1.tokens_computed else \
         plan_metrics(l1)["step_cost"]
@@ -263,7 +262,7 @@ def test_starts_side_by_side_plan_as_one_after_another(monkeypatch):
     plans = []
     for n in (1, 2):
         monkeypatch.setattr(threads, "PLAN_THREADS", n)
-        plans.append(l2_search.plan_l2(forest, l1, cost_model=model, index=ix))
+        plans.append(l2.plan_l2(forest, l1, cost_model=model, index=ix))
     one, two = ([(m.replica, m.slot, m.owned.tolist(), m.recomputed.tolist()) for m in p.microbatches]
                 for p in plans)
     assert one == two and plan_metrics(plans[0])["windows"] > 0

@@ -27,10 +27,11 @@ window runs.  A core whose blocks sit in several bins is a cut window: a produce
 (sum over slots of the costliest bin, each bin costed by the cost model's terms, KDA calls
 estimated as one per microbatch and replay as the reading items' replay) plus ``TOKEN_PENALTY`` row
 costs per token computed above L1's tokens plus the mean replica's load (the sum of the bin costs over
-``dp``), then the tokens (as the judge breaks ties), then the sum of squared bin costs.  With several replicas most moves leave every slot's costliest
-bin as it is, so the step alone cannot tell a state that spreads work into extra microbatches or
-recomputes a path under another replica's costliest bin from one that does not; the load can, and the
-search then keeps its microbatches full and its windows read (the judge keeps a plan by its step).
+``dp``), then the tokens (as the judge breaks ties), then the sum of squared bin costs.  With several
+replicas most moves leave every slot's costliest bin as it is, so the step alone cannot tell a state that
+spreads work into extra microbatches or recomputes a path under another replica's costliest bin from one
+that does not; the load can, and the search then keeps its microbatches full and its windows read (the
+judge keeps a plan by its step).
 
 **Moves**: a unit to another bin (any, the lightest of a slot, or one of its producer's replica; a
 core's top block with the blocks below it in its bin); every unit of a bin into another (a
@@ -59,8 +60,9 @@ early once ``PATIENCE`` of its budget has passed without a new best; the best st
 following it while that replica stays within its share of the rows (the others, with their paths, onto the
 least loaded replica); with several replicas a tree larger than one replica's share is cut at its blocks
 first, each block a window of its own with the items below it (its bin computes the core above it), so that
-its items read on several replicas instead of recomputing their paths; per replica the cores best fit into producer bins, each producer's items best fit
-into bins reading it (or a producer bin with room), then the rest best fit anywhere.  Local moves from L1's
+its items read on several replicas instead of recomputing their paths; per replica the cores best fit into
+producer bins, each producer's items best fit into bins reading it (or a producer bin with room), then the
+rest best fit anywhere.  Local moves from L1's
 placement seldom reach a packing of few, full windows that this start has from the outset, while L1's
 placement wins where the windows matter little.  Each start is searched with the whole budget, side by side
 on two threads (``threads.concurrently``: the compiled search releases the GIL), and both results are judged;
@@ -89,8 +91,9 @@ from .l1 import plan_l1, split_piece
 from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, slot_step
 from .threads import concurrently
 
-__all__ = ["plan_l2", "plan_harts", "step_cost", "l2_units", "most_shared_top", "L2Instance", "search", "groups_of",
-           "window_start", "windows_in_turn", "default_moves", "TOKEN_PENALTY", "MOVES", "PATIENCE", "TEMPERATURE", "EXTRA_SLOTS"]
+__all__ = ["plan_l2", "plan_harts", "step_cost", "l2_units", "most_shared_top", "L2Instance", "search",
+           "groups_of", "window_start", "windows_in_turn", "default_moves", "TOKEN_PENALTY", "MOVES", "PATIENCE",
+           "TEMPERATURE", "EXTRA_SLOTS"]
 
 #: cost of a token computed above L1's tokens, in row costs (``CostCoefficients.row``): steep, as a
 #: plan computing more than L1 is never kept, but finite, so that the search may pass through such
@@ -410,9 +413,10 @@ def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
 
 
 def search(inst: L2Instance, moves: int, seed: int = 0):
-    """``_C.l2_search`` on ``inst`` (``seed`` added to the planner's seed): (cell per unit (``replica * slots + slot``, slots as run), reads per unit,
-    objective (rows over the budget, step + penalty, sum of squared costs), estimated tokens, estimated step, tries
-    made (fewer than ``moves`` where the chain ran out of patience))."""
+    """``_C.l2_search`` on ``inst``, ``seed`` added to the planner's seed: (cell per unit (``replica * slots +
+    slot``, slots as run), reads per unit, objective (rows over the budget, step + penalty, sum of squared
+    costs), estimated tokens, estimated step, tries made (fewer than ``moves`` where the chain ran out of
+    patience))."""
     return _SEARCH(inst.length, inst.pairs, inst.logits, inst.kind, inst.win, inst.up, inst.replay, inst.own_off,
                    inst.own, inst.rec_off, inst.rec, inst.path_off, inst.path, inst.cell0, inst.dp, inst.slots,
                    inst.row_budget, inst.overhead, inst.c_row, inst.c_pair, inst.c_logit, inst.c_replay,
@@ -454,11 +458,14 @@ def windows_in_turn(inst: L2Instance, cells: np.ndarray, reads: np.ndarray) -> n
         source[int(cells[u])] = int(cells[inst.win[u]])
     producers = {int(c) for c in cells[inst.kind == 0].tolist()}
     used = sorted(set(cells.tolist()))
+    readers: Dict[int, List[int]] = {}                  # per producer bin the bins reading it, in order
+    for d in used:
+        if d in source:
+            readers.setdefault(source[d], []).append(d)
     order = []
     for c in used:
         if c in producers:
-            order.append(c)
-            order += [d for d in used if source.get(d) == c]
+            order += [c] + readers.get(c, [])
     order += [d for d in used if d not in producers and d not in source]
     slot = {c: k for k, c in enumerate(order)}
     return np.array([slot[int(c)] for c in cells.tolist()], dtype=np.int64)
@@ -510,10 +517,9 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         budget = default_moves(inst.num_units) if moves is None else int(moves)
         best = (keep_key, None, None)                  # (judged key, groups and placement, judged parts)
 
-        jobs = [(inst, budget, 0)]
-        if (inst.kind == 0).any():                     # a produced tree: the window packing too
+        if (inst.kind == 0).any():                     # a produced tree: L1's placement and the window packing
             cells, slots = window_start(inst)
-            jobs.append((dataclasses.replace(inst, cell0=cells, slots=slots), budget, 0))
+            jobs = [(inst, budget, 0), (dataclasses.replace(inst, cell0=cells, slots=slots), budget, 0)]
         else:                                          # one start: two chains of half the budget, side by side
             jobs = [(inst, budget // 2, 0), (inst, budget // 2, 1)]
         for (at, _, _), (cells, reads, *_) in zip(jobs, concurrently(lambda job: search(*job), jobs)):
@@ -543,7 +549,7 @@ def plan_harts(forest, dp: int, row_budget: int, *, cost_model: Optional[CostMod
 
 
 def step_cost(plan: MicrobatchPlan) -> float:
-    """Modelled step time: sum over slots of the costliest microbatch (``l2.step_cost``)."""
+    """Modelled step time: sum over slots of the costliest microbatch (an idle replica counting 0.0)."""
     R, S = plan.slots.shape
     mbs = plan.microbatches
     return slot_step(R, S, [m.slot for m in mbs], [m.cost for m in mbs])

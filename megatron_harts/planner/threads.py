@@ -1,5 +1,5 @@
-"""Independent planner passes side by side: the compiled searches release the GIL while they run, so passes
-over one instance (L2's starts, the staged planner's balance passes) use a machine's cores."""
+"""Independent planner passes side by side: the compiled search releases the GIL while it runs, so passes
+over one instance (L2's two search chains) use a machine's cores."""
 from __future__ import annotations
 
 import os
