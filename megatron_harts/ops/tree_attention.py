@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import CompactLayout, Visibility, host_to_device
-from .interval_attention import IntervalBlocks, build_interval_blocks, interval_attention, interval_available
+from .interval_attention import IntervalBlocks, build_interval_blocks, interval_attention
 from .key_paths import KeyPaths, build_key_paths, default_kernel, path_attention
 
 __all__ = ["tree_attention", "build_tree_block_mask", "set_flex_compile_mode", "BACKENDS"]
@@ -328,10 +328,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility
                              f"expected {(R, R + n_ctx)}")
         return path_attention(q, k_all, v_all, key_paths, scale,
                               kernel=varlen_kernel or default_kernel(q, v.shape[-1]))
-    if backend == "interval":
-        reason = interval_available(q.device)
-        if reason is not None:
-            raise ValueError(f"tree attention backend 'interval': {reason}; use backend 'varlen', 'flex' or 'sdpa'")
+    if backend == "interval":      # interval_attention says why where its kernels cannot run
         if interval_blocks is None:
             interval_blocks = build_interval_blocks(vis, ctx_vis, device=q.device)
         return interval_attention(q, k_all, v_all, interval_blocks, scale)
