@@ -144,6 +144,8 @@ class Search {
         ncore_.assign(R_ * S_, 0);
         prod_.assign(R_, 0);
         reading_.assign(U_, 0);
+        tree_at_.assign(U_, 0);
+        tree_stamp_.assign(U_, 0);
         value_.assign(R_ * S_, CellValue());
         order_.assign(R_, std::vector<double>(S_, 0.0));
         order_bin_.assign(R_, std::vector<i64>(S_, 0));
@@ -308,19 +310,21 @@ class Search {
         for (i64 u : us) reading_[u] = 0;
         if (ncore_[c] > 0) return -1;
         const i64 r = c / S_;
-        trees_.clear();  // (top block, producer cell (-2: mixed), path rows)
+        trees_.clear();  // (top block, producer cell (-2: mixed), path rows), in order of first sight
+        ++tree_epoch_;   // tree_at_[top]: its place in trees_ where tree_stamp_[top] is this epoch
         for (i64 u : us) {
             if (kind_[u] != 1) continue;
             const i64 p = allowed(u, r) ? cell_of_[win_[u]] : -2;
-            bool found = false;
-            for (auto& t : trees_)
-                if (std::get<0>(t) == top_[u]) {
-                    if (std::get<1>(t) != p) std::get<1>(t) = -2;
-                    std::get<2>(t) += path_rows_[u];
-                    found = true;
-                    break;
-                }
-            if (!found) trees_.emplace_back(top_[u], p, path_rows_[u]);
+            const i64 top = top_[u];
+            if (tree_stamp_[top] == tree_epoch_) {
+                auto& t = trees_[tree_at_[top]];
+                if (std::get<1>(t) != p) std::get<1>(t) = -2;
+                std::get<2>(t) += path_rows_[u];
+            } else {
+                tree_stamp_[top] = tree_epoch_;
+                tree_at_[top] = static_cast<i64>(trees_.size());
+                trees_.emplace_back(top, p, path_rows_[u]);
+            }
         }
         cand_.clear();
         for (const auto& t : trees_) {
@@ -342,14 +346,8 @@ class Search {
                 best_gain = pg.second;
             }
         if (best < 0) return -1;
-        for (i64 u : us) {
-            if (kind_[u] != 1 || cell_of_[win_[u]] != best) continue;
-            for (const auto& t : trees_)
-                if (std::get<0>(t) == top_[u]) {
-                    reading_[u] = std::get<1>(t) == best ? 1 : 0;
-                    break;
-                }
-        }
+        for (i64 u : us)
+            if (kind_[u] == 1 && cell_of_[win_[u]] == best) reading_[u] = std::get<1>(trees_[tree_at_[top_[u]]]) == best ? 1 : 0;
         return best;
     }
 
@@ -849,6 +847,8 @@ class Search {
     std::vector<Room> est_;
     std::vector<std::pair<i64, i64>> plan_;
     std::vector<std::tuple<i64, i64, i64>> trees_;
+    std::vector<i64> tree_at_, tree_stamp_;
+    i64 tree_epoch_ = 0;
     std::vector<std::pair<i64, CellValue>> old_;
 };
 
