@@ -181,6 +181,9 @@ def main(argv=None) -> int:
     if args.write_calibration:
         save_calibration(args.write_calibration, model,
                          {"origin": args.calibration or "megatron_harts.planner.cost_model defaults"})
+    if not ortools_available():
+        print("bench_planner: OR-Tools is not installed (pip install -e '.[bench]'): the ortools_ffd rows read n/a",
+              file=sys.stderr, flush=True)
     plan_all(swe_batch("tree-step", 8, args.seed), 2, args.budget, model, 1.0)  # warm-up: imports, caches
     results = []
     header = ("scheme", "traj", "dp", "planner", "compression", "executed", "balance", "balance_p5", "step_min",
