@@ -1,7 +1,7 @@
 // The forest index: the C++ core of megatron_harts.planner.cost_model.ForestIndex (the Python
 // reference beside it: ForestIndex._build_python; tests/test_forest_index.py holds the two equal
 // on every array).  Also the loss-mask exceptions' targets (_exception_targets_python), shared
-// with _C.l2_exception_targets.
+// with _C.exception_targets.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -14,7 +14,14 @@
 namespace py = pybind11;
 using i64 = std::int64_t;
 
-void l2_exception_core(i64 S, i64 N, i64 U, i64 E, const i64* parent, const i64* start,
+namespace {
+
+i64 count_nonzero(const std::uint8_t* m, i64 n);
+
+// The loss-mask exceptions' targets (megatron_harts.planner.cost_model._exception_targets_python)
+// of a forest of S segments, N trajectories, U rows and E exceptions (et, ep, ev): added[S] and
+// delta[N] written; raises ValueError on an exception out of range.
+void exception_targets_core(i64 S, i64 N, i64 U, i64 E, const i64* parent, const i64* start,
                        const i64* length, const i64* seg_row, const i64* leaf,
                        const std::uint8_t* mask, const i64* last, const i64* et, const i64* ep,
                        const std::uint8_t* ev, i64* added, i64* delta) {
@@ -76,10 +83,10 @@ void l2_exception_core(i64 S, i64 N, i64 U, i64 E, const i64* parent, const i64*
         }
     }
     if (cur >= 0) delta[cur] += dt;
-    for (i64 s = 0; s < S; ++s) added[s] = l2_count_nonzero(flag.data() + seg_row[s], length[s]);
+    for (i64 s = 0; s < S; ++s) added[s] = count_nonzero(flag.data() + seg_row[s], length[s]);
 }
 
-i64 l2_count_nonzero(const std::uint8_t* m, i64 n) {
+i64 count_nonzero(const std::uint8_t* m, i64 n) {
     i64 total = 0;
     while (n > 0) {  // blocks of at most 255 bytes summed in 8-bit lanes the compiler vectorizes
         const i64 k = std::min<i64>(n, 255);
@@ -91,8 +98,6 @@ i64 l2_count_nonzero(const std::uint8_t* m, i64 n) {
     }
     return total;
 }
-
-namespace {
 
 using I64In = py::array_t<i64, py::array::c_style | py::array::forcecast>;
 using U8In = py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>;
@@ -155,7 +160,7 @@ py::tuple forest_index(I64In parent_a, I64In start_a, I64In length_a, I64In row_
     for (i64 s = 0; s < S; ++s) {
         const i64 st = start[s], ln = length[s];
         pairs[s] = ln * st + ln * (ln + 1) / 2;
-        seg_mask[s] = l2_count_nonzero(mask + row[s], ln);
+        seg_mask[s] = count_nonzero(mask + row[s], ln);
         first[s] = mask[row[s]];
     }
     for (i64 s = 0; s < S; ++s)
@@ -166,7 +171,7 @@ py::tuple forest_index(I64In parent_a, I64In start_a, I64In length_a, I64In row_
     for (i64 s = 0; s < S; ++s) logits[s] = seg_mask[s] - first[s] + last[s];
     std::vector<i64> added(S), delta(N);
     if (E) {
-        l2_exception_core(S, N, U, E, parent, start, length, row, leaf, mask, last.data(),
+        exception_targets_core(S, N, U, E, parent, start, length, row, leaf, mask, last.data(),
                           exc_traj_a.data(), exc_pos_a.data(), exc_value_a.data(), added.data(),
                           delta.data());
         for (i64 s = 0; s < S; ++s) logits[s] += added[s];
@@ -220,7 +225,7 @@ py::tuple forest_index(I64In parent_a, I64In start_a, I64In length_a, I64In row_
 // start unless p lies in the segment of the exception before), the change to t's target count and, where v
 // sets a target the row mask does not, the row predicting it, counted once per segment unless the row masks
 // count it already (`last`: a segment's last row counted).
-py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I64In seg_row_a, I64In leaf_a,
+py::tuple exception_targets(I64In parent_a, I64In start_a, I64In length_a, I64In seg_row_a, I64In leaf_a,
                                U8In row_mask_a, I64In last_a, I64In exc_traj_a, I64In exc_pos_a, U8In exc_value_a) {
     const i64 S = parent_a.shape(0), N = leaf_a.shape(0), U = row_mask_a.shape(0), E = exc_traj_a.shape(0);
     if (start_a.shape(0) != S || length_a.shape(0) != S || seg_row_a.shape(0) != S || last_a.shape(0) != S)
@@ -228,7 +233,7 @@ py::tuple l2_exception_targets(I64In parent_a, I64In start_a, I64In length_a, I6
     if (exc_pos_a.shape(0) != E || exc_value_a.shape(0) != E)
         throw py::value_error("exception arrays must have one entry per exception");
     py::array_t<i64> added_a(S), delta_a(N);
-    l2_exception_core(S, N, U, E, parent_a.data(), start_a.data(), length_a.data(),
+    exception_targets_core(S, N, U, E, parent_a.data(), start_a.data(), length_a.data(),
                       seg_row_a.data(), leaf_a.data(), row_mask_a.data(), last_a.data(),
                       exc_traj_a.data(), exc_pos_a.data(), exc_value_a.data(),
                       added_a.mutable_data(), delta_a.mutable_data());
@@ -247,7 +252,7 @@ void register_forest_index(py::module_& m) {
           "seg_logits, sub_rows, sub_size, traj_targets, tree_max_path, tree_longest_traj, "
           "tree_rows, seg_tree, "
           "children lists).");
-    m.def("l2_exception_targets", &l2_exception_targets, py::arg("parent"), py::arg("start"), py::arg("length"),
+    m.def("exception_targets", &exception_targets, py::arg("parent"), py::arg("start"), py::arg("length"),
           py::arg("seg_row"), py::arg("traj_leaf"), py::arg("row_loss_mask"), py::arg("last"), py::arg("exc_traj"),
           py::arg("exc_pos"), py::arg("exc_value"),
           "(per segment its rows predicting targets only loss-mask exceptions set, per trajectory the change to "

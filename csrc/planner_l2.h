@@ -36,17 +36,6 @@ void register_l2_search(pybind11::module_& m);
 void register_l1(pybind11::module_& m);
 // The forest index and the loss-mask exceptions' targets (csrc/forest_index.cpp), registered by register_l2.
 void register_forest_index(pybind11::module_& m);
-// Nonzero bytes of m[0..n) (defined in forest_index.cpp).
-std::int64_t l2_count_nonzero(const std::uint8_t* m, std::int64_t n);
-// The loss-mask exceptions' targets (megatron_harts.planner.cost_model._exception_targets_python)
-// of a forest of S segments, N trajectories, U rows and E exceptions (et, ep, ev): added[S] and
-// delta[N] written; raises ValueError on an exception out of range (defined in forest_index.cpp).
-void l2_exception_core(std::int64_t S, std::int64_t N, std::int64_t U, std::int64_t E,
-                       const std::int64_t* parent, const std::int64_t* start,
-                       const std::int64_t* length, const std::int64_t* seg_row,
-                       const std::int64_t* leaf, const std::uint8_t* mask, const std::int64_t* last,
-                       const std::int64_t* et, const std::int64_t* ep, const std::uint8_t* ev,
-                       std::int64_t* added, std::int64_t* delta);
 
 // Cost features of one microbatch computing comp[0..m) (sorted, distinct) and owning own[0..mo):
 // out = rows, attention pairs, KDA calls, replay tokens, logits rows, external rows

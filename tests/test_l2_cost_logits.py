@@ -54,7 +54,7 @@ def test_step_wise_logits_rows_match_the_layout_rule():
 
 @pytest.mark.parametrize("seed", [0, 3])
 def test_compiled_exception_targets_match_python(seed):
-    # _C.l2_exception_targets equals its Python reference on step-wise forests (many exceptions)
+    # _C.exception_targets equals its Python reference on step-wise forests (many exceptions)
     from megatron_harts.planner import cost_model as cm
     if cm._EXC_TARGETS is None:
         pytest.skip("the compiled extension is not built")

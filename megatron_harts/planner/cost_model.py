@@ -238,12 +238,12 @@ class ForestIndex:
 
 
 _FOREST_INDEX = compiled("forest_index")  # ForestIndex._build_python, compiled
-_EXC_TARGETS = compiled("l2_exception_targets")  # _exception_targets_python, compiled
+_EXC_TARGETS = compiled("exception_targets")  # _exception_targets_python, compiled
 
 
 def _exception_targets(f, parent: np.ndarray, start: np.ndarray, length: np.ndarray, seg_row: np.ndarray,
                        last: np.ndarray):
-    """``_exception_targets_python``'s arrays, from the compiled ``_C.l2_exception_targets`` when it is
+    """``_exception_targets_python``'s arrays, from the compiled ``_C.exception_targets`` when it is
     built (the same values)."""
     exc = f.exc_loss_mask
     if _EXC_TARGETS is not None and exc.traj.size:
