@@ -208,6 +208,11 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
         if sum(length[s] for s in core) < min_producer_rows:
             del cores[t]
     kind, win, up, replay, own, rec, path, cell0 = [], [], [], [], [], [], [], []
+
+    def unit(k: int, w: int, u: int, rp: int, o: List[int], r: List[int], pa: List[int], cell: int) -> None:
+        for column, value in zip((kind, win, up, replay, own, rec, path, cell0), (k, w, u, rp, o, r, pa, cell)):
+            column.append(value)
+
     block_unit: Dict[int, int] = {}  # a core segment -> the unit of its block
     core_cell: Dict[int, int] = {}
     for t in sorted(cores):  # blocks first: an item names its block's unit
@@ -219,18 +224,12 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
                 own[block_unit[s]].append(s)
                 continue
             block_unit[s] = len(kind)
-            kind.append(0)
-            win.append(-1)
-            up.append(block_unit[p] if p in core else -1)
-            replay.append(0)
-            own.append([s])
-            rec.append([])
             above, a = [], p
             while a >= 0:
                 above.append(a)
                 a = par[a]
-            path.append(sorted(above))
-            cell0.append(t)  # the tree, until its core's cell is known
+            # its cell for now the tree's number, until its core's cell is known
+            unit(0, -1, block_unit[p] if p in core else -1, 0, [s], [], sorted(above), t)
     for m in mbs:
         cell = m.replica * slots + m.slot
         per: Dict[int, Tuple[List[int], List[int]]] = {}
@@ -242,14 +241,7 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
             if not o:
                 continue
             if t not in cores:
-                kind.append(2)
-                win.append(-1)
-                up.append(-1)
-                replay.append(0)
-                own.append(o)
-                rec.append(r)
-                path.append([])
-                cell0.append(cell)
+                unit(2, -1, -1, 0, o, r, [], cell)
                 continue
             core = cores[t]
             if core & set(o) and (t not in core_cell or min(core) in o):
@@ -282,14 +274,7 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
                     pieces = [(sorted(o), sorted(r)) for o, r, _ in
                               split_piece(ix, sorted(part), below, max(start[root] + cut, deepest))]
                 for o, r in pieces:
-                    kind.append(1)
-                    win.append(block_unit[max(above)])
-                    up.append(-1)
-                    replay.append(rp)
-                    own.append(o)
-                    rec.append(r)
-                    path.append(above)
-                    cell0.append(cell)
+                    unit(1, block_unit[max(above)], -1, rp, o, r, above, cell)
     for u in range(len(kind)):
         if kind[u] == 0:
             cell0[u] = core_cell[cell0[u]]
@@ -508,10 +493,8 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
     model, ix, keep = l1_as_l1l2(forest, l1, cost_model, index)
     dp, M = l1.num_replicas, l1.row_budget
     mpr = model.chunk_size if min_producer_rows is None else int(min_producer_rows)
-    plan = keep
-    if _SEARCH is None:  # no compiled core (said once by planner.compiled): L1's plan
-        pass
-    elif l1.microbatches:
+    plan = keep                                        # without the compiled core (said once by planner.compiled)
+    if _SEARCH is not None and l1.microbatches:
         keep_key = (step_cost(keep), keep.tokens_computed)
         inst = l2_units(ix, l1, model, mpr, keep_key[1])
         budget = default_moves(inst.num_units) if moves is None else int(moves)
