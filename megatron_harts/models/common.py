@@ -90,6 +90,68 @@ def rows_linear(layer, x: torch.Tensor) -> torch.Tensor:
     return layer(x.unsqueeze(1))[0].squeeze(1)
 
 
+class _SharedInputLinears(torch.autograd.Function):
+    """``x @ cat(weights).T``: the linears reading one input as one GEMM each way (see
+    :func:`shared_input_linears`).  ``owners[i]``: the megatron linear owning ``weights[i]`` (its weight
+    gradient then follows that linear's gradient-accumulation fusion), or None (a plain tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, owners, *weights):
+        w = torch.cat(weights) if len(weights) > 1 else weights[0]
+        ctx.save_for_backward(x, w)
+        ctx.owners = owners
+        ctx.sizes = [int(t.shape[0]) for t in weights]
+        return x.mm(w.t())
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dy.mm(w) if ctx.needs_input_grad[0] else None
+        grads, off = [], 0
+        for i, n in enumerate(ctx.sizes):
+            g, off = dy[:, off:off + n], off + n
+            if not ctx.needs_input_grad[2 + i]:
+                grads.append(None)
+            elif ctx.owners[i] is not None and getattr(ctx.owners[i], "gradient_accumulation_fusion", False):
+                grads.append(_accumulate_main_grad(ctx.owners[i].weight, g, x))
+            else:
+                grads.append(g.t().mm(x))
+        return (dx, None, *grads)
+
+
+def _accumulate_main_grad(weight, grad_output, total_input):
+    """A linear's weight gradient added into its ``main_grad`` inside the GEMM, as megatron-core's
+    linears do under ``gradient_accumulation_fusion``; returns the placeholder gradient they return."""
+    from megatron.core.tensor_parallel import layers
+    fused = layers.fused_weight_gradient_mlp_cuda
+    if weight.main_grad.dtype == torch.float32:
+        fused.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)
+    elif weight.main_grad.dtype in (torch.float16, torch.bfloat16):
+        fused.wgrad_gemm_accum_fp16(total_input, grad_output, weight.main_grad)
+    else:
+        raise RuntimeError(f"gradient accumulation fusion: main_grad of dtype {weight.main_grad.dtype} is not supported")
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    weight.grad_added_to_main_grad = True
+    return make(weight.main_grad.shape, dtype=total_input.dtype, device=weight.main_grad.device)
+
+
+def shared_input_linears(x: torch.Tensor, parts: Sequence) -> List[torch.Tensor]:
+    """The outputs [N, out_i] of several linears without bias reading the same rows ``x`` [N, in]: one
+    GEMM forward into [N, sum of out_i] (the outputs are its column blocks), one GEMM for the input's
+    gradient (where each linear alone would run its own and autograd would sum them), and per weight
+    its gradient GEMM as before.  ``parts``: per linear a megatron linear applied to rows already
+    gathered (:func:`local_column_linear`: no communication; its weight gradient accumulates into
+    ``main_grad`` where its gradient-accumulation fusion is on) or a weight tensor [out, in] (a plain
+    or :func:`tp_replicated` weight).  The same values as :func:`rows_linear` / ``F.linear`` per part,
+    to the GEMM's rounding."""
+    owners = tuple(None if isinstance(p, torch.Tensor) else p for p in parts)
+    weights = [p if isinstance(p, torch.Tensor) else p.weight for p in parts]
+    y = _SharedInputLinears.apply(x, owners, *weights)
+    return list(y.split([int(t.shape[0]) for t in weights], dim=1))
+
+
 def check_divisible(n: int, tp: int, what: str) -> int:
     if n % tp:
         raise ValueError(f"{what} ({n}) must be divisible by --tensor-model-parallel-size ({tp})")

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.parallel_state import get_tensor_model_parallel_group
@@ -57,8 +56,8 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, ma
 
 from ..ops.kda_elementwise import gated_rms_norm, kda_gate, kda_gate_reference
 from ..ops.tree_kda import get_kda_backend
-from .common import (check_divisible, local_column_linear, rows_linear, tp_input, tp_replicated, tp_size,
-                     use_fused_kernels)
+from .common import (check_divisible, local_column_linear, rows_linear, shared_input_linears, tp_input,
+                     tp_replicated, tp_size, use_fused_kernels)
 from .cores import KDACore
 from .norm import rms_normalize
 
@@ -167,17 +166,15 @@ class KimiDeltaAttention(MegatronModule):
         rows = x.reshape(s * b, hid)
         H, D = self.num_heads_local, self.head_dim
         g_tp = self.tp_group
-        q = rows_linear(self.linear_q, rows)
-        k = rows_linear(self.linear_k, rows)
-        v = rows_linear(self.linear_v, rows)
+        q, k, v, beta, fa, ga = shared_input_linears(rows, (
+            self.linear_q, self.linear_k, self.linear_v, self.linear_beta,
+            tp_replicated(self.linear_f_a.weight, g_tp), tp_replicated(self.linear_g_a.weight, g_tp)))
         fused = use_fused_kernels(self.config, rows)
-        fa = F.linear(rows, tp_replicated(self.linear_f_a.weight, g_tp))
         gate_of = kda_gate if fused else kda_gate_reference
         g = gate_of(rows_linear(self.linear_f_b, fa), self.dt_bias, self.A_log, H)
-        beta = torch.sigmoid(rows_linear(self.linear_beta, rows))
+        beta = torch.sigmoid(beta)
         o = self.core(q, k, v, g, beta, (self.conv_q_weight, self.conv_k_weight, self.conv_v_weight),
                       packed_seq_params, shape=(s, b))
-        ga = F.linear(rows, tp_replicated(self.linear_g_a.weight, g_tp))
         gate = rows_linear(self.linear_g_b, ga).view(-1, H, D)
         w_norm = tp_replicated(self.out_norm_weight, g_tp)
         eps = self.config.layernorm_epsilon

@@ -42,14 +42,14 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
 from megatron.core.parallel_state import get_tensor_model_parallel_group
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from .common import check_divisible, local_column_linear, rows_linear, tp_input, tp_replicated, tp_size
+from .common import (check_divisible, local_column_linear, rows_linear, shared_input_linears, tp_input, tp_replicated,
+                     tp_size)
 from .cores import MLACoreAttention, row_positions
 from .norm import rms_normalize
 
@@ -124,14 +124,12 @@ class TreeMLA(MegatronModule):
         rows = x.reshape(s * b, hid)
         H, dn, dr, dv = self.num_heads_local, self.dn, self.dr, self.dv
         g = self.tp_group
-        if self.q_lora_rank is None:
-            q = rows_linear(self.linear_q_proj, rows)
-        else:
-            qa = F.linear(rows, tp_replicated(self.linear_q_down_proj.weight, g))
-            qa = rms_normalize(qa, cfg.mla_latent_norm_eps) * tp_replicated(self.q_layernorm_weight, g)
+        q_in = self.linear_q_proj if self.q_lora_rank is None else tp_replicated(self.linear_q_down_proj.weight, g)
+        q, ckv = shared_input_linears(rows, (q_in, tp_replicated(self.linear_kv_down_proj.weight, g)))
+        if self.q_lora_rank is not None:
+            qa = rms_normalize(q, cfg.mla_latent_norm_eps) * tp_replicated(self.q_layernorm_weight, g)
             q = rows_linear(self.linear_q_up_proj, qa)
         q = q.view(-1, H, dn + dr)
-        ckv = F.linear(rows, tp_replicated(self.linear_kv_down_proj.weight, g))
         kv_lat, k_rope = ckv.split([cfg.kv_lora_rank, dr], dim=-1)
         kv_lat = rms_normalize(kv_lat, cfg.mla_latent_norm_eps) * tp_replicated(self.kv_layernorm_weight, g)
         k_rope = k_rope.view(-1, 1, dr)
