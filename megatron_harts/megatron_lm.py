@@ -472,9 +472,20 @@ CONFIG_REFUSALS: Tuple[Tuple[str, str, Tuple[Any, ...], Optional[str]], ...] = (
 )
 
 
+#: ``--recompute-modules`` names that megatron-core accepts but no module of the hybrid model recomputes
+#: (megatron-core itself refuses ``moe_act`` without its grouped GEMM and ``mla_up_proj`` without its own
+#: MLA): refused, not ignored.  The modules that do recompute: layernorm, mlp, moe, shared_experts.
+RECOMPUTE_MODULE_REFUSALS: Dict[str, str] = {
+    "core_attn": "the KDA and MLA cores do not recompute on their own (core_attn is also megatron-core's default "
+                 "for --recompute-granularity selective without --recompute-modules); name modules that do "
+                 "(layernorm, mlp, moe, shared_experts) or recompute whole layers (--recompute-granularity full)",
+}
+
+
 def config_refusal(config) -> Optional[str]:
     """Why ``config`` (a ``HybridConfig``, or any object with its fields) cannot be honoured by
-    Megatron-LM flag facts (:data:`SETTINGS` with a config field, :data:`CONFIG_REFUSALS`), or None."""
+    Megatron-LM flag facts (:data:`SETTINGS` with a config field, :data:`CONFIG_REFUSALS`,
+    :data:`RECOMPUTE_MODULE_REFUSALS`), or None."""
     for s in SETTINGS:
         if s.config_field is not None:
             msg = s.refusal(getattr(config, s.config_field))
@@ -484,4 +495,8 @@ def config_refusal(config) -> Optional[str]:
         value = getattr(config, field, None)
         if value not in ok:
             return f"{flag} {value!r} ({field}): {reason or unsupported_reason(flag)}"
+    if getattr(config, "recompute_granularity", None) == "selective":
+        for name in getattr(config, "recompute_modules", None) or ():
+            if name in RECOMPUTE_MODULE_REFUSALS:
+                return f"--recompute-modules {name} (recompute_modules): {RECOMPUTE_MODULE_REFUSALS[name]}"
     return None

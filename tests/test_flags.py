@@ -216,7 +216,9 @@ def test_megatron_lm_table_is_read_by_the_parser_and_the_model():
                                ({"context_parallel_size": 2}, ("--context-parallel-size 2", "context-parallel")),
                                ({"qk_layernorm": True}, ("--qk-layernorm", "QK layer norm")),
                                ({"moe_grouped_gemm": True}, ("--moe-grouped-gemm", "SequentialMLP")),
-                               ({"window_size": (4, 0)}, ("--window-size", "sliding-window"))]:
+                               ({"window_size": (4, 0)}, ("--window-size", "sliding-window")),
+                               ({"recompute_granularity": "selective"}, ("--recompute-modules core_attn",
+                                                                         "do not recompute on their own"))]:
         try:
             cfg = tiny_config(**overrides)
         except (ValueError, AssertionError) as e:      # megatron-core's own check came first
@@ -229,6 +231,7 @@ def test_megatron_lm_table_is_read_by_the_parser_and_the_model():
     refused("--normalization LayerNorm", "is a Megatron-LM setting that megatron_harts does not support",
             "the hybrid model uses RMSNorm", "accepted: RMSNorm")
     refused("--qk-layernorm", "--qk-layernorm (" + megatron_lm.unsupported_reason("--qk-layernorm"))
+    refused("--recompute-granularity selective", "--recompute-modules core_attn", "layernorm, mlp, moe, shared_experts")
 
 
 def test_dataset_shuffle_flag_reaches_the_loader(tmp_path):

@@ -141,6 +141,7 @@ def test_batched_expanded_equals_packed(cpu_world):
     ({"qk_layernorm": True}, "--qk-layernorm"),
     ({"softmax_type": "learnable"}, "--softmax-type"),
     ({"normalization": "LayerNorm"}, "--normalization"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["layernorm", "core_attn"]}, "--recompute-modules"),
 ])
 def test_build_refuses_what_the_tree_path_cannot_honour(cpu_world, overrides, flag):
     cfg = tiny_config(**overrides)

@@ -405,7 +405,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "--recompute-num-layers layers of each stage)")
     t.add_argument("--recompute-num-layers", type=_POSINT, default=None, help="layers per recomputation unit")
     t.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
-                   help="selective recomputation: megatron-core module names (default core_attn)")
+                   help="selective recomputation: megatron-core module names the hybrid model recomputes "
+                        "(layernorm, mlp, moe, shared_experts); required with --recompute-granularity selective "
+                        "(megatron-core's default, core_attn, is refused: the KDA and MLA cores do not recompute "
+                        "on their own)")
     t.add_argument("--exit-interval", type=_POSINT, default=None, help="exit after an iteration divisible by this")
     t.add_argument("--exit-duration-in-mins", type=_POSINT, default=None, help="exit after this many minutes")
     t.add_argument("--exit-signal-handler", action="store_true",
