@@ -97,18 +97,19 @@ class _SharedInputLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, owners, *weights):
-        w = torch.cat(weights) if len(weights) > 1 else weights[0]
-        ctx.save_for_backward(x, w)
+        # the weights themselves, as a linear keeps them: their concatenation is made again in the backward
+        # rather than held with the graph
+        ctx.save_for_backward(x, *weights)
         ctx.owners = owners
-        ctx.sizes = [int(t.shape[0]) for t in weights]
-        return x.mm(w.t())
+        return x.mm(_concatenated(weights).t())
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dx = dy.mm(w) if ctx.needs_input_grad[0] else None
+        x, *weights = ctx.saved_tensors
+        dx = dy.mm(_concatenated(weights)) if ctx.needs_input_grad[0] else None
         grads, off = [], 0
-        for i, n in enumerate(ctx.sizes):
+        for i, w in enumerate(weights):
+            n = int(w.shape[0])
             g, off = dy[:, off:off + n], off + n
             if not ctx.needs_input_grad[2 + i]:
                 grads.append(None)
@@ -117,6 +118,10 @@ class _SharedInputLinears(torch.autograd.Function):
             else:
                 grads.append(g.t().mm(x))
         return (dx, None, *grads)
+
+
+def _concatenated(weights) -> torch.Tensor:
+    return torch.cat(weights) if len(weights) > 1 else weights[0]
 
 
 def _accumulate_main_grad(weight, grad_output, total_input):
