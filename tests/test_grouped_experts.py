@@ -429,3 +429,39 @@ def test_fc1_keeps_the_dispatch_source_not_the_permuted_tokens(cpu_world, groupe
     assert torch.equal(out, out_ref) and torch.equal(tpe, tpe_ref) and g.keys() == g_ref.keys()
     assert all(torch.equal(g[k], g_ref[k]) for k in g)
     assert kept_ref - kept == fc1_inputs * 4          # fp32: every fc1 input (top-k copies of the tokens)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["swiglu", "fused_swiglu"])
+def test_fc2_builds_its_input_again_in_the_backward(cpu_world, grouped_calls, unfused_swiglu, fused):
+    """fc2 keeps the activation's inputs (the fc1 output and the probs, which the activation keeps for
+    its own backward) and runs the activation again in its backward instead of keeping its output:
+    outputs and every gradient are bitwise those of keeping it, and the forward saves fc2's input
+    (``top-k x width`` elements a token per MoE layer) less."""
+    cfg = tiny_config(dtype=torch.float32)
+    cfg.bias_activation_fusion = fused
+    model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 2)
+    moe = [layer.mlp for layer in model.decoder.layers if layer.is_moe_layer]
+
+    def saved_bytes():
+        seen, alive = {}, []          # every saved storage kept alive: no address is reused in the run
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            alive.append(t)
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+        grouped_calls.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = _model_run(model, cfg, False)
+        forward = grouped_calls[:2 * len(moe)]       # per MoE layer fc1, fc2 (the backward's calls follow)
+        return got, sum(seen.values()), sum(shape[0] * shape[1] for shape in forward[1::2])
+    (out, g, tpe), kept, fc2_inputs = saved_bytes()
+    for e in moe:
+        e.experts.rebuild_fc2_input = False
+    (out_ref, g_ref, tpe_ref), kept_ref, fc2_ref = saved_bytes()
+    assert fc2_inputs == fc2_ref > 0
+    assert torch.equal(out, out_ref) and torch.equal(tpe, tpe_ref) and g.keys() == g_ref.keys()
+    assert all(torch.equal(g[k], g_ref[k]) for k in g)
+    assert kept_ref - kept == fc2_inputs * 4          # fp32: every fc2 input

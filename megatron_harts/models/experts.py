@@ -94,13 +94,20 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _gather_rows(source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """fc1's input built again from the dispatch's source rows."""
+    return source.index_select(0, rows)
+
+
 class _GroupedLinear(torch.autograd.Function):
     """``y[rows of e] = x[rows of e] @ W_e^T`` for all experts e in one ``_grouped_mm``.
 
     Inputs: ``x`` [M, K] (rows grouped by expert), ``offs`` [G] int32 (cumulative row
     counts, ``offs[-1] == M``), ``empty`` [G] bool (experts with no rows), ``main_grad_only``,
-    ``gathered`` (None, or ``(source, rows)`` with ``x == source.index_select(0, rows)``: the backward
-    then gathers ``x`` again instead of keeping it), then the G weights [N, K] as autograd inputs.  Gradients: ``dx = grouped_mm(dy, W)``,
+    ``rebuild`` (None, or ``(fn, tensors)`` with ``x`` bitwise ``fn(*tensors)``: the backward keeps
+    ``tensors`` and builds ``x`` again instead of keeping it; fc1 keeps the dispatch's source and rows
+    and gathers again, fc2 keeps the fc1 output and probs the activation keeps anyway and runs the
+    activation again), then the G weights [N, K] as autograd inputs.  Gradients: ``dx = grouped_mm(dy, W)``,
     ``dW = grouped_mm(dy^T, x)`` (2d x 2d over the row groups), empty experts' ``dW`` exactly zero.
 
     ``main_grad_only``: None, or the G weights as a tuple, *not* autograd inputs (no weight after
@@ -110,24 +117,25 @@ class _GroupedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, offs, empty, main_grad_only, gathered, *weights):
+    def forward(ctx, x, offs, empty, main_grad_only, rebuild, *weights):
         if main_grad_only is not None:
             weights = main_grad_only
         w = torch.stack(weights)                                   # [G, N, K]
-        kept = (x,) if gathered is None else tuple(t.detach() for t in gathered)
+        kept = (x,) if rebuild is None else tuple(t.detach() for t in rebuild[1])
         ctx.save_for_backward(offs, empty, *kept, *weights)
-        ctx.gathered = gathered is not None
+        ctx.rebuild, ctx.kept = (None if rebuild is None else rebuild[0]), len(kept)
         ctx.main_grad_only = main_grad_only is not None
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # [M, N]
 
     @staticmethod
     def backward(ctx, dy):
         offs, empty, *rest = ctx.saved_tensors
-        if ctx.gathered:
-            source, rows, *weights = rest
-            x = source.index_select(0, rows)
+        kept, weights = rest[:ctx.kept], rest[ctx.kept:]
+        if ctx.rebuild is None:
+            x = kept[0]
         else:
-            x, *weights = rest
+            with torch.no_grad():
+                x = ctx.rebuild(*kept)
         dy = _dense(dy)
         dx = None
         if ctx.needs_input_grad[0]:
@@ -215,6 +223,9 @@ class GroupedSequentialMLP(SequentialMLP):
     """
 
     use_grouped_mm: bool = True
+    #: fc2's backward computes its input (the activation's output) again from the fc1 output and probs,
+    #: which the activation keeps anyway, instead of keeping it (off: fc2 keeps it, as a linear does)
+    rebuild_fc2_input: bool = True
     #: weights added into DDP's ``main_grad`` still get placeholder gradients (``expert_grad_hooks_off``)
     weight_grad_hooks: bool = True
     #: the MoE layer's all-gather dispatcher (``models.dispatcher``), set by the layer: where its
@@ -305,15 +316,15 @@ class GroupedSequentialMLP(SequentialMLP):
         a = a * probs.unsqueeze(-1)
         return a.to(original_dtype)
 
-    def _linear(self, x, offs, empty, weights: List[torch.Tensor], gathered=None) -> torch.Tensor:
+    def _linear(self, x, offs, empty, weights: List[torch.Tensor], rebuild=None) -> torch.Tensor:
         """One grouped linear; its weights out of autograd (``main_grad_only``) where
         :func:`expert_grad_hooks_off` asks for it, every weight accumulates into ``main_grad`` and the
         input takes part in autograd (the output's backward, which adds the weight gradients, runs).
-        ``gathered``: ``(source, rows)`` of ``x``, kept for the backward instead of ``x``."""
+        ``rebuild``: ``(fn, tensors)`` that build ``x`` again in the backward, kept instead of ``x``."""
         if not self.weight_grad_hooks and torch.is_grad_enabled() and x.requires_grad and \
                 _accumulates_into_main_grad(weights, [w.requires_grad for w in weights]):
-            return _GroupedLinear.apply(x, offs, empty, tuple(weights), gathered)
-        return _GroupedLinear.apply(x, offs, empty, None, gathered, *weights)
+            return _GroupedLinear.apply(x, offs, empty, tuple(weights), rebuild)
+        return _GroupedLinear.apply(x, offs, empty, None, rebuild, *weights)
 
     def grouped_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         """All local experts in two grouped GEMMs (call only when ``fallback_reason`` is None)."""
@@ -325,8 +336,16 @@ class GroupedSequentialMLP(SequentialMLP):
         fc1: List[torch.Tensor] = [e.linear_fc1.weight for e in self.local_experts]
         fc2: List[torch.Tensor] = [e.linear_fc2.weight for e in self.local_experts]
         given = getattr(self.dispatcher, "permuted_from", None)
-        gathered = given[1:] if given is not None and given[0] is x else None   # x is the dispatch's gather
+        gathered = (_gather_rows, given[1:]) if given is not None and given[0] is x else None  # x is the dispatch's gather
         h = self._linear(x, offs, empty, fc1, gathered)
-        a = _dense(self._activation(h, permuted_probs))
-        y = self._linear(a, offs, empty, fc2)
+        a = self._activation_out(h, permuted_probs)
+        # fc2 keeps the activation's inputs (which the activation keeps for its own backward) instead
+        # of its output: per routed row one fc2-input width less activation memory, for one more
+        # elementwise activation in the backward (not where the activation keeps its input in fp8)
+        rebuild = self.rebuild_fc2_input and not self.config.activation_func_fp8_input_store
+        y = self._linear(a, offs, empty, fc2, (self._activation_out, (h, permuted_probs)) if rebuild else None)
         return y, None
+
+    def _activation_out(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """fc2's input: the activation of ``h`` times ``probs``, dense (the same values every call)."""
+        return _dense(self._activation(h, probs))

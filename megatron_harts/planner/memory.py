@@ -109,9 +109,9 @@ def activation_bytes_per_row(s: ModelShape) -> Dict[str, int]:
     outputs, beta, the core's output, its norm and gate, and the fp32 decay cumsum and chunk matrices
     (2 x 64 per head); MLA: norm, queries, latent and rope key, its norm, keys/values, output,
     projection, fp32 log-sum-exp; MoE: the norm's input, normalized rows and output (3 x hidden), per top-k
-    copy the fc1 output (2 x width) the weighted SwiGLU keeps and its output (fc2's input) beside an fp32
-    prob (fc1's input, the permuted tokens, is gathered again from the norm's output in the backward:
-    ``models.dispatcher``), the shared expert's fc1 output and activation, the router's fp32 scores, sum
+    copy the fc1 output (2 x width) the weighted SwiGLU keeps beside an fp32 prob (fc1's input, the
+    permuted tokens, is gathered again from the norm's output in the backward: ``models.dispatcher``;
+    fc2's input, the activation's output, is computed again from those two: ``models.experts``), the shared expert's fc1 output and activation, the router's fp32 scores, sum
     and top-k probs (top-k and aux-loss paths: 2 x (experts + 1 + top-k)) and the int64 routing indices (per
     row 4 x top-k and one per expert: the dispatcher's sort); dense MLP: the norm's three, fc1 output and
     activation.  The MLP parts are held to the bytes a bf16 forward saves (``tests/test_memory_budget.py``:
@@ -122,7 +122,7 @@ def activation_bytes_per_row(s: ModelShape) -> Dict[str, int]:
     hd = Hk * d
     kda = e * (2 * h + 6 * hd + 2 * d + 2 * hd + Hk + 3 * hd) + f * (hd + 2 * 64 * Hk)
     mla = e * (2 * h + H * (s.qk + s.rope) + 2 * (s.kv_lora + s.rope) + H * (s.qk + s.v) + H * s.v) + f * H
-    moe = e * (3 * h + s.topk * 3 * s.moe_ffn + 3 * s.shared_ffn) + f * 2 * (s.topk + s.experts + 1) \
+    moe = e * (3 * h + s.topk * 2 * s.moe_ffn + 3 * s.shared_ffn) + f * 2 * (s.topk + s.experts + 1) \
         + 8 * (4 * s.topk + s.experts)
     dense = e * (3 * h + 3 * s.ffn)
     return {k: -(-v // s.tp) for k, v in (("kda", kda), ("mla", mla), ("moe", moe), ("dense", dense))}
