@@ -23,7 +23,9 @@ outputs, its backward gathers each row's token gradient.  The parent instead sca
 (``index_add_`` in the dispatch's backward, ``scatter_add_`` in the combine): atomic, in no fixed
 order.  Invariant: the permuted tokens, probabilities and token counts are exactly the parent's;
 the combined outputs and every gradient are the parent's sums in a fixed order (equal up to
-rounding order, and the same from run to run).  Other configurations run the parent's method.
+rounding order, and the same from run to run).  Where ``models.common.use_fused_kernels`` says so,
+the two gathers that sum (the combine, the dispatch's backward) run as one Triton kernel each
+(``ops.moe_gather``): each gathered row read once, no ``tokens x topk`` intermediate.  Other configurations run the parent's method.
 After the combine the dispatcher keeps nothing of the microbatch
 (:meth:`SyncFreeAllGatherDispatcher.combine_postprocess`).
 
@@ -40,6 +42,9 @@ import torch
 
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
+from ..ops.moe_gather import gather_sum, gather_sum_reference
+from .common import use_fused_kernels
+
 __all__ = ["SyncFreeAllGatherDispatcher"]
 
 
@@ -50,22 +55,20 @@ class _GatherRows(torch.autograd.Function):
     ``g.index_select(0, back)`` summed over each group.  Both directions read their rows once and
     write each result once (no atomic scatter).  Dispatch: rows = each permuted row's token, group 1,
     back = each token's ``topk`` permuted rows.  Combine: rows = each token's permuted rows, group
-    ``topk``, back = each permuted row's token."""
+    ``topk``, back = each permuted row's token.  ``fused``: a gather that sums runs as one kernel
+    (``ops.moe_gather.gather_sum``) instead of a gather and a sum."""
 
     @staticmethod
-    def forward(ctx, x, rows, back, group: int, back_group: int):
+    def forward(ctx, x, rows, back, group: int, back_group: int, fused: bool):
         ctx.save_for_backward(back)
-        ctx.back_group, ctx.rows = back_group, x.shape[0]
-        out = x.index_select(0, rows)
-        return out if group == 1 else out.view(-1, group, x.shape[1]).sum(1)
+        ctx.back_group, ctx.fused = back_group, fused
+        return (gather_sum if fused else gather_sum_reference)(x, rows, group)
 
     @staticmethod
     def backward(ctx, g):
         (back,) = ctx.saved_tensors
-        gx = g.index_select(0, back)
-        if ctx.back_group != 1:
-            gx = gx.view(ctx.rows, ctx.back_group, g.shape[1]).sum(1)
-        return gx, None, None, None, None
+        gx = (gather_sum if ctx.fused else gather_sum_reference)(g.contiguous(), back, ctx.back_group)
+        return gx, None, None, None, None, None
 
 
 class SyncFreeAllGatherDispatcher(MoEAllGatherTokenDispatcher):
@@ -95,7 +98,8 @@ class SyncFreeAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         tokens_per_expert = expert_major.sum(dim=1).long()
         # each token's topk permuted rows, ascending: sorted_tokens holds every token exactly topk times
         self.token_rows = sorted_tokens.argsort(stable=True)
-        permuted = _GatherRows.apply(hidden_states, sorted_tokens, self.token_rows, 1, self.router_topk)
+        self.fused = use_fused_kernels(self.config, hidden_states)
+        permuted = _GatherRows.apply(hidden_states, sorted_tokens, self.token_rows, 1, self.router_topk, self.fused)
         self.permuted_from = (permuted, hidden_states.detach(), sorted_tokens)
         self.reversed_local_input_permutation_mapping = sorted_tokens
         self.local_probs = probs.T.contiguous().view(-1).index_select(0, position)
@@ -107,7 +111,7 @@ class SyncFreeAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         if not self.fixed_fanout:
             return super().combine_preprocess(hidden_states)
         out = _GatherRows.apply(hidden_states, self.token_rows, self.reversed_local_input_permutation_mapping,
-                                self.router_topk, 1)
+                                self.router_topk, 1, self.fused)
         return out.view(self.hidden_shape_before_permute)
 
     def combine_postprocess(self, hidden_states):

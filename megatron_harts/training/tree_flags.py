@@ -65,8 +65,8 @@ class TreeFlags:
         "boundary (tree == expanded to rounding only)")
     fused_kernels: bool = flag(
         True, "--no-tree-fused-kernels", "eager torch ops instead of one fused Triton kernel each for the KDA "
-        "layers' elementwise chains (forget gate, q/k SiLU + L2 norm, gated output norm) and the sigmoid router's "
-        "top-k (fused by default on the GPU; never on the CPU or in fp64)")
+        "layers' elementwise chains (forget gate, q/k SiLU + L2 norm, gated output norm), the sigmoid router's "
+        "top-k and the MoE combine's gather and sum (fused by default on the GPU; never on the CPU or in fp64)")
     kda_backend: str = flag(
         "auto", "--tree-kda-backend", "KDA kernels: auto (default: fla on CUDA, reference otherwise or with --fp64), "
         "reference (plain torch) or fla (needs CUDA)", choices=KDA_BACKEND_CHOICES)
