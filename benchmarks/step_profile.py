@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from collections import Counter
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -143,19 +144,26 @@ def profile_work(events, device: str, attention_range: str, kda_range: str, piec
         return full[key]
 
     if device == "cuda":
-        # the operators (a kernel's linked correlation id is its launching operator's id; the runtime
-        # calls, linked themselves, number in another space)
-        by_id = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
-        work, spans, unlinked = [], [], 0
-        for e in events:
-            if e.device_type != DeviceType.CUDA:
-                continue
-            start, end = e.time_range.start, e.time_range.end
-            launcher = by_id.get(getattr(e, "linked_correlation_id", 0))
-            unlinked += launcher is None
-            work.append((e.name, (end - start) / 1e6, scopes(launcher) if launcher is not None else frozenset()))
-            spans.append((start, end))
-        return work, _union_seconds(spans), unlinked
+        # each operator lists the kernels it launched (torch links them by correlation id when it builds
+        # the events, in every version; the kernel events themselves carry the link only in some): the
+        # work is those kernels in their operator's scopes; the kernel events give the busy intervals
+        # (range annotations left out: they span a range, they are not work)
+        device_events = [e for e in events if e.device_type == DeviceType.CUDA
+                         and not getattr(e, "is_user_annotation", False) and e.name not in ranges]
+        work = [(k.name, k.duration / 1e6, scopes(e)) for e in cpu for k in (getattr(e, "kernels", None) or ())]
+        left = Counter(e.name for e in device_events)
+        left.subtract(w[0] for w in work)
+        unlinked = []
+        for e in device_events:                  # kernels no operator lists: bucketed by name alone
+            if left[e.name] > 0:
+                left[e.name] -= 1
+                unlinked.append((e.name, (e.time_range.end - e.time_range.start) / 1e6, frozenset()))
+        twice = sorted(name for name, n in left.items() if n < 0)
+        if twice:
+            raise RuntimeError(f"step_profile: operators list more {twice[0]!r} kernels than the profile ran "
+                               f"(a kernel listed twice; {len(twice)} kernel names)")
+        spans = [(e.time_range.start, e.time_range.end) for e in device_events]
+        return work + unlinked, _union_seconds(spans), len(unlinked)
     work = [(e.name, e.self_cpu_time_total / 1e6, scopes(e)) for e in cpu if e.name.startswith("aten::")]
     return work, sum(w[1] for w in work), 0
 

@@ -100,38 +100,39 @@ def test_a_profiled_cpu_step_finds_the_backward_of_its_ranges(sp):
 
 
 def test_gpu_kernels_take_their_launching_operators_scopes(sp):
-    """The CUDA path on stand-in events: each kernel finds its launching operator by its linked
-    correlation id (not a runtime call that shares the number), that operator's ranges and the
-    backward of the nodes the attention range created; busy time is the kernels' union; a kernel
-    with no operator counts as unlinked and goes by its name."""
+    """The CUDA path on stand-in events: each kernel is in the ``kernels`` list of the operator that
+    launched it (torch fills those lists from the correlation ids, whatever the version) and takes
+    that operator's ranges and the backward of the nodes the attention range created; busy time is
+    the union of the kernel events (the ranges' own device annotations are neither work nor busy); a
+    kernel event no operator lists counts as unlinked and goes by its name; a kernel listed twice is
+    an error, not double time."""
     from types import SimpleNamespace as E
 
     from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Kernel
     cpu, gpu = DeviceType.CPU, DeviceType.CUDA
 
-    def op(name, id, parent=None, seq=-1, thread=1, fwd_thread=0, linked=0):
+    def op(name, id, parent=None, seq=-1, thread=1, fwd_thread=0, kernels=()):
         return E(name=name, id=id, cpu_parent=parent, sequence_nr=seq, thread=thread, fwd_thread=fwd_thread,
-                 linked_correlation_id=linked, device_type=cpu)
+                 device_type=cpu, kernels=[Kernel(k, 0, d) for k, d in kernels])
 
-    def kernel(name, linked, start, end):
-        return E(name=name, device_type=gpu, linked_correlation_id=linked, time_range=E(start=start, end=end),
-                 cpu_parent=None, sequence_nr=-1)
+    def kernel(name, start, end, annotation=False):
+        return E(name=name, device_type=gpu, time_range=E(start=start, end=end), cpu_parent=None,
+                 sequence_nr=-1, is_user_annotation=annotation)
 
+    gemm = "sm90_xmma_gemm_bf16"
     attn = op("harts.attention", 1)
-    mm = op("aten::bmm", 2, attn, seq=7)
-    launch = op("cudaLaunchKernel", 3, mm, linked=2)
+    mm = op("aten::bmm", 2, attn, seq=7, kernels=[(gemm, 10)])
+    launch = op("cudaLaunchKernel", 3, mm)
     bwd = op("autograd::engine::evaluate_function: BmmBackward0", 4, seq=7, thread=2, fwd_thread=1)
-    bwd_mm = op("aten::bmm", 5, bwd)
+    bwd_mm = op("aten::bmm", 5, bwd, kernels=[(gemm, 20)])
     pieces = op("harts.pieces_extra_forward", 6)
-    lin = op("aten::addmm", 8, pieces)
-    other = op("aten::addmm", 9)
-    clash = op("cudaLaunchKernel", 5, other, linked=9)      # a runtime call numbered like an operator
-    events = [attn, mm, launch, bwd, bwd_mm, pieces, lin, other, clash,
-              kernel("sm90_xmma_gemm_bf16", 2, 0, 10),
-              kernel("sm90_xmma_gemm_bf16", 5, 20, 40),
-              kernel("sm90_xmma_gemm_bf16", 8, 35, 45),
-              kernel("sm90_xmma_gemm_bf16", 9, 50, 51),
-              kernel("flash_bwd_kernel", 0, 60, 70)]
+    lin = op("aten::addmm", 8, pieces, kernels=[(gemm, 10)])
+    other = op("aten::addmm", 9, kernels=[(gemm, 1)])
+    events = [attn, mm, launch, bwd, bwd_mm, pieces, lin, other,
+              kernel("harts.attention", 0, 12, annotation=True),
+              kernel(gemm, 0, 10), kernel(gemm, 20, 40), kernel(gemm, 35, 45), kernel(gemm, 50, 51),
+              kernel("flash_bwd_kernel", 60, 70)]
     work, busy, unlinked = sp.profile_work(events, "cuda", "harts.attention", "harts.kda",
                                            "harts.pieces_extra_forward")
     assert [sp.bucket(w[0], w[2]) for w in work] == ["attention_forward", "attention_backward",
@@ -139,3 +140,7 @@ def test_gpu_kernels_take_their_launching_operators_scopes(sp):
     assert unlinked == 1 and busy == pytest.approx(46e-6)       # [0,10) + [20,45) + [50,51) + [60,70)
     out = sp.split_step(work, 1e-4, busy)
     assert out["device_seconds"] == pytest.approx(51e-6) and out["seconds"]["host"] == pytest.approx(54e-6)
+    launch.kernels = [Kernel(gemm, 0, 10)]                        # the same kernel listed by its runtime call too
+    with pytest.raises(RuntimeError, match="listed twice"):
+        sp.profile_work(events, "cuda", "harts.attention", "harts.kda",
+                        "harts.pieces_extra_forward")
