@@ -118,7 +118,7 @@ class TreeFlags:
         "either way; the step logs piece_extra_forward_rows", choices=PIECE_KEEP)
     piece_memory_gib: Optional[float] = flag(
         None, "--tree-piece-memory", "with --tree-piece-keep auto: the activation memory in GiB that the pieces' "
-        "kept graphs, exports and running piece may take. Default: on a GPU 90%% of its memory less the parameter "
+        "kept graphs, exports and running piece may take. Default: on a GPU 85%% of its memory less the parameter "
         "state (weights, gradients, optimizer state) the memory model predicts; on the CPU what expanded training "
         "keeps for its largest microbatch (--tree-microbatch-tokens x the model's activation bytes per row)",
         minimum=0, metavar="GIB")
