@@ -241,6 +241,7 @@ def measure(argv, forest, n: int, a, title: str) -> dict:
             "piece_microbatches": pieces["microbatches"], "piece_rows": pieces["rows"],
             "piece_extra_forward_rows": m.get("piece_extra_forward_rows"), "read_pieces": m.get("read_pieces"),
             "kept_pieces": m.get("kept_pieces"), "partly_kept_pieces": m.get("partly_kept_pieces"),
+            "predicted_peak_gib": m.get("predicted_peak_gib"), "piece_memory_gib": m.get("piece_memory_gib"),
             "loss_first_step": losses[0][0], "loss_after_one_step": losses[1][0] if len(losses) > 1 else None,
             "loss_per_step": [loss for loss, _ in losses], "grad_norm_per_step": [g for _, g in losses],
             "microbatches": m["microbatches"], "kda_calls": m["kda_calls"], "planner": plan.planner, **backends}

@@ -20,7 +20,7 @@ TINY = ["--device", DEVICE, "--preset", "tiny", "--max-tokens", "600", "--prompt
         "--summary-tokens", "16", "--kda-backend", "reference", "--attention-backend", "reference"]
 MODES = ("reprefill_expanded", "reprefill_tree_within", "kv_expanded", "kv_tree_within", "kv_tree_windows")
 FIELDS = ("step_seconds", "trajectory_tokens_per_s", "rows_computed", "visible_pairs", "peak_memory_gib",
-          "loss_first_step", "loss_after_one_step")
+          "predicted_peak_gib", "piece_memory_gib", "loss_first_step", "loss_after_one_step")
 
 
 @pytest.fixture(scope="module")
