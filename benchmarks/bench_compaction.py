@@ -257,12 +257,18 @@ def _ratio(x, y):
 
 def derived(row: dict) -> dict:
     """The ratios of one set's modes (module docstring)."""
-    kv_e = row["modes"]["kv_expanded"]
-    rp_e, rp_t = (row["modes"].get(k) for k in ("reprefill_expanded", "reprefill_tree_within"))  # --forms kv: None
+    ran = {k: m for k, m in row["modes"].items() if "skipped" not in m}
+    kv_e = ran.get("kv_expanded")
+    rp_e, rp_t = (ran.get(k) for k in ("reprefill_expanded", "reprefill_tree_within"))  # --forms kv: None
     out = {}
+    N, extra = row["trace_tokens"], row["reprefilled_tokens"]
+    if kv_e is None:                  # the modes' yardstick did not run: no ratios, no rows check
+        out["rows_check"] = {"N": N, "reprefilled_tokens": extra, "kv_expanded_rows": None,
+                             "reprefill_expanded_rows": None, "ok": None}
+        return out
     for key in ("kv_tree_within", "kv_tree_windows"):
-        tree = row["modes"].get(key)
-        if tree is None or "skipped" in tree:
+        tree = ran.get(key)
+        if tree is None:
             continue
         tag = key[len("kv_tree_"):]
         speedup = _ratio(kv_e["step_seconds"], tree["step_seconds"])
@@ -287,7 +293,6 @@ def derived(row: dict) -> dict:
         out["kv_expanded_over_reprefill_expanded"] = {
             "speedup": _ratio(rp_e["step_seconds"], kv_e["step_seconds"]),
             "rows_ratio": _ratio(rp_e["rows_computed"], kv_e["rows_computed"])}
-    N, extra = row["trace_tokens"], row["reprefilled_tokens"]
     rp_rows = None if rp_e is None else rp_e["rows_computed"]
     out["rows_check"] = {"N": N, "reprefilled_tokens": extra, "kv_expanded_rows": kv_e["rows_computed"],
                          "reprefill_expanded_rows": rp_rows,
@@ -513,20 +518,34 @@ def piece_study(a, s: dict, common: list, row: dict, say, save) -> None:
     for tag, argv in runs:
         release_memory(a.device)
         _progress(f"{s['name']} piece study, {tag}: training ({a.warmup} warm-up + {a.iters} timed steps)")
-        with contextlib.redirect_stdout(sys.stderr):
-            m = measure(argv + ["--tree-sharing", sharing], s["forests"]["kv"], s["N"], a,
-                        f"{s['name']} piece study {tag}")
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                m = measure(argv + ["--tree-sharing", sharing], s["forests"]["kv"], s["N"], a,
+                            f"{s['name']} piece study {tag}")
+        except torch.OutOfMemoryError as e:      # the other runs still go; the study says why this one did not
+            said = str(e).splitlines()[0] if str(e) else "out of memory"
+            study[tag] = {"skipped": f"out of GPU memory: {said}"}
+            save()
+            _progress(f"{s['name']} piece study, {tag}: not run ({study[tag]['skipped']})")
+            continue
         study[tag] = m
         save()
         _progress(f"{s['name']} piece study, {tag}: {m['step_seconds']:.3f} s/step, {m['rows_computed']} rows, "
                   f"{m['piece_microbatches']} piece microbatches, extra forward rows "
                   f"{m['piece_extra_forward_rows']}, peak {m['peak_memory_gib']}")
+    ran = {tag: study[tag] for tag, _ in runs if "skipped" not in study[tag]}
     for tag in ("auto", "none"):
-        study[f"{tag}_over_uncut"] = study[tag]["step_seconds"] / study["uncut"]["step_seconds"]
-    say(f"{s['name']}: pieces at {a.microbatch_tokens} rows, keeping graphs where memory allows "
-        f"{study['auto']['step_seconds']:.3f} s ({study['auto']['kept_pieces']}/{study['auto']['read_pieces']} "
-        f"read pieces kept, {study['auto_over_uncut']:.3f}x uncut), recomputing {study['none']['step_seconds']:.3f} s "
-        f"({study['none_over_uncut']:.3f}x); uncut at {above} rows {study['uncut']['step_seconds']:.3f} s")
+        if tag in ran and "uncut" in ran:
+            study[f"{tag}_over_uncut"] = ran[tag]["step_seconds"] / ran["uncut"]["step_seconds"]
+
+    def told(tag: str) -> str:
+        if tag not in ran:
+            return "not run (out of GPU memory)"
+        m, over = ran[tag], study.get(f"{tag}_over_uncut")
+        kept = f", {m['kept_pieces']}/{m['read_pieces']} read pieces kept" if tag == "auto" else ""
+        return f"{m['step_seconds']:.3f} s" + kept + (f", {over:.3f}x uncut" if over is not None else "")
+    say(f"{s['name']}: pieces at {a.microbatch_tokens} rows, keeping graphs where memory allows {told('auto')}; "
+        f"recomputing {told('none')}; uncut at {above} rows {told('uncut')}")
     save()
 
 
@@ -605,6 +624,13 @@ def main(argv=None):
                 row["modes"][key] = {"skipped": f"the driver refuses this data with --tree-sharing windows: {e}"}
                 _progress(f"{s['name']} {key}: not run ({row['modes'][key]['skipped']})")
                 continue
+            except torch.OutOfMemoryError as e:      # the other modes still run; the row says why this one did not
+                said = str(e).splitlines()[0] if str(e) else "out of memory"
+                row["modes"][key] = {"form": form, "sharing": sharing, "skipped": f"out of GPU memory: {said} "
+                                     f"(--driver-flags '--tree-piece-memory GIB' or '--tree-piece-keep none' keep less)"}
+                _progress(f"{s['name']} {key}: not run ({row['modes'][key]['skipped']})")
+                save()
+                continue
             row["modes"][key] = {"form": form, "sharing": sharing, **m}
             _progress(f"{s['name']} {key}: {m['step_seconds']:.3f} s/step, {m['rows_computed']} rows, "
                       f"{m['trajectory_tokens_per_s']:.0f} trace tok/s, peak {m['peak_memory_gib']}, "
@@ -615,10 +641,10 @@ def main(argv=None):
         rc = row["derived"]["rows_check"]
         say(f"{s['name']}: rows KV-streams expanded {rc['kv_expanded_rows']} (N = {rc['N']}), re-prefill "
             f"expanded {rc['reprefill_expanded_rows']} (N + re-prefilled = {rc['N']} + {rc['reprefilled_tokens']})"
-            f"{'' if rc['ok'] else ' MISMATCH'}")
+            f"{' MISMATCH' if rc['ok'] is False else ' (not checked: a mode did not run)' if rc['ok'] is None else ''}")
         say(summary_line(row))
         say(mode_table(row))
-        if not rc["ok"]:
+        if rc["ok"] is False:
             failed.append(s["name"])
         with open(a.out, "w") as f:
             json.dump(results, f, indent=2, default=float)

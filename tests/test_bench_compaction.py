@@ -8,6 +8,7 @@ the benchmark measures where the driver trains).  No wall-clock time is asserted
 """
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -294,3 +295,51 @@ def test_piece_study(bc, tmp_path, capsys):
         code, o, e = run_tool(bc, capsys, *LONG, "--device", DEVICE, *argv, "--out", bad)
         assert_one_error(code, e, needle)
         assert o == "" and not bad.exists()
+
+
+def _out_of_memory_in(bc, monkeypatch, needle: str) -> None:
+    """``bc.measure`` raising CUDA's out-of-memory error for the run whose title holds ``needle``."""
+    real = bc.measure
+
+    def measure(argv, forest, n, a, title):
+        if needle in title:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 506.00 MiB.\nmore detail")
+        return real(argv, forest, n, a, title)
+    monkeypatch.setattr(bc, "measure", measure)
+
+
+def test_a_mode_out_of_memory_is_a_row_not_the_end(bc, tmp_path, capsys, monkeypatch):
+    """A mode that runs out of GPU memory is recorded as not run, with the error's first line and the
+    knobs that keep less; the other modes still run; ratios that need it are left out and the rows
+    check says it could not check."""
+    _out_of_memory_in(bc, monkeypatch, "kv_expanded")
+    out = tmp_path / "c.json"
+    code, stdout, err = run_tool(bc, capsys, *TINY, "--schemes", "step-wise", "--strategies", "sliding-window",
+                                 "--budgets", "160", "--microbatch-tokens", "2048", "--forms", "kv",
+                                 "--tree-sharing", "within", "--warmup", "0", "--out", out)
+    assert code in (0, None), err
+    (row,) = json.loads(out.read_text())["sets"].values()
+    skipped = row["modes"]["kv_expanded"]["skipped"]
+    assert skipped.startswith("out of GPU memory: CUDA out of memory. Tried to allocate 506.00 MiB.")
+    assert "more detail" not in skipped and "--tree-piece-memory" in skipped
+    assert row["modes"]["kv_tree_within"]["step_seconds"] > 0
+    assert row["derived"] == {"rows_check": {"N": row["trace_tokens"], "reprefilled_tokens": row["reprefilled_tokens"],
+                                             "kv_expanded_rows": None, "reprefill_expanded_rows": None, "ok": None}}
+    assert re.search(r"^kv_expanded +not run$", stdout, re.M) and "not checked" in stdout
+
+
+def test_piece_study_run_out_of_memory(bc, tmp_path, capsys, monkeypatch):
+    """--piece-study whose uncut run does not fit the GPU: the two piece runs are measured, the uncut run
+    is recorded as not run, and no ratio over it is made up."""
+    _out_of_memory_in(bc, monkeypatch, "piece study uncut")
+    out = tmp_path / "c.json"
+    code, stdout, err = run_tool(bc, capsys, *LONG, "--device", DEVICE, "--piece-study", "--no-split",
+                                 "--warmup", "0", "--driver-flags", "--tree-piece-memory 64", "--out", out)
+    assert code in (0, None), err
+    st = json.loads(out.read_text())["sets"]
+    (row,) = st.values()
+    st = row["piece_study"]
+    assert st["uncut"]["skipped"].startswith("out of GPU memory: CUDA out of memory.")
+    assert st["auto"]["step_seconds"] > 0 and st["none"]["step_seconds"] > 0
+    assert "auto_over_uncut" not in st and "none_over_uncut" not in st
+    assert "uncut at" in stdout and "not run (out of GPU memory)" in stdout
