@@ -394,6 +394,27 @@ def test_grouped_linear_on_gpu(dtype):
         assert _rel(a, b) <= tol if b.abs().max() > 0 else not a.any()
 
 
+def _saved_bytes(model, cfg, grouped_calls, linear: int):
+    """One forward and backward of ``model`` (``_model_run``): its results, the bytes of every storage its
+    graph saved (parameters left out, each storage once) and the elements of the grouped linear's inputs
+    in the forward (``linear`` 0: fc1, 1: fc2, summed over the MoE layers)."""
+    moe_layers = sum(layer.is_moe_layer for layer in model.decoder.layers)
+    seen, alive = {}, []          # every saved storage kept alive: no address is reused in the run
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        alive.append(t)
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+    grouped_calls.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = _model_run(model, cfg, False)
+    forward = grouped_calls[:2 * moe_layers]       # per MoE layer fc1, fc2 (the backward's calls follow)
+    return got, sum(seen.values()), sum(shape[0] * shape[1] for shape in forward[linear::2])
+
+
 @torch._dynamo.config.patch(disable=True)
 def test_fc1_keeps_the_dispatch_source_not_the_permuted_tokens(cpu_world, grouped_calls, monkeypatch):
     """With the all-gather dispatcher the experts read the dispatch's source and index from it: fc1
@@ -403,34 +424,19 @@ def test_fc1_keeps_the_dispatch_source_not_the_permuted_tokens(cpu_world, groupe
     cfg = tiny_config(dtype=torch.float32)
     model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 2)
     moe = [layer.mlp for layer in model.decoder.layers if layer.is_moe_layer]
-
-    def saved_bytes():
-        seen, alive = {}, []          # every saved storage kept alive: no address is reused in the run
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            alive.append(t)
-            if ptr not in params:
-                seen[ptr] = t.untyped_storage().nbytes()
-            return t
-        grouped_calls.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            got = _model_run(model, cfg, False)
-        forward = grouped_calls[:2 * len(moe)]       # per MoE layer fc1, fc2 (the backward's calls follow)
-        return got, sum(seen.values()), sum(shape[0] * shape[1] for shape in forward[::2])
-    (out, g, tpe), kept, fc1_inputs = saved_bytes()
+    (out, g, tpe), kept, fc1_inputs = _saved_bytes(model, cfg, grouped_calls, 0)
     assert all(e.experts.dispatcher is e.token_dispatcher for e in moe)
     with monkeypatch.context() as m:
         for e in moe:
             m.setattr(e.experts, "dispatcher", None)
-        (out_ref, g_ref, tpe_ref), kept_ref, fc1_ref = saved_bytes()
+        (out_ref, g_ref, tpe_ref), kept_ref, fc1_ref = _saved_bytes(model, cfg, grouped_calls, 0)
     assert fc1_inputs == fc1_ref > 0 and all(e.token_dispatcher.permuted_from is None for e in moe)
     assert torch.equal(out, out_ref) and torch.equal(tpe, tpe_ref) and g.keys() == g_ref.keys()
     assert all(torch.equal(g[k], g_ref[k]) for k in g)
     assert kept_ref - kept == fc1_inputs * 4          # fp32: every fc1 input (top-k copies of the tokens)
 
 
+@torch._dynamo.config.patch(disable=True)
 @pytest.mark.parametrize("fused", [False, True], ids=["swiglu", "fused_swiglu"])
 def test_fc2_builds_its_input_again_in_the_backward(cpu_world, grouped_calls, unfused_swiglu, fused):
     """fc2 keeps the activation's inputs (the fc1 output and the probs, which the activation keeps for
@@ -441,26 +447,10 @@ def test_fc2_builds_its_input_again_in_the_backward(cpu_world, grouped_calls, un
     cfg.bias_activation_fusion = fused
     model = randomize_(build_hybrid_model(cfg, vocab_size=VOCAB), 2)
     moe = [layer.mlp for layer in model.decoder.layers if layer.is_moe_layer]
-
-    def saved_bytes():
-        seen, alive = {}, []          # every saved storage kept alive: no address is reused in the run
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            alive.append(t)
-            if ptr not in params:
-                seen[ptr] = t.untyped_storage().nbytes()
-            return t
-        grouped_calls.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            got = _model_run(model, cfg, False)
-        forward = grouped_calls[:2 * len(moe)]       # per MoE layer fc1, fc2 (the backward's calls follow)
-        return got, sum(seen.values()), sum(shape[0] * shape[1] for shape in forward[1::2])
-    (out, g, tpe), kept, fc2_inputs = saved_bytes()
+    (out, g, tpe), kept, fc2_inputs = _saved_bytes(model, cfg, grouped_calls, 1)
     for e in moe:
         e.experts.rebuild_fc2_input = False
-    (out_ref, g_ref, tpe_ref), kept_ref, fc2_ref = saved_bytes()
+    (out_ref, g_ref, tpe_ref), kept_ref, fc2_ref = _saved_bytes(model, cfg, grouped_calls, 1)
     assert fc2_inputs == fc2_ref > 0
     assert torch.equal(out, out_ref) and torch.equal(tpe, tpe_ref) and g.keys() == g_ref.keys()
     assert all(torch.equal(g[k], g_ref[k]) for k in g)
