@@ -25,7 +25,8 @@ order.  Invariant: the permuted tokens, probabilities and token counts are exact
 the combined outputs and every gradient are the parent's sums in a fixed order (equal up to
 rounding order, and the same from run to run).  Where ``models.common.use_fused_kernels`` says so,
 the two gathers that sum (the combine, the dispatch's backward) run as one Triton kernel each
-(``ops.moe_gather``): each gathered row read once, no ``tokens x topk`` intermediate.  Other configurations run the parent's method.
+(``ops.moe_gather``): each gathered row read once, no ``tokens x topk`` intermediate.  Other
+configurations run the parent's method.
 After the combine the dispatcher keeps nothing of the microbatch
 (:meth:`SyncFreeAllGatherDispatcher.combine_postprocess`).
 
