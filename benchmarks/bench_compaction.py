@@ -56,6 +56,12 @@ forward without graph, then recompute in the backward), and at ``--piece-study-a
 multiple of 4096), where no trace is cut.  A ``--tree-piece-memory`` in ``--driver-flags`` applies to
 the ``auto`` and uncut runs.  The set's row ``piece_study`` holds the three runs and the
 step of each budget-limited run over the uncut one (``auto_over_uncut``, ``none_over_uncut``).
+
+``--plan-only``: instead of training, per mode the driver's plan and the step's memory choice
+(``schedules.windows.schedule_choice`` under ``training.trainer.memory_budgets``: the same read pieces
+kept whole or in part, the same rows run forward again) and the predicted peak, into the set's row
+``plans`` and a table; with ``--device cuda`` the GPU run's bf16 model, ``--device-memory-gib`` its
+memory where this machine has no GPU.
 """
 import argparse
 import contextlib
@@ -74,8 +80,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_throughput import (PRESETS, check_device, model_flags, pieces_accounting, profile_step,  # noqa: E402
-                              release_memory, run_mode, visible_pairs)
+from bench_throughput import (PRESETS, check_device, memory_estimate, model_flags, parameter_counts,  # noqa: E402
+                              pieces_accounting, profile_step, release_memory, run_mode, visible_pairs)
 from step_profile import profiled_split, split_table  # noqa: E402
 from megatron_harts.cli import ArgumentParser, CliError, output_path, run  # noqa: E402
 
@@ -385,6 +391,12 @@ def parse(argv):
     ap.add_argument("--piece-study-above", type=int, default=None, metavar="ROWS",
                     help="--piece-study: the row budget of the uncut run (default: the longest trace rounded up to "
                          "a multiple of 4096)")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="instead of training: per mode the driver's plan and memory choice (microbatches, rows, read "
+                         "pieces kept whole or in part, rows whose forward runs again, predicted peak), on any machine")
+    ap.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
+                    help="--plan-only with --device cuda: the GPU memory the pieces' default budget is taken from "
+                         "(default: this machine's GPU; needed where there is none)")
     ap.add_argument("--json", action="store_true",
                     help="print the results JSON on stdout (the tables then go to stderr)")
     a = ap.parse_args(argv)
@@ -422,9 +434,19 @@ def parse(argv):
         raise CliError(f"--microbatch-tokens must be >= 1, got {a.microbatch_tokens}")
     if a.piece_study_above is not None and not a.piece_study:
         raise CliError("--piece-study-above applies with --piece-study")
+    if a.device_memory_gib is not None and not (a.plan_only and a.device == "cuda"):
+        raise CliError("--device-memory-gib applies with --plan-only --device cuda (a training run reads its GPU's "
+                       "memory; a CPU run's budget does not depend on it)")
+    if a.device_memory_gib is not None and not (a.device_memory_gib > 0 and math.isfinite(a.device_memory_gib)):
+        raise CliError(f"--device-memory-gib must be a positive number of GiB, got {a.device_memory_gib}")
+    if a.plan_only and a.piece_study:
+        raise CliError("--plan-only and --piece-study: choose one")
     if a.piece_study and "--tree-piece-keep" in a.driver_flags.split():
         raise CliError("--driver-flags: --piece-study sets --tree-piece-keep itself (all, then none)")
-    check_device(a.device)
+    if not a.plan_only:
+        check_device(a.device)
+    elif a.device == "cuda" and not torch.cuda.is_available() and a.device_memory_gib is None:
+        raise CliError("--plan-only --device cuda without a GPU here: give --device-memory-gib (the GPU's memory)")
     a.schemes, a.strategies = list(dict.fromkeys(a.schemes)), list(dict.fromkeys(a.strategies))
     a.budgets, a.tree_sharing = list(dict.fromkeys(a.budgets)), list(dict.fromkeys(a.tree_sharing))
     a.forms = list(dict.fromkeys(a.forms))
@@ -440,7 +462,8 @@ def parse(argv):
 
 
 def machine(device: str) -> dict:
-    out = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+    gpu = device == "cuda" and torch.cuda.is_available()      # --plan-only may size a GPU run elsewhere
+    out = {"device": torch.cuda.get_device_name() if gpu else platform.processor(),
            "python": platform.python_version(), "torch": torch.__version__}
     for name, module in (("megatron_core", "megatron.core"), ("fla", "fla")):
         try:
@@ -494,6 +517,60 @@ def mode_table(row: dict) -> str:
     if splits:
         out += "profiled step: seconds (share of its wall time)\n" + split_table(splits)
     return out
+
+
+def plan_mode(a, argv: list, forest) -> dict:
+    """One mode without training (``--plan-only``): the driver's plan of ``forest`` under ``argv`` and its
+    schedule's choices as the step makes them (``schedules.windows.schedule_choice`` on replica 0), with the
+    budgets the driver takes (``training.trainer.memory_budgets``; the pieces' default from
+    ``--device-memory-gib`` or this machine's GPU), the parameter state of the preset
+    (``bench_throughput.parameter_counts``) and the predicted peak (``bench_throughput.memory_estimate``)."""
+    from megatron_harts.planner.memory import GIB, ModelShape, state_bytes_per_parameter
+    from megatron_harts.schedules.windows import schedule_choice
+    from megatron_harts.training.arguments import cost_model, hybrid_config, parse_args
+    from megatron_harts.training.step import SharingSettings, plan_step, replica_microbatches
+    from megatron_harts.training.trainer import memory_budgets
+    from megatron_harts.flags import shared_fields
+    args = parse_args(argv, require_data=False)
+    cfg = hybrid_config(args, device="cpu")
+    shape = ModelShape.from_config(cfg)
+    p = PRESETS[a.preset]
+    state = parameter_counts(p)["total"] * state_bytes_per_parameter(shape.element_bytes, 1)
+    device_bytes = a.device_memory_gib * GIB if a.device_memory_gib is not None else \
+        torch.cuda.get_device_properties(0).total_memory if a.device == "cuda" else None
+    _, step_budget, piece_budget = memory_budgets(args, shape, state, device_bytes=device_bytes)
+    settings = SharingSettings(**shared_fields(args.tree, SharingSettings), cost_model=cost_model(args),
+                               memory_budget_bytes=step_budget, piece_budget_bytes=piece_budget)
+    plan = plan_step(forest, settings, 1)
+    mbs = replica_microbatches(forest, plan, 0, settings)
+    tree = args.tree
+    choice = schedule_choice(mbs, cfg, recompute_producers=tree.recompute_producers,
+                             memory_budget=None if tree.recompute_producers else step_budget,
+                             piece_keep=tree.piece_keep, piece_budget=piece_budget, predict=True)
+    largest = max((int(mb.layout.num_rows) for mb in mbs), default=0)
+    act = choice.memory.predicted_peak_bytes
+    mem = memory_estimate(p, largest, p.get("recompute"), act)
+    return {"microbatches": len(mbs), "rows": int(sum(int(mb.layout.num_rows) for mb in mbs)),
+            "largest_microbatch_rows": largest, "read_pieces": len(choice.pieces.readers),
+            "kept_pieces": len(choice.keep), "partly_kept_pieces": sum(1 for n in choice.keep.values() if n),
+            "piece_extra_forward_rows": choice.extra_forward_rows(mbs, cfg.num_layers),
+            "recomputed_windows": len(choice.recompute), "windows": len(choice.consumers_of),
+            "piece_memory_gib": None if piece_budget is None else piece_budget / GIB,
+            "predicted_activations_gib": act / GIB, "predicted_peak_gib": mem["total"] / GIB,
+            "state_gib": mem["weights_optimizer"] / GIB}
+
+
+def plan_table(row: dict) -> str:
+    """``--plan-only``'s table of one set: per mode microbatches, rows, read pieces kept (in part), rows run
+    forward again, the pieces' budget and the predicted peak."""
+    lines = [f"{'mode':<24}{'mbs':>5}{'rows':>11}{'read/kept/part':>16}{'fwd again':>11}{'budget GiB':>12}"
+             f"{'peak GiB':>10}"]
+    for key, m in row["plans"].items():
+        budget = "-" if m["piece_memory_gib"] is None else f"{m['piece_memory_gib']:.1f}"
+        kept = f"{m['read_pieces']}/{m['kept_pieces']}/{m['partly_kept_pieces']}"
+        lines.append(f"{key:<24}{m['microbatches']:>5}{m['rows']:>11,}{kept:>16}{m['piece_extra_forward_rows']:>11,}"
+                     f"{budget:>12}{m['predicted_peak_gib']:>10.1f}")
+    return f"{row['set']} (planned, not trained)\n" + "\n".join(lines) + "\n"
 
 
 def _with_budget(argv: list, rows: int) -> list:
@@ -607,6 +684,13 @@ def main(argv=None):
         results["sets"][s["name"]] = row
         if a.piece_study:
             piece_study(a, s, common, row, say, save)
+            continue
+        if a.plan_only:
+            row["plans"] = {mode_key(form, sharing): plan_mode(a, common + ["--tree-sharing", sharing],
+                                                                s["forests"][form])
+                            for form, sharing in modes}
+            say(plan_table(row))
+            save()
             continue
         for form, sharing in modes:
             key = mode_key(form, sharing)

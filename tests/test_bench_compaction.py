@@ -214,7 +214,7 @@ def test_long_mixed_set_end_to_end(bc, tmp_path, capsys):
 def test_documented_gpu_commands_parse(bc, tmp_path):
     """The GPU commands of docs/benchmarks.md parse (on this machine's device) into the long set at the
     budget each names, the four modes, the split on, the 32k row budget."""
-    gpu = [c for c in documented_long_commands() if "--scale" not in c]
+    gpu = [c for c in documented_long_commands() if "--scale" not in c and "--plan-only" not in c]
     assert sorted(c[c.index("--budgets") + 1] for c in gpu) == ["4096", "8192"]
     for argv in gpu:
         argv[argv.index("--out") + 1] = str(tmp_path / "c.json")
@@ -343,3 +343,77 @@ def test_piece_study_run_out_of_memory(bc, tmp_path, capsys, monkeypatch):
     assert st["auto"]["step_seconds"] > 0 and st["none"]["step_seconds"] > 0
     assert "auto_over_uncut" not in st and "none_over_uncut" not in st
     assert "uncut at" in stdout and "not run (out of GPU memory)" in stdout
+
+
+def test_plan_only_is_what_the_run_decides(bc, tmp_path, capsys):
+    """--plan-only plans each mode and makes the schedule's memory choice without training, the way the
+    driver does it: on the CPU-sized long set with a pieces' budget that keeps some read pieces only in
+    part, its read / kept / partly kept pieces and the rows whose forward runs again are the trained
+    run's; the rows are the trained rows; it writes a table and no step figures.  --device-memory-gib
+    sizes a GPU run (its bf16 model, its memory) on a machine without one."""
+    flags = ["--device", "cpu", "--driver-flags", "--tree-piece-memory 0.001", "--tree-sharing", "within"]
+    planned, trained = tmp_path / "p.json", tmp_path / "t.json"
+    code, stdout, err = run_tool(bc, capsys, *LONG, *flags, "--plan-only", "--out", planned)
+    assert code in (0, None), err
+    assert "(planned, not trained)" in stdout
+    code, _, err = run_tool(bc, capsys, *LONG, *flags, "--no-split", "--iters", "1", "--out", trained)
+    assert code in (0, None), err
+    (p_row,) = json.loads(planned.read_text())["sets"].values()
+    (t_row,) = json.loads(trained.read_text())["sets"].values()
+    assert p_row["modes"] == {} and set(p_row["plans"]) == {"kv_expanded", "kv_tree_within"}
+    partly = 0
+    for key, plan in p_row["plans"].items():
+        run = t_row["modes"][key]
+        for field in ("read_pieces", "kept_pieces", "partly_kept_pieces", "piece_extra_forward_rows"):
+            assert plan[field] == run[field], (key, field, plan[field], run[field])
+        assert plan["rows"] == run["rows_computed"] and plan["piece_memory_gib"] == pytest.approx(0.001)
+        partly += plan["partly_kept_pieces"]
+    assert partly > 0 and p_row["plans"]["kv_expanded"]["read_pieces"] > 0
+    gpu = tmp_path / "g.json"
+    code, _, err = run_tool(bc, capsys, *LONG, "--device", "cuda", "--preset", "h200", "--plan-only",
+                            "--device-memory-gib", "80", "--out", gpu)
+    assert code in (0, None), err
+    (g_row,) = json.loads(gpu.read_text())["sets"].values()
+    state = g_row["plans"]["kv_expanded"]["state_gib"]
+    assert g_row["plans"]["kv_tree_within"]["piece_memory_gib"] == pytest.approx(0.85 * 80 - state, rel=1e-6)
+    for argv, needle in ((["--device-memory-gib", "80"], "--device-memory-gib"),
+                         (["--plan-only", "--piece-study"], "--plan-only and --piece-study"),
+                         (["--device", "cpu", "--plan-only", "--device-memory-gib", "80"], "--device-memory-gib"),
+                         (["--device", "cuda", "--plan-only", "--device-memory-gib", "-1"], "--device-memory-gib")):
+        bad = tmp_path / "bad.json"
+        code, o, e = run_tool(bc, capsys, *LONG, *argv, "--out", bad)
+        assert_one_error(code, e, needle)
+        assert o == "" and not bad.exists()
+
+
+def test_documented_plan_only_commands(bc, tmp_path, capsys):
+    """docs/benchmarks.md's --plan-only commands run as written (the full-size set, no GPU needed) and
+    give its table: per mode the read / kept / partly kept pieces, the rows run forward again and the
+    predicted peak, for an H100's and an H200's memory."""
+    import os
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                             "benchmarks.md")).read()
+    table = text[text.index("| mode | pieces: read / kept / in part, H100"):]
+    table = table[:table.index("\n\n")]
+    doc = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        doc[cells[0]] = cells[1:]
+    names = {"reprefill_expanded": "re-prefill, expanded", "reprefill_tree_within": "re-prefill, tree",
+             "kv_expanded": "KV-streams, expanded", "kv_tree_within": "KV-streams, tree (within)"}
+    commands = [c for c in documented_long_commands() if "--plan-only" in c]
+    assert len(commands) == 2
+    got = []
+    for argv in commands:
+        argv[argv.index("--out") + 1] = str(tmp_path / "plan.json")
+        code, _, err = run_tool(bc, capsys, *argv)
+        assert code in (0, None), err
+        (row,) = json.loads((tmp_path / "plan.json").read_text())["sets"].values()
+        got.append(row["plans"])
+    for key, name in names.items():
+        h100, h200 = got[0][key], got[1][key]
+        pieces = lambda m: "-" if not m["read_pieces"] else \
+            f"{m['read_pieces']} / {m['kept_pieces']} / {m['partly_kept_pieces']}"
+        assert doc[name][:4] == [pieces(h100), f"{h100['piece_extra_forward_rows']:,}", pieces(h200),
+                                 f"{h200['piece_extra_forward_rows']:,}"], name
+        assert doc[name][4] == f"{h100['predicted_peak_gib']:.1f} / {h200['predicted_peak_gib']:.1f} GiB", name

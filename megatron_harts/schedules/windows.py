@@ -74,7 +74,8 @@ from ..planner.pieces import piece_backward_points
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
            "kept_piece_backward", "leading_layers_recomputed", "microbatch_on", "microbatch_params", "model_device",
-           "piece_choice", "piece_microbatches", "producer_forward", "producer_params", "step_memory_plan", "windowed_microbatches"]
+           "piece_choice", "piece_microbatches", "producer_forward", "producer_params", "schedule_choice",
+           "ScheduleChoice", "step_memory_plan", "windowed_microbatches"]
 
 
 @dataclass
@@ -587,6 +588,62 @@ def _attention_bytes(shape: ModelShape, layout) -> int:
     return attention_bytes(shape, rows=int(layout.num_rows), context_rows=ctx, gathered=gathered)
 
 
+@dataclass
+class ScheduleChoice:
+    """What a replica's windowed step decides before it runs: the windows (``consumers_of``: producer ->
+    its consumers), the pieces (``_Pieces``) and the producers' export specs, the memory plan (``memory``:
+    :func:`step_memory_plan`'s, None where nothing asks for it), the producers recomputed at their window's
+    close (``recompute``) and the read pieces keeping their graph (``keep``: position -> first layers whose
+    forward runs again, :func:`piece_choice`)."""
+    consumers_of: Dict[int, List[int]]
+    pieces: "_Pieces"
+    specs: Dict[int, ExportSpec]
+    memory: Optional[WindowMemoryPlan]
+    recompute: Tuple[int, ...]
+    keep: Dict[int, int]
+
+    def extra_forward_rows(self, mbs: List[WindowedMicrobatch], layers: int) -> int:
+        """Rows whose forward the read pieces run again: a recomputed piece's rows, a piece kept in part
+        its rows times its recomputed share of the ``layers`` (as the step counts them)."""
+        rows = 0
+        for i in self.pieces.readers:
+            n = int(mbs[i].layout.num_rows)
+            rows += n if i not in self.keep else n * self.keep[i] // max(1, int(layers))
+        return rows
+
+
+def schedule_choice(mbs: List[WindowedMicrobatch], cfg, *, recompute_producers=False,
+                    memory_budget: Optional[int] = None, piece_keep="all", piece_budget: Optional[int] = None,
+                    predict: bool = False) -> ScheduleChoice:
+    """The decisions of :func:`forward_backward_windows` for ``mbs`` (its arguments of the same names), made
+    from the microbatches and the config alone, so a plan can be sized without a model: every rank running
+    the same items decides the same.  ``predict``: compute the memory plan even where no decision needs it
+    (for the step's predicted peak)."""
+    consumers_of = check_windows(mbs)
+    pieces = _plan_pieces(mbs, cfg)
+    specs = {p: ExportSpec.for_consumers(mbs[p].layout, [mbs[c].layout for c in cs], config=cfg, replay=mbs[p].replay)
+             for p, cs in consumers_of.items()}
+    if isinstance(recompute_producers, bool):
+        force = True if recompute_producers else (None if memory_budget is not None else False)
+        chosen = None
+    else:
+        chosen = {int(p) for p in recompute_producers}
+        if not chosen <= set(consumers_of):
+            raise ValueError(f"forward_backward_windows: recompute_producers names microbatches that are no window's "
+                             f"producer: {sorted(chosen - set(consumers_of))}")
+        force = None
+    if piece_keep == "auto" and piece_budget is None:
+        raise ValueError("forward_backward_windows: piece_keep 'auto' needs piece_budget (bytes)")
+    auto_pieces = piece_keep == "auto" and bool(pieces.readers)
+    memory = step_memory_plan(mbs, cfg, budget_bytes=memory_budget, force=force, recompute=chosen, specs=specs,
+                              pieces=pieces, piece_keep=piece_keep, piece_budget_bytes=piece_budget) \
+        if predict or (force is None and chosen is None) or auto_pieces else None
+    recompute = chosen if chosen is not None else set(consumers_of) if force is True else \
+        set() if force is False else set(memory.recompute)
+    keep = piece_choice(mbs, pieces, piece_keep, memory, layers=max(1, int(cfg.num_layers)))
+    return ScheduleChoice(consumers_of, pieces, specs, memory, tuple(sorted(recompute)), keep)
+
+
 def forward_backward_windows(*, forward_step_func, data_iterator, model, num_microbatches: int,
                              seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
                              decoder_seq_length: Optional[int] = None, forward_only: bool = False,
@@ -651,30 +708,12 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
     cfg = _model_config(model)
     device = model_device(model)
     mbs: List[WindowedMicrobatch] = [next(data_iterator) for _ in range(int(num_microbatches))]
-    consumers_of = check_windows(mbs)
+    choice = schedule_choice(mbs, cfg, recompute_producers=recompute_producers, memory_budget=memory_budget,
+                             piece_keep=piece_keep, piece_budget=piece_budget, predict=window_stats is not None)
+    consumers_of, pieces, specs = choice.consumers_of, choice.pieces, choice.specs
     last_consumer = {p: cs[-1] for p, cs in consumers_of.items()}
-    pieces = _plan_pieces(mbs, cfg)
-    specs = {p: ExportSpec.for_consumers(mbs[p].layout, [mbs[c].layout for c in cs], config=cfg, replay=mbs[p].replay)
-             for p, cs in consumers_of.items()}
-    if isinstance(recompute_producers, bool):
-        force = True if recompute_producers else (None if memory_budget is not None else False)
-        chosen = None
-    else:
-        chosen = {int(p) for p in recompute_producers}
-        if not chosen <= set(consumers_of):
-            raise ValueError(f"forward_backward_windows: recompute_producers names microbatches that are no window's "
-                             f"producer: {sorted(chosen - set(consumers_of))}")
-        force = None
-    if piece_keep == "auto" and piece_budget is None:
-        raise ValueError("forward_backward_windows: piece_keep 'auto' needs piece_budget (bytes)")
-    auto_pieces = piece_keep == "auto" and bool(pieces.readers)
-    memory = step_memory_plan(mbs, cfg, budget_bytes=memory_budget, force=force, recompute=chosen, specs=specs,
-                              pieces=pieces, piece_keep=piece_keep, piece_budget_bytes=piece_budget) \
-        if window_stats is not None or (force is None and chosen is None) or auto_pieces else None
-    recompute = chosen if chosen is not None else set(consumers_of) if force is True else \
-        set() if force is False else set(memory.recompute)
+    memory, recompute, keep = choice.memory, set(choice.recompute), dict(choice.keep)
     layer_count = max(1, int(cfg.num_layers))  # a partly kept piece's extra forward: its rows x layers share
-    keep = piece_choice(mbs, pieces, piece_keep, memory, layers=layer_count)
     if forward_only:
         recompute = set()
         keep = dict.fromkeys(pieces.readers, 0)  # no backward: every piece's forward once

@@ -51,7 +51,7 @@ from ..rl.objectives import ObjectiveDataError
 from .rl_update import RLDataError
 from .step import PIECE_STATS, NonFiniteLoss, SharingSettings, StepResult, plan_step
 
-__all__ = ["Trainer", "TrainingError"]
+__all__ = ["Trainer", "TrainingError", "memory_budgets"]
 
 
 class TrainingError(RuntimeError):
@@ -117,6 +117,33 @@ class _ExitSignal:
             signal.signal(sig, handler)
         self._saved = {}
 
+
+
+def memory_budgets(args, shape, state_bytes: float, *, device_bytes: Optional[int] = None):
+    """(default step budget, step budget, pieces' budget) in bytes of a run with flags ``args``, model shape
+    ``shape`` (``planner.memory.ModelShape``) and ``state_bytes`` of parameter state on this rank.  The default
+    step budget is what expanded training keeps for its largest microbatch (``--tree-microbatch-tokens``
+    rows x saved bytes per row); the step budget, ``--tree-memory-budget`` GiB or that default, applies to
+    ``--tree-sharing windows`` on pipeline size 1 without ``--tree-recompute-producers`` (elsewhere None:
+    no per-window choice); the pieces' budget (``--tree-piece-keep auto``, else None) is
+    ``--tree-piece-memory`` GiB, by default ``planner.memory.device_activation_budget`` of ``device_bytes``
+    (a GPU's memory) and the state, without a GPU the default step budget.  One place for the rule: the
+    trainer and sizing tools (``bench_compaction.py --plan-only``) call it."""
+    from ..planner.memory import GIB, default_budget_bytes, device_activation_budget
+    tree = args.tree
+    default = default_budget_bytes(shape, tree.microbatch_tokens)
+    step = None
+    if tree.sharing == "windows" and args.pipeline_model_parallel_size == 1 and not tree.recompute_producers:
+        step = max(1, int(tree.memory_budget_gib * GIB)) if tree.memory_budget_gib is not None else default
+    if tree.piece_keep != "auto":
+        piece = None
+    elif tree.piece_memory_gib is not None:
+        piece = max(1, int(tree.piece_memory_gib * GIB))
+    elif device_bytes is not None:
+        piece = device_activation_budget(int(device_bytes), state_bytes)
+    else:
+        piece = default
+    return default, step, piece
 
 class Trainer:
     """One training run (module docstring).  Use as a context manager, or call ``close()``."""
@@ -203,39 +230,17 @@ class Trainer:
 
     # ---- setup ---------------------------------------------------------------------------
     def _memory_setup(self, args) -> None:
-        """The memory model of the run (``planner.memory``): this rank's parameter state bytes, and the
-        step's activation budget: ``--tree-memory-budget`` GiB, by default what expanded training keeps
-        for its largest microbatch (``--tree-microbatch-tokens`` rows x saved bytes per row).  The budget
-        applies to ``--tree-sharing windows`` on pipeline size 1 (without ``--tree-recompute-producers``);
-        elsewhere it is None (no per-window choice: the pipeline schedules keep every producer).  The
-        pieces' budget (``--tree-piece-keep auto``): ``--tree-piece-memory`` GiB, by default on a GPU
-        ``device_activation_budget`` of its memory and this rank's parameter state, on the CPU the default
-        step budget above."""
-        from ..planner.memory import (GIB, ModelShape, default_budget_bytes, device_activation_budget,
-                                      state_bytes_per_parameter)
+        """The memory model of the run (``planner.memory``): this rank's parameter state bytes and the
+        step's budgets (:func:`memory_budgets`; on a GPU the pieces' default from its memory)."""
+        from ..planner.memory import ModelShape, state_bytes_per_parameter
         from .arguments import data_parallel_size
         self.memory_shape = ModelShape.from_config(self.config)
         params = sum(p.numel() for p in self.model[0].module.parameters())
         shards = data_parallel_size(args, self.world) if args.use_distributed_optimizer else 1
         self._state_bytes = params * state_bytes_per_parameter(self.memory_shape.element_bytes, shards)
-        tree = args.tree
-        self.default_memory_budget_bytes = default_budget_bytes(self.memory_shape, tree.microbatch_tokens)
-        budget = tree.memory_budget_gib
-        if tree.sharing != "windows" or args.pipeline_model_parallel_size > 1 or tree.recompute_producers:
-            self.memory_budget_bytes = None
-        else:
-            self.memory_budget_bytes = max(1, int(budget * GIB)) if budget is not None \
-                else self.default_memory_budget_bytes
-        piece = tree.piece_memory_gib
-        if tree.piece_keep != "auto":
-            self.piece_budget_bytes = None
-        elif piece is not None:
-            self.piece_budget_bytes = max(1, int(piece * GIB))
-        elif self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            self.piece_budget_bytes = device_activation_budget(total, self._state_bytes)
-        else:
-            self.piece_budget_bytes = self.default_memory_budget_bytes
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        self.default_memory_budget_bytes, self.memory_budget_bytes, self.piece_budget_bytes = memory_budgets(
+            args, self.memory_shape, self._state_bytes, device_bytes=total)
 
     def predicted_peak_bytes(self, window_stats: Dict[str, Any]) -> Optional[float]:
         """This rank's predicted peak of a step (``planner.memory.step_peak_bytes``): parameter state
