@@ -500,17 +500,18 @@ def set_line(row: dict) -> str:
 
 
 def mode_table(row: dict) -> str:
-    """Each mode's rows, visible attention pairs, step time and peak memory, then where its profiled
-    step's time goes (``--split``)."""
-    lines = [f"{'mode':<24}{'rows':>11}{'pairs':>11}{'pieces':>8}{'step s':>9}{'peak GiB':>10}"]
+    """Each mode's rows, visible attention pairs, step time, peak memory and the memory model's prediction
+    of it, then where its profiled step's time goes (``--split``)."""
+    lines = [f"{'mode':<24}{'rows':>11}{'pairs':>11}{'pieces':>8}{'step s':>9}{'peak GiB':>10}{'predicted':>11}"]
     splits = {}
     for key, m in row["modes"].items():
         if "skipped" in m:
             lines.append(f"{key:<24}  not run")
             continue
         peak = "-" if m["peak_memory_gib"] is None else f"{m['peak_memory_gib']:.1f}"
+        pred = "-" if m.get("predicted_peak_gib") is None else f"{m['predicted_peak_gib']:.1f}"
         lines.append(f"{key:<24}{m['rows_computed']:>11,}{m['visible_pairs']:>11.3g}{m['piece_microbatches']:>8}"
-                     f"{m['step_seconds']:>9.3f}{peak:>10}")
+                     f"{m['step_seconds']:>9.3f}{peak:>10}{pred:>11}")
         if "split" in m:
             splits[key] = m["split"]
     out = "\n".join(lines) + "\n"
