@@ -567,6 +567,9 @@ def plan_table(row: dict) -> str:
     lines = [f"{'mode':<24}{'mbs':>5}{'rows':>11}{'read/kept/part':>16}{'fwd again':>11}{'budget GiB':>12}"
              f"{'peak GiB':>10}"]
     for key, m in row["plans"].items():
+        if "skipped" in m:
+            lines.append(f"{key:<24}  not planned ({m['skipped']})")
+            continue
         budget = "-" if m["piece_memory_gib"] is None else f"{m['piece_memory_gib']:.1f}"
         kept = f"{m['read_pieces']}/{m['kept_pieces']}/{m['partly_kept_pieces']}"
         lines.append(f"{key:<24}{m['microbatches']:>5}{m['rows']:>11,}{kept:>16}{m['piece_extra_forward_rows']:>11,}"
@@ -687,9 +690,15 @@ def main(argv=None):
             piece_study(a, s, common, row, say, save)
             continue
         if a.plan_only:
-            row["plans"] = {mode_key(form, sharing): plan_mode(a, common + ["--tree-sharing", sharing],
-                                                                s["forests"][form])
-                            for form, sharing in modes}
+            row["plans"] = {}
+            for form, sharing in modes:
+                try:
+                    planned = plan_mode(a, common + ["--tree-sharing", sharing], s["forests"][form])
+                except PlanningError as e:
+                    if sharing != "windows":
+                        raise
+                    planned = {"skipped": f"the driver refuses this data with --tree-sharing windows: {e}"}
+                row["plans"][mode_key(form, sharing)] = planned
             say(plan_table(row))
             save()
             continue

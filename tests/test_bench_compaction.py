@@ -100,6 +100,30 @@ def test_windows_refused_by_the_driver_is_recorded(bc, tmp_path, monkeypatch):
     assert row["derived"]["rows_check"]["ok"] and "kv_windows_over_kv_expanded" not in row["derived"]
 
 
+def test_plan_only_records_a_windows_refusal(bc, tmp_path, monkeypatch, capsys):
+    """--plan-only where the driver's planner refuses the traces in sharing windows: that mode is recorded
+    as not planned, with the reason, and the others are planned."""
+    import megatron_harts.training.step as step
+    from megatron_harts.planner.microbatch import PlanningError
+    plan = step.plan_step
+
+    def refusing(forest, settings, dp):
+        if settings.sharing == "windows":
+            raise PlanningError("no windows here")
+        return plan(forest, settings, dp)
+    monkeypatch.setattr(step, "plan_step", refusing)
+    out = tmp_path / "c.json"
+    code, stdout, err = run_tool(bc, capsys, *TINY, "--schemes", "tree-step", "--strategies", "summary", "--budgets",
+                                 "160", "--max-tokens", "300", "--tree-sharing", "within", "windows", "--plan-only",
+                                 "--out", out)
+    assert code in (0, None), err
+    (row,) = json.loads(out.read_text())["sets"].values()
+    assert row["plans"]["kv_tree_windows"] == {
+        "skipped": "the driver refuses this data with --tree-sharing windows: no windows here"}
+    assert all(row["plans"][k]["rows"] > 0 for k in ("reprefill_expanded", "kv_expanded", "kv_tree_within"))
+    assert "kv_tree_windows           not planned" in stdout
+
+
 def test_bad_flags_are_one_error_line(bc, capsys, tmp_path):
     code, out, err = run_tool(bc, capsys, "--no-such-flag")
     assert_one_error(code, err, "--no-such-flag")
