@@ -257,6 +257,11 @@ def _kernel_seconds(mode: dict):
     return mode.get("profile", {}).get("kernel_seconds")
 
 
+def _first_line(e: BaseException) -> str:
+    """An out-of-memory error's first line (CUDA's message goes on for lines of allocator advice)."""
+    return str(e).splitlines()[0] if str(e) else "out of memory"
+
+
 def _ratio(x, y):
     return None if x is None or y is None or not y else x / y
 
@@ -527,7 +532,7 @@ def plan_mode(a, argv: list, forest) -> dict:
     ``--device-memory-gib`` or this machine's GPU), the parameter state of the preset
     (``bench_throughput.parameter_counts``) and the predicted peak (``bench_throughput.memory_estimate``)."""
     from megatron_harts.planner.memory import GIB, ModelShape, state_bytes_per_parameter
-    from megatron_harts.schedules.windows import schedule_choice
+    from megatron_harts.schedules.windows import piece_extra_forward_rows, schedule_choice
     from megatron_harts.training.arguments import cost_model, hybrid_config, parse_args
     from megatron_harts.training.step import SharingSettings, plan_step, replica_microbatches
     from megatron_harts.training.trainer import memory_budgets
@@ -554,7 +559,8 @@ def plan_mode(a, argv: list, forest) -> dict:
     return {"microbatches": len(mbs), "rows": int(sum(int(mb.layout.num_rows) for mb in mbs)),
             "largest_microbatch_rows": largest, "read_pieces": len(choice.pieces.readers),
             "kept_pieces": len(choice.keep), "partly_kept_pieces": sum(1 for n in choice.keep.values() if n),
-            "piece_extra_forward_rows": choice.extra_forward_rows(mbs, cfg.num_layers),
+            "piece_extra_forward_rows": piece_extra_forward_rows(mbs, choice.pieces.readers, choice.keep,
+                                                                 cfg.num_layers),
             "recomputed_windows": len(choice.recompute), "windows": len(choice.consumers_of),
             "piece_memory_gib": None if piece_budget is None else piece_budget / GIB,
             "predicted_activations_gib": act / GIB, "predicted_peak_gib": mem["total"] / GIB,
@@ -604,8 +610,7 @@ def piece_study(a, s: dict, common: list, row: dict, say, save) -> None:
                 m = measure(argv + ["--tree-sharing", sharing], s["forests"]["kv"], s["N"], a,
                             f"{s['name']} piece study {tag}")
         except torch.OutOfMemoryError as e:      # the other runs still go; the study says why this one did not
-            said = str(e).splitlines()[0] if str(e) else "out of memory"
-            study[tag] = {"skipped": f"out of GPU memory: {said}"}
+            study[tag] = {"skipped": f"out of GPU memory: {_first_line(e)}"}
             save()
             _progress(f"{s['name']} piece study, {tag}: not run ({study[tag]['skipped']})")
             continue
@@ -719,9 +724,10 @@ def main(argv=None):
                 _progress(f"{s['name']} {key}: not run ({row['modes'][key]['skipped']})")
                 continue
             except torch.OutOfMemoryError as e:      # the other modes still run; the row says why this one did not
-                said = str(e).splitlines()[0] if str(e) else "out of memory"
-                row["modes"][key] = {"form": form, "sharing": sharing, "skipped": f"out of GPU memory: {said} "
-                                     f"(--driver-flags '--tree-piece-memory GIB' or '--tree-piece-keep none' keep less)"}
+                row["modes"][key] = {"form": form, "sharing": sharing,
+                                     "skipped": f"out of GPU memory: {_first_line(e)} "
+                                     f"(--driver-flags '--tree-piece-memory GIB' or '--tree-piece-keep none' keep "
+                                     f"less)"}
                 _progress(f"{s['name']} {key}: not run ({row['modes'][key]['skipped']})")
                 save()
                 continue

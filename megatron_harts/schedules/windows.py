@@ -74,8 +74,8 @@ from ..planner.pieces import piece_backward_points
 
 __all__ = ["WindowedMicrobatch", "check_windows", "expanded_microbatches", "forward_backward_windows",
            "kept_piece_backward", "leading_layers_recomputed", "microbatch_on", "microbatch_params", "model_device",
-           "piece_choice", "piece_microbatches", "producer_forward", "producer_params", "schedule_choice",
-           "ScheduleChoice", "step_memory_plan", "windowed_microbatches"]
+           "piece_choice", "piece_extra_forward_rows", "piece_microbatches", "producer_forward", "producer_params",
+           "schedule_choice", "ScheduleChoice", "step_memory_plan", "windowed_microbatches"]
 
 
 @dataclass
@@ -602,14 +602,16 @@ class ScheduleChoice:
     recompute: Tuple[int, ...]
     keep: Dict[int, int]
 
-    def extra_forward_rows(self, mbs: List[WindowedMicrobatch], layers: int) -> int:
-        """Rows whose forward the read pieces run again: a recomputed piece's rows, a piece kept in part
-        its rows times its recomputed share of the ``layers`` (as the step counts them)."""
-        rows = 0
-        for i in self.pieces.readers:
-            n = int(mbs[i].layout.num_rows)
-            rows += n if i not in self.keep else n * self.keep[i] // max(1, int(layers))
-        return rows
+
+def piece_extra_forward_rows(mbs: List[WindowedMicrobatch], readers, keep: Dict[int, int], layers: int) -> int:
+    """Rows whose forward the read pieces ``readers`` run again under the choice ``keep`` (position -> first
+    layers recomputed): a recomputed piece's rows, a piece kept in part its rows times its recomputed share
+    of the ``layers`` (this rank's), a piece kept whole none."""
+    rows = 0
+    for i in readers:
+        n = int(mbs[i].layout.num_rows)
+        rows += n if i not in keep else n * keep[i] // max(1, int(layers))
+    return rows
 
 
 def schedule_choice(mbs: List[WindowedMicrobatch], cfg, *, recompute_producers=False,
@@ -719,7 +721,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         keep = dict.fromkeys(pieces.readers, 0)  # no backward: every piece's forward once
     leaves: Dict[int, WindowExports] = {}       # pieces read later: their exports' leaves
     waiting: Dict[int, tuple] = {}              # pieces read later: their backward runs after their readers'
-    piece_rows = extra_rows = 0
+    piece_rows = 0
 
     open_windows: Dict[int, dict] = {}
     live_bytes, peak_bytes = 0, 0
@@ -743,7 +745,6 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                 psp = piece_params(i, mb)
                 with leading_layers_recomputed(cfg, keep[i]):
                     loss = run(i, mb, psp)
-                extra_rows += int(mb.layout.num_rows) * keep[i] // layer_count
                 leaves[i] = psp.recorded.detached()
                 waiting[i] = (mb, None if forward_only else psp, None if forward_only else loss)
                 exported_bytes = leaves[i].nbytes()
@@ -774,7 +775,6 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
                     psp = piece_params(p, pmb)
                     psp.inject_grads = own.gradients()
                     loss = run(p, pmb, psp)     # with the run's recomputation: the gradients ride the graph
-                    extra_rows += int(pmb.layout.num_rows)
                     loss.backward()
                 live_bytes -= own.nbytes()
                 del leaves[p]
@@ -831,7 +831,7 @@ def forward_backward_windows(*, forward_step_func, data_iterator, model, num_mic
         window_stats["memory_budget_bytes"] = memory_budget
         window_stats["largest_microbatch_rows"] = max((int(mb.layout.num_rows) for mb in mbs), default=0)
         window_stats["piece_rows"] = piece_rows
-        window_stats["piece_extra_forward_rows"] = extra_rows
+        window_stats["piece_extra_forward_rows"] = piece_extra_forward_rows(mbs, pieces.readers, keep, layer_count)
         window_stats["read_pieces"] = len(pieces.readers)
         window_stats["kept_pieces"] = len(keep.keys() & set(pieces.readers))
         window_stats["partly_kept_pieces"] = sum(1 for n in keep.values() if n)
