@@ -38,8 +38,8 @@ _SAID_NO_TRITON = []
 def use_fused_kernels(config, t: torch.Tensor) -> bool:
     """Whether a module runs its fused kernels (``ops.kda_elementwise``, ``ops.router_topk``,
     ``ops.moe_gather``) on ``t``: the config asks for them (``fused_kernels``) and they take the tensor
-    (CUDA, 16/32-bit floats).  The one place this is decided; asked for on a CUDA tensor without Triton, it says so once per process and
-    the eager chains run."""
+    (CUDA, 16/32-bit floats).  The one place this is decided; asked for on a CUDA tensor without Triton,
+    it says so once per process and the eager chains run."""
     if not getattr(config, "fused_kernels", False):
         return False
     if fusable(t):
@@ -47,8 +47,8 @@ def use_fused_kernels(config, t: torch.Tensor) -> bool:
     if t.is_cuda and not triton_available() and not _SAID_NO_TRITON:
         _SAID_NO_TRITON.append(True)
         warnings.warn("Triton is not installed: the KDA layers' elementwise chains, the router's top-k and the "
-                      "MoE gathers run as eager torch ops, not as fused kernels (--no-tree-fused-kernels asks for that and "
-                      "silences this warning)", RuntimeWarning, stacklevel=2)
+                      "MoE gathers run as eager torch ops, not as fused kernels (--no-tree-fused-kernels asks for "
+                      "that and silences this warning)", RuntimeWarning, stacklevel=2)
     return False
 
 

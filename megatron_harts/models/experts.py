@@ -336,7 +336,8 @@ class GroupedSequentialMLP(SequentialMLP):
         fc1: List[torch.Tensor] = [e.linear_fc1.weight for e in self.local_experts]
         fc2: List[torch.Tensor] = [e.linear_fc2.weight for e in self.local_experts]
         given = getattr(self.dispatcher, "permuted_from", None)
-        gathered = (_gather_rows, given[1:]) if given is not None and given[0] is x else None  # x is the dispatch's gather
+        # x is the dispatch's gather: fc1 keeps its source and rows instead
+        gathered = (_gather_rows, given[1:]) if given is not None and given[0] is x else None
         h = self._linear(x, offs, empty, fc1, gathered)
         a = self._activation_out(h, permuted_probs)
         # fc2 keeps the activation's inputs (which the activation keeps for its own backward) instead

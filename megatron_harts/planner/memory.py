@@ -111,8 +111,8 @@ def activation_bytes_per_row(s: ModelShape) -> Dict[str, int]:
     projection, fp32 log-sum-exp; MoE: the norm's input, normalized rows and output (3 x hidden), per top-k
     copy the fc1 output (2 x width) the weighted SwiGLU keeps beside an fp32 prob (fc1's input, the
     permuted tokens, is gathered again from the norm's output in the backward: ``models.dispatcher``;
-    fc2's input, the activation's output, is computed again from those two: ``models.experts``), the shared expert's fc1 output and activation, the router's fp32 scores, sum
-    and top-k probs (top-k and aux-loss paths: 2 x (experts + 1 + top-k)) and the int64 routing indices (per
+    fc2's input, the activation's output, is computed again from those two: ``models.experts``), the
+    shared expert's fc1 output and activation, the router's fp32 scores, sum and top-k probs (top-k and aux-loss paths: 2 x (experts + 1 + top-k)) and the int64 routing indices (per
     row 4 x top-k and one per expert: the dispatcher's sort); dense MLP: the norm's three, fc1 output and
     activation.  The MLP parts are held to the bytes a bf16 forward saves (``tests/test_memory_budget.py``:
     on the CPU the norm keeps an fp32 copy of its input instead of the input, which the test adds).  Divided

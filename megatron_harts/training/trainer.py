@@ -118,7 +118,6 @@ class _ExitSignal:
         self._saved = {}
 
 
-
 def memory_budgets(args, shape, state_bytes: float, *, device_bytes: Optional[int] = None):
     """(default step budget, step budget, pieces' budget) in bytes of a run with flags ``args``, model shape
     ``shape`` (``planner.memory.ModelShape``) and ``state_bytes`` of parameter state on this rank.  The default
@@ -144,6 +143,7 @@ def memory_budgets(args, shape, state_bytes: float, *, device_bytes: Optional[in
     else:
         piece = default
     return default, step, piece
+
 
 class Trainer:
     """One training run (module docstring).  Use as a context manager, or call ``close()``."""
