@@ -218,18 +218,22 @@ def measure(argv, forest, n: int, a, title: str) -> dict:
     """One mode: ``run_mode``'s timed steps and their figures (module docstring); N = ``n``.  With
     ``--split`` one more step under the profiler split by what runs (``step_profile``); with
     ``--profile`` one more: its wall and GPU kernel seconds, kernel time per category in the result,
-    its tables appended to the file under ``title``."""
+    its tables appended to the file under ``title``; with ``--memory-profile`` one more under the
+    allocator's history: the bytes alive at its peak by allocation site (``memory_step``)."""
     def probe(trainer, f):
         split = profiled_split(lambda: trainer.step(f), a.device) if a.split else None
         return split, profile_step(trainer, f, a.device) if a.profile else None
-    times, metrics, losses, peak, plan, probed, _, backends = run_mode(
-        argv, forest, a.iters, a.warmup, a.device, profile=probe if a.split or a.profile else False)
+    times, metrics, losses, peak, plan, probed, memory, backends = run_mode(
+        argv, forest, a.iters, a.warmup, a.device, profile=probe if a.split or a.profile else False,
+        memory=a.memory_profile)
     split, prof = probed if probed is not None else (None, None)
     t = statistics.median(times)
     m = metrics[-1]
     extra = {}
     if split is not None:
         extra["split"] = split
+    if memory is not None:
+        extra["memory_profile"] = memory
     if prof is not None:
         summary, tables = prof
         extra["profile"] = summary
@@ -390,6 +394,10 @@ def parse(argv):
                     help="one more profiled step per mode split into attention forward and backward, KDA, GEMMs, "
                          "the pieces' extra forward, other device work and host (benchmarks/step_profile.py) "
                          "into the results and a table (default: on with --set long-mixed)")
+    ap.add_argument("--memory-profile", action="store_true",
+                    help="one more step of every mode under the CUDA allocator's history: the bytes alive at the "
+                         "step's peak by allocation site into the results (`memory_profile`), beside the memory "
+                         "model's prediction (GPU only)")
     ap.add_argument("--piece-study", action="store_true",
                     help="instead of the modes: the traces in tree mode at the row budget with --tree-piece-keep "
                          "auto and none, and at --piece-study-above rows (no trace cut); their step times and ratios")
@@ -444,6 +452,9 @@ def parse(argv):
                        "memory; a CPU run's budget does not depend on it)")
     if a.device_memory_gib is not None and not (a.device_memory_gib > 0 and math.isfinite(a.device_memory_gib)):
         raise CliError(f"--device-memory-gib must be a positive number of GiB, got {a.device_memory_gib}")
+    if a.memory_profile and (a.device != "cuda" or a.plan_only or a.piece_study):
+        raise CliError("--memory-profile needs a training run on a GPU (--device cuda, not --plan-only or "
+                       "--piece-study): the allocator's history is CUDA's")
     if a.plan_only and a.piece_study:
         raise CliError("--plan-only and --piece-study: choose one")
     if a.piece_study and "--tree-piece-keep" in a.driver_flags.split():
@@ -506,9 +517,10 @@ def set_line(row: dict) -> str:
 
 def mode_table(row: dict) -> str:
     """Each mode's rows, visible attention pairs, step time, peak memory and the memory model's prediction
-    of it, then where its profiled step's time goes (``--split``)."""
+    of it, then where its profiled step's time goes (``--split``) and where the bytes alive at its peak
+    were allocated (``--memory-profile``: the six largest sites)."""
     lines = [f"{'mode':<24}{'rows':>11}{'pairs':>11}{'pieces':>8}{'step s':>9}{'peak GiB':>10}{'predicted':>11}"]
-    splits = {}
+    splits, memory = {}, []
     for key, m in row["modes"].items():
         if "skipped" in m:
             lines.append(f"{key:<24}  not run")
@@ -519,9 +531,16 @@ def mode_table(row: dict) -> str:
                      f"{m['step_seconds']:>9.3f}{peak:>10}{pred:>11}")
         if "split" in m:
             splits[key] = m["split"]
+        if "memory_profile" in m:
+            mp = m["memory_profile"]
+            memory.append(f"{key}: {mp['peak_bytes'] / 2**30:.2f} GiB above the step's start "
+                          f"({mp['allocated_at_start_bytes'] / 2**30:.2f} GiB)")
+            memory += [f"  {b / 2**30:8.3f} GiB  {site}" for site, b in list(mp["sites"].items())[:6]]
     out = "\n".join(lines) + "\n"
     if splits:
         out += "profiled step: seconds (share of its wall time)\n" + split_table(splits)
+    if memory:
+        out += "alive at the profiled step's peak, by allocation site\n" + "\n".join(memory) + "\n"
     return out
 
 

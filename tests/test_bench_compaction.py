@@ -133,7 +133,8 @@ def test_bad_flags_are_one_error_line(bc, capsys, tmp_path):
             (["--strategies", "lru"], ["--strategies", "lru"]),
             (["--out", str(tmp_path / "no_dir" / "c.json")], ["--out", "no_dir"]),
             (["--budgets", "64", "--keep-prefix", "60"], ["--budgets 64", "--keep-prefix (60)", "--evict-chunk (16)"]),
-            (["--budgets", "256", "--microbatch-tokens", "0"], ["--microbatch-tokens", ">= 1"])):
+            (["--budgets", "256", "--microbatch-tokens", "0"], ["--microbatch-tokens", ">= 1"]),
+            (["--budgets", "256", "--memory-profile", "--piece-study"], ["--memory-profile", "GPU"])):
         code, out, err = run_tool(bc, capsys, *TINY, *argv, "--out", str(tmp_path / "c.json")) \
             if "--out" not in argv else run_tool(bc, capsys, *TINY, *argv)
         assert_one_error(code, err, *needles)
@@ -441,3 +442,18 @@ def test_documented_plan_only_commands(bc, tmp_path, capsys):
         assert doc[name][:4] == [pieces(h100), f"{h100['piece_extra_forward_rows']:,}", pieces(h200),
                                  f"{h200['piece_extra_forward_rows']:,}"], name
         assert doc[name][4] == f"{h100['predicted_peak_gib']:.1f} / {h200['predicted_peak_gib']:.1f} GiB", name
+
+
+def test_memory_profile_rows_in_the_table(bc):
+    """A mode's --memory-profile record (the GPU's allocator history) is summed up under the table: its
+    peak above the step's start and its six largest allocation sites, largest first as recorded."""
+    mode = {"rows_computed": 10, "visible_pairs": 55, "piece_microbatches": 0, "step_seconds": 1.0,
+            "peak_memory_gib": 2.0, "predicted_peak_gib": 1.9,
+            "memory_profile": {"peak_bytes": 3 * 2**30, "allocated_at_start_bytes": 2**30,
+                               "sites": {f"site{i}.py:1 (f)": (8 - i) * 2**28 for i in range(8)}}}
+    table = bc.mode_table({"modes": {"kv_expanded": mode, "kv_tree_within": {"skipped": "out of memory"}}})
+    lines = table.splitlines()
+    at = lines.index("alive at the profiled step's peak, by allocation site")
+    assert lines[at + 1] == "kv_expanded: 3.00 GiB above the step's start (1.00 GiB)"
+    assert [ln.split()[-2] for ln in lines[at + 2:]] == [f"site{i}.py:1" for i in range(6)]
+    assert lines[at + 2].split()[0] == "2.000"
