@@ -104,8 +104,9 @@ def test_gpu_kernels_take_their_launching_operators_scopes(sp):
     launched it (torch fills those lists from the correlation ids, whatever the version) and takes
     that operator's ranges and the backward of the nodes the attention range created; busy time is
     the union of the kernel events (the ranges' own device annotations are neither work nor busy); a
-    kernel event no operator lists counts as unlinked and goes by its name; a kernel listed twice is
-    an error, not double time."""
+    kernel event no operator lists counts as unlinked and goes by its name; a kernel name listed more
+    often than the device ran it (a copy listed under its op and its runtime call) shares the device's
+    count among its listings: never double time."""
     from types import SimpleNamespace as E
 
     from torch.autograd import DeviceType
@@ -141,6 +142,8 @@ def test_gpu_kernels_take_their_launching_operators_scopes(sp):
     out = sp.split_step(work, 1e-4, busy)
     assert out["device_seconds"] == pytest.approx(51e-6) and out["seconds"]["host"] == pytest.approx(54e-6)
     launch.kernels = [Kernel(gemm, 0, 10)]                        # the same kernel listed by its runtime call too
-    with pytest.raises(RuntimeError, match="listed twice"):
-        sp.profile_work(events, "cuda", "harts.attention", "harts.kda",
-                        "harts.pieces_extra_forward")
+    work, busy, unlinked = sp.profile_work(events, "cuda", "harts.attention", "harts.kda",
+                                           "harts.pieces_extra_forward")
+    gemms = [w for w in work if w[0] == gemm]
+    assert len(gemms) == 5 and unlinked == 1 and busy == pytest.approx(46e-6)
+    assert sum(w[1] for w in gemms) == pytest.approx(0.8 * 51e-6)   # five listings of four runs
