@@ -457,3 +457,27 @@ def test_memory_profile_rows_in_the_table(bc):
     assert lines[at + 1] == "kv_expanded: 3.00 GiB above the step's start (1.00 GiB)"
     assert [ln.split()[-2] for ln in lines[at + 2:]] == [f"site{i}.py:1" for i in range(6)]
     assert lines[at + 2].split()[0] == "2.000"
+
+
+def test_documented_long_set_table_is_the_recorded_run():
+    """docs/benchmarks.md's long-set table and README's long row are the figures of the one recorded
+    run (benchmarks/results/compaction-long-h100/long-8192.json): rows, step seconds, peaks and the
+    predicted peaks per mode, and the README's three ratios."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    run = json.loads((root / "benchmarks/results/compaction-long-h100/long-8192.json").read_text())
+    modes = run["sets"]["long-mixed/8192"]["modes"]
+    docs = (root / "docs/benchmarks.md").read_text()
+    names = {"reprefill_expanded": "re-prefill, expanded", "reprefill_tree_within": "re-prefill, tree",
+             "kv_expanded": "KV-streams, expanded", "kv_tree_within": "KV-streams, tree (within)"}
+    for key, label in names.items():
+        m = modes[key]
+        (line,) = [ln for ln in docs.splitlines() if ln.startswith(f"| {label} | {m['rows_computed']:,} |")]
+        assert f"| {m['step_seconds']:.2f} s | {m['peak_memory_gib']:.1f} GiB ({m['predicted_peak_gib']:.1f}) |" \
+            in line, line
+    readme = (root / "README.md").read_text()
+    (row,) = [ln for ln in readme.splitlines() if ln.startswith("| long mixed:")]
+    t = {k: modes[k]["step_seconds"] for k in names}
+    ratios = [t["kv_expanded"] / t["kv_tree_within"], t["reprefill_expanded"] / t["kv_tree_within"],
+              t["reprefill_tree_within"] / t["kv_tree_within"]]
+    assert row.endswith(" | ".join(f"{r:.2f}x" for r in ratios) + " |"), row
