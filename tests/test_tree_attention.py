@@ -1,4 +1,5 @@
 """Tree attention equals per-trajectory causal attention, forward and backward (fp64)."""
+import dataclasses
 import math
 import warnings
 
@@ -496,7 +497,7 @@ def test_sum_back_widens_a_chunk_at_a_time_to_the_same_sums(monkeypatch):
     g = torch.Generator().manual_seed(0)
     k_all, v_all = torch.randn(9, 2, 6, dtype=torch.bfloat16), torch.randn(9, 2, 4, dtype=torch.bfloat16)
     index = torch.randint(0, 9, (23,), generator=g)
-    paths = type("Paths", (), {"key_index": index})()
+    paths = type("Paths", (), {"key_index": index, "in_place": False})()
     dkg = torch.randn(23, 2, 8, generator=g).to(torch.bfloat16)[..., :6]      # a padded kernel's slice
     dvg = torch.randn(23, 2, 4, generator=g).to(torch.bfloat16)
     whole_k = torch.zeros(9, 2, 6).index_add_(0, index, dkg.float()).to(torch.bfloat16)
@@ -505,6 +506,32 @@ def test_sum_back_widens_a_chunk_at_a_time_to_the_same_sums(monkeypatch):
     dk, dv = kp._sum_back(k_all, v_all, paths, dkg, dvg)
     assert dk.dtype == dv.dtype == torch.bfloat16
     assert torch.equal(dk, whole_k) and torch.equal(dv, whole_v)
+
+
+def test_packed_sequences_read_their_keys_in_place():
+    """Expanded mode's key paths (packed causal sequences) read the keys where they are: no gather,
+    and each key's gradient taken as it comes, bitwise what the fp32 sum of one term gives; tree
+    paths gather.  The reference kernel gives the same attention either way."""
+    from megatron_harts.ops import key_paths as kp
+    g = torch.Generator().manual_seed(1)
+    lengths = [5, 3, 7]
+    paths = sequence_key_paths(lengths)
+    assert paths.in_place and torch.equal(paths.key_index, torch.arange(15))
+    k_all, v_all = torch.randn(15, 2, 6, generator=g), torch.randn(15, 2, 4, generator=g)
+    assert kp._gathered(k_all, paths) is k_all
+    dkg = torch.randn(15, 2, 8, generator=g).to(torch.bfloat16)[..., :6]        # a padded kernel's slice
+    dvg = torch.randn(15, 2, 4, generator=g).to(torch.bfloat16)
+    kb, vb = k_all.to(torch.bfloat16), v_all.to(torch.bfloat16)
+    dk, dv = kp._sum_back(kb, vb, paths, dkg, dvg)
+    gathered = dataclasses.replace(paths, in_place=False)
+    sk, sv = kp._sum_back(kb, vb, gathered, dkg, dvg)
+    assert dk.is_contiguous() and torch.equal(dk, sk) and torch.equal(dv, sv)
+    q = torch.randn(15, 2, 6, generator=g, dtype=torch.float64)
+    k64, v64 = k_all.double(), v_all.double()
+    torch.testing.assert_close(path_attention(q, k64, v64, paths, 0.4, kernel="reference"),
+                               path_attention(q, k64, v64, gathered, 0.4, kernel="reference"), rtol=0, atol=0)
+    f = build_forest([make_trajectory({"id": "a", "tokens": [1, 2, 3]}), make_trajectory({"id": "b", "tokens": [1, 2, 4]})])
+    assert not build_key_paths(build_layout(f).visibility).in_place
 
 
 def test_interval_backend_params_carry_the_tiles():

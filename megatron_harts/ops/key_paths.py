@@ -56,7 +56,9 @@ class KeyPaths:
     in order; row ``q_offsets[g] + i`` sees exactly the first ``P_g - (Lq_g - 1 - i)`` keys of
     its run (``P_g`` = the run's key count), and these are exactly the keys visible to it.
     ``pairs`` counts the visible pairs.  Offsets are int32 and on the compute device (what the
-    varlen kernels take); ``q_lengths``/``k_lengths`` stay on the host.
+    varlen kernels take); ``q_lengths``/``k_lengths`` stay on the host.  ``in_place``: ``key_index``
+    is the identity (every key read once, in order: packed causal sequences), so the kernels read the
+    keys and values where they are and take their gradients as they come, with no gather and no sum.
     """
     q_offsets: torch.Tensor      # int32 [G+1]
     k_offsets: torch.Tensor      # int32 [G+1]
@@ -66,6 +68,7 @@ class KeyPaths:
     num_queries: int
     num_keys: int                # key axis length: context keys + rows
     pairs: int
+    in_place: bool = False       # key_index is the identity (no gather, no sum back)
 
     @property
     def num_runs(self) -> int:
@@ -307,18 +310,24 @@ def sequence_key_paths(lengths, *, device=None) -> KeyPaths:
     n = int(off[-1])
     return KeyPaths(host_to_device(cu, device), host_to_device(cu.clone(), device),
                     host_to_device(torch.arange(n, dtype=torch.int64), device), q_len, q_len.copy(), n, n,
-                    int((q_len * (q_len + 1) // 2).sum()))
+                    int((q_len * (q_len + 1) // 2).sum()), in_place=True)
 
 
 # ---------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------
 
+def _gathered(t: torch.Tensor, paths: KeyPaths) -> torch.Tensor:
+    """The rows of ``t`` (keys or values over the key axis) in the runs' order: ``t`` itself where
+    the paths read the keys in place."""
+    return t if paths.in_place else t.index_select(0, paths.key_index)
+
+
 def _reference(q, k_all, v_all, paths: KeyPaths, scale: float):
     """Per run: gathered keys, bottom-right causal mask, explicit softmax."""
     group = q.shape[1] // k_all.shape[1]
-    kg = k_all.index_select(0, paths.key_index).repeat_interleave(group, dim=1)
-    vg = v_all.index_select(0, paths.key_index).repeat_interleave(group, dim=1)
+    kg = _gathered(k_all, paths).repeat_interleave(group, dim=1)
+    vg = _gathered(v_all, paths).repeat_interleave(group, dim=1)
     outs, q0, k0 = [], 0, 0
     for lq, lk in zip(paths.q_lengths.tolist(), paths.k_lengths.tolist()):
         s = torch.einsum("qhd,khd->hqk", q[q0:q0 + lq], kg[k0:k0 + lk]) * scale
@@ -351,7 +360,11 @@ def _sum_back(k_all, v_all, paths: KeyPaths, dkg, dvg):
     gathered for several runs gets their sum), in their dtypes.  The gathered gradients are widened
     in chunks of at most ``SUM_BACK_BYTES`` fp32 bytes (one chunk for all but long paths: few
     launches), so the fp32 transient beside the sums is bounded, not all gathered rows' (every row
-    gets the same fp32 terms); keys are summed and narrowed before values."""
+    gets the same fp32 terms); keys are summed and narrowed before values.  Keys read in place
+    (``paths.in_place``) have one gradient each: it is their sum, as it comes (the fp32 round trip of
+    the sum would give it back bit for bit)."""
+    if paths.in_place:
+        return dkg.to(k_all.dtype).contiguous(), dvg.to(v_all.dtype).contiguous()
     summed = []
     for t, g in ((k_all, dkg), (v_all, dvg)):
         acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
@@ -373,8 +386,8 @@ class _FlashPaths(torch.autograd.Function):
     def forward(ctx, q, k_all, v_all, paths: KeyPaths, scale: float):
         D, Dv = q.shape[-1], v_all.shape[-1]
         W = _flash_head_dim(D, Dv)
-        kg = _pad_to(k_all.index_select(0, paths.key_index), W)
-        vg = _pad_to(v_all.index_select(0, paths.key_index), W)
+        kg = _pad_to(_gathered(k_all, paths), W)
+        vg = _pad_to(_gathered(v_all, paths), W)
         qp = _pad_to(q, W)
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
             qp, kg, vg, paths.q_offsets, paths.k_offsets, paths.max_q, paths.max_k, 0.0, True, False,
@@ -388,8 +401,8 @@ class _FlashPaths(torch.autograd.Function):
         qp, k_all, v_all, out, lse, rng, unused = ctx.saved_tensors
         paths, D = ctx.paths, ctx.D
         Dv, W = v_all.shape[-1], qp.shape[-1]
-        kg = _pad_to(k_all.index_select(0, paths.key_index), W)
-        vg = _pad_to(v_all.index_select(0, paths.key_index), W)
+        kg = _pad_to(_gathered(k_all, paths), W)
+        vg = _pad_to(_gathered(v_all, paths), W)
         dq, dkg, dvg = torch.ops.aten._flash_attention_backward(
             _pad_to(grad, W).contiguous(), qp, kg, vg, out, lse, paths.q_offsets, paths.k_offsets,
             paths.max_q, paths.max_k, 0.0, True, rng, unused, scale=ctx.scale)
@@ -461,8 +474,7 @@ def _fa4_gather(q, k_all, v_all, paths: KeyPaths):
     heads (GQA) only with equal q/k and v head dims, so with unequal dims each key/value head is
     repeated for its query heads (query head ``h`` reads key/value head ``h // (H / Hk)``, the
     grouping of the other kernels)."""
-    kg = k_all.index_select(0, paths.key_index)
-    vg = v_all.index_select(0, paths.key_index)
+    kg, vg = _gathered(k_all, paths), _gathered(v_all, paths)
     group = q.shape[1] // k_all.shape[1]
     if group > 1 and q.shape[-1] != v_all.shape[-1]:
         kg = kg.repeat_interleave(group, dim=1)
