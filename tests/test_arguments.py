@@ -423,6 +423,7 @@ def test_fp64_config(no_cuda):
     assert parse().params_dtype is torch.float32
 
 
+@pytest.mark.filterwarnings("ignore:--tree-kda-backend auto. fla-core is not installed:RuntimeWarning")
 def test_backends_are_resolved_and_checked_at_build_time(no_cuda):
     # parse time accepts fla / flex (the driver may run elsewhere); building the config refuses them here
     args = parse("--tree-kda-backend fla")
@@ -452,7 +453,11 @@ def test_backends_are_resolved_and_checked_at_build_time(no_cuda):
     # where fla-core is registered), except with --fp64
     import importlib.util
     fla = importlib.util.find_spec("fla") is not None
-    assert A.resolved_backends(parse(), cuda=True) == ("fla" if fla else "reference", "varlen")
+    if fla:
+        assert A.resolved_backends(parse(), cuda=True) == ("fla", "varlen")
+    else:       # the slow path is said, not taken silently
+        with pytest.warns(RuntimeWarning, match="fla-core is not installed, so KDA runs the plain torch reference"):
+            assert A.resolved_backends(parse(), cuda=True) == ("reference", "varlen")
     assert A.resolved_backends(parse("--qk-head-dim 64"), cuda=True)[1] == "flex"
     assert A.resolved_backends(parse("--qk-head-dim 256"), cuda=True)[1] == "flex"   # past the flash kernels
     assert A.resolved_backends(parse("--fp64"), cuda=True) == ("reference", "sdpa")
@@ -475,6 +480,7 @@ def test_swiglu_fusion_on_the_gpu_unless_turned_off():
     assert A.hybrid_config(parse(kw), device="cuda").bias_activation_fusion is False
 
 
+@pytest.mark.filterwarnings("ignore:--tree-kda-backend auto. fla-core is not installed:RuntimeWarning")
 def test_auto_attention_takes_fa4_where_fa4_runs(monkeypatch):
     """Where flash-attn-4 runs (stubbed here: CPU) and the model is bf16, auto takes its block-sparse
     backend (fa4) at every head dim fa4 takes, flex beyond them, sdpa with --fp64; in fp32 the

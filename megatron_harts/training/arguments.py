@@ -978,6 +978,10 @@ def resolved_backends(args: argparse.Namespace, *, cuda: Optional[bool] = None) 
     fla_installed = "fla" in KDA_BACKENDS or importlib.util.find_spec("fla") is not None
     if kda == "auto":
         kda = "fla" if fast and fla_installed else "reference"
+        if fast and not fla_installed:      # said once a process (the default warning filter)
+            warnings.warn("--tree-kda-backend auto: fla-core is not installed, so KDA runs the plain torch "
+                          "reference on CUDA, far slower (pip install fla-core==0.6.0)", RuntimeWarning,
+                          stacklevel=2)
     if attn == "auto":
         qk_dim = args.qk_head_dim + args.qk_pos_emb_head_dim
         v_dim = args.v_head_dim
