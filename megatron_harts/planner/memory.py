@@ -112,9 +112,9 @@ def activation_bytes_per_row(s: ModelShape) -> Dict[str, int]:
     copy the fc1 output (2 x width) the weighted SwiGLU keeps beside an fp32 prob (fc1's input, the
     permuted tokens, is gathered again from the norm's output in the backward: ``models.dispatcher``;
     fc2's input, the activation's output, is computed again from those two: ``models.experts``), the
-    shared expert's fc1 output and activation, the router's fp32 scores, sum and top-k probs (top-k and aux-loss paths: 2 x (experts + 1 + top-k)) and the int64 routing indices (per
-    row 4 x top-k and one per expert: the dispatcher's sort); dense MLP: the norm's three, fc1 output and
-    activation.  The MLP parts are held to the bytes a bf16 forward saves (``tests/test_memory_budget.py``:
+    shared expert's fc1 output and activation, the router's fp32 scores, sum and top-k probs (top-k and
+    aux-loss paths: 2 x (experts + 1 + top-k)) and the int64 routing indices (per row 4 x top-k and one
+    per expert: the dispatcher's sort); dense MLP: the norm's three, fc1 output and activation.  The MLP parts are held to the bytes a bf16 forward saves (``tests/test_memory_budget.py``:
     on the CPU the norm keeps an fp32 copy of its input instead of the input, which the test adds).  Divided
     by ``tp`` (rounded up)."""
     e, f = s.element_bytes, max(4, s.element_bytes)
