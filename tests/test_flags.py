@@ -100,8 +100,8 @@ def test_parsed_values_land_in_the_configs_by_field_name(monkeypatch):
     # field would be copied too: it must be meant)
     tree = TreeFlags()
     assert set(shared_fields(tree, HybridConfig)) == {"kda_chunk_size", "kda_backend", "fused_kernels",
-                                                     "tree_kda_call_plan", "tree_attention_backend",
-                                                     "logprob_chunk_rows"}
+                                                     "kda_input_recompute", "tree_kda_call_plan",
+                                                     "tree_attention_backend", "logprob_chunk_rows"}
     assert set(shared_fields(tree, SharingSettings)) == {"sharing", "microbatch_tokens", "planner", "replay",
                                                         "pp_schedule", "recompute_producers", "piece_keep"}
     args = parse("--tree-chunk-size 16 --tree-logprob-chunk-rows 9 --tree-kda-call-plan per-depth "

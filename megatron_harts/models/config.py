@@ -46,6 +46,9 @@ class HybridConfig(TransformerConfig):
     # the KDA layers' elementwise chains and the sigmoid router's top-k as fused Triton kernels where they
     # run (CUDA, 16/32-bit floats; ``ops.kda_elementwise``, ``ops.router_topk``); eager torch otherwise
     fused_kernels: bool = True
+    # the KDA layers' short convs and q/k/v activations computed again in the backward instead of keeping
+    # what they save (``models.cores.KDACore``; the same values, the gradients to rounding)
+    kda_input_recompute: bool = True
     tree_kda_call_plan: str = "harts"   # one of CALL_PLANS (module docstring)
     # MLA (full attention) layers
     q_lora_rank: Optional[int] = None

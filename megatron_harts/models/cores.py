@@ -44,6 +44,7 @@ from typing import Callable, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 from megatron.core.transformer.module import MegatronModule
 
 from ..ops.kda_elementwise import L2NORM_EPS, silu_l2norm
@@ -155,7 +156,7 @@ class KDACore(MegatronModule):
         else:
             def conv(i, t, act):
                 return path_conv(t, conv_weights[i], None, psp.layout.prev, activation=act, taps=psp.conv_taps)
-        q, k, v = conv_activate_qkv(self.config, conv, (q, k, v), H, D)
+        q, k, v, release = self._inputs(conv, q, k, v, H, D)
         external = None
         if mode.consumer:   # subtree roots start from the producer's states and replay its rows
             ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
@@ -173,6 +174,7 @@ class KDACore(MegatronModule):
             psp.record_export(self.layer_number, rec)
         else:
             o = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=backend, external=external)
+        release(o)
         return psp.attach_injected(self.layer_number, _zero_pad(o, mode.pad_rows))
 
     def _sequences(self, mode, q, k, v, g, beta, conv_weights, psp, shape):
@@ -186,11 +188,37 @@ class KDACore(MegatronModule):
         def conv(i, t, act):
             return from_sequence_order(path_conv(to_sequence_order(t, s, b), conv_weights[i], None, None,
                                                  activation=act, taps=taps), s, b)
-        q, k, v = conv_activate_qkv(self.config, conv, (q, k, v), H, D)
+        q, k, v, release = self._inputs(conv, q, k, v, H, D)
         run = get_kda_backend(self.config.kda_backend)
         o, _ = run(*(to_sequence_order(t, s, b) for t in (q, k, v, g, beta)), lens,
                    chunk_size=self.config.kda_chunk_size)
+        release(o)
         return from_sequence_order(o, s, b)
+
+    def _inputs(self, conv, q, k, v, heads: int, dim: int):
+        """(q, k, v, release): the recurrence's inputs from the projections (:func:`conv_activate_qkv`), and
+        the function to call with the recurrence's output once nothing in the forward reads them again.
+
+        With ``config.kda_input_recompute`` (and gradients on) the conv and activations run under
+        megatron-core's ``CheckpointWithoutOutput``: nothing they would save for the backward is kept
+        but their inputs (the projections), ``release(o)`` frees the storage of q, k and v (the
+        recurrence keeps them for its backward), and when ``o``'s gradient arrives they are computed
+        again into that storage by the same kernels, so the recurrence's backward reads the same bits
+        and the conv's and activations' backward runs as it would have (the step's gradients are the same
+        up to the order in which the backward sums some of them).  A KDA layer keeps 3 x heads x
+        dim elements a row fewer, 5 x with the fused kernels (``planner.memory``), for one more forward
+        of the conv and activations."""
+        def inputs(a, b, c):
+            return conv_activate_qkv(self.config, conv, (a, b, c), heads, dim)
+
+        if not (getattr(self.config, "kda_input_recompute", False) and torch.is_grad_enabled()):
+            return (*inputs(q, k, v), _keep)
+        ck = CheckpointWithoutOutput()
+        return (*ck.checkpoint(inputs, q, k, v), ck.discard_output_and_register_recompute)
+
+
+def _keep(o: torch.Tensor) -> None:
+    """``KDACore._inputs``' release where q, k and v are kept (nothing to do)."""
 
 
 KeysValues = Callable[[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]

@@ -54,7 +54,8 @@ class ModelShape:
     4 fp32, 8 fp64); ``recompute``: "full" when every layer is recomputed in the backward (megatron's
     ``--recompute-granularity full``, ``recompute_layers`` layers a unit), else None; ``tp``: the
     tensor-parallel size (each rank keeps a 1/tp share of a row's activations, sequence parallelism
-    sharding the hidden-size ones)."""
+    sharding the hidden-size ones); ``kda_input_recompute``: the KDA layers' convs and q/k/v activations
+    run again in the backward (``models.cores.KDACore``)."""
     hidden: int
     heads: int
     lin_heads: int
@@ -73,6 +74,7 @@ class ModelShape:
     recompute: Optional[str] = None
     recompute_layers: int = 1
     tp: int = 1
+    kda_input_recompute: bool = True
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShape":
@@ -89,7 +91,8 @@ class ModelShape:
                    shared_ffn=shared, experts=getattr(cfg, "num_moe_experts", None) or 0,
                    topk=getattr(cfg, "moe_router_topk", None) or 0, layer_kinds=kinds, element_bytes=element,
                    recompute=rec, recompute_layers=int(getattr(cfg, "recompute_num_layers", None) or 1),
-                   tp=int(getattr(cfg, "tensor_model_parallel_size", 1) or 1))
+                   tp=int(getattr(cfg, "tensor_model_parallel_size", 1) or 1),
+                   kda_input_recompute=bool(getattr(cfg, "kda_input_recompute", True)))
 
     @classmethod
     def from_preset(cls, p: Dict, element_bytes: int = 2) -> "ModelShape":
@@ -103,24 +106,27 @@ class ModelShape:
 
 
 def activation_bytes_per_row(s: ModelShape) -> Dict[str, int]:
-    """Bytes of a row's saved activations per layer part in a forward without recomputation (what the
-    backward keeps), from the shapes: ``e`` = ``element_bytes`` an element, ``f`` = max(4, e) where the
-    kernels keep fp32.  KDA: norm, q/k/v before and after the conv, the two low-rank gates and their
-    outputs, beta, the core's output, its norm and gate, and the fp32 decay cumsum and chunk matrices
-    (2 x 64 per head); MLA: norm, queries, latent and rope key, its norm, keys/values, output,
-    projection, fp32 log-sum-exp; MoE: the norm's input, normalized rows and output (3 x hidden), per top-k
-    copy the fc1 output (2 x width) the weighted SwiGLU keeps beside an fp32 prob (fc1's input, the
-    permuted tokens, is gathered again from the norm's output in the backward: ``models.dispatcher``;
-    fc2's input, the activation's output, is computed again from those two: ``models.experts``), the
-    shared expert's fc1 output and activation, the router's fp32 scores, sum and top-k probs (top-k and
-    aux-loss paths: 2 x (experts + 1 + top-k)) and the int64 routing indices (per row 4 x top-k and one
-    per expert: the dispatcher's sort); dense MLP: the norm's three, fc1 output and activation.  The MLP parts are held to the bytes a bf16 forward saves (``tests/test_memory_budget.py``:
-    on the CPU the norm keeps an fp32 copy of its input instead of the input, which the test adds).  Divided
-    by ``tp`` (rounded up)."""
+    """Bytes of a row's saved activations per layer part in a forward without recomputation (what the backward
+    keeps), from the shapes: ``e`` = ``element_bytes`` an element, ``f`` = max(4, e) where the kernels keep
+    fp32.  KDA: norm, q/k/v before the conv and the recurrence's q/k/v (tree mode's per-call copies; expanded
+    mode releases them under ``kda_input_recompute``, an over-count of 3 x heads x dim there), without
+    ``kda_input_recompute`` also the conv outputs of q and k the fused SiLU + L2 norm keeps, the two low-rank
+    gates and their outputs, beta, the core's output, its norm and gate, and the fp32 decay cumsum and chunk
+    matrices (2 x 64 per head); MLA: norm, queries, latent and rope key, its norm, keys/values, output,
+    projection, fp32 log-sum-exp; MoE: the norm's input, normalized rows and output (3 x hidden), per top-k copy
+    the fc1 output (2 x width) the weighted SwiGLU keeps beside an fp32 prob (fc1's input, the permuted tokens,
+    is gathered again from the norm's output in the backward: ``models.dispatcher``; fc2's input, the
+    activation's output, is computed again from those two: ``models.experts``), the shared expert's fc1 output
+    and activation, the router's fp32 scores, sum and top-k probs (top-k and aux-loss paths: 2 x (experts + 1 +
+    top-k)) and the int64 routing indices (per row 4 x top-k and one per expert: the dispatcher's sort); dense
+    MLP: the norm's three, fc1 output and activation.  The MLP parts are held to the bytes a bf16 forward saves
+    (``tests/test_memory_budget.py``: on the CPU the norm keeps an fp32 copy of its input instead of the input,
+    which the test adds).  Divided by ``tp`` (rounded up)."""
     e, f = s.element_bytes, max(4, s.element_bytes)
     h, H, d, Hk = s.hidden, s.heads, s.lin_head, s.lin_heads
     hd = Hk * d
-    kda = e * (2 * h + 6 * hd + 2 * d + 2 * hd + Hk + 3 * hd) + f * (hd + 2 * 64 * Hk)
+    conv = 6 * hd if s.kda_input_recompute else 8 * hd
+    kda = e * (2 * h + conv + 2 * d + 2 * hd + Hk + 3 * hd) + f * (hd + 2 * 64 * Hk)
     mla = e * (2 * h + H * (s.qk + s.rope) + 2 * (s.kv_lora + s.rope) + H * (s.qk + s.v) + H * s.v) + f * H
     moe = e * (3 * h + s.topk * 2 * s.moe_ffn + 3 * s.shared_ffn) + f * 2 * (s.topk + s.experts + 1) \
         + 8 * (4 * s.topk + s.experts)

@@ -10,9 +10,9 @@ driver's (``training.arguments``).
 Field names are those of the configs the fields feed, so they are copied by name
 (``flags.shared_fields``): ``sharing``, ``microbatch_tokens``, ``planner``, ``replay``,
 ``pp_schedule``, ``recompute_producers``, ``piece_keep`` into ``training.step.SharingSettings``;
-``kda_chunk_size``, ``kda_backend``, ``fused_kernels``, ``tree_kda_call_plan``, ``tree_attention_backend``,
-``logprob_chunk_rows`` into ``models.config.HybridConfig`` (after ``auto`` backends are
-resolved).  The others are read by the trainer.
+``kda_chunk_size``, ``kda_backend``, ``fused_kernels``, ``kda_input_recompute``, ``tree_kda_call_plan``,
+``tree_attention_backend``, ``logprob_chunk_rows`` into ``models.config.HybridConfig`` (after ``auto``
+backends are resolved).  The others are read by the trainer.
 """
 from __future__ import annotations
 
@@ -67,6 +67,11 @@ class TreeFlags:
         True, "--no-tree-fused-kernels", "eager torch ops instead of one fused Triton kernel each for the KDA "
         "layers' elementwise chains (forget gate, q/k SiLU + L2 norm, gated output norm), the sigmoid router's "
         "top-k and the MoE combine's gather and sum (fused by default on the GPU; never on the CPU or in fp64)")
+    kda_input_recompute: bool = flag(
+        True, "--no-tree-kda-input-recompute", "keep what the KDA layers' short convs and q/k/v activations save "
+        "for the backward (by default only their inputs are kept and they run again in the backward: 5 x heads x "
+        "head dim elements a row and KDA layer less with the fused kernels, 2 x in tree mode, for one more forward "
+        "of the convs and activations; the same values, the gradients to rounding)")
     kda_backend: str = flag(
         "auto", "--tree-kda-backend", "KDA kernels: auto (default: fla on CUDA, reference otherwise or with --fp64), "
         "reference (plain torch) or fla (needs CUDA)", choices=KDA_BACKEND_CHOICES)
