@@ -39,7 +39,8 @@
 // bin costs), step = sum over slots of the costliest bin.  The search anneals: a worse state is taken with probability exp(-d / t), d its
 // energy (the objective's second term + penalty * rows over the budget) above the current one, t
 // falling linearly from `temperature` times the mean bin cost of the start to 0 over `moves` tries; the search
-// stops early once `patience` tries in a row found no new best.
+// stops early once `patience` tries in a row found no new best.  Besides its best state a chain returns the
+// new bests it found just before it (up to `keep` states), for the judge (megatron_harts.planner.l2.CANDIDATES).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -219,17 +220,23 @@ class Search {
                     best = cur;
                     best_cells = cell_of_;
                     found = it;
+                    remember(cur);
                 }
             } else {
                 undo();
             }
         }
-        if (cell_of_ != best_cells) {
-            for (i64 c = 0; c < R_ * S_; ++c) cell_units_[c].clear();
-            place(best_cells.data());
-        }
+        if (cell_of_ != best_cells) reset(best_cells.data());
         return it;
     }
+
+    // The chain's last `keep` new bests (its bins per unit), the best first: what the judge sees besides the best.
+    void remember(const Objective& o) {
+        bests_.insert(bests_.begin(), {o, cell_of_});
+        if (bests_.size() > keep_) bests_.pop_back();
+    }
+    std::size_t keep_ = 1;
+    std::vector<std::pair<Objective, std::vector<i64>>> bests_;
 
     // Mean cost of the non-empty cells.
     double mean_cost() const {
@@ -258,6 +265,12 @@ class Search {
         if (kind_[u] != 1) return false;
         reader(cell_of_[u]);
         return reading_[u] != 0;
+    }
+
+    // The state of bins `cells` (per unit) placed anew.
+    void reset(const i64* cells) {
+        for (i64 c = 0; c < R_ * S_; ++c) cell_units_[c].clear();
+        place(cells);
     }
 
     i64 tokens() const { return total_tokens_; }
@@ -864,14 +877,15 @@ void check_csr(const I64Array& off, const I64Array& ids, i64 U, i64 S_seg, const
 }
 
 // The search (module comment); returns (cell per unit, reads per unit (0/1), objective (overflow,
-// primary, smooth), estimated tokens, estimated step, tries made).
+// primary, smooth), estimated tokens, estimated step, tries made, others: [(cells, reads)] of the chain's
+// new bests before its best, latest first, up to keep - 1 of them).
 py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array kind, I64Array win, I64Array up,
                     I64Array replay,
                     I64Array own_off, I64Array own, I64Array rec_off, I64Array rec, I64Array path_off, I64Array path,
                     I64Array cell0, i64 dp, i64 slots, i64 M, double overhead, double c_row, double c_pair,
                     double c_logit, double c_replay, i64 base_tokens, double penalty, i64 moves, i64 patience,
                     double temperature,
-                    std::uint64_t seed) {
+                    std::uint64_t seed, i64 keep) {
     const i64 S_seg = length.shape(0);
     const i64 U = kind.shape(0);
     if (dp < 1 || slots < 1 || M < 1) throw py::value_error("l2_search: dp, slots and M must be >= 1");
@@ -894,19 +908,29 @@ py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array k
         if (c0[u] < 0 || c0[u] >= dp * slots) throw py::value_error("cell0: a cell out of the grid");
     }
     i64 tries = 0;
+    py::list others;
     Search search(S_seg, length.data(), pairs.data(), logits.data(), U, kd, wn, upp, replay.data(), own_off.data(),
                   own.data(), rec_off.data(), rec.data(), path_off.data(), path.data(), dp, slots, M, overhead, c_row,
                   c_pair, c_logit, c_replay, base_tokens, penalty);
     {
         py::gil_scoped_release release;
         search.place(c0);
+        search.keep_ = static_cast<std::size_t>(std::max<i64>(1, keep));
         tries = search.run(moves, patience, temperature * search.mean_cost(), seed);
     }
     std::vector<i64> reads(U);
     for (i64 u = 0; u < U; ++u) reads[u] = search.reads(u) ? 1 : 0;
     const Objective o = search.objective();
-    return py::make_tuple(int64_array(search.cells()), int64_array(reads),
-                          py::make_tuple(o.overflow, o.primary, o.smooth), search.tokens(), search.step(), tries);
+    const std::vector<i64> best_cells = search.cells();
+    const auto bests = search.bests_;
+    for (std::size_t a = 1; a < bests.size(); ++a) {
+        search.reset(bests[a].second.data());
+        std::vector<i64> rd(U);
+        for (i64 u = 0; u < U; ++u) rd[u] = search.reads(u) ? 1 : 0;
+        others.append(py::make_tuple(int64_array(search.cells()), int64_array(rd)));
+    }
+    return py::make_tuple(int64_array(best_cells), int64_array(reads),
+                          py::make_tuple(o.overflow, o.primary, o.smooth), search.tokens(), search.step(), tries, others);
 }
 
 }  // namespace
@@ -916,7 +940,8 @@ void register_l2_search(py::module_& m) {
           py::arg("win"), py::arg("up"), py::arg("replay"), py::arg("own_off"), py::arg("own"), py::arg("rec_off"), py::arg("rec"),
           py::arg("path_off"), py::arg("path"), py::arg("cell0"), py::arg("dp"), py::arg("slots"), py::arg("M"),
           py::arg("overhead"), py::arg("c_row"), py::arg("c_pair"), py::arg("c_logit"), py::arg("c_replay"),
-          py::arg("base_tokens"), py::arg("penalty"), py::arg("moves"), py::arg("patience"), py::arg("temperature"), py::arg("seed"),
+          py::arg("base_tokens"), py::arg("penalty"), py::arg("moves"), py::arg("patience"), py::arg("temperature"), py::arg("seed"), py::arg("keep") = 1,
           "L2's local search (megatron_harts.planner.l2): (cell per unit, reads per unit, objective "
-          "(overflow, step + penalty, sum of squared costs), estimated tokens, estimated step, tries made).");
+          "(overflow, step + penalty, sum of squared costs), estimated tokens, estimated step, tries made, "
+          "[(cells, reads)] of up to keep - 1 earlier bests of the chain).");
 }

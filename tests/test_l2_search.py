@@ -80,7 +80,7 @@ def test_search_reaches_the_brute_force_optimum(seed, units, dp, bins):
         units -= 1
     inst = random_instance(seed, units, dp, bins)
     best, _ = l2_bruteforce.optimum(inst)
-    cells, reads, (overflow, primary, _), _, step, _ = l2.search(inst, 20000)
+    cells, reads, (overflow, primary, _), _, step, _, _ = l2.search(inst, 20000)
     assert (overflow, primary) <= (best[0], best[1] + 1e-9 * (1 + abs(best[1])))
     # the compiled objective is the Python one, on the state it returns (slots as run)
     o = l2_bruteforce.objective(inst, cells.tolist())
@@ -103,11 +103,29 @@ def test_a_chain_stops_once_its_patience_runs_out(monkeypatch):
     cut short; with a patience of the whole budget every try is made."""
     inst = random_instance(3, 6, 2, 3)
     moves = 200000
-    *_, tries = l2.search(inst, moves)
+    *_, tries, _ = l2.search(inst, moves)
     assert 0 < tries < moves
     monkeypatch.setattr(l2, "PATIENCE", 1.0)
-    *_, every = l2.search(inst, moves)
+    *_, every, _ = l2.search(inst, moves)
     assert every == moves
+
+
+@needs_core
+@pytest.mark.parametrize("seed", range(4))
+def test_a_chain_hands_the_judge_its_last_bests(seed):
+    """With ``candidates`` the chain also returns the bests it found before its best, latest first: states whose
+    objective (the Python one) is worse than the best's and than the one after it; the chain itself, and so its
+    best, is the same as without."""
+    inst = random_instance(seed, 8, 2, 3)
+    cells, reads, obj, *_, none = l2.search(inst, 3000)
+    cells3, reads3, obj3, *_, others = l2.search(inst, 3000, candidates=3)
+    assert none == [] and np.array_equal(cells3, cells) and np.array_equal(reads3, reads) and obj3 == obj
+    assert 1 <= len(others) <= 2
+    keys = [l2_bruteforce.objective(inst, c.tolist())[:2] for c in [cells] + [c for c, _ in others]]
+    assert keys[0] == (obj[0], pytest.approx(obj[1], rel=1e-12))
+    assert all(a < b for a, b in zip(keys, keys[1:])), keys
+    for c, r in others:
+        assert c.shape == cells.shape and r.shape == reads.shape and set(np.unique(r)) <= {0, 1}
 
 
 def test_bruteforce_refuses_large_instances():
@@ -203,7 +221,7 @@ def test_the_window_packing_start(dp):
     cells, slots = l2.window_start(inst)
     assert slots >= inst.slots and cells.min() >= 0 and cells.max() < dp * slots
     at = dataclasses.replace(inst, cell0=cells, slots=slots)
-    got, reads, (overflow, _, _), _, _, _ = l2.search(at, 0)
+    got, reads, (overflow, _, _), _, _, _, _ = l2.search(at, 0)
     assert overflow == 0
     bare = l2._rows(inst, "own") + l2._rows(inst, "rec")
     full = bare + l2._rows(inst, "path")
