@@ -125,8 +125,8 @@ def _core_run(device, dtype, backend, on, lengths=(70, 130, 61), heads=2, dim=64
         not torch.cuda.is_available(), reason="fla's KDA kernels and the fused kernels run on CUDA")),
 ], ids=["cpu-fp64-reference", "cuda-bf16-fla-fused"])
 def test_the_kda_core_releases_its_inputs(request, device, dtype, backend):
-    """On the GPU (fla, fused kernels) the core keeps 5 x heads x dim elements a row fewer (the conv outputs of q
-    and k and the recurrence's q, k, v, released), on the CPU at least the conv outputs; the same bits."""
+    """On the GPU (fla, fused kernels) the core keeps 6 x heads x dim elements a row fewer (the conv outputs of q,
+    k and v and the recurrence's q, k, v, released), on the CPU at least the conv outputs; the same bits."""
     if backend == "fla":
         pytest.importorskip("fla")
     else:
@@ -137,4 +137,4 @@ def test_the_kda_core_releases_its_inputs(request, device, dtype, backend):
     for a, b in zip(g1 + w1, g0 + w0):
         assert torch.equal(a, b)
     R, hd, e = 261, 128, torch.finfo(dtype).bits // 8
-    assert kept0 - kept1 >= (5 if device == "cuda" else 3) * hd * e * R, (kept0, kept1)
+    assert kept0 - kept1 >= (6 if device == "cuda" else 3) * hd * e * R, (kept0, kept1)

@@ -205,9 +205,10 @@ class KDACore(MegatronModule):
         recurrence keeps them for its backward), and when ``o``'s gradient arrives they are computed
         again into that storage by the same kernels, so the recurrence's backward reads the same bits
         and the conv's and activations' backward runs as it would have (the step's gradients are the same
-        up to the order in which the backward sums some of them).  A KDA layer keeps 3 x heads x
-        dim elements a row fewer, 5 x with the fused kernels (``planner.memory``), for one more forward
-        of the conv and activations."""
+        up to the order in which the backward sums some of them).  On the GPU a KDA layer keeps 6 x heads
+        x dim elements a row fewer in expanded mode (the conv outputs of q, k and v, which the SiLU and L2
+        norm keep, and the recurrence's q, k, v), 3 x in tree mode (the recurrence's calls keep their own
+        gathered copies) (``planner.memory``), for one more forward of the conv and activations."""
         def inputs(a, b, c):
             return conv_activate_qkv(self.config, conv, (a, b, c), heads, dim)
 

@@ -69,8 +69,8 @@ class TreeFlags:
         "top-k and the MoE combine's gather and sum (fused by default on the GPU; never on the CPU or in fp64)")
     kda_input_recompute: bool = flag(
         True, "--no-tree-kda-input-recompute", "keep what the KDA layers' short convs and q/k/v activations save "
-        "for the backward (by default only their inputs are kept and they run again in the backward: 5 x heads x "
-        "head dim elements a row and KDA layer less with the fused kernels, 2 x in tree mode, for one more forward "
+        "for the backward (by default only their inputs are kept and they run again in the backward: on the GPU 6 x "
+        "heads x head dim elements a row and KDA layer less in expanded mode, 3 x in tree mode, for one more forward "
         "of the convs and activations; the same values, the gradients to rounding)")
     kda_backend: str = flag(
         "auto", "--tree-kda-backend", "KDA kernels: auto (default: fla on CUDA, reference otherwise or with --fp64), "
