@@ -214,7 +214,7 @@ class KDACore(MegatronModule):
 
         if not (getattr(self.config, "kda_input_recompute", False) and torch.is_grad_enabled()):
             return (*inputs(q, k, v), _keep)
-        ck = CheckpointWithoutOutput()
+        ck = CheckpointWithoutOutput(fp8=None)   # None: no fp8 (megatron's default False counts as fp8)
         return (*ck.checkpoint(inputs, q, k, v), ck.discard_output_and_register_recompute)
 
 
