@@ -84,15 +84,28 @@ def test_no_recompute_flag_through_the_driver():
             assert float((g_on[n] - g).abs().max()) <= 1e-14 * float(g.abs().max()), (extra, n)
 
 
-def _core_run(device, dtype, backend, on, lengths=(70, 130, 61), heads=2, dim=64):
-    """The KDA core alone over packed sequences: (output, input gradients, conv weight gradients, bytes the
-    forward leaves alive for the backward)."""
+def _core_run(device, dtype, backend, on, mode, heads=2, dim=64):
+    """The KDA core alone over three packed sequences or a tree of them (one shared prefix): (output, input
+    gradients, conv weight gradients, bytes the forward leaves alive for the backward, rows)."""
+    import numpy as np
+    from megatron_harts.layout import build_layout
     from megatron_harts.models.cores import KDACore
     from megatron_harts.models.packed import TreePackedSeqParams
+    from megatron_harts.tree_data import build_forest, make_trajectory
     cfg = tiny_config(dtype, linear_num_heads=heads, linear_head_dim=dim, kda_backend=backend,
                       kda_chunk_size=64, kda_input_recompute=on)
     core = KDACore(cfg, layer_number=1)
-    R, hd = sum(lengths), heads * dim
+    if mode == "tree":
+        toks = np.random.default_rng(0).integers(1, 99, 300).tolist()
+        trajs = [make_trajectory({"id": i, "tokens": toks[:90] + toks[90 + 70 * i:160 + 70 * i]}) for i in range(3)]
+        lay = build_layout(build_forest(trajs))
+        psp = TreePackedSeqParams.for_tree(lay, config=cfg, device=device)
+        R = lay.num_rows
+        assert psp.kda_schedule.call_rows is not None      # calls reading gathered copies of the rows
+    else:
+        psp = TreePackedSeqParams.for_sequences([70, 130, 61], device=device)
+        R = 261
+    hd = heads * dim
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(R, hd, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
                for _ in range(3))
@@ -100,7 +113,6 @@ def _core_run(device, dtype, backend, on, lengths=(70, 130, 61), heads=2, dim=64
     beta = torch.rand(R, heads, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
     conv = tuple((0.3 * torch.randn(hd, cfg.linear_conv_kernel_dim, generator=gen, dtype=torch.float64))
                  .to(device, dtype).requires_grad_() for _ in range(3))
-    psp = TreePackedSeqParams.for_sequences(list(lengths), device=device)
     wo = torch.randn(R, heads, dim, generator=gen, dtype=torch.float64).to(device, dtype)
     saved = []
     if device == "cuda":
@@ -116,25 +128,27 @@ def _core_run(device, dtype, backend, on, lengths=(70, 130, 61), heads=2, dim=64
                     t.untyped_storage().size() for t in saved}.values())
     del saved
     (wo * o).sum().backward()
-    return o.detach(), [x.grad for x in (q, k, v, g, beta)], [w.grad for w in conv], kept
+    return o.detach(), [x.grad for x in (q, k, v, g, beta)], [w.grad for w in conv], kept, R
 
 
+@pytest.mark.parametrize("mode", ["expanded", "tree"])
 @pytest.mark.parametrize("device,dtype,backend", [
     ("cpu", torch.float64, "reference"),
     pytest.param("cuda", torch.bfloat16, "fla", marks=pytest.mark.skipif(
         not torch.cuda.is_available(), reason="fla's KDA kernels and the fused kernels run on CUDA")),
 ], ids=["cpu-fp64-reference", "cuda-bf16-fla-fused"])
-def test_the_kda_core_releases_its_inputs(request, device, dtype, backend):
+def test_the_kda_core_releases_its_inputs(request, device, dtype, backend, mode):
     """On the GPU (fla, fused kernels) the core keeps 6 x heads x dim elements a row fewer (the conv outputs of q,
-    k and v and the recurrence's q, k, v, released), on the CPU at least the conv outputs; the same bits."""
+    k and v, and the recurrence's q, k, v or its calls' copies, released), on the CPU at least the conv outputs;
+    the same bits."""
     if backend == "fla":
         pytest.importorskip("fla")
     else:
         request.getfixturevalue("cpu_world_for_the_test")
-    o1, g1, w1, kept1 = _core_run(device, dtype, backend, True)
-    o0, g0, w0, kept0 = _core_run(device, dtype, backend, False)
+    o1, g1, w1, kept1, R = _core_run(device, dtype, backend, True, mode)
+    o0, g0, w0, kept0, _ = _core_run(device, dtype, backend, False, mode)
     assert torch.equal(o1, o0)
     for a, b in zip(g1 + w1, g0 + w0):
         assert torch.equal(a, b)
-    R, hd, e = 261, 128, torch.finfo(dtype).bits // 8
+    hd, e = 128, torch.finfo(dtype).bits // 8
     assert kept0 - kept1 >= (6 if device == "cuda" else 3) * hd * e * R, (kept0, kept1)

@@ -89,9 +89,9 @@ def test_full_recomputation_budget_recomputes_producers():
                               budget_bytes=default_budget_bytes(s, rows))
     assert plan.recompute == (0,)
     # the recomputed producer runs again at its close with the run's recomputation: its saved bytes, not its
-    # graph (a 32k-row graph at this shape is more than an 80 GB GPU holds)
+    # graph (a 32k-row graph at this shape is most of what an 80 GB GPU holds)
     assert plan.predicted_peak_bytes <= rows * saved_bytes_per_row(s) + 3 * 10 ** 6
-    assert rows * graph_bytes_per_row(s) > 80 * 2 ** 30
+    assert rows * graph_bytes_per_row(s) > 64 * 2 ** 30
     # so do the read pieces of a chain at its end, one at a time
     chain = [StepItem(rows, export_bytes=10 ** 6, read_later=True), StepItem(rows, reads=(0,))]
     plan = plan_window_memory(chain, saved_per_row=saved_bytes_per_row(s), graph_per_row=graph_bytes_per_row(s))

@@ -316,7 +316,7 @@ def test_call_inputs_come_from_one_gather_and_one_buffer_per_input():
     """All calls' inputs come from one gather per input; the backward fills one zero buffer per input
     (not one per call, summed): the values and fp64 gradients of a per-call index_select."""
     from torch.utils._python_dispatch import TorchDispatchMode
-    from megatron_harts.ops.tree_kda import _call_inputs
+    from megatron_harts.ops.tree_kda import _call_inputs, calls_rows
     rng = np.random.default_rng(5)
     root, a, b, *ends = (rng.integers(1, 99, 13).tolist() for _ in range(7))
     forest = build_forest([make_trajectory({"id": i, "tokens": root + (a if i < 2 else b) + ends[i]})
@@ -341,7 +341,7 @@ def test_call_inputs_come_from_one_gather_and_one_buffer_per_input():
             return out
 
     with Count() as fwd:
-        got = _call_inputs(x, sched)
+        got = _call_inputs(calls_rows(x, sched), sched)
     assert [op for op, _ in fwd.ops].count("index_select") == 1
     loss = sum((o * w).sum() for o, w in zip(got, ws))
     with Count() as bwd:

@@ -51,7 +51,7 @@ from ..ops.kda_elementwise import L2NORM_EPS, silu_l2norm
 from ..ops.key_paths import default_kernel, path_attention
 from ..ops.path_conv import path_conv, sequence_conv_taps
 from ..ops.tree_attention import tree_attention
-from ..ops.tree_kda import KdaExternal, get_kda_backend, tree_kda
+from ..ops.tree_kda import KdaExternal, calls_rows, get_kda_backend, tree_kda
 from .common import (from_sequence_order, sequence_lengths, sequences_unview, sequences_view,
                      to_sequence_order, use_fused_kernels)
 
@@ -156,16 +156,19 @@ class KDACore(MegatronModule):
         else:
             def conv(i, t, act):
                 return path_conv(t, conv_weights[i], None, psp.layout.prev, activation=act, taps=psp.conv_taps)
-        q, k, v, release = self._inputs(conv, q, k, v, H, D)
-        external = None
+        external, replay, sched = None, (), psp.kda_schedule
         if mode.consumer:   # subtree roots start from the producer's states and replay its rows
             ex, ci = psp.layer_exports(self.layer_number), psp.consumer_index
             external = KdaExternal(ex["states"].index_select(0, ci.state),
                                    *(ex[n].index_select(0, ci.replay) for n in ("q", "k", "v", "g", "beta")))
+            replay = (external.q, external.k, external.v)
+        # the calls' rows of q, k, v come with them where they are not q, k, v themselves
+        gather = sched if sched.call_rows is not None or replay else None
+        q, k, v, calls_in, release = self._inputs(conv, q, k, v, H, D, gather, replay)
         backend = self.config.kda_backend
         if mode.producer:   # record what the window's consumers read
-            o, states = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=backend, external=external,
-                                 return_exports=True)
+            o, states = tree_kda(q, k, v, g, beta, sched, backend=backend, external=external,
+                                 return_exports=True, calls_inputs=calls_in)
             conv_rows, replay_rows = psp.export_spec.conv_rows, psp.export_spec.replay_rows
             rec = {n: t.index_select(0, conv_rows) for n, t in pre.items()}
             rec.update({n: t.index_select(0, replay_rows)
@@ -173,7 +176,7 @@ class KDACore(MegatronModule):
             rec["states"] = states
             psp.record_export(self.layer_number, rec)
         else:
-            o = tree_kda(q, k, v, g, beta, psp.kda_schedule, backend=backend, external=external)
+            o = tree_kda(q, k, v, g, beta, sched, backend=backend, external=external, calls_inputs=calls_in)
         release(o)
         return psp.attach_injected(self.layer_number, _zero_pad(o, mode.pad_rows))
 
@@ -188,34 +191,43 @@ class KDACore(MegatronModule):
         def conv(i, t, act):
             return from_sequence_order(path_conv(to_sequence_order(t, s, b), conv_weights[i], None, None,
                                                  activation=act, taps=taps), s, b)
-        q, k, v, release = self._inputs(conv, q, k, v, H, D)
+        q, k, v, _, release = self._inputs(conv, q, k, v, H, D)
         run = get_kda_backend(self.config.kda_backend)
         o, _ = run(*(to_sequence_order(t, s, b) for t in (q, k, v, g, beta)), lens,
                    chunk_size=self.config.kda_chunk_size)
         release(o)
         return from_sequence_order(o, s, b)
 
-    def _inputs(self, conv, q, k, v, heads: int, dim: int):
-        """(q, k, v, release): the recurrence's inputs from the projections (:func:`conv_activate_qkv`), and
-        the function to call with the recurrence's output once nothing in the forward reads them again.
+    def _inputs(self, conv, q, k, v, heads: int, dim: int, gather=None, replay=()):
+        """(q, k, v, calls_inputs, release): the recurrence's inputs from the projections
+        (:func:`conv_activate_qkv`); with ``gather`` (tree mode: the layout's KDA schedule) also the rows its
+        calls read of them (``ops.tree_kda.calls_rows``, after them the producer's ``replay`` rows of q, k,
+        v), else None; and the function to call with the recurrence's output once nothing in the forward
+        reads them again.
 
-        With ``config.kda_input_recompute`` (and gradients on) the conv and activations run under
+        With ``config.kda_input_recompute`` (and gradients on) the conv, activations and gathers run under
         megatron-core's ``CheckpointWithoutOutput``: nothing they would save for the backward is kept
-        but their inputs (the projections), ``release(o)`` frees the storage of q, k and v (the
-        recurrence keeps them for its backward), and when ``o``'s gradient arrives they are computed
-        again into that storage by the same kernels, so the recurrence's backward reads the same bits
-        and the conv's and activations' backward runs as it would have (the step's gradients are the same
-        up to the order in which the backward sums some of them).  On the GPU a KDA layer keeps 6 x heads
-        x dim elements a row fewer in expanded mode (the conv outputs of q, k and v, which the SiLU and L2
-        norm keep, and the recurrence's q, k, v), 3 x in tree mode (the recurrence's calls keep their own
-        gathered copies) (``planner.memory``), for one more forward of the conv and activations."""
-        def inputs(a, b, c):
-            return conv_activate_qkv(self.config, conv, (a, b, c), heads, dim)
+        but their inputs (the projections), ``release(o)`` frees the storage of what they computed (the
+        recurrence keeps it for its backward), and when ``o``'s gradient arrives it is computed again
+        into that storage by the same kernels, so the recurrence's backward reads the same bits and the
+        conv's, activations' and gathers' backward runs as it would have (the step's gradients are the
+        same up to the order in which the backward sums some of them).  On the GPU a KDA layer keeps 6 x
+        heads x dim elements a row fewer (the conv outputs of q, k and v, which the SiLU and L2 norm
+        keep, and the recurrence's q, k, v or its calls' copies of them) (``planner.memory``), for one
+        more forward of the convs, activations and gathers."""
+        def inputs(a, b, c, *rp):
+            qkv = conv_activate_qkv(self.config, conv, (a, b, c), heads, dim)
+            if gather is None:
+                return qkv
+            return (*qkv, *(calls_rows(x, gather, e) for x, e in zip(qkv, rp or (None,) * 3)))
 
+        args = (q, k, v, *(replay if gather is not None else ()))
         if not (getattr(self.config, "kda_input_recompute", False) and torch.is_grad_enabled()):
-            return (*inputs(q, k, v), _keep)
-        ck = CheckpointWithoutOutput(fp8=None)   # None: no fp8 (megatron's default False counts as fp8)
-        return (*ck.checkpoint(inputs, q, k, v), ck.discard_output_and_register_recompute)
+            out, release = inputs(*args), _keep
+        else:
+            ck = CheckpointWithoutOutput(fp8=None)   # None: no fp8 (megatron's default False counts as fp8)
+            out, release = ck.checkpoint(inputs, *args), ck.discard_output_and_register_recompute
+        return (*out[:3], tuple(out[3:]) or None, release)
 
 
 def _keep(o: torch.Tensor) -> None:

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -419,8 +419,9 @@ def build_kda_schedule(seg_parent, seg_start, seg_length, seg_row, plan, *,
 
 
 class _GatherCallRows(torch.autograd.Function):
-    """Every call's packed inputs from the rows' ``x``: one ``index_select`` of the calls' rows back
-    to back (``schedule.call_rows``), split into one contiguous view per call.
+    """The calls' packed inputs from the rows' ``x``: one ``index_select`` of the calls' rows back to
+    back (``schedule.call_rows``), one buffer that :func:`_call_inputs` splits into one contiguous view
+    per call.
 
     The backward fills one zero buffer with each call's gradient at the call's rows, in call order:
     ``index_copy_`` where the call is the first to name its rows, each once (``rows_fresh``), else
@@ -430,23 +431,37 @@ class _GatherCallRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, calls, call_rows):
         ctx.calls, ctx.num_rows = calls, x.shape[0]
-        return tuple(x.index_select(0, call_rows).split([c.rows.numel() for c in calls]))
+        return x.index_select(0, call_rows)
 
     @staticmethod
-    def backward(ctx, *grads):
-        out = grads[0].new_zeros((ctx.num_rows,) + tuple(grads[0].shape[1:]))
-        for call, g in zip(ctx.calls, grads):
+    def backward(ctx, grad):
+        out = grad.new_zeros((ctx.num_rows,) + tuple(grad.shape[1:]))
+        parts = grad.split([c.rows.numel() for c in ctx.calls])
+        for call, g in zip(ctx.calls, parts):
             (out.index_copy_ if call.rows_fresh else out.index_add_)(0, call.rows, g)
         return out, None, None
 
 
-def _call_inputs(x: torch.Tensor, schedule: KdaSchedule) -> tuple:
-    """Each call's packed rows of ``x`` (``x.index_select(0, call.rows)`` per call, the same values)."""
+def calls_rows(x: torch.Tensor, schedule: KdaSchedule, replay: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What the schedule's calls read of ``x`` [R, ...] (and of ``replay``, the producer's replay rows a
+    consumer's calls read after the rows: ``KdaExternal``), back to back in call order: one tensor, ``x``
+    itself where one call reads every row in order.  :func:`tree_kda` takes it for q, k and v
+    (``calls_inputs``), so that a caller may compute it where it computes them."""
+    if replay is not None:
+        x = torch.cat([x, replay.to(x.dtype)])
     if schedule.call_rows is None:            # one call reading every row in order
-        return (x.contiguous(),)
+        return x.contiguous()
+    return _GatherCallRows.apply(x, schedule.calls, schedule.call_rows)
+
+
+def _call_inputs(rows: torch.Tensor, schedule: KdaSchedule) -> tuple:
+    """Each call's packed rows (``x.index_select(0, call.rows)`` per call, the same values) from
+    :func:`calls_rows`' tensor."""
     if not schedule.calls:
         return ()
-    return _GatherCallRows.apply(x, schedule.calls, schedule.call_rows)
+    if schedule.call_rows is None:
+        return (rows,)
+    return rows.split([c.rows.numel() for c in schedule.calls])
 
 
 def _outputs_in_order(call: KdaCall, positions: int) -> bool:
@@ -562,13 +577,15 @@ def _state_gathers(schedule: KdaSchedule, device):
 
 def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] = None,
              backend: str = "reference", external: Optional[KdaExternal] = None,
-             return_exports: bool = False):
+             return_exports: bool = False, calls_inputs: Optional[Tuple[torch.Tensor, ...]] = None):
     """KDA outputs [R, H, V] of every row; inputs are per row: q, k, g [R, H, K], v [R, H, V], beta [R, H].
 
     ``external``: the producer's states and replay inputs when the schedule has any (a
     consumer layout).  With ``return_exports`` returns ``(outputs, states)``, ``states``
     [len(schedule.export_rows), H, K, V] (compute dtype) the states after
-    ``schedule.export_rows``, in the autograd graph.
+    ``schedule.export_rows``, in the autograd graph.  ``calls_inputs``: the calls' rows of q, k and v
+    as :func:`calls_rows` gives them (with ``external``'s replay rows), computed by the caller; the
+    rows q, k, v then only give the shapes.
     """
     run = get_kda_backend(backend)
     R, H, K = q.shape
@@ -585,8 +602,6 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
         if external.q.shape[0] != X or external.initial_states.shape[0] != E:
             raise ValueError(f"external: the schedule needs {E} states and {X} replay rows, got "
                              f"{external.initial_states.shape[0]} and {external.q.shape[0]}")
-        q, k, v, g, beta = (torch.cat([x, y.to(x.dtype)]) for x, y in
-                            zip((q, k, v, g, beta), (external.q, external.k, external.v, external.g, external.beta)))
         ext_states = external.initial_states.to(cdt)
     elif external is not None and (external.q.shape[0] or external.initial_states.shape[0]):
         raise ValueError("external: this schedule reads no producer state (a layout of whole trees), got "
@@ -595,7 +610,13 @@ def tree_kda(q, k, v, g, beta, schedule: KdaSchedule, *, scale: Optional[float] 
     zero_like = q.new_empty((0, H, K, V), dtype=cdt)
     call_states: List[torch.Tensor] = []
     outputs = []
-    inputs = list(zip(*(_call_inputs(x, schedule) for x in (q, k, v, g, beta))))
+    replay = (external.q, external.k, external.v, external.g, external.beta) if needs_external else (None,) * 5
+    if calls_inputs is None:
+        calls_inputs = tuple(calls_rows(x, schedule, e) for x, e in zip((q, k, v), replay))
+    elif len(calls_inputs) != 3:
+        raise ValueError(f"calls_inputs: the calls' rows of q, k and v, got {len(calls_inputs)} tensors")
+    per_input = [*calls_inputs, *(calls_rows(x, schedule, e) for x, e in zip((g, beta), replay[3:]))]
+    inputs = list(zip(*(_call_inputs(x, schedule) for x in per_input)))
     for call, gather, xs in zip(schedule.calls, per_call, inputs):
         init = None if gather is None else gather.assemble(call_states, ext_states, zero_like)
         o, states = run(*xs, call.lengths, chunk_size=schedule.chunk_size, scale=scale, initial_state=init,

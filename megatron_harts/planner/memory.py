@@ -108,9 +108,9 @@ class ModelShape:
 def activation_bytes_per_row(s: ModelShape) -> Dict[str, int]:
     """Bytes of a row's saved activations per layer part in a forward without recomputation (what the backward
     keeps), from the shapes: ``e`` = ``element_bytes`` an element, ``f`` = max(4, e) where the kernels keep
-    fp32.  KDA: norm, q/k/v before the conv and the recurrence's q/k/v (tree mode's per-call copies; expanded
-    mode releases them under ``kda_input_recompute``, an over-count of 3 x heads x dim there), without
-    ``kda_input_recompute`` also the conv outputs of q, k and v that the SiLU and L2 norm keep, the two low-rank
+    fp32.  KDA: norm, q/k/v before the conv (under ``kda_input_recompute`` the rest of the conv, activations and
+    the recurrence's q/k/v are released and computed again in the backward; without it the conv outputs of q,
+    k and v that the SiLU and L2 norm keep and the recurrence's q/k/v, or its calls' copies), the two low-rank
     gates and their outputs, beta, the core's output, its norm and gate, and the fp32 decay cumsum and chunk
     matrices (2 x 64 per head); MLA: norm, queries, latent and rope key, its norm, keys/values, output,
     projection, fp32 log-sum-exp; MoE: the norm's input, normalized rows and output (3 x hidden), per top-k copy
@@ -125,7 +125,7 @@ def activation_bytes_per_row(s: ModelShape) -> Dict[str, int]:
     e, f = s.element_bytes, max(4, s.element_bytes)
     h, H, d, Hk = s.hidden, s.heads, s.lin_head, s.lin_heads
     hd = Hk * d
-    conv = 6 * hd if s.kda_input_recompute else 9 * hd
+    conv = 3 * hd if s.kda_input_recompute else 9 * hd
     kda = e * (2 * h + conv + 2 * d + 2 * hd + Hk + 3 * hd) + f * (hd + 2 * 64 * Hk)
     mla = e * (2 * h + H * (s.qk + s.rope) + 2 * (s.kv_lora + s.rope) + H * (s.qk + s.v) + H * s.v) + f * H
     moe = e * (3 * h + s.topk * 2 * s.moe_ffn + 3 * s.shared_ffn) + f * 2 * (s.topk + s.experts + 1) \

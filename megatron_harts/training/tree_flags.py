@@ -70,8 +70,8 @@ class TreeFlags:
     kda_input_recompute: bool = flag(
         True, "--no-tree-kda-input-recompute", "keep what the KDA layers' short convs and q/k/v activations save "
         "for the backward (by default only their inputs are kept and they run again in the backward: on the GPU 6 x "
-        "heads x head dim elements a row and KDA layer less in expanded mode, 3 x in tree mode, for one more forward "
-        "of the convs and activations; the same values, the gradients to rounding)")
+        "heads x head dim elements a row and KDA layer less, for one more forward of the convs, activations and the "
+        "tree calls' row gathers; the same values, the gradients to rounding)")
     kda_backend: str = flag(
         "auto", "--tree-kda-backend", "KDA kernels: auto (default: fla on CUDA, reference otherwise or with --fp64), "
         "reference (plain torch) or fla (needs CUDA)", choices=KDA_BACKEND_CHOICES)
