@@ -198,7 +198,8 @@ class Search {
     // row found no new best; the best state seen is the result.
     i64 run(i64 moves, i64 patience, double t0, std::uint64_t seed) {
         rng_ = seed * 0x9E3779B97F4A7C15ULL + 1;
-        std::vector<i64> best_cells(cell_of_);
+        const std::vector<i64> start(cell_of_);
+        bests_.clear();
         Objective best = objective();
         Objective cur = best;
         i64 found = 0;  // the try that found the best
@@ -218,25 +219,26 @@ class Search {
                 cur = now;
                 if (better(cur, best)) {
                     best = cur;
-                    best_cells = cell_of_;
                     found = it;
-                    remember(cur);
+                    remember();
                 }
             } else {
                 undo();
             }
         }
+        const std::vector<i64>& best_cells = bests_.empty() ? start : bests_.front();
         if (cell_of_ != best_cells) reset(best_cells.data());
         return it;
     }
 
-    // The chain's last `keep` new bests (its bins per unit), the best first: what the judge sees besides the best.
-    void remember(const Objective& o) {
-        bests_.insert(bests_.begin(), {o, cell_of_});
+    // The chain's last `keep` new bests (its bins per unit), the best first: its result, and what the judge
+    // sees besides it.
+    void remember() {
+        bests_.insert(bests_.begin(), cell_of_);
         if (bests_.size() > keep_) bests_.pop_back();
     }
     std::size_t keep_ = 1;
-    std::vector<std::pair<Objective, std::vector<i64>>> bests_;
+    std::vector<std::vector<i64>> bests_;
 
     // Mean cost of the non-empty cells.
     double mean_cost() const {
@@ -922,9 +924,9 @@ py::tuple l2_search(I64Array length, I64Array pairs, I64Array logits, I64Array k
     for (i64 u = 0; u < U; ++u) reads[u] = search.reads(u) ? 1 : 0;
     const Objective o = search.objective();
     const std::vector<i64> best_cells = search.cells();
-    const auto bests = search.bests_;
+    const auto& bests = search.bests_;  // reset places a state, leaving the list as it is
     for (std::size_t a = 1; a < bests.size(); ++a) {
-        search.reset(bests[a].second.data());
+        search.reset(bests[a].data());
         std::vector<i64> rd(U);
         for (i64 u = 0; u < U; ++u) rd[u] = search.reads(u) ? 1 : 0;
         others.append(py::make_tuple(int64_array(search.cells()), int64_array(rd)));

@@ -221,7 +221,7 @@ class KDACore(MegatronModule):
                 return qkv
             return (*qkv, *(calls_rows(x, gather, e) for x, e in zip(qkv, rp or (None,) * 3)))
 
-        args = (q, k, v, *(replay if gather is not None else ()))
+        args = (q, k, v, *replay)    # replay rows come only with gather (a consumer's tree calls)
         if not (getattr(self.config, "kda_input_recompute", False) and torch.is_grad_enabled()):
             out, release = inputs(*args), _keep
         else:
