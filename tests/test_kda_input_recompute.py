@@ -7,6 +7,8 @@ drop by at least the conv outputs (3 x heads x dim a row and KDA layer); through
 windows and pieces (read pieces kept and run again), the same step as ``--no-tree-kda-input-recompute``: the
 same loss, gradients to rounding (the step's backward may sum some of them in another order).
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -77,7 +79,10 @@ def test_no_recompute_flag_through_the_driver():
         off, g_off, t_off = _driver_run(extra + ["--no-tree-kda-input-recompute"], forest, steps=1)
         assert t_on.config.kda_input_recompute and not t_off.config.kda_input_recompute
         assert on[0][used] > 0, (extra, used)
-        assert on[0]["loss"] == off[0]["loss"]
+        if t_on.device.type == "cpu":
+            assert on[0]["loss"] == off[0]["loss"]
+        else:   # CUDA's atomic adds (index_add_ with repeated rows) order the forward's sums freely
+            assert abs(on[0]["loss"] - off[0]["loss"]) <= 1e-14 * abs(off[0]["loss"])
         assert abs(on[0]["grad_norm"] - off[0]["grad_norm"]) <= 1e-14 * off[0]["grad_norm"]
         assert set(g_on) == set(g_off)
         for n, g in g_off.items():   # to rounding: the step's backward may sum some gradients in another order
@@ -131,6 +136,22 @@ def _core_run(device, dtype, backend, on, mode, heads=2, dim=64):
     return o.detach(), [x.grad for x in (q, k, v, g, beta)], [w.grad for w in conv], kept, R
 
 
+@contextlib.contextmanager
+def _deterministic(device):
+    """On CUDA, ``index_add_`` with repeated indices (a fork's state gradient summed over the calls that
+    start from it) adds in an order that changes from run to run; torch's deterministic mode fixes it,
+    so that two runs may be compared bit for bit (warn_only: the ops without a deterministic form warn)."""
+    if device != "cuda":
+        yield
+        return
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
 @pytest.mark.parametrize("mode", ["expanded", "tree"])
 @pytest.mark.parametrize("device,dtype,backend", [
     ("cpu", torch.float64, "reference"),
@@ -145,8 +166,9 @@ def test_the_kda_core_releases_its_inputs(request, device, dtype, backend, mode)
         pytest.importorskip("fla")
     else:
         request.getfixturevalue("cpu_world_for_the_test")
-    o1, g1, w1, kept1, R = _core_run(device, dtype, backend, True, mode)
-    o0, g0, w0, kept0, _ = _core_run(device, dtype, backend, False, mode)
+    with _deterministic(device):
+        o1, g1, w1, kept1, R = _core_run(device, dtype, backend, True, mode)
+        o0, g0, w0, kept0, _ = _core_run(device, dtype, backend, False, mode)
     assert torch.equal(o1, o0)
     for a, b in zip(g1 + w1, g0 + w0):
         assert torch.equal(a, b)
