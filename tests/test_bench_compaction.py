@@ -460,13 +460,16 @@ def test_memory_profile_rows_in_the_table(bc):
 
 
 def test_documented_long_set_table_is_the_recorded_run():
-    """docs/benchmarks.md's long-set table and README's long row are the figures of the one recorded
-    run (benchmarks/results/compaction-long-h100/long-8192.json): rows, step seconds, peaks and the
-    predicted peaks per mode, and the README's three ratios."""
+    """docs/benchmarks.md's long-set tables and README's long row are the figures of the recorded run
+    (benchmarks/results/compaction-long-h100-split/: the re-prefill modes, then the KV-streams modes, on
+    one node): rows, step seconds, peaks and the predicted peaks per mode, the device time by what runs,
+    and the README's three ratios."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    run = json.loads((root / "benchmarks/results/compaction-long-h100/long-8192.json").read_text())
-    modes = run["sets"]["long-mixed/8192"]["modes"]
+    modes = {}
+    for part in ("reprefill", "kv"):
+        run = json.loads((root / f"benchmarks/results/compaction-long-h100-split/long-8192-{part}.json").read_text())
+        modes.update(run["sets"]["long-mixed/8192"]["modes"])
     docs = (root / "docs/benchmarks.md").read_text()
     names = {"reprefill_expanded": "re-prefill, expanded", "reprefill_tree_within": "re-prefill, tree",
              "kv_expanded": "KV-streams, expanded", "kv_tree_within": "KV-streams, tree (within)"}
@@ -475,6 +478,13 @@ def test_documented_long_set_table_is_the_recorded_run():
         (line,) = [ln for ln in docs.splitlines() if ln.startswith(f"| {label} | {m['rows_computed']:,} |")]
         assert f"| {m['step_seconds']:.2f} s | {m['peak_memory_gib']:.1f} GiB ({m['predicted_peak_gib']:.1f}) |" \
             in line, line
+        sec = m["split"]["seconds"]
+        cols = [sec[k] for k in ("attention_forward", "attention_backward", "kda", "gemm", "pieces_extra_forward",
+                                 "other")] + [m["split"]["busy_seconds"]]
+        idle = m["step_seconds"] - m["split"]["busy_seconds"]
+        cells = " | ".join("0" if c == 0 else f"{c:.2f}" for c in cols)
+        (split_line,) = [ln for ln in docs.splitlines() if ln.startswith(f"| {label} | {cells} |")]
+        assert split_line.endswith(f"| {idle:.2f} s ({idle / m['step_seconds']:.0%}) |"), split_line
     readme = (root / "README.md").read_text()
     (row,) = [ln for ln in readme.splitlines() if ln.startswith("| long mixed:")]
     t = {k: modes[k]["step_seconds"] for k in names}
