@@ -82,7 +82,7 @@ import torch  # noqa: E402
 
 from bench_throughput import (PRESETS, check_device, memory_estimate, model_flags, parameter_counts,  # noqa: E402
                               pieces_accounting, profile_step, release_memory, run_mode, visible_pairs)
-from step_profile import profiled_split, split_table  # noqa: E402
+from step_profile import idle_table, profiled_split, split_table  # noqa: E402
 from megatron_harts.cli import ArgumentParser, CliError, output_path, run  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -539,6 +539,9 @@ def mode_table(row: dict) -> str:
     out = "\n".join(lines) + "\n"
     if splits:
         out += "profiled step: seconds (share of its wall time)\n" + split_table(splits)
+        idle = idle_table(splits)
+        if idle:
+            out += "what the host ran while the device idled (profiled step)\n" + idle
     if memory:
         out += "alive at the profiled step's peak, by allocation site\n" + "\n".join(memory) + "\n"
     return out

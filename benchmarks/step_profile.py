@@ -24,6 +24,12 @@ work is put in one bucket (``bucket``), first match wins:
 intervals on a GPU; on the CPU the operators' own time): Python, the planner, the layouts, launch
 overhead and waits.  The device buckets sum to the device work, which exceeds the busy time only
 where kernels overlap (several streams).
+
+On a GPU the split also says what the device waited for (``idle_while``): the gaps between its busy
+intervals, by length, and their time by what the host was running meanwhile (``idle_attribution``:
+at points every ``IDLE_SAMPLE_US`` through each gap, the innermost host event alive on any thread,
+under the innermost project range above it; no event: Python between operators), and the host's
+synchronizations (runtime calls that wait for the device) with the seconds they waited.
 """
 from __future__ import annotations
 
@@ -48,6 +54,14 @@ GEMM_NAMES = re.compile(r"gemm|cutlass|cublas|xmma|nvjet|matmul|splitK|Kernel2|"
 
 #: (name, seconds) or (name, seconds, scopes): one piece of device work
 Work = Tuple
+
+#: where in a device gap the host's activity is looked up: every this many microseconds (at least once a gap)
+IDLE_SAMPLE_US = 10.0
+#: gap lengths the idle time is counted in (microseconds, upper bounds; the last open)
+GAP_BOUNDS_US = (100.0, 1000.0, 10000.0)
+#: runtime calls by which the host waits for the device
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaStreamWaitEvent")
 
 
 def bucket(name: str, scopes: Iterable[str] = ()) -> str:
@@ -170,6 +184,101 @@ def profile_work(events, device: str, attention_range: str, kda_range: str, piec
     return work, sum(w[1] for w in work), 0
 
 
+def _gaps(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The holes between ``intervals`` (microseconds) once merged, from the first start to the last end."""
+    out: List[Tuple[float, float]] = []
+    end = None
+    for a, b in sorted(intervals):
+        if end is not None and a > end:
+            out.append((end, a))
+        end = b if end is None else max(end, b)
+    return out
+
+
+def idle_attribution(host_events, gaps: List[Tuple[float, float]], label, top: int = 12) -> dict:
+    """What the host ran while the device idled (module docstring): ``host_events`` CPU events with
+    ``time_range`` (microseconds), ``gaps`` the device's idle intervals, ``label(e)`` an event's name in
+    the table (its range and its own name).  Returns ``gaps`` (per length class: count and seconds) and
+    ``by_host`` (the ``top`` labels by idle seconds, then the rest as one line)."""
+    import heapq
+    classes = [f"< {b / 1000:g} ms" for b in GAP_BOUNDS_US] + [f">= {GAP_BOUNDS_US[-1] / 1000:g} ms"]
+    counted = {c: [0, 0.0] for c in classes}
+    points: List[Tuple[float, float]] = []        # (time, seconds it stands for)
+    for a, b in gaps:
+        length = b - a
+        cls = next((c for c, bound in zip(classes, GAP_BOUNDS_US) if length < bound), classes[-1])
+        counted[cls][0] += 1
+        counted[cls][1] += length / 1e6
+        n = max(1, int(length // IDLE_SAMPLE_US))
+        points += [(a + (i + 0.5) * length / n, length / n / 1e6) for i in range(n)]
+    points.sort()
+    events = sorted(host_events, key=lambda e: e.time_range.start)
+    alive: list = []                               # heap of (-start, index): the latest started on top
+    by: Counter = Counter()
+    i = 0
+    for t, sec in points:
+        while i < len(events) and events[i].time_range.start <= t:
+            heapq.heappush(alive, (-events[i].time_range.start, i))
+            i += 1
+        while alive and events[alive[0][1]].time_range.end <= t:   # ended: the top is the innermost alive
+            heapq.heappop(alive)
+        by[label(events[alive[0][1]]) if alive else "(no operator: Python)"] += sec
+    ranked = by.most_common()
+    rows = [[name, sec] for name, sec in ranked[:top]]
+    if len(ranked) > top:
+        rows.append([f"({len(ranked) - top} more)", sum(sec for _, sec in ranked[top:])])
+    return {"gaps": counted, "by_host": rows}
+
+
+def idle_while(events, top: int = 12) -> dict:
+    """``idle_attribution`` of a CUDA profile's events (``prof.events()``): the device's gaps from its
+    kernel events (range annotations left out), the host's CPU events named by the innermost project
+    range (``harts.*``) or backward node above them; with ``synchronizations``, the count and host
+    seconds of the runtime calls in ``SYNC_CALLS``."""
+    from torch.autograd import DeviceType
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    spans = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
+             and not getattr(e, "is_user_annotation", False) and not e.name.startswith("harts.")]
+    memo: Dict[int, str] = {}
+
+    def context(e) -> str:          # the innermost project range or backward node at or above ``e``
+        key = id(e)
+        if key not in memo:
+            if e.name.startswith("harts."):
+                memo[key] = e.name
+            elif e.name.startswith("autograd::engine::evaluate_function: "):
+                memo[key] = e.name.split(": ", 1)[1]
+            else:
+                memo[key] = context(e.cpu_parent) if e.cpu_parent is not None else ""
+        return memo[key]
+
+    def label(e) -> str:
+        up = context(e.cpu_parent) if e.cpu_parent is not None else ""
+        return f"{up} > {e.name}" if up and up != e.name else e.name
+
+    out = idle_attribution(cpu, _gaps(spans), label, top)
+    syncs = [e for e in cpu if e.name in SYNC_CALLS]
+    out["synchronizations"] = {"count": len(syncs),
+                               "seconds": sum(e.time_range.end - e.time_range.start for e in syncs) / 1e6}
+    return out
+
+
+def idle_table(rows: Dict[str, dict], top: int = 8) -> str:
+    """Per mode (``rows``: key -> a split with ``idle_while``): the device's gaps by length and the
+    ``top`` host activities by the idle seconds they stand beside."""
+    out = []
+    for key, s in rows.items():
+        idle = s.get("idle_while")
+        if not idle:
+            continue
+        gaps = ", ".join(f"{c}: {n} gaps {sec:.3f} s" for c, (n, sec) in idle["gaps"].items())
+        sy = idle["synchronizations"]
+        out.append(f"{key}: device idle {sum(sec for _, sec in idle['gaps'].values()):.3f} s ({gaps}); "
+                   f"{sy['count']} host synchronizations waiting {sy['seconds']:.3f} s")
+        out += [f"    {sec:>8.3f} s  {name}" for name, sec in idle["by_host"][:top]]
+    return "\n".join(out) + ("\n" if out else "")
+
+
 def profiled_split(step, device: str) -> dict:
     """Run ``step()`` (one training step) under ``torch.profiler`` and return its split
     (``split_step``), with ``launches`` (the device work's pieces) and ``unlinked_launches`` (kernels
@@ -194,7 +303,10 @@ def profiled_split(step, device: str) -> dict:
         _SAID.append(True)
         print(f"step_profile: {unlinked} of {len(work)} kernels have no launching operator in the profile; "
               f"they are bucketed by kernel name alone", file=sys.stderr, flush=True)
-    return {**split_step(work, wall, busy), "launches": len(work), "unlinked_launches": unlinked}
+    out = {**split_step(work, wall, busy), "launches": len(work), "unlinked_launches": unlinked}
+    if device == "cuda":
+        out["idle_while"] = idle_while(prof.events())
+    return out
 
 
 _SAID: list = []      # the unlinked-kernels note is said once a process

@@ -147,3 +147,45 @@ def test_gpu_kernels_take_their_launching_operators_scopes(sp):
     gemms = [w for w in work if w[0] == gemm]
     assert len(gemms) == 5 and unlinked == 1 and busy == pytest.approx(46e-6)
     assert sum(w[1] for w in gemms) == pytest.approx(0.8 * 51e-6)   # five listings of four runs
+
+
+def test_device_idle_by_what_the_host_ran(sp):
+    """``idle_while`` on stand-in CUDA events: the device's gaps (the ranges' device annotations are not
+    work) counted by length, and their time by the innermost host event alive at points through each gap,
+    named under the innermost project range or backward node above it; where no host event is alive, the
+    host ran Python; the runtime calls that wait for the device are counted with their time."""
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, parent=None, device=DeviceType.CPU, annotation=False):
+        return E(name=name, time_range=E(start=start, end=end), cpu_parent=parent, device_type=device,
+                 is_user_annotation=annotation)
+
+    kda = ev("harts.kda", 5, 28)
+    index = ev("aten::index_select", 12, 20, kda)
+    node = ev("autograd::engine::evaluate_function: MmBackward0", 100, 1100)
+    events = [kda, index, ev("cudaLaunchKernel", 18, 20, index), ev("cudaStreamSynchronize", 44, 50),
+              node, ev("aten::mm", 1000, 1100, node),
+              ev("harts.kda", 5, 28, device=DeviceType.CUDA, annotation=True)]
+    events += [ev(f"kernel{i}", a, b, device=DeviceType.CUDA) for i, (a, b) in
+               enumerate([(0, 10), (30, 40), (40, 45), (2045, 2050)])]
+    out = sp.idle_while(events)
+    assert out["gaps"] == {"< 0.1 ms": [1, pytest.approx(20e-6)], "< 1 ms": [0, 0.0],
+                           "< 10 ms": [1, pytest.approx(2000e-6)], ">= 10 ms": [0, 0.0]}
+    by = dict((name, sec) for name, sec in out["by_host"])
+    assert by == {"(no operator: Python)": pytest.approx(1000e-6),
+                  "autograd::engine::evaluate_function: MmBackward0": pytest.approx(900e-6),
+                  "MmBackward0 > aten::mm": pytest.approx(100e-6),
+                  "harts.kda > aten::index_select": pytest.approx(10e-6), "harts.kda": pytest.approx(10e-6)}
+    assert [name for name, _ in out["by_host"]][0] == "(no operator: Python)"
+    assert out["synchronizations"] == {"count": 1, "seconds": pytest.approx(6e-6)}
+    assert sp._gaps([]) == [] and sp._gaps([(0, 5), (1, 3), (5, 6)]) == []
+    table = sp.idle_table({"kv_tree_within": {"idle_while": out}, "cpu": {}}, top=2)
+    lines = table.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("kv_tree_within: device idle 0.002 s (")
+    assert "1 host synchronizations waiting 0.000 s" in lines[0]
+    assert lines[1].split() == ["0.001", "s", "(no", "operator:", "Python)"]
+    short = sp.idle_attribution(events[:2], [(0, 100)], lambda e: e.name, top=1)
+    assert short["by_host"][0][0] == "(no operator: Python)" and short["by_host"][1][0] == "(2 more)"
+    assert short["by_host"][1][1] == pytest.approx(30e-6)        # harts.kda 20 us, aten::index_select 10 us
