@@ -60,8 +60,7 @@ IDLE_SAMPLE_US = 10.0
 #: gap lengths the idle time is counted in (microseconds, upper bounds; the last open)
 GAP_BOUNDS_US = (100.0, 1000.0, 10000.0)
 #: runtime calls by which the host waits for the device
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cudaStreamWaitEvent")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 def bucket(name: str, scopes: Iterable[str] = ()) -> str:
