@@ -252,6 +252,7 @@ def measure(argv, forest, n: int, a, title: str) -> dict:
             "piece_extra_forward_rows": m.get("piece_extra_forward_rows"), "read_pieces": m.get("read_pieces"),
             "kept_pieces": m.get("kept_pieces"), "partly_kept_pieces": m.get("partly_kept_pieces"),
             "predicted_peak_gib": m.get("predicted_peak_gib"), "piece_memory_gib": m.get("piece_memory_gib"),
+            "alloc_retries": m.get("alloc_retries"),
             "loss_first_step": losses[0][0], "loss_after_one_step": losses[1][0] if len(losses) > 1 else None,
             "loss_per_step": [loss for loss, _ in losses], "grad_norm_per_step": [g for _, g in losses],
             "microbatches": m["microbatches"], "kda_calls": m["kda_calls"], "planner": plan.planner, **backends}
@@ -755,7 +756,8 @@ def main(argv=None):
                 continue
             row["modes"][key] = {"form": form, "sharing": sharing, **m}
             _progress(f"{s['name']} {key}: {m['step_seconds']:.3f} s/step, {m['rows_computed']} rows, "
-                      f"{m['trajectory_tokens_per_s']:.0f} trace tok/s, peak {m['peak_memory_gib']}, "
+                      f"{m['trajectory_tokens_per_s']:.0f} trace tok/s, peak {m['peak_memory_gib']} "
+                      f"(allocator retries {m['alloc_retries']}), "
                       f"loss {m['loss_first_step']:.4f} ({time.perf_counter() - t0:.1f} s)")
             with open(a.out, "w") as f:       # after every mode: a cut-short run keeps what it measured
                 json.dump(results, f, indent=2, default=float)

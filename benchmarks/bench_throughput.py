@@ -994,6 +994,7 @@ def main(argv=None):
                 "recomputed_windows": m["recomputed_windows"], "memory_budget_gib": m["memory_budget_gib"],
                 # the driver's memory model's step peak, and the allocator's (None on the CPU), last timed step
                 "predicted_peak_gib": m["predicted_peak_gib"], "measured_peak_gib": m["measured_peak_gib"],
+                "alloc_retries": m["alloc_retries"],
                 "peak_memory_gib": peak, "loss": m["loss"], "loss_per_step": [l for l, _ in losses],
                 "grad_norm_per_step": [g for _, g in losses], "allocated_at_start_gib": left,
                 # what this mode itself needed above what the process held when it started (a closed

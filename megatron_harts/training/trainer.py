@@ -82,6 +82,12 @@ def _init_world(backend: str, timeout_minutes: int) -> bool:
     return True
 
 
+def _alloc_retries(device) -> int:
+    """The CUDA caching allocator's retries so far: each an allocation that found no free block, so the
+    allocator released its cache (a device synchronization and ``cudaFree`` calls) and asked again."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def _drop_autograd_graphs(modules) -> None:
     """Detach the tensors that carry an autograd graph which ``modules``, or plain objects they hold,
     keep from their last forward (megatron's token dispatchers keep the last microbatch's routing
@@ -164,6 +170,7 @@ class Trainer:
         self._probe_batch = None
         self._probed_at: Optional[int] = None
         self._run_peak = 0.0
+        self._retries_at_start = 0
         self.model = self.optimizer = self.scheduler = None
         try:
             self.device, backend = _device_and_backend(args)
@@ -485,6 +492,7 @@ class Trainer:
                       "ref_logprobs are not read")
         if self.device.type == "cuda":      # measured_peak_gib: the allocator's peak over this step
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._retries_at_start = _alloc_retries(self.device)
         try:
             up = rl_update(self.model, self.optimizer, self.scheduler, forest, plan, settings=self.settings,
                            objective=self.objective, update=self.update, iteration=self.iteration + 1,
@@ -579,6 +587,7 @@ class Trainer:
         secs = max(r.step_seconds, 1e-9)
         predicted = self.predicted_peak_bytes(r.window_stats)
         measured = torch.cuda.max_memory_allocated(self.device) / 2 ** 30 if self.device.type == "cuda" else None
+        retries = _alloc_retries(self.device) - self._retries_at_start if self.device.type == "cuda" else None
         m: Dict[str, Any] = {
             "iteration": self.iteration, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
             "trajectories": r.trajectories, "trajectory_tokens": r.trajectory_tokens,
@@ -596,7 +605,7 @@ class Trainer:
             "piece_memory_gib": None if self.piece_budget_bytes is None else self.piece_budget_bytes / 2 ** 30,
             "memory_budget_gib": None if self.memory_budget_bytes is None else self.memory_budget_bytes / 2 ** 30,
             "predicted_peak_gib": None if predicted is None else predicted / 2 ** 30,
-            "measured_peak_gib": measured,
+            "measured_peak_gib": measured, "alloc_retries": retries,
         }
         for k, v in r.terms.items():
             m[f"objective/{k}"] = v
