@@ -443,23 +443,39 @@ def groups_of(inst: L2Instance, cells: np.ndarray, reads: np.ndarray):
 
 def windows_in_turn(inst: L2Instance, cells: np.ndarray, reads: np.ndarray) -> np.ndarray:
     """One replica's cells in a new order: each producer followed by the bins reading it, then the bins reading
-    nothing (each group in the order given).  On one replica the step is the sum of the bins' costs in any
-    order, so the plan is as long, and one window's rows are held at a time instead of every producer's."""
+    nothing (each group in the order given), every bin after the bins it reads from (a reading item reads the
+    rows its block's bin and the bins of the blocks above it own; a bin may hold a producer and a reader).  On
+    one replica the step is the sum of the bins' costs in any order, so the plan is as long, and one window's
+    rows are held at a time instead of every producer's."""
     cells = np.asarray(cells, dtype=np.int64)
-    source = {}                                         # a reading bin -> the producer bin it reads
+    source = {}                                         # a reading bin -> the producer bin its first reader reads
+    needs: Dict[int, set] = {}                          # a bin -> every bin it reads from
     for u in np.flatnonzero(np.asarray(reads)).tolist():
-        source[int(cells[u])] = int(cells[inst.win[u]])
+        d = int(cells[u])
+        source.setdefault(d, int(cells[inst.win[u]]))
+        b = int(inst.win[u])
+        while b >= 0:
+            if int(cells[b]) != d:
+                needs.setdefault(d, set()).add(int(cells[b]))
+            b = int(inst.up[b])
     producers = {int(c) for c in cells[inst.kind == 0].tolist()}
     used = sorted(set(cells.tolist()))
     readers: Dict[int, List[int]] = {}                  # per producer bin the bins reading it, in order
     for d in used:
-        if d in source:
+        if d in source and d not in producers:
             readers.setdefault(source[d], []).append(d)
-    order = []
+    wanted = []
     for c in used:
         if c in producers:
-            order += [c] + readers.get(c, [])
-    order += [d for d in used if d not in producers and d not in source]
+            wanted += [c] + readers.get(c, [])
+    wanted += [d for d in used if d not in wanted]
+    order: List[int] = []                               # the wanted order, each bin once its sources are placed
+    placed: set = set()
+    while len(order) < len(wanted):
+        c = next((c for c in wanted if c not in placed and needs.get(c, set()) <= placed), None)
+        assert c is not None, "windows_in_turn: the bins read each other in a cycle (the search's state is invalid)"
+        order.append(c)
+        placed.add(c)
     slot = {c: k for k, c in enumerate(order)}
     return np.array([slot[int(c)] for c in cells.tolist()], dtype=np.int64)
 
