@@ -161,8 +161,7 @@ def profile_work(events, device: str, attention_range: str, kda_range: str, piec
         # the events, in every version; the kernel events themselves carry the link only in some): the
         # work is those kernels in their operator's scopes; the kernel events give the busy intervals
         # (range annotations left out: they span a range, they are not work)
-        device_events = [e for e in events if e.device_type == DeviceType.CUDA
-                         and not getattr(e, "is_user_annotation", False) and e.name not in ranges]
+        device_events = _device_work(events, ranges)
         work = [(k.name, k.duration / 1e6, scopes(e)) for e in cpu for k in (getattr(e, "kernels", None) or ())]
         ran = Counter(e.name for e in device_events)
         listed = Counter(w[0] for w in work)
@@ -181,6 +180,14 @@ def profile_work(events, device: str, attention_range: str, kda_range: str, piec
         return work + unlinked, _union_seconds(spans), len(unlinked)
     work = [(e.name, e.self_cpu_time_total / 1e6, scopes(e)) for e in cpu if e.name.startswith("aten::")]
     return work, sum(w[1] for w in work), 0
+
+
+def _device_work(events, ranges) -> list:
+    """A CUDA profile's device events that are work: kernels, copies and fills (the device annotations of the
+    ``ranges``, names of ``record_function`` ranges, span a range: they are not work)."""
+    from torch.autograd import DeviceType
+    return [e for e in events if e.device_type == DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False) and e.name not in ranges]
 
 
 def _gaps(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
@@ -229,21 +236,20 @@ def idle_attribution(host_events, gaps: List[Tuple[float, float]], label, top: i
     return {"gaps": counted, "by_host": rows}
 
 
-def idle_while(events, top: int = 12) -> dict:
+def idle_while(events, ranges: Sequence[str], top: int = 12) -> dict:
     """``idle_attribution`` of a CUDA profile's events (``prof.events()``): the device's gaps from its
-    kernel events (range annotations left out), the host's CPU events named by the innermost project
-    range (``harts.*``) or backward node above them; with ``synchronizations``, the count and host
-    seconds of the runtime calls in ``SYNC_CALLS``."""
+    work (``_device_work``), the host's CPU events named by the innermost of the project's ``ranges`` or
+    backward node above them; with ``synchronizations``, the count and host seconds of the runtime calls in
+    ``SYNC_CALLS``."""
     from torch.autograd import DeviceType
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    spans = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
-             and not getattr(e, "is_user_annotation", False) and not e.name.startswith("harts.")]
+    spans = [(e.time_range.start, e.time_range.end) for e in _device_work(events, ranges)]
     memo: Dict[int, str] = {}
 
     def context(e) -> str:          # the innermost project range or backward node at or above ``e``
         key = id(e)
         if key not in memo:
-            if e.name.startswith("harts."):
+            if e.name in ranges:
                 memo[key] = e.name
             elif e.name.startswith("autograd::engine::evaluate_function: "):
                 memo[key] = e.name.split(": ", 1)[1]
@@ -296,15 +302,15 @@ def profiled_split(step, device: str) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    work, busy, unlinked = profile_work(prof.events(), device, ATTENTION_RANGE, KDA_RANGE, PIECES_RANGE,
-                                         PIECES_KEPT_RANGE)
+    ranges = (ATTENTION_RANGE, KDA_RANGE, PIECES_RANGE, PIECES_KEPT_RANGE)
+    work, busy, unlinked = profile_work(prof.events(), device, *ranges)
     if unlinked and not _SAID:
         _SAID.append(True)
         print(f"step_profile: {unlinked} of {len(work)} kernels have no launching operator in the profile; "
               f"they are bucketed by kernel name alone", file=sys.stderr, flush=True)
     out = {**split_step(work, wall, busy), "launches": len(work), "unlinked_launches": unlinked}
     if device == "cuda":
-        out["idle_while"] = idle_while(prof.events())
+        out["idle_while"] = idle_while(prof.events(), ranges)
     return out
 
 

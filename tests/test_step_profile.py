@@ -170,7 +170,7 @@ def test_device_idle_by_what_the_host_ran(sp):
               ev("harts.kda", 5, 28, device=DeviceType.CUDA, annotation=True)]
     events += [ev(f"kernel{i}", a, b, device=DeviceType.CUDA) for i, (a, b) in
                enumerate([(0, 10), (30, 40), (40, 45), (2045, 2050)])]
-    out = sp.idle_while(events)
+    out = sp.idle_while(events, ("harts.kda",))
     assert out["gaps"] == {"< 0.1 ms": [1, pytest.approx(20e-6)], "< 1 ms": [0, 0.0],
                            "< 10 ms": [1, pytest.approx(2000e-6)], ">= 10 ms": [0, 0.0]}
     by = dict((name, sec) for name, sec in out["by_host"])
