@@ -89,13 +89,19 @@ def test_tiny_cpu_run_with_recomputed_producers(bt, tmp_path):
 
 def test_kernel_categories_count_each_kernel_once(bt):
     """A host-side record carrying its kernels' device time (a custom Function, FlexAttention's
-    launcher under the kernel's own name) is not counted beside the kernels themselves."""
+    launcher under the kernel's own name) is not counted beside the kernels themselves, nor a
+    ``record_function`` range's annotation on the GPU's timeline (``harts.kda`` would land in the KDA
+    category by its name, ``harts.pieces_extra_forward`` in ``other``)."""
     from types import SimpleNamespace
     from torch.autograd import DeviceType
 
-    def ev(key, device, us, count=1):
-        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us, count=count)
-    events = [ev("triton_tem_fused_flex_attention_backward_1", DeviceType.CPU, 5000.0),
+    def ev(key, device, us, count=1, annotation=False):
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us, count=count,
+                               is_user_annotation=annotation)
+    events = [ev("harts.kda", DeviceType.CUDA, 9000.0, 2, annotation=True),
+              ev("harts.pieces_extra_forward", DeviceType.CUDA, 4000.0, 1, annotation=True),
+              ev("harts.attention", DeviceType.CUDA, 800.0),          # an older profiler without the flag
+              ev("triton_tem_fused_flex_attention_backward_1", DeviceType.CPU, 5000.0),
               ev("triton_tem_fused_flex_attention_backward_1", DeviceType.CUDA, 5000.0, 2),
               ev("_ChunkKdaExportBackward", DeviceType.CPU, 3000.0),
               ev("chunk_kda_bwd_kernel_intra", DeviceType.CUDA, 3000.0, 3),
