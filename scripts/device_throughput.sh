@@ -14,7 +14,8 @@
 #   tree-step-s9  a larger Tree-Step batch (118 trajectories, 873k tokens, L1 3.17x)
 #   attention   benchmarks/bench_tree_attention.py (flex and varlen vs causal SDPA) on both schemes at
 #               head dims 128/128, 192/128 (MLA of h200-2k) and 96/64 (MLA of h200)
-#   tests       the device-side tests (fla KDA, tree attention incl. flash-attn-4, fused norm, grouped experts),
+#   tests       the device-side tests (fla KDA, tree attention incl. flash-attn-4's kernels, the fused kernels, grouped
+#               experts, the KDA input recompute, compaction on the GPU; the CPU-sized tests of those files left out),
 #               Triton autotuning capped at one config (KDA_FLA_TEST_MAX_CONFIGS=1: minutes of compiles less;
 #               results do not depend on the config); pytest's summary into $OUT/device-tests.txt
 #   memory      the Tree-Step batch within vs expanded at both presets with --memory-profile (the bytes
@@ -37,6 +38,12 @@
 #               (fla's kernels, the fused SwiGLU, the dispatcher, windows); fails the script's status if either fails
 #   logprobs    benchmarks/bench_logprobs.py: the output layer's log-probs at vocabulary 163,840
 #   compaction  benchmarks/bench_compaction.py: compaction traces against re-prefill samples, all sets
+#   long        bench_compaction.py --set long-mixed at context budget 8192: the four modes with the profile
+#               split of each and the table of what the device waited for; long@kv or long@reprefill runs one
+#               form (the four modes take about 8 minutes on one H100: two calls of one form each)
+#   long-pieces bench_compaction.py --set long-mixed --piece-study at full size: the traces in tree mode in
+#               pieces (keep auto, keep none) and uncut at a row budget above the longest trace (the uncut
+#               run needs more memory than an H100 has: an H200)
 # A stage named STAGE=N gets N seconds instead of its share.  Default: fidelity step-wise tree-step.  With flash-attn-4 installed (docs/gpu_setup.md), MLA runs its
 # varlen kernels in both modes.
 set -uo pipefail
@@ -114,10 +121,19 @@ for entry in "${STAGES[@]}"; do
     logprobs) timeout "$share" python3 benchmarks/bench_logprobs.py --out "$OUT/logprobs.json" 2>&1 | quiet ;;
     compaction) timeout "$share" python3 benchmarks/bench_compaction.py --tree-sharing within \
                   --driver-flags "--tree-triton-max-configs 1" --out "$OUT/compaction.json" 2>&1 | quiet ;;
-    tests) KDA_FLA_TEST_MAX_CONFIGS=1 timeout "$share" python3 -m pytest -q -rs -p no:cacheprovider -W ignore \
+    tests) KDA_FLA_TEST_MAX_CONFIGS=1 timeout $((share / 2)) python3 -m pytest -q -rs -p no:cacheprovider -W ignore \
              tests/test_kda_fla.py tests/test_tree_kda.py tests/test_triton_launch.py tests/test_tree_attention.py \
              tests/test_norm.py tests/test_grouped_experts.py \
-             2>&1 | grep -v "^  " | tee "$OUT/device-tests.txt" | tail -25 ;;
+             2>&1 | grep -v "^  " | tee "$OUT/device-tests.txt" | tail -25
+           st=${PIPESTATUS[0]}
+           # the GPU tests of the files that also hold many CPU-sized tests, selected by name
+           KDA_FLA_TEST_MAX_CONFIGS=1 timeout $((share / 2)) python3 -m pytest -q -rs -p no:cacheprovider -W ignore \
+             tests/test_kda_input_recompute.py tests/test_fa4_blocks.py tests/test_moe_gather.py \
+             tests/test_kda_elementwise.py tests/test_router_topk.py tests/test_path_conv.py \
+             tests/test_interval_attention.py tests/test_compaction_gpu.py -k "cuda or gpu or fla or fa4 or triton" \
+             2>&1 | grep -v "^  " | tee -a "$OUT/device-tests.txt" | tail -25
+           st2=${PIPESTATUS[0]}
+           (( st == 0 && st2 == 0 )) ;;
     memory) for preset in h200 h200-2k; do
               timeout $((share / 2)) python3 benchmarks/bench_throughput.py --iters "$ITERS" --tree-sharing within \
                 --driver-flags "--tree-triton-max-configs 1" --no-cosine --memory-profile --preset "$preset" \
@@ -130,8 +146,14 @@ for entry in "${STAGES[@]}"; do
                  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], d['summary'])" \
                    "$OUT/attn-$sc-${dims// /-}.json" 2>/dev/null
                done; done; true ;;
+    long) forms=(reprefill kv); [[ -n "$scheme" ]] && forms=("$scheme")
+          timeout "$share" python3 benchmarks/bench_compaction.py --set long-mixed --budgets 8192 --forms "${forms[@]}" \
+            --driver-flags "--tree-triton-max-configs 1" --out "$OUT/long-8192${scheme:+-$scheme}.json" 2>&1 | quiet ;;
+    long-pieces) timeout "$share" python3 benchmarks/bench_compaction.py --set long-mixed --budgets 8192 --piece-study \
+                   --no-split --driver-flags "--tree-triton-max-configs 1" --out "$OUT/long-8192-pieces.json" 2>&1 | quiet ;;
     *) echo "unknown stage $stage (fidelity, step-wise, tree-step, tree-step-s9, tests, memory, attention, large," \
-            "kimi, kimi-profile, kimi-64k, kimi-128k, h200-64k, h200-128k, gpu-check, logprobs, compaction)" >&2
+            "kimi, kimi-profile, kimi-64k, kimi-128k, h200-64k, h200-128k, gpu-check, logprobs, compaction, long," \
+            "long-pieces)" >&2
        exit 2 ;;
   esac
   st=${PIPESTATUS[0]}
