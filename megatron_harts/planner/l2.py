@@ -12,8 +12,9 @@ the producer of its block (the block holding its parent) or recomputed.  An item
 L1's mean microbatch is cut as L1 cuts a piece (``l1.split_piece``): its pieces recompute the
 item's segments above them.  Every other tree keeps its L1 pieces as **free** units.
 
-**State.**  Every unit sits in a bin ``(replica, bin)``, ``dp`` replicas of L1's slot count plus
-``EXTRA_SLOTS`` bins; a non-empty bin is a microbatch.  A replica runs its producers (bins holding
+**State.**  Every unit sits in a bin ``(replica, bin)``, ``dp`` replicas of L1's slot count plus two
+bins (``_WINDOW_BINS``: the bins a new window takes, its producer and a microbatch reading it); a non-empty bin
+is a microbatch.  A replica runs its producers (bins holding
 a block) first, then its other bins, each group costliest first; slot ``k`` is the ``k``-th bin of
 every replica.  An item may read its path from its block's bin when that bin is on its replica,
 its own bin holds no block, and every block above its block sits on its replica or on one with no
@@ -23,11 +24,11 @@ items of other windows recompute their paths; the pieces of one item in one bin 
 once.  That is what the window schedule (``microbatch.replica_windows``) runs, so every planned
 window runs.  A core whose blocks sit in several bins is a cut window: a producer per bin.
 
-**Objective**, compared in order: rows over the budget (summed over bins), then the modelled step
-(sum over slots of the costliest bin, each bin costed by the cost model's terms, KDA calls
-estimated as one per microbatch and replay as the reading items' replay) plus ``TOKEN_PENALTY`` row
-costs per token computed above L1's tokens plus the mean replica's load (the sum of the bin costs over
-``dp``), then the tokens (as the judge breaks ties), then the sum of squared bin costs.  With several
+**Objective**, compared in order: rows over the budget (summed over bins), then the tokens computed
+above L1's tokens (the judge never keeps a plan computing more than L1), then the modelled step (sum over
+slots of the costliest bin, each bin costed by the cost model's terms, KDA calls estimated as one per
+microbatch and replay as the reading items' replay) plus the mean replica's load (the sum of the bin
+costs over ``dp``), then the tokens (as the judge breaks ties), then the sum of squared bin costs.  With several
 replicas most moves leave every slot's costliest bin as it is, so the step alone cannot tell a state that
 spreads work into extra microbatches or recomputes a path under another replica's costliest bin from one
 that does not; the load can, and the search then keeps its microbatches full and its windows read (the
@@ -50,8 +51,9 @@ recomputes its path.  Two more moves put together what belongs together: a produ
 blocks into its top block's bin, its items best fit into that replica's bins) and a unit joined to a unit
 recomputing one of its segments (into its bin, or swapped with a unit there).  The kind of move is drawn by
 weights that follow each kind's recent share of the improving moves.  The search (compiled: ``_C.l2_search``)
-anneals: a move is taken when it improves the objective, else with probability ``exp(-d / t)``, ``d`` what
-it adds to the step plus penalties, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0
+anneals: a move is taken when it improves the objective; a move adding rows over the budget or tokens above
+L1's (the two summed) never, one removing them always; else with probability ``exp(-d / t)``, ``d`` what it
+adds to the step plus load, ``t`` falling linearly from ``TEMPERATURE`` mean microbatch costs to 0
 over ``moves`` tries (default ``default_moves``: ``MOVES`` times the fourth root of the units); a chain stops
 early once ``PATIENCE`` of its budget has passed without a new best; the best state seen is the result.
 
@@ -74,6 +76,14 @@ before it (``CANDIDATES`` states a chain); the best of them by the judge is kept
 more tokens than L1 and its modelled step is shorter (then: fewer tokens); otherwise L1's microbatches
 are returned with L1's placement.
 
+**Tuning constants**: five, each explained where it is defined: ``MOVES`` (the budget), ``PATIENCE`` (when a
+chain stops), ``TEMPERATURE`` (the annealing's start), ``CANDIDATES`` (the states a chain hands the judge) and,
+in ``csrc/l2_search.cpp``, ``RATE_FLOOR`` (the least rate of improving moves a move kind is weighted by).  The
+rest follows from them or from the plan's rules: a token above L1's is a rule of the objective, not a price (no
+plan computing more than L1 is kept); the grid's two extra bins are a new window's (``_WINDOW_BINS``); the
+move-kind weights are updated every ``1 / RATE_FLOOR`` tries (the least window that shows a kind at the floor
+one improving move).
+
 ``l2_bruteforce`` holds the same objective in Python and its optimum over every assignment of a
 small instance: the tests hold the search to it.
 """
@@ -94,13 +104,9 @@ from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, s
 from .threads import concurrently
 
 __all__ = ["plan_l2", "plan_harts", "step_cost", "l2_units", "most_shared_top", "L2Instance", "search",
-           "groups_of", "window_start", "windows_in_turn", "default_moves", "TOKEN_PENALTY", "MOVES", "PATIENCE",
-           "TEMPERATURE", "EXTRA_SLOTS", "CANDIDATES"]
+           "groups_of", "window_start", "windows_in_turn", "default_moves", "MOVES", "PATIENCE", "TEMPERATURE",
+           "CANDIDATES"]
 
-#: cost of a token computed above L1's tokens, in row costs (``CostCoefficients.row``): steep, as a
-#: plan computing more than L1 is never kept, but finite, so that the search may pass through such
-#: states (an item moved before its producer is)
-TOKEN_PENALTY = 100.0
 #: the default budget, the one effort knob: ``MOVES`` times the fourth root of the units (``default_moves``).
 #: A small instance needs many tries per unit to leave the local optima of its few bins, a large one few
 #: (on benchmarks/compare_l2.py's full set 400 moves a unit, or a budget growing with the square root of the
@@ -115,13 +121,17 @@ PATIENCE = 0.2
 #: the annealing's start temperature, in mean microbatch costs of the start state: a move lengthening the
 #: step by that much is taken with probability 1/e at the start, never at the end
 TEMPERATURE = 0.005
-#: empty slots the grid has after L1's: room for producers ahead of their consumers and for new microbatches
-EXTRA_SLOTS = 2
 #: where a tree is produced, the states of a chain the judge sees: its best and the bests it found just before
 #: (the search estimates a reading bin's replay and every bin's KDA calls, and the judge's exact costs may
 #: order nearby states otherwise); over compare_l2's set, seeds 1-6: 910 of 960 plans no worse than its
 #: reference with 3, 905 with 1 (the best alone), no more with 4 or 6
 CANDIDATES = 3
+#: empty bins the grid has per replica beyond L1's microbatches (not a tuning constant): the bins a new window
+#: takes, its producer and one microbatch reading it, so that a move can open a window (or a microbatch) on any
+#: replica.  One bin (room for a microbatch only) planned as well over compare_l2's set (seeds 1-6, the earlier
+#: constants: 910 of 960 with one, two or three) but made the search's tries dearer (fewer tries pick an empty
+#: bin and stop at once): 10% more search time
+_WINDOW_BINS = 2
 #: the search's random seed (the plan depends on nothing else)
 _SEED = 1
 
@@ -134,7 +144,7 @@ class L2Instance:
     ``units`` unit arrays (kind 0 block of a core / 1 item / 2 free; ``win`` the
     item's block unit, else -1; ``up`` a block's upper block, else -1; ``replay`` the item's replay tokens when it reads its path; owned,
     recomputed and path segments as CSR), the start cell of each unit (``replica * slots + slot``),
-    the grid, the budget, the cost model's coefficients, L1's tokens and the penalty per token."""
+    the grid, the budget, the cost model's coefficients and L1's tokens."""
     length: np.ndarray
     pairs: np.ndarray
     logits: np.ndarray
@@ -158,7 +168,6 @@ class L2Instance:
     c_logit: float
     c_replay: float
     base_tokens: int
-    penalty: float
 
     @property
     def num_units(self) -> int:
@@ -197,7 +206,7 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
              base_tokens: int) -> L2Instance:
     """The units of ``l1`` (module docstring) in L1's cells."""
     M, dp = l1.row_budget, l1.num_replicas
-    slots = l1.num_slots + EXTRA_SLOTS
+    slots = l1.num_slots + _WINDOW_BINS  # room for a new window on every replica
     S = ix.num_segments
     mbs = l1.microbatches
     ids_all = [m.owned for m in mbs] + [m.recomputed for m in mbs]
@@ -291,7 +300,7 @@ def l2_units(ix: ForestIndex, l1: MicrobatchPlan, model: CostModel, min_producer
                       np.array(up, dtype=np.int64), np.array(replay, dtype=np.int64),
                       *_csr(own), *_csr(rec), *_csr(path), np.array(cell0, dtype=np.int64), dp, slots, M,
                       float(c.microbatch + c.kda_call), float(c.row), float(c.attention_pair), float(c.logits_row),
-                      float(c.kda_replay_token), int(base_tokens), float(TOKEN_PENALTY * c.row))
+                      float(c.kda_replay_token), int(base_tokens))
 
 
 def _rows(inst: L2Instance, which: str) -> np.ndarray:
@@ -397,7 +406,7 @@ def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
         for u in sorted(loose[r], key=lambda u: (-full[u], u)):                # the rest, paths recomputed
             _put(bins, _best_fit(bins, full[u], M, lambda b: True), u, full[u])
         packed.append(bins)
-    slots = max(inst.slots, max(len(b) for b in packed) + EXTRA_SLOTS)
+    slots = max(inst.slots, max(len(b) for b in packed) + _WINDOW_BINS)   # and room for a new window, as l2_units
     cells = np.zeros(U, dtype=np.int64)
     for r, bins in enumerate(packed):
         for i, b in enumerate(bins):
@@ -407,14 +416,14 @@ def window_start(inst: L2Instance) -> Tuple[np.ndarray, int]:
 
 def search(inst: L2Instance, moves: int, seed: int = 0, candidates: int = 1):
     """``_C.l2_search`` on ``inst``, ``seed`` added to the planner's seed: (cell per unit (``replica * slots +
-    slot``, slots as run), reads per unit, objective (rows over the budget, step + penalty, sum of squared
+    slot``, slots as run), reads per unit, objective (rows over the budget, tokens above L1's, step + load, sum of squared
     costs), estimated tokens, estimated step, tries made (fewer than ``moves`` where the chain ran out of
     patience), others): ``others`` the (cells, reads) of up to ``candidates - 1`` more states, the bests the
     chain found before its best, latest first (objectives distinct and worse)."""
     return _SEARCH(inst.length, inst.pairs, inst.logits, inst.kind, inst.win, inst.up, inst.replay, inst.own_off,
                    inst.own, inst.rec_off, inst.rec, inst.path_off, inst.path, inst.cell0, inst.dp, inst.slots,
                    inst.row_budget, inst.overhead, inst.c_row, inst.c_pair, inst.c_logit, inst.c_replay,
-                   inst.base_tokens, inst.penalty, int(moves), int(PATIENCE * moves), TEMPERATURE, _SEED + seed,
+                   inst.base_tokens, int(moves), int(PATIENCE * moves), TEMPERATURE, _SEED + seed,
                    int(candidates))
 
 

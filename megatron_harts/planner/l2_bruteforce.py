@@ -7,7 +7,7 @@ block, when every block above it is on the bin's replica or on one with no more 
 cost (a cut item's pieces replaying once); per replica its bins in run order (producers first,
 then the others, costliest first); the step.  ``optimum(inst)`` tries every assignment of the units to the bins
 (``(dp * slots) ** units`` states: instances of up to 8 units on a few bins) and returns the least
-``(rows over the budget, step + penalty)``.  The tests hold the compiled search to it.
+``(rows over the budget, tokens above L1's, step + load)``.  The tests hold the compiled search to it.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ __all__ = ["objective", "optimum", "MAX_UNITS"]
 MAX_UNITS = 8
 
 
-def objective(inst: L2Instance, bins: Sequence[int]) -> Tuple[int, float, List[float]]:
-    """(rows over the budget, step + penalty * tokens above the base + load weight * mean replica load, per
-    slot the costliest bin) of the units in ``bins``."""
+def objective(inst: L2Instance, bins: Sequence[int]) -> Tuple[int, int, float, List[float]]:
+    """(rows over the budget, tokens above the base, step + mean replica load, per slot the costliest bin) of
+    the units in ``bins``."""
     K, R = inst.slots, inst.dp
     units: Dict[int, List[int]] = {}
     for u, b in enumerate(bins):
@@ -100,18 +100,18 @@ def objective(inst: L2Instance, bins: Sequence[int]) -> Tuple[int, float, List[f
     load = 0.0
     for b in sorted(cost):
         load += cost[b]
-    return overflow, step + inst.penalty * max(0, tokens - inst.base_tokens) + load / R, tops
+    return overflow, max(0, tokens - inst.base_tokens), step + load / R, tops
 
 
-def optimum(inst: L2Instance) -> Tuple[Tuple[int, float], Tuple[int, ...]]:
-    """The least ``(rows over the budget, step + penalty)`` over every assignment of the units to the
-    bins, and one assignment reaching it."""
+def optimum(inst: L2Instance) -> Tuple[Tuple[int, int, float], Tuple[int, ...]]:
+    """The least ``(rows over the budget, tokens above the base, step + load)`` over every assignment of the
+    units to the bins, and one assignment reaching it."""
     if inst.num_units > MAX_UNITS:
         raise ValueError(f"optimum enumerates instances of up to {MAX_UNITS} units, got {inst.num_units}")
     best = None
     for bins in itertools.product(range(inst.dp * inst.slots), repeat=inst.num_units):
         o = objective(inst, bins)
-        key = (o[0], o[1])
-        if best is None or key[0] < best[0][0] or (key[0] == best[0][0] and key[1] < best[0][1] - 1e-12):
+        key = (o[0], o[1], o[2])
+        if best is None or key[:2] < best[0][:2] or (key[:2] == best[0][:2] and key[2] < best[0][2] - 1e-12):
             best = (key, bins)
     return best
