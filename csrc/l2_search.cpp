@@ -137,6 +137,14 @@ class Search {
             for (i64 k = own_off_[u]; k < own_off_[u + 1]; ++k) unit_rows_[u] += length_[own_[k]];
             for (i64 k = rec_off_[u]; k < rec_off_[u + 1]; ++k) unit_rows_[u] += length_[rec_[k]];
         }
+        packed_.assign(U_, {});  // per top block its tree's items, largest first (ties: the lower unit): regroup's order
+        for (i64 u = 0; u < U_; ++u) {
+            if (kind_[u] != 0 || up_[u] >= 0) continue;
+            packed_[u] = items_of_[u];
+            std::sort(packed_[u].begin(), packed_[u].end(), [this](i64 x, i64 y) {
+                return unit_rows_[x] != unit_rows_[y] ? unit_rows_[x] > unit_rows_[y] : x < y;
+            });
+        }
         blocks_.assign(U_, {});
         for (i64 u = 0; u < U_; ++u) {
             if (kind_[u] != 0) continue;
@@ -239,8 +247,9 @@ class Search {
     // The chain's last `keep` new bests (its bins per unit), the best first: its result, and what the judge
     // sees besides it.
     void remember() {
-        bests_.insert(bests_.begin(), cell_of_);
-        if (bests_.size() > keep_) bests_.pop_back();
+        if (bests_.size() < keep_) bests_.emplace_back();  // the oldest kept buffer becomes the newest best
+        std::rotate(bests_.begin(), bests_.end() - 1, bests_.end());
+        bests_.front().assign(cell_of_.begin(), cell_of_.end());
     }
     std::size_t keep_ = 1;
     std::vector<std::vector<i64>> bests_;
@@ -403,8 +412,7 @@ class Search {
             }
         }
         v.rows = rows;
-        for (i64 u : us)
-            if (kind_[u] == 0) v.producer = true;
+        v.producer = ncore_[c] > 0;
         v.tokens = rows + replay;
         v.cost = overhead_ + c_row_ * static_cast<double>(rows) + c_pair_ * static_cast<double>(pairs) +
                  c_logit_ * static_cast<double>(logits) + c_replay_ * static_cast<double>(replay);
@@ -623,9 +631,8 @@ class Search {
         for (i64 w : blocks_[t])
             if (cell_of_[w] != q) plan_.emplace_back(w, q);
         const i64 r = q / S_;
-        ux_.clear();
-        for (i64 i : items_of_[t]) ux_.push_back(i);
-        for (i64 i : ux_) {  // the bins' rows without the tree's items (estimated), kept in free_
+        const std::vector<i64>& its = packed_[t];
+        for (i64 i : its) {  // the bins' rows without the tree's items (estimated), kept in free_
             free_[cell_of_[i]] += unit_rows_[i] - (reads_now(i) ? path_rows_[i] : 0);
             ++gone_[cell_of_[i]];
         }
@@ -636,14 +643,11 @@ class Search {
             est_.push_back({c, emptied ? 0 : std::max<i64>(0, value_[c].rows - free_[c]),
                             emptied ? -1 : value_[c].source});
         }
-        for (i64 i : ux_) {
+        for (i64 i : its) {
             free_[cell_of_[i]] = 0;
             gone_[cell_of_[i]] = 0;
         }
-        std::sort(ux_.begin(), ux_.end(), [this](i64 x, i64 y) {
-            return unit_rows_[x] != unit_rows_[y] ? unit_rows_[x] > unit_rows_[y] : x < y;
-        });
-        for (i64 i : ux_) {
+        for (i64 i : its) {
             const auto [at, add] = best_fit(i, [q](const Room& x) { return x.source == q || x.source == -1; });
             if (at < 0) return false;
             Room& x = est_[at];
@@ -857,6 +861,7 @@ class Search {
     std::vector<i64> dirty_stamp_;  // dirty_stamp_[c] == dirty_epoch_: cell c is in dirty_
     i64 dirty_epoch_ = 1;
     std::vector<std::vector<i64>> blocks_;     // per block: it and the blocks below it
+    std::vector<std::vector<i64>> packed_;     // per top block: its tree's items in regroup's order
     std::vector<std::vector<i64>> seg_units_;  // per segment: the items and free units recomputing it
     double weight_[KINDS] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, weight_sum_ = KINDS;
     i64 tries_[KINDS] = {0}, wins_[KINDS] = {0}, last_kind_ = 0;

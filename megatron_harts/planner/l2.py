@@ -67,7 +67,9 @@ producer bins, each producer's items best fit into bins reading it (or a produce
 rest best fit anywhere.  Local moves from L1's
 placement seldom reach a packing of few, full windows that this start has from the outset, while L1's
 placement wins where the windows matter little.  Each start is searched with the whole budget, side by side
-on two threads (``threads.concurrently``: the compiled search releases the GIL), and both results are judged;
+on two threads (``threads.concurrently``: the compiled search releases the GIL; the first begins while the window
+packing is made), and both results are judged (each on its chain's thread, while the other chain may still search;
+a state both chains found is judged once);
 with one start the two threads run two chains from it, of half the budget each and different seeds.
 
 **Judge.**  The best state of each chain is assembled (``microbatch.packing_key``: the exact cost
@@ -101,7 +103,7 @@ from .compiled import compiled
 from .cost_model import CostModel, ForestIndex
 from .l1 import plan_l1, split_piece
 from .microbatch import MicrobatchPlan, assemble_plan, gc_paused, packing_key, slot_step
-from .threads import concurrently
+from .threads import concurrently, soon
 
 __all__ = ["plan_l2", "plan_harts", "step_cost", "l2_units", "most_shared_top", "L2Instance", "search",
            "groups_of", "window_start", "windows_in_turn", "default_moves", "MOVES", "PATIENCE", "TEMPERATURE",
@@ -533,22 +535,37 @@ def plan_l2(forest, l1: MicrobatchPlan, *, cost_model: Optional[CostModel] = Non
         budget = default_moves(inst.num_units) if moves is None else int(moves)
         best = (keep_key, None, None)                  # (judged key, groups and placement, judged parts)
 
-        if (inst.kind == 0).any():                     # a produced tree: L1's placement and the window packing
-            cells, slots = window_start(inst)
-            jobs = [(inst, budget, 0, CANDIDATES), (dataclasses.replace(inst, cell0=cells, slots=slots), budget, 0,
-                                                    CANDIDATES)]
-        else:                                          # one start: two chains of half the budget, side by side
-            jobs = [(inst, budget // 2, 0), (inst, budget // 2, 1)]
-        for job, (cells, reads, *_, others) in zip(jobs, concurrently(lambda job: search(*job), jobs)):
-            at = job[0]
+        seen: dict = {}                                # a state's judgement, by its grid, cells and reads
+
+        def chain(job) -> list:
+            """A chain searched, then its states judged (on its thread: one chain's states are judged while the
+            other chain still searches; a state the other chain found too is judged once): (judged key, (groups,
+            placement), judged parts) each."""
+            cells, reads, *_, others = search(*job)
+            at, out = job[0], []
             for cells, reads in [(cells, reads), *others]:
-                if dp == 1:
-                    cells = windows_in_turn(at, cells, reads)
-                groups, placement = groups_of(at, cells, reads)
-                judged: dict = {}
-                key = packing_key(ix, groups, placement, dp=dp, row_budget=M, cost_model=model, keep=judged)
+                state = (at.slots, cells.tobytes(), reads.tobytes())
+                if state not in seen:
+                    if dp == 1:
+                        cells = windows_in_turn(at, cells, reads)
+                    groups, placement = groups_of(at, cells, reads)
+                    judged: dict = {}
+                    key = packing_key(ix, groups, placement, dp=dp, row_budget=M, cost_model=model, keep=judged)
+                    seen[state] = (key, (groups, placement), judged)
+                out.append(seen[state])
+            return out
+
+        if (inst.kind == 0).any():                     # a produced tree: L1's placement and the window packing
+            first = soon(chain, (inst, budget, 0, CANDIDATES))  # searching while the window packing is made
+            cells, slots = window_start(inst)
+            second = chain((dataclasses.replace(inst, cell0=cells, slots=slots), budget, 0, CANDIDATES))
+            chains = [first(), second]
+        else:                                          # one start: two chains of half the budget, side by side
+            chains = concurrently(chain, [(inst, budget // 2, 0), (inst, budget // 2, 1)])
+        for states in chains:                          # in the chains' order: the same plan either way
+            for key, grouped, judged in states:
                 if key is not None and key[1] <= keep_key[1] and key < best[0]:
-                    best = (key, (groups, placement), judged)
+                    best = (key, grouped, judged)
         if best[1] is not None:
             plan = assemble_plan(ix, *best[1], planner="harts_l1l2", dp=dp, row_budget=M,
                                  cost_model=model, keep=best[2])

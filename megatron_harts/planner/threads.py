@@ -6,7 +6,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-__all__ = ["PLAN_THREADS", "plan_threads", "concurrently"]
+__all__ = ["PLAN_THREADS", "plan_threads", "concurrently", "soon"]
 
 #: threads of the passes a planner runs side by side (``concurrently``; None: the machine's cores)
 PLAN_THREADS: Optional[int] = None
@@ -25,6 +25,16 @@ def concurrently(fn, items) -> list:
     if workers < 2:
         return [fn(x) for x in items]
     return list(_thread_pool(workers).map(fn, items))
+
+
+def soon(fn, item):
+    """``fn(item)`` begun now on a thread of ``concurrently``'s pool where ``plan_threads(2)`` allows two threads
+    (else computed when asked), so that the caller's own work runs beside it: a callable returning the result
+    (raising what ``fn`` raised).  The result depends on the item only: the same either way."""
+    workers = plan_threads(2)
+    if workers < 2:
+        return lambda: fn(item)
+    return _thread_pool(workers).submit(fn, item).result
 
 
 #: the pools of ``concurrently``, by (process, threads): kept between plans (starting a pool's threads
