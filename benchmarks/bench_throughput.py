@@ -418,11 +418,6 @@ def _device_time(e) -> float:
     return float(v if v is not None else getattr(e, "self_cuda_time_total", 0.0))
 
 
-def _annotation(e) -> bool:
-    """A ``record_function`` range's span on the GPU timeline, not work of its own."""
-    return bool(getattr(e, "is_user_annotation", False)) or e.key.startswith("harts.")
-
-
 def kernel_categories(events) -> dict:
     """GPU time and launches per ``KERNEL_CATEGORIES`` category of a profile's averaged events.
 
@@ -432,9 +427,12 @@ def kernel_categories(events) -> dict:
     ``harts.pieces_extra_forward``) shows on the GPU's timeline as an annotation spanning its kernels;
     either would count those kernels a second time, in the range's category by its name."""
     from torch.autograd import DeviceType
+
+    from step_profile import annotation, project_ranges
+    ranges = project_ranges()
     categories = {}
     for e in events:
-        if e.device_type != DeviceType.CUDA or _device_time(e) <= 0 or _annotation(e):
+        if e.device_type != DeviceType.CUDA or _device_time(e) <= 0 or annotation(e, ranges):
             continue
         entry = categories.setdefault(kernel_category(e.key), {"seconds": 0.0, "launches": 0})
         entry["seconds"] += _device_time(e) / 1e6

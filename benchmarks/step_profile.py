@@ -182,12 +182,26 @@ def profile_work(events, device: str, attention_range: str, kda_range: str, piec
     return work, sum(w[1] for w in work), 0
 
 
+def project_ranges() -> Tuple[str, ...]:
+    """The ``record_function`` ranges the project's code opens (attention, KDA, the pieces' extra forward and
+    the pieces kept in part)."""
+    from megatron_harts.models.cores import ATTENTION_RANGE, KDA_RANGE
+    from megatron_harts.schedules.windows import PIECES_KEPT_RANGE, PIECES_RANGE
+    return (ATTENTION_RANGE, KDA_RANGE, PIECES_RANGE, PIECES_KEPT_RANGE)
+
+
+def annotation(e, ranges) -> bool:
+    """Whether a device event of a profile (an event, or an averaged one, named by its key) is a range's span
+    on the GPU's timeline rather than work: marked a user annotation, or named as one of ``ranges`` (profilers
+    that do not mark them)."""
+    return bool(getattr(e, "is_user_annotation", False)) or (e.key if hasattr(e, "key") else e.name) in ranges
+
+
 def _device_work(events, ranges) -> list:
     """A CUDA profile's device events that are work: kernels, copies and fills (the device annotations of the
     ``ranges``, names of ``record_function`` ranges, span a range: they are not work)."""
     from torch.autograd import DeviceType
-    return [e for e in events if e.device_type == DeviceType.CUDA
-            and not getattr(e, "is_user_annotation", False) and e.name not in ranges]
+    return [e for e in events if e.device_type == DeviceType.CUDA and not annotation(e, ranges)]
 
 
 def _gaps(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
@@ -290,9 +304,6 @@ def profiled_split(step, device: str) -> dict:
     bucketed by name alone: the profile does not say which operator launched them; said once on
     stderr when there are any)."""
     from torch.profiler import ProfilerActivity, profile
-
-    from megatron_harts.models.cores import ATTENTION_RANGE, KDA_RANGE
-    from megatron_harts.schedules.windows import PIECES_KEPT_RANGE, PIECES_RANGE
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     if device == "cuda":
         torch.cuda.synchronize()
@@ -302,7 +313,7 @@ def profiled_split(step, device: str) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    ranges = (ATTENTION_RANGE, KDA_RANGE, PIECES_RANGE, PIECES_KEPT_RANGE)
+    ranges = project_ranges()
     work, busy, unlinked = profile_work(prof.events(), device, *ranges)
     if unlinked and not _SAID:
         _SAID.append(True)
